@@ -1,0 +1,18 @@
+// Collective argument checking: a bad input seen by one rank must become the
+// same statescan::Error on every rank, not a hang of the others in the next
+// collective.
+#pragma once
+
+#include <functional>
+
+#include "comm/communicator.h"
+
+namespace statescan {
+
+// Runs `check` on every rank, then agrees: if it threw on any rank, every rank
+// throws a statescan::Error carrying the lowest failing rank's argument name
+// and message (the rank in the message is the one that saw the fault).
+// Collective; costs two small all-reduces/all-gathers when nothing failed.
+void collective_check(Communicator& comm, const std::function<void()>& check);
+
+}  // namespace statescan

@@ -1,0 +1,66 @@
+// Communicator: the collective and point-to-point operations that context
+// parallelism needs, over one group of ranks in sequence order.
+//
+// Implementations: SingleRankCommunicator (size 1, no dependencies),
+// MpiCommunicator (host buffers, comm/mpi_communicator.h) and, in CUDA builds,
+// the NCCL communicator (device buffers, stream-ordered). Every call is
+// collective over the group unless it says otherwise; every failure throws
+// statescan::Error. Counts are in elements of `type`.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace statescan {
+
+enum class CommType { f32, f64, i64, u8 };
+std::size_t size_of(CommType t);
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const char* backend() const = 0;  // "single", "mpi", "nccl"
+
+  // recv holds size() * count elements, rank i's contribution at offset i*count.
+  virtual void all_gather(const void* send, void* recv, std::size_t count, CommType type) = 0;
+  // Element-wise sum (f32, f64, i64) or max (all types) over the group, in place.
+  virtual void all_reduce_sum(void* data, std::size_t count, CommType type) = 0;
+  virtual void all_reduce_max(void* data, std::size_t count, CommType type) = 0;
+  virtual void broadcast(void* data, std::size_t count, CommType type, int root) = 0;
+  // Point to point (not collective). Blocking; messages between one pair with
+  // one tag arrive in order.
+  virtual void send(const void* data, std::size_t count, CommType type, int peer, int tag) = 0;
+  virtual void recv(void* data, std::size_t count, CommType type, int peer, int tag) = 0;
+  // Sends to `dest` and receives from `source` at once (no deadlock when every
+  // rank does both); a peer of -1 skips that half.
+  virtual void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
+                         std::size_t recv_count, int source, CommType type, int tag) = 0;
+  virtual void barrier() = 0;
+  // Ranks with the same color form a new group, ordered by key then old rank.
+  // Collective over this group. Lets a trainer build DP x CP grids.
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+};
+
+// A group of one: collectives copy, point-to-point to anyone but self throws.
+class SingleRankCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const char* backend() const override { return "single"; }
+  void all_gather(const void* send, void* recv, std::size_t count, CommType type) override;
+  void all_reduce_sum(void* data, std::size_t count, CommType type) override;
+  void all_reduce_max(void* data, std::size_t count, CommType type) override;
+  void broadcast(void* data, std::size_t count, CommType type, int root) override;
+  void send(const void* data, std::size_t count, CommType type, int peer, int tag) override;
+  void recv(void* data, std::size_t count, CommType type, int peer, int tag) override;
+  void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
+                 std::size_t recv_count, int source, CommType type, int tag) override;
+  void barrier() override {}
+  std::unique_ptr<Communicator> split(int color, int key) override;
+};
+
+}  // namespace statescan

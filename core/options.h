@@ -1,0 +1,55 @@
+// Variant and option types (DESIGN §3): one recurrence, six variants, named by
+// their decay and their update rule.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace statescan {
+
+enum class Decay { none, scalar, vector };
+enum class Rule { additive, delta };
+
+enum class Variant { linear, retention, gla, deltanet, gated_deltanet, kda };
+
+struct VariantSpec {
+  Decay decay;
+  Rule rule;
+};
+
+VariantSpec spec_of(Variant v);
+const char* to_string(Variant v);
+// Accepts the CLI names of DESIGN §3; throws statescan::Error naming `argument`.
+Variant parse_variant(std::string_view name, const char* argument = "variant");
+inline bool has_gate(Variant v) { return spec_of(v).decay != Decay::none; }
+inline bool has_beta(Variant v) { return spec_of(v).rule == Rule::delta; }
+inline bool vector_gate(Variant v) { return spec_of(v).decay == Decay::vector; }
+
+constexpr Variant kAllVariants[] = {Variant::linear,   Variant::retention,
+                                    Variant::gla,      Variant::deltanet,
+                                    Variant::gated_deltanet, Variant::kda};
+
+// How the boundary state crosses ranks (DESIGN §5).
+enum class Exchange { allgather, ring, tree, automatic };
+const char* to_string(Exchange e);
+Exchange parse_exchange(std::string_view name, const char* argument = "exchange");
+
+enum class DeviceKind { automatic, cpu, cuda };
+const char* to_string(DeviceKind d);
+DeviceKind parse_device(std::string_view name, const char* argument = "device");
+
+// Options shared by every mixer implementation.
+struct MixerConfig {
+  Variant variant = Variant::kda;
+  int64_t chunk = 64;        // 16, 32 or 64
+  double scale = -1.0;       // < 0 means Dk^-1/2
+  bool l2norm_qk = false;    // L2-normalise q and k per head inside the op
+
+  double scale_for(int64_t dk) const;
+};
+
+// Throws naming "chunk" unless chunk is 16, 32 or 64.
+void check_chunk(int64_t chunk);
+
+}  // namespace statescan

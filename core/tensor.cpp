@@ -1,0 +1,66 @@
+#include "core/tensor.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace statescan {
+
+std::string shape_string(const Shape& s) {
+  std::ostringstream os;
+  os << "[";
+  for (std::size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << "]";
+  return os.str();
+}
+
+int64_t numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t e : s) n *= e;
+  return n;
+}
+
+Shape contiguous_strides(const Shape& s) {
+  Shape st(s.size());
+  int64_t acc = 1;
+  for (std::size_t i = s.size(); i-- > 0;) {
+    st[i] = acc;
+    acc *= s[i];
+  }
+  return st;
+}
+
+bool TensorView::is_contiguous() const {
+  return strides.empty() || strides == contiguous_strides(shape);
+}
+
+void check_shape(const TensorView& t, const Shape& expected, const char* name) {
+  bool ok = t.shape.size() == expected.size();
+  for (std::size_t i = 0; ok && i < expected.size(); ++i)
+    ok = expected[i] < 0 || expected[i] == t.shape[i];
+  SS_CHECK_ARG(ok, name, "shape ", shape_string(t.shape), " does not match expected ",
+               shape_string(expected), " (-1 = any)");
+}
+
+void check_dtype(const TensorView& t, DType expected, const char* name) {
+  SS_CHECK_ARG(t.dtype == expected, name, "dtype ", to_string(t.dtype), " but ",
+               to_string(expected), " is required");
+}
+
+void check_contiguous(const TensorView& t, const char* name) {
+  SS_CHECK_ARG(t.is_contiguous(), name, "must be contiguous (row-major, last dim fastest)");
+}
+
+void check_memory(const TensorView& t, Memory expected, const char* name) {
+  SS_CHECK_ARG(t.memory == expected, name, "must be in ",
+               expected == Memory::host ? "host" : "device", " memory");
+}
+
+void check_finite(const float* data, int64_t n, const char* name) {
+  for (int64_t i = 0; i < n; ++i)
+    SS_CHECK_ARG(std::isfinite(data[i]), name, "element ", i, " is ", data[i],
+                 " (NaN/Inf not allowed)");
+}
+
+}  // namespace statescan

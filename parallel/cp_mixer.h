@@ -1,0 +1,95 @@
+// The context-parallel mixer (DESIGN §5): each rank holds a contiguous shard
+// of the sequence; a distributed scan over the communicator carries the
+// boundary state forward and its gradient backward.
+//
+// Forward per call: summary (M_r, E_r) of the shard -> exclusive scan across
+// ranks (allgather | ring | tree) giving the true incoming state -> local
+// chunkwise forward from it. Backward: pre-pass D_r = dS_in with zero
+// downstream gradient -> reverse exclusive scan of (M_r^T, D_r) -> local
+// backward with the true dS_out. The user's initial state enters where each
+// sequence starts; its final state leaves where it ends.
+//
+// Packed sequences (B == 1, cu_seqlens over the *global* sequence, identical on
+// every rank) may start and end anywhere, on and across rank boundaries.
+//
+// Usage (every rank, collective):
+//   CpMixer mixer(comm, config, Exchange::automatic);
+//   mixer.forward(fwd_args);      // saves what backward needs
+//   mixer.backward(bwd_args);
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/options.h"
+#include "core/tensor.h"
+#include "parallel/observer.h"
+
+namespace statescan {
+
+struct CpForwardArgs {
+  // Local shard, host fp32 (device tensors in CUDA builds): [B, T_local, H, *].
+  TensorView q, k, v;
+  TensorView g;      // [B,T_local,H] or [B,T_local,H,Dk]; undefined iff no decay
+  TensorView beta;   // [B,T_local,H]; undefined iff additive
+  // Global packed-sequence offsets [N+1] (int64, same on every rank) or undefined.
+  TensorView cu_seqlens;
+  // [N,H,Dk,Dv] fp32, same on every rank; undefined = zeros.
+  TensorView initial_state;
+  // Outputs. o: [B,T_local,H,Dv]. final_state [N,H,Dk,Dv]: on return every
+  // rank holds every sequence's final state (undefined = not returned).
+  TensorView o;
+  TensorView final_state;
+};
+
+struct CpBackwardArgs {
+  TensorView d_o;            // [B,T_local,H,Dv]
+  TensorView d_final_state;  // [N,H,Dk,Dv], same on every rank; undefined = zero
+  // Outputs, local shard. dg/dbeta defined exactly when g/beta were.
+  TensorView dq, dk, dv, dg, dbeta;
+  // [N,H,Dk,Dv]: on return every rank holds every sequence's dh0 (undefined =
+  // not returned).
+  TensorView d_initial_state;
+};
+
+// What the last forward/backward call spent, on this rank.
+struct CpStepStats {
+  double summary_s = 0, exchange_s = 0, merge_s = 0, local_s = 0, total_s = 0;
+  int64_t exchange_bytes = 0;  // bytes this rank sent in the exchange
+  Exchange exchange = Exchange::allgather;  // the strategy used (auto resolved)
+};
+
+class CpMixer {
+ public:
+  CpMixer(Communicator& comm, MixerConfig config, Exchange exchange,
+          CpObserver* observer = nullptr);
+  ~CpMixer();
+  CpMixer(const CpMixer&) = delete;
+  CpMixer& operator=(const CpMixer&) = delete;
+
+  // Collective. Validates the arguments on every rank (a fault on any rank
+  // throws the same statescan::Error on all of them, before anything is
+  // written). Keeps the inputs' views and the chunk states for backward: the
+  // input memory must stay valid and unchanged until backward returns.
+  void forward(const CpForwardArgs& args);
+  // Collective. Needs a preceding forward on this mixer.
+  void backward(const CpBackwardArgs& args);
+
+  const CpStepStats& last_forward_stats() const { return fwd_stats_; }
+  const CpStepStats& last_backward_stats() const { return bwd_stats_; }
+  // The exchange `auto` resolves to for this group and problem size.
+  static Exchange choose_exchange(int ranks, int64_t map_bytes, int64_t state_bytes);
+
+ private:
+  struct Saved;
+  Communicator& comm_;
+  MixerConfig config_;
+  Exchange exchange_;
+  CpObserver* observer_;
+  std::unique_ptr<Saved> saved_;
+  CpStepStats fwd_stats_, bwd_stats_;
+};
+
+}  // namespace statescan
