@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <random>
