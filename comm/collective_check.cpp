@@ -1,1 +1,110 @@
-// placeholder: being written
+#include "comm/collective_check.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace statescan {
+namespace {
+
+// Fixed-size fields of the broadcast that carries the failure, so every rank
+// knows the message size without a second collective.
+constexpr std::size_t kRankBytes = sizeof(int64_t);
+constexpr std::size_t kArgumentBytes = 128;
+constexpr std::size_t kMessageBytes = 2048;
+constexpr std::size_t kPayloadBytes = kRankBytes + kArgumentBytes + kMessageBytes;
+constexpr char kTruncatedMarker[] = " [truncated]";
+
+// Writes `text` NUL-terminated into `out[0, capacity)`. Longer text is cut at
+// a UTF-8 character boundary (never inside a multi-byte sequence) and marked.
+void pack_text(const std::string& text, unsigned char* out, std::size_t capacity) {
+  std::memset(out, 0, capacity);
+  const std::size_t room = capacity - 1;
+  if (text.size() <= room) {
+    std::memcpy(out, text.data(), text.size());
+    return;
+  }
+  const std::size_t marker = sizeof(kTruncatedMarker) - 1;
+  std::size_t keep = room - marker;
+  // Continuation bytes look like 10xxxxxx; back off to the start of the
+  // character so the cut never splits one.
+  while (keep > 0 && (static_cast<unsigned char>(text[keep]) & 0xC0u) == 0x80u) --keep;
+  std::memcpy(out, text.data(), keep);
+  std::memcpy(out + keep, kTruncatedMarker, marker);
+}
+
+std::string unpack_text(const unsigned char* in, std::size_t capacity) {
+  const auto* begin = reinterpret_cast<const char*>(in);
+  return std::string(begin, std::find(begin, begin + capacity, '\0'));
+}
+
+struct Failure {
+  bool failed = false;
+  std::string argument;
+  std::string what_text;
+  int64_t rank = -1;  // the rank the raising Error recorded; -1 if none was set
+};
+
+// Runs `check`, turning whatever it throws into a Failure. Exceptions that are
+// not statescan::Error get the argument "unknown" and the usual message form.
+Failure run_check(const std::function<void()>& check) {
+  Failure f;
+  try {
+    check();
+    return f;
+  } catch (const Error& e) {
+    f.argument = e.argument();
+    f.what_text = e.what();
+    f.rank = e.rank();
+  } catch (const std::exception& e) {
+    f.argument = "unknown";
+    f.what_text =
+        Error("unknown", detail::concat("unexpected exception: ", e.what()), nullptr, 0).what();
+    f.rank = error_rank();
+  } catch (...) {
+    f.argument = "unknown";
+    f.what_text = Error("unknown", "unexpected non-standard exception", nullptr, 0).what();
+    f.rank = error_rank();
+  }
+  f.failed = true;
+  return f;
+}
+
+}  // namespace
+
+// Agreement takes one all-reduce when every rank passed, plus one broadcast
+// when any failed; both are issued by every rank whatever its outcome, so the
+// ranks always make the same collective calls and nobody is left waiting.
+void collective_check(Communicator& comm, const std::function<void()>& check) {
+  const Failure mine = run_check(check);
+
+  // Max of (size - rank) over failing ranks picks the lowest failing rank.
+  int64_t lowest = mine.failed ? static_cast<int64_t>(comm.size() - comm.rank()) : 0;
+  comm.all_reduce_max(&lowest, 1, CommType::i64);
+  if (lowest == 0) return;
+  const int failing = comm.size() - static_cast<int>(lowest);
+
+  std::vector<unsigned char> payload(kPayloadBytes, 0);
+  if (comm.rank() == failing) {
+    // Report the rank the error named (the world rank in MPI jobs); when none
+    // was set, the failing rank's index in this group.
+    const int64_t reported = mine.rank >= 0 ? mine.rank : failing;
+    std::memcpy(payload.data(), &reported, kRankBytes);
+    pack_text(mine.argument, payload.data() + kRankBytes, kArgumentBytes);
+    pack_text(mine.what_text, payload.data() + kRankBytes + kArgumentBytes, kMessageBytes);
+  }
+  comm.broadcast(payload.data(), payload.size(), CommType::u8, failing);
+
+  int64_t reported = 0;
+  std::memcpy(&reported, payload.data(), kRankBytes);
+  throw Error(unpack_text(payload.data() + kRankBytes, kArgumentBytes),
+              unpack_text(payload.data() + kRankBytes + kArgumentBytes, kMessageBytes),
+              static_cast<int>(reported));
+}
+
+}  // namespace statescan

@@ -12,7 +12,8 @@ namespace statescan {
 // Runs `check` on every rank, then agrees: if it threw on any rank, every rank
 // throws a statescan::Error carrying the lowest failing rank's argument name
 // and message (the rank in the message is the one that saw the fault).
-// Collective; costs two small all-reduces/all-gathers when nothing failed.
+// Collective; costs one small all-reduce when nothing failed (plus one
+// broadcast of the message when something did).
 void collective_check(Communicator& comm, const std::function<void()>& check);
 
 }  // namespace statescan

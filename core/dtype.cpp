@@ -7,13 +7,22 @@
 
 namespace statescan {
 
-std::size_t size_of(DType t) { return t == DType::f32 ? 4 : 2; }
+std::size_t size_of(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::bf16:
+    case DType::f16: return 2;
+    case DType::i64: return 8;
+  }
+  return 0;
+}
 
 const char* to_string(DType t) {
   switch (t) {
     case DType::f32: return "f32";
     case DType::bf16: return "bf16";
     case DType::f16: return "f16";
+    case DType::i64: return "i64";
   }
   return "?";
 }
@@ -83,15 +92,18 @@ float f16_bits_to_float(uint16_t h) {
 }
 
 float round_to(DType t, float x) {
+  SS_CHECK_ARG(t != DType::i64, "dtype", "i64 is not a floating-point type");
   switch (t) {
     case DType::f32: return x;
     case DType::bf16: return bf16_bits_to_float(float_to_bf16_bits(x));
     case DType::f16: return f16_bits_to_float(float_to_f16_bits(x));
+    case DType::i64: break;
   }
   return x;
 }
 
 void convert_from_float(DType t, const float* src, void* dst, std::size_t n) {
+  SS_CHECK_ARG(t != DType::i64, "dtype", "i64 is not a floating-point type");
   if (t == DType::f32) {
     std::memcpy(dst, src, n * 4);
     return;
@@ -102,6 +114,7 @@ void convert_from_float(DType t, const float* src, void* dst, std::size_t n) {
 }
 
 void convert_to_float(DType t, const void* src, float* dst, std::size_t n) {
+  SS_CHECK_ARG(t != DType::i64, "dtype", "i64 is not a floating-point type");
   if (t == DType::f32) {
     std::memcpy(dst, src, n * 4);
     return;

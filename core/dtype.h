@@ -9,7 +9,8 @@
 
 namespace statescan {
 
-enum class DType { f32, bf16, f16 };
+// i64 is for index tensors (cu_seqlens) only; the conversions below reject it.
+enum class DType { f32, bf16, f16, i64 };
 
 std::size_t size_of(DType t);
 const char* to_string(DType t);

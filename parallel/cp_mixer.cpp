@@ -1,1 +1,434 @@
-// placeholder: being written
+#include "parallel/cp_mixer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "comm/collective_check.h"
+#include "core/error.h"
+#include "kernels/cpu/cpu_mixer.h"
+#include "kernels/mixer_params.h"
+#include "parallel/exchange.h"
+
+namespace statescan {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// One piece of a sequence that lies in this rank's shard. Without cu_seqlens
+// each batch row is one sequence spanning every shard.
+struct LocalSegment {
+  int64_t seq;          // global sequence index n (batch row without cu_seqlens)
+  int64_t row;          // batch row of the local tensors
+  int64_t begin, end;   // local token range
+  bool from_prev;       // the sequence started on an earlier rank
+  bool to_next;         // the sequence continues on a later rank
+};
+
+// Sizes of this rank's problem, checked against the other ranks'.
+struct Geometry {
+  int64_t batch = 0, local_len = 0, heads = 0, dk = 0, dv = 0;
+  int64_t sequences = 0;          // N
+  int64_t global_len = 0;         // sum of shard lengths
+  int64_t shard_begin = 0;        // global offset of this shard
+};
+
+void check_host_f32(const TensorView& t, const char* name) {
+  check_dtype(t, DType::f32, name);
+  check_memory(t, Memory::host, name);
+  check_contiguous(t, name);
+}
+
+void check_input(const TensorView& t, const Shape& shape, const char* name) {
+  SS_CHECK_ARG(t.defined(), name, "is required");
+  check_shape(t, shape, name);
+  check_host_f32(t, name);
+  check_finite(t.as<const float>(), t.numel(), name);
+}
+
+void check_output(const TensorView& t, const Shape& shape, const char* name) {
+  SS_CHECK_ARG(t.defined(), name, "output is required");
+  check_shape(t, shape, name);
+  check_host_f32(t, name);
+}
+
+// The local checks of forward: shapes, dtypes, finiteness. Returns the local
+// geometry (global fields are filled in later).
+Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg) {
+  check_chunk(cfg.chunk);
+  SS_CHECK_ARG(a.q.defined() && a.q.shape.size() == 4, "q", "must be [B, T_local, H, Dk], got ",
+               shape_string(a.q.shape));
+  SS_CHECK_ARG(a.v.defined() && a.v.shape.size() == 4, "v", "must be [B, T_local, H, Dv], got ",
+               shape_string(a.v.shape));
+  Geometry g;
+  g.batch = a.q.size(0);
+  g.local_len = a.q.size(1);
+  g.heads = a.q.size(2);
+  g.dk = a.q.size(3);
+  g.dv = a.v.size(3);
+  SS_CHECK_ARG(g.local_len >= 1, "q", "this rank's shard is empty (every rank needs >= 1 token)");
+  SS_CHECK_ARG(g.dk >= 1 && g.dk <= 256, "q", "head dim Dk ", g.dk, " not in [1, 256]");
+  SS_CHECK_ARG(g.dv >= 1 && g.dv <= 256, "v", "head dim Dv ", g.dv, " not in [1, 256]");
+  const Shape qk{g.batch, g.local_len, g.heads, g.dk};
+  const Shape vo{g.batch, g.local_len, g.heads, g.dv};
+  const Shape bth{g.batch, g.local_len, g.heads};
+  check_input(a.q, qk, "q");
+  check_input(a.k, qk, "k");
+  check_input(a.v, vo, "v");
+  if (has_gate(cfg.variant)) {
+    check_input(a.g, vector_gate(cfg.variant) ? qk : bth, "g");
+  } else {
+    SS_CHECK_ARG(!a.g.defined(), "g", "must be undefined for variant ", to_string(cfg.variant));
+  }
+  if (has_beta(cfg.variant)) {
+    check_input(a.beta, bth, "beta");
+  } else {
+    SS_CHECK_ARG(!a.beta.defined(), "beta", "must be undefined for variant ",
+                 to_string(cfg.variant));
+  }
+  check_output(a.o, vo, "o");
+  g.sequences = g.batch;
+  if (a.cu_seqlens.defined()) {
+    SS_CHECK_ARG(g.batch == 1, "cu_seqlens", "packed sequences need batch 1, got ", g.batch);
+    SS_CHECK_ARG(a.cu_seqlens.shape.size() == 1 && a.cu_seqlens.size(0) >= 2, "cu_seqlens",
+                 "must be a 1-D int64 array of >= 2 offsets, got shape ",
+                 shape_string(a.cu_seqlens.shape));
+    check_dtype(a.cu_seqlens, DType::i64, "cu_seqlens");
+    check_memory(a.cu_seqlens, Memory::host, "cu_seqlens");
+    const auto* cu = a.cu_seqlens.as<const int64_t>();
+    g.sequences = a.cu_seqlens.size(0) - 1;
+    SS_CHECK_ARG(cu[0] == 0, "cu_seqlens", "must start at 0, got ", cu[0]);
+    for (int64_t n = 0; n < g.sequences; ++n)
+      SS_CHECK_ARG(cu[n + 1] > cu[n], "cu_seqlens", "must be strictly increasing (offsets ", n,
+                   ", ", n + 1, " are ", cu[n], ", ", cu[n + 1], ")");
+  }
+  const Shape states{g.sequences, g.heads, g.dk, g.dv};
+  if (a.initial_state.defined()) check_input(a.initial_state, states, "initial_state");
+  if (a.final_state.defined()) check_output(a.final_state, states, "final_state");
+  return g;
+}
+
+// Agrees the geometry across ranks: same B, H, Dk, Dv, N, options and
+// cu_seqlens everywhere; shard lengths summing to the packed length. Fills the
+// global fields.
+void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfig& cfg,
+                    Geometry& g) {
+  int64_t cu_sum = 0, cu_last = -1;
+  if (a.cu_seqlens.defined()) {
+    const auto* cu = a.cu_seqlens.as<const int64_t>();
+    for (int64_t n = 0; n <= g.sequences; ++n) cu_sum += cu[n] * (n + 1);
+    cu_last = cu[g.sequences];
+  }
+  const int64_t kFields = 10;
+  const int64_t mine[kFields] = {g.batch, g.heads, g.dk, g.dv, g.sequences,
+                                 static_cast<int64_t>(cfg.variant), cfg.chunk,
+                                 a.initial_state.defined() ? 1 : 0, cu_sum, g.local_len};
+  std::vector<int64_t> all(static_cast<std::size_t>(kFields * comm.size()));
+  comm.all_gather(mine, all.data(), kFields, CommType::i64);
+  collective_check(comm, [&] {
+    static const char* kNames[] = {"batch",     "heads", "dk",  "dv",         "cu_seqlens",
+                                   "variant",   "chunk", "initial_state", "cu_seqlens"};
+    for (int r = 0; r < comm.size(); ++r)
+      for (int64_t f = 0; f + 1 < kFields; ++f)
+        SS_CHECK_ARG(all[r * kFields + f] == mine[f], kNames[f], "rank ", r, " has ",
+                     all[r * kFields + f], " where this rank has ", mine[f],
+                     " (every rank of the group must pass the same problem)");
+    g.global_len = 0;
+    g.shard_begin = 0;
+    for (int r = 0; r < comm.size(); ++r) {
+      if (r < comm.rank()) g.shard_begin += all[r * kFields + kFields - 1];
+      g.global_len += all[r * kFields + kFields - 1];
+    }
+    if (a.cu_seqlens.defined())
+      SS_CHECK_ARG(cu_last == g.global_len, "cu_seqlens", "last offset ", cu_last,
+                   " disagrees with the shard lengths, which sum to ", g.global_len);
+  });
+}
+
+std::vector<LocalSegment> local_segments(const CpForwardArgs& a, const Geometry& g) {
+  std::vector<LocalSegment> segs;
+  const int64_t lo = g.shard_begin, hi = g.shard_begin + g.local_len;
+  if (!a.cu_seqlens.defined()) {
+    for (int64_t b = 0; b < g.batch; ++b)
+      segs.push_back({b, b, 0, g.local_len, lo > 0, hi < g.global_len});
+    return segs;
+  }
+  const auto* cu = a.cu_seqlens.as<const int64_t>();
+  for (int64_t n = 0; n < g.sequences; ++n) {
+    const int64_t b = std::max(cu[n], lo), e = std::min(cu[n + 1], hi);
+    if (b >= e) continue;
+    segs.push_back({n, 0, b - lo, e - lo, cu[n] < lo, cu[n + 1] > hi});
+  }
+  return segs;
+}
+
+}  // namespace
+
+struct CpMixer::Saved {
+  Geometry geo;
+  std::vector<LocalSegment> segs;
+  std::vector<int64_t> local_cu;     // local segment offsets (packed case)
+  MixerParams params;                // local problem; pointers into the user's inputs
+  std::vector<float> chunk_states;   // [chunks, H, Dk, Dv]
+  ScanMaps maps;                     // this rank's (M, E); M reused (transposed) in backward
+  Exchange exchange = Exchange::ring;
+};
+
+CpMixer::CpMixer(Communicator& comm, MixerConfig config, Exchange exchange, CpObserver* observer)
+    : comm_(comm), config_(config), exchange_(exchange), observer_(observer) {
+  check_chunk(config_.chunk);
+  SS_CHECK_ARG(config_.scale != 0, "scale", "must be > 0 (or < 0 for Dk^-1/2)");
+}
+
+CpMixer::~CpMixer() = default;
+
+void CpMixer::forward(const CpForwardArgs& a) {
+  const auto t_start = Clock::now();
+  fwd_stats_ = CpStepStats{};
+  auto saved = std::make_unique<Saved>();
+  Geometry& g = saved->geo;
+  collective_check(comm_, [&] { g = check_forward_local(a, config_); });
+  agree_geometry(comm_, a, config_, g);
+
+  const int P = comm_.size();
+  const int64_t H = g.heads, Dk = g.dk, Dv = g.dv, state = Dk * Dv;
+  saved->segs = local_segments(a, g);
+  const auto& segs = saved->segs;
+  const int64_t nseg = static_cast<int64_t>(segs.size());
+
+  MixerParams& p = saved->params;
+  p.variant = config_.variant;
+  p.batch = g.batch;
+  p.seq_len = g.local_len;
+  p.heads = H;
+  p.dk = Dk;
+  p.dv = Dv;
+  p.chunk = config_.chunk;
+  p.scale = static_cast<float>(config_.scale_for(Dk));
+  p.l2norm_qk = config_.l2norm_qk;
+  p.dtype = DType::f32;
+  if (a.cu_seqlens.defined()) {
+    saved->local_cu.push_back(0);
+    for (const auto& s : segs) saved->local_cu.push_back(s.end);
+    p.cu_seqlens = saved->local_cu.data();
+  }
+  p.num_segments = nseg;
+  p.q = a.q.data;
+  p.k = a.k.data;
+  p.v = a.v.data;
+  p.g = has_gate(config_.variant) ? a.g.as<const float>() : nullptr;
+  p.beta = has_beta(config_.variant) ? a.beta.data : nullptr;
+  p.o = a.o.data;
+  collective_check(comm_, [&] { validate(p); });
+
+  // Initial state of every local segment: the user's h0 where a sequence
+  // starts here, the incoming boundary state (filled after the scan) where it
+  // continues from the previous rank.
+  const float* h0 = a.initial_state.defined() ? a.initial_state.as<const float>() : nullptr;
+  std::vector<float> init(static_cast<std::size_t>(nseg * H * state), 0.f);
+  for (int64_t i = 0; i < nseg; ++i)
+    if (!segs[i].from_prev && h0 != nullptr)
+      std::copy_n(h0 + segs[i].seq * H * state, H * state, init.data() + i * H * state);
+  p.initial_state = init.data();
+
+  const int64_t rows = a.cu_seqlens.defined() ? 1 : g.batch;
+  if (P > 1) {
+    // 1. summary of the shard: S_out = M S_in + E for the segment that leaves it.
+    auto t0 = Clock::now();
+    ScanMaps& maps = saved->maps;
+    maps.rows = rows;
+    maps.heads = H;
+    maps.dk = Dk;
+    maps.dv = Dv;
+    maps.diagonal = !has_beta(config_.variant);
+    maps.M.assign(static_cast<std::size_t>(rows * H * maps.m_size()), 0.f);
+    maps.E.assign(static_cast<std::size_t>(rows * H * state), 0.f);
+    cpu::mixer_summary(p, maps.M.data(), maps.E.data());
+    // A shard in which a sequence begins passes on a carry that no longer
+    // depends on its incoming state: M = 0 (DESIGN §5).
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool single_continuing = [&] {
+        int64_t count = 0;
+        bool from_prev = false;
+        for (const auto& s : segs)
+          if (s.row == r) {
+            ++count;
+            from_prev = s.from_prev;
+          }
+        return count == 1 && from_prev;
+      }();
+      if (!single_continuing)
+        std::fill_n(maps.M.begin() + r * H * maps.m_size(), H * maps.m_size(), 0.f);
+    }
+    fwd_stats_.summary_s = seconds_since(t0);
+
+    // 2. exchange: exclusive scan across ranks gives the true incoming state.
+    t0 = Clock::now();
+    const int64_t map_bytes = static_cast<int64_t>((maps.M.size() + maps.E.size()) * 4);
+    const int64_t apply_flops = 2 * rows * H * (maps.diagonal ? Dk : Dk * Dk) * Dv;
+    saved->exchange = resolve_exchange(exchange_, P, map_bytes,
+                                       static_cast<int64_t>(maps.E.size() * 4), apply_flops);
+    ScanResult scan = exclusive_scan(comm_, saved->exchange, maps, ScanOrder::forward);
+    fwd_stats_.exchange_s = seconds_since(t0);
+    fwd_stats_.exchange_bytes = scan.bytes_sent;
+
+    // 3. merge: the incoming state enters the segment that continues.
+    t0 = Clock::now();
+    for (int64_t i = 0; i < nseg; ++i)
+      if (segs[i].from_prev)
+        std::copy_n(scan.incoming.data() + segs[i].row * H * state, H * state,
+                    init.data() + i * H * state);
+    fwd_stats_.merge_s = seconds_since(t0);
+  }
+  fwd_stats_.exchange = saved->exchange;
+
+  // 4. local chunkwise forward from the true incoming states.
+  auto t0 = Clock::now();
+  saved->chunk_states.assign(static_cast<std::size_t>(count_chunks(p) * H * state), 0.f);
+  p.chunk_states = saved->chunk_states.data();
+  std::vector<float> finals(static_cast<std::size_t>(nseg * H * state));
+  p.final_state = finals.data();
+  cpu::mixer_forward(p);
+  fwd_stats_.local_s = seconds_since(t0);
+
+  // The final state of each sequence leaves the rank on which it ends.
+  t0 = Clock::now();
+  if (a.final_state.defined()) {
+    auto* ht = a.final_state.as<float>();
+    std::fill_n(ht, g.sequences * H * state, 0.f);
+    for (int64_t i = 0; i < nseg; ++i)
+      if (!segs[i].to_next) std::copy_n(finals.data() + i * H * state, H * state, ht + segs[i].seq * H * state);
+    if (P > 1) comm_.all_reduce_sum(ht, static_cast<std::size_t>(g.sequences * H * state), CommType::f32);
+  }
+  fwd_stats_.merge_s += seconds_since(t0);
+  p.initial_state = nullptr;  // `init` dies here; backward reads chunk_states
+  p.final_state = nullptr;
+  p.o = nullptr;
+  saved_ = std::move(saved);
+  fwd_stats_.total_s = seconds_since(t_start);
+  if (observer_ != nullptr) {
+    observer_->on_phase(Phase::summary, fwd_stats_.summary_s, 0);
+    observer_->on_phase(Phase::exchange, fwd_stats_.exchange_s, fwd_stats_.exchange_bytes);
+    observer_->on_phase(Phase::merge, fwd_stats_.merge_s, 0);
+    observer_->on_phase(Phase::fwd, fwd_stats_.total_s, 0);
+  }
+}
+
+void CpMixer::backward(const CpBackwardArgs& a) {
+  const auto t_start = Clock::now();
+  bwd_stats_ = CpStepStats{};
+  collective_check(comm_, [&] {
+    SS_CHECK_ARG(saved_ != nullptr, "backward", "called without a preceding forward");
+  });
+  const Saved& sv = *saved_;
+  const Geometry& g = sv.geo;
+  const int P = comm_.size();
+  const int64_t H = g.heads, Dk = g.dk, Dv = g.dv, state = Dk * Dv;
+  const int64_t nseg = static_cast<int64_t>(sv.segs.size());
+  const Shape qk{g.batch, g.local_len, H, Dk}, vo{g.batch, g.local_len, H, Dv};
+  const Shape bth{g.batch, g.local_len, H}, states{g.sequences, H, Dk, Dv};
+  collective_check(comm_, [&] {
+    check_input(a.d_o, vo, "do");
+    if (a.d_final_state.defined()) check_input(a.d_final_state, states, "d_final_state");
+    check_output(a.dq, qk, "dq");
+    check_output(a.dk, qk, "dk");
+    check_output(a.dv, vo, "dv");
+    if (sv.params.g != nullptr) {
+      check_output(a.dg, vector_gate(config_.variant) ? qk : bth, "dg");
+    } else {
+      SS_CHECK_ARG(!a.dg.defined(), "dg", "must be undefined for variant ", to_string(config_.variant));
+    }
+    if (sv.params.beta != nullptr) {
+      check_output(a.dbeta, bth, "dbeta");
+    } else {
+      SS_CHECK_ARG(!a.dbeta.defined(), "dbeta", "must be undefined for variant ",
+                   to_string(config_.variant));
+    }
+    if (a.d_initial_state.defined()) check_output(a.d_initial_state, states, "d_initial_state");
+  });
+
+  MixerBwdParams bp;
+  static_cast<MixerParams&>(bp) = sv.params;
+  bp.chunk_states = const_cast<float*>(sv.chunk_states.data());
+  bp.d_o = a.d_o.data;
+  // Gradient entering each local segment's final state: the user's dht where
+  // the sequence ends here, the next rank's dS_in where it continues (filled
+  // after the reverse scan; zero in the pre-pass).
+  const float* dht = a.d_final_state.defined() ? a.d_final_state.as<const float>() : nullptr;
+  std::vector<float> dfinal(static_cast<std::size_t>(nseg * H * state), 0.f);
+  for (int64_t i = 0; i < nseg; ++i)
+    if (!sv.segs[i].to_next && dht != nullptr)
+      std::copy_n(dht + sv.segs[i].seq * H * state, H * state, dfinal.data() + i * H * state);
+  bp.d_final_state = dfinal.data();
+  std::vector<float> dinit(static_cast<std::size_t>(nseg * H * state), 0.f);
+  bp.d_initial_state = dinit.data();
+
+  if (P > 1) {
+    // 1. pre-pass: D_r = dS_in with zero gradient from the next rank.
+    auto t0 = Clock::now();
+    bp.state_grad_only = true;
+    cpu::mixer_backward(bp);
+    bp.state_grad_only = false;
+    ScanMaps back = sv.maps;  // (M^T, D) in reverse rank order
+    std::fill(back.E.begin(), back.E.end(), 0.f);
+    for (int64_t i = 0; i < nseg; ++i)
+      if (sv.segs[i].from_prev)
+        std::copy_n(dinit.data() + i * H * state, H * state, back.E.begin() + sv.segs[i].row * H * state);
+    if (!back.diagonal) {
+      for (int64_t m = 0; m < back.maps(); ++m) {
+        float* M = back.M.data() + m * Dk * Dk;
+        for (int64_t i = 0; i < Dk; ++i)
+          for (int64_t j = i + 1; j < Dk; ++j) std::swap(M[i * Dk + j], M[j * Dk + i]);
+      }
+    }
+    bwd_stats_.summary_s = seconds_since(t0);
+
+    // 2. reverse exchange: dS_out of this rank = dS_in of the next.
+    t0 = Clock::now();
+    ScanResult scan = exclusive_scan(comm_, sv.exchange, back, ScanOrder::reverse);
+    bwd_stats_.exchange_s = seconds_since(t0);
+    bwd_stats_.exchange_bytes = scan.bytes_sent;
+
+    t0 = Clock::now();
+    for (int64_t i = 0; i < nseg; ++i)
+      if (sv.segs[i].to_next)
+        std::copy_n(scan.incoming.data() + sv.segs[i].row * H * state, H * state,
+                    dfinal.data() + i * H * state);
+    bwd_stats_.merge_s = seconds_since(t0);
+  }
+  bwd_stats_.exchange = sv.exchange;
+
+  // 3. local backward with the true downstream state gradient.
+  auto t0 = Clock::now();
+  bp.dq = a.dq.data;
+  bp.dk_out = a.dk.data;
+  bp.dv_out = a.dv.data;
+  bp.dg = a.dg.defined() ? a.dg.as<float>() : nullptr;
+  bp.dbeta = a.dbeta.defined() ? a.dbeta.data : nullptr;
+  cpu::mixer_backward(bp);
+  bwd_stats_.local_s = seconds_since(t0);
+
+  // dh0 of each sequence comes from the rank on which it starts.
+  t0 = Clock::now();
+  if (a.d_initial_state.defined()) {
+    auto* dh0 = a.d_initial_state.as<float>();
+    std::fill_n(dh0, g.sequences * H * state, 0.f);
+    for (int64_t i = 0; i < nseg; ++i)
+      if (!sv.segs[i].from_prev)
+        std::copy_n(dinit.data() + i * H * state, H * state, dh0 + sv.segs[i].seq * H * state);
+    if (P > 1) comm_.all_reduce_sum(dh0, static_cast<std::size_t>(g.sequences * H * state), CommType::f32);
+  }
+  bwd_stats_.merge_s += seconds_since(t0);
+  bwd_stats_.total_s = seconds_since(t_start);
+  if (observer_ != nullptr) {
+    observer_->on_phase(Phase::summary, bwd_stats_.summary_s, 0);
+    observer_->on_phase(Phase::exchange, bwd_stats_.exchange_s, bwd_stats_.exchange_bytes);
+    observer_->on_phase(Phase::merge, bwd_stats_.merge_s, 0);
+    observer_->on_phase(Phase::bwd, bwd_stats_.total_s, 0);
+  }
+}
+
+}  // namespace statescan

@@ -79,8 +79,6 @@ class CpMixer {
 
   const CpStepStats& last_forward_stats() const { return fwd_stats_; }
   const CpStepStats& last_backward_stats() const { return bwd_stats_; }
-  // The exchange `auto` resolves to for this group and problem size.
-  static Exchange choose_exchange(int ranks, int64_t map_bytes, int64_t state_bytes);
 
  private:
   struct Saved;

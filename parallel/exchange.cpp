@@ -1,1 +1,232 @@
-// placeholder: being written
+#include "parallel/exchange.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+
+namespace statescan {
+namespace {
+
+struct Dims {
+  int64_t maps, dk, dv, m_size;
+  bool diagonal;
+  int64_t state() const { return dk * dv; }
+};
+
+Dims dims_of(const ScanMaps& s) { return {s.maps(), s.dk, s.dv, s.m_size(), s.diagonal}; }
+
+// out[Dk x w] = M in[Dk x w] + E[:, c0:c0+w] for one map. `in` and `out` have
+// row stride w, E row stride dv; in == nullptr means a zero incoming state.
+void apply_map(const Dims& d, const float* M, const float* E, const float* in, float* out,
+               int64_t c0, int64_t w) {
+  for (int64_t i = 0; i < d.dk; ++i) {
+    float* o = out + i * w;
+    const float* e = E + i * d.dv + c0;
+    for (int64_t c = 0; c < w; ++c) o[c] = e[c];
+    if (in == nullptr) continue;
+    if (d.diagonal) {
+      const float m = M[i];
+      const float* s = in + i * w;
+      for (int64_t c = 0; c < w; ++c) o[c] += m * s[c];
+    } else {
+      for (int64_t j = 0; j < d.dk; ++j) {
+        const float m = M[i * d.dk + j];
+        const float* s = in + j * w;
+        for (int64_t c = 0; c < w; ++c) o[c] += m * s[c];
+      }
+    }
+  }
+}
+
+// (M_l, E_l) <- (M_l, E_l) ∘ (M_e, E_e) = (M_l M_e, M_l E_e + E_l) for every map.
+// Buffers are packed as [all M | all E] (see pack()).
+void compose_into(const Dims& d, float* later, const float* earlier) {
+  float* Ml_all = later;
+  float* El_all = later + d.maps * d.m_size;
+  const float* Me_all = earlier;
+  const float* Ee_all = earlier + d.maps * d.m_size;
+  std::vector<float> e_new(static_cast<std::size_t>(d.state()));
+  std::vector<float> m_new(static_cast<std::size_t>(d.m_size));
+  for (int64_t m = 0; m < d.maps; ++m) {
+    float* Ml = Ml_all + m * d.m_size;
+    float* El = El_all + m * d.state();
+    const float* Me = Me_all + m * d.m_size;
+    // E first: it needs M_l before M_l is replaced.
+    apply_map(d, Ml, El, Ee_all + m * d.state(), e_new.data(), 0, d.dv);
+    std::copy(e_new.begin(), e_new.end(), El);
+    if (d.diagonal) {
+      for (int64_t i = 0; i < d.dk; ++i) Ml[i] *= Me[i];
+      continue;
+    }
+    std::fill(m_new.begin(), m_new.end(), 0.f);
+    for (int64_t i = 0; i < d.dk; ++i)
+      for (int64_t j = 0; j < d.dk; ++j) {
+        const float a = Ml[i * d.dk + j];
+        const float* row = Me + j * d.dk;
+        float* out = m_new.data() + i * d.dk;
+        for (int64_t c = 0; c < d.dk; ++c) out[c] += a * row[c];
+      }
+    std::copy(m_new.begin(), m_new.end(), Ml);
+  }
+}
+
+std::vector<float> pack(const ScanMaps& s) {
+  std::vector<float> buf(s.M);
+  buf.insert(buf.end(), s.E.begin(), s.E.end());
+  return buf;
+}
+
+// Scan positions: forward order is rank order, reverse order the opposite.
+struct Order {
+  int rank, size;
+  bool reverse;
+  int pos() const { return reverse ? size - 1 - rank : rank; }
+  int rank_at(int p) const {
+    if (p < 0 || p >= size) return -1;
+    return reverse ? size - 1 - p : p;
+  }
+};
+
+constexpr int kTagRing = 7101, kTagTree = 7102, kTagShift = 7103;
+
+int64_t scan_allgather(Communicator& comm, const ScanMaps& s, const Order& ord, float* S) {
+  const Dims d = dims_of(s);
+  const std::vector<float> mine = pack(s);
+  const std::size_t n = mine.size();
+  std::vector<float> all(n * static_cast<std::size_t>(ord.size));
+  comm.all_gather(mine.data(), all.data(), n, CommType::f32);
+  // S_in = compose predecessors in scan order, applied to a zero start.
+  std::fill(S, S + d.maps * d.state(), 0.f);
+  std::vector<float> next(static_cast<std::size_t>(d.state()));
+  for (int p = 0; p < ord.pos(); ++p) {
+    const float* buf = all.data() + n * static_cast<std::size_t>(ord.rank_at(p));
+    for (int64_t m = 0; m < d.maps; ++m) {
+      float* st = S + m * d.state();
+      apply_map(d, buf + m * d.m_size, buf + d.maps * d.m_size + m * d.state(),
+                p == 0 ? nullptr : st, next.data(), 0, d.dv);
+      std::copy(next.begin(), next.end(), st);
+    }
+  }
+  return static_cast<int64_t>(n * sizeof(float)) * (ord.size - 1);
+}
+
+int64_t scan_ring(Communicator& comm, const ScanMaps& s, const Order& ord, float* S) {
+  const Dims d = dims_of(s);
+  const int prev = ord.rank_at(ord.pos() - 1), next = ord.rank_at(ord.pos() + 1);
+  std::fill(S, S + d.maps * d.state(), 0.f);
+  // Blocks along Dv: the next rank starts on block j while this one receives
+  // block j+1, so P hops cost about one state transfer plus P block latencies.
+  const int64_t blocks = std::min<int64_t>(4, d.dv);
+  const int64_t width = (d.dv + blocks - 1) / blocks;
+  std::vector<float> in, out;
+  int64_t sent = 0;
+  for (int64_t c0 = 0; c0 < d.dv; c0 += width) {
+    const int64_t w = std::min(width, d.dv - c0);
+    const std::size_t block = static_cast<std::size_t>(d.maps * d.dk * w);
+    in.assign(block, 0.f);
+    if (prev >= 0) comm.recv(in.data(), block, CommType::f32, prev, kTagRing);
+    // Unpack the incoming block into S (this rank's S_in).
+    for (int64_t m = 0; m < d.maps; ++m)
+      for (int64_t i = 0; i < d.dk; ++i)
+        std::copy_n(in.data() + (m * d.dk + i) * w, w, S + m * d.state() + i * d.dv + c0);
+    if (next < 0) continue;
+    out.resize(block);
+    for (int64_t m = 0; m < d.maps; ++m)
+      apply_map(d, s.M.data() + m * d.m_size, s.E.data() + m * d.state(),
+                prev >= 0 ? in.data() + m * d.dk * w : nullptr, out.data() + m * d.dk * w, c0, w);
+    comm.send(out.data(), block, CommType::f32, next, kTagRing);
+    sent += static_cast<int64_t>(block * sizeof(float));
+  }
+  return sent;
+}
+
+int64_t scan_tree(Communicator& comm, const ScanMaps& s, const Order& ord, float* S) {
+  const Dims d = dims_of(s);
+  // Inclusive Kogge-Stone scan of maps: after the round with distance `dist`,
+  // acc at position p is the composition of positions max(0, p-2*dist+1)..p.
+  std::vector<float> acc = pack(s), got(acc.size()), sending;
+  int64_t sent = 0;
+  for (int dist = 1; dist < ord.size; dist *= 2) {
+    const int to = ord.rank_at(ord.pos() + dist), from = ord.rank_at(ord.pos() - dist);
+    sending = acc;
+    comm.send_recv(sending.data(), sending.size(), to, got.data(), got.size(), from,
+                   CommType::f32, kTagTree);
+    if (to >= 0) sent += static_cast<int64_t>(sending.size() * sizeof(float));
+    if (from >= 0) compose_into(d, acc.data(), got.data());
+  }
+  // Exclusive result: the predecessor's inclusive E (its map applied to the
+  // zero state entering position 0).
+  const std::size_t state_floats = static_cast<std::size_t>(d.maps * d.state());
+  const float* my_e = acc.data() + d.maps * d.m_size;
+  const int to = ord.rank_at(ord.pos() + 1), from = ord.rank_at(ord.pos() - 1);
+  std::fill(S, S + state_floats, 0.f);
+  comm.send_recv(my_e, state_floats, to, S, state_floats, from, CommType::f32, kTagShift);
+  if (to >= 0) sent += static_cast<int64_t>(state_floats * sizeof(float));
+  return sent;
+}
+
+}  // namespace
+
+ScanResult exclusive_scan(Communicator& comm, Exchange strategy, const ScanMaps& maps,
+                          ScanOrder order) {
+  SS_CHECK_ARG(maps.M.size() == static_cast<std::size_t>(maps.maps() * maps.m_size()), "maps.M",
+               "holds ", maps.M.size(), " floats, expected ", maps.maps() * maps.m_size());
+  SS_CHECK_ARG(maps.E.size() == static_cast<std::size_t>(maps.maps() * maps.dk * maps.dv),
+               "maps.E", "holds ", maps.E.size(), " floats, expected ",
+               maps.maps() * maps.dk * maps.dv);
+  ScanResult r;
+  r.incoming.assign(maps.E.size(), 0.f);
+  const Order ord{comm.rank(), comm.size(), order == ScanOrder::reverse};
+  if (ord.size == 1) return r;
+  switch (strategy) {
+    case Exchange::allgather: r.bytes_sent = scan_allgather(comm, maps, ord, r.incoming.data()); break;
+    case Exchange::ring: r.bytes_sent = scan_ring(comm, maps, ord, r.incoming.data()); break;
+    case Exchange::tree: r.bytes_sent = scan_tree(comm, maps, ord, r.incoming.data()); break;
+    case Exchange::automatic: SS_FAIL("exchange", "must be resolved before the scan");
+  }
+  return r;
+}
+
+double predicted_exchange_seconds(Exchange e, int ranks, int64_t map_bytes, int64_t state_bytes,
+                                  int64_t apply_flops, const LinkModel& link) {
+  if (ranks <= 1) return 0.0;
+  const double P = ranks, a = link.latency_s, bw = link.bandwidth_Bps;
+  const double apply_s = static_cast<double>(apply_flops) / link.compose_flops_per_s;
+  switch (e) {
+    case Exchange::allgather:
+      // Ring all-gather of P maps, then up to P-1 map applications locally.
+      return (P - 1) * (a + map_bytes / bw) + (P - 1) * apply_s;
+    case Exchange::ring: {
+      // P-1 dependent hops, each applying one map, pipelined over the blocks.
+      const double blocks = 4;
+      return (P - 1 + blocks - 1) * (a + state_bytes / blocks / bw + apply_s / blocks);
+    }
+    case Exchange::tree: {
+      // Composing two maps costs about an application plus a Dk^3 product:
+      // taken as two applications.
+      const double rounds = std::ceil(std::log2(P));
+      return rounds * (a + map_bytes / bw + 2 * apply_s) + a + state_bytes / bw;
+    }
+    case Exchange::automatic: break;
+  }
+  return std::numeric_limits<double>::infinity();
+}
+
+Exchange resolve_exchange(Exchange requested, int ranks, int64_t map_bytes, int64_t state_bytes,
+                          int64_t apply_flops, const LinkModel& link) {
+  if (requested != Exchange::automatic) return requested;
+  Exchange best = Exchange::ring;
+  double best_s = std::numeric_limits<double>::infinity();
+  for (Exchange e : {Exchange::ring, Exchange::allgather, Exchange::tree}) {
+    const double t = predicted_exchange_seconds(e, ranks, map_bytes, state_bytes, apply_flops, link);
+    if (t < best_s) {
+      best_s = t;
+      best = e;
+    }
+  }
+  return best;
+}
+
+}  // namespace statescan

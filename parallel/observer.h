@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "core/options.h"
+
 namespace statescan {
 
 enum class Phase { fwd, bwd, summary, exchange, merge };
@@ -14,6 +16,10 @@ class CpObserver {
   virtual ~CpObserver() = default;
   // Called once per phase and step, on the calling thread, after the phase.
   virtual void on_phase(Phase phase, double seconds, int64_t bytes) = 0;
+  // Called once per forward/backward call, before that call's on_phase calls,
+  // with the exchange strategy the call used (Exchange::automatic resolved),
+  // so that an observer can label exchange bytes by strategy. Default: ignored.
+  virtual void on_exchange_strategy(Exchange /*strategy*/) {}
 };
 
 }  // namespace statescan

@@ -100,6 +100,13 @@ std::vector<T> cast(const std::vector<double>& x) {
   return std::vector<T>(x.begin(), x.end());
 }
 
+// x with every element rounded to the nearest float (inputs an fp32 path sees
+// exactly, kept in double for the reference).
+inline std::vector<double> round_f32(std::vector<double> x) {
+  for (auto& e : x) e = static_cast<double>(static_cast<float>(e));
+  return x;
+}
+
 inline std::string variant_name(Variant v) { return to_string(v); }
 
 }  // namespace statescan::test

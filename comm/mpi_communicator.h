@@ -1,0 +1,142 @@
+// MpiCommunicator: the Communicator over MPI, for host buffers.
+//
+// It works on its own duplicate of the caller's MPI communicator, so the
+// library's messages can never match the caller's receives (and the other way
+// round), and sets MPI_ERRORS_RETURN on it so that an MPI failure becomes a
+// statescan::Error naming the call instead of aborting the job. Every MPI call
+// goes through SS_MPI_CHECK.
+//
+// Usage (every rank):
+//   statescan::MpiEnvironment mpi(&argc, &argv);   // MPI_Init unless already done
+//   auto world = statescan::MpiCommunicator::world();
+//   auto cp = world->split(world->rank() / cp_size, world->rank());
+//
+// Counts above INT_MAX elements are sent in pieces of at most INT_MAX
+// elements, so no size is truncated. Point-to-point receives must name the
+// exact count that was sent: a shorter or longer message throws.
+#pragma once
+
+// Leave out the deprecated MPI-2 C++ bindings: Open MPI's declare a global
+// `enum CommType` that makes statescan::CommType ambiguous under
+// `using namespace statescan`. (Only effective when no <mpi.h> came earlier.)
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <cstddef>
+#include <memory>
+
+#include "comm/communicator.h"
+
+namespace statescan {
+
+namespace detail {
+// Throws statescan::Error (argument "mpi") with MPI_Error_string's text for
+// `code` and the failed call's source text.
+[[noreturn]] void throw_mpi_error(int code, const char* call, const char* file, int line);
+}  // namespace detail
+
+// Owns MPI's lifetime for a main(): initialises MPI (MPI_THREAD_FUNNELED: only
+// the thread that initialised MPI calls it; worker threads never do) unless
+// the caller already did, and finalises it on destruction only if it
+// initialised it here.
+class MpiEnvironment {
+ public:
+  MpiEnvironment() : MpiEnvironment(nullptr, nullptr) {}
+  MpiEnvironment(int* argc, char*** argv);
+  ~MpiEnvironment();
+  MpiEnvironment(const MpiEnvironment&) = delete;
+  MpiEnvironment& operator=(const MpiEnvironment&) = delete;
+
+  // True when this object called MPI_Init_thread (and so will finalise).
+  bool initialised_here() const { return initialised_here_; }
+
+ private:
+  bool initialised_here_ = false;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // A communicator over all processes (a duplicate of MPI_COMM_WORLD).
+  // Collective over MPI_COMM_WORLD.
+  static std::unique_ptr<MpiCommunicator> world();
+
+  // Duplicates `comm` (collective over it); the duplicate is freed on
+  // destruction, `comm` stays the caller's.
+  explicit MpiCommunicator(MPI_Comm comm);
+  ~MpiCommunicator() override;
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend() const override { return "mpi"; }
+
+  // Ranks of this group on the same node (shared memory domain): this rank's
+  // index among them and their number. Computed once at construction; used to
+  // pick one GPU per rank.
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
+
+  // The duplicate this object works on (e.g. to bootstrap NCCL over it).
+  MPI_Comm native() const { return comm_; }
+
+  // Splits every message into pieces of at most `elements` (default INT_MAX,
+  // MPI's count limit). Lets tests exercise the piecewise path with small
+  // buffers; every rank of the group must use the same value.
+  void set_max_piece_elements(std::size_t elements);
+
+  // all_gather accepts MPI's in-place layout: send == recv + rank() * count
+  // elements. Any other overlap of send and recv throws.
+  void all_gather(const void* send, void* recv, std::size_t count, CommType type) override;
+  void all_reduce_sum(void* data, std::size_t count, CommType type) override;
+  void all_reduce_max(void* data, std::size_t count, CommType type) override;
+  void broadcast(void* data, std::size_t count, CommType type, int root) override;
+  // A peer of -1 is a no-op (MPI_PROC_NULL); a peer equal to rank() throws
+  // (a blocking send to oneself can deadlock).
+  void send(const void* data, std::size_t count, CommType type, int peer, int tag) override;
+  void recv(void* data, std::size_t count, CommType type, int peer, int tag) override;
+  // send == recv with equal counts is allowed (in-place exchange); any other
+  // overlap throws.
+  void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
+                 std::size_t recv_count, int source, CommType type, int tag) override;
+  void barrier() override;
+  // Returns an MpiCommunicator over the new group (color must be >= 0).
+  std::unique_ptr<Communicator> split(int color, int key) override;
+
+ private:
+  struct Adopt {};
+  // Takes ownership of `comm` without duplicating it (used by split()).
+  MpiCommunicator(MPI_Comm comm, Adopt);
+  void init_owned();
+  void check_peer(int peer, bool allow_self, const char* name) const;
+  void check_tag(int tag) const;
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+  int local_rank_ = 0, local_size_ = 1;
+  int tag_upper_bound_ = 32767;  // the MPI standard's guaranteed minimum
+  std::size_t max_piece_elements_;
+};
+
+// Node-local rank and number of ranks of MPI_COMM_WORLD (shared memory
+// domain), for one-GPU-per-rank selection before any communicator exists.
+// Collective over MPI_COMM_WORLD on the first call of either (the result is
+// cached), so call them on every rank.
+int local_rank();
+int local_size();
+
+}  // namespace statescan
+
+// Checks the return code of an MPI call; throws statescan::Error on failure.
+#define SS_MPI_CHECK(call)                                                         \
+  do {                                                                             \
+    const int ss_mpi_rc_ = (call);                                                 \
+    if (ss_mpi_rc_ != MPI_SUCCESS) {                                               \
+      ::statescan::detail::throw_mpi_error(ss_mpi_rc_, #call, __FILE__, __LINE__); \
+    }                                                                              \
+  } while (0)

@@ -1,0 +1,328 @@
+// Single-process tests of comm/: CommType sizes, SingleRankCommunicator
+// semantics (a group of one) and collective_check on a group of one.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "comm/collective_check.h"
+#include "comm/communicator.h"
+#include "core/error.h"
+
+namespace statescan {
+namespace {
+
+using Bytes = std::vector<unsigned char>;
+
+const CommType kAllTypes[] = {CommType::f32, CommType::f64, CommType::i64, CommType::u8};
+
+std::string type_name(CommType t) {
+  switch (t) {
+    case CommType::f32:
+      return "f32";
+    case CommType::f64:
+      return "f64";
+    case CommType::i64:
+      return "i64";
+    case CommType::u8:
+      return "u8";
+  }
+  return "invalid";
+}
+
+// `count` random elements of `type`, as raw bytes (never all zeros, so a copy
+// that did nothing cannot pass).
+Bytes random_elements(CommType type, std::size_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Bytes out(count * size_of(type));
+  for (std::size_t i = 0; i < count; ++i) {
+    unsigned char* at = out.data() + i * size_of(type);
+    switch (type) {
+      case CommType::f32: {
+        const float x = std::normal_distribution<float>(0.f, 1.f)(rng) + 10.f;
+        std::memcpy(at, &x, sizeof x);
+        break;
+      }
+      case CommType::f64: {
+        const double x = std::normal_distribution<double>(0.0, 1.0)(rng) + 10.0;
+        std::memcpy(at, &x, sizeof x);
+        break;
+      }
+      case CommType::i64: {
+        const int64_t x = static_cast<int64_t>(rng() >> 1) | 1;
+        std::memcpy(at, &x, sizeof x);
+        break;
+      }
+      case CommType::u8:
+        *at = static_cast<unsigned char>(1 + rng() % 255);
+        break;
+    }
+  }
+  return out;
+}
+
+// Expects `call` to throw statescan::Error naming `argument`.
+template <typename F>
+void expect_error(F&& call, const std::string& argument) {
+  try {
+    call();
+    ADD_FAILURE() << "expected statescan::Error naming '" << argument << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), argument) << e.what();
+  }
+}
+
+// ---- CommType ------------------------------------------------------------------
+
+struct TypeSize {
+  CommType type;
+  std::size_t bytes;
+};
+
+class CommTypeSize : public ::testing::TestWithParam<TypeSize> {};
+
+TEST_P(CommTypeSize, MatchesTheElementWidth) {
+  EXPECT_EQ(size_of(GetParam().type), GetParam().bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTypes, CommTypeSize,
+                         ::testing::Values(TypeSize{CommType::f32, sizeof(float)},
+                                           TypeSize{CommType::f64, sizeof(double)},
+                                           TypeSize{CommType::i64, sizeof(int64_t)},
+                                           TypeSize{CommType::u8, 1}),
+                         [](const auto& p) { return type_name(p.param.type); });
+
+TEST(CommTypeSize, RejectsAnInvalidValue) {
+  expect_error([] { size_of(static_cast<CommType>(42)); }, "type");
+}
+
+// ---- SingleRankCommunicator, per element type -------------------------------------
+
+class SingleRankTyped : public ::testing::TestWithParam<CommType> {
+ protected:
+  SingleRankCommunicator comm_;
+  const std::size_t count_ = 37;
+  uint64_t seed() const {
+    return std::hash<std::string>()(
+        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  }
+};
+
+TEST_P(SingleRankTyped, AllGatherCopiesTheContribution) {
+  const Bytes send = random_elements(GetParam(), count_, seed());
+  Bytes recv(send.size(), 0);
+  comm_.all_gather(send.data(), recv.data(), count_, GetParam());
+  EXPECT_EQ(recv, send);
+}
+
+TEST_P(SingleRankTyped, AllGatherInPlaceKeepsTheData) {
+  Bytes data = random_elements(GetParam(), count_, seed());
+  const Bytes expected = data;
+  comm_.all_gather(data.data(), data.data(), count_, GetParam());
+  EXPECT_EQ(data, expected);
+}
+
+TEST_P(SingleRankTyped, AllReduceMaxIsTheIdentity) {
+  Bytes data = random_elements(GetParam(), count_, seed());
+  const Bytes expected = data;
+  comm_.all_reduce_max(data.data(), count_, GetParam());
+  EXPECT_EQ(data, expected);
+}
+
+TEST_P(SingleRankTyped, AllReduceSumIsTheIdentityOrRejectsBytes) {
+  Bytes data = random_elements(GetParam(), count_, seed());
+  const Bytes expected = data;
+  if (GetParam() == CommType::u8) {
+    expect_error([&] { comm_.all_reduce_sum(data.data(), count_, GetParam()); }, "type");
+  } else {
+    comm_.all_reduce_sum(data.data(), count_, GetParam());
+  }
+  EXPECT_EQ(data, expected);
+}
+
+TEST_P(SingleRankTyped, BroadcastFromRootZeroKeepsTheData) {
+  Bytes data = random_elements(GetParam(), count_, seed());
+  const Bytes expected = data;
+  comm_.broadcast(data.data(), count_, GetParam(), 0);
+  EXPECT_EQ(data, expected);
+}
+
+TEST_P(SingleRankTyped, SendRecvToSelfCopies) {
+  const Bytes send = random_elements(GetParam(), count_, seed());
+  Bytes recv(send.size(), 0);
+  comm_.send_recv(send.data(), count_, 0, recv.data(), count_, 0, GetParam(), 3);
+  EXPECT_EQ(recv, send);
+}
+
+TEST_P(SingleRankTyped, SendRecvWithNoPeersLeavesRecvAlone) {
+  const Bytes send = random_elements(GetParam(), count_, seed());
+  const Bytes before = random_elements(GetParam(), count_, seed() + 1);
+  Bytes recv = before;
+  comm_.send_recv(send.data(), count_, -1, recv.data(), count_, -1, GetParam(), 3);
+  EXPECT_EQ(recv, before);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTypes, SingleRankTyped, ::testing::ValuesIn(kAllTypes),
+                         [](const auto& p) { return type_name(p.param); });
+
+// ---- SingleRankCommunicator, shape and argument checks -----------------------------
+
+TEST(SingleRank, IsAGroupOfOne) {
+  SingleRankCommunicator comm;
+  EXPECT_EQ(comm.rank(), 0);
+  EXPECT_EQ(comm.size(), 1);
+  EXPECT_STREQ(comm.backend(), "single");
+  comm.barrier();
+}
+
+TEST(SingleRank, BroadcastFromAnotherRootThrows) {
+  SingleRankCommunicator comm;
+  double x = 1.5;
+  expect_error([&] { comm.broadcast(&x, 1, CommType::f64, 1); }, "root");
+  EXPECT_EQ(x, 1.5);
+}
+
+TEST(SingleRank, SendToAPeerThrows) {
+  SingleRankCommunicator comm;
+  float x = 2.f;
+  expect_error([&] { comm.send(&x, 1, CommType::f32, 0, 0); }, "peer");
+  expect_error([&] { comm.send(&x, 1, CommType::f32, 1, 0); }, "peer");
+}
+
+TEST(SingleRank, RecvFromAPeerThrows) {
+  SingleRankCommunicator comm;
+  float x = 2.f;
+  expect_error([&] { comm.recv(&x, 1, CommType::f32, 0, 0); }, "peer");
+  expect_error([&] { comm.recv(&x, 1, CommType::f32, 1, 0); }, "peer");
+  EXPECT_EQ(x, 2.f);
+}
+
+TEST(SingleRank, SendAndRecvWithPeerMinusOneDoNothing) {
+  SingleRankCommunicator comm;
+  float x = 2.f;
+  comm.send(&x, 1, CommType::f32, -1, 0);
+  comm.recv(&x, 1, CommType::f32, -1, 0);
+  EXPECT_EQ(x, 2.f);
+}
+
+TEST(SingleRank, SendRecvToAnotherPeerThrows) {
+  SingleRankCommunicator comm;
+  float a = 1.f, b = 2.f;
+  expect_error([&] { comm.send_recv(&a, 1, 1, &b, 1, -1, CommType::f32, 0); }, "peer");
+  expect_error([&] { comm.send_recv(&a, 1, -1, &b, 1, 1, CommType::f32, 0); }, "peer");
+  // Sending to self with nobody receiving (or the reverse) cannot complete.
+  expect_error([&] { comm.send_recv(&a, 1, 0, &b, 1, -1, CommType::f32, 0); }, "peer");
+  expect_error([&] { comm.send_recv(&a, 1, -1, &b, 1, 0, CommType::f32, 0); }, "peer");
+  EXPECT_EQ(b, 2.f);
+}
+
+TEST(SingleRank, SendRecvToSelfWithMismatchedCountsThrows) {
+  SingleRankCommunicator comm;
+  float a[2] = {1.f, 2.f}, b[3] = {0.f, 0.f, 0.f};
+  expect_error([&] { comm.send_recv(a, 2, 0, b, 3, 0, CommType::f32, 0); }, "recv_count");
+}
+
+TEST(SingleRank, NegativeTagThrows) {
+  SingleRankCommunicator comm;
+  float a = 1.f, b = 0.f;
+  expect_error([&] { comm.send_recv(&a, 1, 0, &b, 1, 0, CommType::f32, -1); }, "tag");
+}
+
+TEST(SingleRank, NullBufferWithElementsThrows) {
+  SingleRankCommunicator comm;
+  float x = 0.f;
+  expect_error([&] { comm.all_gather(nullptr, &x, 1, CommType::f32); }, "send");
+  expect_error([&] { comm.all_gather(&x, nullptr, 1, CommType::f32); }, "recv");
+  expect_error([&] { comm.all_reduce_sum(nullptr, 1, CommType::f32); }, "data");
+  expect_error([&] { comm.broadcast(nullptr, 1, CommType::f32, 0); }, "data");
+  // An empty message may be null, as in MPI.
+  comm.all_gather(nullptr, nullptr, 0, CommType::f32);
+}
+
+TEST(SingleRank, SplitGivesAnotherGroupOfOne) {
+  SingleRankCommunicator comm;
+  const auto sub = comm.split(3, -7);
+  ASSERT_NE(sub, nullptr);
+  EXPECT_EQ(sub->rank(), 0);
+  EXPECT_EQ(sub->size(), 1);
+  EXPECT_STREQ(sub->backend(), "single");
+  expect_error([&] { comm.split(-1, 0); }, "color");
+}
+
+// ---- collective_check on a group of one ------------------------------------------
+
+TEST(CollectiveCheckSingle, PassesSilentlyWhenTheCheckPasses) {
+  SingleRankCommunicator comm;
+  bool ran = false;
+  EXPECT_NO_THROW(collective_check(comm, [&] { ran = true; }));
+  EXPECT_TRUE(ran);
+}
+
+TEST(CollectiveCheckSingle, RethrowsTheArgumentAndMessage) {
+  SingleRankCommunicator comm;
+  std::string original;
+  try {
+    collective_check(comm, [&] {
+      try {
+        SS_FAIL("q", "has ", 3, " heads, expected 4");
+      } catch (const Error& e) {
+        original = e.what();
+        throw;
+      }
+    });
+    ADD_FAILURE() << "collective_check did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "q");
+    EXPECT_EQ(std::string(e.what()), original);
+    EXPECT_NE(original.find("has 3 heads, expected 4"), std::string::npos) << original;
+    // No rank was set in this process: the failing rank's index in the group.
+    EXPECT_EQ(e.rank(), 0);
+  }
+}
+
+TEST(CollectiveCheckSingle, OtherExceptionsBecomeUnknown) {
+  SingleRankCommunicator comm;
+  try {
+    collective_check(comm, [] { throw std::out_of_range("index 9 of 4"); });
+    ADD_FAILURE() << "collective_check did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "unknown");
+    EXPECT_NE(std::string(e.what()).find("index 9 of 4"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CollectiveCheckSingle, NonStandardExceptionsBecomeUnknown) {
+  SingleRankCommunicator comm;
+  expect_error([&] { collective_check(comm, [] { throw 17; }); }, "unknown");
+}
+
+TEST(CollectiveCheckSingle, LongMessagesAreTruncatedAtACharacterBoundary) {
+  SingleRankCommunicator comm;
+  // Two-byte UTF-8 characters, so an unaligned cut would split one.
+  std::string long_text;
+  for (int i = 0; i < 3000; ++i) long_text += "\xC3\xA9";
+  try {
+    collective_check(comm, [&] { SS_FAIL("k", long_text); });
+    ADD_FAILURE() << "collective_check did not throw";
+  } catch (const Error& e) {
+    const std::string text = e.what();
+    EXPECT_EQ(e.argument(), "k");
+    EXPECT_LT(text.size(), 2048u);
+    EXPECT_NE(text.find("argument 'k'"), std::string::npos);
+    const std::string marker = " [truncated]";
+    ASSERT_GT(text.size(), marker.size());
+    EXPECT_EQ(text.substr(text.size() - marker.size()), marker);
+    // Everything before the marker is whole characters: the last byte of the
+    // kept text ends a two-byte sequence.
+    const std::string kept = text.substr(0, text.size() - marker.size());
+    EXPECT_EQ(static_cast<unsigned char>(kept.back()), 0xA9u);
+    EXPECT_EQ(static_cast<unsigned char>(kept[kept.size() - 2]), 0xC3u);
+  }
+}
+
+}  // namespace
+}  // namespace statescan

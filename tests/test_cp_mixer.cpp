@@ -1,0 +1,191 @@
+// CpMixer on one rank (SingleRankCommunicator) against the fp64 reference,
+// and its argument checking. Multi-rank invariance is test_cp_mixer_mpi.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+
+#include "comm/communicator.h"
+#include "core/error.h"
+#include "tests/cp_test_util.h"
+
+namespace statescan::test {
+namespace {
+
+constexpr double kTol = 1e-5;  // fp32 path vs fp64 reference (DESIGN §7)
+
+enum class Layout { batch_rows, packed };
+
+struct Case {
+  Variant variant;
+  Layout layout;
+  bool l2norm;
+  bool with_state;  // h0 and dht given
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return std::string(to_string(c.variant)) + (c.layout == Layout::packed ? "_packed" : "_rows") +
+         (c.l2norm ? "_l2" : "") + (c.with_state ? "_h0" : "");
+}
+
+class CpSingleRank : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CpSingleRank, MatchesReferenceForwardAndBackward) {
+  const Case c = GetParam();
+  ProblemSpec s;
+  s.variant = c.variant;
+  s.l2norm_qk = c.l2norm;
+  s.with_h0 = c.with_state;
+  s.heads = 2;
+  s.dk = 16;
+  s.dv = 12;
+  if (c.layout == Layout::packed) {
+    s.seq_len = 77;
+    s.cu_seqlens = {0, 9, 40, 77};
+  } else {
+    s.batch = 2;
+    s.seq_len = 53;  // not a multiple of the chunk
+  }
+  const uint64_t seed = 1000 + static_cast<uint64_t>(c.variant) * 16 + (c.l2norm ? 4 : 0) +
+                        (c.with_state ? 2 : 0) + (c.layout == Layout::packed ? 1 : 0);
+  ref::Problem p = random_problem(s, seed);
+  round_to_float(p);
+  std::mt19937_64 rng(seed + 7);
+  auto d_o = round_f32(randn(p.v.size(), rng));
+  std::vector<double> dht;
+  if (c.with_state)
+    dht = round_f32(randn(static_cast<std::size_t>(p.num_sequences() * s.heads * s.dk * s.dv), rng));
+
+  const ref::Outputs ro = ref::forward(p);
+  const ref::Grads rg = ref::backward(p, d_o, dht);
+
+  SingleRankCommunicator comm;
+  MixerConfig cfg;
+  cfg.variant = c.variant;
+  cfg.chunk = 16;
+  cfg.l2norm_qk = c.l2norm;
+  CpMixer mixer(comm, cfg, Exchange::automatic);
+  const CpOutputs out = run_cp(mixer, p, 0, p.seq_len, d_o, dht);
+
+  EXPECT_LE(rel_rms(out.o, ro.o), kTol);
+  EXPECT_LE(rel_rms(out.ht, ro.ht), kTol);
+  EXPECT_LE(rel_rms(out.dq, rg.dq), kTol);
+  EXPECT_LE(rel_rms(out.dk, rg.dk), kTol);
+  EXPECT_LE(rel_rms(out.dv, rg.dv), kTol);
+  if (has_gate(c.variant)) EXPECT_LE(rel_rms(out.dg, rg.dg), kTol);
+  if (has_beta(c.variant)) EXPECT_LE(rel_rms(out.dbeta, rg.dbeta), kTol);
+  EXPECT_LE(rel_rms(out.dh0, rg.dh0), kTol);
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (Variant v : kAllVariants)
+    for (Layout l : {Layout::batch_rows, Layout::packed})
+      for (bool l2 : {false, true})
+        for (bool st : {false, true}) cases.push_back({v, l, l2, st});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, CpSingleRank, ::testing::ValuesIn(all_cases()), case_name);
+
+// ---- argument checking ----------------------------------------------------------
+
+struct BadInputFixture : ::testing::Test {
+  SingleRankCommunicator comm;
+  ref::Problem p;
+  std::vector<float> q, k, v, g, beta, o;
+  CpForwardArgs args;
+  void SetUp() override {
+    ProblemSpec s;
+    s.variant = Variant::kda;
+    s.seq_len = 20;
+    s.heads = 2;
+    s.dk = 8;
+    s.dv = 8;
+    p = random_problem(s, 77);
+    q = cast(p.q);
+    k = cast(p.k);
+    v = cast(p.v);
+    g = cast(p.g);
+    beta = cast(p.beta);
+    o.assign(v.size(), 12345.f);
+    const Shape qk{1, 20, 2, 8}, bth{1, 20, 2};
+    args.q = TensorView(q.data(), DType::f32, qk);
+    args.k = TensorView(k.data(), DType::f32, qk);
+    args.v = TensorView(v.data(), DType::f32, qk);
+    args.g = TensorView(g.data(), DType::f32, qk);
+    args.beta = TensorView(beta.data(), DType::f32, bth);
+    args.o = TensorView(o.data(), DType::f32, qk);
+  }
+  // Runs forward expecting a statescan::Error naming `argument`, and checks
+  // that the output was not touched.
+  void expect_error(const std::string& argument, int64_t chunk = 64) {
+    MixerConfig cfg;
+    cfg.variant = Variant::kda;
+    if (chunk != 64) {
+      cfg.chunk = chunk;
+      EXPECT_THROW(CpMixer(comm, cfg, Exchange::ring), Error);
+      return;
+    }
+    CpMixer mixer(comm, cfg, Exchange::ring);
+    try {
+      mixer.forward(args);
+      ADD_FAILURE() << "no error for " << argument;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(argument), std::string::npos);
+    }
+    for (float x : o) ASSERT_EQ(x, 12345.f) << "output written despite the error";
+  }
+};
+
+TEST_F(BadInputFixture, WrongShapeNamesArgument) {
+  args.k.shape = {1, 20, 2, 4};
+  args.k.strides = contiguous_strides(args.k.shape);
+  expect_error("k");
+}
+
+TEST_F(BadInputFixture, NanInGateNamesGate) {
+  g[17] = std::nanf("");
+  expect_error("g");
+}
+
+TEST_F(BadInputFixture, InfInValueNamesValue) {
+  v[3] = INFINITY;
+  expect_error("v");
+}
+
+TEST_F(BadInputFixture, WrongDtypeNamesArgument) {
+  args.beta.dtype = DType::bf16;
+  expect_error("beta");
+}
+
+TEST_F(BadInputFixture, MissingBetaForDeltaRule) {
+  args.beta = TensorView();
+  expect_error("beta");
+}
+
+TEST_F(BadInputFixture, ChunkNotAllowed) { expect_error("chunk", 48); }
+
+TEST_F(BadInputFixture, CuSeqlensDisagreeingWithLength) {
+  std::vector<int64_t> cu{0, 5, 19};
+  args.cu_seqlens = TensorView(cu.data(), DType::i64, {3});
+  expect_error("cu_seqlens");
+}
+
+TEST_F(BadInputFixture, BackwardWithoutForward) {
+  MixerConfig cfg;
+  CpMixer mixer(comm, cfg, Exchange::ring);
+  CpBackwardArgs b;
+  try {
+    mixer.backward(b);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "backward");
+  }
+}
+
+}  // namespace
+}  // namespace statescan::test

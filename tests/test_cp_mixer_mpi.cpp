@@ -1,0 +1,206 @@
+// Context-parallel invariance under mpirun (2, 3, 4 ranks): a CP run over
+// uneven shards must equal a single-rank run of the same inputs for outputs,
+// final state and every gradient, for every variant x exchange, including
+// packed sequences whose boundaries fall on and across rank boundaries. Bad
+// input on one rank must raise the same error on every rank.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <string>
+
+#include "comm/communicator.h"
+#include "comm/mpi_communicator.h"
+#include "core/error.h"
+#include "tests/cp_test_util.h"
+
+namespace statescan::test {
+namespace {
+
+// CP and single-rank runs do the same fp32 work in a different order only at
+// shard boundaries (the exchange composes maps); 1e-5 is DESIGN §7's fp32 bar.
+constexpr double kTol = 1e-5;
+
+Communicator& world() {
+  static std::unique_ptr<MpiCommunicator> comm = MpiCommunicator::world();
+  return *comm;
+}
+
+// Uneven contiguous shards: rank r gets a share proportional to r + 1 (so the
+// last rank holds the most), every shard >= 1 token.
+std::vector<int64_t> shard_bounds(int64_t T, int P) {
+  std::vector<int64_t> b(static_cast<std::size_t>(P + 1), 0);
+  const int64_t weight = static_cast<int64_t>(P) * (P + 1) / 2;
+  for (int r = 1; r < P; ++r) b[r] = std::max<int64_t>(b[r - 1] + 1, T * (r * (r + 1) / 2) / weight);
+  b[P] = T;
+  return b;
+}
+
+enum class Layout { batch_rows, packed_on_boundary, packed_across };
+
+struct Case {
+  Variant variant;
+  Exchange exchange;
+  Layout layout;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  const char* l = c.layout == Layout::batch_rows           ? "rows"
+                  : c.layout == Layout::packed_on_boundary ? "packed_on_boundary"
+                                                           : "packed_across";
+  return std::string(to_string(c.variant)) + "_" + to_string(c.exchange) + "_" + l;
+}
+
+class CpInvariance : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CpInvariance, EqualsSingleRank) {
+  const Case c = GetParam();
+  Communicator& comm = world();
+  const int P = comm.size(), r = comm.rank();
+  const int64_t T = 67;
+  const auto bounds = shard_bounds(T, P);
+
+  ProblemSpec s;
+  s.variant = c.variant;
+  s.seq_len = T;
+  s.heads = 2;
+  s.dk = 16;
+  s.dv = 8;
+  s.with_h0 = true;
+  s.l2norm_qk = c.variant == Variant::kda;  // exercise the in-op normalisation somewhere
+  if (c.layout == Layout::batch_rows) {
+    s.batch = 2;
+  } else if (c.layout == Layout::packed_on_boundary) {
+    // A sequence ending exactly at rank 1's start, one starting there, and a
+    // long one that spans every later rank boundary.
+    s.cu_seqlens = {0, 3, bounds[1], bounds[1] + 2, T - 4, T};
+  } else {
+    // Sequences that cross the first rank boundary and (for P > 2) others.
+    s.cu_seqlens = {0, 5, bounds[1] + 1, T};
+  }
+  // Same seed on every rank: all ranks hold the same full problem.
+  const uint64_t seed = 5000 + static_cast<uint64_t>(c.variant) * 64 +
+                        static_cast<uint64_t>(c.exchange) * 8 + static_cast<uint64_t>(c.layout);
+  ref::Problem p = random_problem(s, seed);
+  round_to_float(p);
+  std::mt19937_64 rng(seed + 1);
+  const auto d_o = round_f32(randn(p.v.size(), rng));
+  const auto dht =
+      round_f32(randn(static_cast<std::size_t>(p.num_sequences() * s.heads * s.dk * s.dv), rng));
+
+  MixerConfig cfg;
+  cfg.variant = c.variant;
+  cfg.chunk = 16;
+  cfg.l2norm_qk = s.l2norm_qk;
+
+  SingleRankCommunicator self;
+  CpMixer single(self, cfg, Exchange::ring);
+  const CpOutputs full = run_cp(single, p, 0, T, d_o, dht);
+
+  CpMixer cp(comm, cfg, c.exchange);
+  const CpOutputs mine = run_cp(cp, p, bounds[r], bounds[r + 1], d_o, dht);
+  if (P > 1) EXPECT_EQ(cp.last_forward_stats().exchange, c.exchange);
+
+  const int64_t B = p.batch, H = s.heads, Dk = s.dk, Dv = s.dv;
+  const bool vec = vector_gate(c.variant);
+  auto local = [&](const std::vector<float>& x, int64_t inner) {
+    std::vector<double> d(x.begin(), x.end());
+    return slice_tokens(d, B, T, bounds[r], bounds[r + 1], inner);
+  };
+  EXPECT_LE(rel_rms(mine.o, local(full.o, H * Dv)), kTol) << "rank " << r;
+  EXPECT_LE(rel_rms(mine.ht, full.ht), kTol) << "rank " << r;
+  EXPECT_LE(rel_rms(mine.dq, local(full.dq, H * Dk)), kTol) << "rank " << r;
+  EXPECT_LE(rel_rms(mine.dk, local(full.dk, H * Dk)), kTol) << "rank " << r;
+  EXPECT_LE(rel_rms(mine.dv, local(full.dv, H * Dv)), kTol) << "rank " << r;
+  if (has_gate(c.variant))
+    EXPECT_LE(rel_rms(mine.dg, local(full.dg, vec ? H * Dk : H)), kTol) << "rank " << r;
+  if (has_beta(c.variant)) EXPECT_LE(rel_rms(mine.dbeta, local(full.dbeta, H)), kTol) << "rank " << r;
+  EXPECT_LE(rel_rms(mine.dh0, full.dh0), kTol) << "rank " << r;
+
+  // The single-rank run itself against the fp64 reference, so that the two
+  // cannot agree on a wrong answer.
+  if (r == 0) {
+    const ref::Outputs ro = ref::forward(p);
+    EXPECT_LE(rel_rms(full.o, ro.o), kTol);
+    EXPECT_LE(rel_rms(full.ht, ro.ht), kTol);
+  }
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (Variant v : kAllVariants)
+    for (Exchange e : {Exchange::allgather, Exchange::ring, Exchange::tree})
+      for (Layout l : {Layout::batch_rows, Layout::packed_on_boundary, Layout::packed_across})
+        cases.push_back({v, e, l});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariantsExchanges, CpInvariance, ::testing::ValuesIn(all_cases()),
+                         case_name);
+
+// ---- errors must reach every rank, with no hang and no partial output -----------
+
+struct CpErrors : ::testing::Test {
+  Communicator& comm = world();
+  ref::Problem p;
+  std::vector<int64_t> bounds;
+  void SetUp() override {
+    ProblemSpec s;
+    s.variant = Variant::gated_deltanet;
+    s.seq_len = 40;
+    s.heads = 2;
+    s.dk = 8;
+    s.dv = 8;
+    p = random_problem(s, 99);
+    bounds = shard_bounds(s.seq_len, comm.size());
+  }
+  // Runs forward on this rank's shard after `corrupt` had its way; expects
+  // the error `argument` raised by `culprit` on every rank.
+  void expect_everywhere(const std::string& argument, int culprit) {
+    const int r = comm.rank();
+    MixerConfig cfg;
+    cfg.variant = p.variant;
+    CpMixer mixer(comm, cfg, Exchange::ring);
+    const int64_t L = bounds[r + 1] - bounds[r];
+    auto q = slice_tokens(p.q, 1, p.seq_len, bounds[r], bounds[r + 1], 16);
+    auto k = slice_tokens(p.k, 1, p.seq_len, bounds[r], bounds[r + 1], 16);
+    auto v = slice_tokens(p.v, 1, p.seq_len, bounds[r], bounds[r + 1], 16);
+    auto g = slice_tokens(p.g, 1, p.seq_len, bounds[r], bounds[r + 1], 2);
+    auto beta = slice_tokens(p.beta, 1, p.seq_len, bounds[r], bounds[r + 1], 2);
+    std::vector<float> o(v.size(), 12345.f);
+    std::vector<int64_t> cu{0, p.seq_len};
+    if (r == culprit) {
+      if (argument == "g") g[1] = std::nanf("");
+      if (argument == "cu_seqlens") cu[1] = p.seq_len + 1;
+    }
+    CpForwardArgs a;
+    a.q = TensorView(q.data(), DType::f32, {1, L, 2, 8});
+    a.k = TensorView(k.data(), DType::f32, {1, L, 2, 8});
+    a.v = TensorView(v.data(), DType::f32, {1, L, 2, 8});
+    a.g = TensorView(g.data(), DType::f32, {1, L, 2});
+    a.beta = TensorView(beta.data(), DType::f32, {1, L, 2});
+    a.o = TensorView(o.data(), DType::f32, {1, L, 2, 8});
+    if (argument == "cu_seqlens") a.cu_seqlens = TensorView(cu.data(), DType::i64, {2});
+    bool threw = false;
+    try {
+      mixer.forward(a);
+    } catch (const Error& e) {
+      threw = true;
+      EXPECT_EQ(e.argument(), argument) << e.what();
+      EXPECT_EQ(e.rank(), culprit) << e.what();
+    }
+    EXPECT_TRUE(threw) << "rank " << r << " did not get the error";
+    for (float x : o) ASSERT_EQ(x, 12345.f) << "rank " << r << " wrote output despite the error";
+    comm.barrier();  // reaching this on every rank is the no-hang check
+  }
+};
+
+TEST_F(CpErrors, NanGateOnLastRankFailsEveryRank) { expect_everywhere("g", comm.size() - 1); }
+
+TEST_F(CpErrors, CuSeqlensDisagreeingWithShardsFailsEveryRank) {
+  expect_everywhere("cu_seqlens", 0);
+}
+
+}  // namespace
+}  // namespace statescan::test
