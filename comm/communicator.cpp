@@ -1,6 +1,9 @@
 #include "comm/communicator.h"
 
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "core/error.h"
 
@@ -18,6 +21,20 @@ std::size_t size_of(CommType t) {
       return 1;
   }
   SS_FAIL("type", "unknown CommType value ", static_cast<int>(t));
+}
+
+// Parsed on every call (not cached) so that tests and launchers may set the
+// variable before creating each communicator.
+std::chrono::milliseconds comm_timeout_from_env() {
+  const char* text = std::getenv("STATESCAN_COMM_TIMEOUT_MS");
+  if (text == nullptr || *text == '\0') return kDefaultCommTimeout;
+  errno = 0;
+  char* end = nullptr;
+  const long long ms = std::strtoll(text, &end, 10);
+  SS_CHECK_ARG(errno == 0 && end != text && *end == '\0' && ms >= 0, "STATESCAN_COMM_TIMEOUT_MS",
+               "is '", text,
+               "', must be a non-negative integer number of milliseconds (0: no timeout)");
+  return std::chrono::milliseconds(ms);
 }
 
 namespace {

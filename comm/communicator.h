@@ -8,6 +8,7 @@
 // statescan::Error. Counts are in elements of `type`.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -16,6 +17,16 @@ namespace statescan {
 
 enum class CommType { f32, f64, i64, u8 };
 std::size_t size_of(CommType t);
+
+// How long a communicator waits for its peers by default: 10 minutes, long
+// enough for any healthy exchange of a training step, short enough that a job
+// whose peer died fails with an error instead of burning its allocation.
+constexpr std::chrono::milliseconds kDefaultCommTimeout{10 * 60 * 1000};
+
+// The timeout communicators start with: STATESCAN_COMM_TIMEOUT_MS when set (a
+// non-negative integer; 0 waits forever), else kDefaultCommTimeout. Throws
+// statescan::Error naming STATESCAN_COMM_TIMEOUT_MS when it is malformed.
+std::chrono::milliseconds comm_timeout_from_env();
 
 class Communicator {
  public:
@@ -43,6 +54,15 @@ class Communicator {
   // Ranks with the same color form a new group, ordered by key then old rank.
   // Collective over this group. Lets a trainer build DP x CP grids.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  // The longest one call waits for its peers before it throws statescan::Error
+  // ("... timed out after X ms in <op>") instead of hanging forever on a peer
+  // that died or diverged; zero waits forever. Local to this rank, but every
+  // rank of a group should use the same value. A communicator that timed out
+  // is unusable (later calls throw): the application should end the job.
+  // Backends that never wait for anyone (SingleRankCommunicator) ignore it.
+  virtual void set_timeout(std::chrono::milliseconds timeout) { (void)timeout; }
+  virtual std::chrono::milliseconds timeout() const { return std::chrono::milliseconds::zero(); }
 };
 
 // A group of one: collectives copy, point-to-point to anyone but self throws.

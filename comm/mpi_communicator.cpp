@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "core/error.h"
@@ -27,6 +28,16 @@ void throw_mpi_error(int code, const char* call, const char* file, int line) {
 namespace {
 
 constexpr std::size_t kMaxMpiCount = static_cast<std::size_t>(INT_MAX);
+
+// Polling: for the first kSpinPeriod, test back to back (yielding the core)
+// as MPI's own blocking calls do, so healthy exchanges, including large
+// rendezvous transfers that need this rank's progress, keep their speed; after
+// that sleep kPollInterval between tests, so a long wait (a stalled peer, or
+// one that will time out) does not burn a core an oversubscribed job needs.
+constexpr std::chrono::milliseconds kSpinPeriod{1000};
+constexpr std::chrono::microseconds kPollInterval{100};
+// How long a cancelled receive may take to report its cancellation.
+constexpr std::chrono::milliseconds kCancelGrace{100};
 
 MPI_Datatype mpi_type(CommType t) {
   switch (t) {
@@ -168,16 +179,22 @@ std::unique_ptr<MpiCommunicator> MpiCommunicator::world() {
   return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD);
 }
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm) : max_piece_elements_(kMaxMpiCount) {
+// The duplicate is made non-blocking and polled, so a rank that never joins
+// the construction is reported after the timeout instead of hanging the rest.
+MpiCommunicator::MpiCommunicator(MPI_Comm comm)
+    : max_piece_elements_(kMaxMpiCount), timeout_(comm_timeout_from_env()) {
   SS_CHECK_ARG(mpi_initialised(), "mpi",
                "MPI is not initialised (or already finalised); create an MpiEnvironment first");
   SS_CHECK_ARG(comm != MPI_COMM_NULL, "comm", "is MPI_COMM_NULL");
-  SS_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
+  Pending dup;
+  SS_MPI_CHECK(MPI_Comm_idup(comm, &comm_, &dup.request));
+  await(&dup, 1, "MPI_Comm_idup", "MpiCommunicator construction");
+  if (dup.rc != MPI_SUCCESS) detail::throw_mpi_error(dup.rc, "MPI_Comm_idup", __FILE__, __LINE__);
   init_owned();
 }
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, Adopt)
-    : comm_(comm), max_piece_elements_(kMaxMpiCount) {
+    : comm_(comm), max_piece_elements_(kMaxMpiCount), timeout_(comm_timeout_from_env()) {
   init_owned();
 }
 
@@ -209,11 +226,85 @@ void MpiCommunicator::init_owned() {
 }
 
 MpiCommunicator::~MpiCommunicator() {
-  if (comm_ == MPI_COMM_NULL) return;
   int finalised = 0;
-  // Freeing after MPI_Finalize is erroneous; a failure here cannot be
+  // Calling MPI after MPI_Finalize is erroneous; a failure here cannot be
   // reported from a destructor and leaks at most one communicator handle.
-  if (MPI_Finalized(&finalised) == MPI_SUCCESS && finalised == 0) MPI_Comm_free(&comm_);
+  if (MPI_Finalized(&finalised) != MPI_SUCCESS || finalised != 0) return;
+  // Operations a timeout left behind: free those that completed since (a late
+  // peer); the others stay with MPI, which completes them normally even after
+  // the communicator is freed.
+  for (MPI_Request& request : stranded_) {
+    int flag = 0;
+    MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
+  }
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+void MpiCommunicator::set_timeout(std::chrono::milliseconds timeout) {
+  SS_CHECK_ARG(timeout.count() >= 0, "timeout", "is ", timeout.count(),
+               " ms, must be >= 0 (0: wait forever)");
+  timeout_ = timeout;
+}
+
+void MpiCommunicator::check_usable() const {
+  SS_CHECK_ARG(failure_.empty(), "mpi", "this communicator is unusable after an earlier ", failure_,
+               "; end the job (MPI cannot recover a timed-out collective)");
+}
+
+// Polls every op with MPI_Test until all are done. A request that completes in
+// error is done too (its code is in rc, for the caller to judge: a receive's
+// truncation is a count mismatch, not an MPI failure).
+void MpiCommunicator::await(Pending* ops, int n, const char* call, const char* op) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  int remaining = 0;
+  for (int i = 0; i < n; ++i) remaining += ops[i].done ? 0 : 1;
+  while (remaining > 0) {
+    for (int i = 0; i < n; ++i) {
+      Pending& p = ops[i];
+      if (p.done) continue;
+      int flag = 0;
+      p.rc = MPI_Test(&p.request, &flag, &p.status);
+      if (p.rc != MPI_SUCCESS || flag != 0) {
+        p.done = true;
+        --remaining;
+      }
+    }
+    if (remaining == 0) break;
+    const auto waited = Clock::now() - start;
+    if (timeout_.count() > 0 && waited >= timeout_) break;
+    if (waited < kSpinPeriod) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(kPollInterval);
+    }
+  }
+  if (remaining == 0) return;
+
+  // Timed out. Receives can be withdrawn, so their buffers are safe again;
+  // everything else stays posted (MPI forbids cancelling a collective).
+  int waited_for = -1;
+  for (int i = 0; i < n; ++i) {
+    Pending& p = ops[i];
+    if (p.done) continue;
+    if (waited_for < 0) waited_for = p.peer;
+    if (p.receive && MPI_Cancel(&p.request) == MPI_SUCCESS) {
+      const Clock::time_point cancelled = Clock::now();
+      int flag = 0;
+      while (MPI_Test(&p.request, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag == 0 &&
+             Clock::now() - cancelled < kCancelGrace) {
+        std::this_thread::yield();
+      }
+      if (flag != 0) continue;
+    }
+    stranded_.push_back(p.request);
+  }
+  const std::string peer_text = waited_for >= 0
+                                    ? detail::concat("peer ", waited_for)
+                                    : detail::concat("a peer of this group of ", size_,
+                                                     " ranks died or did not make the same call");
+  failure_ = detail::concat(call, " in ", op, " that timed out after ", timeout_.count(), " ms");
+  SS_FAIL("mpi", call, " timed out after ", timeout_.count(), " ms in ", op, " (", peer_text, ")");
 }
 
 void MpiCommunicator::set_max_piece_elements(std::size_t elements) {
@@ -240,6 +331,7 @@ void MpiCommunicator::check_tag(int tag) const {
 void MpiCommunicator::all_gather(const void* send, void* recv, std::size_t count, CommType type) {
   const MPI_Datatype dt = mpi_type(type);
   const std::size_t elem = size_of(type);
+  check_usable();
   check_buffer(send, count, "send");
   check_buffer(recv, count, "recv");
   const std::size_t slot_bytes = count * elem;
@@ -248,8 +340,13 @@ void MpiCommunicator::all_gather(const void* send, void* recv, std::size_t count
                "overlaps recv other than at this rank's slot (the in-place layout)");
   const std::size_t pieces = piece_count(count, max_piece_elements_);
   if (pieces == 1) {
-    SS_MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : send, static_cast<int>(count), dt, recv,
-                               static_cast<int>(count), dt, comm_));
+    Pending gather;
+    SS_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : send, static_cast<int>(count), dt, recv,
+                                static_cast<int>(count), dt, comm_, &gather.request));
+    await(&gather, 1, "MPI_Iallgather", "all_gather");
+    if (gather.rc != MPI_SUCCESS) {
+      detail::throw_mpi_error(gather.rc, "MPI_Iallgather", __FILE__, __LINE__);
+    }
     return;
   }
   for (std::size_t i = 0; i < pieces; ++i) {
@@ -259,32 +356,43 @@ void MpiCommunicator::all_gather(const void* send, void* recv, std::size_t count
     SS_MPI_CHECK(
         MPI_Type_create_resized(run.get(), 0, static_cast<MPI_Aint>(slot_bytes), slot.out()));
     SS_MPI_CHECK(MPI_Type_commit(slot.out()));
-    SS_MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : byte_offset(send, offset * elem),
-                               static_cast<int>(n), dt, byte_offset(recv, offset * elem), 1,
-                               slot.get(), comm_));
+    // The datatypes must outlive the operation: wait inside the iteration.
+    Pending gather;
+    SS_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : byte_offset(send, offset * elem),
+                                static_cast<int>(n), dt, byte_offset(recv, offset * elem), 1,
+                                slot.get(), comm_, &gather.request));
+    await(&gather, 1, "MPI_Iallgather", "all_gather");
+    if (gather.rc != MPI_SUCCESS) {
+      detail::throw_mpi_error(gather.rc, "MPI_Iallgather", __FILE__, __LINE__);
+    }
   }
 }
 
 void MpiCommunicator::all_reduce_sum(void* data, std::size_t count, CommType type) {
   SS_CHECK_ARG(type != CommType::u8, "type", "all_reduce_sum is not defined for u8");
-  const MPI_Datatype dt = mpi_type(type);
-  const std::size_t elem = size_of(type);
-  check_buffer(data, count, "data");
-  for (std::size_t i = 0, pieces = piece_count(count, max_piece_elements_); i < pieces; ++i) {
-    const auto [offset, n] = piece(i, count, max_piece_elements_);
-    SS_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, byte_offset(data, offset * elem), static_cast<int>(n),
-                               dt, MPI_SUM, comm_));
-  }
+  all_reduce(data, count, type, MPI_SUM, "all_reduce_sum");
 }
 
 void MpiCommunicator::all_reduce_max(void* data, std::size_t count, CommType type) {
+  all_reduce(data, count, type, MPI_MAX, "all_reduce_max");
+}
+
+// In-place reduction, piece by piece, each piece waited for with the timeout.
+void MpiCommunicator::all_reduce(void* data, std::size_t count, CommType type, MPI_Op op,
+                                 const char* name) {
   const MPI_Datatype dt = mpi_type(type);
   const std::size_t elem = size_of(type);
+  check_usable();
   check_buffer(data, count, "data");
   for (std::size_t i = 0, pieces = piece_count(count, max_piece_elements_); i < pieces; ++i) {
     const auto [offset, n] = piece(i, count, max_piece_elements_);
-    SS_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, byte_offset(data, offset * elem), static_cast<int>(n),
-                               dt, MPI_MAX, comm_));
+    Pending reduce;
+    SS_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, byte_offset(data, offset * elem), static_cast<int>(n),
+                                dt, op, comm_, &reduce.request));
+    await(&reduce, 1, "MPI_Iallreduce", name);
+    if (reduce.rc != MPI_SUCCESS) {
+      detail::throw_mpi_error(reduce.rc, "MPI_Iallreduce", __FILE__, __LINE__);
+    }
   }
 }
 
@@ -292,10 +400,19 @@ void MpiCommunicator::broadcast(void* data, std::size_t count, CommType type, in
   const MPI_Datatype dt = mpi_type(type);
   const std::size_t elem = size_of(type);
   SS_CHECK_ARG(root >= 0 && root < size_, "root", "is ", root, ", must be in [0, ", size_, ")");
+  check_usable();
   check_buffer(data, count, "data");
   for (std::size_t i = 0, pieces = piece_count(count, max_piece_elements_); i < pieces; ++i) {
     const auto [offset, n] = piece(i, count, max_piece_elements_);
-    SS_MPI_CHECK(MPI_Bcast(byte_offset(data, offset * elem), static_cast<int>(n), dt, root, comm_));
+    Pending bcast;
+    // Everyone waits for the root's data: a missing root is the peer to name.
+    if (rank_ != root) bcast.peer = root;
+    SS_MPI_CHECK(MPI_Ibcast(byte_offset(data, offset * elem), static_cast<int>(n), dt, root, comm_,
+                            &bcast.request));
+    await(&bcast, 1, "MPI_Ibcast", "broadcast");
+    if (bcast.rc != MPI_SUCCESS) {
+      detail::throw_mpi_error(bcast.rc, "MPI_Ibcast", __FILE__, __LINE__);
+    }
   }
 }
 
@@ -305,11 +422,16 @@ void MpiCommunicator::send(const void* data, std::size_t count, CommType type, i
   check_peer(peer, false, "peer");
   check_tag(tag);
   if (peer == -1) return;
+  check_usable();
   check_buffer(data, count, "data");
   for (std::size_t i = 0, pieces = piece_count(count, max_piece_elements_); i < pieces; ++i) {
     const auto [offset, n] = piece(i, count, max_piece_elements_);
-    SS_MPI_CHECK(
-        MPI_Send(byte_offset(data, offset * elem), static_cast<int>(n), dt, peer, tag, comm_));
+    Pending sent;
+    sent.peer = peer;
+    SS_MPI_CHECK(MPI_Isend(byte_offset(data, offset * elem), static_cast<int>(n), dt, peer, tag,
+                           comm_, &sent.request));
+    await(&sent, 1, "MPI_Isend", "send");
+    if (sent.rc != MPI_SUCCESS) detail::throw_mpi_error(sent.rc, "MPI_Isend", __FILE__, __LINE__);
   }
 }
 
@@ -319,20 +441,26 @@ void MpiCommunicator::recv(void* data, std::size_t count, CommType type, int pee
   check_peer(peer, false, "peer");
   check_tag(tag);
   if (peer == -1) return;
+  check_usable();
   check_buffer(data, count, "data");
   for (std::size_t i = 0, pieces = piece_count(count, max_piece_elements_); i < pieces; ++i) {
     const auto [offset, n] = piece(i, count, max_piece_elements_);
-    MPI_Status status;
-    const int rc = MPI_Recv(byte_offset(data, offset * elem), static_cast<int>(n), dt, peer, tag,
-                            comm_, &status);
-    check_received(rc, status, dt, n, peer, "count", "MPI_Recv");
+    Pending received;
+    received.peer = peer;
+    received.receive = true;
+    SS_MPI_CHECK(MPI_Irecv(byte_offset(data, offset * elem), static_cast<int>(n), dt, peer, tag,
+                           comm_, &received.request));
+    await(&received, 1, "MPI_Irecv", "recv");
+    check_received(received.rc, received.status, dt, n, peer, "count", "MPI_Irecv");
   }
 }
 
 // Both halves at once, piece by piece: iteration i sends piece i to dest and
 // receives piece i from source, so every rank's i-th call matches its peers'
 // i-th calls and no rank waits on a later iteration (no deadlock). A half
-// with fewer pieces, or a peer of -1, uses MPI_PROC_NULL for the rest.
+// with fewer pieces, or a peer of -1, uses MPI_PROC_NULL for the rest. The
+// in-place exchange sends from a copy of the piece (there is no non-blocking
+// MPI_Sendrecv_replace before MPI-4).
 void MpiCommunicator::send_recv(const void* send, std::size_t send_count, int dest, void* recv,
                                 std::size_t recv_count, int source, CommType type, int tag) {
   const MPI_Datatype dt = mpi_type(type);
@@ -346,40 +474,66 @@ void MpiCommunicator::send_recv(const void* send, std::size_t send_count, int de
   const bool in_place = both && send == recv && send_count == recv_count && send_count > 0;
   SS_CHECK_ARG(!both || in_place || !overlaps(send, send_count * elem, recv, recv_count * elem),
                "recv", "overlaps send (only send == recv with equal counts may share memory)");
+  check_usable();
   const std::size_t send_pieces = dest == -1 ? 0 : piece_count(send_count, max_piece_elements_);
   const std::size_t recv_pieces = source == -1 ? 0 : piece_count(recv_count, max_piece_elements_);
+  std::vector<unsigned char> in_place_copy;
   for (std::size_t i = 0; i < std::max(send_pieces, recv_pieces); ++i) {
     const auto [send_offset, send_n] = piece(i, send_count, max_piece_elements_);
     const auto [recv_offset, recv_n] = piece(i, recv_count, max_piece_elements_);
     const int to = i < send_pieces ? dest : MPI_PROC_NULL;
     const int from = i < recv_pieces ? source : MPI_PROC_NULL;
-    MPI_Status status;
-    if (in_place) {
-      const int rc =
-          MPI_Sendrecv_replace(byte_offset(recv, recv_offset * elem), static_cast<int>(recv_n), dt,
-                               to, tag, from, tag, comm_, &status);
-      check_received(rc, status, dt, recv_n, from, "recv_count", "MPI_Sendrecv_replace");
-    } else {
-      const int rc = MPI_Sendrecv(
-          byte_offset(send, send_offset * elem), static_cast<int>(to == MPI_PROC_NULL ? 0 : send_n),
-          dt, to, tag, byte_offset(recv, recv_offset * elem),
-          static_cast<int>(from == MPI_PROC_NULL ? 0 : recv_n), dt, from, tag, comm_, &status);
-      check_received(rc, status, dt, recv_n, from, "recv_count", "MPI_Sendrecv");
+    const std::size_t send_bytes = (to == MPI_PROC_NULL ? 0 : send_n) * elem;
+    const void* send_from = byte_offset(send, send_offset * elem);
+    if (in_place && send_bytes > 0) {
+      const auto* first = static_cast<const unsigned char*>(send_from);
+      in_place_copy.assign(first, first + send_bytes);
+      send_from = in_place_copy.data();
+    }
+    // ops[0] receives, ops[1] sends: the receive is posted first so a
+    // message to oneself finds it.
+    Pending ops[2];
+    ops[0].receive = true;
+    ops[0].peer = from;
+    ops[1].peer = to;
+    SS_MPI_CHECK(MPI_Irecv(byte_offset(recv, recv_offset * elem),
+                           static_cast<int>(from == MPI_PROC_NULL ? 0 : recv_n), dt, from, tag,
+                           comm_, &ops[0].request));
+    SS_MPI_CHECK(MPI_Isend(send_from, static_cast<int>(send_bytes / elem), dt, to, tag, comm_,
+                           &ops[1].request));
+    await(ops, 2, "MPI_Irecv/MPI_Isend", "send_recv");
+    check_received(ops[0].rc, ops[0].status, dt, recv_n, from, "recv_count", "MPI_Irecv");
+    if (ops[1].rc != MPI_SUCCESS) {
+      detail::throw_mpi_error(ops[1].rc, "MPI_Isend", __FILE__, __LINE__);
     }
   }
 }
 
 void MpiCommunicator::barrier() {
-  SS_MPI_CHECK(MPI_Barrier(comm_));
+  timed_barrier("barrier");
+}
+
+void MpiCommunicator::timed_barrier(const char* op) {
+  check_usable();
+  Pending arrived;
+  SS_MPI_CHECK(MPI_Ibarrier(comm_, &arrived.request));
+  await(&arrived, 1, "MPI_Ibarrier", op);
+  if (arrived.rc != MPI_SUCCESS) {
+    detail::throw_mpi_error(arrived.rc, "MPI_Ibarrier", __FILE__, __LINE__);
+  }
 }
 
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   SS_CHECK_ARG(color >= 0, "color", "is ", color, ", must be >= 0");
+  // MPI_Comm_split has no non-blocking form: a timed barrier first makes sure
+  // every rank arrived, so the split itself cannot wait on a missing one.
+  timed_barrier("split");
   MPI_Comm group = MPI_COMM_NULL;
   SS_MPI_CHECK(MPI_Comm_split(comm_, color, key, &group));
   std::unique_ptr<MpiCommunicator> sub(new MpiCommunicator(group, Adopt{}));
   // The piece size is part of the protocol between ranks; the sub-group keeps it.
   sub->max_piece_elements_ = max_piece_elements_;
+  sub->timeout_ = timeout_;
   return sub;
 }
 

@@ -14,6 +14,16 @@
 // Counts above INT_MAX elements are sent in pieces of at most INT_MAX
 // elements, so no size is truncated. Point-to-point receives must name the
 // exact count that was sent: a shorter or longer message throws.
+//
+// Timeouts: every operation is posted non-blocking and polled until it
+// completes or timeout() passes (default: STATESCAN_COMM_TIMEOUT_MS, else
+// 10 minutes; see Communicator::set_timeout), so a peer that died or skipped a
+// call becomes a statescan::Error ("... timed out after X ms in <op>") on every
+// rank that waits for it instead of a silent hang. MPI cannot cancel a
+// collective: after a timeout the operation stays posted, the buffers given to
+// the timed-out call may still be written if the peer turns up late, and this
+// communicator refuses every later call. The application should then end the
+// job (MPI_Abort) or at least abandon the communicator.
 #pragma once
 
 // Leave out the deprecated MPI-2 C++ bindings: Open MPI's declare a global
@@ -27,8 +37,11 @@
 #endif
 #include <mpi.h>
 
+#include <chrono>
 #include <cstddef>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 
@@ -105,22 +118,49 @@ class MpiCommunicator final : public Communicator {
   void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
                  std::size_t recv_count, int source, CommType type, int tag) override;
   void barrier() override;
-  // Returns an MpiCommunicator over the new group (color must be >= 0).
+  // Returns an MpiCommunicator over the new group (color must be >= 0). The
+  // sub-group inherits this communicator's timeout. A timed barrier runs first,
+  // so a rank that never calls split is reported instead of hanging the others.
   std::unique_ptr<Communicator> split(int color, int key) override;
 
+  // Zero waits forever; negative throws. See the file comment.
+  void set_timeout(std::chrono::milliseconds timeout) override;
+  std::chrono::milliseconds timeout() const override { return timeout_; }
+
  private:
+  // One posted non-blocking operation of a call and how it ended.
+  struct Pending {
+    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Status status{};
+    int rc = MPI_SUCCESS;  // MPI_Test's return code once done
+    bool done = false;
+    bool receive = false;  // receives can be cancelled on timeout
+    int peer = -1;         // the rank waited for; -1 for a collective
+  };
+
   struct Adopt {};
   // Takes ownership of `comm` without duplicating it (used by split()).
   MpiCommunicator(MPI_Comm comm, Adopt);
   void init_owned();
   void check_peer(int peer, bool allow_self, const char* name) const;
   void check_tag(int tag) const;
+  // Throws if an earlier call timed out (the communicator is then unusable).
+  void check_usable() const;
+  void all_reduce(void* data, std::size_t count, CommType type, MPI_Op op, const char* name);
+  void timed_barrier(const char* op);
+  // Polls `ops` until every one completed or the timeout passed; on timeout
+  // cancels the receives, keeps the rest in stranded_, marks this
+  // communicator failed and throws naming `call`, `op` and the peer.
+  void await(Pending* ops, int n, const char* call, const char* op);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   int local_rank_ = 0, local_size_ = 1;
   int tag_upper_bound_ = 32767;  // the MPI standard's guaranteed minimum
   std::size_t max_piece_elements_;
+  std::chrono::milliseconds timeout_;
+  std::string failure_;                // non-empty after a timeout: what timed out
+  std::vector<MPI_Request> stranded_;  // posted operations a timeout left behind
 };
 
 // Node-local rank and number of ranks of MPI_COMM_WORLD (shared memory

@@ -1,0 +1,456 @@
+#include "comm/nccl_communicator.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <thread>
+
+#include "comm/collective_check.h"
+#include "core/cuda_check.h"
+
+namespace statescan {
+
+namespace detail {
+void throw_nccl_error(ncclResult_t code, ncclComm_t comm, const char* call, const char* file,
+                      int line) {
+  std::string text = concat(call, " failed: ", ncclGetErrorString(code));
+  const char* last = ncclGetLastError(comm);
+  if (last != nullptr && *last != '\0') text += concat(" (", last, ")");
+  throw Error("nccl", text, file, line);
+}
+}  // namespace detail
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Polling as in MpiCommunicator: back to back (yielding) for the first
+// kSpinPeriod, as cudaStreamSynchronize would spin, then sleep between polls
+// so a long wait does not burn a core.
+constexpr std::chrono::milliseconds kSpinPeriod{1000};
+constexpr std::chrono::microseconds kPollInterval{100};
+
+ncclDataType_t nccl_type(CommType t) {
+  switch (t) {
+    case CommType::f32:
+      return ncclFloat32;
+    case CommType::f64:
+      return ncclFloat64;
+    case CommType::i64:
+      return ncclInt64;
+    case CommType::u8:
+      return ncclUint8;
+  }
+  SS_FAIL("type", "unknown CommType value ", static_cast<int>(t));
+}
+
+bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
+  if (a_bytes == 0 || b_bytes == 0) return false;
+  const auto pa = reinterpret_cast<std::uintptr_t>(a), pb = reinterpret_cast<std::uintptr_t>(b);
+  return pa < pb + b_bytes && pb < pa + a_bytes;
+}
+
+// A communicator config that makes every NCCL call return at once
+// (ncclInProgress while it works), so the host can watch the clock.
+ncclConfig_t nonblocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+// Waits, bounded by `timeout` (zero: forever), until a freshly created
+// communicator has finished initialising. Aborts it and throws on failure.
+void await_init(ncclComm_t comm, std::chrono::milliseconds timeout, const char* op) {
+  const Clock::time_point start = Clock::now();
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm, &state);
+    if (rc != ncclSuccess) state = rc;
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) {
+      const std::string last = ncclGetLastError(comm);
+      ncclCommAbort(comm);
+      SS_FAIL("nccl", op, " failed: ", ncclGetErrorString(state), last.empty() ? "" : " (", last,
+              last.empty() ? "" : ")");
+    }
+    const auto waited = Clock::now() - start;
+    if (timeout.count() > 0 && waited >= timeout) {
+      ncclCommAbort(comm);
+      SS_FAIL("nccl", op, " timed out after ", timeout.count(),
+              " ms (a peer died or did not make the same call)");
+    }
+    if (waited < kSpinPeriod) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(kPollInterval);
+    }
+  }
+}
+
+}  // namespace
+
+// ---- creation --------------------------------------------------------------------
+
+int NcclCommunicator::device_for(const MpiCommunicator& mpi) {
+  int devices = 0;
+  SS_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  SS_CHECK_ARG(devices > 0, "device", "no CUDA device is visible to rank ", mpi.rank());
+  return mpi.local_rank() % devices;
+}
+
+// Order matters: the GPU is chosen (and agreed to be valid on every rank)
+// before the id is broadcast, so a rank that cannot take part makes every
+// rank throw the same error instead of leaving the others in ncclCommInit.
+std::unique_ptr<NcclCommunicator> NcclCommunicator::create(MpiCommunicator& mpi,
+                                                           cudaStream_t stream,
+                                                           const Options& options) {
+  const std::chrono::milliseconds timeout = options.timeout.value_or(comm_timeout_from_env());
+  SS_CHECK_ARG(timeout.count() >= 0, "timeout", "is ", timeout.count(),
+               " ms, must be >= 0 (0: wait forever)");
+  int device = -1;
+  collective_check(mpi, [&] {
+    int devices = 0;
+    SS_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    SS_CHECK_ARG(devices > 0, "device", "no CUDA device is visible to rank ", mpi.rank());
+    SS_CHECK_ARG(options.allow_shared_gpu || mpi.local_size() <= devices, "device", "the node has ",
+                 mpi.local_size(), " ranks but only ", devices,
+                 " GPUs; run one rank per GPU (or set Options::allow_shared_gpu)");
+    device = mpi.local_rank() % devices;
+    SS_CUDA_CHECK(cudaSetDevice(device));
+  });
+
+  ncclUniqueId id{};
+  if (mpi.rank() == 0) SS_NCCL_CHECK(ncclGetUniqueId(&id));
+  mpi.broadcast(&id, sizeof id, CommType::u8, 0);
+
+  ncclConfig_t config = nonblocking_config();
+  ncclComm_t comm = nullptr;
+  const ncclResult_t rc = ncclCommInitRankConfig(&comm, mpi.size(), id, mpi.rank(), &config);
+  if (rc != ncclSuccess && rc != ncclInProgress) {
+    if (comm != nullptr) ncclCommAbort(comm);
+    detail::throw_nccl_error(rc, nullptr, "ncclCommInitRankConfig", __FILE__, __LINE__);
+  }
+  await_init(comm, timeout, "ncclCommInitRankConfig");
+  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(comm, device, stream, timeout));
+}
+
+// Takes an initialised communicator; aborts it if anything here fails, since
+// the destructor will not run for a constructor that throws.
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device, cudaStream_t stream,
+                                   std::chrono::milliseconds timeout)
+    : comm_(comm), device_(device), stream_(stream), timeout_(timeout) {
+  try {
+    SS_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+    SS_NCCL_CHECK(ncclCommCount(comm_, &size_));
+    SS_CUDA_CHECK(cudaSetDevice(device_));
+    SS_CUDA_CHECK(cudaMalloc(&token_, sizeof(int64_t)));
+    // Zero, so barrier()'s sums of it stay zero forever.
+    SS_CUDA_CHECK(cudaMemset(token_, 0, sizeof(int64_t)));
+  } catch (...) {
+    if (token_ != nullptr) cudaFree(token_);
+    ncclCommAbort(comm_);
+    throw;
+  }
+}
+
+// Finalising flushes what was enqueued; it is bounded by the timeout like
+// every wait, and abort is the fallback (a destructor cannot throw).
+NcclCommunicator::~NcclCommunicator() {
+  if (comm_ != nullptr && failure_.empty()) {
+    bool finalised = false;
+    if (group_depth_ == 0) {
+      ncclResult_t rc = ncclCommFinalize(comm_);
+      const Clock::time_point start = Clock::now();
+      while (rc == ncclInProgress) {
+        if (timeout_.count() > 0 && Clock::now() - start >= timeout_) break;
+        std::this_thread::sleep_for(kPollInterval);
+        ncclResult_t state = ncclSuccess;
+        rc = ncclCommGetAsyncError(comm_, &state);
+        if (rc == ncclSuccess) rc = state;
+      }
+      finalised = rc == ncclSuccess;
+    }
+    if (finalised) {
+      ncclCommDestroy(comm_);
+    } else {
+      ncclCommAbort(comm_);
+    }
+  }
+  comm_ = nullptr;
+  // Aborted or finalised: nothing of ours is in flight any more.
+  if (token_ != nullptr) cudaFree(token_);
+  if (scratch_ != nullptr) cudaFree(scratch_);
+}
+
+// ---- checks ----------------------------------------------------------------------
+
+void NcclCommunicator::check_usable() const {
+  SS_CHECK_ARG(failure_.empty(), "nccl", "this communicator was aborted after ", failure_,
+               "; it cannot be used again");
+}
+
+// NCCL reads and writes buffers from its kernels: a host pointer would fault
+// on the GPU (a sticky error that kills the context), so refuse it here.
+void NcclCommunicator::check_device_buffer(const void* p, std::size_t count,
+                                           const char* name) const {
+  if (count == 0) return;
+  SS_CHECK_ARG(p != nullptr, name, "is null but count is ", count);
+  cudaPointerAttributes attributes{};
+  SS_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p));
+  SS_CHECK_ARG(attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged,
+               name, "is not device memory (cudaMemoryType ", static_cast<int>(attributes.type),
+               "); the NCCL communicator works on device buffers");
+  SS_CHECK_ARG(attributes.type == cudaMemoryTypeManaged || attributes.device == device_, name,
+               "is memory of GPU ", attributes.device, ", not of this communicator's GPU ",
+               device_);
+}
+
+void NcclCommunicator::check_peer(int peer, bool allow_self, const char* name) const {
+  SS_CHECK_ARG(peer >= -1 && peer < size_, name, "is ", peer, ", must be -1 or in [0, ", size_,
+               ")");
+  SS_CHECK_ARG(allow_self || peer != rank_, name, "is this rank (", rank_,
+               "); a send or receive to oneself completes only inside group_start/group_end");
+}
+
+void NcclCommunicator::set_timeout(std::chrono::milliseconds timeout) {
+  SS_CHECK_ARG(timeout.count() >= 0, "timeout", "is ", timeout.count(),
+               " ms, must be >= 0 (0: wait forever)");
+  timeout_ = timeout;
+}
+
+// ---- the watchdog ------------------------------------------------------------------
+
+void NcclCommunicator::abort(const std::string& reason) {
+  if (!failure_.empty() || comm_ == nullptr) return;
+  failure_ = reason.empty() ? std::string("abort()") : reason;
+  ncclCommAbort(comm_);
+  comm_ = nullptr;
+  group_depth_ = 0;
+}
+
+// Aborting releases this rank's kernels that wait for a peer, so the stream
+// drains and the process can go on to report the error.
+void NcclCommunicator::fail(const std::string& message) {
+  abort(message);
+  SS_FAIL("nccl", message);
+}
+
+void NcclCommunicator::settle(ncclResult_t rc, const char* call, const char* op) {
+  if (rc == ncclSuccess) return;
+  if (rc == ncclInProgress) {
+    poll(op, nullptr);
+    return;
+  }
+  const char* last = ncclGetLastError(comm_);
+  fail(detail::concat(call, " in ", op, " failed: ", ncclGetErrorString(rc),
+                      last != nullptr && *last != '\0' ? detail::concat(" (", last, ")") : ""));
+}
+
+void NcclCommunicator::poll(const char* op, cudaStream_t* stream_done) {
+  const Clock::time_point start = Clock::now();
+  bool accepted = false;
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+    if (rc != ncclSuccess) state = rc;
+    if (state != ncclSuccess && state != ncclInProgress) {
+      const char* last = ncclGetLastError(comm_);
+      fail(detail::concat(op, " failed: NCCL reports ", ncclGetErrorString(state),
+                          last != nullptr && *last != '\0' ? detail::concat(" (", last, ")") : "",
+                          " (an error on a peer or on this rank's network)"));
+    }
+    accepted = state == ncclSuccess;
+    if (accepted) {
+      if (stream_done == nullptr) return;
+      const cudaError_t query = cudaStreamQuery(*stream_done);
+      if (query == cudaSuccess) return;
+      if (query != cudaErrorNotReady) {
+        fail(detail::concat(op, ": the stream failed: ", cudaGetErrorName(query), " (",
+                            cudaGetErrorString(query), ")"));
+      }
+    }
+    const auto waited = Clock::now() - start;
+    if (timeout_.count() > 0 && waited >= timeout_) {
+      fail(detail::concat(op, " timed out after ", timeout_.count(), " ms (",
+                          accepted ? "the stream did not drain" : "NCCL did not accept the call",
+                          "; a peer died, stalled or did not make the same call)"));
+    }
+    if (waited < kSpinPeriod) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(kPollInterval);
+    }
+  }
+}
+
+void NcclCommunicator::wait() {
+  wait(stream_);
+}
+
+void NcclCommunicator::wait(cudaStream_t stream) {
+  check_usable();
+  SS_CHECK_ARG(group_depth_ == 0, "wait", "called inside group_start/group_end: the grouped ",
+               "operations are only issued at group_end");
+  poll("wait", &stream);
+}
+
+// ---- operations --------------------------------------------------------------------
+
+void NcclCommunicator::all_gather(const void* send, void* recv, std::size_t count, CommType type) {
+  const ncclDataType_t dt = nccl_type(type);
+  const std::size_t elem = size_of(type);
+  check_usable();
+  check_device_buffer(send, count, "send");
+  check_device_buffer(recv, count * size_, "recv");
+  const std::size_t slot_bytes = count * elem;
+  const bool in_place = count > 0 && send == static_cast<const char*>(recv) +
+                                                 static_cast<std::size_t>(rank_) * slot_bytes;
+  SS_CHECK_ARG(in_place || !overlaps(send, slot_bytes, recv, size_ * slot_bytes), "send",
+               "overlaps recv other than at this rank's slot (the in-place layout)");
+  settle(ncclAllGather(send, recv, count, dt, comm_, stream_), "ncclAllGather", "all_gather");
+}
+
+void NcclCommunicator::all_reduce_sum(void* data, std::size_t count, CommType type) {
+  SS_CHECK_ARG(type != CommType::u8, "type", "all_reduce_sum is not defined for u8");
+  const ncclDataType_t dt = nccl_type(type);
+  check_usable();
+  check_device_buffer(data, count, "data");
+  settle(ncclAllReduce(data, data, count, dt, ncclSum, comm_, stream_), "ncclAllReduce",
+         "all_reduce_sum");
+}
+
+void NcclCommunicator::all_reduce_max(void* data, std::size_t count, CommType type) {
+  const ncclDataType_t dt = nccl_type(type);
+  check_usable();
+  check_device_buffer(data, count, "data");
+  settle(ncclAllReduce(data, data, count, dt, ncclMax, comm_, stream_), "ncclAllReduce",
+         "all_reduce_max");
+}
+
+void NcclCommunicator::broadcast(void* data, std::size_t count, CommType type, int root) {
+  const ncclDataType_t dt = nccl_type(type);
+  SS_CHECK_ARG(root >= 0 && root < size_, "root", "is ", root, ", must be in [0, ", size_, ")");
+  check_usable();
+  check_device_buffer(data, count, "data");
+  settle(ncclBroadcast(data, data, count, dt, root, comm_, stream_), "ncclBroadcast", "broadcast");
+}
+
+void NcclCommunicator::send(const void* data, std::size_t count, CommType type, int peer, int tag) {
+  const ncclDataType_t dt = nccl_type(type);
+  check_peer(peer, group_depth_ > 0, "peer");
+  SS_CHECK_ARG(tag >= 0, "tag", "is ", tag, ", must be >= 0");
+  if (peer == -1) return;
+  check_usable();
+  check_device_buffer(data, count, "data");
+  settle(ncclSend(data, count, dt, peer, comm_, stream_), "ncclSend", "send");
+}
+
+void NcclCommunicator::recv(void* data, std::size_t count, CommType type, int peer, int tag) {
+  const ncclDataType_t dt = nccl_type(type);
+  check_peer(peer, group_depth_ > 0, "peer");
+  SS_CHECK_ARG(tag >= 0, "tag", "is ", tag, ", must be >= 0");
+  if (peer == -1) return;
+  check_usable();
+  check_device_buffer(data, count, "data");
+  settle(ncclRecv(data, count, dt, peer, comm_, stream_), "ncclRecv", "recv");
+}
+
+// Grows the scratch buffer to at least `bytes`. cudaFree synchronises the
+// device, which is what makes replacing a buffer still read by an earlier
+// exchange safe; it happens only when a larger exchange comes along.
+void NcclCommunicator::ensure_scratch(std::size_t bytes) {
+  if (bytes <= scratch_bytes_) return;
+  if (scratch_ != nullptr) {
+    SS_CUDA_CHECK(cudaFree(scratch_));
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+  }
+  SS_CUDA_CHECK(cudaMalloc(&scratch_, bytes));
+  scratch_bytes_ = bytes;
+}
+
+// One group holds both halves, so every rank posting both never deadlocks.
+// In place, the outgoing data is copied first (stream-ordered), since NCCL
+// may write the receive while it still reads the send.
+void NcclCommunicator::send_recv(const void* send, std::size_t send_count, int dest, void* recv,
+                                 std::size_t recv_count, int source, CommType type, int tag) {
+  const ncclDataType_t dt = nccl_type(type);
+  const std::size_t elem = size_of(type);
+  check_peer(dest, true, "peer");
+  check_peer(source, true, "peer");
+  SS_CHECK_ARG(tag >= 0, "tag", "is ", tag, ", must be >= 0");
+  check_usable();
+  if (dest != -1) check_device_buffer(send, send_count, "send");
+  if (source != -1) check_device_buffer(recv, recv_count, "recv");
+  const bool both = dest != -1 && source != -1;
+  const bool in_place = both && send == recv && send_count == recv_count && send_count > 0;
+  SS_CHECK_ARG(!both || in_place || !overlaps(send, send_count * elem, recv, recv_count * elem),
+               "recv", "overlaps send (only send == recv with equal counts may share memory)");
+  if (dest == -1 && source == -1) return;
+  const void* outgoing = send;
+  if (in_place) {
+    ensure_scratch(send_count * elem);
+    SS_CUDA_CHECK(
+        cudaMemcpyAsync(scratch_, send, send_count * elem, cudaMemcpyDeviceToDevice, stream_));
+    outgoing = scratch_;
+  }
+  group_start();
+  try {
+    if (dest != -1) {
+      settle(ncclSend(outgoing, send_count, dt, dest, comm_, stream_), "ncclSend", "send_recv");
+    }
+    if (source != -1) {
+      settle(ncclRecv(recv, recv_count, dt, source, comm_, stream_), "ncclRecv", "send_recv");
+    }
+  } catch (...) {
+    // The communicator is aborted already; close NCCL's (thread-wide) group.
+    ncclGroupEnd();
+    throw;
+  }
+  group_end();
+}
+
+void NcclCommunicator::group_start() {
+  check_usable();
+  SS_NCCL_CHECK(ncclGroupStart());
+  ++group_depth_;
+}
+
+void NcclCommunicator::group_end() {
+  check_usable();
+  SS_CHECK_ARG(group_depth_ > 0, "group_end", "called without a matching group_start");
+  --group_depth_;
+  settle(ncclGroupEnd(), "ncclGroupEnd", "group_end");
+}
+
+// A one-element all-reduce is enough to synchronise the ranks: nobody's
+// reduction completes before everyone contributed. Then the stream is waited
+// for, under the watchdog.
+void NcclCommunicator::barrier() {
+  check_usable();
+  SS_CHECK_ARG(group_depth_ == 0, "barrier", "called inside group_start/group_end");
+  settle(ncclAllReduce(token_, token_, 1, ncclInt64, ncclSum, comm_, stream_), "ncclAllReduce",
+         "barrier");
+  poll("barrier", &stream_);
+}
+
+std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
+  SS_CHECK_ARG(color >= 0, "color", "is ", color, ", must be >= 0");
+  check_usable();
+  SS_CHECK_ARG(group_depth_ == 0, "split", "called inside group_start/group_end");
+  ncclConfig_t config = nonblocking_config();
+  ncclComm_t sub = nullptr;
+  const ncclResult_t rc = ncclCommSplit(comm_, color, key, &sub, &config);
+  if (rc != ncclSuccess && rc != ncclInProgress) {
+    const char* last = ncclGetLastError(comm_);
+    fail(detail::concat("ncclCommSplit in split failed: ", ncclGetErrorString(rc),
+                        last != nullptr && *last != '\0' ? detail::concat(" (", last, ")") : ""));
+  }
+  // The parent is busy until the split is done, the child until it is
+  // initialised; both are watched.
+  poll("split", nullptr);
+  SS_CHECK_ARG(sub != nullptr, "nccl", "ncclCommSplit returned no communicator for color ", color);
+  await_init(sub, timeout_, "ncclCommSplit");
+  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(sub, device_, stream_, timeout_));
+}
+
+}  // namespace statescan

@@ -1,0 +1,194 @@
+// NcclCommunicator: the Communicator over NCCL, for device buffers.
+//
+// Stream-ordered: every operation is *enqueued* on the communicator's CUDA
+// stream (the caller's, see create() and set_stream()) and returns at once;
+// it is complete when the stream reaches it. So the Communicator interface's
+// "blocking" reads here as "ordered on the stream": kernels enqueued after a
+// call on the same stream see its result, the host must wait() (or barrier())
+// before it reads results or reuses buffers. Buffers must be device (or
+// managed) memory of this communicator's GPU; host pointers throw.
+//
+// Fault handling: NCCL communicators are created non-blocking, which is what
+// allows abort-on-timeout. Whenever this object waits, for NCCL to accept an
+// operation or for the stream (wait(), barrier(), split(), creation), it
+// polls the stream and ncclCommGetAsyncError until done, an error, or
+// timeout(); on an error or a timeout it calls ncclCommAbort, which also
+// releases this rank's kernels stuck waiting for a peer, and throws
+// statescan::Error (argument "nccl") naming the operation and either "timed
+// out after X ms" or NCCL's error text. After that the communicator is
+// unusable: every later call throws. NCCL expects every active rank to call
+// ncclCommAbort, and the abort may wait for the other ranks of the node to
+// abort too; they do, each when its own wait fails or times out (or by
+// calling abort()). Synchronising the stream yourself
+// (cudaStreamSynchronize) bypasses the watchdog and can hang if a peer died:
+// wait through the communicator.
+//
+// Not thread-safe: one host thread drives a communicator (as with NCCL
+// itself, whose groups are per thread).
+//
+// Usage (every rank, one GPU per rank):
+//   statescan::MpiEnvironment env(&argc, &argv);
+//   auto mpi = statescan::MpiCommunicator::world();
+//   cudaSetDevice(statescan::NcclCommunicator::device_for(*mpi));
+//   cudaStream_t stream;  cudaStreamCreate(&stream);             // on that GPU
+//   auto nccl = statescan::NcclCommunicator::create(*mpi, stream);
+//   nccl->all_reduce_sum(d_grad, n, statescan::CommType::f32);   // enqueued
+//   nccl->wait();                                                // host waits, watched
+// create() selects the same GPU itself (cudaSetDevice); the stream must be
+// one of that GPU. Stream 0 (the default stream) is allowed.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "comm/communicator.h"
+#include "comm/mpi_communicator.h"
+#include "core/error.h"
+
+namespace statescan {
+
+namespace detail {
+// Throws statescan::Error (argument "nccl") with ncclGetErrorString's text for
+// `code`, the comm's last error text when there is one, and the call's source.
+[[noreturn]] void throw_nccl_error(ncclResult_t code, ncclComm_t comm, const char* call,
+                                   const char* file, int line);
+}  // namespace detail
+
+// Options of NcclCommunicator::create (outside the class so that `= {}` can
+// default it).
+struct NcclOptions {
+  // Unset: STATESCAN_COMM_TIMEOUT_MS, else kDefaultCommTimeout. Zero waits
+  // forever.
+  std::optional<std::chrono::milliseconds> timeout;
+  // More ranks on a node than GPUs is refused by default (two ranks would
+  // share a GPU, which NCCL itself rejects inside one communicator). Allow it
+  // for layouts where such ranks never share a communicator.
+  bool allow_shared_gpu = false;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  using Options = NcclOptions;
+
+  // The GPU create() will select for this rank: mpi.local_rank() modulo the
+  // number of visible GPUs. Local.
+  static int device_for(const MpiCommunicator& mpi);
+
+  // Bootstraps a communicator over the ranks of `mpi`: selects this rank's GPU
+  // (cudaSetDevice), rank 0 makes the NCCL unique id and broadcasts it over
+  // `mpi`, then every rank joins. Collective over `mpi`; a local failure (too
+  // few GPUs) throws the same error on every rank. Operations are enqueued on
+  // `stream`.
+  static std::unique_ptr<NcclCommunicator> create(MpiCommunicator& mpi, cudaStream_t stream,
+                                                  const Options& options = {});
+
+  // Finalises the communicator (waiting, bounded by the timeout, for what was
+  // enqueued), or aborts it after an error or when finalising times out.
+  ~NcclCommunicator() override;
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend() const override { return "nccl"; }
+
+  int device() const { return device_; }
+  cudaStream_t stream() const { return stream_; }
+  // Later operations are enqueued on `stream` (a stream of device()). Local.
+  void set_stream(cudaStream_t stream) { stream_ = stream; }
+  ncclComm_t native() const { return comm_; }
+
+  // Enqueued on stream(). all_gather accepts the in-place layout send ==
+  // recv + rank() * count. Sum is refused for u8, as on every backend.
+  void all_gather(const void* send, void* recv, std::size_t count, CommType type) override;
+  void all_reduce_sum(void* data, std::size_t count, CommType type) override;
+  void all_reduce_max(void* data, std::size_t count, CommType type) override;
+  void broadcast(void* data, std::size_t count, CommType type, int root) override;
+  // Point to point, enqueued. NCCL has no tags: `tag` must be >= 0 and is
+  // otherwise ignored; messages between one pair match in the order they were
+  // posted, and a receive must name the count that was sent (NCCL cannot
+  // check it). A peer of -1 is a no-op; to oneself is refused outside a group
+  // (it could never complete).
+  void send(const void* data, std::size_t count, CommType type, int peer, int tag) override;
+  void recv(void* data, std::size_t count, CommType type, int peer, int tag) override;
+  // Both halves in one NCCL group. send == recv with equal counts exchanges in
+  // place (through a scratch copy of the outgoing data); other overlaps throw.
+  void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
+                 std::size_t recv_count, int source, CommType type, int tag) override;
+  // A one-element all-reduce, then wait(): returns when every rank got here
+  // and everything enqueued before it on stream() has completed.
+  void barrier() override;
+  // ncclCommSplit (collective): a communicator over the new group on the same
+  // GPU, stream and timeout. color must be >= 0.
+  std::unique_ptr<Communicator> split(int color, int key) override;
+
+  // Grouped calls: operations between group_start() and group_end() are
+  // issued together (ncclGroupStart/End), e.g. many sends and receives to
+  // different peers at once, including to oneself. Groups nest.
+  void group_start();
+  void group_end();
+
+  // Blocks the host until everything enqueued on `stream` (default: stream())
+  // completed, polling the stream and NCCL's asynchronous error state; aborts
+  // and throws on an error or after timeout().
+  void wait();
+  void wait(cudaStream_t stream);
+
+  // Zero waits forever; negative throws. Local.
+  void set_timeout(std::chrono::milliseconds timeout) override;
+  std::chrono::milliseconds timeout() const override { return timeout_; }
+
+  // Aborts the communicator at once (e.g. when this rank must give up): its
+  // enqueued operations end, its peers' operations with it will fail or time
+  // out, and every later call throws. Local; never throws.
+  void abort(const std::string& reason);
+  bool aborted() const { return !failure_.empty(); }
+
+ private:
+  NcclCommunicator(ncclComm_t comm, int device, cudaStream_t stream,
+                   std::chrono::milliseconds timeout);
+  void check_usable() const;
+  void check_device_buffer(const void* p, std::size_t count, const char* name) const;
+  void check_peer(int peer, bool allow_self, const char* name) const;
+  // After an NCCL call returned `rc`: success passes; ncclInProgress waits
+  // (bounded) until NCCL has accepted the call; anything else aborts and
+  // throws naming `call` and `op`.
+  void settle(ncclResult_t rc, const char* call, const char* op);
+  // Polls until the comm's async state leaves ncclInProgress and, when
+  // `stream_done` is given, the stream drained; aborts and throws on error or
+  // timeout.
+  void poll(const char* op, cudaStream_t* stream_done);
+  [[noreturn]] void fail(const std::string& message);
+  void ensure_scratch(std::size_t bytes);
+
+  ncclComm_t comm_ = nullptr;
+  int rank_ = 0, size_ = 1;
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::chrono::milliseconds timeout_;
+  int group_depth_ = 0;      // nesting of group_start() on this communicator
+  std::string failure_;      // non-empty once aborted: why
+  void* scratch_ = nullptr;  // device memory for in-place send_recv's outgoing copy
+  std::size_t scratch_bytes_ = 0;
+  void* token_ = nullptr;  // 8 device bytes for barrier()
+};
+
+}  // namespace statescan
+
+// Checks an NCCL call that has no communicator-level recovery (ncclGetUniqueId,
+// group calls outside a communicator, ...): throws statescan::Error on failure.
+// Inside NcclCommunicator, calls go through settle() instead, which also
+// handles non-blocking communicators' ncclInProgress and aborts on failure.
+#define SS_NCCL_CHECK(call)                                                                   \
+  do {                                                                                        \
+    const ncclResult_t ss_nccl_rc_ = (call);                                                  \
+    if (ss_nccl_rc_ != ncclSuccess) {                                                         \
+      ::statescan::detail::throw_nccl_error(ss_nccl_rc_, nullptr, #call, __FILE__, __LINE__); \
+    }                                                                                         \
+  } while (0)

@@ -1,0 +1,363 @@
+// Fault handling of MpiCommunicator: a rank that fails mid-exchange (throws
+// before a collective, or never sends) must turn into a statescan::Error that
+// names the timeout on every rank waiting for it, within the timeout plus a
+// little slack, instead of a hang. Runs under mpirun -np 2, 3, 4 (main in
+// mpi_gtest_main.cpp).
+//
+// Each fault happens on a communicator of its own ("doomed"), split from the
+// world: after a timeout it is unusable. Once every survivor has timed out,
+// the victim posts the matching call late, so the operations the survivors
+// left posted complete and nothing is pending when MPI finalises. The world
+// communicator only coordinates, with a generous timeout of its own so a bug
+// here fails the test instead of hanging CI.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/mpi_communicator.h"
+#include "core/error.h"
+
+namespace statescan {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr milliseconds kTimeout{1000};
+// Oversubscribed CI (4 ranks on 2 cores) delays a rank's polling a little.
+constexpr milliseconds kSlack{2500};
+constexpr milliseconds kCoordinationTimeout{30000};
+
+std::unique_ptr<MpiCommunicator> coordinator() {
+  auto world = MpiCommunicator::world();
+  world->set_timeout(kCoordinationTimeout);
+  return world;
+}
+
+// What one rank saw of a call.
+struct Outcome {
+  bool threw = false;
+  std::string argument, what;
+  milliseconds elapsed{0};
+};
+
+template <typename F>
+Outcome timed(F&& call) {
+  Outcome o;
+  const Clock::time_point start = Clock::now();
+  try {
+    call();
+  } catch (const Error& e) {
+    o.threw = true;
+    o.argument = e.argument();
+    o.what = e.what();
+  }
+  o.elapsed = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+  return o;
+}
+
+// Expects `o` to be the timeout error of operation `op` after kTimeout.
+void expect_timeout(const Outcome& o, const std::string& op) {
+  ASSERT_TRUE(o.threw) << op << " returned after " << o.elapsed.count() << " ms";
+  EXPECT_EQ(o.argument, "mpi") << o.what;
+  const std::string expected =
+      "timed out after " + std::to_string(kTimeout.count()) + " ms in " + op;
+  EXPECT_NE(o.what.find(expected), std::string::npos) << o.what;
+  EXPECT_GE(o.elapsed, kTimeout);
+  EXPECT_LT(o.elapsed, kTimeout + kSlack);
+}
+
+// ---- a victim skips a collective ----------------------------------------------------
+
+enum class Op { all_gather, all_reduce_sum, all_reduce_max, broadcast, barrier, split };
+enum class Victim { first, last };
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::all_gather:
+      return "all_gather";
+    case Op::all_reduce_sum:
+      return "all_reduce_sum";
+    case Op::all_reduce_max:
+      return "all_reduce_max";
+    case Op::broadcast:
+      return "broadcast";
+    case Op::barrier:
+      return "barrier";
+    case Op::split:
+      return "split";
+  }
+  return "?";
+}
+
+struct Fault {
+  Op op;
+  Victim victim;
+};
+
+void PrintTo(const Fault& f, std::ostream* os) {
+  *os << op_name(f.op) << ", victim " << (f.victim == Victim::first ? "first" : "last");
+}
+
+std::string fault_name(const ::testing::TestParamInfo<Fault>& info) {
+  return std::string(op_name(info.param.op)) +
+         (info.param.victim == Victim::first ? "_FirstRankFails" : "_LastRankFails");
+}
+
+// Buffers of one collective; they outlive the test body's late completion
+// (a stranded operation writes into them when the victim finally joins).
+struct Buffers {
+  std::vector<int64_t> send = std::vector<int64_t>(4, 1);
+  std::vector<int64_t> recv;
+};
+
+// Runs `op` on `comm`. Broadcast's root is rank 0, and only the first rank is
+// a victim of it: the survivors wait for a root that never sends. (A missing
+// receiver of a broadcast stalls nobody who could notice: the root's send
+// completes without it.)
+void run(Op op, Communicator& comm, Buffers& b) {
+  switch (op) {
+    case Op::all_gather:
+      b.recv.assign(b.send.size() * comm.size(), 0);
+      comm.all_gather(b.send.data(), b.recv.data(), b.send.size(), CommType::i64);
+      return;
+    case Op::all_reduce_sum:
+      comm.all_reduce_sum(b.send.data(), b.send.size(), CommType::i64);
+      return;
+    case Op::all_reduce_max:
+      comm.all_reduce_max(b.send.data(), b.send.size(), CommType::i64);
+      return;
+    case Op::broadcast:
+      comm.broadcast(b.send.data(), b.send.size(), CommType::i64, 0);
+      return;
+    case Op::barrier:
+      comm.barrier();
+      return;
+    case Op::split:
+      (void)comm.split(0, comm.rank());
+      return;
+  }
+}
+
+class MpiFault : public ::testing::TestWithParam<Fault> {};
+
+TEST_P(MpiFault, EveryOtherRankReportsTheTimeoutInTime) {
+  const Fault fault = GetParam();
+  const auto world = coordinator();
+  const auto doomed = world->split(0, world->rank());
+  doomed->set_timeout(kTimeout);
+  const int victim = fault.victim == Victim::first ? 0 : doomed->size() - 1;
+  const bool is_victim = doomed->rank() == victim;
+
+  Buffers buffers;
+  Outcome outcome;
+  if (is_victim) {
+    // Fails mid-exchange: throws before it joins the collective.
+    outcome = timed([] { SS_FAIL("q", "injected fault before the collective"); });
+    EXPECT_EQ(outcome.argument, "q");
+  } else {
+    outcome = timed([&] { run(fault.op, *doomed, buffers); });
+    expect_timeout(outcome, op_name(fault.op));
+    if (fault.op == Op::broadcast && victim == 0) {
+      EXPECT_NE(outcome.what.find("(peer 0)"), std::string::npos) << outcome.what;
+    }
+    // After a timeout the communicator refuses every call at once.
+    const Outcome refused =
+        timed([&] { doomed->all_reduce_max(buffers.send.data(), 1, CommType::i64); });
+    EXPECT_TRUE(refused.threw);
+    EXPECT_NE(refused.what.find("unusable"), std::string::npos) << refused.what;
+    EXPECT_LT(refused.elapsed, kTimeout);
+  }
+
+  world->barrier();  // every survivor has timed out
+  if (is_victim) {
+    // The late matching call completes what the survivors left posted
+    // (split's timed barrier is the part they were waiting in).
+    Buffers late;
+    if (fault.op == Op::split) {
+      doomed->barrier();
+    } else {
+      run(fault.op, *doomed, late);
+    }
+  }
+  world->barrier();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Collectives, MpiFault,
+    ::testing::Values(Fault{Op::all_gather, Victim::last}, Fault{Op::all_reduce_sum, Victim::last},
+                      Fault{Op::all_reduce_sum, Victim::first},
+                      Fault{Op::all_reduce_max, Victim::last}, Fault{Op::broadcast, Victim::first},
+                      Fault{Op::barrier, Victim::last}, Fault{Op::split, Victim::last}),
+    fault_name);
+
+// ---- point to point -----------------------------------------------------------------
+
+class MpiPointToPointFault : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    world_ = coordinator();
+    doomed_ = world_->split(0, world_->rank());
+    doomed_->set_timeout(kTimeout);
+    victim_ = doomed_->size() - 1;
+  }
+  std::unique_ptr<MpiCommunicator> world_;
+  std::unique_ptr<Communicator> doomed_;
+  int victim_ = 0;
+};
+
+// Every survivor waits for a message the victim never sends; each names the
+// victim. The receives are withdrawn on timeout, so nothing is left posted.
+TEST_F(MpiPointToPointFault, ReceiversOfAMissingMessageNameThePeer) {
+  int64_t value = -1;
+  if (doomed_->rank() != victim_) {
+    const Outcome o = timed([&] { doomed_->recv(&value, 1, CommType::i64, victim_, 3); });
+    expect_timeout(o, "recv");
+    EXPECT_NE(o.what.find("(peer " + std::to_string(victim_) + ")"), std::string::npos) << o.what;
+    EXPECT_EQ(value, -1) << "a withdrawn receive must not be written";
+  }
+  world_->barrier();
+}
+
+// A send far above any eager limit cannot complete without the receiver; the
+// victim receives late so the sends left posted complete.
+TEST_F(MpiPointToPointFault, SendersToAMissingReceiverNameThePeer) {
+  const std::size_t count = (4u << 20) / sizeof(float);
+  std::vector<float> payload(count, 1.f);
+  if (doomed_->rank() != victim_) {
+    const Outcome o =
+        timed([&] { doomed_->send(payload.data(), count, CommType::f32, victim_, 4); });
+    expect_timeout(o, "send");
+    EXPECT_NE(o.what.find("(peer " + std::to_string(victim_) + ")"), std::string::npos) << o.what;
+  }
+  world_->barrier();
+  if (doomed_->rank() == victim_) {
+    std::vector<float> sink(count);
+    for (int r = 0; r < doomed_->size(); ++r) {
+      if (r != victim_) doomed_->recv(sink.data(), count, CommType::f32, r, 4);
+    }
+  }
+  world_->barrier();
+}
+
+// A ring hand-off (the CP "ring" exchange) in which the victim skips its
+// send_recv: its successor times out naming it, every other rank completes.
+TEST_F(MpiPointToPointFault, RingHandOffSuccessorOfTheVictimTimesOut) {
+  const int P = doomed_->size(), me = doomed_->rank();
+  const int next = (me + 1) % P, prev = (me + P - 1) % P;
+  const int64_t mine = me;
+  int64_t got = -1;
+  if (me != victim_) {
+    const Outcome o =
+        timed([&] { doomed_->send_recv(&mine, 1, next, &got, 1, prev, CommType::i64, 7); });
+    if (prev == victim_) {
+      expect_timeout(o, "send_recv");
+      EXPECT_NE(o.what.find("(peer " + std::to_string(victim_) + ")"), std::string::npos) << o.what;
+    } else {
+      EXPECT_FALSE(o.threw) << o.what;
+      EXPECT_EQ(got, prev);
+    }
+  }
+  world_->barrier();
+  if (me == victim_) {
+    // Late: the predecessor's message is waiting; the successor withdrew its
+    // receive, so the small message to it is simply never matched.
+    doomed_->send_recv(&mine, 1, next, &got, 1, prev, CommType::i64, 7);
+    EXPECT_EQ(got, prev);
+  }
+  world_->barrier();
+}
+
+// ---- timeouts that must not fire, and configuration ------------------------------------
+
+// A peer that is slow but within the timeout is waited for, not reported.
+TEST(MpiTimeout, ASlowPeerWithinTheTimeoutIsNotAnError) {
+  const auto world = coordinator();
+  const auto comm = world->split(0, world->rank());
+  comm->set_timeout(kTimeout);
+  if (comm->rank() == comm->size() - 1) std::this_thread::sleep_for(kTimeout / 4);
+  int64_t x = comm->rank();
+  const Outcome o = timed([&] { comm->all_reduce_sum(&x, 1, CommType::i64); });
+  EXPECT_FALSE(o.threw) << o.what;
+  EXPECT_EQ(x, static_cast<int64_t>(comm->size()) * (comm->size() - 1) / 2);
+  world->barrier();
+}
+
+TEST(MpiTimeout, SubGroupsInheritTheTimeout) {
+  const auto world = coordinator();
+  world->set_timeout(milliseconds(4321));
+  const auto sub = world->split(world->rank() % 2, world->rank());
+  EXPECT_EQ(sub->timeout(), milliseconds(4321));
+}
+
+TEST(MpiTimeout, NegativeTimeoutIsRejected) {
+  const auto world = coordinator();
+  try {
+    world->set_timeout(milliseconds(-1));
+    ADD_FAILURE() << "a negative timeout was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "timeout") << e.what();
+  }
+  EXPECT_EQ(world->timeout(), kCoordinationTimeout);
+}
+
+// Sets STATESCAN_COMM_TIMEOUT_MS for one scope and restores what was there.
+class ScopedTimeoutEnv {
+ public:
+  explicit ScopedTimeoutEnv(const char* value) {
+    const char* old = std::getenv(kName);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(kName, value, 1);
+  }
+  ~ScopedTimeoutEnv() {
+    if (had_) {
+      setenv(kName, old_.c_str(), 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+
+ private:
+  static constexpr const char* kName = "STATESCAN_COMM_TIMEOUT_MS";
+  bool had_ = false;
+  std::string old_;
+};
+
+TEST(MpiTimeout, EnvironmentSetsTheDefault) {
+  {
+    const ScopedTimeoutEnv env("2500");
+    EXPECT_EQ(MpiCommunicator::world()->timeout(), milliseconds(2500));
+  }
+  {
+    const ScopedTimeoutEnv env("0");  // wait forever
+    EXPECT_EQ(MpiCommunicator::world()->timeout(), milliseconds(0));
+  }
+  {
+    const ScopedTimeoutEnv env("");
+    EXPECT_EQ(MpiCommunicator::world()->timeout(), kDefaultCommTimeout);
+  }
+}
+
+// Every rank sees the same malformed value, so every rank throws before any
+// communication and nobody is left waiting.
+TEST(MpiTimeout, MalformedEnvironmentIsRejected) {
+  for (const char* bad : {"soon", "-5", "10ms"}) {
+    const ScopedTimeoutEnv env(bad);
+    try {
+      (void)MpiCommunicator::world();
+      ADD_FAILURE() << "STATESCAN_COMM_TIMEOUT_MS='" << bad << "' was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "STATESCAN_COMM_TIMEOUT_MS") << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace statescan
