@@ -1,0 +1,242 @@
+#include "launch/run_options.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <sstream>
+#include <string_view>
+
+#include "core/error.h"
+
+namespace statescan::launch {
+namespace {
+
+int64_t parse_int(const std::string& flag, std::string_view text, int64_t min, int64_t max) {
+  int64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  SS_CHECK_ARG(ec == std::errc() && end == text.data() + text.size(), flag,
+               "expects an integer, got '", std::string(text), "'");
+  SS_CHECK_ARG(value >= min && value <= max, flag, "must be in [", min, ", ", max, "], got ",
+               value);
+  return value;
+}
+
+double parse_positive_double(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  SS_CHECK_ARG(!text.empty() && end == text.c_str() + text.size(), flag, "expects a number, got '",
+               text, "'");
+  SS_CHECK_ARG(std::isfinite(value) && value > 0, flag, "must be a finite number > 0, got ", text);
+  return value;
+}
+
+// "a,b,c" -> {a, b, c}, each >= 1.
+std::vector<int64_t> parse_shards(const std::string& flag, const std::string& text) {
+  std::vector<int64_t> shards;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = text.find(',', start);
+    const std::string_view piece(text.data() + start,
+                                 (comma == std::string::npos ? text.size() : comma) - start);
+    shards.push_back(parse_int(flag, piece, 1, int64_t{1} << 40));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return shards;
+}
+
+struct OptionSpec {
+  const char* name;
+  bool takes_value;
+  bool shape_flag;  // ignored under --load (the files give the shapes)
+  std::function<void(RunOptions&, const std::string& flag, const std::string& value)> apply;
+};
+
+constexpr int64_t kMaxExtent = int64_t{1} << 40;
+
+const std::vector<OptionSpec>& option_specs() {
+  static const std::vector<OptionSpec> specs = {
+      {"--variant", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.variant = parse_variant(v, f.c_str());
+       }},
+      {"--batch", true, true,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.batch = parse_int(f, v, 1, kMaxExtent);
+       }},
+      {"--seq-len", true, true,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.seq_len = parse_int(f, v, 1, kMaxExtent);
+       }},
+      {"--heads", true, true,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.heads = parse_int(f, v, 1, kMaxExtent);
+       }},
+      {"--dk", true, true,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.dk = parse_int(f, v, 1, 256);
+       }},
+      {"--dv", true, true,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.dv = parse_int(f, v, 1, 256);
+       }},
+      {"--chunk", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.chunk = parse_int(f, v, 1, 1 << 20);
+         SS_CHECK_ARG(o.chunk == 16 || o.chunk == 32 || o.chunk == 64, f, "chunk size ", o.chunk,
+                      " is not supported (expected 16, 32 or 64)");
+       }},
+      {"--dtype", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.dtype = parse_dtype(v, f.c_str());
+       }},
+      {"--exchange", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.exchange = parse_exchange(v, f.c_str());
+       }},
+      {"--iters", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.iters = parse_int(f, v, 1, 1000000);
+       }},
+      {"--warmup", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.warmup = parse_int(f, v, 0, 1000000);
+       }},
+      {"--check", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) { o.check = true; }},
+      {"--no-check", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) { o.check = false; }},
+      {"--device", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.device = parse_device(v, f.c_str());
+       }},
+      {"--load", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         SS_CHECK_ARG(!v.empty(), f, "expects a directory");
+         o.load_dir = v;
+       }},
+      {"--save", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         SS_CHECK_ARG(!v.empty(), f, "expects a directory");
+         o.save_dir = v;
+       }},
+      {"--json", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         SS_CHECK_ARG(!v.empty(), f, "expects a file name");
+         o.json_path = v;
+       }},
+      {"--seed", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.seed = static_cast<uint64_t>(parse_int(f, v, 0, INT64_MAX));
+       }},
+      {"--l2norm", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) { o.l2norm = true; }},
+      {"--scale", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.scale = parse_positive_double(f, v);
+       }},
+      {"--shards", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.shards = parse_shards(f, v);
+       }},
+      {"--help", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) { o.help = true; }},
+  };
+  return specs;
+}
+
+}  // namespace
+
+RunOptions parse_run_options(int argc, const char* const* argv) {
+  RunOptions options;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "-h") arg = "--help";
+    // Accept both "--flag value" and "--flag=value".
+    std::string value;
+    bool inline_value = false;
+    if (const std::size_t eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      inline_value = true;
+    }
+    const OptionSpec* spec = nullptr;
+    for (const auto& s : option_specs())
+      if (arg == s.name) spec = &s;
+    SS_CHECK_ARG(spec != nullptr, arg, "unknown ",
+                 arg.rfind("-", 0) == 0 ? "option" : "positional argument",
+                 " (see statescan-run --help)");
+    if (spec->takes_value) {
+      if (!inline_value) {
+        SS_CHECK_ARG(i + 1 < argc, arg, "needs a value");
+        value = argv[++i];
+      }
+    } else {
+      SS_CHECK_ARG(!inline_value, arg, "takes no value");
+    }
+    spec->apply(options, arg, value);
+    if (spec->shape_flag) options.shape_flags_given.push_back(arg);
+  }
+  return options;
+}
+
+std::string usage_text() {
+  return R"(statescan-run: context-parallel forward + backward of a linear-attention mixer,
+timed step by step and checked against a single-rank run.
+
+Usage:  mpirun -np P statescan-run [options]      (or plainly, as one rank)
+
+Problem
+  --variant NAME     linear | retention | gla | deltanet | gated_deltanet | kda   [kda]
+  --batch B          batch rows                                                   [1]
+  --seq-len T        tokens per row (the whole sequence, split over the ranks)   [16384]
+  --heads H          heads                                                        [4]
+  --dk D             q/k head dim (1..256)                                        [64]
+  --dv D             v/o head dim (1..256)                                        [64]
+  --chunk C          chunk size: 16, 32 or 64                                     [64]
+  --dtype T          f32 | bf16 | f16: inputs are rounded to T (compute is fp32)  [f32]
+  --scale X          q scale                                                      [Dk^-1/2]
+  --l2norm           L2-normalise q and k inside the op (else the synthetic q, k
+                     of delta variants are unit vectors already)
+  --seed N           seed of the synthetic inputs                                 [0]
+
+Parallelism and device
+  --exchange NAME    allgather | ring | tree | auto (cost model)                  [auto]
+  --shards a,b,...   explicit shard lengths, one per rank, summing to T
+                     (default: rank r gets [floor(rT/P), floor((r+1)T/P)))
+  --device NAME      auto | cpu | cuda   (auto: cpu until the CUDA mixer lands;
+                     cuda is refused with an error, never replaced silently)  [auto]
+
+Run
+  --iters N          timed steps                                                  [3]
+  --warmup N         untimed steps first                                          [1]
+  --check / --no-check
+                     compare every output and gradient with a single-rank run
+                     on rank 0 (relative RMS, tolerance 1e-5)                     [on]
+
+Files
+  --load DIR         read q.npy k.npy v.npy and, when present, g.npy beta.npy h0.npy
+                     do.npy dht.npy cu_seqlens.npy (float32/float64; cu_seqlens
+                     int64 with B = 1). B, T, H, Dk, Dv come from q.npy and v.npy;
+                     --batch/--seq-len/--heads/--dk/--dv are then ignored.
+                     Without do.npy only the forward runs.
+  --save DIR         rank 0 writes o.npy ht.npy and, after a backward, dq.npy dk.npy
+                     dv.npy dg.npy (decay variants) dbeta.npy (delta variants)
+                     dh0.npy (with h0) as float32, full sequence [B,T,H,*]
+  --json FILE        the table's rows as JSON (rank 0)
+  --help             this text
+
+Exit status: 0 success, 1 the check found outputs over tolerance,
+             2 invalid argument or input (the message names it), 3 runtime failure.
+
+Examples
+  mpirun -np 2 statescan-run
+  mpirun -np 4 statescan-run --variant gated_deltanet --seq-len 65536 --exchange ring
+  mpirun -np 3 statescan-run --variant gla --seq-len 1000 --shards 200,300,500 --no-check
+  mpirun -np 2 statescan-run --load inputs/ --save outputs/ --iters 1 --warmup 0
+  statescan-run --variant deltanet --dtype bf16 --json run.json
+)";
+}
+
+}  // namespace statescan::launch

@@ -1,0 +1,51 @@
+// Command-line options of statescan-run. Parsing is a pure function of argv,
+// so every rank of an mpirun job reaches the same options or the same error
+// (no collective needed to agree on argument faults).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/options.h"
+
+namespace statescan::launch {
+
+struct RunOptions {
+  Variant variant = Variant::kda;
+  int64_t batch = 1;
+  int64_t seq_len = 16384;
+  int64_t heads = 4;
+  int64_t dk = 64;
+  int64_t dv = 64;
+  int64_t chunk = 64;
+  DType dtype = DType::f32;
+  Exchange exchange = Exchange::automatic;
+  int64_t iters = 3;
+  int64_t warmup = 1;
+  bool check = true;
+  DeviceKind device = DeviceKind::automatic;
+  std::string load_dir;   // empty: synthetic inputs
+  std::string save_dir;   // empty: nothing saved
+  std::string json_path;  // empty: no JSON
+  uint64_t seed = 0;
+  bool l2norm = false;
+  double scale = -1.0;          // < 0: Dk^-1/2
+  std::vector<int64_t> shards;  // empty: even contiguous split
+  bool help = false;
+
+  // Shape flags given explicitly (--batch, --seq-len, ...): with --load the
+  // shapes come from the files, and these are reported as ignored.
+  std::vector<std::string> shape_flags_given;
+};
+
+// Parses argv[1..argc); throws statescan::Error naming the flag at fault
+// (e.g. "--chunk") for unknown flags, missing or malformed values and values
+// out of range.
+RunOptions parse_run_options(int argc, const char* const* argv);
+
+// The --help text.
+std::string usage_text();
+
+}  // namespace statescan::launch

@@ -1,0 +1,176 @@
+#include "launch/run_report.h"
+
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <sstream>
+
+namespace statescan::launch {
+namespace {
+
+std::string printf_string(const char* format, ...) __attribute__((format(printf, 1, 2)));
+std::string printf_string(const char* format, ...) {
+  char buffer[512];
+  va_list args;
+  va_start(args, format);
+  std::vsnprintf(buffer, sizeof buffer, format, args);
+  va_end(args);
+  return buffer;
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          out += printf_string("\\u%04x", c);
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// JSON has no inf/NaN: write them as null.
+std::string json_number(double x) {
+  if (!std::isfinite(x)) return "null";
+  return printf_string("%.9g", x);
+}
+
+struct Averages {
+  double fwd_ms = 0, bwd_ms = 0, exchange_ms = 0, tokens_per_s = 0;
+  bool backward = false;
+};
+
+Averages averages(const std::vector<StepRow>& rows) {
+  Averages a;
+  if (rows.empty()) return a;
+  for (const auto& r : rows) {
+    a.fwd_ms += r.fwd_ms;
+    a.bwd_ms += r.bwd_ms >= 0 ? r.bwd_ms : 0;
+    a.exchange_ms += r.exchange_ms;
+    a.tokens_per_s += r.tokens_per_s;
+    a.backward = a.backward || r.bwd_ms >= 0;
+  }
+  const double n = static_cast<double>(rows.size());
+  a.fwd_ms /= n;
+  a.bwd_ms /= n;
+  a.exchange_ms /= n;
+  a.tokens_per_s /= n;
+  return a;
+}
+
+}  // namespace
+
+int Report::total_wrong() const {
+  int wrong = 0;
+  for (const auto& r : rows) wrong += r.wrong > 0 ? r.wrong : 0;
+  return wrong;
+}
+
+std::string format_header(const Report& report) {
+  // Fields packed onto lines of at most ~90 characters.
+  std::string out = "# statescan-run: context-parallel forward + backward\n#";
+  std::size_t line_length = 1;
+  for (const auto& [key, value] : report.header) {
+    const std::string field = "  " + key + " " + value;
+    if (line_length + field.size() > 90) {
+      out += "\n#";
+      line_length = 1;
+    }
+    out += field;
+    line_length += field.size();
+  }
+  return out + "\n#\n";
+}
+
+std::string format_column_header() {
+  std::string units = printf_string("# %6s %10s %10s %10s %13s %12s", "", "(ms)", "(ms)", "(ms)",
+                                    "(B/rank)", "(tokens/s)");
+  return printf_string("# %6s %10s %10s %10s %13s %12s %7s\n", "step", "fwd", "bwd", "exchange",
+                       "exchange", "throughput", "#wrong") +
+         units + "\n";
+}
+
+std::string format_row(const StepRow& r) {
+  const std::string bwd = r.bwd_ms >= 0 ? printf_string("%10.2f", r.bwd_ms) : "       N/A";
+  const std::string wrong = r.wrong >= 0 ? std::to_string(r.wrong) : "N/A";
+  return printf_string("  %6lld %10.2f %s %10.3f %13lld %12.4g %7s\n",
+                       static_cast<long long>(r.step), r.fwd_ms, bwd.c_str(), r.exchange_ms,
+                       static_cast<long long>(r.exchange_bytes), r.tokens_per_s, wrong.c_str());
+}
+
+std::string format_footer(const Report& report) {
+  const Averages a = averages(report.rows);
+  std::string out = printf_string("# Avg fwd %.2f ms", a.fwd_ms);
+  if (a.backward) out += printf_string("  bwd %.2f ms", a.bwd_ms);
+  out += printf_string(
+      "  exchange %.3f ms  throughput %.4g tokens/s  (over %zu steps, max over ranks)\n",
+      a.exchange_ms, a.tokens_per_s, report.rows.size());
+  if (report.check.enabled) {
+    out += printf_string("# check: rel RMS vs a single-rank run (tolerance %.0e):",
+                         report.check.tolerance);
+    for (const auto& [name, err] : report.check.errors)
+      out += printf_string(" %s %.2e", name.c_str(), err);
+    out += "\n";
+    const int wrong = report.total_wrong();
+    out += printf_string("# Wrong outputs: %d %s\n", wrong, wrong == 0 ? "OK" : "FAILED");
+  } else {
+    out += "# check: off (--no-check)\n";
+  }
+  return out;
+}
+
+std::string to_json(const Report& report) {
+  std::ostringstream os;
+  os << "{\n  \"config\": {";
+  for (std::size_t i = 0; i < report.header.size(); ++i)
+    os << (i ? ", " : "") << json_string(report.header[i].first) << ": "
+       << json_string(report.header[i].second);
+  os << "},\n  \"rows\": [";
+  for (std::size_t i = 0; i < report.rows.size(); ++i) {
+    const StepRow& r = report.rows[i];
+    os << (i ? ",\n" : "\n") << "    {\"step\": " << r.step
+       << ", \"fwd_ms\": " << json_number(r.fwd_ms)
+       << ", \"bwd_ms\": " << (r.bwd_ms >= 0 ? json_number(r.bwd_ms) : "null")
+       << ", \"exchange_ms\": " << json_number(r.exchange_ms)
+       << ", \"exchange_bytes\": " << r.exchange_bytes
+       << ", \"tokens_per_s\": " << json_number(r.tokens_per_s)
+       << ", \"wrong\": " << (r.wrong >= 0 ? std::to_string(r.wrong) : "null") << "}";
+  }
+  os << "\n  ],\n";
+  const Averages a = averages(report.rows);
+  os << "  \"avg\": {\"fwd_ms\": " << json_number(a.fwd_ms)
+     << ", \"bwd_ms\": " << (a.backward ? json_number(a.bwd_ms) : "null")
+     << ", \"exchange_ms\": " << json_number(a.exchange_ms)
+     << ", \"tokens_per_s\": " << json_number(a.tokens_per_s) << "},\n";
+  os << "  \"check\": ";
+  if (report.check.enabled) {
+    os << "{\"tolerance\": " << json_number(report.check.tolerance)
+       << ", \"wrong\": " << report.total_wrong() << ", \"rel_rms\": {";
+    for (std::size_t i = 0; i < report.check.errors.size(); ++i)
+      os << (i ? ", " : "") << json_string(report.check.errors[i].first) << ": "
+         << json_number(report.check.errors[i].second);
+    os << "}}";
+  } else {
+    os << "null";
+  }
+  os << "\n}\n";
+  return os.str();
+}
+
+}  // namespace statescan::launch

@@ -1,0 +1,558 @@
+// statescan-run: the mpirun entry point. Each rank takes a contiguous shard of
+// the sequence, runs CpMixer forward (+ backward) for --warmup + --iters steps,
+// and rank 0 prints one table row per timed step (maxima over ranks), checks
+// every output against a single-rank run, and writes .npy/JSON results.
+//
+// Errors: every failure is a single line "statescan-run: <what>" on stderr.
+// Faults in arguments and inputs are detected identically on every rank
+// (argv is the same everywhere; file reads and CpMixer validation go through
+// collective_check), so every rank exits with the same code and MPI finalises
+// cleanly. Only an unexpected failure on some ranks aborts the job.
+#include <mpi.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "comm/collective_check.h"
+#include "comm/communicator.h"
+#include "comm/mpi_communicator.h"
+#include "core/error.h"
+#include "core/npy.h"
+#include "core/parallel_for.h"
+#include "launch/run_inputs.h"
+#include "launch/run_options.h"
+#include "launch/run_report.h"
+#include "parallel/cp_mixer.h"
+
+namespace statescan::launch {
+namespace {
+
+// Both runs are fp32 on the CPU; they differ only in summation order (chunk
+// alignment and the boundary-state scan), which stays well below this.
+constexpr double kCheckTolerance = 1e-5;
+
+enum ExitCode : int { kExitOk = 0, kExitWrong = 1, kExitBadInput = 2, kExitRuntime = 3 };
+
+// Where the job is; decides the exit code of a statescan::Error.
+enum class Stage { setup, steps, results };
+
+// A failure while producing results (writing files), agreed on every rank.
+class RuntimeFailure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+using Clock = std::chrono::steady_clock;
+
+// Every output and gradient of one step on one rank (or the whole sequence).
+struct Outputs {
+  std::vector<float> o, ht, dq, dk, dv, dg, dbeta, dh0;
+};
+
+struct StepTimes {
+  double fwd_s = 0, bwd_s = 0, exchange_s = 0, exchange_bytes = 0;
+};
+
+// Relative RMS error rms(a - ref) / rms(ref); +inf for NaN/Inf or a size
+// mismatch (so they always count as wrong); absolute RMS for a zero reference.
+double rel_rms(const std::vector<float>& a, const std::vector<float>& ref) {
+  if (a.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double x = a[i], r = ref[i];
+    if (!std::isfinite(x) || !std::isfinite(r)) return std::numeric_limits<double>::infinity();
+    num += (x - r) * (x - r);
+    den += r * r;
+  }
+  if (den == 0) return std::sqrt(num / static_cast<double>(std::max<std::size_t>(a.size(), 1)));
+  return std::sqrt(num / den);
+}
+
+TensorView view(const std::vector<float>& x, Shape shape) {
+  // CpMixer reads inputs through non-const views; it never writes them.
+  return TensorView(const_cast<float*>(x.data()), DType::f32, std::move(shape));
+}
+
+// The device the run uses. The CUDA context-parallel mixer has not landed
+// yet, so auto means the CPU and an explicit cuda request is refused rather
+// than silently run on the CPU.
+DeviceKind resolve_device(DeviceKind requested) {
+#ifdef STATESCAN_HAS_CUDA
+  constexpr const char* kBuild = "this build has CUDA kernels, but CpMixer runs on the CPU only";
+#else
+  constexpr const char* kBuild = "this build has no CUDA";
+#endif
+  SS_CHECK_ARG(requested != DeviceKind::cuda, "--device",
+               "cuda is not available in this build/yet: the CUDA context-parallel mixer has "
+               "not landed (",
+               kBuild, "); use --device cpu");
+  return DeviceKind::cpu;
+}
+
+// Gathers every rank's [B, L_r, inner] piece into rank 0's [B, T, inner]
+// (offsets: the P + 1 shard boundaries). Other ranks return an empty vector.
+std::vector<float> gather_tokens(Communicator& comm, const std::vector<float>& local,
+                                 const std::vector<int64_t>& offsets, int64_t batch,
+                                 int64_t inner) {
+  constexpr int kTag = 4711;
+  const int P = comm.size();
+  const int64_t T = offsets.back();
+  if (comm.rank() != 0) {
+    comm.send(local.data(), local.size(), CommType::f32, 0, kTag);
+    return {};
+  }
+  std::vector<float> full(static_cast<std::size_t>(batch * T * inner));
+  std::vector<float> piece;
+  for (int r = 0; r < P; ++r) {
+    const int64_t begin = offsets[r], length = offsets[r + 1] - offsets[r];
+    const std::vector<float>* src = &local;
+    if (r != 0) {
+      piece.resize(static_cast<std::size_t>(batch * length * inner));
+      comm.recv(piece.data(), piece.size(), CommType::f32, r, kTag);
+      src = &piece;
+    }
+    for (int64_t b = 0; b < batch; ++b)
+      std::copy_n(src->begin() + b * length * inner, length * inner,
+                  full.begin() + (b * T + begin) * inner);
+  }
+  return full;
+}
+
+class Job {
+ public:
+  Job(Communicator& comm, Stage& stage) : comm_(comm), stage_(stage) {}
+  int run(int argc, char** argv);
+
+ private:
+  bool root() const { return comm_.rank() == 0; }
+  void configure_threads(const MpiCommunicator* mpi) const;
+  void setup_inputs();
+  void allocate(Outputs& out, const Dims& d, int64_t length) const;
+  StepTimes step(CpMixer& mixer, const TokenRange& in, Outputs& out);
+  void run_reference();
+  Outputs gather(const Outputs& local);
+  int count_wrong(const Outputs& full, std::vector<std::pair<std::string, double>>& errors) const;
+  std::vector<std::pair<std::string, const std::vector<float>*>> named(const Outputs& o) const;
+  Shape shape_of(const std::string& name) const;
+  void save(const Outputs& full) const;
+  void write_json(const Report& report) const;
+  std::vector<std::pair<std::string, std::string>> header_fields(Exchange resolved) const;
+
+  Communicator& comm_;
+  Stage& stage_;
+  RunOptions options_;
+  MixerConfig config_;
+  std::optional<InputSource> source_;
+  Dims dims_;
+  std::vector<int64_t> offsets_;
+  DeviceKind device_ = DeviceKind::cpu;
+  bool backward_ = false;
+  TokenRange local_;
+  Outputs reference_;  // rank 0, with --check
+};
+
+int Job::run(int argc, char** argv) {
+  options_ = parse_run_options(argc, argv);
+  if (options_.help) {
+    if (root()) std::fputs(usage_text().c_str(), stdout);
+    return kExitOk;
+  }
+  configure_threads(dynamic_cast<const MpiCommunicator*>(&comm_));
+  device_ = resolve_device(options_.device);
+  config_.variant = options_.variant;
+  config_.chunk = options_.chunk;
+  config_.scale = options_.scale;
+  config_.l2norm_qk = options_.l2norm;
+  setup_inputs();
+
+  stage_ = Stage::steps;
+  CpMixer mixer(comm_, config_, options_.exchange);
+  Outputs out;
+  allocate(out, dims_, local_.length());
+  Report report;
+  report.check.enabled = options_.check;
+  report.check.tolerance = kCheckTolerance;
+  Outputs last_full;
+  const int64_t steps = options_.warmup + options_.iters;
+  for (int64_t s = 0; s < steps; ++s) {
+    if (s == options_.warmup && options_.check) run_reference();
+    comm_.barrier();  // start together, so the max over ranks is the step's time
+    const StepTimes t = step(mixer, local_, out);
+    if (s < options_.warmup) continue;
+
+    double maxima[4] = {t.fwd_s, t.bwd_s, t.exchange_s, t.exchange_bytes};
+    comm_.all_reduce_max(maxima, 4, CommType::f64);
+    StepRow row;
+    row.step = s - options_.warmup + 1;
+    row.fwd_ms = maxima[0] * 1e3;
+    row.bwd_ms = backward_ ? maxima[1] * 1e3 : -1;
+    row.exchange_ms = maxima[2] * 1e3;
+    row.exchange_bytes = static_cast<int64_t>(maxima[3]);
+    row.tokens_per_s = static_cast<double>(dims_.batch * dims_.seq_len) / (maxima[0] + maxima[1]);
+
+    const bool last = s + 1 == steps;
+    if (options_.check || (last && !options_.save_dir.empty())) {
+      Outputs full = gather(out);
+      if (options_.check) {
+        int64_t wrong = root() ? count_wrong(full, report.check.errors) : 0;
+        comm_.broadcast(&wrong, 1, CommType::i64, 0);  // every rank exits alike
+        row.wrong = static_cast<int>(wrong);
+      }
+      if (last) last_full = std::move(full);
+    }
+    if (root()) {
+      if (report.rows.empty()) {
+        report.header = header_fields(mixer.last_forward_stats().exchange);
+        std::fputs(format_header(report).c_str(), stdout);
+        std::fputs(format_column_header().c_str(), stdout);
+      }
+      std::fputs(format_row(row).c_str(), stdout);
+      std::fflush(stdout);
+    }
+    report.rows.push_back(row);
+  }
+
+  stage_ = Stage::results;
+  if (root()) {
+    std::fputs(format_footer(report).c_str(), stdout);
+    std::fflush(stdout);
+  }
+  // Rank 0 writes; the agreement turns a write failure into the same error
+  // on every rank (exit 3 everywhere, no rank left waiting).
+  try {
+    collective_check(comm_, [&] {
+      if (!root()) return;
+      if (!options_.save_dir.empty()) save(last_full);
+      if (!options_.json_path.empty()) write_json(report);
+    });
+  } catch (const Error& e) {
+    throw RuntimeFailure(e.what());
+  }
+  return report.total_wrong() > 0 ? kExitWrong : kExitOk;
+}
+
+// One CPU thread per core on each node: ranks sharing a node split its
+// cores, unless STATESCAN_NUM_THREADS says otherwise. Must run before the
+// first parallel_for (the thread count is read once).
+void Job::configure_threads(const MpiCommunicator* mpi) const {
+  if (std::getenv("STATESCAN_NUM_THREADS") != nullptr) return;
+  const int per_node = mpi != nullptr ? std::max(1, mpi->local_size()) : 1;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const std::string threads = std::to_string(std::max(1, cores / per_node));
+  ::setenv("STATESCAN_NUM_THREADS", threads.c_str(), 0);
+}
+
+void Job::setup_inputs() {
+  if (!options_.load_dir.empty() && !options_.shape_flags_given.empty() && root()) {
+    std::string flags;
+    for (const auto& f : options_.shape_flags_given) flags += (flags.empty() ? "" : ", ") + f;
+    std::fprintf(stderr,
+                 "statescan-run: note: %s ignored with --load (shapes come from q.npy and "
+                 "v.npy)\n",
+                 flags.c_str());
+  }
+  // A file that one rank cannot read must fail every rank, not hang the others.
+  collective_check(comm_, [&] {
+    source_ = options_.load_dir.empty() ? InputSource::synthetic(options_)
+                                        : InputSource::from_directory(options_);
+    dims_ = source_->dims();
+    offsets_ = shard_offsets(options_, dims_.seq_len, comm_.size());
+    if (root() && !options_.save_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(options_.save_dir, ec);
+      SS_CHECK_ARG(std::filesystem::is_directory(options_.save_dir), "--save", "cannot create ",
+                   "directory '", options_.save_dir, "'", ec ? ": " + ec.message() : "");
+    }
+    // Refuse an unwritable JSON location now rather than after the run.
+    if (root() && !options_.json_path.empty()) {
+      const std::filesystem::path parent =
+          std::filesystem::absolute(options_.json_path).parent_path();
+      SS_CHECK_ARG(std::filesystem::is_directory(parent), "--json", "directory '", parent.string(),
+                   "' does not exist");
+    }
+  });
+  backward_ = source_->has_backward();
+  local_ = source_->tokens(offsets_[comm_.rank()], offsets_[comm_.rank() + 1]);
+}
+
+void Job::allocate(Outputs& out, const Dims& d, int64_t length) const {
+  const auto tokens = static_cast<std::size_t>(d.batch * length * d.heads);
+  const auto states = static_cast<std::size_t>(d.sequences * d.heads * d.dk * d.dv);
+  const Variant v = options_.variant;
+  out.o.assign(tokens * d.dv, 0.f);
+  out.ht.assign(states, 0.f);
+  if (!backward_) return;
+  out.dq.assign(tokens * d.dk, 0.f);
+  out.dk.assign(tokens * d.dk, 0.f);
+  out.dv.assign(tokens * d.dv, 0.f);
+  if (has_gate(v)) out.dg.assign(tokens * (vector_gate(v) ? d.dk : 1), 0.f);
+  if (has_beta(v)) out.dbeta.assign(tokens, 0.f);
+  if (source_->has_h0()) out.dh0.assign(states, 0.f);
+}
+
+// Forward (+ backward) of `mixer` on the tokens `in`, timed on this rank.
+StepTimes Job::step(CpMixer& mixer, const TokenRange& in, Outputs& out) {
+  const Dims& d = dims_;
+  const int64_t B = d.batch, L = in.length(), H = d.heads, N = d.sequences;
+  const Shape qk{B, L, H, d.dk}, vo{B, L, H, d.dv}, bth{B, L, H}, states{N, H, d.dk, d.dv};
+  const Variant v = options_.variant;
+  std::vector<int64_t> cu = in.cu_seqlens;
+
+  CpForwardArgs fa;
+  fa.q = view(in.q, qk);
+  fa.k = view(in.k, qk);
+  fa.v = view(in.v, vo);
+  if (has_gate(v)) fa.g = view(in.g, vector_gate(v) ? qk : bth);
+  if (has_beta(v)) fa.beta = view(in.beta, bth);
+  if (!cu.empty())
+    fa.cu_seqlens = TensorView(cu.data(), DType::i64, {static_cast<int64_t>(cu.size())});
+  if (!in.h0.empty()) fa.initial_state = view(in.h0, states);
+  fa.o = view(out.o, vo);
+  fa.final_state = view(out.ht, states);
+
+  StepTimes t;
+  const auto t0 = Clock::now();
+  mixer.forward(fa);
+  t.fwd_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  t.exchange_s = mixer.last_forward_stats().exchange_s;
+  t.exchange_bytes = static_cast<double>(mixer.last_forward_stats().exchange_bytes);
+  if (!backward_) return t;
+
+  CpBackwardArgs ba;
+  ba.d_o = view(in.d_o, vo);
+  if (!in.dht.empty()) ba.d_final_state = view(in.dht, states);
+  ba.dq = view(out.dq, qk);
+  ba.dk = view(out.dk, qk);
+  ba.dv = view(out.dv, vo);
+  if (has_gate(v)) ba.dg = view(out.dg, vector_gate(v) ? qk : bth);
+  if (has_beta(v)) ba.dbeta = view(out.dbeta, bth);
+  if (!out.dh0.empty()) ba.d_initial_state = view(out.dh0, states);
+  const auto t1 = Clock::now();
+  mixer.backward(ba);
+  t.bwd_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  t.exchange_s += mixer.last_backward_stats().exchange_s;
+  t.exchange_bytes += static_cast<double>(mixer.last_backward_stats().exchange_bytes);
+  return t;
+}
+
+// Rank 0 runs the whole sequence as one rank: the oracle of --check. The
+// others wait in the agreement, which also carries a failure on rank 0 to them.
+void Job::run_reference() {
+  collective_check(comm_, [&] {
+    if (!root()) return;
+    SingleRankCommunicator single;
+    CpMixer mixer(single, config_, options_.exchange);
+    const TokenRange full = source_->tokens(0, dims_.seq_len);
+    allocate(reference_, dims_, dims_.seq_len);
+    step(mixer, full, reference_);
+  });
+}
+
+// The step's outputs in the full-sequence layout on rank 0 (states are
+// already replicated by CpMixer).
+Outputs Job::gather(const Outputs& local) {
+  const Dims& d = dims_;
+  const int64_t B = d.batch, H = d.heads;
+  const int64_t gate_width = vector_gate(options_.variant) ? H * d.dk : H;
+  Outputs full;
+  full.o = gather_tokens(comm_, local.o, offsets_, B, H * d.dv);
+  if (backward_) {
+    full.dq = gather_tokens(comm_, local.dq, offsets_, B, H * d.dk);
+    full.dk = gather_tokens(comm_, local.dk, offsets_, B, H * d.dk);
+    full.dv = gather_tokens(comm_, local.dv, offsets_, B, H * d.dv);
+    if (!local.dg.empty()) full.dg = gather_tokens(comm_, local.dg, offsets_, B, gate_width);
+    if (!local.dbeta.empty()) full.dbeta = gather_tokens(comm_, local.dbeta, offsets_, B, H);
+  }
+  if (root()) {
+    full.ht = local.ht;
+    full.dh0 = local.dh0;
+  }
+  return full;
+}
+
+// The outputs this run produces, by file/report name, in report order.
+std::vector<std::pair<std::string, const std::vector<float>*>> Job::named(const Outputs& o) const {
+  std::vector<std::pair<std::string, const std::vector<float>*>> list{{"o", &o.o}, {"ht", &o.ht}};
+  if (!backward_) return list;
+  list.insert(list.end(), {{"dq", &o.dq}, {"dk", &o.dk}, {"dv", &o.dv}});
+  if (has_gate(options_.variant)) list.emplace_back("dg", &o.dg);
+  if (has_beta(options_.variant)) list.emplace_back("dbeta", &o.dbeta);
+  if (source_->has_h0()) list.emplace_back("dh0", &o.dh0);
+  return list;
+}
+
+int Job::count_wrong(const Outputs& full,
+                     std::vector<std::pair<std::string, double>>& errors) const {
+  errors.clear();
+  int wrong = 0;
+  const auto cp = named(full), ref = named(reference_);
+  for (std::size_t i = 0; i < cp.size(); ++i) {
+    const double err = rel_rms(*cp[i].second, *ref[i].second);
+    errors.emplace_back(cp[i].first, err);
+    if (!(err <= kCheckTolerance)) ++wrong;
+  }
+  return wrong;
+}
+
+Shape Job::shape_of(const std::string& name) const {
+  const Dims& d = dims_;
+  const Shape qk{d.batch, d.seq_len, d.heads, d.dk}, vo{d.batch, d.seq_len, d.heads, d.dv};
+  const Shape bth{d.batch, d.seq_len, d.heads}, states{d.sequences, d.heads, d.dk, d.dv};
+  if (name == "o" || name == "dv") return vo;
+  if (name == "dq" || name == "dk") return qk;
+  if (name == "dg") return vector_gate(options_.variant) ? qk : bth;
+  if (name == "dbeta") return bth;
+  return states;  // ht, dh0
+}
+
+// Writes every file under a staging name first and renames them all at the
+// end; on any failure it removes what this run wrote (staged or already
+// renamed), so a failed save leaves none of the result files behind.
+void Job::save(const Outputs& full) const {
+  namespace fs = std::filesystem;
+  const std::string staging_prefix = ".statescan-partial-" + std::to_string(::getpid()) + "-";
+  std::vector<std::pair<fs::path, fs::path>> staged;  // (staging, final)
+  std::vector<fs::path> renamed;
+  try {
+    for (const auto& [name, data] : named(full)) {
+      const fs::path final_path = fs::path(options_.save_dir) / (name + ".npy");
+      const fs::path staging = fs::path(options_.save_dir) / (staging_prefix + name + ".npy");
+      staged.emplace_back(staging, final_path);
+      write_npy(staging.string(), shape_of(name), data->data());
+    }
+    for (const auto& [staging, final_path] : staged) {
+      std::error_code ec;
+      fs::rename(staging, final_path, ec);
+      SS_CHECK_ARG(!ec, "--save", "cannot rename ", staging.string(), " to ", final_path.string(),
+                   ": ", ec.message());
+      renamed.push_back(final_path);
+    }
+  } catch (...) {
+    std::error_code ec;
+    for (const auto& [staging, final_path] : staged) fs::remove(staging, ec);
+    for (const auto& path : renamed) fs::remove(path, ec);
+    throw;
+  }
+}
+
+void Job::write_json(const Report& report) const {
+  const std::string temp = options_.json_path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(temp, std::ios::trunc);
+    SS_CHECK_ARG(out.good(), "--json", "cannot open ", temp, " for writing");
+    out << to_json(report);
+    out.flush();
+    if (!out.good()) {
+      out.close();
+      std::remove(temp.c_str());
+      SS_FAIL("--json", "writing ", temp, " failed");
+    }
+  }
+  if (std::rename(temp.c_str(), options_.json_path.c_str()) != 0) {
+    std::remove(temp.c_str());
+    SS_FAIL("--json", "cannot rename ", temp, " to ", options_.json_path);
+  }
+}
+
+std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange resolved) const {
+  const Dims& d = dims_;
+  std::string shards;
+  for (std::size_t r = 0; r + 1 < offsets_.size(); ++r)
+    shards += (r ? "," : "") + std::to_string(offsets_[r + 1] - offsets_[r]);
+  std::string exchange = comm_.size() == 1 ? std::string("none (1 rank)") : to_string(resolved);
+  if (comm_.size() > 1 && options_.exchange == Exchange::automatic) exchange += " (auto)";
+  char scale[32];
+  std::snprintf(scale, sizeof scale, "%.6g", config_.scale_for(d.dk));
+  return {
+      {"variant", to_string(options_.variant)},
+      {"B", std::to_string(d.batch)},
+      {"T", std::to_string(d.seq_len)},
+      {"H", std::to_string(d.heads)},
+      {"Dk", std::to_string(d.dk)},
+      {"Dv", std::to_string(d.dv)},
+      {"chunk", std::to_string(options_.chunk)},
+      {"dtype", to_string(options_.dtype)},
+      {"scale", scale},
+      {"l2norm", options_.l2norm ? "on" : "off"},
+      {"sequences", std::to_string(d.sequences) + (source_->packed() ? " (packed)" : "")},
+      {"ranks", std::to_string(comm_.size())},
+      {"exchange", exchange},
+      {"device", to_string(device_)},
+      {"threads/rank", std::to_string(num_threads())},
+      {"pass", backward_ ? "fwd+bwd" : "fwd"},
+      {"inputs", source_->description()},
+      {"shards", shards},
+      {"warmup", std::to_string(options_.warmup)},
+      {"iters", std::to_string(options_.iters)},
+  };
+}
+
+// One line on stderr per failing rank.
+void report_error(const char* what) {
+  std::fprintf(stderr, "statescan-run: %s\n", what);
+}
+
+}  // namespace
+}  // namespace statescan::launch
+
+int main(int argc, char** argv) {
+  using namespace statescan;
+  using namespace statescan::launch;
+  std::unique_ptr<MpiEnvironment> mpi;
+  try {
+    mpi = std::make_unique<MpiEnvironment>(&argc, &argv);
+  } catch (const std::exception& e) {
+    report_error(e.what());
+    return kExitRuntime;
+  }
+  int code = kExitOk;
+  bool agreed = true;  // did every rank reach the same failure?
+  int ranks = 1;
+  {
+    Stage stage = Stage::setup;
+    try {
+      auto world = MpiCommunicator::world();
+      ranks = world->size();
+      Job job(*world, stage);
+      code = job.run(argc, argv);
+    } catch (const RuntimeFailure& e) {
+      report_error(e.what());
+      code = kExitRuntime;
+    } catch (const Error& e) {
+      report_error(e.what());
+      if (e.argument() == "mpi") {
+        // Communication failed (a peer died, a timeout): the communicator is
+        // unusable and peers may be stuck, so only an abort ends the job.
+        code = kExitRuntime;
+        agreed = false;
+      } else {
+        // Argument and input faults: identical argv on every rank, and the
+        // library validates collectively. A fault while writing results that
+        // escaped the agreement is a runtime failure seen by this rank alone.
+        code = stage == Stage::results ? kExitRuntime : kExitBadInput;
+        agreed = stage != Stage::results;
+      }
+    } catch (const std::exception& e) {
+      report_error(e.what());
+      code = kExitRuntime;
+      agreed = false;
+    }
+  }
+  // Other ranks may wait in a collective for this one: take the job down.
+  if (!agreed && ranks > 1) MPI_Abort(MPI_COMM_WORLD, code);
+  return code;
+}

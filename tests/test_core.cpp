@@ -1,0 +1,580 @@
+// core/: dtype rounding, tensor checks, errors, option parsing and .npy I/O.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/npy.h"
+#include "core/options.h"
+#include "core/tensor.h"
+
+namespace statescan {
+namespace {
+
+namespace fs = std::filesystem;
+
+float float_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Runs `f`, expects a statescan::Error naming `argument`, returns what().
+template <typename F>
+std::string expect_error_naming(const std::string& argument, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), argument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'" + argument + "'"), std::string::npos) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no statescan::Error for " << argument;
+  return {};
+}
+
+// ---- bf16 / f16 round to nearest even --------------------------------------
+
+struct RoundCase {
+  const char* name;
+  float x;
+  uint16_t bits;
+};
+// Names the case in test listings (ctest names carry the printed parameter;
+// the default would print raw bytes, pointers included).
+void PrintTo(const RoundCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class Bf16Rounding : public ::testing::TestWithParam<RoundCase> {};
+
+TEST_P(Bf16Rounding, GivesExpectedBits) {
+  const RoundCase& c = GetParam();
+  EXPECT_EQ(float_to_bf16_bits(c.x), c.bits) << "x = " << c.x;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, Bf16Rounding,
+    ::testing::Values(RoundCase{"one", 1.0f, 0x3f80}, RoundCase{"minus_two", -2.0f, 0xc000},
+                      RoundCase{"zero", 0.0f, 0x0000}, RoundCase{"minus_zero", -0.0f, 0x8000},
+                      // 1 + 2^-8 lies halfway between 1 (even) and 1 + 2^-7: ties go to even.
+                      RoundCase{"tie_down_to_even", float_from_bits(0x3f808000u), 0x3f80},
+                      // 1 + 3 * 2^-8 lies halfway between 0x3f81 (odd) and 0x3f82 (even).
+                      RoundCase{"tie_up_to_even", float_from_bits(0x3f818000u), 0x3f82},
+                      RoundCase{"just_above_tie", float_from_bits(0x3f808001u), 0x3f81},
+                      RoundCase{"just_below_tie", float_from_bits(0x3f807fffu), 0x3f80},
+                      RoundCase{"largest_below_overflow", float_from_bits(0x7f7f7fffu), 0x7f7f},
+                      RoundCase{"overflow_to_inf", std::numeric_limits<float>::max(), 0x7f80},
+                      RoundCase{"negative_overflow", -std::numeric_limits<float>::max(), 0xff80},
+                      RoundCase{"inf", std::numeric_limits<float>::infinity(), 0x7f80},
+                      RoundCase{"float_subnormal", float_from_bits(0x00018000u), 0x0002}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+class F16Rounding : public ::testing::TestWithParam<RoundCase> {};
+
+TEST_P(F16Rounding, GivesExpectedBits) {
+  const RoundCase& c = GetParam();
+  EXPECT_EQ(float_to_f16_bits(c.x), c.bits) << "x = " << c.x;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, F16Rounding,
+    ::testing::Values(RoundCase{"one", 1.0f, 0x3c00}, RoundCase{"minus_two", -2.0f, 0xc000},
+                      RoundCase{"half", 0.5f, 0x3800}, RoundCase{"minus_zero", -0.0f, 0x8000},
+                      RoundCase{"largest_finite", 65504.0f, 0x7bff},
+                      // 1 + 2^-11 is halfway between 1 (even) and 1 + 2^-10.
+                      RoundCase{"tie_down_to_even", 1.0f + std::ldexp(1.0f, -11), 0x3c00},
+                      RoundCase{"tie_up_to_even", 1.0f + 3 * std::ldexp(1.0f, -11), 0x3c02},
+                      RoundCase{"just_above_tie",
+                                std::nextafter(1.0f + std::ldexp(1.0f, -11), 2.0f), 0x3c01},
+                      // 65520 is halfway between 65504 and the next (infinite) step.
+                      RoundCase{"below_overflow", 65519.0f, 0x7bff},
+                      RoundCase{"overflow_at_tie", 65520.0f, 0x7c00},
+                      RoundCase{"overflow_far", 1e6f, 0x7c00},
+                      RoundCase{"negative_overflow", -1e6f, 0xfc00},
+                      RoundCase{"inf", std::numeric_limits<float>::infinity(), 0x7c00},
+                      RoundCase{"smallest_subnormal", std::ldexp(1.0f, -24), 0x0001},
+                      // Half of the smallest subnormal ties between 0 (even) and 1 unit.
+                      RoundCase{"subnormal_tie_to_zero", std::ldexp(1.0f, -25), 0x0000},
+                      RoundCase{"subnormal_tie_to_two", 3 * std::ldexp(1.0f, -25), 0x0002},
+                      RoundCase{"subnormal_above_tie", std::ldexp(1.0001f, -25), 0x0001},
+                      RoundCase{"largest_subnormal", 1023 * std::ldexp(1.0f, -24), 0x03ff},
+                      // Halfway between the largest subnormal (odd) and the smallest normal.
+                      RoundCase{"subnormal_to_normal_tie", 1023.5f * std::ldexp(1.0f, -24), 0x0400},
+                      RoundCase{"smallest_normal", std::ldexp(1.0f, -14), 0x0400},
+                      RoundCase{"negative_subnormal", -std::ldexp(1.0f, -24), 0x8001},
+                      RoundCase{"underflow_to_zero", std::ldexp(1.0f, -30), 0x0000}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+struct HalfFormat {
+  const char* name;
+  uint16_t (*to_bits)(float);
+  float (*from_bits)(uint16_t);
+  DType dtype;
+};
+void PrintTo(const HalfFormat& c, std::ostream* os) {
+  *os << c.name;
+}
+
+const HalfFormat kHalfFormats[] = {
+    {"bf16", float_to_bf16_bits, bf16_bits_to_float, DType::bf16},
+    {"f16", float_to_f16_bits, f16_bits_to_float, DType::f16},
+};
+
+class HalfFormats : public ::testing::TestWithParam<HalfFormat> {};
+
+TEST_P(HalfFormats, EveryFiniteBitPatternRoundTripsExactly) {
+  const HalfFormat& f = GetParam();
+  for (uint32_t b = 0; b <= 0xffffu; ++b) {
+    const float x = f.from_bits(static_cast<uint16_t>(b));
+    if (std::isnan(x)) continue;
+    ASSERT_EQ(f.to_bits(x), b) << f.name << " bits 0x" << std::hex << b;
+  }
+}
+
+TEST_P(HalfFormats, NaNStaysNaN) {
+  const HalfFormat& f = GetParam();
+  // Payloads only in the low bits would turn into inf under plain truncation.
+  for (uint32_t payload : {0x7fc00000u, 0x7f800001u, 0xff800001u, 0x7fffffffu}) {
+    const float nan = float_from_bits(payload);
+    EXPECT_TRUE(std::isnan(f.from_bits(f.to_bits(nan)))) << std::hex << payload;
+  }
+}
+
+TEST_P(HalfFormats, RoundingPicksTheNearestRepresentable) {
+  const HalfFormat& f = GetParam();
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> dist(0.f, 100.f);
+  for (int i = 0; i < 10000; ++i) {
+    const float x = dist(rng);
+    const uint16_t b = f.to_bits(x);
+    const float r = f.from_bits(b);
+    // Neighbours in the same sign: one bit pattern up and down.
+    const float up = f.from_bits(static_cast<uint16_t>(b + 1));
+    const float down = f.from_bits(static_cast<uint16_t>(b - 1));
+    EXPECT_LE(std::fabs(r - x), std::fabs(up - x)) << x;
+    EXPECT_LE(std::fabs(r - x), std::fabs(down - x)) << x;
+  }
+}
+
+TEST_P(HalfFormats, RoundToAndConversionsAgree) {
+  const HalfFormat& f = GetParam();
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> dist(0.f, 3.f);
+  std::vector<float> x(257);
+  for (auto& e : x) e = dist(rng);
+  std::vector<uint16_t> stored(x.size());
+  convert_from_float(f.dtype, x.data(), stored.data(), x.size());
+  std::vector<float> back(x.size());
+  convert_to_float(f.dtype, stored.data(), back.data(), x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    EXPECT_EQ(stored[i], f.to_bits(x[i]));
+    EXPECT_EQ(back[i], round_to(f.dtype, x[i]));
+  }
+  EXPECT_EQ(size_of(f.dtype), 2u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, HalfFormats, ::testing::ValuesIn(kHalfFormats),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(DType, F32IsIdentity) {
+  const float x = 0.1234567f;
+  EXPECT_EQ(round_to(DType::f32, x), x);
+  EXPECT_EQ(size_of(DType::f32), 4u);
+}
+
+TEST(DType, I64IsForIndicesOnly) {
+  EXPECT_EQ(size_of(DType::i64), 8u);
+  EXPECT_STREQ(to_string(DType::i64), "i64");
+  expect_error_naming("dtype", [] { round_to(DType::i64, 1.f); });
+  float x = 1.f;
+  int64_t y = 0;
+  expect_error_naming("dtype", [&] { convert_from_float(DType::i64, &x, &y, 1); });
+  expect_error_naming("dtype", [&] { convert_to_float(DType::i64, &y, &x, 1); });
+  expect_error_naming("--dtype", [] { parse_dtype("i64", "--dtype"); });
+}
+
+// ---- errors ---------------------------------------------------------------
+
+TEST(Error, WhatNamesArgumentRankAndLocation) {
+  set_error_rank(5);
+  int line = 0;
+  try {
+    line = __LINE__ + 1;
+    SS_FAIL("q", "bad value ", 42);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(e.argument(), "q");
+    EXPECT_EQ(e.rank(), 5);
+    EXPECT_NE(what.find("argument 'q'"), std::string::npos) << what;
+    EXPECT_NE(what.find("[rank 5]"), std::string::npos) << what;
+    EXPECT_NE(what.find("bad value 42"), std::string::npos) << what;
+    EXPECT_NE(what.find("test_core.cpp:" + std::to_string(line)), std::string::npos) << what;
+  }
+  set_error_rank(-1);
+  EXPECT_NE(line, 0) << "SS_FAIL did not throw";
+}
+
+TEST(Error, UnknownRankPrintsQuestionMark) {
+  set_error_rank(-1);
+  try {
+    SS_CHECK_ARG(1 + 1 == 3, "chunk", "arithmetic");
+    FAIL() << "SS_CHECK_ARG did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[rank ?]"), std::string::npos) << e.what();
+    EXPECT_EQ(e.rank(), -1);
+  }
+}
+
+TEST(Error, CheckArgPassesWhenConditionHolds) {
+  EXPECT_NO_THROW(SS_CHECK_ARG(true, "x", "never"));
+}
+
+TEST(Error, RebuiltErrorKeepsTextAndRank) {
+  const Error e("beta", "statescan error [rank 3] argument 'beta': nan", 3);
+  EXPECT_EQ(e.argument(), "beta");
+  EXPECT_EQ(e.rank(), 3);
+  EXPECT_STREQ(e.what(), "statescan error [rank 3] argument 'beta': nan");
+}
+
+// ---- tensor checks name the argument ----------------------------------------
+
+TEST(TensorChecks, ShapeMismatchNamesArgument) {
+  float buf[24];
+  const TensorView t(buf, DType::f32, {2, 3, 4});
+  EXPECT_NO_THROW(check_shape(t, {2, -1, 4}, "q"));
+  const std::string what = expect_error_naming("q", [&] { check_shape(t, {2, 3, 5}, "q"); });
+  EXPECT_NE(what.find("[2, 3, 4]"), std::string::npos) << what;
+  expect_error_naming("k", [&] { check_shape(t, {2, 3}, "k"); });
+}
+
+TEST(TensorChecks, DtypeMismatchNamesArgument) {
+  uint16_t buf[4];
+  const TensorView t(buf, DType::bf16, {4});
+  EXPECT_NO_THROW(check_dtype(t, DType::bf16, "g"));
+  const std::string what = expect_error_naming("g", [&] { check_dtype(t, DType::f32, "g"); });
+  EXPECT_NE(what.find("bf16"), std::string::npos) << what;
+}
+
+TEST(TensorChecks, NonContiguousNamesArgument) {
+  float buf[12];
+  TensorView t(buf, DType::f32, {3, 2});
+  EXPECT_NO_THROW(check_contiguous(t, "v"));
+  t.strides = {4, 1};
+  expect_error_naming("v", [&] { check_contiguous(t, "v"); });
+}
+
+TEST(TensorChecks, MemoryKindNamesArgument) {
+  float buf[2];
+  const TensorView t(buf, DType::f32, {2}, Memory::host);
+  EXPECT_NO_THROW(check_memory(t, Memory::host, "o"));
+  expect_error_naming("o", [&] { check_memory(t, Memory::device, "o"); });
+}
+
+TEST(TensorChecks, NonFiniteElementNamesArgumentAndIndex) {
+  std::vector<float> x(8, 0.5f);
+  EXPECT_NO_THROW(check_finite(x.data(), 8, "g"));
+  x[3] = std::numeric_limits<float>::quiet_NaN();
+  const std::string what = expect_error_naming("g", [&] { check_finite(x.data(), 8, "g"); });
+  EXPECT_NE(what.find("element 3"), std::string::npos) << what;
+  x[3] = 0.f;
+  x[6] = -std::numeric_limits<float>::infinity();
+  expect_error_naming("g", [&] { check_finite(x.data(), 8, "g"); });
+}
+
+TEST(TensorChecks, ShapeHelpers) {
+  EXPECT_EQ(numel({2, 3, 4}), 24);
+  EXPECT_EQ(numel({}), 1);
+  EXPECT_EQ(contiguous_strides({2, 3, 4}), (Shape{12, 4, 1}));
+  EXPECT_EQ(shape_string({2, 3}), "[2, 3]");
+}
+
+// ---- option parsing -----------------------------------------------------------
+
+TEST(Options, EveryVariantNameRoundTrips) {
+  for (Variant v : kAllVariants) EXPECT_EQ(parse_variant(to_string(v)), v);
+  EXPECT_EQ(spec_of(Variant::kda).decay, Decay::vector);
+  EXPECT_EQ(spec_of(Variant::kda).rule, Rule::delta);
+  EXPECT_FALSE(has_gate(Variant::deltanet));
+  EXPECT_TRUE(has_beta(Variant::gated_deltanet));
+  EXPECT_FALSE(vector_gate(Variant::retention));
+}
+
+TEST(Options, ExchangeDeviceAndDtypeNamesRoundTrip) {
+  for (Exchange e : {Exchange::allgather, Exchange::ring, Exchange::tree, Exchange::automatic})
+    EXPECT_EQ(parse_exchange(to_string(e)), e);
+  for (DeviceKind d : {DeviceKind::automatic, DeviceKind::cpu, DeviceKind::cuda})
+    EXPECT_EQ(parse_device(to_string(d)), d);
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) EXPECT_EQ(parse_dtype(to_string(t)), t);
+  EXPECT_EQ(parse_dtype("bfloat16"), DType::bf16);
+  EXPECT_EQ(parse_dtype("fp16"), DType::f16);
+}
+
+struct ParseCase {
+  const char* name;
+  void (*parse)(const char* text, const char* argument);
+  const char* text;
+};
+void PrintTo(const ParseCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+const ParseCase kBadParses[] = {
+    {"variant_typo", [](const char* s, const char* a) { parse_variant(s, a); }, "kdaa"},
+    {"variant_empty", [](const char* s, const char* a) { parse_variant(s, a); }, ""},
+    {"variant_case", [](const char* s, const char* a) { parse_variant(s, a); }, "KDA"},
+    {"exchange_unknown", [](const char* s, const char* a) { parse_exchange(s, a); }, "butterfly"},
+    {"dtype_unknown", [](const char* s, const char* a) { parse_dtype(s, a); }, "f64"},
+    {"dtype_int", [](const char* s, const char* a) { parse_dtype(s, a); }, "int8"},
+    {"device_unknown", [](const char* s, const char* a) { parse_device(s, a); }, "tpu"},
+};
+
+class BadParse : public ::testing::TestWithParam<ParseCase> {};
+
+TEST_P(BadParse, ThrowsNamingTheArgumentAndTheText) {
+  const ParseCase& c = GetParam();
+  const std::string what = expect_error_naming("--flag", [&] { c.parse(c.text, "--flag"); });
+  EXPECT_NE(what.find("'" + std::string(c.text) + "'"), std::string::npos) << what;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, BadParse, ::testing::ValuesIn(kBadParses),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(Options, ChunkSizesAndScale) {
+  for (int64_t c : {16, 32, 64}) EXPECT_NO_THROW(check_chunk(c));
+  for (int64_t c : {0, 8, 48, 128}) expect_error_naming("chunk", [&] { check_chunk(c); });
+  MixerConfig config;
+  EXPECT_DOUBLE_EQ(config.scale_for(64), 0.125);
+  config.scale = 0.5;
+  EXPECT_DOUBLE_EQ(config.scale_for(64), 0.5);
+}
+
+// ---- .npy ------------------------------------------------------------------------
+
+class NpyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Parametrised test names contain '/': flatten them to one directory level.
+    std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::replace(name.begin(), name.end(), '/', '_');
+    dir_ = fs::temp_directory_path() /
+           ("statescan_test_core_" + std::to_string(::getpid()) + "_" + name);
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // Writes magic + version + header length + header text (+ '\n' padding to
+  // 64 bytes as numpy does) + raw bytes.
+  std::string write_raw(const std::string& name, int major, const std::string& dict,
+                        const std::string& data, const std::string& magic = "\x93NUMPY") {
+    const std::size_t len_bytes = major == 1 ? 2 : 4;
+    std::string header = dict;
+    const std::size_t unpadded = magic.size() + 2 + len_bytes + header.size() + 1;
+    header.append((64 - unpadded % 64) % 64, ' ');
+    header.push_back('\n');
+    std::string bytes = magic;
+    bytes.push_back(static_cast<char>(major));
+    bytes.push_back(0);
+    for (std::size_t i = 0; i < len_bytes; ++i)
+      bytes.push_back(static_cast<char>((header.size() >> (8 * i)) & 0xff));
+    bytes += header;
+    bytes += data;
+    std::ofstream(path(name), std::ios::binary)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    return path(name);
+  }
+
+  fs::path dir_;
+};
+
+template <typename T>
+std::string raw_bytes(const std::vector<T>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+TEST_F(NpyTest, Float32RoundTrip) {
+  const Shape shape{2, 3, 4};
+  std::vector<float> x(24);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::ldexp(static_cast<float>(i) - 7.3f, -3);
+  write_npy(path("a.npy"), shape, x.data());
+  const NpyArray a = read_npy(path("a.npy"));
+  EXPECT_EQ(a.shape, shape);
+  EXPECT_EQ(a.descr, "<f4");
+  ASSERT_EQ(a.data.size(), x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) EXPECT_EQ(a.data[i], static_cast<double>(x[i]));
+}
+
+TEST_F(NpyTest, Float64RoundTripKeepsEveryBit) {
+  const Shape shape{5};
+  const std::vector<double> x{0.1, -1e-300, 1e300, std::numeric_limits<double>::denorm_min(),
+                              std::nextafter(1.0, 2.0)};
+  write_npy(path("b.npy"), shape, x.data());
+  const NpyArray a = read_npy(path("b.npy"));
+  EXPECT_EQ(a.shape, shape);
+  EXPECT_EQ(a.descr, "<f8");
+  EXPECT_EQ(a.data, x);
+}
+
+TEST_F(NpyTest, ScalarAndEmptyShapes) {
+  const double scalar = 2.5;
+  write_npy(path("s.npy"), Shape{}, &scalar);
+  const NpyArray s = read_npy(path("s.npy"));
+  EXPECT_TRUE(s.shape.empty());
+  EXPECT_EQ(s.data, std::vector<double>{2.5});
+  write_npy(path("e.npy"), Shape{0, 3}, static_cast<const float*>(nullptr));
+  const NpyArray e = read_npy(path("e.npy"));
+  EXPECT_EQ(e.shape, (Shape{0, 3}));
+  EXPECT_TRUE(e.data.empty());
+}
+
+TEST_F(NpyTest, WrittenHeaderIsVersion1AlignedTo64Bytes) {
+  const std::vector<float> x(7, 1.f);
+  write_npy(path("h.npy"), Shape{7}, x.data());
+  std::ifstream in(path("h.npy"), std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GE(bytes.size(), 10u);
+  EXPECT_EQ(bytes.substr(0, 6), "\x93NUMPY");
+  EXPECT_EQ(bytes[6], 1);
+  EXPECT_EQ(bytes[7], 0);
+  const std::size_t header_len =
+      static_cast<unsigned char>(bytes[8]) | (static_cast<unsigned char>(bytes[9]) << 8);
+  EXPECT_EQ((10 + header_len) % 64, 0u);
+  EXPECT_EQ(bytes[10 + header_len - 1], '\n');
+  EXPECT_EQ(bytes.size(), 10 + header_len + 7 * 4);
+  EXPECT_NE(bytes.find("'shape': (7,)"), std::string::npos) << bytes.substr(10, header_len);
+}
+
+TEST_F(NpyTest, OverwriteLeavesNoTemporaryFiles) {
+  const std::vector<float> a(3, 1.f), b(5, 2.f);
+  write_npy(path("o.npy"), Shape{3}, a.data());
+  write_npy(path("o.npy"), Shape{5}, b.data());
+  EXPECT_EQ(read_npy(path("o.npy")).data, std::vector<double>(5, 2.0));
+  int files = 0;
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    ++files;
+    EXPECT_EQ(entry.path().filename(), "o.npy");
+  }
+  EXPECT_EQ(files, 1);
+}
+
+TEST_F(NpyTest, WriteIntoMissingDirectoryThrowsNamingPath) {
+  const std::vector<float> x(2, 0.f);
+  const std::string target = path("no_such_dir/x.npy");
+  expect_error_naming(target, [&] { write_npy(target, Shape{2}, x.data()); });
+  EXPECT_FALSE(fs::exists(dir_ / "no_such_dir"));
+}
+
+TEST_F(NpyTest, HandWrittenInt64Reads) {
+  const std::vector<int64_t> offsets{0, 15, 20, 38, 45, -3, int64_t{1} << 52};
+  const std::string file = write_raw(
+      "i.npy", 1, "{'descr': '<i8', 'fortran_order': False, 'shape': (7,), }", raw_bytes(offsets));
+  const NpyArray a = read_npy(file);
+  EXPECT_EQ(a.descr, "<i8");
+  EXPECT_EQ(a.shape, (Shape{7}));
+  ASSERT_EQ(a.data.size(), offsets.size());
+  for (std::size_t i = 0; i < offsets.size(); ++i)
+    EXPECT_EQ(a.data[i], static_cast<double>(offsets[i]));
+}
+
+TEST_F(NpyTest, Versions2And3ReadWithDoubleQuotesAndKeyOrder) {
+  const std::vector<float> x{1.f, 2.f, 3.f, 4.f, 5.f, 6.f};
+  for (int major : {2, 3}) {
+    const std::string file = write_raw(
+        "v" + std::to_string(major) + ".npy", major,
+        "{\"shape\": (2, 3), \"fortran_order\": False, \"descr\": \"<f4\"}", raw_bytes(x));
+    const NpyArray a = read_npy(file);
+    EXPECT_EQ(a.shape, (Shape{2, 3})) << major;
+    EXPECT_EQ(a.data, (std::vector<double>{1, 2, 3, 4, 5, 6})) << major;
+  }
+}
+
+TEST_F(NpyTest, MissingFileThrowsNamingPath) {
+  const std::string file = path("absent.npy");
+  EXPECT_FALSE(npy_exists(file));
+  expect_error_naming(file, [&] { read_npy(file); });
+  EXPECT_FALSE(npy_exists(dir_.string()));  // a directory is not an array
+}
+
+struct MalformedCase {
+  const char* name;
+  int major;
+  const char* dict;
+  std::size_t data_bytes;
+  const char* message;  // expected in what()
+  const char* magic;
+};
+void PrintTo(const MalformedCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+const MalformedCase kMalformed[] = {
+    {"fortran_order", 1, "{'descr': '<f4', 'fortran_order': True, 'shape': (2, 2), }", 16,
+     "fortran_order", "\x93NUMPY"},
+    {"big_endian", 1, "{'descr': '>f4', 'fortran_order': False, 'shape': (4,), }", 16, "big-endian",
+     "\x93NUMPY"},
+    {"int32", 1, "{'descr': '<i4', 'fortran_order': False, 'shape': (4,), }", 16, "'<i4'",
+     "\x93NUMPY"},
+    {"float16", 1, "{'descr': '<f2', 'fortran_order': False, 'shape': (4,), }", 8, "'<f2'",
+     "\x93NUMPY"},
+    {"structured", 1, "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }", 4,
+     "malformed", "\x93NUMPY"},
+    {"truncated_data", 1, "{'descr': '<f8', 'fortran_order': False, 'shape': (3, 4), }", 95,
+     "truncated", "\x93NUMPY"},
+    {"huge_shape", 1,
+     "{'descr': '<f8', 'fortran_order': False, 'shape': (1000000000, 1000000000), }", 8,
+     "truncated", "\x93NUMPY"},
+    {"missing_shape", 1, "{'descr': '<f4', 'fortran_order': False, }", 4, "'shape'", "\x93NUMPY"},
+    {"unknown_key", 1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': 1}", 4,
+     "unexpected key", "\x93NUMPY"},
+    {"negative_dim", 1, "{'descr': '<f4', 'fortran_order': False, 'shape': (-1,), }", 4,
+     "malformed", "\x93NUMPY"},
+    {"not_a_dict", 1, "hello", 4, "malformed", "\x93NUMPY"},
+    {"bad_magic", 1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", 4, "bad magic",
+     "\x93NUMPX"},
+    {"version_4", 4, "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", 4, "version 4",
+     "\x93NUMPY"},
+};
+
+class NpyMalformed : public NpyTest, public ::testing::WithParamInterface<MalformedCase> {};
+
+TEST_P(NpyMalformed, ThrowsNamingThePath) {
+  const MalformedCase& c = GetParam();
+  const std::string file = write_raw(std::string(c.name) + ".npy", c.major, c.dict,
+                                     std::string(c.data_bytes, '\0'), c.magic);
+  const std::string what = expect_error_naming(file, [&] { read_npy(file); });
+  EXPECT_NE(what.find(c.message), std::string::npos) << what;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, NpyMalformed, ::testing::ValuesIn(kMalformed),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST_F(NpyTest, TruncatedHeaderThrows) {
+  const std::string file = path("short.npy");
+  std::ofstream(file, std::ios::binary) << std::string("\x93NUMPY\x01\x00\x40", 9);
+  expect_error_naming(file, [&] { read_npy(file); });
+}
+
+TEST_F(NpyTest, Int64BeyondDoublePrecisionThrows) {
+  const std::vector<int64_t> x{(int64_t{1} << 53) + 1};
+  const std::string file = write_raw(
+      "big.npy", 1, "{'descr': '<i8', 'fortran_order': False, 'shape': (1,), }", raw_bytes(x));
+  expect_error_naming(file, [&] { read_npy(file); });
+}
+
+}  // namespace
+}  // namespace statescan

@@ -1,0 +1,357 @@
+// End-to-end test of statescan-run: write inputs as .npy, run the binary under
+// `mpirun -np 3`, read its --save outputs back and compare them with the fp64
+// reference (kernels/cpu/reference.h) on the same float32 values.
+//
+// T = 45 is a multiple of neither the chunk (16) nor the rank count (3), so
+// shard boundaries fall inside chunks.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <ostream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/npy.h"
+#include "kernels/cpu/reference.h"
+#include "tests/test_util.h"
+
+#ifndef STATESCAN_RUN_PATH
+#error "STATESCAN_RUN_PATH must name the statescan-run binary (set by tests/CMakeLists.txt)"
+#endif
+#ifndef STATESCAN_MPIEXEC
+#error "STATESCAN_MPIEXEC must name mpirun (set by tests/CMakeLists.txt)"
+#endif
+
+namespace statescan {
+namespace {
+
+namespace fs = std::filesystem;
+using test::rel_rms;
+
+}  // namespace
+
+// Print parameters by name in test listings (ctest names carry the printed
+// parameter). In namespace statescan so that argument-dependent lookup finds them.
+static void PrintTo(Variant v, std::ostream* os) {
+  *os << to_string(v);
+}
+static void PrintTo(Exchange e, std::ostream* os) {
+  *os << to_string(e);
+}
+
+namespace {
+
+constexpr int kRanks = 3;
+constexpr int64_t kSeqLen = 45, kHeads = 2, kDk = 8, kDv = 8, kChunk = 16;
+// Both sides see the same float32 inputs; the CP run computes in fp32.
+constexpr double kTolerance = 2e-5;
+
+// A fresh directory per test, removed afterwards.
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    path_ = fs::temp_directory_path() /
+            ("statescan_run_cli_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    fs::remove_all(path_);
+    fs::create_directories(path_ / "in");
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  fs::path in() const { return path_ / "in"; }
+  fs::path out() const { return path_ / "out"; }
+  fs::path file(const std::string& name) const { return path_ / name; }
+
+ private:
+  fs::path path_;
+};
+
+void write_f32(const fs::path& path, const Shape& shape, const std::vector<double>& values) {
+  const std::vector<float> f(values.begin(), values.end());
+  ASSERT_EQ(static_cast<int64_t>(f.size()), numel(shape)) << path;
+  write_npy(path.string(), shape, f.data());
+}
+
+// core/npy writes floats only; int64 arrays (cu_seqlens) are written by hand
+// in numpy's v1.0 layout.
+void write_i64(const fs::path& path, const std::vector<int64_t>& values) {
+  std::string header = "{'descr': '<i8', 'fortran_order': False, 'shape': (" +
+                       std::to_string(values.size()) + ",), }";
+  header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');
+  header.push_back('\n');
+  std::ofstream out(path, std::ios::binary);
+  out.write("\x93NUMPY\x01\x00", 8);
+  const char len[2] = {static_cast<char>(header.size() & 0xff),
+                       static_cast<char>(header.size() >> 8)};
+  out.write(len, 2);
+  out << header;
+  out.write(reinterpret_cast<const char*>(values.data()),
+            static_cast<std::streamsize>(values.size() * sizeof(int64_t)));
+}
+
+struct Inputs {
+  ref::Problem problem;          // float32-representable values
+  std::vector<double> d_o, dht;  // likewise
+};
+
+Inputs make_inputs(Variant variant, std::vector<int64_t> cu_seqlens, uint64_t seed) {
+  test::ProblemSpec spec;
+  spec.variant = variant;
+  spec.batch = 1;
+  spec.seq_len = kSeqLen;
+  spec.heads = kHeads;
+  spec.dk = kDk;
+  spec.dv = kDv;
+  spec.with_h0 = true;
+  spec.cu_seqlens = std::move(cu_seqlens);
+  Inputs in;
+  in.problem = test::random_problem(spec, seed);
+  ref::Problem& p = in.problem;
+  p.q = test::round_f32(p.q);
+  p.k = test::round_f32(p.k);
+  p.v = test::round_f32(p.v);
+  p.g = test::round_f32(p.g);
+  p.beta = test::round_f32(p.beta);
+  p.h0 = test::round_f32(p.h0);
+  std::mt19937_64 rng(seed + 1000);
+  in.d_o = test::round_f32(test::randn(static_cast<std::size_t>(kSeqLen * kHeads * kDv), rng));
+  in.dht = test::round_f32(
+      test::randn(static_cast<std::size_t>(p.num_sequences() * kHeads * kDk * kDv), rng));
+  return in;
+}
+
+void write_inputs(const Inputs& in, const fs::path& dir) {
+  const ref::Problem& p = in.problem;
+  const int64_t N = p.num_sequences();
+  const Shape qk{1, kSeqLen, kHeads, kDk}, vo{1, kSeqLen, kHeads, kDv}, bth{1, kSeqLen, kHeads};
+  const Shape states{N, kHeads, kDk, kDv};
+  write_f32(dir / "q.npy", qk, p.q);
+  write_f32(dir / "k.npy", qk, p.k);
+  write_f32(dir / "v.npy", vo, p.v);
+  if (has_gate(p.variant)) write_f32(dir / "g.npy", vector_gate(p.variant) ? qk : bth, p.g);
+  if (has_beta(p.variant)) write_f32(dir / "beta.npy", bth, p.beta);
+  write_f32(dir / "h0.npy", states, p.h0);
+  write_f32(dir / "do.npy", vo, in.d_o);
+  write_f32(dir / "dht.npy", states, in.dht);
+  if (!p.cu_seqlens.empty()) write_i64(dir / "cu_seqlens.npy", p.cu_seqlens);
+}
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out;                    // stdout (rank 0's table)
+  std::vector<std::string> rank_err;  // each rank's own stderr
+  std::string err;                    // mpirun's stderr, then every rank's
+};
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs statescan-run under mpirun with `args`. Each rank writes its stderr
+// straight to a file of its own, so the test sees exactly what every rank
+// printed (mpirun's forwarding may drop a rank's last lines when it tears the
+// job down after a non-zero exit).
+RunResult run_cli(const TempDir& dir, const std::string& args) {
+  const fs::path out = dir.file("stdout.txt"), err = dir.file("stderr.txt");
+  const std::string rank_err = dir.file("stderr.rank").string();
+  const std::string command =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 STATESCAN_NUM_THREADS=1 " +
+      std::string(STATESCAN_MPIEXEC) + " -np " + std::to_string(kRanks) +
+      " --oversubscribe sh -c 'exec \"$0\" \"$@\" 2>\"" + rank_err +
+      "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-unknown}}\"' " + STATESCAN_RUN_PATH +
+      " --device cpu --chunk " + std::to_string(kChunk) + " " + args + " >" + out.string() + " 2>" +
+      err.string();
+  const int status = std::system(command.c_str());
+  RunResult r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = slurp(out);
+  r.err = slurp(err);
+  for (int rank = 0; rank < kRanks; ++rank) {
+    r.rank_err.push_back(slurp(rank_err + std::to_string(rank)));
+    r.err += "[rank " + std::to_string(rank) + " stderr] " + r.rank_err.back();
+  }
+  return r;
+}
+
+std::string io_args(const TempDir& dir) {
+  return "--load " + dir.in().string() + " --save " + dir.out().string() + " --iters 1 --warmup 0";
+}
+
+std::set<std::string> files_in(const fs::path& dir) {
+  std::set<std::string> names;
+  if (!fs::exists(dir)) return names;
+  for (const auto& entry : fs::directory_iterator(dir)) names.insert(entry.path().filename());
+  return names;
+}
+
+// Reads `name` from the --save dir, checks its shape and dtype.
+std::vector<double> read_output(const TempDir& dir, const std::string& name, const Shape& shape) {
+  const NpyArray a = read_npy((dir.out() / name).string());
+  EXPECT_EQ(a.descr, "<f4") << name;
+  EXPECT_EQ(a.shape, shape) << name;
+  return a.data;
+}
+
+// Every saved output against ref::forward / ref::backward.
+void expect_outputs_match_reference(const TempDir& dir, const Inputs& in) {
+  const ref::Problem& p = in.problem;
+  const int64_t N = p.num_sequences();
+  const Shape qk{1, kSeqLen, kHeads, kDk}, vo{1, kSeqLen, kHeads, kDv}, bth{1, kSeqLen, kHeads};
+  const Shape states{N, kHeads, kDk, kDv};
+  const ref::Outputs fwd = ref::forward(p);
+  const ref::Grads grads = ref::backward(p, in.d_o, in.dht);
+
+  std::set<std::string> expected{"o.npy", "ht.npy", "dq.npy", "dk.npy", "dv.npy", "dh0.npy"};
+  if (has_gate(p.variant)) expected.insert("dg.npy");
+  if (has_beta(p.variant)) expected.insert("dbeta.npy");
+  EXPECT_EQ(files_in(dir.out()), expected);
+
+  EXPECT_LE(rel_rms(read_output(dir, "o.npy", vo), fwd.o), kTolerance) << "o";
+  EXPECT_LE(rel_rms(read_output(dir, "ht.npy", states), fwd.ht), kTolerance) << "ht";
+  EXPECT_LE(rel_rms(read_output(dir, "dq.npy", qk), grads.dq), kTolerance) << "dq";
+  EXPECT_LE(rel_rms(read_output(dir, "dk.npy", qk), grads.dk), kTolerance) << "dk";
+  EXPECT_LE(rel_rms(read_output(dir, "dv.npy", vo), grads.dv), kTolerance) << "dv";
+  EXPECT_LE(rel_rms(read_output(dir, "dh0.npy", states), grads.dh0), kTolerance) << "dh0";
+  if (has_gate(p.variant))
+    EXPECT_LE(rel_rms(read_output(dir, "dg.npy", vector_gate(p.variant) ? qk : bth), grads.dg),
+              kTolerance)
+        << "dg";
+  if (has_beta(p.variant))
+    EXPECT_LE(rel_rms(read_output(dir, "dbeta.npy", bth), grads.dbeta), kTolerance) << "dbeta";
+}
+
+int count_occurrences(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (std::size_t pos = text.find(needle); pos != std::string::npos;
+       pos = text.find(needle, pos + 1))
+    ++n;
+  return n;
+}
+
+// Every rank printed exactly one error line, and it contains `needle`.
+void expect_every_rank_reports(const RunResult& r, const std::string& needle) {
+  for (int rank = 0; rank < kRanks; ++rank) {
+    const std::string& err = r.rank_err[static_cast<std::size_t>(rank)];
+    EXPECT_EQ(count_occurrences(err, "statescan-run: "), 1) << "rank " << rank << ": " << err;
+    EXPECT_NE(err.find(needle), std::string::npos) << "rank " << rank << ": " << err;
+  }
+}
+
+// ---- every variant x exchange, batch-row layout -----------------------------------
+
+class RunCliExchange : public ::testing::TestWithParam<std::tuple<Variant, Exchange>> {};
+
+TEST_P(RunCliExchange, SavedOutputsMatchReference) {
+  const auto [variant, exchange_kind] = GetParam();
+  const std::string exchange = to_string(exchange_kind);
+  TempDir dir;
+  const Inputs in = make_inputs(variant, {}, 17 + static_cast<uint64_t>(variant));
+  write_inputs(in, dir.in());
+  const RunResult r = run_cli(dir, "--variant " + std::string(to_string(variant)) + " --exchange " +
+                                       exchange + " " + io_args(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("# Wrong outputs: 0 OK"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("exchange " + exchange), std::string::npos) << r.out;
+  expect_outputs_match_reference(dir, in);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, RunCliExchange,
+                         ::testing::Combine(::testing::ValuesIn(kAllVariants),
+                                            ::testing::Values(Exchange::allgather, Exchange::ring,
+                                                              Exchange::tree)),
+                         [](const auto& info) {
+                           return test::variant_name(std::get<0>(info.param)) + "_" +
+                                  to_string(std::get<1>(info.param));
+                         });
+
+// ---- packed sequences across rank boundaries ------------------------------------------
+
+class RunCliPacked : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(RunCliPacked, SavedOutputsMatchReference) {
+  const Variant variant = GetParam();
+  TempDir dir;
+  // Shards are [0,15) [15,30) [30,45): a sequence starts exactly on the
+  // first boundary, one lies inside rank 1, one crosses the second boundary.
+  const Inputs in = make_inputs(variant, {0, 15, 20, 38, 45}, 71 + static_cast<uint64_t>(variant));
+  write_inputs(in, dir.in());
+  const RunResult r =
+      run_cli(dir, "--variant " + std::string(to_string(variant)) + " " + io_args(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("4 (packed)"), std::string::npos) << r.out;
+  expect_outputs_match_reference(dir, in);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, RunCliPacked, ::testing::ValuesIn(kAllVariants),
+                         [](const auto& info) { return test::variant_name(info.param); });
+
+TEST(RunCli, ExplicitUnevenShardsMatchReference) {
+  TempDir dir;
+  const Inputs in = make_inputs(Variant::kda, {0, 3, 9, 40, 45}, 5);
+  write_inputs(in, dir.in());
+  const RunResult r = run_cli(dir, "--variant kda --exchange tree --shards 7,30,8 " + io_args(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("shards 7,30,8"), std::string::npos) << r.out;
+  expect_outputs_match_reference(dir, in);
+}
+
+// ---- bad input: every rank reports it, nothing is written ------------------------------
+
+TEST(RunCli, NaNInGateFailsOnEveryRankWithoutWriting) {
+  TempDir dir;
+  Inputs in = make_inputs(Variant::gated_deltanet, {}, 9);
+  in.problem.g[20 * kHeads + 1] = std::numeric_limits<double>::quiet_NaN();  // rank 1's shard
+  write_inputs(in, dir.in());
+  const RunResult r = run_cli(dir, "--variant gated_deltanet " + io_args(dir));
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, "argument 'g'");
+  EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+}
+
+TEST(RunCli, WrongShapeOfVFailsOnEveryRankWithoutWriting) {
+  TempDir dir;
+  const Inputs in = make_inputs(Variant::deltanet, {}, 10);
+  write_inputs(in, dir.in());
+  // v with one token fewer than q.
+  write_f32(dir.in() / "v.npy", {1, kSeqLen - 1, kHeads, kDv},
+            std::vector<double>(in.problem.v.begin(), in.problem.v.end() - kHeads * kDv));
+  const RunResult r = run_cli(dir, "--variant deltanet " + io_args(dir));
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, "v.npy'");  // argument '.../in/v.npy'
+
+  EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+}
+
+TEST(RunCli, FailedSaveLeavesNoResultFiles) {
+  TempDir dir;
+  write_inputs(make_inputs(Variant::gla, {}, 12), dir.in());
+  // A directory where dq.npy should go makes the save fail after o.npy and
+  // ht.npy could already have been written.
+  fs::create_directories(dir.out() / "dq.npy");
+  const RunResult r = run_cli(dir, "--variant gla " + io_args(dir));
+  EXPECT_EQ(r.exit_code, 3) << r.out << r.err;
+  expect_every_rank_reports(r, "argument '--save'");
+  EXPECT_EQ(files_in(dir.out()), std::set<std::string>{"dq.npy"});
+}
+
+TEST(RunCli, CudaDeviceIsRefusedOnEveryRank) {
+  TempDir dir;
+  const RunResult r = run_cli(dir, "--device cuda --seq-len 45 --iters 1 --warmup 0");
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, "argument '--device'");
+  EXPECT_EQ(r.out.find("# Wrong"), std::string::npos) << "ran anyway:\n" << r.out;
+}
+
+}  // namespace
+}  // namespace statescan
