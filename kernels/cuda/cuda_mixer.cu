@@ -1,0 +1,231 @@
+// Host side of the chunkwise CUDA forward: argument checks, the packed-sequence
+// chunk tables, workspace layout and the per-variant dispatch.
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "kernels/cuda/chunk_forward.cuh"
+#include "kernels/cuda/cuda_mixer.h"
+
+namespace statescan::cuda {
+namespace {
+
+using detail::ForwardArgs;
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// An upper bound on the number of chunks that does not need cu_seqlens'
+// contents: each of N segments adds at most one partial chunk.
+int64_t max_chunks(const MixerParams& p) {
+  if (p.cu_seqlens == nullptr) return p.batch * ceil_div(p.seq_len, p.chunk);
+  return ceil_div(p.seq_len, p.chunk) + p.num_segments;
+}
+
+// Workspace layout, every piece 256-byte aligned.
+struct WorkspaceLayout {
+  size_t q = 0, k = 0, w = 0, u = 0, a = 0, decay = 0, vnew = 0, states = 0;
+  size_t chunk_table = 0, segment_table = 0;
+  size_t total = 0;
+};
+
+size_t align_up(size_t x) {
+  return (x + 255) / 256 * 256;
+}
+
+WorkspaceLayout layout_for(const MixerParams& p) {
+  const size_t chunks = static_cast<size_t>(max_chunks(p));
+  const size_t H = static_cast<size_t>(p.heads), C = static_cast<size_t>(p.chunk);
+  const size_t tile_k = chunks * H * C * static_cast<size_t>(p.dk) * sizeof(float);
+  WorkspaceLayout l;
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at += align_up(bytes);
+    return here;
+  };
+  l.q = take(tile_k);
+  l.k = take(tile_k);
+  l.w = take(has_beta(p.variant) ? tile_k : 0);
+  l.u = take(chunks * H * C * static_cast<size_t>(p.dv) * sizeof(float));
+  l.a = take(chunks * H * C * C * sizeof(float));
+  l.decay = take(chunks * H * static_cast<size_t>(p.dk) * sizeof(float));
+  l.vnew =
+      take(has_beta(p.variant) ? chunks * H * C * static_cast<size_t>(p.dv) * sizeof(float) : 0);
+  // The output kernel reads the chunk states; without caller storage they
+  // live here.
+  l.states =
+      take(p.chunk_states == nullptr ? chunks * H * static_cast<size_t>(p.dk * p.dv) * sizeof(float)
+                                     : 0);
+  if (p.cu_seqlens != nullptr) {
+    l.chunk_table = take(chunks * 2 * sizeof(int64_t));
+    l.segment_table = take(static_cast<size_t>(p.num_segments) * 2 * sizeof(int64_t));
+  }
+  l.total = at;
+  return l;
+}
+
+// Multiprocessors of the current device (cached per device).
+int multiprocessor_count() {
+  static int cached[64] = {};
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= 64) return 132;
+  if (cached[device] == 0)
+    SS_CUDA_CHECK(cudaDeviceGetAttribute(&cached[device], cudaDevAttrMultiProcessorCount, device));
+  return cached[device];
+}
+
+// STATESCAN_SCAN_BV=16|32 forces the state scan's Dv block (tuning knob),
+// read once.
+int scan_block_cols_override() {
+  static const int value = [] {
+    const char* text = std::getenv("STATESCAN_SCAN_BV");
+    if (text == nullptr) return 0;
+    const int v = std::atoi(text);
+    return v == 16 || v == 32 ? v : 0;
+  }();
+  return value;
+}
+
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+void check_supported(const MixerParams& p) {
+  SS_CHECK_ARG(p.dk == p.dv && (p.dk == 64 || p.dk == 128), "dk",
+               "CUDA forward supports Dk == Dv in {64, 128}, got Dk ", p.dk, ", Dv ", p.dv);
+  // The kernels read rows of q, k, v and vector gates 4 elements at a time.
+  SS_CHECK_ARG(aligned16(p.q), "q", "must be 16-byte aligned");
+  SS_CHECK_ARG(aligned16(p.k), "k", "must be 16-byte aligned");
+  SS_CHECK_ARG(aligned16(p.v), "v", "must be 16-byte aligned");
+  SS_CHECK_ARG(p.g == nullptr || aligned16(p.g), "g", "must be 16-byte aligned");
+}
+
+}  // namespace
+
+bool device_available() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+size_t forward_workspace_bytes(const MixerParams& p) {
+  return layout_for(p).total;
+}
+
+void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream) {
+  // validate() reads cu_seqlens on the host; here it is a device array, so
+  // check a copy that points at a host mirror.
+  MixerParams host_view = p;
+  std::vector<int64_t> offsets;
+  if (p.cu_seqlens != nullptr) {
+    SS_CHECK_ARG(p.num_segments >= 1, "cu_seqlens", "must hold at least 2 offsets");
+    offsets.resize(static_cast<size_t>(p.num_segments + 1));
+    SS_CUDA_CHECK(cudaMemcpyAsync(offsets.data(), p.cu_seqlens, offsets.size() * sizeof(int64_t),
+                                  cudaMemcpyDeviceToHost, stream));
+    SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    host_view.cu_seqlens = offsets.data();
+  }
+  validate(host_view);
+  check_supported(p);
+  const WorkspaceLayout l = layout_for(p);
+  SS_CHECK_ARG(workspace != nullptr && workspace_bytes >= l.total, "workspace", "needs ", l.total,
+               " bytes, got ", workspace_bytes);
+
+  char* base = static_cast<char*>(workspace);
+  ForwardArgs a;
+  a.q = p.q;
+  a.k = p.k;
+  a.v = p.v;
+  a.g = p.g;
+  a.beta = p.beta;
+  a.initial_state = p.initial_state;
+  a.o = p.o;
+  a.final_state = p.final_state;
+  a.chunk_states = p.chunk_states;
+  a.ws_q = reinterpret_cast<float*>(base + l.q);
+  a.ws_k = reinterpret_cast<float*>(base + l.k);
+  a.ws_w = has_beta(p.variant) ? reinterpret_cast<float*>(base + l.w) : nullptr;
+  a.ws_u = reinterpret_cast<float*>(base + l.u);
+  a.ws_a = reinterpret_cast<float*>(base + l.a);
+  a.ws_decay = reinterpret_cast<float*>(base + l.decay);
+  a.ws_vnew = has_beta(p.variant) ? reinterpret_cast<float*>(base + l.vnew) : nullptr;
+  a.states = p.chunk_states != nullptr ? p.chunk_states : reinterpret_cast<float*>(base + l.states);
+  a.num_sms = multiprocessor_count();
+  a.scan_block_cols = scan_block_cols_override();
+  a.heads = p.heads;
+  a.seq_len = p.seq_len;
+  a.chunk = static_cast<int>(p.chunk);
+  a.scale = p.scale;
+  a.num_segments = p.num_segments;
+  a.chunks_per_row = ceil_div(p.seq_len, p.chunk);
+  a.num_chunks = count_chunks(host_view);
+
+  if (p.cu_seqlens != nullptr) {
+    // Chunks are aligned to segment starts (kernels/mixer_params.h).
+    std::vector<int64_t> chunk_table, segment_table;
+    chunk_table.reserve(static_cast<size_t>(2 * a.num_chunks));
+    for (int64_t n = 0; n < p.num_segments; ++n) {
+      segment_table.push_back(static_cast<int64_t>(chunk_table.size() / 2));
+      segment_table.push_back(ceil_div(offsets[n + 1] - offsets[n], p.chunk));
+      for (int64_t t = offsets[n]; t < offsets[n + 1]; t += p.chunk) {
+        chunk_table.push_back(t);
+        chunk_table.push_back(std::min<int64_t>(p.chunk, offsets[n + 1] - t));
+      }
+    }
+    auto* chunk_dev = reinterpret_cast<int64_t*>(base + l.chunk_table);
+    auto* segment_dev = reinterpret_cast<int64_t*>(base + l.segment_table);
+    // Pageable host -> device copies return once the data is staged, so the
+    // vectors may go out of scope afterwards.
+    SS_CUDA_CHECK(cudaMemcpyAsync(chunk_dev, chunk_table.data(),
+                                  chunk_table.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                  stream));
+    SS_CUDA_CHECK(cudaMemcpyAsync(segment_dev, segment_table.data(),
+                                  segment_table.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                  stream));
+    a.chunk_table = chunk_dev;
+    a.segment_table = segment_dev;
+  }
+
+  using detail::launch_chunk_forward;
+  switch (p.variant) {
+    case Variant::linear:
+      launch_chunk_forward<Decay::none, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      break;
+    case Variant::retention:
+      launch_chunk_forward<Decay::scalar, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      break;
+    case Variant::gla:
+      launch_chunk_forward<Decay::vector, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      break;
+    case Variant::deltanet:
+      launch_chunk_forward<Decay::none, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      break;
+    case Variant::gated_deltanet:
+      launch_chunk_forward<Decay::scalar, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      break;
+    case Variant::kda:
+      launch_chunk_forward<Decay::vector, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      break;
+  }
+}
+
+void mixer_forward(const MixerParams& p, cudaStream_t stream) {
+  check_supported(p);
+  const size_t bytes = forward_workspace_bytes(p);
+  void* workspace = nullptr;
+  SS_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
+  try {
+    mixer_forward(p, workspace, bytes, stream);
+  } catch (...) {
+    (void)cudaFreeAsync(workspace, stream);
+    throw;
+  }
+  SS_CUDA_CHECK(cudaFreeAsync(workspace, stream));
+}
+
+}  // namespace statescan::cuda

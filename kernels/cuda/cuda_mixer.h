@@ -1,0 +1,39 @@
+// CUDA forward path of the six linear-attention variants (DESIGN §3-4).
+//
+// All pointers in MixerParams are device pointers, cu_seqlens included (an
+// int64 device array). Work is queued on the caller's stream; the functions
+// return before the GPU finishes (except for a small host copy of cu_seqlens
+// in packed mode, which synchronises the stream once).
+//
+// Supported now: dtype in {f32, bf16, f16}, Dk == Dv in {64, 128}, chunk in
+// {16, 32, 64}. Other shapes are rejected with statescan::Error naming "dk".
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/mixer_params.h"
+
+namespace statescan::cuda {
+
+// Chunkwise forward: writes o, and final_state / chunk_states when given.
+// Temporary per-chunk intermediates are taken from the stream-ordered pool
+// (cudaMallocAsync) and released on the same stream.
+void mixer_forward(const MixerParams& p, cudaStream_t stream);
+
+// Bytes of device workspace mixer_forward needs for `p` (host-readable
+// cu_seqlens not required: packed problems are sized from T).
+size_t forward_workspace_bytes(const MixerParams& p);
+// The same forward with caller-owned workspace of at least
+// forward_workspace_bytes(p) bytes (no allocation on the hot path).
+void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream);
+
+// Token-by-token recurrent forward (serving, and a cross-check of the
+// chunkwise path): state in from initial_state (zeros if null), o for every
+// token, state out to final_state when given. chunk_states is ignored.
+void decode_forward(const MixerParams& p, cudaStream_t stream);
+
+// True when a CUDA device is visible (tests skip otherwise).
+bool device_available();
+
+}  // namespace statescan::cuda

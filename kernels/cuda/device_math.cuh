@@ -1,0 +1,126 @@
+// Small device helpers shared by the CUDA kernels: storage types per dtype,
+// conversions, warp reductions and the tf32 tensor-core step.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <type_traits>
+
+#include "core/dtype.h"
+
+namespace statescan::cuda::detail {
+
+template <DType T>
+struct StorageOf;
+template <>
+struct StorageOf<DType::f32> {
+  using type = float;
+};
+template <>
+struct StorageOf<DType::bf16> {
+  using type = __nv_bfloat16;
+};
+template <>
+struct StorageOf<DType::f16> {
+  using type = __half;
+};
+
+__device__ __forceinline__ float to_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+__device__ __forceinline__ float to_float(__half x) {
+  return __half2float(x);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+// Four consecutive elements as floats (8- or 16-byte aligned loads).
+__device__ __forceinline__ float4 load4(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ float4 load4(const __half* p) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ void store4(float* p, float4 v) {
+  *reinterpret_cast<float4*>(p) = v;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+namespace wmma = nvcuda::wmma;
+using AccFragment = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
+
+// acc += (negate ? -A : A) * B for one 16x16x8 step on the tensor cores, with A
+// (16x8) and B (8x16) read as fp32 from shared memory. tf32 keeps 10 mantissa
+// bits; with kSplit each operand is split into a tf32 "high" part plus a tf32
+// remainder and three products are summed (hi*lo + lo*hi + hi*hi), which
+// restores close to fp32 accuracy for fp32 inputs at three times the cost.
+template <typename LayoutA, typename LayoutB, bool kSplit, bool kNegateA = false>
+__device__ __forceinline__ void mma_tf32(AccFragment& acc, const float* a, unsigned lda,
+                                         const float* b, unsigned ldb) {
+  wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, LayoutA> a_hi;
+  wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, LayoutB> b_hi;
+  wmma::load_matrix_sync(a_hi, a, lda);
+  wmma::load_matrix_sync(b_hi, b, ldb);
+  if constexpr (kSplit) {
+    decltype(a_hi) a_lo;
+    decltype(b_hi) b_lo;
+#pragma unroll
+    for (int i = 0; i < a_hi.num_elements; ++i) {
+      const float x = kNegateA ? -a_hi.x[i] : a_hi.x[i];
+      const float hi = wmma::__float_to_tf32(x);
+      a_hi.x[i] = hi;
+      a_lo.x[i] = wmma::__float_to_tf32(x - hi);
+    }
+#pragma unroll
+    for (int i = 0; i < b_hi.num_elements; ++i) {
+      const float x = b_hi.x[i];
+      const float hi = wmma::__float_to_tf32(x);
+      b_hi.x[i] = hi;
+      b_lo.x[i] = wmma::__float_to_tf32(x - hi);
+    }
+    wmma::mma_sync(acc, a_lo, b_hi, acc);
+    wmma::mma_sync(acc, a_hi, b_lo, acc);
+  } else {
+#pragma unroll
+    for (int i = 0; i < a_hi.num_elements; ++i)
+      a_hi.x[i] = wmma::__float_to_tf32(kNegateA ? -a_hi.x[i] : a_hi.x[i]);
+#pragma unroll
+    for (int i = 0; i < b_hi.num_elements; ++i) b_hi.x[i] = wmma::__float_to_tf32(b_hi.x[i]);
+  }
+  wmma::mma_sync(acc, a_hi, b_hi, acc);
+}
+
+}  // namespace statescan::cuda::detail

@@ -1,0 +1,359 @@
+// statescan-bench: kernel benchmarks of the CUDA forward path, in the manner
+// of nccl-tests: a '#'-headed table with units on every column and a
+// correctness column on every row, and the same rows as JSON.
+//
+//   statescan-bench [-v kda,deltanet,...] [-t 8192,32768,131072] [-b 1] [-H 16]
+//                   [-d 128] [--dtype bf16] [-c 64] [-w 3] [-n 20] [--json out.json]
+//
+// Per variant and T: median forward time over n timed runs (after w warm-up
+// runs), tokens/s, achieved TFLOP/s and GB/s against the counted model below,
+// and two errors: the chunkwise output against the recurrent decode kernel on
+// the whole problem, and against the fp64 reference on head 0's first 2048
+// tokens (batch row 0).
+//
+// FLOP model (multiply-add = 2 FLOP, per token and head, Dk = Dv = D, chunk C):
+//   additive: intra-chunk Q K^T and A V over the causal half, 2*(C/2)*D each,
+//             plus Q^ S and K_^T V, 2*D*D each               = 2*C*D + 4*D^2
+//   delta:    additive + K K^T (C*D) + the triangular solve for W and U
+//             (2*(C/2)*2D) + W S (2*D^2)                        = 5*C*D + 6*D^2
+// Byte model: the unavoidable HBM traffic: read q, k, v, g, beta, write o;
+// the per-chunk intermediates and states are not counted.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/options.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/cuda/cuda_mixer.h"
+
+namespace statescan {
+namespace {
+
+struct Options {
+  std::vector<Variant> variants{std::begin(kAllVariants), std::end(kAllVariants)};
+  std::vector<int64_t> lengths{8192, 32768, 131072};
+  int64_t batch = 1, heads = 16, dim = 128, chunk = 64;
+  DType dtype = DType::bf16;
+  int warmup = 3, iters = 20;
+  std::string json;
+  bool help = false;
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      SS_CHECK_ARG(i + 1 < argc, arg, "needs a value");
+      return argv[++i];
+    };
+    if (arg == "-v" || arg == "--variants") {
+      o.variants.clear();
+      for (auto& v : split(value())) o.variants.push_back(parse_variant(v));
+    } else if (arg == "-t" || arg == "--lengths") {
+      o.lengths.clear();
+      for (auto& v : split(value())) o.lengths.push_back(std::stoll(v));
+    } else if (arg == "-b" || arg == "--batch") {
+      o.batch = std::stoll(value());
+    } else if (arg == "-H" || arg == "--heads") {
+      o.heads = std::stoll(value());
+    } else if (arg == "-d" || arg == "--dim") {
+      o.dim = std::stoll(value());
+    } else if (arg == "-c" || arg == "--chunk") {
+      o.chunk = std::stoll(value());
+    } else if (arg == "--dtype") {
+      o.dtype = parse_dtype(value());
+    } else if (arg == "-w" || arg == "--warmup") {
+      o.warmup = std::stoi(value());
+    } else if (arg == "-n" || arg == "--iters") {
+      o.iters = std::stoi(value());
+    } else if (arg == "--json") {
+      o.json = value();
+    } else if (arg == "-h" || arg == "--help") {
+      o.help = true;
+    } else {
+      SS_FAIL(arg, "unknown option");
+    }
+  }
+  SS_CHECK_ARG(o.iters >= 1, "iters", "must be >= 1");
+  return o;
+}
+
+// ---- device-side random inputs (host copies of 128K-token problems would be
+// gigabytes of doubles) -----------------------------------------------------------
+
+__device__ uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Standard normal sample number i of stream `seed` (Box-Muller on a hash).
+__device__ float hashed_normal(uint64_t seed, uint64_t i) {
+  const uint64_t r = mix64(seed * 0x9e3779b97f4a7c15ull + i);
+  const float u1 = (static_cast<float>(r >> 40) + 0.5f) * (1.f / 16777216.f);
+  const float u2 = static_cast<float>((r >> 16) & 0xffffff) * (1.f / 16777216.f);
+  return sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+}
+
+enum class Fill { normal, log_gate, sigmoid };
+
+// Fills n elements of dtype `t` (raw bytes at out) with DESIGN §7's
+// distributions: N(0,1), logsigmoid(N(0,1) + 4) or sigmoid(N(0,1)).
+__global__ void fill_random_kernel(void* out, DType t, int64_t n, uint64_t seed, Fill fill) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    float x = hashed_normal(seed, static_cast<uint64_t>(i));
+    if (fill == Fill::log_gate) x = -log1pf(expf(-(x + 4.f)));
+    if (fill == Fill::sigmoid) x = 1.f / (1.f + expf(-x));
+    if (t == DType::f32) static_cast<float*>(out)[i] = x;
+    if (t == DType::bf16) static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(x);
+    if (t == DType::f16) static_cast<__half*>(out)[i] = __float2half_rn(x);
+  }
+}
+
+void fill_random(void* out, DType t, int64_t n, uint64_t seed, Fill fill) {
+  fill_random_kernel<<<1024, 256>>>(out, t, n, seed, fill);
+  SS_LAUNCH_CHECK("fill_random_kernel");
+}
+
+// rms(a - b) / rms(b); infinite if a holds a NaN/Inf.
+template <typename B>
+double rel_rms_host(const std::vector<float>& a, const std::vector<B>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    const double diff = static_cast<double>(a[i]) - static_cast<double>(b[i]);
+    num += diff * diff;
+    den += static_cast<double>(b[i]) * static_cast<double>(b[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+std::vector<float> download(const void* data, DType t, int64_t n) {
+  std::vector<unsigned char> bytes(static_cast<std::size_t>(n) * size_of(t));
+  SS_CUDA_CHECK(cudaMemcpy(bytes.data(), data, bytes.size(), cudaMemcpyDeviceToHost));
+  std::vector<float> f(static_cast<std::size_t>(n));
+  convert_to_float(t, bytes.data(), f.data(), f.size());
+  return f;
+}
+
+struct Row {
+  std::string variant;
+  int64_t batch, seq_len, heads, dim;
+  std::string dtype;
+  double ms, tokens_per_s, tflops, gbps, err_decode, err_ref;
+};
+
+// Strided slice [tokens, head 0, D] of a [T, H, D] device tensor, to host.
+std::vector<float> head0_slice(const void* data, DType t, int64_t tokens, int64_t heads,
+                               int64_t d) {
+  std::vector<float> all = download(data, t, tokens * heads * d);
+  std::vector<float> out(static_cast<std::size_t>(tokens * d));
+  for (int64_t i = 0; i < tokens; ++i)
+    std::copy_n(all.begin() + (i * heads) * d, d, out.begin() + i * d);
+  return out;
+}
+
+Row bench_one(const Options& opt, Variant variant, int64_t T) {
+  const int64_t B = opt.batch, H = opt.heads, D = opt.dim;
+  const DType t = opt.dtype;
+  const std::size_t es = size_of(t);
+  const int64_t tokens = B * T * H;
+  const bool vec = vector_gate(variant);
+  DeviceBuffer<unsigned char> q(tokens * D * es), k(tokens * D * es), v(tokens * D * es),
+      o(tokens * D * es), o_decode(tokens * D * es), beta(has_beta(variant) ? tokens * es : 0);
+  DeviceBuffer<float> g(has_gate(variant) ? (vec ? tokens * D : tokens) : 0);
+  DeviceBuffer<float> final_state(B * H * D * D), final_decode(B * H * D * D);
+  fill_random(q.data(), t, tokens * D, 1, Fill::normal);
+  fill_random(k.data(), t, tokens * D, 2, Fill::normal);
+  fill_random(v.data(), t, tokens * D, 3, Fill::normal);
+  if (g.size())
+    fill_random(g.data(), DType::f32, static_cast<int64_t>(g.size()), 4, Fill::log_gate);
+  if (beta.size()) fill_random(beta.data(), t, tokens, 5, Fill::sigmoid);
+
+  MixerParams p;
+  p.variant = variant;
+  p.batch = B;
+  p.seq_len = T;
+  p.heads = H;
+  p.dk = p.dv = D;
+  p.chunk = opt.chunk;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  p.l2norm_qk = has_beta(variant);  // delta rules need unit-norm keys
+  p.dtype = t;
+  p.num_segments = B;
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.g = g.size() ? g.data() : nullptr;
+  p.beta = beta.size() ? beta.data() : nullptr;
+  p.o = o.data();
+  p.final_state = final_state.data();
+
+  DeviceBuffer<unsigned char> workspace(cuda::forward_workspace_bytes(p));
+  cudaStream_t stream;
+  SS_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (int i = 0; i < opt.warmup; ++i)
+    cuda::mixer_forward(p, workspace.data(), workspace.size(), stream);
+  std::vector<cudaEvent_t> events(static_cast<std::size_t>(opt.iters) + 1);
+  for (auto& e : events) SS_CUDA_CHECK(cudaEventCreate(&e));
+  SS_CUDA_CHECK(cudaEventRecord(events[0], stream));
+  for (int i = 0; i < opt.iters; ++i) {
+    cuda::mixer_forward(p, workspace.data(), workspace.size(), stream);
+    SS_CUDA_CHECK(cudaEventRecord(events[static_cast<std::size_t>(i) + 1], stream));
+  }
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> times;
+  for (int i = 0; i < opt.iters; ++i) {
+    float ms = 0;
+    SS_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
+    times.push_back(ms);
+  }
+  for (auto& e : events) SS_CUDA_CHECK(cudaEventDestroy(e));
+  std::sort(times.begin(), times.end());
+  const double ms = times[times.size() / 2];
+
+  // Correctness 1: the recurrent decode kernel on the whole problem.
+  MixerParams pd = p;
+  pd.o = o_decode.data();
+  pd.final_state = final_decode.data();
+  cuda::decode_forward(pd, stream);
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<float> o_host = download(o.data(), t, tokens * D);
+  const std::vector<float> od_host = download(o_decode.data(), t, tokens * D);
+  const double err_decode = rel_rms_host(o_host, od_host);
+
+  // Correctness 2: fp64 reference on head 0 of batch row 0, first T_ref tokens
+  // (the chunkwise output there does not depend on later tokens).
+  const int64_t t_ref = std::min<int64_t>(T, 2048);
+  ref::Problem rp;
+  rp.variant = variant;
+  rp.batch = 1;
+  rp.seq_len = t_ref;
+  rp.heads = 1;
+  rp.dk = rp.dv = D;
+  rp.scale = p.scale;
+  rp.l2norm_qk = p.l2norm_qk;
+  auto to_double = [](const std::vector<float>& x) {
+    return std::vector<double>(x.begin(), x.end());
+  };
+  rp.q = to_double(head0_slice(q.data(), t, t_ref, H, D));
+  rp.k = to_double(head0_slice(k.data(), t, t_ref, H, D));
+  rp.v = to_double(head0_slice(v.data(), t, t_ref, H, D));
+  if (g.size()) {
+    rp.g = to_double(vec ? head0_slice(g.data(), DType::f32, t_ref, H, D)
+                         : head0_slice(g.data(), DType::f32, t_ref, H, 1));
+  }
+  if (beta.size()) rp.beta = to_double(head0_slice(beta.data(), t, t_ref, H, 1));
+  const ref::Outputs want = ref::forward(rp);
+  const double err_ref = rel_rms_host(head0_slice(o.data(), t, t_ref, H, D), want.o);
+
+  SS_CUDA_CHECK(cudaStreamDestroy(stream));
+
+  const double flop_per_token =
+      has_beta(variant) ? 5.0 * opt.chunk * D + 6.0 * D * D : 2.0 * opt.chunk * D + 4.0 * D * D;
+  const double bytes_per_token = 4.0 * D * es + (has_gate(variant) ? (vec ? 4.0 * D : 4.0) : 0.0) +
+                                 (has_beta(variant) ? es : 0.0);
+  Row r;
+  r.variant = to_string(variant);
+  r.batch = B;
+  r.seq_len = T;
+  r.heads = H;
+  r.dim = D;
+  r.dtype = to_string(t);
+  r.ms = ms;
+  r.tokens_per_s = B * T / (ms * 1e-3);
+  r.tflops = flop_per_token * tokens / (ms * 1e-3) / 1e12;
+  r.gbps = bytes_per_token * tokens / (ms * 1e-3) / 1e9;
+  r.err_decode = err_decode;
+  r.err_ref = err_ref;
+  return r;
+}
+
+int run(int argc, char** argv) {
+  const Options opt = parse(argc, argv);
+  if (opt.help) {
+    std::printf(
+        "usage: statescan-bench [-v variants] [-t lengths] [-b B] [-H heads] [-d dim]\n"
+        "                       [-c chunk] [--dtype bf16|f16|f32] [-w warmup] [-n iters]\n"
+        "                       [--json file]\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# statescan-bench: chunkwise forward on %s (%d SMs)\n", prop.name,
+              prop.multiProcessorCount);
+  std::printf("# dtype %s, chunk %lld, warm-up %d, timed %d (median), l2norm_qk on delta rules\n",
+              to_string(opt.dtype), static_cast<long long>(opt.chunk), opt.warmup, opt.iters);
+  std::printf(
+      "# err_decode: rel RMS of o vs the recurrent kernel; err_ref: vs fp64, head 0, "
+      "first 2048 tokens\n#\n");
+  std::printf("# %-15s %8s %3s %4s %4s %10s %12s %9s %9s %11s %11s\n", "variant", "T", "B", "H",
+              "D", "time(ms)", "tokens/s", "TFLOP/s", "GB/s", "err_decode", "err_ref");
+  std::vector<Row> rows;
+  for (Variant variant : opt.variants) {
+    for (int64_t T : opt.lengths) {
+      const Row r = bench_one(opt, variant, T);
+      rows.push_back(r);
+      std::printf("  %-15s %8lld %3lld %4lld %4lld %10.3f %12.4g %9.2f %9.1f %11.2e %11.2e\n",
+                  r.variant.c_str(), static_cast<long long>(r.seq_len),
+                  static_cast<long long>(r.batch), static_cast<long long>(r.heads),
+                  static_cast<long long>(r.dim), r.ms, r.tokens_per_s, r.tflops, r.gbps,
+                  r.err_decode, r.err_ref);
+      std::fflush(stdout);
+    }
+  }
+  if (!opt.json.empty()) {
+    std::ofstream out(opt.json);
+    SS_CHECK_ARG(out.good(), "json", "cannot write ", opt.json);
+    out << "[\n";
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      out << "  {\"op\": \"forward\", \"variant\": \"" << r.variant << "\", \"B\": " << r.batch
+          << ", \"T\": " << r.seq_len << ", \"H\": " << r.heads << ", \"D\": " << r.dim
+          << ", \"dtype\": \"" << r.dtype << "\", \"ms\": " << r.ms
+          << ", \"tokens_per_s\": " << r.tokens_per_s << ", \"tflops\": " << r.tflops
+          << ", \"gbps\": " << r.gbps << ", \"err_decode\": " << r.err_decode
+          << ", \"err_ref\": " << r.err_ref << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+    }
+    out << "]\n";
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace statescan
+
+int main(int argc, char** argv) {
+  try {
+    return statescan::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "statescan-bench: %s\n", e.what());
+    return 1;
+  }
+}

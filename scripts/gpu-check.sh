@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# gpu-check.sh OUTDIR — on a machine with an NVIDIA GPU: configure for sm_90a,
+# build the CUDA targets, run the GPU tests and statescan-bench (and FLA's
+# Triton kernels for comparison when .fla/ holds FLA's source and torch is
+# importable), leave logs and JSON in OUTDIR and print a short table last.
+#
+# Environment knobs:
+#   BUILD_DIR        build folder (default <repo>/build-gpu)
+#   BENCH_ARGS       extra statescan-bench arguments (default: its defaults)
+#   GTEST_FILTER     restrict the GPU tests
+#   FLA=0            skip the FLA comparison; FLA_ARGS extra fla_bench.py args
+set -uo pipefail
+
+OUT=${1:?usage: scripts/gpu-check.sh OUTDIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${BUILD_DIR:-$ROOT/build-gpu}
+status=0
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
+  nvcc --version | tail -1
+  cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+    -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
+    cmake --build "$BUILD" --target test_cuda_forward statescan-bench -j16
+} >"$OUT/build.log" 2>&1 || { echo "gpu-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
+
+"$BUILD/tests/test_cuda_forward" --gtest_filter="${GTEST_FILTER:-*}" \
+  --gtest_output="json:$OUT/tests.json" >"$OUT/tests.log" 2>&1 || status=1
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran" "$OUT/tests.log" | tail -5
+grep -E "^\[  FAILED  \]" "$OUT/tests.log" | head -40
+
+# shellcheck disable=SC2086
+"$BUILD/launch/statescan-bench" --json "$OUT/bench.json" ${BENCH_ARGS:-} \
+  >"$OUT/bench.log" 2>&1 || status=1
+
+if [[ "${FLA:-1}" != 0 && -d "$ROOT/.fla/fla" ]] && python3 -c "import torch, triton" 2>/dev/null; then
+  # shellcheck disable=SC2086
+  PYTHONPATH="$ROOT/.fla${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+    python3 "$ROOT/scripts/fla_bench.py" --json "$OUT/fla.json" ${FLA_ARGS:-} \
+    >"$OUT/fla.log" 2>&1 || echo "gpu-check: FLA comparison failed, see $OUT/fla.log"
+fi
+
+echo
+cat "$OUT/bench.log"
+if [[ -f "$OUT/fla.json" ]]; then
+  python3 - "$OUT/bench.json" "$OUT/fla.json" <<'PY' | tee "$OUT/summary.txt"
+import json, sys
+ours = {(r["variant"], r["T"]): r for r in json.load(open(sys.argv[1]))}
+print("#\n# statescan vs FLA (forward, same GPU, same run)")
+print(f"# {'variant':15s} {'T':>8s} {'statescan(ms)':>14s} {'FLA(ms)':>10s} {'FLA/statescan':>14s}")
+for f in json.load(open(sys.argv[2])):
+    o = ours.get((f["variant"], f["T"]))
+    mine = f"{o['ms']:.3f}" if o else "-"
+    if "ms" in f:
+        ratio = f"{f['ms'] / o['ms']:.2f}" if o else "-"
+        print(f"  {f['variant']:15s} {f['T']:8d} {mine:>14s} {f['ms']:10.3f} {ratio:>14s}")
+    else:
+        print(f"  {f['variant']:15s} {f['T']:8d} {mine:>14s} {'refused':>10s}   ({f['error'][:60]})")
+PY
+fi
+exit $status
