@@ -30,6 +30,11 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
          (c.l2norm ? "_l2" : "") + (c.with_state ? "_h0" : "");
 }
 
+// Readable parameter in test names (gtest_discover_tests puts it in the ctest name).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << case_name(::testing::TestParamInfo<Case>(c, 0));
+}
+
 class CpSingleRank : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CpSingleRank, MatchesReferenceForwardAndBackward) {

@@ -52,6 +52,11 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   return std::string(to_string(c.variant)) + "_" + to_string(c.exchange) + "_" + l;
 }
 
+// Readable parameter in test names (gtest_discover_tests puts it in the ctest name).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << case_name(::testing::TestParamInfo<Case>(c, 0));
+}
+
 class CpInvariance : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CpInvariance, EqualsSingleRank) {
