@@ -23,8 +23,19 @@ status=0
   nvcc --version | tail -1
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
-    cmake --build "$BUILD" --target test_cuda_forward statescan-bench -j16
+    cmake --build "$BUILD" --target test_cuda_forward statescan-bench -j16 &&
+    { ! grep -q "STATESCAN_WITH_NCCL:BOOL=ON" "$BUILD/CMakeCache.txt" ||
+      cmake --build "$BUILD" --target test_comm_nccl -j16; }
 } >"$OUT/build.log" 2>&1 || { echo "gpu-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
+
+# The NCCL communicator at world size 1 on this GPU (the 2-rank half skips
+# unless a second GPU is present).
+if [[ -x "$BUILD/tests/test_comm_nccl" ]]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
+  timeout 300 mpirun -np 1 --oversubscribe "$BUILD/tests/test_comm_nccl" >"$OUT/nccl.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran" "$OUT/nccl.log" | sed 's/^/nccl: /' | tail -5
+  grep -E "^\[  FAILED  \]" "$OUT/nccl.log" | head -20
+fi
 
 "$BUILD/tests/test_cuda_forward" --gtest_filter="${GTEST_FILTER:-*}" \
   --gtest_output="json:$OUT/tests.json" >"$OUT/tests.log" 2>&1 || status=1
