@@ -160,12 +160,16 @@ struct CpErrors : ::testing::Test {
     p = random_problem(s, 99);
     bounds = shard_bounds(s.seq_len, comm.size());
   }
-  // Runs forward on this rank's shard after `corrupt` had its way; expects
-  // the error `argument` raised by `culprit` on every rank.
-  void expect_everywhere(const std::string& argument, int culprit) {
+  // Runs forward on this rank's shard with rank `culprit`'s input corrupted
+  // for `argument`; expects on every rank the error `argument` as raised by
+  // rank `reporter` (a cross-rank disagreement is seen by every rank, and the
+  // lowest one reports it; its message names the culprit).
+  void expect_everywhere(const std::string& argument, int culprit, int reporter = -1) {
+    if (reporter < 0) reporter = culprit;
     const int r = comm.rank();
     MixerConfig cfg;
     cfg.variant = p.variant;
+    if (argument == "chunk" && r == culprit) cfg.chunk = 32;
     CpMixer mixer(comm, cfg, Exchange::ring);
     const int64_t L = bounds[r + 1] - bounds[r];
     auto q = slice_tokens(p.q, 1, p.seq_len, bounds[r], bounds[r + 1], 16);
@@ -193,7 +197,10 @@ struct CpErrors : ::testing::Test {
     } catch (const Error& e) {
       threw = true;
       EXPECT_EQ(e.argument(), argument) << e.what();
-      EXPECT_EQ(e.rank(), culprit) << e.what();
+      EXPECT_EQ(e.rank(), reporter) << e.what();
+      if (reporter != culprit)
+        EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(culprit)), std::string::npos)
+            << e.what();
     }
     EXPECT_TRUE(threw) << "rank " << r << " did not get the error";
     for (float x : o) ASSERT_EQ(x, 12345.f) << "rank " << r << " wrote output despite the error";
@@ -202,6 +209,11 @@ struct CpErrors : ::testing::Test {
 };
 
 TEST_F(CpErrors, NanGateOnLastRankFailsEveryRank) { expect_everywhere("g", comm.size() - 1); }
+
+TEST_F(CpErrors, ChunkDisagreeingAcrossRanksFailsEveryRank) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  expect_everywhere("chunk", 1, 0);
+}
 
 TEST_F(CpErrors, CuSeqlensDisagreeingWithShardsFailsEveryRank) {
   expect_everywhere("cu_seqlens", 0);
