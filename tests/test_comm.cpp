@@ -11,28 +11,15 @@
 
 #include "comm/collective_check.h"
 #include "comm/communicator.h"
+#include "tests/comm_test_util.h"
 #include "core/error.h"
 
 namespace statescan {
 namespace {
 
-using Bytes = std::vector<unsigned char>;
+using namespace statescan::test;  // NOLINT: shared comm test helpers
 
-const CommType kAllTypes[] = {CommType::f32, CommType::f64, CommType::i64, CommType::u8};
 
-std::string type_name(CommType t) {
-  switch (t) {
-    case CommType::f32:
-      return "f32";
-    case CommType::f64:
-      return "f64";
-    case CommType::i64:
-      return "i64";
-    case CommType::u8:
-      return "u8";
-  }
-  return "invalid";
-}
 
 // `count` random elements of `type`, as raw bytes (never all zeros, so a copy
 // that did nothing cannot pass).
@@ -63,17 +50,6 @@ Bytes random_elements(CommType type, std::size_t count, uint64_t seed) {
     }
   }
   return out;
-}
-
-// Expects `call` to throw statescan::Error naming `argument`.
-template <typename F>
-void expect_error(F&& call, const std::string& argument) {
-  try {
-    call();
-    ADD_FAILURE() << "expected statescan::Error naming '" << argument << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), argument) << e.what();
-  }
 }
 
 // ---- CommType ------------------------------------------------------------------

@@ -15,105 +15,14 @@
 
 #include "comm/collective_check.h"
 #include "comm/mpi_communicator.h"
+#include "tests/comm_test_util.h"
 #include "core/error.h"
 
 namespace statescan {
 namespace {
 
-using Bytes = std::vector<unsigned char>;
+using namespace statescan::test;  // NOLINT: shared comm test helpers
 
-std::string type_name(CommType t) {
-  switch (t) {
-    case CommType::f32:
-      return "f32";
-    case CommType::f64:
-      return "f64";
-    case CommType::i64:
-      return "i64";
-    case CommType::u8:
-      return "u8";
-  }
-  return "invalid";
-}
-
-// Element i of rank r's contribution: distinct per (rank, i) and exact in
-// every type (small integers), so gathered data identifies its source.
-double value_of(int rank, std::size_t i, CommType type) {
-  if (type == CommType::u8) return static_cast<double>((rank * 61 + i * 7 + 1) % 256);
-  return 1000.0 * (rank + 1) + static_cast<double>(i);
-}
-
-void store(unsigned char* at, CommType type, double x) {
-  switch (type) {
-    case CommType::f32: {
-      const float v = static_cast<float>(x);
-      std::memcpy(at, &v, sizeof v);
-      break;
-    }
-    case CommType::f64:
-      std::memcpy(at, &x, sizeof x);
-      break;
-    case CommType::i64: {
-      const int64_t v = static_cast<int64_t>(x);
-      std::memcpy(at, &v, sizeof v);
-      break;
-    }
-    case CommType::u8:
-      *at = static_cast<unsigned char>(x);
-      break;
-  }
-}
-
-double load(const unsigned char* at, CommType type) {
-  switch (type) {
-    case CommType::f32: {
-      float v;
-      std::memcpy(&v, at, sizeof v);
-      return v;
-    }
-    case CommType::f64: {
-      double v;
-      std::memcpy(&v, at, sizeof v);
-      return v;
-    }
-    case CommType::i64: {
-      int64_t v;
-      std::memcpy(&v, at, sizeof v);
-      return static_cast<double>(v);
-    }
-    case CommType::u8:
-      return *at;
-  }
-  return 0;
-}
-
-// Rank `rank`'s `count` elements.
-Bytes contribution(int rank, std::size_t count, CommType type) {
-  Bytes out(count * size_of(type));
-  for (std::size_t i = 0; i < count; ++i)
-    store(&out[i * size_of(type)], type, value_of(rank, i, type));
-  return out;
-}
-
-// Number of elements of `got` that differ from the expected values.
-template <typename Expected>
-std::size_t mismatches(const Bytes& got, std::size_t count, CommType type, Expected expected) {
-  std::size_t wrong = 0;
-  for (std::size_t i = 0; i < count; ++i)
-    if (load(&got[i * size_of(type)], type) != expected(i)) ++wrong;
-  return wrong;
-}
-
-// Expects `call` to throw statescan::Error naming `argument`.
-template <typename F>
-void expect_error(F&& call, const std::string& argument) {
-  try {
-    call();
-    ADD_FAILURE() << "expected statescan::Error naming '" << argument << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), argument) << e.what();
-  }
-}
 
 // ---- collectives, per element type and piece size ---------------------------------
 
