@@ -83,36 +83,30 @@ const void* byte_offset(const void* p, std::size_t bytes) {
   return static_cast<const char*>(p) + bytes;
 }
 
-// Frees a derived datatype when the scope ends, also when a call throws.
-class ScopedDatatype {
+// Frees an MPI handle (a derived datatype, a temporary communicator) when the
+// scope ends, also when a call throws.
+template <typename Handle, int (*Free)(Handle*)>
+class ScopedHandle {
  public:
-  ScopedDatatype() = default;
-  ~ScopedDatatype() {
-    if (type_ != MPI_DATATYPE_NULL) MPI_Type_free(&type_);
+  explicit ScopedHandle(Handle null) : handle_(null), null_(null) {}
+  ~ScopedHandle() {
+    if (handle_ != null_) Free(&handle_);
   }
-  ScopedDatatype(const ScopedDatatype&) = delete;
-  ScopedDatatype& operator=(const ScopedDatatype&) = delete;
-  MPI_Datatype* out() { return &type_; }
-  MPI_Datatype get() const { return type_; }
+  ScopedHandle(const ScopedHandle&) = delete;
+  ScopedHandle& operator=(const ScopedHandle&) = delete;
+  Handle* out() { return &handle_; }
+  Handle get() const { return handle_; }
 
  private:
-  MPI_Datatype type_ = MPI_DATATYPE_NULL;
+  Handle handle_;
+  Handle null_;
 };
 
-// Frees a temporary communicator when the scope ends, also when a call throws.
-class ScopedComm {
- public:
-  ScopedComm() = default;
-  ~ScopedComm() {
-    if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
-  }
-  ScopedComm(const ScopedComm&) = delete;
-  ScopedComm& operator=(const ScopedComm&) = delete;
-  MPI_Comm* out() { return &comm_; }
-  MPI_Comm get() const { return comm_; }
-
- private:
-  MPI_Comm comm_ = MPI_COMM_NULL;
+struct ScopedDatatype : ScopedHandle<MPI_Datatype, MPI_Type_free> {
+  ScopedDatatype() : ScopedHandle(MPI_DATATYPE_NULL) {}
+};
+struct ScopedComm : ScopedHandle<MPI_Comm, MPI_Comm_free> {
+  ScopedComm() : ScopedHandle(MPI_COMM_NULL) {}
 };
 
 // Checks the outcome of a receive: a message longer than the buffer
