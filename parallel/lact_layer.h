@@ -1,0 +1,75 @@
+// The LaCT layer over a communicator group (DESIGN §6): every chunk is split
+// evenly across the group's ranks, each rank computes its partial fast-weight
+// gradient, one all-reduce sums it, and every rank applies the identical
+// update; backward mirrors that with one all-reduce of the update's gradient
+// per chunk. Semantics and the sharded token layout: kernels/cpu/lact.h.
+//
+// Why LaCT shards *inside* each chunk while the linear-attention mixers shard
+// contiguously: a LaCT chunk (thousands of tokens up to the whole sequence)
+// reads and writes one fast weight, so contiguous shards would leave all but
+// one rank idle while that rank's chunks run in sequence order. Splitting every
+// chunk keeps all ranks busy on every chunk, and the only traffic is one
+// all-reduce of 3 M D values per (batch row, head) per chunk.
+//
+// Usage (every rank of the group, collective):
+//   LactLayer layer(comm, config);
+//   layer.forward(fwd_args);      // saves one W and one update per chunk
+//   layer.backward(bwd_args);
+// Token layout per rank: [B, T/P, H, *] holding slice r of chunk 0, slice r of
+// chunk 1, ... (lact_shard / lact_token_range in kernels/cpu/lact.h).
+#pragma once
+
+#include <memory>
+
+#include "comm/communicator.h"
+#include "core/tensor.h"
+#include "kernels/cpu/lact.h"
+
+namespace statescan {
+
+struct LactForwardArgs {
+  // Local slices, host fp32, contiguous: q, k, v [B, T_local, H, D];
+  // lr0, lr1, lr2 [B, T_local, H] (> 0).
+  TensorView q, k, v;
+  TensorView lr0, lr1, lr2;
+  // Initial fast weights, identical on every rank: w0, w2 [H, M, D]; w1 [H, D, M].
+  TensorView w0, w1, w2;
+  TensorView o;  // output [B, T_local, H, D]
+};
+
+struct LactBackwardArgs {
+  TensorView d_o;  // [B, T_local, H, D]
+  // Outputs: local slices like q, k, v, lr0..2.
+  TensorView dq, dk, dv;
+  TensorView dlr0, dlr1, dlr2;
+  // Outputs like w0..2, summed over batch rows and ranks (same on every rank).
+  TensorView dw0, dw1, dw2;
+};
+
+class LactLayer {
+ public:
+  // Validates the config (throws naming "chunk", "momentum" or "muon_steps").
+  LactLayer(Communicator& comm, LactConfig config);
+  ~LactLayer();
+  LactLayer(const LactLayer&) = delete;
+  LactLayer& operator=(const LactLayer&) = delete;
+
+  // Collective. Validates on every rank (shapes, dtypes, finiteness, learning
+  // rates > 0, the same sizes on every rank, chunk divisible by the ranks); a
+  // fault on any rank throws the same statescan::Error on all of them before
+  // anything is written. Keeps views of the inputs for backward: their memory
+  // must stay valid and unchanged until backward returns.
+  void forward(const LactForwardArgs& args);
+  // Collective. Needs a preceding forward on this layer.
+  void backward(const LactBackwardArgs& args);
+
+  const LactConfig& config() const { return config_; }
+
+ private:
+  struct Saved;
+  Communicator& comm_;
+  LactConfig config_;
+  std::unique_ptr<Saved> saved_;
+};
+
+}  // namespace statescan
