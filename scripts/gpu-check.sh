@@ -9,6 +9,9 @@
 #   BENCH_ARGS       extra statescan-bench arguments (default: its defaults)
 #   GTEST_FILTER     restrict the GPU tests
 #   FLA=0            skip the FLA comparison; FLA_ARGS extra fla_bench.py args
+#   NCU=1            also time the three forward kernels separately at 32K with
+#                    Nsight Compute (clocks left alone), for NCU_VARIANTS
+#                    (default "kda deltanet linear")
 set -uo pipefail
 
 OUT=${1:?usage: scripts/gpu-check.sh OUTDIR}
@@ -45,6 +48,20 @@ grep -E "^\[  FAILED  \]" "$OUT/tests.log" | head -40
 # shellcheck disable=SC2086
 "$BUILD/launch/statescan-bench" --json "$OUT/bench.json" ${BENCH_ARGS:-} \
   >"$OUT/bench.log" 2>&1 || status=1
+
+# Per-kernel split (prepare / scan / output) of one timed forward at 32K.
+if [[ "${NCU:-0}" != 0 ]] && command -v ncu >/dev/null; then
+  for v in ${NCU_VARIANTS:-kda deltanet linear}; do
+    timeout 180 ncu --clock-control none --metrics gpu__time_duration.sum \
+      --kernel-name regex:'chunk_(prepare|state_scan|output)_kernel' \
+      --launch-skip 3 --launch-count 3 \
+      "$BUILD/launch/statescan-bench" -v "$v" -t 32768 -w 1 -n 1 >"$OUT/ncu_$v.log" 2>&1 ||
+      echo "gpu-check: ncu $v failed, see $OUT/ncu_$v.log"
+    awk -v v="$v" '/chunk_(prepare|state_scan|output)_kernel/ { name = $0; sub(/<.*/, "", name); sub(/.*::/, "", name) }
+      /gpu__time_duration.sum/ { print "ncu " v ": " name " " $NF " " $(NF-1) }' "$OUT/ncu_$v.log" |
+      tee -a "$OUT/ncu_summary.txt"
+  done
+fi
 
 if [[ "${FLA:-1}" != 0 && -d "$ROOT/.fla/fla" ]] && python3 -c "import torch, triton" 2>/dev/null; then
   # shellcheck disable=SC2086

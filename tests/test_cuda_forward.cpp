@@ -211,6 +211,17 @@ TEST_P(CudaForward, MatchesReferenceWithSmallChunks) {
   expect_matches_reference(s, 6, 32);
 }
 
+// Enough heads that the state scan switches from 16- to 32-column blocks
+// (more blocks than one wave of multiprocessors at 16 columns).
+TEST_P(CudaForward, MatchesReferenceWithWideScanBlocks) {
+  ProblemSpec s = spec();
+  s.batch = 1;
+  s.heads = 40;
+  s.seq_len = 64 + 16;  // one full chunk and a partial one
+  s.with_h0 = true;
+  expect_matches_reference(s, 11);
+}
+
 // chunk_states[c] is the state entering chunk c: the reference's final state
 // of the sequence cut just before that chunk.
 TEST_P(CudaForward, ChunkStatesMatchReferencePrefixes) {
@@ -241,6 +252,20 @@ TEST_P(CudaForward, ChunkStatesMatchReferencePrefixes) {
     }
     EXPECT_LE(rel_rms(got, want), tol()) << "chunk " << c;
   }
+}
+
+// Without caller storage for the chunk states (inference) the states live
+// only in the workspace, in the input dtype; o and the final state still match.
+TEST_P(CudaForward, MatchesReferenceWithoutChunkStates) {
+  ref::Problem p = random_problem(spec(), seed(12));
+  GpuProblem gpu(p, dtype(), 64);
+  MixerParams m = gpu.params();
+  m.chunk_states = nullptr;
+  cuda::mixer_forward(m, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const ref::Outputs want = ref::forward(p);
+  EXPECT_LE(rel_rms(gpu.o(), want.o), tol()) << "o";
+  EXPECT_LE(rel_rms(gpu.final_state(), want.ht), tol()) << "final state";
 }
 
 TEST_P(CudaForward, DecodeMatchesReference) {

@@ -1,6 +1,8 @@
 // Chunkwise forward family for the six variants (DESIGN §3-4), templated on
 // <Decay, Rule, element type, Dk, Dv>. Three kernels per call, on the
-// caller's stream, talking through an fp32 workspace:
+// caller's stream, talking through a workspace whose tiles are in the input's
+// element type T (bf16/f16 tiles halve the traffic and feed 16x16x16
+// tensor-core steps; fp32 inputs keep fp32 tiles and split-tf32 products):
 //
 //   1. chunk_prepare_kernel  (one block per (chunk, head); all chunks in parallel)
 //      everything that does not depend on the state entering the chunk:
@@ -50,17 +52,19 @@ struct ForwardArgs {
   const float* initial_state = nullptr;
   void* o = nullptr;
   float* final_state = nullptr;
-  float* chunk_states = nullptr;
+  float* chunk_states = nullptr;  // fp32 states for the caller, or null
 
-  float* ws_q = nullptr;      // Q^    [chunks, H, C, Dk]
-  float* ws_k = nullptr;      // K_    [chunks, H, C, Dk]
-  float* ws_w = nullptr;      // W     [chunks, H, C, Dk] (delta rules only)
-  float* ws_u = nullptr;      // U     [chunks, H, C, Dv]
-  float* ws_a = nullptr;      // A     [chunks, H, C, C]
-  float* ws_decay = nullptr;  // e^{b_C} per key dim [chunks, H, Dk]
-  float* ws_vnew = nullptr;   // V' = U - W S [chunks, H, C, Dv] (delta rules only)
-  float* states = nullptr;    // state entering each chunk [chunks, H, Dk, Dv]:
-                              // the caller's chunk_states, or workspace
+  // Workspace tiles, element type T (the input dtype):
+  void* ws_q = nullptr;       // Q^    [chunks, H, C, Dk]
+  void* ws_k = nullptr;       // K_    [chunks, H, C, Dk]
+  void* ws_w = nullptr;       // W     [chunks, H, C, Dk] (delta rules only)
+  void* ws_u = nullptr;       // U     [chunks, H, C, Dv]
+  void* ws_a = nullptr;       // A     [chunks, H, C, C]
+  float* ws_decay = nullptr;  // e^{b_C} per key dim [chunks, H, Dk], fp32
+  void* ws_vnew = nullptr;    // V' = U - W S [chunks, H, C, Dv] (delta rules only)
+  void* ws_states = nullptr;  // state entering each chunk [chunks, H, Dk, Dv] in T,
+                              // read by the output kernel (fp32 inputs: the
+                              // caller's chunk_states when given)
   int num_sms = 132;
   int scan_block_cols = 0;  // 16 or 32 to force the scan's Dv block; 0 = by occupancy
 
@@ -123,44 +127,67 @@ struct ChunkTraits {
       kPrepQ + kPrepK + kPrepG + kPrepV + kPrepA + kPrepM + kPrepBeta + kPrepScratch;
   static constexpr size_t kPrepBytes = sizeof(float) * kPrepFloats;
   static_assert(kPrepBytes <= 227 * 1024, "chunk_prepare_kernel exceeds Hopper shared memory");
+  // Two blocks per multiprocessor where shared memory allows (cap registers
+  // at 128 so that the register file does not become the limit).
+  static constexpr int kPrepBlocksPerSm = kPrepBytes <= 113 * 1024 ? 2 : 1;
 };
 
-template <int Dk, int Dv, int BV, bool kDelta>
+constexpr size_t align_smem(size_t bytes) {
+  return (bytes + 127) / 128 * 128;
+}
+
+// Tiles in T are padded by 16 bytes per row: 16-byte copies stay aligned,
+// wmma's ldm stays a multiple of 16 bytes, and rows shift banks.
+template <typename T, int Dk, int Dv, int BV, bool kDelta>
 struct ScanTraits {
+  static constexpr bool kF32 = std::is_same_v<T, float>;
   static constexpr int kMaxChunk = 64;
   static constexpr int kThreads = 256;
   static constexpr int kWarps = kThreads / 32;
-  static constexpr int kLdK = Dk + 4;
-  static constexpr int kLdB = BV + 4;
+  static constexpr int kPadT = 16 / static_cast<int>(sizeof(T));
+  static constexpr int kLdK = Dk + kPadT;  // K_, W tiles (T)
+  static constexpr int kLdB = BV + kPadT;  // U, V' and the S copy (T)
+  static constexpr int kLdF = BV + 4;      // S and W S (fp32)
   static_assert(Dv % BV == 0 && BV % 16 == 0, "Dv block must be whole 16-column tiles");
   static_assert((kMaxChunk / 16) * (BV / 16) <= kWarps, "one V' tile per warp");
-  static_assert(Dk % 4 == 0 && BV % 4 == 0, "16-byte asynchronous copies");
-  static constexpr int kS = Dk * kLdB;
-  static constexpr int kTileK = kMaxChunk * kLdK;  // K_ or W
-  static constexpr int kTileB = kMaxChunk * kLdB;  // U
+  static_assert(!kF32 || kLdB == kLdF, "fp32 products read S in place");
+  static constexpr size_t kSBytes = align_smem(sizeof(float) * Dk * kLdF);
+  static constexpr size_t kSCopyBytes = kF32 ? 0 : align_smem(sizeof(T) * Dk * kLdB);
+  static constexpr size_t kTileKBytes = align_smem(sizeof(T) * kMaxChunk * kLdK);  // K_ or W
+  static constexpr size_t kTileBBytes = align_smem(sizeof(T) * kMaxChunk * kLdB);  // U
   // One pipeline stage: K_, W (delta), U, decay.
-  static constexpr int kStage = (kDelta ? 2 : 1) * kTileK + kTileB + Dk;
-  static constexpr int kFloats = kS + 2 * kStage + kTileB;
-  static constexpr size_t kBytes = sizeof(float) * kFloats;
+  static constexpr size_t kUOffset = (kDelta ? 2 : 1) * kTileKBytes;
+  static constexpr size_t kStageBytes = kUOffset + kTileBBytes + align_smem(sizeof(float) * Dk);
+  static constexpr size_t kProdBytes = kDelta ? align_smem(sizeof(float) * kMaxChunk * kLdF) : 0;
+  static constexpr size_t kVnBytes = kDelta && !kF32 ? kTileBBytes : 0;
+  // cp.async pipeline depth: the next chunks' tiles load while this one
+  // runs; 16-bit stages are small enough for three (two chunks ahead).
+  static constexpr int kStages = kF32 ? 2 : 3;
+  static constexpr size_t kBytes =
+      kSBytes + kSCopyBytes + kStages * kStageBytes + kProdBytes + kVnBytes;
   static_assert(kBytes <= 227 * 1024, "chunk_state_scan_kernel exceeds Hopper shared memory");
 };
 
-template <int Dk, int Dv>
+template <typename T, int Dk, int Dv>
 struct OutputTraits {
+  static constexpr bool kF32 = std::is_same_v<T, float>;
   static constexpr int kMaxChunk = 64;
   static constexpr int kThreads = 256;
   static constexpr int kWarps = kThreads / 32;
-  static constexpr int kLdK = Dk + 4;
+  static constexpr int kPadT = 16 / static_cast<int>(sizeof(T));
+  static constexpr int kLdK = Dk + kPadT;
   static constexpr int kCols = Dv / 2;  // each block writes half the columns
-  static constexpr int kLdV = kCols + 4;
-  static constexpr int kLdC = kMaxChunk + 4;
+  static constexpr int kLdV = kCols + kPadT;
+  static constexpr int kLdC = kMaxChunk + kPadT;
+  static constexpr int kLdO = kCols + 4;  // O, fp32
   static_assert(kCols % 32 == 0, "two warps per row tile, whole 16-column tiles each");
-  static constexpr int kQ = kMaxChunk * kLdK;
-  static constexpr int kA = kMaxChunk * kLdC;
-  static constexpr int kS = Dk * kLdV;
-  static constexpr int kV = kMaxChunk * kLdV;  // V', then O
-  static constexpr int kFloats = kQ + kA + kS + kV;
-  static constexpr size_t kBytes = sizeof(float) * kFloats;
+  static_assert(!kF32 || kLdO == kLdV, "fp32 O reuses the V' tile");
+  static constexpr size_t kQBytes = align_smem(sizeof(T) * kMaxChunk * kLdK);
+  static constexpr size_t kABytes = align_smem(sizeof(T) * kMaxChunk * kLdC);
+  static constexpr size_t kSBytes = align_smem(sizeof(T) * Dk * kLdV);
+  static constexpr size_t kVBytes = align_smem(sizeof(T) * kMaxChunk * kLdV);  // V'
+  static constexpr size_t kOBytes = kF32 ? 0 : align_smem(sizeof(float) * kMaxChunk * kLdO);
+  static constexpr size_t kBytes = kQBytes + kABytes + kSBytes + kVBytes + kOBytes;
   static_assert(kBytes <= 227 * 1024, "chunk_output_kernel exceeds Hopper shared memory");
 };
 
@@ -176,14 +203,15 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-// Copies a rows x cols fp32 tile (global row stride ld_src) into shared
-// memory (row stride ld_dst) with 16-byte asynchronous copies.
-template <int kThreads>
-__device__ __forceinline__ void copy_tile_async(float* dst, int ld_dst, const float* src,
-                                                int64_t ld_src, int rows, int cols) {
-  const int vec_per_row = cols / 4;
+// Copies a rows x cols tile (global row stride ld_src, in elements) into
+// shared memory (row stride ld_dst) with 16-byte asynchronous copies.
+template <int kThreads, typename T>
+__device__ __forceinline__ void copy_tile_async(T* dst, int ld_dst, const T* src, int64_t ld_src,
+                                                int rows, int cols) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  const int vec_per_row = cols / kVec;
   for (int idx = threadIdx.x; idx < rows * vec_per_row; idx += kThreads) {
-    const int i = idx / vec_per_row, j = (idx % vec_per_row) * 4;
+    const int i = idx / vec_per_row, j = (idx % vec_per_row) * kVec;
     cp_async16(dst + i * ld_dst + j, src + i * ld_src + j);
   }
 }
@@ -194,7 +222,8 @@ __device__ __forceinline__ void copy_tile_async(float* dst, int ld_dst, const fl
 //   Shared memory: ChunkTraits::kPrepBytes (213 KB for kda at D=128).
 //   Constraints: chunk in {16, 32, 64}; Dk, Dv multiples of 16, <= 128.
 template <Decay kDecay, Rule kRule, typename Elem, int Dk, int Dv, bool kL2Norm>
-__global__ void __launch_bounds__(256) chunk_prepare_kernel(const __grid_constant__ ForwardArgs a) {
+__global__ void __launch_bounds__(256, (ChunkTraits<kDecay, kRule, Dk, Dv>::kPrepBlocksPerSm))
+    chunk_prepare_kernel(const __grid_constant__ ForwardArgs a) {
   using Tr = ChunkTraits<kDecay, kRule, Dk, Dv>;
   constexpr bool kSplit = std::is_same_v<Elem, float>;
   constexpr int kLdK = Tr::kLdK, kLdV = Tr::kLdV, kLdC = Tr::kLdC;
@@ -221,31 +250,64 @@ __global__ void __launch_bounds__(256) chunk_prepare_kernel(const __grid_constan
   const Elem* q = static_cast<const Elem*>(a.q);
   const Elem* k = static_cast<const Elem*>(a.k);
   const Elem* v = static_cast<const Elem*>(a.v);
+  // Every load of the chunk is issued before the first store (fully
+  // unrolled over kMaxChunk rows, registers in between): with one or two
+  // blocks per multiprocessor, a load-store loop would wait out the memory
+  // latency once per iteration. Rows in [C, kMaxChunk) of the shared tiles
+  // are unused and just receive zeros.
   const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int idx = tid; idx < C * Dk / 4; idx += Tr::kThreads) {
+  constexpr int kLoadsK = Tr::kMaxChunk * Dk / 4 / Tr::kThreads;
+  constexpr int kLoadsV = Tr::kMaxChunk * Dv / 4 / Tr::kThreads;
+  static_assert(kLoadsK * Tr::kThreads * 4 == Tr::kMaxChunk * Dk &&
+                    kLoadsV * Tr::kThreads * 4 == Tr::kMaxChunk * Dv,
+                "whole load rounds");
+  float4 xq[kLoadsK], xk[kLoadsK], xg[Tr::kVector ? kLoadsK : 1], xv[kLoadsV];
+  // Per-row scalar gate and beta of row tid, in the same batch.
+  float g_row = 0.f, beta_row = 0.f;
+  if (tid < length) {
+    if constexpr (kDecay == Decay::scalar) g_row = a.g[(token0 + tid) * H + h];
+    if constexpr (Tr::kDelta)
+      beta_row = to_float(static_cast<const Elem*>(a.beta)[(token0 + tid) * H + h]);
+  }
+#pragma unroll
+  for (int it = 0; it < kLoadsK; ++it) {
+    const int idx = tid + it * Tr::kThreads;
     const int i = idx / (Dk / 4), d = (idx % (Dk / 4)) * 4;
     const bool valid = i < length;
     const int64_t src = ((token0 + i) * H + h) * Dk + d;
-    store4(sQ + i * kLdK + d, valid ? load4(q + src) : zero4);
-    store4(sK + i * kLdK + d, valid ? load4(k + src) : zero4);
-    if constexpr (Tr::kVector) store4(sG + i * kLdK + d, valid ? load4(a.g + src) : zero4);
+    xq[it] = valid ? load4(q + src) : zero4;
+    xk[it] = valid ? load4(k + src) : zero4;
+    if constexpr (Tr::kVector) xg[it] = valid ? load4(a.g + src) : zero4;
+  }
+#pragma unroll
+  for (int it = 0; it < kLoadsV; ++it) {
+    const int idx = tid + it * Tr::kThreads;
+    const int i = idx / (Dv / 4), j = (idx % (Dv / 4)) * 4;
+    xv[it] = i < length ? load4(v + ((token0 + i) * H + h) * Dv + j) : zero4;
+  }
+#pragma unroll
+  for (int it = 0; it < kLoadsK; ++it) {
+    const int idx = tid + it * Tr::kThreads;
+    const int i = idx / (Dk / 4), d = (idx % (Dk / 4)) * 4;
+    store4(sQ + i * kLdK + d, xq[it]);
+    store4(sK + i * kLdK + d, xk[it]);
+    if constexpr (Tr::kVector) store4(sG + i * kLdK + d, xg[it]);
   }
   // Delta rules transform V in shared memory; additive rules use U = V and
   // copy it straight to the workspace.
-  float* out_u = a.ws_u + (c * H + h) * C * Dv;
-  for (int idx = tid; idx < C * Dv / 4; idx += Tr::kThreads) {
+  Elem* out_u = static_cast<Elem*>(a.ws_u) + (c * H + h) * C * Dv;
+#pragma unroll
+  for (int it = 0; it < kLoadsV; ++it) {
+    const int idx = tid + it * Tr::kThreads;
     const int i = idx / (Dv / 4), j = (idx % (Dv / 4)) * 4;
-    const float4 x = i < length ? load4(v + ((token0 + i) * H + h) * Dv + j) : zero4;
     if constexpr (Tr::kDelta)
-      store4(sV + i * kLdV + j, x);
-    else
-      store4(out_u + i * Dv + j, x);
+      store4(sV + i * kLdV + j, xv[it]);
+    else if (i < C)
+      store4(out_u + i * Dv + j, xv[it]);
   }
   if (tid < C) {
-    const bool valid = tid < length;
-    if constexpr (kDecay == Decay::scalar) sG[tid] = valid ? a.g[(token0 + tid) * H + h] : 0.f;
-    if constexpr (Tr::kDelta)
-      sBeta[tid] = valid ? to_float(static_cast<const Elem*>(a.beta)[(token0 + tid) * H + h]) : 0.f;
+    if constexpr (kDecay == Decay::scalar) sG[tid] = g_row;
+    if constexpr (Tr::kDelta) sBeta[tid] = beta_row;
   }
   __syncthreads();
 
@@ -376,8 +438,8 @@ __global__ void __launch_bounds__(256) chunk_prepare_kernel(const __grid_constan
 
   // ---- decayed queries/keys out; delta rules turn K into diag(beta) K^ -----
   const int64_t tile = c * H + h;
-  float* out_q = a.ws_q + tile * C * Dk;
-  float* out_k = a.ws_k + tile * C * Dk;
+  Elem* out_q = static_cast<Elem*>(a.ws_q) + tile * C * Dk;
+  Elem* out_k = static_cast<Elem*>(a.ws_k) + tile * C * Dk;
   for (int idx = tid; idx < C * Dk / 4; idx += Tr::kThreads) {
     const int i = idx / (Dk / 4), d0 = (idx % (Dk / 4)) * 4;
     float qv[4], kv[4], kb[4];
@@ -458,7 +520,7 @@ __global__ void __launch_bounds__(256) chunk_prepare_kernel(const __grid_constan
       }
       __syncthreads();
     }
-    float* out_w = a.ws_w + tile * C * Dk;
+    Elem* out_w = static_cast<Elem*>(a.ws_w) + tile * C * Dk;
     for (int idx = tid; idx < C * Dk / 4; idx += Tr::kThreads) {
       const int i = idx / (Dk / 4), d = (idx % (Dk / 4)) * 4;
       store4(out_w + i * Dk + d, load4(sK + i * kLdK + d));
@@ -468,7 +530,7 @@ __global__ void __launch_bounds__(256) chunk_prepare_kernel(const __grid_constan
       store4(out_u + i * Dv + j, load4(sV + i * kLdV + j));
     }
   }
-  float* out_a = a.ws_a + tile * C * C;
+  Elem* out_a = static_cast<Elem*>(a.ws_a) + tile * C * C;
   const int c4 = C / 4;
   for (int idx = tid; idx < C * c4; idx += Tr::kThreads) {
     const int i = idx / c4, j = (idx % c4) * 4;
@@ -479,33 +541,49 @@ __global__ void __launch_bounds__(256) chunk_prepare_kernel(const __grid_constan
 // chunk_state_scan_kernel: the sequential boundary scan, nothing else.
 //   grid (Dv / BV, H, N segments), 256 threads; block (vb, h, n) carries the
 //   fp32 state columns [vb*BV, vb*BV + BV) of head h through segment n's
-//   chunks. Per chunk: save S (the state entering the chunk) to a.states,
-//   V' = U - W S (delta rules; saved to ws_vnew for the output kernel),
-//   S <- diag(e^{b_C}) S + K_^T V'. The next chunk's K_, W, U and decay are
-//   prefetched with cp.async into the other of two stages while this one runs.
-//   Shared memory: ScanTraits::kBytes (182 KB at Dk=128, BV=32, delta; 161 KB at BV=16).
-template <Decay kDecay, Rule kRule, typename Elem, int Dk, int Dv, int BV>
+//   chunks. Per chunk: save S (the state entering the chunk; in T to
+//   ws_states for the output kernel, and in fp32 to chunk_states when the
+//   caller asked for them), V' = U - W S (delta rules; saved to ws_vnew),
+//   S <- diag(e^{b_C}) S + K_^T V'. For 16-bit T the matrix products read a
+//   copy of S rounded to T (as FLA does); S itself stays fp32. The next
+//   chunks' K_, W, U and decay are prefetched with cp.async, kStages - 1
+//   chunks ahead (two for 16-bit T, one for fp32).
+//   Shared memory: ScanTraits::kBytes (bf16, Dk=128, delta: 164 KB at BV=32,
+//   140 KB at BV=16; fp32: 182 KB at BV=32).
+template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV>
 __global__ void __launch_bounds__(256)
     chunk_state_scan_kernel(const __grid_constant__ ForwardArgs a) {
   constexpr bool kDelta = kRule == Rule::delta;
-  using Tr = ScanTraits<Dk, Dv, BV, kDelta>;
-  constexpr bool kSplit = std::is_same_v<Elem, float>;
-  constexpr int kLdK = Tr::kLdK, kLdB = Tr::kLdB;
+  using Tr = ScanTraits<T, Dk, Dv, BV, kDelta>;
+  using Acc = typename MmaStep<T>::Acc;
+  constexpr int kK = MmaStep<T>::kK;
+  constexpr int kLdK = Tr::kLdK, kLdB = Tr::kLdB, kLdF = Tr::kLdF;
   constexpr int kColTiles = BV / 16;
-  extern __shared__ __align__(128) float smem[];
-  float* sS = smem;
-  float* sStage = sS + Tr::kS;
-  float* sVn = sStage + 2 * Tr::kStage;
-  auto stage_k = [&](int st) { return sStage + st * Tr::kStage; };
-  auto stage_w = [&](int st) { return stage_k(st) + Tr::kTileK; };
-  auto stage_u = [&](int st) { return stage_k(st) + (kDelta ? 2 : 1) * Tr::kTileK; };
-  auto stage_decay = [&](int st) { return stage_u(st) + Tr::kTileB; };
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  float* sS = reinterpret_cast<float*>(smem_bytes);
+  // The matrix products' view of S: S itself for fp32, else its copy in T.
+  T* sSop = Tr::kF32 ? reinterpret_cast<T*>(sS) : reinterpret_cast<T*>(smem_bytes + Tr::kSBytes);
+  unsigned char* stages = smem_bytes + Tr::kSBytes + Tr::kSCopyBytes;
+  float* sProd = reinterpret_cast<float*>(stages + Tr::kStages * Tr::kStageBytes);  // W S, fp32
+  // V' as the S update reads it (fp32: in place over W S).
+  T* sVn = Tr::kF32 ? reinterpret_cast<T*>(sProd)
+                    : reinterpret_cast<T*>(stages + Tr::kStages * Tr::kStageBytes + Tr::kProdBytes);
+  auto stage = [&](int st, size_t offset) { return stages + st * Tr::kStageBytes + offset; };
+  auto stage_k = [&](int st) { return reinterpret_cast<T*>(stage(st, 0)); };
+  auto stage_w = [&](int st) { return reinterpret_cast<T*>(stage(st, Tr::kTileKBytes)); };
+  auto stage_u = [&](int st) { return reinterpret_cast<T*>(stage(st, Tr::kUOffset)); };
+  auto stage_decay = [&](int st) {
+    return reinterpret_cast<float*>(stage(st, Tr::kUOffset + Tr::kTileBBytes));
+  };
 
   const int vb = blockIdx.x;
   const int64_t h = blockIdx.y, n = blockIdx.z, H = a.heads;
-  const int tid = threadIdx.x, warp = tid / 32;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int C = a.chunk, nb = C / 16;
   const int col0 = vb * BV;
+  const T* ws_k = static_cast<const T*>(a.ws_k);
+  const T* ws_w = static_cast<const T*>(a.ws_w);
+  const T* ws_u = static_cast<const T*>(a.ws_u);
 
   int64_t first_chunk, num_chunks;
   if (a.segment_table != nullptr) {
@@ -518,134 +596,176 @@ __global__ void __launch_bounds__(256)
 
   auto prefetch = [&](int64_t c, int st) {
     const int64_t tile = c * H + h;
-    copy_tile_async<Tr::kThreads>(stage_k(st), kLdK, a.ws_k + tile * C * Dk, Dk, C, Dk);
+    copy_tile_async<Tr::kThreads>(stage_k(st), kLdK, ws_k + tile * C * Dk, Dk, C, Dk);
     if constexpr (kDelta)
-      copy_tile_async<Tr::kThreads>(stage_w(st), kLdK, a.ws_w + tile * C * Dk, Dk, C, Dk);
-    copy_tile_async<Tr::kThreads>(stage_u(st), kLdB, a.ws_u + tile * C * Dv + col0, Dv, C, BV);
+      copy_tile_async<Tr::kThreads>(stage_w(st), kLdK, ws_w + tile * C * Dk, Dk, C, Dk);
+    copy_tile_async<Tr::kThreads>(stage_u(st), kLdB, ws_u + tile * C * Dv + col0, Dv, C, BV);
     if constexpr (kDecay != Decay::none)
       copy_tile_async<Tr::kThreads>(stage_decay(st), Dk, a.ws_decay + tile * Dk, Dk, 1, Dk);
     cp_async_commit();
   };
 
-  if (num_chunks > 0) prefetch(first_chunk, 0);
+  constexpr int kStages = Tr::kStages;
+  for (int p = 0; p < kStages - 1; ++p)
+    if (p < num_chunks) prefetch(first_chunk + p, p);
   const int64_t state_base = (n * H + h) * Dk * Dv;
   for (int idx = tid; idx < Dk * BV; idx += Tr::kThreads) {
     const int d = idx / BV, j = idx % BV;
-    sS[d * kLdB + j] =
+    const float s0 =
         a.initial_state != nullptr ? a.initial_state[state_base + d * Dv + col0 + j] : 0.f;
+    sS[d * kLdF + j] = s0;
+    if constexpr (!Tr::kF32) sSop[d * kLdB + j] = from_float<T>(s0);
   }
 
   for (int64_t cl = 0; cl < num_chunks; ++cl) {
     const int64_t c = first_chunk + cl;
     const int64_t tile = c * H + h;
-    const int st = static_cast<int>(cl & 1);
-    // The other stage was last read in the previous iteration, which ended
-    // with a barrier, so it can be refilled now.
-    if (cl + 1 < num_chunks) {
-      prefetch(c + 1, st ^ 1);
+    const int st = static_cast<int>(cl % kStages);
+    // Chunk cl + kStages - 1 goes into the stage read in the previous
+    // iteration (which ended with a barrier). One cp.async group per chunk,
+    // committed in order: chunk cl's group is complete once at most `ahead`
+    // younger groups are pending.
+    if (cl + kStages - 1 < num_chunks)
+      prefetch(c + kStages - 1, static_cast<int>((cl + kStages - 1) % kStages));
+    const int64_t later = num_chunks - 1 - cl;  // chunks after this one
+    const int ahead = later < kStages - 1 ? static_cast<int>(later) : kStages - 1;
+    if (ahead >= 2)
+      cp_async_wait<2>();
+    else if (ahead == 1)
       cp_async_wait<1>();
-    } else {
+    else
       cp_async_wait<0>();
-    }
     __syncthreads();  // this chunk's stage (and S) visible to every thread
 
-    float* out_state = a.states + tile * Dk * Dv + col0;
-    for (int idx = tid; idx < Dk * BV / 4; idx += Tr::kThreads) {
-      const int d = idx / (BV / 4), j = (idx % (BV / 4)) * 4;
-      *reinterpret_cast<float4*>(out_state + d * Dv + j) =
-          *reinterpret_cast<const float4*>(sS + d * kLdB + j);
+    // Save the state entering this chunk: exactly the values the products use.
+    T* out_state = static_cast<T*>(a.ws_states) + tile * Dk * Dv + col0;
+    constexpr int kVec = 16 / sizeof(T);
+    for (int idx = tid; idx < Dk * BV / kVec; idx += Tr::kThreads) {
+      const int d = idx / (BV / kVec), j = (idx % (BV / kVec)) * kVec;
+      *reinterpret_cast<uint4*>(out_state + d * Dv + j) =
+          *reinterpret_cast<const uint4*>(sSop + d * kLdB + j);
+    }
+    if constexpr (!Tr::kF32) {
+      if (a.chunk_states != nullptr) {
+        float* out_f32 = a.chunk_states + tile * Dk * Dv + col0;
+        for (int idx = tid; idx < Dk * BV / 4; idx += Tr::kThreads) {
+          const int d = idx / (BV / 4), j = (idx % (BV / 4)) * 4;
+          store4(out_f32 + d * Dv + j, load4(sS + d * kLdF + j));
+        }
+      }
     }
 
-    const float* vnew = stage_u(st);  // additive rules: V' = U
     if constexpr (kDelta) {
-      // V' = U - W S, one 16x16 tile per warp.
+      // W S, one 16x16 tile per warp.
       if (warp < nb * kColTiles) {
         const int I = warp / kColTiles, J = warp % kColTiles;
-        AccFragment acc;
-        wmma::load_matrix_sync(acc, stage_u(st) + I * 16 * kLdB + J * 16, kLdB,
-                               wmma::mem_row_major);
+        Acc acc;
+        wmma::fill_fragment(acc, 0.f);
 #pragma unroll 4
-        for (int kk = 0; kk < Dk; kk += 8)
-          mma_tf32<wmma::row_major, wmma::row_major, kSplit, true>(
-              acc, stage_w(st) + I * 16 * kLdK + kk, kLdK, sS + kk * kLdB + J * 16, kLdB);
-        wmma::store_matrix_sync(sVn + I * 16 * kLdB + J * 16, acc, kLdB, wmma::mem_row_major);
+        for (int kk = 0; kk < Dk; kk += kK)
+          mma_step<wmma::row_major, wmma::row_major>(acc, stage_w(st) + I * 16 * kLdK + kk, kLdK,
+                                                     sSop + kk * kLdB + J * 16, kLdB);
+        wmma::store_matrix_sync(sProd + I * 16 * kLdF + J * 16, acc, kLdF, wmma::mem_row_major);
       }
-      vnew = sVn;
     }
-    __syncthreads();  // V' complete; every read of the old S done
+    __syncthreads();  // W S complete; every read of the old S done
+
+    const T* vnew = stage_u(st);  // additive rules: V' = U
     if constexpr (kDelta) {
-      float* out_vn = a.ws_vnew + tile * C * Dv + col0;
+      // V' = U - W S, rounded to T once: the update below and the output
+      // kernel read the same values.
+      T* out_vn = static_cast<T*>(a.ws_vnew) + tile * C * Dv + col0;
+      const T* u = stage_u(st);
       for (int idx = tid; idx < C * BV / 4; idx += Tr::kThreads) {
         const int i = idx / (BV / 4), j = (idx % (BV / 4)) * 4;
-        *reinterpret_cast<float4*>(out_vn + i * Dv + j) =
-            *reinterpret_cast<const float4*>(sVn + i * kLdB + j);
+        const float4 x = load4(u + i * kLdB + j), p = load4(sProd + i * kLdF + j);
+        const float4 vn = make_float4(x.x - p.x, x.y - p.y, x.z - p.z, x.w - p.w);
+        store4(sVn + i * kLdB + j, vn);
+        store4(out_vn + i * Dv + j, vn);
       }
+      vnew = sVn;
     }
     if constexpr (kDecay != Decay::none) {
       const float* decay = stage_decay(st);
       for (int idx = tid; idx < Dk * BV; idx += Tr::kThreads) {
         const int d = idx / BV, j = idx % BV;
-        sS[d * kLdB + j] *= decay[d];
+        sS[d * kLdF + j] *= decay[d];
       }
-      __syncthreads();
     }
+    if constexpr (kDelta || kDecay != Decay::none) __syncthreads();
 
-    // S <- S + K_^T V'.
+    // S <- S + K_^T V'; for 16-bit T each warp then refreshes the rounded
+    // copy of its own tile (read again only after the next barrier).
     for (int t = warp; t < (Dk / 16) * kColTiles; t += Tr::kWarps) {
       const int I = t / kColTiles, J = t % kColTiles;
-      AccFragment acc;
-      wmma::load_matrix_sync(acc, sS + I * 16 * kLdB + J * 16, kLdB, wmma::mem_row_major);
-      for (int kt = 0; kt < C; kt += 8)
-        mma_tf32<wmma::col_major, wmma::row_major, kSplit>(acc, stage_k(st) + kt * kLdK + I * 16,
-                                                           kLdK, vnew + kt * kLdB + J * 16, kLdB);
-      wmma::store_matrix_sync(sS + I * 16 * kLdB + J * 16, acc, kLdB, wmma::mem_row_major);
+      Acc acc;
+      wmma::load_matrix_sync(acc, sS + I * 16 * kLdF + J * 16, kLdF, wmma::mem_row_major);
+      for (int kt = 0; kt < C; kt += kK)
+        mma_step<wmma::col_major, wmma::row_major>(acc, stage_k(st) + kt * kLdK + I * 16, kLdK,
+                                                   vnew + kt * kLdB + J * 16, kLdB);
+      wmma::store_matrix_sync(sS + I * 16 * kLdF + J * 16, acc, kLdF, wmma::mem_row_major);
+      if constexpr (!Tr::kF32) {
+        __syncwarp();
+        for (int e = lane; e < 16 * 16; e += 32) {
+          const int r = I * 16 + e / 16, col = J * 16 + e % 16;
+          sSop[r * kLdB + col] = from_float<T>(sS[r * kLdF + col]);
+        }
+      }
     }
-    __syncthreads();  // S updated; this stage free for the prefetch after next
+    __syncthreads();  // S updated; this stage may be refilled next iteration
   }
   if (a.final_state != nullptr) {
     for (int idx = tid; idx < Dk * BV; idx += Tr::kThreads) {
       const int d = idx / BV, j = idx % BV;
-      a.final_state[state_base + d * Dv + col0 + j] = sS[d * kLdB + j];
+      a.final_state[state_base + d * Dv + col0 + j] = sS[d * kLdF + j];
     }
   }
 }
 
 // chunk_output_kernel: o of one chunk from the state entering it.
-//   grid (num_chunks, H, 2), 256 threads; block (c, h, z): O = Q^ S_c + A V'
+//   grid (2 * num_chunks, H), 256 threads; block (2c + z, h): O = Q^ S_c + A V'
 //   for the chunk's rows and Dv columns [z*Dv/2, z*Dv/2 + Dv/2), written in
-//   the input dtype. Shared memory: OutputTraits::kBytes (103 KB at D=128, so
-//   two blocks share a multiprocessor).
-template <Rule kRule, typename Elem, int Dk, int Dv>
+//   the input dtype; operands in T, fp32 accumulation. Shared memory:
+//   OutputTraits::kBytes (D=128: 71 KB for 16-bit T, 103 KB for fp32).
+template <Rule kRule, typename T, int Dk, int Dv>
 __global__ void __launch_bounds__(256) chunk_output_kernel(const __grid_constant__ ForwardArgs a) {
-  using Tr = OutputTraits<Dk, Dv>;
-  constexpr bool kSplit = std::is_same_v<Elem, float>;
-  constexpr int kLdK = Tr::kLdK, kLdV = Tr::kLdV, kLdC = Tr::kLdC;
-  extern __shared__ __align__(128) float smem[];
-  float* sQ = smem;
-  float* sA = sQ + Tr::kQ;
-  float* sS = sA + Tr::kA;
-  float* sV = sS + Tr::kS;
+  using Tr = OutputTraits<T, Dk, Dv>;
+  using Acc = typename MmaStep<T>::Acc;
+  constexpr int kK = MmaStep<T>::kK;
+  constexpr int kLdK = Tr::kLdK, kLdV = Tr::kLdV, kLdC = Tr::kLdC, kLdO = Tr::kLdO;
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  T* sQ = reinterpret_cast<T*>(smem_bytes);
+  T* sA = reinterpret_cast<T*>(smem_bytes + Tr::kQBytes);
+  T* sS = reinterpret_cast<T*>(smem_bytes + Tr::kQBytes + Tr::kABytes);
+  T* sV = reinterpret_cast<T*>(smem_bytes + Tr::kQBytes + Tr::kABytes + Tr::kSBytes);
+  // O in fp32: over V' for fp32 T (after a barrier), else its own tile.
+  float* sO = Tr::kF32 ? reinterpret_cast<float*>(sV)
+                       : reinterpret_cast<float*>(smem_bytes + Tr::kQBytes + Tr::kABytes +
+                                                  Tr::kSBytes + Tr::kVBytes);
 
-  const int64_t c = blockIdx.x, h = blockIdx.y, H = a.heads;
+  // The two halves of a chunk are neighbours in the grid, so the second
+  // block's Q^ and A come from L2 rather than device memory.
+  const int64_t c = blockIdx.x / 2, h = blockIdx.y, H = a.heads;
   const int tid = threadIdx.x, warp = tid / 32;
   const int C = a.chunk, nb = C / 16;
   constexpr int kCols = Tr::kCols;
-  const int col0 = blockIdx.z * kCols;
+  const int col0 = static_cast<int>(blockIdx.x % 2) * kCols;
   int64_t token0;
   int length;
   chunk_geometry(a, c, token0, length);
   const int64_t tile = c * H + h;
-  const float* vnew = kRule == Rule::delta ? a.ws_vnew : a.ws_u;
-  copy_tile_async<Tr::kThreads>(sQ, kLdK, a.ws_q + tile * C * Dk, Dk, C, Dk);
-  copy_tile_async<Tr::kThreads>(sA, kLdC, a.ws_a + tile * C * C, C, C, C);
-  copy_tile_async<Tr::kThreads>(sS, kLdV, a.states + tile * Dk * Dv + col0, Dv, Dk, kCols);
+  const T* vnew = static_cast<const T*>(kRule == Rule::delta ? a.ws_vnew : a.ws_u);
+  copy_tile_async<Tr::kThreads>(sQ, kLdK, static_cast<const T*>(a.ws_q) + tile * C * Dk, Dk, C, Dk);
+  copy_tile_async<Tr::kThreads>(sA, kLdC, static_cast<const T*>(a.ws_a) + tile * C * C, C, C, C);
+  copy_tile_async<Tr::kThreads>(
+      sS, kLdV, static_cast<const T*>(a.ws_states) + tile * Dk * Dv + col0, Dv, Dk, kCols);
   copy_tile_async<Tr::kThreads>(sV, kLdV, vnew + tile * C * Dv + col0, Dv, C, kCols);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
 
   constexpr int kColTiles = kCols / 16;
-  AccFragment acc[kColTiles / 2];
+  Acc acc[kColTiles / 2];
   // Warp w: row tile w / 2, column tiles (w % 2) * kColTiles/2 ... (8 warps, C <= 64).
   const int I = warp / 2, J0 = (warp % 2) * (kColTiles / 2);
   const bool active = I < nb;
@@ -653,36 +773,37 @@ __global__ void __launch_bounds__(256) chunk_output_kernel(const __grid_constant
 #pragma unroll
     for (int j = 0; j < kColTiles / 2; ++j) {
       wmma::fill_fragment(acc[j], 0.f);
-      for (int kk = 0; kk < Dk; kk += 8)
-        mma_tf32<wmma::row_major, wmma::row_major, kSplit>(acc[j], sQ + I * 16 * kLdK + kk, kLdK,
-                                                           sS + kk * kLdV + (J0 + j) * 16, kLdV);
-      for (int kt = 0; kt < (I + 1) * 16; kt += 8)  // A is zero right of the diagonal block
-        mma_tf32<wmma::row_major, wmma::row_major, kSplit>(acc[j], sA + I * 16 * kLdC + kt, kLdC,
-                                                           sV + kt * kLdV + (J0 + j) * 16, kLdV);
+      for (int kk = 0; kk < Dk; kk += kK)
+        mma_step<wmma::row_major, wmma::row_major>(acc[j], sQ + I * 16 * kLdK + kk, kLdK,
+                                                   sS + kk * kLdV + (J0 + j) * 16, kLdV);
+      for (int kt = 0; kt < (I + 1) * 16; kt += kK)  // A is zero right of the diagonal block
+        mma_step<wmma::row_major, wmma::row_major>(acc[j], sA + I * 16 * kLdC + kt, kLdC,
+                                                   sV + kt * kLdV + (J0 + j) * 16, kLdV);
     }
   }
-  __syncthreads();  // every warp done reading V' before O overwrites it
+  if constexpr (Tr::kF32) __syncthreads();  // every warp done reading V' before O overwrites it
   if (active) {
 #pragma unroll
     for (int j = 0; j < kColTiles / 2; ++j)
-      wmma::store_matrix_sync(sV + I * 16 * kLdV + (J0 + j) * 16, acc[j], kLdV,
+      wmma::store_matrix_sync(sO + I * 16 * kLdO + (J0 + j) * 16, acc[j], kLdO,
                               wmma::mem_row_major);
   }
   __syncthreads();
-  Elem* o = static_cast<Elem*>(a.o);
+  T* o = static_cast<T*>(a.o);
   for (int idx = tid; idx < length * kCols; idx += Tr::kThreads) {
     const int i = idx / kCols, j = idx % kCols;
-    o[((token0 + i) * H + h) * Dv + col0 + j] = from_float<Elem>(sV[i * kLdV + j]);
+    o[((token0 + i) * H + h) * Dv + col0 + j] = from_float<T>(sO[i * kLdO + j]);
   }
 }
 
 // Host launch of the three kernels for one (variant, dtype, head dims, l2norm).
-// The scan's Dv block shrinks to 16 columns when 32-column blocks would leave
-// most multiprocessors idle (few heads and sequences).
+// The scan's Dv block is 16 columns when those blocks all fit in one wave
+// (one block per multiprocessor; few heads and sequences), else 32: a second
+// wave of a sequential scan would double its time.
 template <Decay kDecay, Rule kRule, typename Elem, int Dk, int Dv, bool kL2Norm>
 void launch_chunk_kernels(const ForwardArgs& a, cudaStream_t stream) {
   using PrepTr = ChunkTraits<kDecay, kRule, Dk, Dv>;
-  using OutTr = OutputTraits<Dk, Dv>;
+  using OutTr = OutputTraits<Elem, Dk, Dv>;
   auto prepare = chunk_prepare_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
   auto output = chunk_output_kernel<kRule, Elem, Dk, Dv>;
   SS_CUDA_CHECK(cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -695,7 +816,7 @@ void launch_chunk_kernels(const ForwardArgs& a, cudaStream_t stream) {
 
   auto launch_scan = [&](auto bv_tag) {
     constexpr int kBV = decltype(bv_tag)::value;
-    using ScanTr = ScanTraits<Dk, Dv, kBV, kRule == Rule::delta>;
+    using ScanTr = ScanTraits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
     auto scan = chunk_state_scan_kernel<kDecay, kRule, Elem, Dk, Dv, kBV>;
     SS_CUDA_CHECK(cudaFuncSetAttribute(scan, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(ScanTr::kBytes)));
@@ -703,15 +824,15 @@ void launch_chunk_kernels(const ForwardArgs& a, cudaStream_t stream) {
            ScanTr::kThreads, ScanTr::kBytes, stream>>>(a);
     SS_LAUNCH_CHECK("chunk_state_scan_kernel");
   };
-  const int scan_bv = a.scan_block_cols != 0                             ? a.scan_block_cols
-                      : a.heads * a.num_segments * (Dv / 32) < a.num_sms ? 16
-                                                                         : 32;
+  const int scan_bv = a.scan_block_cols != 0                              ? a.scan_block_cols
+                      : a.heads * a.num_segments * (Dv / 16) <= a.num_sms ? 16
+                                                                          : 32;
   if (scan_bv == 16)
     launch_scan(std::integral_constant<int, 16>{});
   else
     launch_scan(std::integral_constant<int, 32>{});
 
-  output<<<dim3(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.heads), 2),
+  output<<<dim3(static_cast<unsigned>(2 * a.num_chunks), static_cast<unsigned>(a.heads)),
            OutTr::kThreads, OutTr::kBytes, stream>>>(a);
   SS_LAUNCH_CHECK("chunk_output_kernel");
 }

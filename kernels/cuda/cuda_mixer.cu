@@ -25,7 +25,8 @@ int64_t max_chunks(const MixerParams& p) {
   return ceil_div(p.seq_len, p.chunk) + p.num_segments;
 }
 
-// Workspace layout, every piece 256-byte aligned.
+// Workspace layout, every piece 256-byte aligned. Tiles are in the input's
+// element type; the per-chunk decay is fp32.
 struct WorkspaceLayout {
   size_t q = 0, k = 0, w = 0, u = 0, a = 0, decay = 0, vnew = 0, states = 0;
   size_t chunk_table = 0, segment_table = 0;
@@ -39,7 +40,8 @@ size_t align_up(size_t x) {
 WorkspaceLayout layout_for(const MixerParams& p) {
   const size_t chunks = static_cast<size_t>(max_chunks(p));
   const size_t H = static_cast<size_t>(p.heads), C = static_cast<size_t>(p.chunk);
-  const size_t tile_k = chunks * H * C * static_cast<size_t>(p.dk) * sizeof(float);
+  const size_t elem = size_of(p.dtype);
+  const size_t tile_k = chunks * H * C * static_cast<size_t>(p.dk) * elem;
   WorkspaceLayout l;
   size_t at = 0;
   auto take = [&](size_t bytes) {
@@ -50,16 +52,14 @@ WorkspaceLayout layout_for(const MixerParams& p) {
   l.q = take(tile_k);
   l.k = take(tile_k);
   l.w = take(has_beta(p.variant) ? tile_k : 0);
-  l.u = take(chunks * H * C * static_cast<size_t>(p.dv) * sizeof(float));
-  l.a = take(chunks * H * C * C * sizeof(float));
+  l.u = take(chunks * H * C * static_cast<size_t>(p.dv) * elem);
+  l.a = take(chunks * H * C * C * elem);
   l.decay = take(chunks * H * static_cast<size_t>(p.dk) * sizeof(float));
-  l.vnew =
-      take(has_beta(p.variant) ? chunks * H * C * static_cast<size_t>(p.dv) * sizeof(float) : 0);
-  // The output kernel reads the chunk states; without caller storage they
-  // live here.
-  l.states =
-      take(p.chunk_states == nullptr ? chunks * H * static_cast<size_t>(p.dk * p.dv) * sizeof(float)
-                                     : 0);
+  l.vnew = take(has_beta(p.variant) ? chunks * H * C * static_cast<size_t>(p.dv) * elem : 0);
+  // The output kernel reads the chunk states in the element type; fp32
+  // inputs read the caller's chunk_states when given.
+  const bool states_in_caller = p.dtype == DType::f32 && p.chunk_states != nullptr;
+  l.states = take(states_in_caller ? 0 : chunks * H * static_cast<size_t>(p.dk * p.dv) * elem);
   if (p.cu_seqlens != nullptr) {
     l.chunk_table = take(chunks * 2 * sizeof(int64_t));
     l.segment_table = take(static_cast<size_t>(p.num_segments) * 2 * sizeof(int64_t));
@@ -147,14 +147,16 @@ void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes
   a.o = p.o;
   a.final_state = p.final_state;
   a.chunk_states = p.chunk_states;
-  a.ws_q = reinterpret_cast<float*>(base + l.q);
-  a.ws_k = reinterpret_cast<float*>(base + l.k);
-  a.ws_w = has_beta(p.variant) ? reinterpret_cast<float*>(base + l.w) : nullptr;
-  a.ws_u = reinterpret_cast<float*>(base + l.u);
-  a.ws_a = reinterpret_cast<float*>(base + l.a);
+  a.ws_q = base + l.q;
+  a.ws_k = base + l.k;
+  a.ws_w = has_beta(p.variant) ? base + l.w : nullptr;
+  a.ws_u = base + l.u;
+  a.ws_a = base + l.a;
   a.ws_decay = reinterpret_cast<float*>(base + l.decay);
-  a.ws_vnew = has_beta(p.variant) ? reinterpret_cast<float*>(base + l.vnew) : nullptr;
-  a.states = p.chunk_states != nullptr ? p.chunk_states : reinterpret_cast<float*>(base + l.states);
+  a.ws_vnew = has_beta(p.variant) ? base + l.vnew : nullptr;
+  a.ws_states = p.dtype == DType::f32 && p.chunk_states != nullptr
+                    ? static_cast<void*>(p.chunk_states)
+                    : static_cast<void*>(base + l.states);
   a.num_sms = multiprocessor_count();
   a.scan_block_cols = scan_block_cols_override();
   a.heads = p.heads;

@@ -72,6 +72,21 @@ __device__ __forceinline__ float4 load4(const __half* p) {
 __device__ __forceinline__ void store4(float* p, float4 v) {
   *reinterpret_cast<float4*>(p) = v;
 }
+// Four consecutive elements rounded to a 16-bit type (8-byte aligned stores).
+__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 raw;
+  raw.x = *reinterpret_cast<const unsigned*>(&lo);
+  raw.y = *reinterpret_cast<const unsigned*>(&hi);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+__device__ __forceinline__ void store4(__half* p, float4 v) {
+  const __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
+  uint2 raw;
+  raw.x = *reinterpret_cast<const unsigned*>(&lo);
+  raw.y = *reinterpret_cast<const unsigned*>(&hi);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -121,6 +136,36 @@ __device__ __forceinline__ void mma_tf32(AccFragment& acc, const float* a, unsig
     for (int i = 0; i < b_hi.num_elements; ++i) b_hi.x[i] = wmma::__float_to_tf32(b_hi.x[i]);
   }
   wmma::mma_sync(acc, a_hi, b_hi, acc);
+}
+
+// Tensor-core step per workspace element type T: fp32 tiles (fp32 inputs)
+// take 16x16x8 split-tf32 steps, which keep about fp32 accuracy; 16-bit tiles
+// (bf16/f16 inputs) take native 16x16x16 steps with fp32 accumulation.
+template <typename T>
+struct MmaStep {
+  static constexpr int kK = 16;
+  using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+};
+template <>
+struct MmaStep<float> {
+  static constexpr int kK = 8;
+  using Acc = AccFragment;
+};
+
+// acc += A * B for one MmaStep<T>::kK-deep step, A (16 x kK) and B (kK x 16)
+// read from shared memory.
+template <typename LayoutA, typename LayoutB, typename T>
+__device__ __forceinline__ void mma_step(typename MmaStep<T>::Acc& acc, const T* a, unsigned lda,
+                                         const T* b, unsigned ldb) {
+  if constexpr (std::is_same_v<T, float>) {
+    mma_tf32<LayoutA, LayoutB, true>(acc, a, lda, b, ldb);
+  } else {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, LayoutA> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LayoutB> fb;
+    wmma::load_matrix_sync(fa, a, lda);
+    wmma::load_matrix_sync(fb, b, ldb);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
 }
 
 }  // namespace statescan::cuda::detail
