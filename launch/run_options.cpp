@@ -140,6 +140,27 @@ const std::vector<OptionSpec>& option_specs() {
        [](RunOptions& o, const std::string& f, const std::string& v) {
          o.shards = parse_shards(f, v);
        }},
+      {"--metrics-port", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.metrics_port = static_cast<int>(parse_int(f, v, 1, 65535));
+       }},
+      {"--metrics-bind", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         SS_CHECK_ARG(!v.empty(), f, "expects an address, e.g. 127.0.0.1 or 0.0.0.0");
+         o.metrics_bind = v;
+       }},
+      {"--metrics-hold", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.metrics_hold = parse_positive_double(f, v);
+       }},
+      {"--progress", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) {
+         o.progress = RunOptions::Progress::always;
+       }},
+      {"--no-progress", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) {
+         o.progress = RunOptions::Progress::never;
+       }},
       {"--help", false, false,
        [](RunOptions& o, const std::string&, const std::string&) { o.help = true; }},
   };
@@ -177,6 +198,14 @@ RunOptions parse_run_options(int argc, const char* const* argv) {
     }
     spec->apply(options, arg, value);
     if (spec->shape_flag) options.shape_flags_given.push_back(arg);
+  }
+  // The other metrics flags mean nothing without a port: refuse, not ignore.
+  if (options.metrics_port < 0) {
+    for (int i = 1; i < argc; ++i) {
+      const std::string arg = argv[i];
+      for (const char* flag : {"--metrics-bind", "--metrics-hold"})
+        SS_CHECK_ARG(arg.rfind(flag, 0) != 0, flag, "needs --metrics-port");
+    }
   }
   return options;
 }
@@ -227,8 +256,20 @@ Files
   --json FILE        the table's rows as JSON (rank 0)
   --help             this text
 
+Metrics and progress
+  --metrics-port P   each rank serves Prometheus metrics on port P + its node-local
+                     rank (http://ADDR:PORT/metrics); refused in a build without
+                     prometheus-cpp, never silently dropped
+  --metrics-bind A   address the exporters bind to                        [127.0.0.1]
+  --metrics-hold S   keep the exporters up S seconds after the run for a last scrape
+                     (SIGINT, SIGTERM or SIGUSR1 end the wait early)
+  --progress / --no-progress
+                     progress line on stderr (step, tokens/s, ETA)   [on a terminal,
+                     once the run has taken over 2 s]
+
 Exit status: 0 success, 1 the check found outputs over tolerance,
-             2 invalid argument or input (the message names it), 3 runtime failure.
+             2 invalid argument or input (the message names it), 3 runtime failure,
+             4 the metrics exporter could not start (port taken, no Prometheus).
 
 Examples
   mpirun -np 2 statescan-run
@@ -236,6 +277,8 @@ Examples
   mpirun -np 3 statescan-run --variant gla --seq-len 1000 --shards 200,300,500 --no-check
   mpirun -np 2 statescan-run --load inputs/ --save outputs/ --iters 1 --warmup 0
   statescan-run --variant deltanet --dtype bf16 --json run.json
+  mpirun -np 2 statescan-run --seq-len 262144 --iters 20 --metrics-port 9400
+      (rank 0 serves :9400, rank 1 :9401: curl -s 127.0.0.1:9400/metrics)
 )";
 }
 

@@ -33,6 +33,15 @@ struct RunOptions {
   bool l2norm = false;
   double scale = -1.0;          // < 0: Dk^-1/2
   std::vector<int64_t> shards;  // empty: even contiguous split
+  // Prometheus exporter of each rank on metrics_port + node-local rank (< 0:
+  // off), bound to metrics_bind, kept up metrics_hold seconds after the run.
+  int metrics_port = -1;
+  std::string metrics_bind = "127.0.0.1";
+  double metrics_hold = 0;
+  // Progress line on stderr: automatic = on a terminal, once the run has
+  // taken over ~2 s.
+  enum class Progress { automatic, always, never };
+  Progress progress = Progress::automatic;
   bool help = false;
 
   // Shape flags given explicitly (--batch, --seq-len, ...): with --load the

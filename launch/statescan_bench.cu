@@ -39,6 +39,7 @@
 #include "core/options.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cuda_mixer.h"
+#include "launch/bench_plot.h"
 
 namespace statescan {
 namespace {
@@ -50,6 +51,7 @@ struct Options {
   DType dtype = DType::bf16;
   int warmup = 3, iters = 20;
   std::string json;
+  std::string plot;  // --plot FILE.png: tokens/s against T, one line per variant
   bool help = false;
 };
 
@@ -91,6 +93,11 @@ Options parse(int argc, char** argv) {
       o.iters = std::stoi(value());
     } else if (arg == "--json") {
       o.json = value();
+    } else if (arg == "--plot") {
+      o.plot = value();
+      // Refused before the GPU work rather than after it.
+      SS_CHECK_ARG(o.plot.size() > 4 && o.plot.compare(o.plot.size() - 4, 4, ".png") == 0, "--plot",
+                   "'", o.plot, "' must end in .png");
     } else if (arg == "-h" || arg == "--help") {
       o.help = true;
     } else {
@@ -301,7 +308,7 @@ int run(int argc, char** argv) {
     std::printf(
         "usage: statescan-bench [-v variants] [-t lengths] [-b B] [-H heads] [-d dim]\n"
         "                       [-c chunk] [--dtype bf16|f16|f32] [-w warmup] [-n iters]\n"
-        "                       [--json file]\n");
+        "                       [--json file] [--plot file.png]\n");
     return 0;
   }
   cudaDeviceProp prop{};
@@ -342,6 +349,18 @@ int run(int argc, char** argv) {
           << ", \"err_ref\": " << r.err_ref << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
     }
     out << "]\n";
+  }
+  if (!opt.plot.empty()) {
+    // After the table and the JSON, so that a machine without gnuplot keeps them.
+    std::vector<launch::ThroughputPoint> points;
+    for (const Row& r : rows) points.push_back({r.variant, r.seq_len, r.tokens_per_s});
+    char title[256];
+    std::snprintf(title, sizeof title,
+                  "statescan-bench: chunkwise forward, %s, B=%lld H=%lld D=%lld, %s",
+                  to_string(opt.dtype), static_cast<long long>(opt.batch),
+                  static_cast<long long>(opt.heads), static_cast<long long>(opt.dim), prop.name);
+    launch::plot_throughput(points, opt.plot, title);
+    std::printf("# plot: %s\n", opt.plot.c_str());
   }
   return 0;
 }

@@ -34,8 +34,11 @@
 #include "core/npy.h"
 #include "core/parallel_for.h"
 #include "launch/run_inputs.h"
+#include "launch/run_metrics.h"
 #include "launch/run_options.h"
 #include "launch/run_report.h"
+#include "monitoring/flop_model.h"
+#include "monitoring/metrics_exporter.h"
 #include "parallel/cp_mixer.h"
 
 namespace statescan::launch {
@@ -45,7 +48,13 @@ namespace {
 // alignment and the boundary-state scan), which stays well below this.
 constexpr double kCheckTolerance = 1e-5;
 
-enum ExitCode : int { kExitOk = 0, kExitWrong = 1, kExitBadInput = 2, kExitRuntime = 3 };
+enum ExitCode : int {
+  kExitOk = 0,
+  kExitWrong = 1,
+  kExitBadInput = 2,
+  kExitRuntime = 3,
+  kExitMetrics = 4,  // the exporter could not start (port taken, built without Prometheus)
+};
 
 // Where the job is; decides the exit code of a statescan::Error.
 enum class Stage { setup, steps, results };
@@ -151,6 +160,9 @@ class Job {
   void save(const Outputs& full) const;
   void write_json(const Report& report) const;
   std::vector<std::pair<std::string, std::string>> header_fields(Exchange resolved) const;
+  int run_steps();
+  void report_step_metrics(const StepTimes& t) const;
+  void hold_after_run() const;
 
   Communicator& comm_;
   Stage& stage_;
@@ -162,7 +174,8 @@ class Job {
   DeviceKind device_ = DeviceKind::cpu;
   bool backward_ = false;
   TokenRange local_;
-  Outputs reference_;  // rank 0, with --check
+  Outputs reference_;                         // rank 0, with --check
+  std::unique_ptr<MetricsExporter> metrics_;  // with --metrics-port
 };
 
 int Job::run(int argc, char** argv) {
@@ -171,16 +184,49 @@ int Job::run(int argc, char** argv) {
     if (root()) std::fputs(usage_text().c_str(), stdout);
     return kExitOk;
   }
-  configure_threads(dynamic_cast<const MpiCommunicator*>(&comm_));
+  const auto* mpi = dynamic_cast<const MpiCommunicator*>(&comm_);
+  configure_threads(mpi);
+  if (options_.metrics_hold > 0) install_hold_signals();
   device_ = resolve_device(options_.device);
   config_.variant = options_.variant;
   config_.chunk = options_.chunk;
   config_.scale = options_.scale;
   config_.l2norm_qk = options_.l2norm;
+  metrics_ = start_metrics(comm_, mpi != nullptr ? mpi->local_rank() : 0, options_);
+  if (metrics_ && root()) {
+    std::fprintf(stderr,
+                 "statescan-run: metrics on http://%s/metrics (rank r of a node: port %d + r)\n",
+                 metrics_->address().c_str(), options_.metrics_port);
+  }
   setup_inputs();
 
+  // A failure from here on is counted in statescan_errors_total, and with
+  // --metrics-hold stays visible to a scrape before the job exits.
+  try {
+    const int code = run_steps();
+    hold_after_run();
+    return code;
+  } catch (const RuntimeFailure&) {
+    if (metrics_) {
+      metrics_->count_error(ErrorKind::io);
+      hold_after_run();
+    }
+    throw;
+  } catch (const Error& e) {
+    if (metrics_) {
+      const ErrorKind kind = error_kind(e, stage_ == Stage::results);
+      metrics_->count_error(kind);
+      // After a communication failure peers may be stuck: abort without delay.
+      if (kind != ErrorKind::communication) hold_after_run();
+    }
+    throw;
+  }
+}
+
+// The timed steps, the table and the results; returns the exit code.
+int Job::run_steps() {
   stage_ = Stage::steps;
-  CpMixer mixer(comm_, config_, options_.exchange);
+  CpMixer mixer(comm_, config_, options_.exchange, metrics_.get());
   Outputs out;
   allocate(out, dims_, local_.length());
   Report report;
@@ -188,11 +234,21 @@ int Job::run(int argc, char** argv) {
   report.check.tolerance = kCheckTolerance;
   Outputs last_full;
   const int64_t steps = options_.warmup + options_.iters;
+  ProgressLine progress(root() ? options_.progress : RunOptions::Progress::never, steps,
+                        options_.warmup);
+  const double tokens = static_cast<double>(dims_.batch * dims_.seq_len);
   for (int64_t s = 0; s < steps; ++s) {
     if (s == options_.warmup && options_.check) run_reference();
     comm_.barrier();  // start together, so the max over ranks is the step's time
     const StepTimes t = step(mixer, local_, out);
-    if (s < options_.warmup) continue;
+    report_step_metrics(t);
+    // Labels later exchange bytes with the strategy `auto` resolved to, for a
+    // CpMixer that does not report it itself (CpObserver::on_exchange_strategy).
+    if (metrics_) metrics_->on_exchange_strategy(mixer.last_forward_stats().exchange);
+    if (s < options_.warmup) {
+      progress.update(s + 1, tokens / (t.fwd_s + t.bwd_s));  // this rank's time
+      continue;
+    }
 
     double maxima[4] = {t.fwd_s, t.bwd_s, t.exchange_s, t.exchange_bytes};
     comm_.all_reduce_max(maxima, 4, CommType::f64);
@@ -215,6 +271,7 @@ int Job::run(int argc, char** argv) {
       if (last) last_full = std::move(full);
     }
     if (root()) {
+      progress.clear();
       if (report.rows.empty()) {
         report.header = header_fields(mixer.last_forward_stats().exchange);
         std::fputs(format_header(report).c_str(), stdout);
@@ -224,7 +281,9 @@ int Job::run(int argc, char** argv) {
       std::fflush(stdout);
     }
     report.rows.push_back(row);
+    progress.update(s + 1, row.tokens_per_s);
   }
+  progress.clear();
 
   stage_ = Stage::results;
   if (root()) {
@@ -243,6 +302,32 @@ int Job::run(int argc, char** argv) {
     throw RuntimeFailure(e.what());
   }
   return report.total_wrong() > 0 ? kExitWrong : kExitOk;
+}
+
+// This rank's step to the exporter: its tokens, its wall time (forward +
+// backward), the counted FLOPs, and the process's memory (the CPU path's
+// device memory). CpMixer already reported the phases.
+void Job::report_step_metrics(const StepTimes& t) const {
+  if (!metrics_) return;
+  const int64_t tokens = dims_.batch * local_.length();
+  const FlopShape shape{options_.variant, tokens, dims_.heads, dims_.dk, dims_.dv, options_.chunk};
+  const double seconds = std::max(t.fwd_s + t.bwd_s, 1e-9);  // a clock tick can read 0
+  metrics_->on_step({tokens, seconds, chunkwise_step_flops(shape, backward_)});
+  const MemoryUse memory = process_memory();
+  metrics_->set_device_memory(memory.current_bytes, memory.peak_bytes);
+}
+
+// --metrics-hold: the exporters stay up for a last scrape. Every rank holds
+// on its own (no collective), so a signal to any subset ends only those.
+void Job::hold_after_run() const {
+  if (!metrics_ || options_.metrics_hold <= 0) return;
+  if (root()) {
+    std::fprintf(stderr,
+                 "statescan-run: holding the metrics exporters for %.0f s (SIGINT, SIGTERM or "
+                 "SIGUSR1 end the wait)\n",
+                 options_.metrics_hold);
+  }
+  hold_metrics(options_.metrics_hold);
 }
 
 // One CPU thread per core on each node: ranks sharing a node split its
@@ -498,6 +583,8 @@ std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange res
       {"shards", shards},
       {"warmup", std::to_string(options_.warmup)},
       {"iters", std::to_string(options_.iters)},
+      {"metrics", metrics_ ? "http://" + metrics_->address() + "/metrics (port + local rank)"
+                           : std::string("off")},
   };
 }
 
@@ -532,6 +619,9 @@ int main(int argc, char** argv) {
     } catch (const RuntimeFailure& e) {
       report_error(e.what());
       code = kExitRuntime;
+    } catch (const MetricsUnavailable& e) {
+      report_error(e.what());  // every rank agreed (start_metrics is collective)
+      code = kExitMetrics;
     } catch (const Error& e) {
       report_error(e.what());
       if (e.argument() == "mpi") {

@@ -310,6 +310,7 @@ void CpMixer::forward(const CpForwardArgs& a) {
   saved_ = std::move(saved);
   fwd_stats_.total_s = seconds_since(t_start);
   if (observer_ != nullptr) {
+    observer_->on_exchange_strategy(fwd_stats_.exchange);
     observer_->on_phase(Phase::summary, fwd_stats_.summary_s, 0);
     observer_->on_phase(Phase::exchange, fwd_stats_.exchange_s, fwd_stats_.exchange_bytes);
     observer_->on_phase(Phase::merge, fwd_stats_.merge_s, 0);
@@ -424,6 +425,7 @@ void CpMixer::backward(const CpBackwardArgs& a) {
   bwd_stats_.merge_s += seconds_since(t0);
   bwd_stats_.total_s = seconds_since(t_start);
   if (observer_ != nullptr) {
+    observer_->on_exchange_strategy(bwd_stats_.exchange);
     observer_->on_phase(Phase::summary, bwd_stats_.summary_s, 0);
     observer_->on_phase(Phase::exchange, bwd_stats_.exchange_s, bwd_stats_.exchange_bytes);
     observer_->on_phase(Phase::merge, bwd_stats_.merge_s, 0);

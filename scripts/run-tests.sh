@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup-build.sh
 
+# prometheus-cpp-dev: the metrics exporter is built and its HTTP tests run;
+# gnuplot-nox: the benchmark plot test draws a real PNG.
+STATESCAN_PACKAGES+=(prometheus-cpp-dev gnuplot-nox)
 statescan_install_packages
 statescan_build
 statescan_mpi_env

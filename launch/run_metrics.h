@@ -1,0 +1,72 @@
+// statescan-run's metrics and progress: this rank's Prometheus exporter
+// (--metrics-port/--metrics-bind), what each step reports to it, the hold
+// after the run (--metrics-hold), and the progress line on stderr.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+#include "core/error.h"
+#include "launch/run_options.h"
+#include "monitoring/metrics_exporter.h"
+
+namespace statescan::launch {
+
+// The exporter could not start (port taken, address not local, a build
+// without Prometheus): statescan-run's exit status 4.
+class MetricsUnavailable : public Error {
+ public:
+  explicit MetricsUnavailable(const Error& e) : Error(e.argument(), e.what(), e.rank()) {}
+};
+
+// Collective. Starts this rank's exporter on options.metrics_port + its
+// node-local rank (null when --metrics-port was not given). A rank that
+// cannot start its exporter fails every rank alike, with MetricsUnavailable.
+std::unique_ptr<MetricsExporter> start_metrics(Communicator& comm, int local_rank,
+                                               const RunOptions& options);
+
+// Resident memory of this process now and at its peak (Linux /proc), the
+// device memory of the CPU path.
+struct MemoryUse {
+  int64_t current_bytes = 0, peak_bytes = 0;
+};
+MemoryUse process_memory();
+
+// Which errors_total kind a failure counts as. `writing_results`: the job
+// was saving its outputs.
+ErrorKind error_kind(const Error& error, bool writing_results);
+
+// Installs SIGINT/SIGTERM/SIGUSR1 handlers that end hold_metrics() early
+// (mpirun forwards SIGUSR1 to every rank). Call before the run so that an
+// early signal is not fatal.
+void install_hold_signals();
+// Keeps the process (and so its exporter) alive for `seconds`, or until one
+// of those signals arrives. Returns true when a signal ended it.
+bool hold_metrics(double seconds);
+
+// The progress line of rank 0: "step 7/20  1.2e+06 tokens/s  ETA 14 s",
+// redrawn in place on a terminal once the run has taken over ~2 s (always
+// with --progress, never with --no-progress; one line per update when
+// stderr is not a terminal).
+class ProgressLine {
+ public:
+  ProgressLine(RunOptions::Progress mode, int64_t total_steps, int64_t warmup_steps);
+  // After step `done` (1-based) of this rank; tokens_per_s of that step.
+  void update(int64_t done, double tokens_per_s);
+  // Erases the line before other output goes to the terminal.
+  void clear();
+  ~ProgressLine() { clear(); }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  RunOptions::Progress mode_;
+  bool terminal_;
+  int64_t total_steps_, warmup_steps_;
+  Clock::time_point start_ = Clock::now();
+  bool shown_ = false;  // a redrawn line is on the terminal now
+};
+
+}  // namespace statescan::launch

@@ -1,0 +1,38 @@
+// Counted FLOPs of the chunkwise mixer (DESIGN §4), for the achieved-TFLOP/s
+// metric: the matrix products of the algorithm, 2 FLOPs per multiply-add,
+// elementwise work (gates, masks, normalisation) left out. A model, not a
+// measurement: it makes runs of different shapes and variants comparable.
+// It is the model statescan-bench prints its TFLOP/s against.
+//
+// Per token and head (chunk C; Dk, Dv head dims; intra-chunk products count
+// their causal half, C/2 partners per token):
+//   additive  Q K^T and A V inside the chunk      C (Dk + Dv)
+//             Q S and K^T V across chunks          4 Dk Dv
+//   delta     + K K^T                              C Dk
+//             + the triangular solve for W and U   C (Dk + Dv)
+//             + W S                                2 Dk Dv
+// (Dk = Dv = D: additive 2 C D + 4 D^2, delta 5 C D + 6 D^2.)
+// Backward is counted as twice the forward (the usual convention for
+// matrix-product work: one product for each of the two operand gradients).
+#pragma once
+
+#include <cstdint>
+
+#include "core/options.h"
+
+namespace statescan {
+
+struct FlopShape {
+  Variant variant = Variant::kda;
+  int64_t tokens = 0;  // tokens on this device: B * T_local
+  int64_t heads = 0, dk = 0, dv = 0;
+  int64_t chunk = 64;
+};
+
+// Forward FLOPs; throws statescan::Error naming the field for negative sizes
+// or a chunk that is not positive.
+double chunkwise_forward_flops(const FlopShape& shape);
+// Forward (+ backward: 3x the forward) FLOPs of one step.
+double chunkwise_step_flops(const FlopShape& shape, bool with_backward);
+
+}  // namespace statescan

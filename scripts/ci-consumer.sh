@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# CI: the installed package from a consumer's side. Builds statescan, installs
+# it into a temporary prefix, builds examples/cp_consumer against that prefix
+# with find_package(statescan) (nothing from the source tree), and runs it
+# under `mpirun -np 2`: CP forward + backward on each rank's shard, checked
+# against a single-rank run, with the metrics exporter serving on loopback.
+# Exits non-zero on any failure.
+#
+#   STATESCAN_BUILD_DIR   reuse this build directory (e.g. build/ after
+#                         run-tests.sh) instead of a fresh one
+#   STATESCAN_CMAKE_ARGS  extra configure arguments for a fresh build
+#   CI_WORK_DIR           where the prefix and the consumer build go (default: a temp dir)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+source scripts/setup-build.sh
+
+# prometheus-cpp-dev: the installed package must carry its find_dependency.
+STATESCAN_PACKAGES+=(prometheus-cpp-dev)
+statescan_install_packages
+statescan_mpi_env
+
+WORK=${CI_WORK_DIR:-$(mktemp -d /tmp/statescan-consumer.XXXXXX)}
+mkdir -p "$WORK"
+PREFIX=$WORK/prefix
+step() { echo "ci-consumer: $*"; }
+fail() { echo "ci-consumer: FAILED: $*" >&2; exit 1; }
+
+if [ -n "${STATESCAN_BUILD_DIR:-}" ]; then
+  BUILD=$STATESCAN_BUILD_DIR
+  # The cache may say Prometheus OFF from before prometheus-cpp-dev was
+  # installed: ask CMake to look again.
+  cmake -S "$ROOT" -B "$BUILD" -DSTATESCAN_WITH_PROMETHEUS=ON >"$WORK/configure.log" 2>&1 ||
+    { tail -30 "$WORK/configure.log"; fail "configure of $BUILD"; }
+else
+  BUILD=$WORK/build
+  # shellcheck disable=SC2086
+  cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DSTATESCAN_WITH_TESTS=OFF \
+    ${STATESCAN_CMAKE_ARGS:-} >"$WORK/configure.log" 2>&1 ||
+    { tail -30 "$WORK/configure.log"; fail "configure of $BUILD"; }
+fi
+grep -q '^STATESCAN_WITH_PROMETHEUS:BOOL=ON' "$BUILD/CMakeCache.txt" ||
+  fail "prometheus-cpp was not found by CMake although prometheus-cpp-dev is installed"
+
+step "building statescan in $BUILD"
+cmake --build "$BUILD" -j"$(nproc)" >"$WORK/build.log" 2>&1 ||
+  { tail -40 "$WORK/build.log"; fail "build of statescan"; }
+
+step "installing into $PREFIX"
+cmake --install "$BUILD" --prefix "$PREFIX" >"$WORK/install.log" 2>&1 ||
+  { tail -20 "$WORK/install.log"; fail "cmake --install"; }
+for f in include/statescan/core/error.h include/statescan/parallel/cp_mixer.h \
+         include/statescan/comm/mpi_communicator.h include/statescan/monitoring/metrics_exporter.h \
+         lib/cmake/statescan/statescanConfig.cmake lib/cmake/statescan/statescanTargets.cmake; do
+  [ -f "$PREFIX/$f" ] || fail "the install lacks $f"
+done
+
+step "building examples/cp_consumer against the installed package"
+# A copy outside the source tree: the consumer must not see the sources.
+cp -r "$ROOT/examples/cp_consumer" "$WORK/cp_consumer"
+cmake -S "$WORK/cp_consumer" -B "$WORK/consumer-build" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$PREFIX" >"$WORK/consumer-configure.log" 2>&1 ||
+  { cat "$WORK/consumer-configure.log"; fail "find_package(statescan) from $PREFIX"; }
+cmake --build "$WORK/consumer-build" -j"$(nproc)" >"$WORK/consumer-build.log" 2>&1 ||
+  { tail -40 "$WORK/consumer-build.log"; fail "build of cp_consumer"; }
+
+# A random port base keeps parallel CI jobs on one host apart.
+PORT=${CI_METRICS_PORT:-$((20000 + RANDOM % 20000))}
+step "running: mpirun -np 2 cp_consumer --metrics-port $PORT"
+set +e
+mpirun -np 2 --oversubscribe "$WORK/consumer-build/cp_consumer" --metrics-port "$PORT" \
+  2>&1 | tee "$WORK/consumer-run.log"
+status=${PIPESTATUS[0]}
+set -e
+[ "$status" -eq 0 ] || fail "cp_consumer exited with $status"
+grep -q '^check: .* ok$' "$WORK/consumer-run.log" || fail "cp_consumer printed no passing check"
+grep -q '^exposition: statescan_tokens_total{' "$WORK/consumer-run.log" ||
+  fail "cp_consumer printed no statescan_tokens_total"
+step "OK (installed package at $PREFIX, consumer in $WORK/consumer-build)"

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# CI: the Prometheus round trip. Runs `mpirun -np 2 statescan-run` with its
+# exporters on two loopback ports, checks the plain /metrics text of each
+# rank, then starts a real Prometheus server (Debian package `prometheus`) on
+# a loopback port that scrapes both ranks, and reads statescan_tokens_total
+# back through Prometheus' HTTP query API. Exits non-zero on any failure.
+#
+#   STATESCAN_BUILD_DIR   reuse this build directory (e.g. build/ after
+#                         run-tests.sh) instead of a fresh CPU-only one
+#   CI_WORK_DIR           where logs, configs and the TSDB go (default: a temp dir)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+source scripts/setup-build.sh
+
+STATESCAN_PACKAGES+=(prometheus prometheus-cpp-dev curl jq)
+statescan_install_packages
+statescan_mpi_env
+
+WORK=${CI_WORK_DIR:-$(mktemp -d /tmp/statescan-metrics.XXXXXX)}
+mkdir -p "$WORK"
+step() { echo "ci-metrics: $*"; }
+fail() {
+  echo "ci-metrics: FAILED: $*" >&2
+  for log in "$WORK/run.log" "$WORK/prometheus.log"; do
+    [ -f "$log" ] && { echo "--- $log (last lines)" >&2; tail -20 "$log" >&2; }
+  done
+  exit 1
+}
+
+# ---- build statescan-run with the exporter -----------------------------------
+if [ -n "${STATESCAN_BUILD_DIR:-}" ]; then
+  BUILD=$STATESCAN_BUILD_DIR
+  # The cache may say Prometheus OFF from before prometheus-cpp-dev was installed.
+  cmake -S "$ROOT" -B "$BUILD" -DSTATESCAN_WITH_PROMETHEUS=ON >"$WORK/configure.log" 2>&1 ||
+    fail "configure of $BUILD (see $WORK/configure.log)"
+else
+  BUILD=$WORK/build
+  # The round trip is about metrics: the CPU path is enough and quick to build.
+  cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DSTATESCAN_WITH_CUDA=OFF \
+    -DSTATESCAN_WITH_TESTS=OFF >"$WORK/configure.log" 2>&1 ||
+    fail "configure of $BUILD (see $WORK/configure.log)"
+fi
+grep -q '^STATESCAN_WITH_PROMETHEUS:BOOL=ON' "$BUILD/CMakeCache.txt" ||
+  fail "prometheus-cpp was not found by CMake although prometheus-cpp-dev is installed"
+step "building statescan-run in $BUILD"
+cmake --build "$BUILD" --target statescan-run -j"$(nproc)" >"$WORK/build.log" 2>&1 ||
+  { tail -40 "$WORK/build.log"; fail "build of statescan-run"; }
+
+# ---- the run: two ranks, exporters on METRICS_PORT and METRICS_PORT + 1 -------
+# Random ports keep parallel CI jobs on one host apart.
+METRICS_PORT=${CI_METRICS_PORT:-$((20000 + RANDOM % 20000))}
+PROM_PORT=${CI_PROMETHEUS_PORT:-$((40000 + RANDOM % 20000))}
+SEQ_LEN=8192 WARMUP=1 ITERS=3
+# Every step counts, warm-up included: the tokens of both ranks add up to T per step.
+EXPECTED_TOKENS=$(((WARMUP + ITERS) * SEQ_LEN))
+
+RUN_PID="" PROM_PID=""
+cleanup() {
+  [ -n "$PROM_PID" ] && kill "$PROM_PID" 2>/dev/null && wait "$PROM_PID" 2>/dev/null
+  [ -n "$RUN_PID" ] && kill "$RUN_PID" 2>/dev/null && wait "$RUN_PID" 2>/dev/null
+  return 0
+}
+trap cleanup EXIT
+
+step "mpirun -np 2 statescan-run --metrics-port $METRICS_PORT --metrics-hold 300"
+mpirun -np 2 --oversubscribe "$BUILD/launch/statescan-run" --device cpu --variant kda \
+  --seq-len "$SEQ_LEN" --warmup "$WARMUP" --iters "$ITERS" --no-check \
+  --metrics-port "$METRICS_PORT" --metrics-hold 300 >"$WORK/run.log" 2>&1 &
+RUN_PID=$!
+
+# The steps are done when the table's footer is out; the exporters then hold.
+for _ in $(seq 600); do
+  grep -q '^# Avg' "$WORK/run.log" && break
+  kill -0 "$RUN_PID" 2>/dev/null || fail "statescan-run ended before its metrics could be read"
+  sleep 0.2
+done
+grep -q '^# Avg' "$WORK/run.log" || fail "statescan-run did not finish its steps within 120 s"
+cat "$WORK/run.log"
+
+# ---- 1. the plain /metrics text of each rank -----------------------------------
+total=0
+for rank in 0 1; do
+  port=$((METRICS_PORT + rank))
+  curl -sf "http://127.0.0.1:$port/metrics" >"$WORK/metrics-rank$rank.txt" ||
+    fail "GET http://127.0.0.1:$port/metrics"
+  for family in statescan_tokens_total statescan_step_seconds statescan_tokens_per_second \
+                statescan_phase_seconds_total statescan_exchange_bytes_total \
+                statescan_achieved_tflops statescan_device_memory_bytes statescan_errors_total; do
+    grep -q "^# TYPE $family " "$WORK/metrics-rank$rank.txt" || fail "rank $rank serves no $family"
+  done
+  line=$(grep "^statescan_tokens_total{" "$WORK/metrics-rank$rank.txt") ||
+    fail "rank $rank serves no statescan_tokens_total sample"
+  [[ "$line" == *"rank=\"$rank\""* && "$line" == *'variant="kda"'* ]] ||
+    fail "rank $rank: unexpected labels in: $line"
+  grep -q "^statescan_step_seconds_count{.*} $((WARMUP + ITERS))\$" "$WORK/metrics-rank$rank.txt" ||
+    fail "rank $rank: statescan_step_seconds_count is not $((WARMUP + ITERS))"
+  tokens=${line##* }
+  step "rank $rank /metrics: $line"
+  total=$((total + ${tokens%.*}))
+done
+[ "$total" -eq "$EXPECTED_TOKENS" ] ||
+  fail "statescan_tokens_total over the ranks is $total, expected $EXPECTED_TOKENS"
+
+# ---- 2. a real Prometheus scrapes both ranks -------------------------------------
+cat >"$WORK/prometheus.yml" <<EOF
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: statescan
+    static_configs:
+      - targets: ['127.0.0.1:$METRICS_PORT', '127.0.0.1:$((METRICS_PORT + 1))']
+EOF
+step "prometheus on 127.0.0.1:$PROM_PORT scraping 127.0.0.1:$METRICS_PORT and :$((METRICS_PORT + 1))"
+prometheus --config.file="$WORK/prometheus.yml" --storage.tsdb.path="$WORK/tsdb" \
+  --web.listen-address="127.0.0.1:$PROM_PORT" >"$WORK/prometheus.log" 2>&1 &
+PROM_PID=$!
+
+query() {  # prints the first result's value of an instant query, or nothing
+  curl -sf "http://127.0.0.1:$PROM_PORT/api/v1/query" --data-urlencode "query=$1" |
+    jq -r 'select(.status == "success") | .data.result[0].value[1] // empty'
+}
+got=""
+for _ in $(seq 120); do
+  kill -0 "$PROM_PID" 2>/dev/null || fail "prometheus exited"
+  got=$(query 'sum(statescan_tokens_total{job="statescan"})' 2>/dev/null || true)
+  [ "$got" = "$EXPECTED_TOKENS" ] && [ "$(query 'count(up{job="statescan"} == 1)')" = 2 ] && break
+  sleep 0.5
+done
+[ "$got" = "$EXPECTED_TOKENS" ] ||
+  fail "Prometheus returned sum(statescan_tokens_total) = '${got}', expected $EXPECTED_TOKENS"
+curl -sf "http://127.0.0.1:$PROM_PORT/api/v1/query" --data-urlencode 'query=statescan_tokens_total' |
+  jq -c '.data.result[] | {rank: .metric.rank, variant: .metric.variant, instance: .metric.instance, tokens: .value[1]}'
+step "Prometheus query API: sum(statescan_tokens_total) = $got (expected $EXPECTED_TOKENS)"
+
+# ---- the run ends cleanly when told to stop holding --------------------------------
+kill -USR1 "$RUN_PID"
+status=0
+wait "$RUN_PID" || status=$?
+RUN_PID=""
+[ "$status" -eq 0 ] || fail "statescan-run exited with $status after the hold was ended"
+step "OK"
