@@ -9,6 +9,16 @@
 
 namespace statescan {
 
+const char* to_string(CommType t) {
+  switch (t) {
+    case CommType::f32: return "f32";
+    case CommType::f64: return "f64";
+    case CommType::i64: return "i64";
+    case CommType::u8: return "u8";
+  }
+  return "invalid";
+}
+
 std::size_t size_of(CommType t) {
   switch (t) {
     case CommType::f32:

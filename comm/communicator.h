@@ -12,11 +12,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <ostream>
 
 namespace statescan {
 
 enum class CommType { f32, f64, i64, u8 };
 std::size_t size_of(CommType t);
+const char* to_string(CommType t);
+inline std::ostream& operator<<(std::ostream& os, CommType t) { return os << to_string(t); }
 
 // How long a communicator waits for its peers by default: 10 minutes, long
 // enough for any healthy exchange of a training step, short enough that a job

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <ostream>
 #include <string>
 #include <string_view>
 
@@ -17,6 +18,8 @@ const char* to_string(DType t);
 // Parses "f32"/"fp32"/"float32", "bf16"/"bfloat16", "f16"/"fp16"/"float16";
 // throws statescan::Error naming `argument` otherwise.
 DType parse_dtype(std::string_view text, const char* argument = "dtype");
+
+inline std::ostream& operator<<(std::ostream& os, DType t) { return os << to_string(t); }
 
 // Round-to-nearest-even conversions (NaN stays NaN, overflow goes to inf).
 uint16_t float_to_bf16_bits(float x);

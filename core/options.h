@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <ostream>
 #include <string>
 #include <string_view>
 
@@ -38,6 +39,11 @@ Exchange parse_exchange(std::string_view name, const char* argument = "exchange"
 enum class DeviceKind { automatic, cpu, cuda };
 const char* to_string(DeviceKind d);
 DeviceKind parse_device(std::string_view name, const char* argument = "device");
+
+// Printable by name (logs, and readable parameter names in parametrised tests).
+inline std::ostream& operator<<(std::ostream& os, Variant v) { return os << to_string(v); }
+inline std::ostream& operator<<(std::ostream& os, Exchange e) { return os << to_string(e); }
+inline std::ostream& operator<<(std::ostream& os, DeviceKind d) { return os << to_string(d); }
 
 // Options shared by every mixer implementation.
 struct MixerConfig {

@@ -18,19 +18,7 @@ inline constexpr CommType kAllTypes[] = {CommType::f32, CommType::f64, CommType:
 
 using Bytes = std::vector<unsigned char>;
 
-inline std::string type_name(CommType t) {
-  switch (t) {
-    case CommType::f32:
-      return "f32";
-    case CommType::f64:
-      return "f64";
-    case CommType::i64:
-      return "i64";
-    case CommType::u8:
-      return "u8";
-  }
-  return "invalid";
-}
+inline std::string type_name(CommType t) { return to_string(t); }
 
 // Element i of rank r's contribution: distinct per (rank, i) and exact in
 // every type (small integers), so gathered data identifies its source.

@@ -59,6 +59,8 @@ struct TypeSize {
   std::size_t bytes;
 };
 
+void PrintTo(const TypeSize& t, std::ostream* os) { *os << t.type << "_" << t.bytes << "B"; }
+
 class CommTypeSize : public ::testing::TestWithParam<TypeSize> {};
 
 TEST_P(CommTypeSize, MatchesTheElementWidth) {

@@ -172,6 +172,7 @@ ref::Problem segment_prefix(const ref::Problem& p, int64_t n, int64_t len) {
 struct HeadDims {
   int64_t dk, dv;
 };
+void PrintTo(const HeadDims& d, std::ostream* os) { *os << "dk" << d.dk << "dv" << d.dv; }
 
 // (variant, chunk, with initial state, l2norm_qk, head dims)
 using Case = std::tuple<Variant, int64_t, bool, bool, HeadDims>;
