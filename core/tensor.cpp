@@ -57,6 +57,15 @@ void check_memory(const TensorView& t, Memory expected, const char* name) {
                expected == Memory::host ? "host" : "device", " memory");
 }
 
+void check_tensor(const TensorView& t, const Shape& shape, DType dtype, Memory memory,
+                  const char* name) {
+  SS_CHECK_ARG(t.defined(), name, "is required");
+  check_shape(t, shape, name);
+  check_dtype(t, dtype, name);
+  check_memory(t, memory, name);
+  check_contiguous(t, name);
+}
+
 void check_finite(const float* data, int64_t n, const char* name) {
   for (int64_t i = 0; i < n; ++i)
     SS_CHECK_ARG(std::isfinite(data[i]), name, "element ", i, " is ", data[i],

@@ -70,6 +70,10 @@ void check_shape(const TensorView& t, const Shape& expected, const char* name);
 void check_dtype(const TensorView& t, DType expected, const char* name);
 void check_contiguous(const TensorView& t, const char* name);
 void check_memory(const TensorView& t, Memory expected, const char* name);
+// The usual argument check in one call: defined, shape (as check_shape),
+// dtype, memory and contiguity.
+void check_tensor(const TensorView& t, const Shape& shape, DType dtype, Memory memory,
+                  const char* name);
 // Every element finite (host fp32 data).
 void check_finite(const float* data, int64_t n, const char* name);
 

@@ -36,23 +36,13 @@ struct Geometry {
   int64_t shard_begin = 0;        // global offset of this shard
 };
 
-void check_host_f32(const TensorView& t, const char* name) {
-  check_dtype(t, DType::f32, name);
-  check_memory(t, Memory::host, name);
-  check_contiguous(t, name);
-}
-
 void check_input(const TensorView& t, const Shape& shape, const char* name) {
-  SS_CHECK_ARG(t.defined(), name, "is required");
-  check_shape(t, shape, name);
-  check_host_f32(t, name);
+  check_tensor(t, shape, DType::f32, Memory::host, name);
   check_finite(t.as<const float>(), t.numel(), name);
 }
 
 void check_output(const TensorView& t, const Shape& shape, const char* name) {
-  SS_CHECK_ARG(t.defined(), name, "output is required");
-  check_shape(t, shape, name);
-  check_host_f32(t, name);
+  check_tensor(t, shape, DType::f32, Memory::host, name);
 }
 
 // The local checks of forward: shapes, dtypes, finiteness. Returns the local

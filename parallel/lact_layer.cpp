@@ -11,11 +11,7 @@ namespace statescan {
 namespace {
 
 void check_host_f32(const TensorView& t, const Shape& shape, const char* name) {
-  SS_CHECK_ARG(t.defined(), name, "is required");
-  check_shape(t, shape, name);
-  check_dtype(t, DType::f32, name);
-  check_memory(t, Memory::host, name);
-  check_contiguous(t, name);
+  check_tensor(t, shape, DType::f32, Memory::host, name);
 }
 
 // This rank's sizes; checked against every other rank's.

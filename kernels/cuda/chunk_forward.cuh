@@ -38,20 +38,13 @@
 #include "core/cuda_check.h"
 #include "core/options.h"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/mixer_tensors.cuh"
 
 namespace statescan::cuda::detail {
 
 // Everything both kernels need, by value (__grid_constant__). Pointers are
 // device pointers; the ws_* buffers are this call's workspace.
-struct ForwardArgs {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  const float* g = nullptr;
-  const void* beta = nullptr;
-  const float* initial_state = nullptr;
-  void* o = nullptr;
-  float* final_state = nullptr;
+struct ForwardArgs : MixerTensors {
   float* chunk_states = nullptr;  // fp32 states for the caller, or null
 
   // Workspace tiles, element type T (the input dtype):

@@ -13,6 +13,8 @@ namespace statescan::cuda {
 namespace {
 
 using detail::ForwardArgs;
+using detail::MixerTensors;
+using detail::tensors_of;
 
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
@@ -138,14 +140,7 @@ void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes
 
   char* base = static_cast<char*>(workspace);
   ForwardArgs a;
-  a.q = p.q;
-  a.k = p.k;
-  a.v = p.v;
-  a.g = p.g;
-  a.beta = p.beta;
-  a.initial_state = p.initial_state;
-  a.o = p.o;
-  a.final_state = p.final_state;
+  static_cast<MixerTensors&>(a) = tensors_of(p);
   a.chunk_states = p.chunk_states;
   a.ws_q = base + l.q;
   a.ws_k = base + l.k;

@@ -7,20 +7,13 @@
 #include "core/options.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/mixer_tensors.cuh"
 
 namespace statescan::cuda {
 namespace detail {
 namespace {
 
-struct DecodeArgs {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  const float* g = nullptr;
-  const void* beta = nullptr;
-  const float* initial_state = nullptr;
-  void* o = nullptr;
-  float* final_state = nullptr;
+struct DecodeArgs : MixerTensors {
   const int64_t* cu_seqlens = nullptr;  // device; null: batch rows
   int64_t heads = 0, seq_len = 0, dv = 0;
   float scale = 1.f;
@@ -157,14 +150,7 @@ void decode_forward(const MixerParams& p, cudaStream_t stream) {
                "CUDA decode supports Dk == Dv in {64, 128}, got Dk ", p.dk, ", Dv ", p.dv);
 
   detail::DecodeArgs a;
-  a.q = p.q;
-  a.k = p.k;
-  a.v = p.v;
-  a.g = p.g;
-  a.beta = p.beta;
-  a.initial_state = p.initial_state;
-  a.o = p.o;
-  a.final_state = p.final_state;
+  static_cast<detail::MixerTensors&>(a) = detail::tensors_of(p);
   a.cu_seqlens = p.cu_seqlens;
   a.heads = p.heads;
   a.seq_len = p.seq_len;
