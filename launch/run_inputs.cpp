@@ -30,7 +30,7 @@ double unit_uniform(uint64_t bits) {
   return (static_cast<double>(bits >> 11) + 1.0) * 0x1p-53;
 }
 
-enum class Stream : uint64_t { q = 1, k, v, g, beta, d_o };
+enum class Stream : uint64_t { q = 1, k, v, g, beta, d_o, lr0, lr1, lr2, w0, w1, w2 };
 
 // N(0, 1) for element `index` of tensor `stream` (Box-Muller on two draws).
 double normal_at(uint64_t seed, Stream stream, uint64_t index) {
@@ -296,6 +296,111 @@ std::vector<int64_t> shard_offsets(const RunOptions& options, int64_t seq_len, i
                " is smaller than the ", ranks, " ranks (every rank needs at least one token)");
   for (int r = 0; r <= ranks; ++r) offsets[r] = r * seq_len / ranks;
   return offsets;
+}
+
+LactData lact_synthetic(const RunOptions& options) {
+  LactData data;
+  LactDims& d = data.dims;
+  d = {options.batch, options.seq_len, options.heads, options.dk,
+       options.lact_hidden_for(options.dk)};
+  data.description = "synthetic (seed " + std::to_string(options.seed) + ")";
+  const uint64_t seed = options.seed;
+  const DType dt = options.dtype;
+  const int64_t rows = d.batch * d.seq_len * d.heads;  // (b, t, h)
+  const auto tokens = static_cast<std::size_t>(rows * d.dim);
+  const auto weights = static_cast<std::size_t>(d.heads * d.hidden * d.dim);
+  for (auto* x : {&data.q, &data.k, &data.v, &data.d_o}) x->resize(tokens);
+  for (auto* x : {&data.lr0, &data.lr1, &data.lr2}) x->resize(static_cast<std::size_t>(rows));
+  for (auto* x : {&data.w0, &data.w1, &data.w2}) x->resize(weights);
+
+  // Row `row` (width D) of a token tensor, unit-normalised or not.
+  auto fill_row = [&](Stream stream, int64_t row, float* dst, bool normalise) {
+    std::vector<double> values(static_cast<std::size_t>(d.dim));
+    double sum_sq = 0;
+    for (int64_t j = 0; j < d.dim; ++j) {
+      values[j] = normal_at(seed, stream, static_cast<uint64_t>(row * d.dim + j));
+      sum_sq += values[j] * values[j];
+    }
+    const double inv = normalise ? 1.0 / std::sqrt(sum_sq + 1e-12) : 1.0;
+    for (int64_t j = 0; j < d.dim; ++j) dst[j] = round_to(dt, static_cast<float>(values[j] * inv));
+  };
+  parallel_for(rows, [&](int64_t row) {
+    const std::size_t at = static_cast<std::size_t>(row * d.dim);
+    fill_row(Stream::q, row, data.q.data() + at, true);
+    fill_row(Stream::k, row, data.k.data() + at, true);
+    fill_row(Stream::v, row, data.v.data() + at, false);
+    fill_row(Stream::d_o, row, data.d_o.data() + at, false);
+    const std::pair<Stream, std::vector<float>*> rates[] = {
+        {Stream::lr0, &data.lr0}, {Stream::lr1, &data.lr1}, {Stream::lr2, &data.lr2}};
+    for (const auto& [stream, lr] : rates) {
+      const double x = normal_at(seed, stream, static_cast<uint64_t>(row));
+      (*lr)[static_cast<std::size_t>(row)] = static_cast<float>(0.01 + 0.1 / (1.0 + std::exp(-x)));
+    }
+  });
+  const double w1_scale = 1.0 / std::sqrt(static_cast<double>(d.hidden));
+  for (std::size_t i = 0; i < weights; ++i) {
+    data.w0[i] = static_cast<float>(normal_at(seed, Stream::w0, i));
+    data.w1[i] = static_cast<float>(w1_scale * normal_at(seed, Stream::w1, i));
+    data.w2[i] = static_cast<float>(normal_at(seed, Stream::w2, i));
+  }
+  return data;
+}
+
+LactData lact_from_directory(const RunOptions& options) {
+  const std::string& dir = options.load_dir;
+  SS_CHECK_ARG(std::filesystem::is_directory(dir), "--load", "'", dir, "' is not a directory");
+  LactData data;
+  data.description = "loaded from " + dir;
+  LactDims& d = data.dims;
+
+  const Loaded q = load_float(dir, "q.npy");
+  SS_CHECK_ARG(q.array.shape.size() == 4, q.path, q.path, " must be [B, T, H, D], got shape ",
+               shape_string(q.array.shape));
+  for (int64_t extent : q.array.shape)
+    SS_CHECK_ARG(extent >= 1, q.path, q.path,
+                 " has an empty dimension: ", shape_string(q.array.shape));
+  d.batch = q.array.shape[0];
+  d.seq_len = q.array.shape[1];
+  d.heads = q.array.shape[2];
+  d.dim = q.array.shape[3];
+  const Loaded w0 = load_float(dir, "w0.npy");
+  SS_CHECK_ARG(w0.array.shape.size() == 3 && w0.array.shape[0] == d.heads &&
+                   w0.array.shape[2] == d.dim && w0.array.shape[1] >= 1,
+               w0.path, w0.path, " must be [H, M, D] = [", d.heads, ", M, ", d.dim,
+               "] with M >= 1 (H, D from q.npy), got shape ", shape_string(w0.array.shape));
+  d.hidden = w0.array.shape[1];
+
+  const Shape tokens{d.batch, d.seq_len, d.heads, d.dim}, rates{d.batch, d.seq_len, d.heads};
+  const Shape wide{d.heads, d.hidden, d.dim}, narrow{d.heads, d.dim, d.hidden};
+  const DType dt = options.dtype;
+  data.q = to_float(q.array, dt);
+  const std::pair<const char*, std::vector<float>*> token_files[] = {{"k.npy", &data.k},
+                                                                     {"v.npy", &data.v}};
+  for (const auto& [name, dst] : token_files) {
+    const Loaded l = load_float(dir, name);
+    expect_shape(l, tokens, "q.npy's shape [B, T, H, D]");
+    *dst = to_float(l.array, dt);
+  }
+  const std::pair<const char*, std::vector<float>*> rate_files[] = {
+      {"lr0.npy", &data.lr0}, {"lr1.npy", &data.lr1}, {"lr2.npy", &data.lr2}};
+  for (const auto& [name, dst] : rate_files) {
+    const Loaded l = load_float(dir, name);
+    expect_shape(l, rates, "a learning rate [B, T, H]");
+    *dst = to_float(l.array, DType::f32);
+  }
+  data.w0 = to_float(w0.array, DType::f32);
+  const Loaded w1 = load_float(dir, "w1.npy");
+  expect_shape(w1, narrow, "W1 [H, D, M]");
+  data.w1 = to_float(w1.array, DType::f32);
+  const Loaded w2 = load_float(dir, "w2.npy");
+  expect_shape(w2, wide, "W2 [H, M, D]");
+  data.w2 = to_float(w2.array, DType::f32);
+  if (npy_exists((std::filesystem::path(dir) / "do.npy").string())) {
+    const Loaded d_o = load_float(dir, "do.npy");
+    expect_shape(d_o, tokens, "the output gradient [B, T, H, D]");
+    data.d_o = to_float(d_o.array, dt);
+  }
+  return data;
 }
 
 }  // namespace statescan::launch

@@ -65,6 +65,32 @@ class InputSource {
   TokenRange full_;  // loaded inputs, whole sequence
 };
 
+// ---- LaCT (--variant lact) --------------------------------------------------------
+
+struct LactDims {
+  int64_t batch = 0, seq_len = 0, heads = 0, dim = 0, hidden = 0;
+};
+
+// The whole LaCT problem, fp32, every rank holding all of it: q, k, v, d_o
+// [B, T, H, D] (rounded to the run's dtype), lr0..2 [B, T, H], w0, w2
+// [H, M, D], w1 [H, D, M] (fp32). d_o empty: forward only.
+struct LactData {
+  LactDims dims;
+  std::vector<float> q, k, v, lr0, lr1, lr2, w0, w1, w2, d_o;
+  std::string description;  // "synthetic (seed 0)" or "loaded from DIR"
+};
+
+// Synthetic LaCT inputs, each element a function of (seed, tensor, index) as
+// for the mixers: q, k unit vectors per head, v and do ~ N(0, 1); learning
+// rates 0.01 + 0.1 sigmoid(N(0, 1)), in (0.01, 0.11); W0, W2 ~ N(0, 1) (with
+// unit k the SwiGLU pre-activations are O(1), where silu is curved),
+// W1 ~ N(0, 1/M) (outputs O(1)). M = options.lact_hidden_for(D).
+LactData lact_synthetic(const RunOptions& options);
+// q.npy k.npy v.npy lr0.npy lr1.npy lr2.npy w0.npy w1.npy w2.npy and, when
+// present, do.npy from options.load_dir (float32/float64); B, T, H, D come from
+// q.npy and M from w0.npy. Errors name the file.
+LactData lact_from_directory(const RunOptions& options);
+
 // Shard boundaries: P + 1 offsets, rank r holding [offsets[r], offsets[r+1]).
 // Explicit --shards must have one entry per rank and sum to T (argument
 // "--shards"); the default split needs T >= P.

@@ -31,6 +31,16 @@ double parse_positive_double(const std::string& flag, const std::string& text) {
   return value;
 }
 
+// A number in [0, 1) (the LaCT momentum).
+double parse_unit_interval(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  SS_CHECK_ARG(!text.empty() && end == text.c_str() + text.size(), flag, "expects a number, got '",
+               text, "'");
+  SS_CHECK_ARG(value >= 0 && value < 1, flag, "must be in [0, 1), got ", text);
+  return value;
+}
+
 // "a,b,c" -> {a, b, c}, each >= 1.
 std::vector<int64_t> parse_shards(const std::string& flag, const std::string& text) {
   std::vector<int64_t> shards;
@@ -59,7 +69,9 @@ const std::vector<OptionSpec>& option_specs() {
   static const std::vector<OptionSpec> specs = {
       {"--variant", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.variant = parse_variant(v, f.c_str());
+         // LaCT is not a linear-attention Variant: it runs its own layer.
+         o.lact = v == "lact";
+         if (!o.lact) o.variant = parse_variant(v, f.c_str());
        }},
       {"--batch", true, true,
        [](RunOptions& o, const std::string& f, const std::string& v) {
@@ -161,10 +173,71 @@ const std::vector<OptionSpec>& option_specs() {
        [](RunOptions& o, const std::string&, const std::string&) {
          o.progress = RunOptions::Progress::never;
        }},
+      {"--lact-chunk", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.lact_config.chunk = parse_int(f, v, 1, kMaxExtent);
+       }},
+      {"--lact-hidden", true, true,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.lact_hidden = parse_int(f, v, 1, 1 << 16);
+       }},
+      {"--schedule", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.lact_config.schedule = parse_lact_schedule(v, f.c_str());
+       }},
+      {"--muon-steps", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.lact_config.muon_steps = static_cast<int>(parse_int(f, v, 0, 100));
+       }},
+      {"--momentum", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         o.lact_config.momentum = parse_unit_interval(f, v);
+       }},
+      {"--no-renorm", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) { o.lact_config.renorm = false; }},
       {"--help", false, false,
        [](RunOptions& o, const std::string&, const std::string&) { o.help = true; }},
   };
   return specs;
+}
+
+// The flag of argv[1..argc) named `flag` ("--flag" or "--flag=..."), or null.
+const char* find_flag(int argc, const char* const* argv, const char* flag) {
+  const std::string_view name(flag);
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg(argv[i]);
+    if (arg == name ||
+        (arg.rfind(name, 0) == 0 && arg.size() > name.size() && arg[name.size()] == '='))
+      return flag;
+  }
+  return nullptr;
+}
+
+// Flags that mean nothing for the chosen variant are refused, not ignored.
+void check_variant_flags(const RunOptions& o, int argc, const char* const* argv) {
+  if (!o.lact) {
+    for (const char* flag : {"--lact-chunk", "--lact-hidden", "--schedule", "--muon-steps",
+                             "--momentum", "--no-renorm"})
+      SS_CHECK_ARG(find_flag(argc, argv, flag) == nullptr, flag, "applies to --variant lact only");
+    return;
+  }
+  // Linear-attention options the LaCT layer has no counterpart for.
+  const std::pair<const char*, const char*> refused[] = {
+      {"--chunk", "the LaCT chunk is --lact-chunk"},
+      {"--exchange", "LaCT exchanges by one all-reduce per chunk"},
+      {"--shards", "LaCT splits every chunk evenly over the ranks"},
+      {"--scale", "LaCT has no q scale"},
+      {"--l2norm", "LaCT takes q and k as given"},
+      {"--metrics-port", "the metrics exporter does not cover LaCT yet"},
+      {"--progress", "the progress line does not cover LaCT yet"},
+  };
+  for (const auto& [flag, why] : refused)
+    SS_CHECK_ARG(find_flag(argc, argv, flag) == nullptr, flag, "does not apply to --variant lact (",
+                 why, ")");
+  // q, k, v and o share D: --dv may only repeat --dk.
+  if (find_flag(argc, argv, "--dv") != nullptr)
+    SS_CHECK_ARG(o.dv == o.dk, "--dv", "must equal --dk for --variant lact (q, k, v share D), got ",
+                 "--dv ", o.dv, " and --dk ", o.dk);
 }
 
 }  // namespace
@@ -207,6 +280,7 @@ RunOptions parse_run_options(int argc, const char* const* argv) {
         SS_CHECK_ARG(arg.rfind(flag, 0) != 0, flag, "needs --metrics-port");
     }
   }
+  check_variant_flags(options, argc, argv);
   return options;
 }
 
@@ -217,7 +291,8 @@ timed step by step and checked against a single-rank run.
 Usage:  mpirun -np P statescan-run [options]      (or plainly, as one rank)
 
 Problem
-  --variant NAME     linear | retention | gla | deltanet | gated_deltanet | kda   [kda]
+  --variant NAME     linear | retention | gla | deltanet | gated_deltanet | kda
+                     | lact (LaCT layer, see below)                                [kda]
   --batch B          batch rows                                                   [1]
   --seq-len T        tokens per row (the whole sequence, split over the ranks)   [16384]
   --heads H          heads                                                        [4]
@@ -229,6 +304,18 @@ Problem
   --l2norm           L2-normalise q and k inside the op (else the synthetic q, k
                      of delta variants are unit vectors already)
   --seed N           seed of the synthetic inputs                                 [0]
+
+LaCT (--variant lact; q, k, v share D = --dk; --dv may only repeat it)
+  --lact-chunk C     tokens per fast-weight update; every chunk is split evenly
+                     over the ranks (C and the last chunk divisible by P)         [2048]
+  --lact-hidden M    hidden width of the SwiGLU fast weights                     [2*D]
+  --schedule NAME    apply_then_update (causal) | update_then_apply  [apply_then_update]
+  --muon-steps N     Newton-Schulz steps of Muon; 0 = off                         [5]
+  --momentum MU      momentum of the fast-weight updates in [0, 1); 0 = off       [0]
+  --no-renorm        keep the updated rows' norms (default: rescale every row to its
+                     initial norm)
+  --chunk, --exchange, --shards, --scale, --l2norm, --metrics-port and --progress
+  are refused with --variant lact.
 
 Parallelism and device
   --exchange NAME    allgather | ring | tree | auto (cost model)                  [auto]
@@ -250,9 +337,14 @@ Files
                      int64 with B = 1). B, T, H, Dk, Dv come from q.npy and v.npy;
                      --batch/--seq-len/--heads/--dk/--dv are then ignored.
                      Without do.npy only the forward runs.
+                     --variant lact: q.npy k.npy v.npy [B,T,H,D], lr0.npy lr1.npy
+                     lr2.npy [B,T,H] (> 0), w0.npy w2.npy [H,M,D], w1.npy [H,D,M],
+                     optional do.npy.
   --save DIR         rank 0 writes o.npy ht.npy and, after a backward, dq.npy dk.npy
                      dv.npy dg.npy (decay variants) dbeta.npy (delta variants)
                      dh0.npy (with h0) as float32, full sequence [B,T,H,*]
+                     (--variant lact: o.npy and, after a backward, dq dk dv dlr0
+                     dlr1 dlr2 dw0 dw1 dw2)
   --json FILE        the table's rows as JSON (rank 0)
   --help             this text
 
@@ -277,6 +369,7 @@ Examples
   mpirun -np 3 statescan-run --variant gla --seq-len 1000 --shards 200,300,500 --no-check
   mpirun -np 2 statescan-run --load inputs/ --save outputs/ --iters 1 --warmup 0
   statescan-run --variant deltanet --dtype bf16 --json run.json
+  mpirun -np 4 statescan-run --variant lact --lact-chunk 4096 --momentum 0.9
   mpirun -np 2 statescan-run --seq-len 262144 --iters 20 --metrics-port 9400
       (rank 0 serves :9400, rank 1 :9401: curl -s 127.0.0.1:9400/metrics)
 )";

@@ -9,11 +9,17 @@
 
 #include "core/dtype.h"
 #include "core/options.h"
+#include "kernels/cpu/lact.h"
 
 namespace statescan::launch {
 
 struct RunOptions {
-  Variant variant = Variant::kda;
+  Variant variant = Variant::kda;  // unused when lact is set
+  // --variant lact: the LaCT layer (parallel/lact_layer.h) instead of a
+  // linear-attention mixer. D comes from --dk (q, k, v and o share it).
+  bool lact = false;
+  LactConfig lact_config;   // --lact-chunk --schedule --muon-steps --momentum --no-renorm
+  int64_t lact_hidden = 0;  // --lact-hidden M; 0: 2 * D
   int64_t batch = 1;
   int64_t seq_len = 16384;
   int64_t heads = 4;
@@ -47,11 +53,16 @@ struct RunOptions {
   // Shape flags given explicitly (--batch, --seq-len, ...): with --load the
   // shapes come from the files, and these are reported as ignored.
   std::vector<std::string> shape_flags_given;
+
+  // The LaCT hidden width M for head dim d.
+  int64_t lact_hidden_for(int64_t d) const { return lact_hidden > 0 ? lact_hidden : 2 * d; }
 };
 
 // Parses argv[1..argc); throws statescan::Error naming the flag at fault
 // (e.g. "--chunk") for unknown flags, missing or malformed values and values
-// out of range.
+// out of range, and for flags that do not apply to the chosen variant
+// (--lact-* without --variant lact; --chunk, --dv != --dk, --exchange, ...
+// with it).
 RunOptions parse_run_options(int argc, const char* const* argv);
 
 // The --help text.

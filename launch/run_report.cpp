@@ -1,9 +1,18 @@
 #include "launch/run_report.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
 #include <sstream>
+
+#include "core/error.h"
+#include "core/npy.h"
 
 namespace statescan::launch {
 namespace {
@@ -171,6 +180,68 @@ std::string to_json(const Report& report) {
   }
   os << "\n}\n";
   return os.str();
+}
+
+double relative_rms(const std::vector<float>& a, const std::vector<float>& ref) {
+  if (a.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double x = a[i], r = ref[i];
+    if (!std::isfinite(x) || !std::isfinite(r)) return std::numeric_limits<double>::infinity();
+    num += (x - r) * (x - r);
+    den += r * r;
+  }
+  if (den == 0) return std::sqrt(num / static_cast<double>(std::max<std::size_t>(a.size(), 1)));
+  return std::sqrt(num / den);
+}
+
+void save_npy_files(const std::string& dir, const std::vector<NamedArray>& arrays) {
+  namespace fs = std::filesystem;
+  const std::string staging_prefix = ".statescan-partial-" + std::to_string(::getpid()) + "-";
+  std::vector<std::pair<fs::path, fs::path>> staged;  // (staging, final)
+  std::vector<fs::path> renamed;
+  try {
+    for (const NamedArray& a : arrays) {
+      const fs::path final_path = fs::path(dir) / (a.name + ".npy");
+      const fs::path staging = fs::path(dir) / (staging_prefix + a.name + ".npy");
+      staged.emplace_back(staging, final_path);
+      SS_CHECK_ARG(a.data != nullptr && static_cast<int64_t>(a.data->size()) == numel(a.shape),
+                   "--save", a.name, " holds ", a.data ? a.data->size() : 0, " values, but ",
+                   shape_string(a.shape), " needs ", numel(a.shape));
+      write_npy(staging.string(), a.shape, a.data->data());
+    }
+    for (const auto& [staging, final_path] : staged) {
+      std::error_code ec;
+      fs::rename(staging, final_path, ec);
+      SS_CHECK_ARG(!ec, "--save", "cannot rename ", staging.string(), " to ", final_path.string(),
+                   ": ", ec.message());
+      renamed.push_back(final_path);
+    }
+  } catch (...) {
+    std::error_code ec;
+    for (const auto& [staging, final_path] : staged) fs::remove(staging, ec);
+    for (const auto& path : renamed) fs::remove(path, ec);
+    throw;
+  }
+}
+
+void write_report_json(const std::string& path, const Report& report) {
+  const std::string temp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(temp, std::ios::trunc);
+    SS_CHECK_ARG(out.good(), "--json", "cannot open ", temp, " for writing");
+    out << to_json(report);
+    out.flush();
+    if (!out.good()) {
+      out.close();
+      std::remove(temp.c_str());
+      SS_FAIL("--json", "writing ", temp, " failed");
+    }
+  }
+  if (std::rename(temp.c_str(), path.c_str()) != 0) {
+    std::remove(temp.c_str());
+    SS_FAIL("--json", "cannot rename ", temp, " to ", path);
+  }
 }
 
 }  // namespace statescan::launch

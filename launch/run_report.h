@@ -4,9 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "core/tensor.h"
 
 namespace statescan::launch {
 
@@ -45,5 +48,45 @@ std::string format_footer(const Report& report);
 
 // The whole report as one JSON object.
 std::string to_json(const Report& report);
+
+// ---- shared by the jobs of statescan-run (mixer and LaCT) ---------------------
+
+enum ExitCode : int {
+  kExitOk = 0,
+  kExitWrong = 1,
+  kExitBadInput = 2,
+  kExitRuntime = 3,
+  kExitMetrics = 4,  // the exporter could not start (port taken, built without Prometheus)
+};
+
+// Where the job is; decides the exit code of a statescan::Error.
+enum class Stage { setup, steps, results };
+
+// A failure while producing results (writing files), agreed on every rank.
+class RuntimeFailure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Relative RMS error rms(a - ref) / rms(ref); +inf for NaN/Inf or a size
+// mismatch (so they always count as wrong); absolute RMS for a zero reference.
+double relative_rms(const std::vector<float>& a, const std::vector<float>& ref);
+
+// One result file of --save: <name>.npy of the given shape.
+struct NamedArray {
+  std::string name;
+  Shape shape;
+  const std::vector<float>* data = nullptr;
+};
+
+// Writes every array as float32 <dir>/<name>.npy: under a staging name first,
+// renamed all at the end; on any failure it removes what it wrote (staged or
+// already renamed), so a failed save leaves none of the result files behind.
+// Throws statescan::Error naming "--save".
+void save_npy_files(const std::string& dir, const std::vector<NamedArray>& arrays);
+
+// to_json(report) into `path` through a temporary file and a rename. Throws
+// statescan::Error naming "--json".
+void write_report_json(const std::string& path, const Report& report);
 
 }  // namespace statescan::launch

@@ -1,5 +1,6 @@
 // statescan-run: the mpirun entry point. Each rank takes a contiguous shard of
-// the sequence, runs CpMixer forward (+ backward) for --warmup + --iters steps,
+// the sequence, runs CpMixer forward (+ backward) for --warmup + --iters steps
+// (--variant lact: LactLayer, one slice of every chunk per rank, run_lact.h),
 // and rank 0 prints one table row per timed step (maxima over ranks), checks
 // every output against a single-rank run, and writes .npy/JSON results.
 //
@@ -34,6 +35,7 @@
 #include "core/npy.h"
 #include "core/parallel_for.h"
 #include "launch/run_inputs.h"
+#include "launch/run_lact.h"
 #include "launch/run_metrics.h"
 #include "launch/run_options.h"
 #include "launch/run_report.h"
@@ -48,23 +50,6 @@ namespace {
 // alignment and the boundary-state scan), which stays well below this.
 constexpr double kCheckTolerance = 1e-5;
 
-enum ExitCode : int {
-  kExitOk = 0,
-  kExitWrong = 1,
-  kExitBadInput = 2,
-  kExitRuntime = 3,
-  kExitMetrics = 4,  // the exporter could not start (port taken, built without Prometheus)
-};
-
-// Where the job is; decides the exit code of a statescan::Error.
-enum class Stage { setup, steps, results };
-
-// A failure while producing results (writing files), agreed on every rank.
-class RuntimeFailure : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 using Clock = std::chrono::steady_clock;
 
 // Every output and gradient of one step on one rank (or the whole sequence).
@@ -75,21 +60,6 @@ struct Outputs {
 struct StepTimes {
   double fwd_s = 0, bwd_s = 0, exchange_s = 0, exchange_bytes = 0;
 };
-
-// Relative RMS error rms(a - ref) / rms(ref); +inf for NaN/Inf or a size
-// mismatch (so they always count as wrong); absolute RMS for a zero reference.
-double rel_rms(const std::vector<float>& a, const std::vector<float>& ref) {
-  if (a.size() != ref.size()) return std::numeric_limits<double>::infinity();
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const double x = a[i], r = ref[i];
-    if (!std::isfinite(x) || !std::isfinite(r)) return std::numeric_limits<double>::infinity();
-    num += (x - r) * (x - r);
-    den += r * r;
-  }
-  if (den == 0) return std::sqrt(num / static_cast<double>(std::max<std::size_t>(a.size(), 1)));
-  return std::sqrt(num / den);
-}
 
 TensorView view(const std::vector<float>& x, Shape shape) {
   // CpMixer reads inputs through non-const views; it never writes them.
@@ -188,6 +158,8 @@ int Job::run(int argc, char** argv) {
   configure_threads(mpi);
   if (options_.metrics_hold > 0) install_hold_signals();
   device_ = resolve_device(options_.device);
+  // LaCT runs its own layer (launch/run_lact.h); it has no metrics exporter.
+  if (options_.lact) return run_lact_job(comm_, options_, stage_);
   config_.variant = options_.variant;
   config_.chunk = options_.chunk;
   config_.scale = options_.scale;
@@ -486,7 +458,7 @@ int Job::count_wrong(const Outputs& full,
   int wrong = 0;
   const auto cp = named(full), ref = named(reference_);
   for (std::size_t i = 0; i < cp.size(); ++i) {
-    const double err = rel_rms(*cp[i].second, *ref[i].second);
+    const double err = relative_rms(*cp[i].second, *ref[i].second);
     errors.emplace_back(cp[i].first, err);
     if (!(err <= kCheckTolerance)) ++wrong;
   }
@@ -504,53 +476,15 @@ Shape Job::shape_of(const std::string& name) const {
   return states;  // ht, dh0
 }
 
-// Writes every file under a staging name first and renames them all at the
-// end; on any failure it removes what this run wrote (staged or already
-// renamed), so a failed save leaves none of the result files behind.
+// --save: every output in the full-sequence layout, all or nothing.
 void Job::save(const Outputs& full) const {
-  namespace fs = std::filesystem;
-  const std::string staging_prefix = ".statescan-partial-" + std::to_string(::getpid()) + "-";
-  std::vector<std::pair<fs::path, fs::path>> staged;  // (staging, final)
-  std::vector<fs::path> renamed;
-  try {
-    for (const auto& [name, data] : named(full)) {
-      const fs::path final_path = fs::path(options_.save_dir) / (name + ".npy");
-      const fs::path staging = fs::path(options_.save_dir) / (staging_prefix + name + ".npy");
-      staged.emplace_back(staging, final_path);
-      write_npy(staging.string(), shape_of(name), data->data());
-    }
-    for (const auto& [staging, final_path] : staged) {
-      std::error_code ec;
-      fs::rename(staging, final_path, ec);
-      SS_CHECK_ARG(!ec, "--save", "cannot rename ", staging.string(), " to ", final_path.string(),
-                   ": ", ec.message());
-      renamed.push_back(final_path);
-    }
-  } catch (...) {
-    std::error_code ec;
-    for (const auto& [staging, final_path] : staged) fs::remove(staging, ec);
-    for (const auto& path : renamed) fs::remove(path, ec);
-    throw;
-  }
+  std::vector<NamedArray> arrays;
+  for (const auto& [name, data] : named(full)) arrays.push_back({name, shape_of(name), data});
+  save_npy_files(options_.save_dir, arrays);
 }
 
 void Job::write_json(const Report& report) const {
-  const std::string temp = options_.json_path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(temp, std::ios::trunc);
-    SS_CHECK_ARG(out.good(), "--json", "cannot open ", temp, " for writing");
-    out << to_json(report);
-    out.flush();
-    if (!out.good()) {
-      out.close();
-      std::remove(temp.c_str());
-      SS_FAIL("--json", "writing ", temp, " failed");
-    }
-  }
-  if (std::rename(temp.c_str(), options_.json_path.c_str()) != 0) {
-    std::remove(temp.c_str());
-    SS_FAIL("--json", "cannot rename ", temp, " to ", options_.json_path);
-  }
+  write_report_json(options_.json_path, report);
 }
 
 std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange resolved) const {

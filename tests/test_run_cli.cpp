@@ -1,9 +1,11 @@
 // End-to-end test of statescan-run: write inputs as .npy, run the binary under
 // `mpirun -np 3`, read its --save outputs back and compare them with the fp64
-// reference (kernels/cpu/reference.h) on the same float32 values.
+// reference (kernels/cpu/reference.h, and kernels/cpu/lact.h's double
+// instantiation for --variant lact) on the same float32 values.
 //
 // T = 45 is a multiple of neither the chunk (16) nor the rank count (3), so
-// shard boundaries fall inside chunks.
+// shard boundaries fall inside chunks. LaCT (T = 48, chunk 12) splits every
+// chunk over the 3 ranks, so each rank holds 4 tokens of each of the 4 chunks.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -21,7 +23,9 @@
 #include <vector>
 
 #include "core/npy.h"
+#include "kernels/cpu/lact.h"
 #include "kernels/cpu/reference.h"
+#include "tests/lact_test_util.h"
 #include "tests/test_util.h"
 
 #ifndef STATESCAN_RUN_PATH
@@ -161,17 +165,18 @@ std::string slurp(const fs::path& path) {
 // Runs statescan-run under mpirun with `args`. Each rank writes its stderr
 // straight to a file of its own, so the test sees exactly what every rank
 // printed (mpirun's forwarding may drop a rank's last lines when it tears the
-// job down after a non-zero exit).
-RunResult run_cli(const TempDir& dir, const std::string& args) {
+// job down after a non-zero exit). `common` precedes `args`: the mixer's chunk
+// by default (--variant lact refuses --chunk).
+RunResult run_cli(const TempDir& dir, const std::string& args,
+                  const std::string& common = "--chunk " + std::to_string(kChunk)) {
   const fs::path out = dir.file("stdout.txt"), err = dir.file("stderr.txt");
   const std::string rank_err = dir.file("stderr.rank").string();
   const std::string command =
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 STATESCAN_NUM_THREADS=1 " +
       std::string(STATESCAN_MPIEXEC) + " -np " + std::to_string(kRanks) +
       " --oversubscribe sh -c 'exec \"$0\" \"$@\" 2>\"" + rank_err +
-      "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-unknown}}\"' " + STATESCAN_RUN_PATH +
-      " --device cpu --chunk " + std::to_string(kChunk) + " " + args + " >" + out.string() + " 2>" +
-      err.string();
+      "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-unknown}}\"' " + STATESCAN_RUN_PATH + " --device cpu " +
+      common + " " + args + " >" + out.string() + " 2>" + err.string();
   const int status = std::system(command.c_str());
   RunResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -351,6 +356,131 @@ TEST(RunCli, CudaDeviceIsRefusedOnEveryRank) {
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   expect_every_rank_reports(r, "argument '--device'");
   EXPECT_EQ(r.out.find("# Wrong"), std::string::npos) << "ran anyway:\n" << r.out;
+}
+
+// ---- --variant lact: LactLayer, every chunk split over the ranks ----------------------
+
+constexpr int64_t kLactSeqLen = 48, kLactChunk = 12, kLactHeads = 2, kLactDim = 8, kLactHidden = 16;
+
+const test::LactSizes kLactSizes{1, kLactSeqLen, kLactHeads, kLactDim, kLactHidden};
+
+// The LaCT problem's files, float32 (the values are float32-representable).
+void write_lact_inputs(const test::LactProblem& p, const fs::path& dir) {
+  const Shape tokens{1, kLactSeqLen, kLactHeads, kLactDim}, rates{1, kLactSeqLen, kLactHeads};
+  const Shape wide{kLactHeads, kLactHidden, kLactDim}, narrow{kLactHeads, kLactDim, kLactHidden};
+  write_f32(dir / "q.npy", tokens, p.q);
+  write_f32(dir / "k.npy", tokens, p.k);
+  write_f32(dir / "v.npy", tokens, p.v);
+  write_f32(dir / "lr0.npy", rates, p.lr0);
+  write_f32(dir / "lr1.npy", rates, p.lr1);
+  write_f32(dir / "lr2.npy", rates, p.lr2);
+  write_f32(dir / "w0.npy", wide, p.w0);
+  write_f32(dir / "w1.npy", narrow, p.w1);
+  write_f32(dir / "w2.npy", wide, p.w2);
+  write_f32(dir / "do.npy", tokens, p.d_o);
+}
+
+// The command-line flags of one LaCT option case.
+std::string lact_flags(const test::LactCase& c) {
+  const LactConfig cfg = c.config(kLactChunk);
+  std::ostringstream os;
+  os << "--variant lact --lact-chunk " << kLactChunk << " --lact-hidden " << kLactHidden
+     << " --schedule " << to_string(cfg.schedule) << " --momentum " << cfg.momentum
+     << " --muon-steps " << cfg.muon_steps << (cfg.renorm ? "" : " --no-renorm");
+  return os.str();
+}
+
+class RunCliLact : public ::testing::TestWithParam<test::LactCase> {};
+
+TEST_P(RunCliLact, SavedOutputsAndGradientsMatchFp64Reference) {
+  const test::LactCase c = GetParam();
+  TempDir dir;
+  const test::LactProblem problem =
+      test::rounded(test::random_lact_problem(kLactSizes, 300 + c.momentum + 2 * c.renorm));
+  write_lact_inputs(problem, dir.in());
+  const RunResult r = run_cli(dir, lact_flags(c) + " " + io_args(dir), "");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("# Wrong outputs: 0 OK"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("schedule " + std::string(to_string(c.config(kLactChunk).schedule))),
+            std::string::npos)
+      << r.out;
+
+  const test::LactResult<double> ref = test::run_lact_kernel<double>(problem, c.config(kLactChunk));
+  const Shape tokens{1, kLactSeqLen, kLactHeads, kLactDim}, rates{1, kLactSeqLen, kLactHeads};
+  const Shape wide{kLactHeads, kLactHidden, kLactDim}, narrow{kLactHeads, kLactDim, kLactHidden};
+  const std::pair<std::string, std::pair<Shape, const std::vector<double>*>> expected[] = {
+      {"o", {tokens, &ref.o}},      {"dq", {tokens, &ref.dq}},    {"dk", {tokens, &ref.dk}},
+      {"dv", {tokens, &ref.dv}},    {"dlr0", {rates, &ref.dlr0}}, {"dlr1", {rates, &ref.dlr1}},
+      {"dlr2", {rates, &ref.dlr2}}, {"dw0", {wide, &ref.dw0}},    {"dw1", {narrow, &ref.dw1}},
+      {"dw2", {wide, &ref.dw2}},
+  };
+  std::set<std::string> files;
+  for (const auto& [name, want] : expected) files.insert(name + ".npy");
+  EXPECT_EQ(files_in(dir.out()), files);
+  for (const auto& [name, want] : expected) {
+    const double err = rel_rms(read_output(dir, name + ".npy", want.first), *want.second);
+    EXPECT_LE(err, kTolerance) << name;
+    std::printf("[ lact %s ] %s rel RMS vs fp64 %.2e\n", test::lact_case_name(c).c_str(),
+                name.c_str(), err);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, RunCliLact,
+                         ::testing::Values(
+                             // (schedule, momentum, muon, renorm)
+                             test::LactCase{LactSchedule::apply_then_update, false, false, true},
+                             test::LactCase{LactSchedule::apply_then_update, true, true, true},
+                             test::LactCase{LactSchedule::apply_then_update, true, true, false},
+                             test::LactCase{LactSchedule::update_then_apply, false, false, true},
+                             test::LactCase{LactSchedule::update_then_apply, true, true, true},
+                             test::LactCase{LactSchedule::update_then_apply, false, false, false}),
+                         [](const auto& info) { return test::lact_case_name(info.param); });
+
+TEST(RunCliLactInput, WithoutDoOnlyTheForwardRunsAndOnlyOIsSaved) {
+  TempDir dir;
+  const test::LactProblem p = test::rounded(test::random_lact_problem(kLactSizes, 43));
+  write_lact_inputs(p, dir.in());
+  fs::remove(dir.in() / "do.npy");
+  const test::LactCase c{LactSchedule::update_then_apply, true, true, true};
+  const RunResult r = run_cli(dir, lact_flags(c) + " " + io_args(dir), "");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("pass fwd"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("fwd+bwd"), std::string::npos) << r.out;
+  EXPECT_EQ(files_in(dir.out()), std::set<std::string>{"o.npy"});
+  const test::LactResult<double> ref =
+      test::run_lact_kernel<double>(p, c.config(kLactChunk), /*backward=*/false);
+  EXPECT_LE(rel_rms(read_output(dir, "o.npy", {1, kLactSeqLen, kLactHeads, kLactDim}), ref.o),
+            kTolerance);
+}
+
+TEST(RunCliLactInput, ChunkNotDivisibleByRanksFailsOnEveryRankWithoutWriting) {
+  TempDir dir;
+  write_lact_inputs(test::rounded(test::random_lact_problem(kLactSizes, 41)), dir.in());
+  // Chunks of 10, 10, 10, 10 and 8 tokens: none splits over 3 ranks.
+  const RunResult r = run_cli(dir, "--variant lact --lact-chunk 10 " + io_args(dir), "");
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, "argument '--lact-chunk'");
+  EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+  EXPECT_EQ(r.out.find("# Wrong"), std::string::npos) << "ran anyway:\n" << r.out;
+}
+
+TEST(RunCliLactInput, WrongShapeOfW1FailsNamingTheFile) {
+  TempDir dir;
+  const test::LactProblem p = test::rounded(test::random_lact_problem(kLactSizes, 42));
+  write_lact_inputs(p, dir.in());
+  // w1 written as [H, M, D] instead of [H, D, M].
+  write_f32(dir.in() / "w1.npy", {kLactHeads, kLactHidden, kLactDim}, p.w1);
+  const RunResult r = run_cli(dir, "--variant lact --lact-chunk 12 " + io_args(dir), "");
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, "w1.npy'");
+  EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+}
+
+TEST(RunCliLactInput, MixerChunkFlagIsRefused) {
+  TempDir dir;
+  const RunResult r = run_cli(dir, "--variant lact --seq-len 48 --lact-chunk 12 --iters 1");
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, "argument '--chunk'");
 }
 
 }  // namespace

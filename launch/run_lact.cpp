@@ -1,0 +1,458 @@
+#include "launch/run_lact.h"
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/collective_check.h"
+#include "core/error.h"
+#include "core/parallel_for.h"
+#include "kernels/cpu/lact.h"
+#include "launch/run_inputs.h"
+#include "parallel/lact_layer.h"
+
+namespace statescan::launch {
+namespace {
+
+// Sharded and unsharded runs are both fp32 on the CPU and differ only in the
+// order of the fast-weight gradient sums (partial per rank, then all-reduced).
+// Measured up to 1.6e-6 on the CLI test shapes (D = 8, M = 16) and up to
+// 2.5e-6 at D = 64, M = 128 with Muon and momentum on 2-4 ranks (README
+// "LaCT layers"): 1e-5 leaves a margin of four.
+constexpr double kLactCheckTolerance = 1e-5;
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Forwards every call to `inner` and times the fp32 all-reduce sums: in
+// LactLayer those are exactly the fast-weight gradient exchanges (one per
+// chunk in forward, one per chunk plus one in backward); its validation uses
+// other collectives. LactLayer reports no exchange statistics itself.
+class TimedCommunicator final : public Communicator {
+ public:
+  explicit TimedCommunicator(Communicator& inner) : inner_(inner) {}
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  const char* backend() const override { return inner_.backend(); }
+  void all_gather(const void* send, void* recv, std::size_t count, CommType type) override {
+    inner_.all_gather(send, recv, count, type);
+  }
+  void all_reduce_sum(void* data, std::size_t count, CommType type) override {
+    const auto start = Clock::now();
+    inner_.all_reduce_sum(data, count, type);
+    if (type == CommType::f32) {
+      all_reduce_s_ += seconds_since(start);
+      all_reduce_bytes_ += static_cast<double>(count * size_of(type));
+    }
+  }
+  void all_reduce_max(void* data, std::size_t count, CommType type) override {
+    inner_.all_reduce_max(data, count, type);
+  }
+  void broadcast(void* data, std::size_t count, CommType type, int root) override {
+    inner_.broadcast(data, count, type, root);
+  }
+  void send(const void* data, std::size_t count, CommType type, int peer, int tag) override {
+    inner_.send(data, count, type, peer, tag);
+  }
+  void recv(void* data, std::size_t count, CommType type, int peer, int tag) override {
+    inner_.recv(data, count, type, peer, tag);
+  }
+  void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
+                 std::size_t recv_count, int source, CommType type, int tag) override {
+    inner_.send_recv(send, send_count, dest, recv, recv_count, source, type, tag);
+  }
+  void barrier() override { inner_.barrier(); }
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    return inner_.split(color, key);
+  }
+  void set_timeout(std::chrono::milliseconds timeout) override { inner_.set_timeout(timeout); }
+  std::chrono::milliseconds timeout() const override { return inner_.timeout(); }
+
+  // Time in, and payload bytes of, the fp32 all-reduces since the last reset.
+  double all_reduce_s() const { return all_reduce_s_; }
+  double all_reduce_bytes() const { return all_reduce_bytes_; }
+  void reset() { all_reduce_s_ = all_reduce_bytes_ = 0; }
+
+ private:
+  Communicator& inner_;
+  double all_reduce_s_ = 0, all_reduce_bytes_ = 0;
+};
+
+// Every output and gradient of one step: token tensors are local slices on
+// the ranks of a sharded run, dw0..2 are full on every rank.
+struct LactOutputs {
+  std::vector<float> o, dq, dk, dv, dlr0, dlr1, dlr2, dw0, dw1, dw2;
+};
+
+// One rank's (or the whole sequence's) inputs, fp32.
+struct LactSlice {
+  std::vector<float> q, k, v, lr0, lr1, lr2, d_o;
+  int64_t length = 0;  // tokens per batch row
+};
+
+struct StepTimes {
+  double fwd_s = 0, bwd_s = 0, exchange_s = 0, exchange_bytes = 0;
+};
+
+TensorView view(const std::vector<float>& x, Shape shape) {
+  // LactLayer reads inputs through non-const views; it never writes them.
+  return TensorView(const_cast<float*>(x.data()), DType::f32, std::move(shape));
+}
+
+class LactJob {
+ public:
+  LactJob(Communicator& comm, const RunOptions& options, Stage& stage)
+      : comm_(comm), timed_(comm), options_(options), stage_(stage) {}
+  int run();
+
+ private:
+  bool root() const { return comm_.rank() == 0; }
+  void setup();
+  void allocate(LactOutputs& out, int64_t length) const;
+  StepTimes step(LactLayer& layer, TimedCommunicator* timed, const LactSlice& in,
+                 LactOutputs& out) const;
+  void run_reference();
+  std::vector<float> gather(const std::vector<float>& local, int64_t inner);
+  LactOutputs gather(const LactOutputs& local);
+  std::vector<NamedArray> named(const LactOutputs& o) const;
+  int count_wrong(const LactOutputs& full,
+                  std::vector<std::pair<std::string, double>>& errors) const;
+  std::vector<std::pair<std::string, std::string>> header_fields() const;
+
+  Communicator& comm_;
+  TimedCommunicator timed_;
+  const RunOptions& options_;
+  Stage& stage_;
+  LactConfig config_;
+  LactData data_;  // the whole problem (every rank)
+  LactSlice local_;
+  bool backward_ = false;
+  LactOutputs reference_;  // rank 0, with --check
+};
+
+// Global data, this rank's slices of every chunk, and the --save directory.
+// Collective: a fault on any rank fails every rank alike.
+void LactJob::setup() {
+  collective_check(comm_, [&] {
+    data_ = options_.load_dir.empty() ? lact_synthetic(options_) : lact_from_directory(options_);
+    config_ = options_.lact_config;
+    check_lact_config(config_);
+    const LactDims& d = data_.dims;
+    const int P = comm_.size();
+    // Every chunk (the last one may be shorter) must split evenly over the
+    // ranks; the library's layout helper decides, the message names the flag.
+    try {
+      for (int64_t c = 0; c < lact_num_chunks(d.seq_len, config_.chunk); ++c)
+        lact_token_range(d.seq_len, config_.chunk, P, 0, c);
+    } catch (const Error& e) {
+      SS_FAIL("--lact-chunk", "every chunk of --lact-chunk ", config_.chunk,
+              " tokens of T = ", d.seq_len, " must split evenly over the ", P, " ranks (", e.what(),
+              ")");
+    }
+    const int64_t HD = d.heads * d.dim;
+    auto shard = [&](const std::vector<float>& x, int64_t inner) {
+      return lact_shard(x, d.batch, d.seq_len, inner, config_.chunk, P, comm_.rank());
+    };
+    local_.length = d.seq_len / P;
+    local_.q = shard(data_.q, HD);
+    local_.k = shard(data_.k, HD);
+    local_.v = shard(data_.v, HD);
+    local_.lr0 = shard(data_.lr0, d.heads);
+    local_.lr1 = shard(data_.lr1, d.heads);
+    local_.lr2 = shard(data_.lr2, d.heads);
+    if (!data_.d_o.empty()) local_.d_o = shard(data_.d_o, HD);
+    if (root() && !options_.save_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(options_.save_dir, ec);
+      SS_CHECK_ARG(std::filesystem::is_directory(options_.save_dir), "--save", "cannot create ",
+                   "directory '", options_.save_dir, "'", ec ? ": " + ec.message() : "");
+    }
+    if (root() && !options_.json_path.empty()) {
+      const std::filesystem::path parent =
+          std::filesystem::absolute(options_.json_path).parent_path();
+      SS_CHECK_ARG(std::filesystem::is_directory(parent), "--json", "directory '", parent.string(),
+                   "' does not exist");
+    }
+  });
+  backward_ = !data_.d_o.empty();
+}
+
+void LactJob::allocate(LactOutputs& out, int64_t length) const {
+  const LactDims& d = data_.dims;
+  const auto rates = static_cast<std::size_t>(d.batch * length * d.heads);
+  const auto tokens = rates * static_cast<std::size_t>(d.dim);
+  const auto weights = static_cast<std::size_t>(d.heads * d.hidden * d.dim);
+  out.o.assign(tokens, 0.f);
+  if (!backward_) return;
+  for (auto* x : {&out.dq, &out.dk, &out.dv}) x->assign(tokens, 0.f);
+  for (auto* x : {&out.dlr0, &out.dlr1, &out.dlr2}) x->assign(rates, 0.f);
+  for (auto* x : {&out.dw0, &out.dw1, &out.dw2}) x->assign(weights, 0.f);
+}
+
+// Forward (+ backward) of `layer` on `in`, timed on this rank; the exchange
+// time and bytes come from `timed` (null: none, the single-rank reference).
+StepTimes LactJob::step(LactLayer& layer, TimedCommunicator* timed, const LactSlice& in,
+                        LactOutputs& out) const {
+  const LactDims& d = data_.dims;
+  const Shape tokens{d.batch, in.length, d.heads, d.dim}, rates{d.batch, in.length, d.heads};
+  const Shape wide{d.heads, d.hidden, d.dim}, narrow{d.heads, d.dim, d.hidden};
+  if (timed != nullptr) timed->reset();
+
+  LactForwardArgs fa;
+  fa.q = view(in.q, tokens);
+  fa.k = view(in.k, tokens);
+  fa.v = view(in.v, tokens);
+  fa.lr0 = view(in.lr0, rates);
+  fa.lr1 = view(in.lr1, rates);
+  fa.lr2 = view(in.lr2, rates);
+  fa.w0 = view(data_.w0, wide);
+  fa.w1 = view(data_.w1, narrow);
+  fa.w2 = view(data_.w2, wide);
+  fa.o = view(out.o, tokens);
+  StepTimes t;
+  const auto t0 = Clock::now();
+  layer.forward(fa);
+  t.fwd_s = seconds_since(t0);
+  if (backward_) {
+    LactBackwardArgs ba;
+    ba.d_o = view(in.d_o, tokens);
+    ba.dq = view(out.dq, tokens);
+    ba.dk = view(out.dk, tokens);
+    ba.dv = view(out.dv, tokens);
+    ba.dlr0 = view(out.dlr0, rates);
+    ba.dlr1 = view(out.dlr1, rates);
+    ba.dlr2 = view(out.dlr2, rates);
+    ba.dw0 = view(out.dw0, wide);
+    ba.dw1 = view(out.dw1, narrow);
+    ba.dw2 = view(out.dw2, wide);
+    const auto t1 = Clock::now();
+    layer.backward(ba);
+    t.bwd_s = seconds_since(t1);
+  }
+  // One rank all-reduces with nobody: no exchange to report.
+  if (timed != nullptr && comm_.size() > 1) {
+    t.exchange_s = timed->all_reduce_s();
+    t.exchange_bytes = timed->all_reduce_bytes();
+  }
+  return t;
+}
+
+// Rank 0 runs the whole sequence as one rank: the oracle of --check. The
+// others wait in the agreement, which also carries a failure on rank 0 to them.
+void LactJob::run_reference() {
+  collective_check(comm_, [&] {
+    if (!root()) return;
+    SingleRankCommunicator single;
+    LactLayer layer(single, config_);
+    LactSlice full;
+    full.q = data_.q;
+    full.k = data_.k;
+    full.v = data_.v;
+    full.lr0 = data_.lr0;
+    full.lr1 = data_.lr1;
+    full.lr2 = data_.lr2;
+    full.d_o = data_.d_o;
+    full.length = data_.dims.seq_len;
+    allocate(reference_, full.length);
+    step(layer, nullptr, full, reference_);
+  });
+}
+
+// Every rank's slices of a [B, T, inner] tensor into rank 0's full-sequence
+// tensor, placed by lact_unshard. Other ranks return an empty vector.
+std::vector<float> LactJob::gather(const std::vector<float>& local, int64_t inner) {
+  constexpr int kTag = 4712;
+  const LactDims& d = data_.dims;
+  if (!root()) {
+    comm_.send(local.data(), local.size(), CommType::f32, 0, kTag);
+    return {};
+  }
+  std::vector<float> full(static_cast<std::size_t>(d.batch * d.seq_len * inner));
+  std::vector<float> piece(local.size());  // every rank holds T/P tokens
+  for (int r = 0; r < comm_.size(); ++r) {
+    if (r != 0) comm_.recv(piece.data(), piece.size(), CommType::f32, r, kTag);
+    lact_unshard(r == 0 ? local : piece, d.batch, d.seq_len, inner, config_.chunk, comm_.size(), r,
+                 full);
+  }
+  return full;
+}
+
+// The step's outputs in the full-sequence layout on rank 0 (the weight
+// gradients are already summed over the ranks by the layer).
+LactOutputs LactJob::gather(const LactOutputs& local) {
+  const LactDims& d = data_.dims;
+  const int64_t HD = d.heads * d.dim;
+  LactOutputs full;
+  full.o = gather(local.o, HD);
+  if (!backward_) return full;
+  full.dq = gather(local.dq, HD);
+  full.dk = gather(local.dk, HD);
+  full.dv = gather(local.dv, HD);
+  full.dlr0 = gather(local.dlr0, d.heads);
+  full.dlr1 = gather(local.dlr1, d.heads);
+  full.dlr2 = gather(local.dlr2, d.heads);
+  if (root()) {
+    full.dw0 = local.dw0;
+    full.dw1 = local.dw1;
+    full.dw2 = local.dw2;
+  }
+  return full;
+}
+
+// The outputs of this run with their file names and full shapes, in report order.
+std::vector<NamedArray> LactJob::named(const LactOutputs& o) const {
+  const LactDims& d = data_.dims;
+  const Shape tokens{d.batch, d.seq_len, d.heads, d.dim}, rates{d.batch, d.seq_len, d.heads};
+  const Shape wide{d.heads, d.hidden, d.dim}, narrow{d.heads, d.dim, d.hidden};
+  std::vector<NamedArray> list{{"o", tokens, &o.o}};
+  if (!backward_) return list;
+  list.insert(list.end(), {{"dq", tokens, &o.dq},
+                           {"dk", tokens, &o.dk},
+                           {"dv", tokens, &o.dv},
+                           {"dlr0", rates, &o.dlr0},
+                           {"dlr1", rates, &o.dlr1},
+                           {"dlr2", rates, &o.dlr2},
+                           {"dw0", wide, &o.dw0},
+                           {"dw1", narrow, &o.dw1},
+                           {"dw2", wide, &o.dw2}});
+  return list;
+}
+
+int LactJob::count_wrong(const LactOutputs& full,
+                         std::vector<std::pair<std::string, double>>& errors) const {
+  errors.clear();
+  int wrong = 0;
+  const auto cp = named(full), ref = named(reference_);
+  for (std::size_t i = 0; i < cp.size(); ++i) {
+    const double err = relative_rms(*cp[i].data, *ref[i].data);
+    errors.emplace_back(cp[i].name, err);
+    if (!(err <= kLactCheckTolerance)) ++wrong;
+  }
+  return wrong;
+}
+
+std::vector<std::pair<std::string, std::string>> LactJob::header_fields() const {
+  const LactDims& d = data_.dims;
+  char momentum[32];
+  std::snprintf(momentum, sizeof momentum, "%.6g", config_.momentum);
+  const int P = comm_.size();
+  return {
+      {"variant", "lact"},
+      {"B", std::to_string(d.batch)},
+      {"T", std::to_string(d.seq_len)},
+      {"H", std::to_string(d.heads)},
+      {"D", std::to_string(d.dim)},
+      {"M", std::to_string(d.hidden)},
+      {"lact-chunk", std::to_string(config_.chunk)},
+      {"schedule", to_string(config_.schedule)},
+      {"momentum", momentum},
+      {"muon-steps", std::to_string(config_.muon_steps)},
+      {"renorm", config_.renorm ? "on" : "off"},
+      {"dtype", to_string(options_.dtype)},
+      {"ranks", std::to_string(P)},
+      {"exchange", P == 1 ? std::string("none (1 rank)") : std::string("all-reduce per chunk")},
+      {"layout", "slice r of every chunk (" + std::to_string(config_.chunk / P) + " tokens/rank)"},
+      {"device", "cpu"},
+      {"threads/rank", std::to_string(num_threads())},
+      {"pass", backward_ ? "fwd+bwd" : "fwd"},
+      {"inputs", data_.description},
+      {"warmup", std::to_string(options_.warmup)},
+      {"iters", std::to_string(options_.iters)},
+  };
+}
+
+int LactJob::run() {
+  stage_ = Stage::setup;
+  if (!options_.load_dir.empty() && !options_.shape_flags_given.empty() && root()) {
+    std::string flags;
+    for (const auto& f : options_.shape_flags_given) flags += (flags.empty() ? "" : ", ") + f;
+    std::fprintf(stderr,
+                 "statescan-run: note: %s ignored with --load (shapes come from q.npy and "
+                 "w0.npy)\n",
+                 flags.c_str());
+  }
+  setup();
+
+  stage_ = Stage::steps;
+  LactLayer layer(timed_, config_);
+  LactOutputs out;
+  allocate(out, local_.length);
+  Report report;
+  report.check.enabled = options_.check;
+  report.check.tolerance = kLactCheckTolerance;
+  if (options_.check) run_reference();
+  LactOutputs last_full;
+  const int64_t steps = options_.warmup + options_.iters;
+  const LactDims& d = data_.dims;
+  for (int64_t s = 0; s < steps; ++s) {
+    comm_.barrier();  // start together, so the max over ranks is the step's time
+    const StepTimes t = step(layer, &timed_, local_, out);
+    if (s < options_.warmup) continue;
+
+    double maxima[4] = {t.fwd_s, t.bwd_s, t.exchange_s, t.exchange_bytes};
+    comm_.all_reduce_max(maxima, 4, CommType::f64);
+    StepRow row;
+    row.step = s - options_.warmup + 1;
+    row.fwd_ms = maxima[0] * 1e3;
+    row.bwd_ms = backward_ ? maxima[1] * 1e3 : -1;
+    row.exchange_ms = maxima[2] * 1e3;
+    row.exchange_bytes = static_cast<int64_t>(maxima[3]);
+    row.tokens_per_s = static_cast<double>(d.batch * d.seq_len) / (maxima[0] + maxima[1]);
+
+    const bool last = s + 1 == steps;
+    if (options_.check || (last && !options_.save_dir.empty())) {
+      LactOutputs full = gather(out);
+      if (options_.check) {
+        int64_t wrong = root() ? count_wrong(full, report.check.errors) : 0;
+        comm_.broadcast(&wrong, 1, CommType::i64, 0);  // every rank exits alike
+        row.wrong = static_cast<int>(wrong);
+      }
+      if (last) last_full = std::move(full);
+    }
+    if (root()) {
+      if (report.rows.empty()) {
+        report.header = header_fields();
+        std::fputs(format_header(report).c_str(), stdout);
+        std::fputs(format_column_header().c_str(), stdout);
+      }
+      std::fputs(format_row(row).c_str(), stdout);
+      std::fflush(stdout);
+    }
+    report.rows.push_back(row);
+  }
+
+  stage_ = Stage::results;
+  if (root()) {
+    std::fputs(format_footer(report).c_str(), stdout);
+    std::fflush(stdout);
+  }
+  // Rank 0 writes; the agreement turns a write failure into the same error
+  // on every rank (exit 3 everywhere, no rank left waiting).
+  try {
+    collective_check(comm_, [&] {
+      if (!root()) return;
+      if (!options_.save_dir.empty()) save_npy_files(options_.save_dir, named(last_full));
+      if (!options_.json_path.empty()) write_report_json(options_.json_path, report);
+    });
+  } catch (const Error& e) {
+    throw RuntimeFailure(e.what());
+  }
+  return report.total_wrong() > 0 ? kExitWrong : kExitOk;
+}
+
+}  // namespace
+
+int run_lact_job(Communicator& comm, const RunOptions& options, Stage& stage) {
+  LactJob job(comm, options, stage);
+  return job.run();
+}
+
+}  // namespace statescan::launch
