@@ -11,6 +11,20 @@
 // the whole problem, and against the fp64 reference on head 0's first 2048
 // tokens (batch row 0).
 //
+// --cp-model prints the context-parallel scaling model of parallel/cp_model.h
+// instead: predicted per-layer step time, overhead and weak-scaling efficiency
+// for P = 2, 4, ... up to -P, per exchange, and what `auto` picks and why.
+//   statescan-bench --cp-model [--variant kda] [--seq-len 131072] [-P 1024]
+//                   [--link hierarchical|nvlink|ib] [--gpus-per-node 8]
+//                   [--link-bw-GBps X] [--link-latency-us X] [--ib-bw-GBps X]
+//                   [--ib-latency-us X] [--compose-TFLOPs X] [--overlap F]
+//                   [--fwd-ms X] [--bwd-ms X] [--summary-fwd-ms X]
+//                   [--summary-bwd-ms X] [--merge-ms X] [--cp-measure] [--json F]
+// Without --cp-measure it never touches CUDA (it runs on machines without a
+// GPU); the local forward time is --fwd-ms, else the H200 figure measured in
+// README.md for the variant (scaled linearly in B*T*H). With --cp-measure it
+// first measures the local forward of the layer on GPU 0.
+//
 // FLOP model (multiply-add = 2 FLOP, per token and head, Dk = Dv = D, chunk C):
 //   additive: intra-chunk Q K^T and A V over the causal half, 2*(C/2)*D each,
 //             plus Q^ S and K_^T V, 2*D*D each               = 2*C*D + 4*D^2
@@ -40,6 +54,8 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "launch/bench_plot.h"
+#include "parallel/cp_model.h"
+#include "parallel/exchange.h"
 
 namespace statescan {
 namespace {
@@ -53,6 +69,17 @@ struct Options {
   std::string json;
   std::string plot;  // --plot FILE.png: tokens/s against T, one line per variant
   bool help = false;
+
+  // --cp-model (see the comment at the top); negative times mean "not given".
+  bool cp_model = false, cp_measure = false;
+  Variant cp_variant = Variant::kda;
+  int64_t cp_seq_len = 131072;
+  int cp_max_ranks = 1024;
+  LinkPreset link = LinkPreset::hierarchical;
+  int gpus_per_node = 8;
+  double link_bw_GBps = -1, link_latency_us = -1, ib_bw_GBps = -1, ib_latency_us = -1;
+  double compose_tflops = -1, overlap = 0;
+  double fwd_ms = -1, bwd_ms = -1, summary_fwd_ms = -1, summary_bwd_ms = -1, merge_ms = -1;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -98,6 +125,46 @@ Options parse(int argc, char** argv) {
       // Refused before the GPU work rather than after it.
       SS_CHECK_ARG(o.plot.size() > 4 && o.plot.compare(o.plot.size() - 4, 4, ".png") == 0, "--plot",
                    "'", o.plot, "' must end in .png");
+    } else if (arg == "--cp-model") {
+      o.cp_model = true;
+    } else if (arg == "--cp-measure") {
+      o.cp_model = o.cp_measure = true;
+    } else if (arg == "--variant") {
+      o.cp_variant = parse_variant(value(), "--variant");
+    } else if (arg == "--seq-len") {
+      o.cp_seq_len = static_cast<int64_t>(parse_positive_number(value(), "--seq-len"));
+    } else if (arg == "-P") {
+      o.cp_max_ranks = static_cast<int>(parse_positive_number(value(), "-P"));
+      SS_CHECK_ARG(o.cp_max_ranks >= 2 && o.cp_max_ranks <= (1 << 20), "-P",
+                   "must be in [2, 1048576]");
+    } else if (arg == "--link") {
+      o.link = parse_link_preset(value(), "--link");
+    } else if (arg == "--gpus-per-node") {
+      o.gpus_per_node = static_cast<int>(parse_positive_number(value(), "--gpus-per-node"));
+    } else if (arg == "--link-bw-GBps") {
+      o.link_bw_GBps = parse_positive_number(value(), "--link-bw-GBps");
+    } else if (arg == "--link-latency-us") {
+      o.link_latency_us = parse_positive_number(value(), "--link-latency-us");
+    } else if (arg == "--ib-bw-GBps") {
+      o.ib_bw_GBps = parse_positive_number(value(), "--ib-bw-GBps");
+    } else if (arg == "--ib-latency-us") {
+      o.ib_latency_us = parse_positive_number(value(), "--ib-latency-us");
+    } else if (arg == "--compose-TFLOPs") {
+      o.compose_tflops = parse_positive_number(value(), "--compose-TFLOPs");
+    } else if (arg == "--overlap") {
+      const std::string v = value();
+      o.overlap = v == "0" ? 0.0 : parse_positive_number(v, "--overlap");
+      SS_CHECK_ARG(o.overlap <= 1, "--overlap", "must be in [0, 1], got ", v);
+    } else if (arg == "--fwd-ms") {
+      o.fwd_ms = parse_positive_number(value(), "--fwd-ms");
+    } else if (arg == "--bwd-ms") {
+      o.bwd_ms = parse_positive_number(value(), "--bwd-ms");
+    } else if (arg == "--summary-fwd-ms") {
+      o.summary_fwd_ms = parse_positive_number(value(), "--summary-fwd-ms");
+    } else if (arg == "--summary-bwd-ms") {
+      o.summary_bwd_ms = parse_positive_number(value(), "--summary-bwd-ms");
+    } else if (arg == "--merge-ms") {
+      o.merge_ms = parse_positive_number(value(), "--merge-ms");
     } else if (arg == "-h" || arg == "--help") {
       o.help = true;
     } else {
@@ -302,15 +369,130 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
   return r;
 }
 
+// Forward ms of the README's H200 table (B=1, T=131072, H=16, D=128, bf16,
+// chunk 64, 2026-11-30), the --cp-model default when no GPU measures it.
+double readme_fwd_ms_128k(Variant v) {
+  switch (v) {
+    case Variant::linear:
+      return 5.566;
+    case Variant::retention:
+      return 6.628;
+    case Variant::gla:
+      return 11.077;
+    case Variant::deltanet:
+      return 11.480;
+    case Variant::gated_deltanet:
+      return 12.763;
+    case Variant::kda:
+      return 16.362;
+  }
+  return 0;
+}
+
+// --cp-model: local times (measured, given or defaulted, each labelled) fed
+// to the scaling model, printed as a table and optionally as JSON.
+int run_cp_model(const Options& opt) {
+  CpLayer layer;
+  layer.variant = opt.cp_variant;
+  layer.batch = opt.batch;
+  layer.seq_len = opt.cp_seq_len;
+  layer.heads = opt.heads;
+  layer.dk = layer.dv = opt.dim;
+  layer.chunk = opt.chunk;
+  layer.dtype = opt.dtype;
+  std::vector<std::string> notes;
+  char line[512];
+
+  double fwd_ms = opt.fwd_ms;
+  if (opt.cp_measure) {
+    Options one = opt;
+    const Row r = bench_one(one, layer.variant, layer.seq_len);
+    fwd_ms = r.ms;
+    cudaDeviceProp prop{};
+    SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::snprintf(line, sizeof line,
+                  "fwd: measured now on %s (median of %d, err_ref %.1e); --fwd-ms ignored",
+                  prop.name, opt.iters, r.err_ref);
+    notes.push_back(line);
+  } else if (fwd_ms > 0) {
+    notes.push_back("fwd: given by --fwd-ms");
+  } else {
+    SS_CHECK_ARG(layer.dk == 128 && layer.chunk == 64 && layer.dtype == DType::bf16, "--fwd-ms",
+                 "needed: the README default is for D=128, chunk 64, bf16 only");
+    const double scale =
+        static_cast<double>(layer.batch * layer.seq_len * layer.heads) / (131072.0 * 16.0);
+    fwd_ms = readme_fwd_ms_128k(layer.variant) * scale;
+    std::snprintf(line, sizeof line,
+                  "fwd: NOT measured: README.md's H200 figure for %s at T=131072, H=16, D=128, "
+                  "bf16 (%.3f ms) x %.4g (B*T*H scaling)",
+                  to_string(layer.variant), readme_fwd_ms_128k(layer.variant), scale);
+    notes.push_back(line);
+  }
+  CpGpuModel gpu;
+  CpLocalTimes times = estimate_local_times(layer, fwd_ms, opt.bwd_ms, gpu);
+  notes.push_back(opt.bwd_ms > 0
+                      ? "bwd: given by --bwd-ms"
+                      : "bwd: ASSUMED 2 x fwd (the GPU backward kernels do not exist yet)");
+  if (opt.summary_fwd_ms > 0) times.summary_fwd_ms = opt.summary_fwd_ms;
+  if (opt.summary_bwd_ms > 0) times.summary_bwd_ms = opt.summary_bwd_ms;
+  if (opt.merge_ms > 0) times.merge_ms = opt.merge_ms;
+  auto source = [](bool given) { return given ? "given" : "MODELLED"; };
+  std::snprintf(line, sizeof line,
+                "summary fwd: %s, summary bwd: %s, merge: %s (modelled = counted work at %.0f "
+                "TFLOP/s, %.1f TB/s HBM, %.0f us launch; see parallel/cp_model.h)",
+                source(opt.summary_fwd_ms > 0), source(opt.summary_bwd_ms > 0),
+                source(opt.merge_ms > 0), gpu.flops_per_s / 1e12, gpu.hbm_Bps / 1e12,
+                gpu.launch_s * 1e6);
+  notes.push_back(line);
+
+  CpModelConfig config;
+  config.link = link_preset(opt.link, opt.gpus_per_node);
+  const bool inter = opt.link == LinkPreset::hierarchical;
+  // --link-* name the link ranks of one node share (the only link for nvlink
+  // and ib); --ib-* the link between nodes of the hierarchical preset.
+  if (opt.link_bw_GBps > 0) config.link.bandwidth_Bps = opt.link_bw_GBps * 1e9;
+  if (opt.link_latency_us > 0) config.link.latency_s = opt.link_latency_us * 1e-6;
+  SS_CHECK_ARG(inter || (opt.ib_bw_GBps < 0 && opt.ib_latency_us < 0), "--ib-bw-GBps",
+               "applies to --link hierarchical only (use --link-bw-GBps / --link-latency-us)");
+  if (opt.ib_bw_GBps > 0) config.link.inter_bandwidth_Bps = opt.ib_bw_GBps * 1e9;
+  if (opt.ib_latency_us > 0) config.link.inter_latency_s = opt.ib_latency_us * 1e-6;
+  if (opt.compose_tflops > 0) config.link.compose_flops_per_s = opt.compose_tflops * 1e12;
+  config.overlap = opt.overlap;
+  config.max_ranks = opt.cp_max_ranks;
+  std::snprintf(
+      line, sizeof line, "link preset: %s%s", to_string(opt.link),
+      opt.link_bw_GBps > 0 || opt.link_latency_us > 0 || opt.ib_bw_GBps > 0 || opt.ib_latency_us > 0
+          ? " (with overrides)"
+          : "");
+  notes.push_back(line);
+
+  const CpModelResult result = predict_cp_scaling(layer, times, config);
+  std::fputs(format_cp_model_table(layer, times, config, result, notes).c_str(), stdout);
+  if (!opt.json.empty()) {
+    std::ofstream out(opt.json);
+    SS_CHECK_ARG(out.good(), "json", "cannot write ", opt.json);
+    out << format_cp_model_json(result);
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   const Options opt = parse(argc, argv);
   if (opt.help) {
     std::printf(
         "usage: statescan-bench [-v variants] [-t lengths] [-b B] [-H heads] [-d dim]\n"
         "                       [-c chunk] [--dtype bf16|f16|f32] [-w warmup] [-n iters]\n"
-        "                       [--json file] [--plot file.png]\n");
+        "                       [--json file] [--plot file.png]\n"
+        "       statescan-bench --cp-model [--variant kda] [--seq-len T] [-P 1024]\n"
+        "                       [--link hierarchical|nvlink|ib] [--gpus-per-node 8]\n"
+        "                       [--link-bw-GBps X] [--link-latency-us X] [--ib-bw-GBps X]\n"
+        "                       [--ib-latency-us X] [--compose-TFLOPs X] [--overlap F]\n"
+        "                       [--fwd-ms X] [--bwd-ms X] [--summary-fwd-ms X]\n"
+        "                       [--summary-bwd-ms X] [--merge-ms X] [--cp-measure] [--json F]\n");
     return 0;
   }
+  // Before any CUDA call: the model alone runs where no GPU is present.
+  if (opt.cp_model) return run_cp_model(opt);
   cudaDeviceProp prop{};
   SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# statescan-bench: chunkwise forward on %s (%d SMs)\n", prop.name,

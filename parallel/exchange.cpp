@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "core/error.h"
 
@@ -189,19 +190,58 @@ ScanResult exclusive_scan(Communicator& comm, Exchange strategy, const ScanMaps&
   return r;
 }
 
+namespace {
+
+// One message's fixed cost and its bandwidth.
+struct Hop {
+  double latency_s, bandwidth_Bps;
+};
+
+bool hierarchical(const LinkModel& link, int ranks) {
+  return link.gpus_per_node > 0 && ranks > link.gpus_per_node;
+}
+
+// The link between scan positions a and b (consecutive ranks share a node).
+Hop hop_between(const LinkModel& link, int a, int b) {
+  if (link.gpus_per_node > 0 && a / link.gpus_per_node != b / link.gpus_per_node)
+    return {link.inter_latency_s, link.inter_bandwidth_Bps};
+  return {link.latency_s, link.bandwidth_Bps};
+}
+
+// The slowest link any rank uses in a step in which all ranks talk at once
+// (a collective round is as slow as its slowest pair).
+Hop slowest_hop(const LinkModel& link, int ranks) {
+  if (hierarchical(link, ranks)) return {link.inter_latency_s, link.inter_bandwidth_Bps};
+  return {link.latency_s, link.bandwidth_Bps};
+}
+
+}  // namespace
+
 double predicted_exchange_seconds(Exchange e, int ranks, int64_t map_bytes, int64_t state_bytes,
                                   int64_t apply_flops, const LinkModel& link) {
   if (ranks <= 1) return 0.0;
-  const double P = ranks, a = link.latency_s, bw = link.bandwidth_Bps;
+  const double P = ranks;
+  const Hop slow = slowest_hop(link, ranks);
+  const double a = slow.latency_s, bw = slow.bandwidth_Bps;
   const double apply_s = static_cast<double>(apply_flops) / link.compose_flops_per_s;
   switch (e) {
     case Exchange::allgather:
-      // Ring all-gather of P maps, then up to P-1 map applications locally.
+      // Ring all-gather of P maps (each of its P-1 steps as slow as the
+      // slowest link), then up to P-1 map applications locally.
       return (P - 1) * (a + map_bytes / bw) + (P - 1) * apply_s;
     case Exchange::ring: {
-      // P-1 dependent hops, each applying one map, pipelined over the blocks.
+      // P-1 dependent hops, each applying one map, pipelined over the blocks:
+      // the first block crosses every hop, the others follow one slowest hop
+      // apart. On one flat link this is (P-1 + blocks-1) equal hop times.
       const double blocks = 4;
-      return (P - 1 + blocks - 1) * (a + state_bytes / blocks / bw + apply_s / blocks);
+      double first_block = 0, slowest = 0;
+      for (int r = 0; r + 1 < ranks; ++r) {
+        const Hop h = hop_between(link, r, r + 1);
+        const double t = h.latency_s + state_bytes / blocks / h.bandwidth_Bps + apply_s / blocks;
+        first_block += t;
+        slowest = std::max(slowest, t);
+      }
+      return first_block + (blocks - 1) * slowest;
     }
     case Exchange::tree: {
       // Composing two maps costs about an application plus a Dk^3 product:
@@ -209,9 +249,87 @@ double predicted_exchange_seconds(Exchange e, int ranks, int64_t map_bytes, int6
       const double rounds = std::ceil(std::log2(P));
       return rounds * (a + map_bytes / bw + 2 * apply_s) + a + state_bytes / bw;
     }
-    case Exchange::automatic: break;
+    case Exchange::automatic:
+      break;
   }
   return std::numeric_limits<double>::infinity();
+}
+
+int64_t predicted_exchange_bytes(Exchange e, int ranks, int64_t map_bytes, int64_t state_bytes) {
+  if (ranks <= 1) return 0;
+  switch (e) {
+    case Exchange::allgather:
+      return map_bytes * (ranks - 1);
+    case Exchange::ring:
+      return state_bytes;
+    case Exchange::tree: {
+      int64_t rounds = 0;
+      for (int dist = 1; dist < ranks; dist *= 2) ++rounds;
+      return rounds * map_bytes + state_bytes;
+    }
+    case Exchange::automatic:
+      break;
+  }
+  SS_FAIL("exchange", "must be resolved before predicting its bytes");
+}
+
+const char* to_string(LinkPreset p) {
+  switch (p) {
+    case LinkPreset::nvlink:
+      return "nvlink";
+    case LinkPreset::ib:
+      return "ib";
+    case LinkPreset::hierarchical:
+      return "hierarchical";
+  }
+  return "?";
+}
+
+LinkPreset parse_link_preset(std::string_view name, const char* argument) {
+  for (LinkPreset p : {LinkPreset::nvlink, LinkPreset::ib, LinkPreset::hierarchical})
+    if (name == to_string(p)) return p;
+  SS_FAIL(argument, "'", std::string(name), "' is not a link (nvlink, ib, hierarchical)");
+}
+
+LinkModel link_preset(LinkPreset preset, int gpus_per_node) {
+  SS_CHECK_ARG(gpus_per_node >= 1, "gpus_per_node", "must be >= 1, got ", gpus_per_node);
+  // NVLink 4 (H100/H200 SXM): 18 links x 50 GB/s bidirectional = 900 GB/s per
+  // GPU, 450 GB/s per direction. NCCL reaches about 360 GB/s bus bandwidth on
+  // 8x H100 ("360 GB/s is exactly what we'd expect on H100", NVIDIA/nccl-tests
+  // issue 326): the achievable figure is used. Small-message NCCL latency
+  // within a node is a few microseconds (about 6 us for a 2-GPU all-reduce,
+  // NVIDIA/nccl issue 1259); 8 us per message is assumed for send/recv.
+  constexpr double kNvlinkBps = 360e9, kNvlinkLatency = 8e-6;
+  // NDR InfiniBand, one 400 Gb/s ConnectX-7 NIC per GPU (DGX/HGX H100/H200):
+  // 50 GB/s per direction, of which NCCL reaches 46-48 GB/s per NIC
+  // (NVIDIA/nccl-tests issue 290). Small-message NCCL latency across nodes is
+  // taken as 15 us (wire latency is ~1-2 us; NCCL's per-step proxy cost
+  // dominates, ~10-12 us per step in NVIDIA/nccl issue 2409).
+  constexpr double kIbBps = 46e9, kIbLatency = 15e-6;
+  // Composing maps runs on the GPU: fp32 maps on tensor cores (3xTF32 or
+  // fp32-accumulate) at an assumed achievable 300 TFLOP/s of H200's 989 TF32
+  // dense peak; small per-head GEMMs rarely do better.
+  constexpr double kGpuComposeFlops = 300e12;
+  LinkModel m;
+  m.compose_flops_per_s = kGpuComposeFlops;
+  switch (preset) {
+    case LinkPreset::nvlink:
+      m.latency_s = kNvlinkLatency;
+      m.bandwidth_Bps = kNvlinkBps;
+      break;
+    case LinkPreset::ib:
+      m.latency_s = kIbLatency;
+      m.bandwidth_Bps = kIbBps;
+      break;
+    case LinkPreset::hierarchical:
+      m.latency_s = kNvlinkLatency;
+      m.bandwidth_Bps = kNvlinkBps;
+      m.gpus_per_node = gpus_per_node;
+      m.inter_latency_s = kIbLatency;
+      m.inter_bandwidth_Bps = kIbBps;
+      break;
+  }
+  return m;
 }
 
 Exchange resolve_exchange(Exchange requested, int ranks, int64_t map_bytes, int64_t state_bytes,

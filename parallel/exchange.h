@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -46,14 +47,39 @@ ScanResult exclusive_scan(Communicator& comm, Exchange strategy, const ScanMaps&
 // strategy for P ranks, per-rank map bytes (M + E), state bytes (E) and the
 // flops of applying one rank's maps to a state (M S + E). The link defaults
 // are for host MPI within a node; the NCCL issue calibrates them.
+//
+// The same model drives the scaling model of parallel/cp_model.h, which uses
+// the GPU presets of link_preset(). With gpus_per_node > 0 the ranks form
+// nodes of gpus_per_node consecutive ranks: a message between two ranks of one
+// node uses (latency_s, bandwidth_Bps), a message between nodes uses
+// (inter_latency_s, inter_bandwidth_Bps). gpus_per_node == 0 is one flat link.
 struct LinkModel {
   double latency_s = 5e-6;          // per message
   double bandwidth_Bps = 10e9;      // per direction
   double compose_flops_per_s = 20e9;  // host fp32 rate for composing maps
+  int gpus_per_node = 0;              // 0: every rank on the one link above
+  double inter_latency_s = 0;         // per message between nodes
+  double inter_bandwidth_Bps = 0;     // per direction per GPU between nodes
 };
+
+// Named GPU links for the scaling model: NVLink within one node (every rank on
+// NVLink), InfiniBand (every rank on its own NIC), and hierarchical (NVLink
+// within nodes of gpus_per_node GPUs, InfiniBand between them).
+enum class LinkPreset { nvlink, ib, hierarchical };
+const char* to_string(LinkPreset p);
+// Accepts "nvlink", "ib", "hierarchical"; throws statescan::Error naming `argument`.
+LinkPreset parse_link_preset(std::string_view name, const char* argument = "link");
+// The preset's figures (sources in exchange.cpp). Throws naming "gpus_per_node"
+// unless it is >= 1.
+LinkModel link_preset(LinkPreset preset, int gpus_per_node = 8);
+
 double predicted_exchange_seconds(Exchange e, int ranks, int64_t map_bytes, int64_t state_bytes,
                                   int64_t apply_flops, const LinkModel& link = {});
 Exchange resolve_exchange(Exchange requested, int ranks, int64_t map_bytes, int64_t state_bytes,
                           int64_t apply_flops, const LinkModel& link = {});
+// Bytes the busiest rank sends in one scan (what exclusive_scan reports as
+// bytes_sent): allgather (P-1) maps, ring one state, tree ceil(log2 P) maps
+// plus one state. 0 for P <= 1.
+int64_t predicted_exchange_bytes(Exchange e, int ranks, int64_t map_bytes, int64_t state_bytes);
 
 }  // namespace statescan
