@@ -98,10 +98,6 @@ struct LactSlice {
   int64_t length = 0;  // tokens per batch row
 };
 
-struct StepTimes {
-  double fwd_s = 0, bwd_s = 0, exchange_s = 0, exchange_bytes = 0;
-};
-
 TensorView view(const std::vector<float>& x, Shape shape) {
   // LactLayer reads inputs through non-const views; it never writes them.
   return TensorView(const_cast<float*>(x.data()), DType::f32, std::move(shape));
@@ -397,15 +393,8 @@ int LactJob::run() {
     const StepTimes t = step(layer, &timed_, local_, out);
     if (s < options_.warmup) continue;
 
-    double maxima[4] = {t.fwd_s, t.bwd_s, t.exchange_s, t.exchange_bytes};
-    comm_.all_reduce_max(maxima, 4, CommType::f64);
-    StepRow row;
-    row.step = s - options_.warmup + 1;
-    row.fwd_ms = maxima[0] * 1e3;
-    row.bwd_ms = backward_ ? maxima[1] * 1e3 : -1;
-    row.exchange_ms = maxima[2] * 1e3;
-    row.exchange_bytes = static_cast<int64_t>(maxima[3]);
-    row.tokens_per_s = static_cast<double>(d.batch * d.seq_len) / (maxima[0] + maxima[1]);
+    StepRow row = reduce_step(comm_, t, s - options_.warmup + 1, backward_,
+                              static_cast<double>(d.batch * d.seq_len));
 
     const bool last = s + 1 == steps;
     if (options_.check || (last && !options_.save_dir.empty())) {
@@ -417,35 +406,15 @@ int LactJob::run() {
       }
       if (last) last_full = std::move(full);
     }
-    if (root()) {
-      if (report.rows.empty()) {
-        report.header = header_fields();
-        std::fputs(format_header(report).c_str(), stdout);
-        std::fputs(format_column_header().c_str(), stdout);
-      }
-      std::fputs(format_row(row).c_str(), stdout);
-      std::fflush(stdout);
-    }
-    report.rows.push_back(row);
+    print_row(report, row, root(), header_fields());
   }
 
   stage_ = Stage::results;
-  if (root()) {
-    std::fputs(format_footer(report).c_str(), stdout);
-    std::fflush(stdout);
-  }
-  // Rank 0 writes; the agreement turns a write failure into the same error
-  // on every rank (exit 3 everywhere, no rank left waiting).
-  try {
-    collective_check(comm_, [&] {
-      if (!root()) return;
-      if (!options_.save_dir.empty()) save_npy_files(options_.save_dir, named(last_full));
-      if (!options_.json_path.empty()) write_report_json(options_.json_path, report);
-    });
-  } catch (const Error& e) {
-    throw RuntimeFailure(e.what());
-  }
-  return report.total_wrong() > 0 ? kExitWrong : kExitOk;
+  // Rank 0 writes; a write failure becomes exit 3 on every rank.
+  return finish_report(comm_, report, [&] {
+    if (!options_.save_dir.empty()) save_npy_files(options_.save_dir, named(last_full));
+    if (!options_.json_path.empty()) write_report_json(options_.json_path, report);
+  });
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <limits>
 #include <sstream>
 
+#include "comm/collective_check.h"
 #include "core/error.h"
 #include "core/npy.h"
 
@@ -242,6 +243,50 @@ void write_report_json(const std::string& path, const Report& report) {
     std::remove(temp.c_str());
     SS_FAIL("--json", "cannot rename ", temp, " to ", path);
   }
+}
+
+StepRow reduce_step(Communicator& comm, const StepTimes& mine, int64_t step, bool backward,
+                    double tokens) {
+  double maxima[4] = {mine.fwd_s, mine.bwd_s, mine.exchange_s, mine.exchange_bytes};
+  comm.all_reduce_max(maxima, 4, CommType::f64);
+  StepRow row;
+  row.step = step;
+  row.fwd_ms = maxima[0] * 1e3;
+  row.bwd_ms = backward ? maxima[1] * 1e3 : -1;
+  row.exchange_ms = maxima[2] * 1e3;
+  row.exchange_bytes = static_cast<int64_t>(maxima[3]);
+  row.tokens_per_s = tokens / (maxima[0] + maxima[1]);
+  return row;
+}
+
+void print_row(Report& report, const StepRow& row, bool root,
+               const std::vector<std::pair<std::string, std::string>>& header) {
+  if (root) {
+    if (report.rows.empty()) {
+      report.header = header;
+      std::fputs(format_header(report).c_str(), stdout);
+      std::fputs(format_column_header().c_str(), stdout);
+    }
+    std::fputs(format_row(row).c_str(), stdout);
+    std::fflush(stdout);
+  }
+  report.rows.push_back(row);
+}
+
+int finish_report(Communicator& comm, const Report& report, const std::function<void()>& write) {
+  const bool root = comm.rank() == 0;
+  if (root) {
+    std::fputs(format_footer(report).c_str(), stdout);
+    std::fflush(stdout);
+  }
+  try {
+    collective_check(comm, [&] {
+      if (root) write();
+    });
+  } catch (const Error& e) {
+    throw RuntimeFailure(e.what());
+  }
+  return report.total_wrong() > 0 ? kExitWrong : kExitOk;
 }
 
 }  // namespace statescan::launch

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "core/tensor.h"
 
 namespace statescan::launch {
@@ -88,5 +90,27 @@ void save_npy_files(const std::string& dir, const std::vector<NamedArray>& array
 // to_json(report) into `path` through a temporary file and a rename. Throws
 // statescan::Error naming "--json".
 void write_report_json(const std::string& path, const Report& report);
+
+// ---- the timed-step loop pieces both jobs share ---------------------------------
+
+// One rank's timing of one step.
+struct StepTimes {
+  double fwd_s = 0, bwd_s = 0, exchange_s = 0, exchange_bytes = 0;
+};
+
+// The table row of a step: maxima over the ranks of `comm` (collective).
+// `backward` says whether the run has a backward pass; `tokens` is B*T.
+StepRow reduce_step(Communicator& comm, const StepTimes& mine, int64_t step, bool backward,
+                    double tokens);
+
+// Rank 0 prints the row (the header lines first, on the first row, from
+// `header`); every rank records it.
+void print_row(Report& report, const StepRow& row, bool root,
+               const std::vector<std::pair<std::string, std::string>>& header);
+
+// The end of a run: rank 0 prints the footer and runs `write` (the --save
+// files and --json); the agreement turns a failure there into the same
+// RuntimeFailure on every rank. Returns the exit code.
+int finish_report(Communicator& comm, const Report& report, const std::function<void()>& write);
 
 }  // namespace statescan::launch

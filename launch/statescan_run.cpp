@@ -57,10 +57,6 @@ struct Outputs {
   std::vector<float> o, ht, dq, dk, dv, dg, dbeta, dh0;
 };
 
-struct StepTimes {
-  double fwd_s = 0, bwd_s = 0, exchange_s = 0, exchange_bytes = 0;
-};
-
 TensorView view(const std::vector<float>& x, Shape shape) {
   // CpMixer reads inputs through non-const views; it never writes them.
   return TensorView(const_cast<float*>(x.data()), DType::f32, std::move(shape));
@@ -128,7 +124,6 @@ class Job {
   std::vector<std::pair<std::string, const std::vector<float>*>> named(const Outputs& o) const;
   Shape shape_of(const std::string& name) const;
   void save(const Outputs& full) const;
-  void write_json(const Report& report) const;
   std::vector<std::pair<std::string, std::string>> header_fields(Exchange resolved) const;
   int run_steps();
   void report_step_metrics(const StepTimes& t) const;
@@ -222,15 +217,7 @@ int Job::run_steps() {
       continue;
     }
 
-    double maxima[4] = {t.fwd_s, t.bwd_s, t.exchange_s, t.exchange_bytes};
-    comm_.all_reduce_max(maxima, 4, CommType::f64);
-    StepRow row;
-    row.step = s - options_.warmup + 1;
-    row.fwd_ms = maxima[0] * 1e3;
-    row.bwd_ms = backward_ ? maxima[1] * 1e3 : -1;
-    row.exchange_ms = maxima[2] * 1e3;
-    row.exchange_bytes = static_cast<int64_t>(maxima[3]);
-    row.tokens_per_s = static_cast<double>(dims_.batch * dims_.seq_len) / (maxima[0] + maxima[1]);
+    StepRow row = reduce_step(comm_, t, s - options_.warmup + 1, backward_, tokens);
 
     const bool last = s + 1 == steps;
     if (options_.check || (last && !options_.save_dir.empty())) {
@@ -242,38 +229,18 @@ int Job::run_steps() {
       }
       if (last) last_full = std::move(full);
     }
-    if (root()) {
-      progress.clear();
-      if (report.rows.empty()) {
-        report.header = header_fields(mixer.last_forward_stats().exchange);
-        std::fputs(format_header(report).c_str(), stdout);
-        std::fputs(format_column_header().c_str(), stdout);
-      }
-      std::fputs(format_row(row).c_str(), stdout);
-      std::fflush(stdout);
-    }
-    report.rows.push_back(row);
+    progress.clear();
+    print_row(report, row, root(), header_fields(mixer.last_forward_stats().exchange));
     progress.update(s + 1, row.tokens_per_s);
   }
   progress.clear();
 
   stage_ = Stage::results;
-  if (root()) {
-    std::fputs(format_footer(report).c_str(), stdout);
-    std::fflush(stdout);
-  }
-  // Rank 0 writes; the agreement turns a write failure into the same error
-  // on every rank (exit 3 everywhere, no rank left waiting).
-  try {
-    collective_check(comm_, [&] {
-      if (!root()) return;
-      if (!options_.save_dir.empty()) save(last_full);
-      if (!options_.json_path.empty()) write_json(report);
-    });
-  } catch (const Error& e) {
-    throw RuntimeFailure(e.what());
-  }
-  return report.total_wrong() > 0 ? kExitWrong : kExitOk;
+  // Rank 0 writes; a write failure becomes exit 3 on every rank.
+  return finish_report(comm_, report, [&] {
+    if (!options_.save_dir.empty()) save(last_full);
+    if (!options_.json_path.empty()) write_report_json(options_.json_path, report);
+  });
 }
 
 // This rank's step to the exporter: its tokens, its wall time (forward +
@@ -481,10 +448,6 @@ void Job::save(const Outputs& full) const {
   std::vector<NamedArray> arrays;
   for (const auto& [name, data] : named(full)) arrays.push_back({name, shape_of(name), data});
   save_npy_files(options_.save_dir, arrays);
-}
-
-void Job::write_json(const Report& report) const {
-  write_report_json(options_.json_path, report);
 }
 
 std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange resolved) const {
