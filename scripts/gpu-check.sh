@@ -36,8 +36,9 @@ status=0
 if [[ -x "$BUILD/tests/test_comm_nccl" ]]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
   timeout 300 mpirun -np 1 --oversubscribe "$BUILD/tests/test_comm_nccl" >"$OUT/nccl.log" 2>&1 || status=1
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran" "$OUT/nccl.log" | sed 's/^/nccl: /' | tail -5
-  grep -E "^\[  FAILED  \]" "$OUT/nccl.log" | head -20
+  # gtest colours its output under mpirun: match past the escape codes.
+  grep -aE "\[  (PASSED|FAILED|SKIPPED) |tests ran" "$OUT/nccl.log" | sed 's/^/nccl: /' | tail -5
+  grep -aE "\[  FAILED  \]" "$OUT/nccl.log" | head -20
 fi
 
 "$BUILD/tests/test_cuda_forward" --gtest_filter="${GTEST_FILTER:-*}" \
