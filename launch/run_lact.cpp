@@ -119,8 +119,6 @@ class LactJob {
   std::vector<float> gather(const std::vector<float>& local, int64_t inner);
   LactOutputs gather(const LactOutputs& local);
   std::vector<NamedArray> named(const LactOutputs& o) const;
-  int count_wrong(const LactOutputs& full,
-                  std::vector<std::pair<std::string, double>>& errors) const;
   std::vector<std::pair<std::string, std::string>> header_fields() const;
 
   Communicator& comm_;
@@ -322,19 +320,6 @@ std::vector<NamedArray> LactJob::named(const LactOutputs& o) const {
   return list;
 }
 
-int LactJob::count_wrong(const LactOutputs& full,
-                         std::vector<std::pair<std::string, double>>& errors) const {
-  errors.clear();
-  int wrong = 0;
-  const auto cp = named(full), ref = named(reference_);
-  for (std::size_t i = 0; i < cp.size(); ++i) {
-    const double err = relative_rms(*cp[i].data, *ref[i].data);
-    errors.emplace_back(cp[i].name, err);
-    if (!(err <= kLactCheckTolerance)) ++wrong;
-  }
-  return wrong;
-}
-
 std::vector<std::pair<std::string, std::string>> LactJob::header_fields() const {
   const LactDims& d = data_.dims;
   char momentum[32];
@@ -400,7 +385,9 @@ int LactJob::run() {
     if (options_.check || (last && !options_.save_dir.empty())) {
       LactOutputs full = gather(out);
       if (options_.check) {
-        int64_t wrong = root() ? count_wrong(full, report.check.errors) : 0;
+        int64_t wrong = root() ? count_wrong(named(full), named(reference_), kLactCheckTolerance,
+                                             report.check.errors)
+                               : 0;
         comm_.broadcast(&wrong, 1, CommType::i64, 0);  // every rank exits alike
         row.wrong = static_cast<int>(wrong);
       }

@@ -245,6 +245,20 @@ void write_report_json(const std::string& path, const Report& report) {
   }
 }
 
+int count_wrong(const std::vector<NamedArray>& run, const std::vector<NamedArray>& reference,
+                double tolerance, std::vector<std::pair<std::string, double>>& errors) {
+  SS_CHECK_ARG(run.size() == reference.size(), "--check", "the run has ", run.size(),
+               " outputs but the reference ", reference.size());
+  errors.clear();
+  int wrong = 0;
+  for (std::size_t i = 0; i < run.size(); ++i) {
+    const double err = relative_rms(*run[i].data, *reference[i].data);
+    errors.emplace_back(run[i].name, err);
+    if (!(err <= tolerance)) ++wrong;
+  }
+  return wrong;
+}
+
 StepRow reduce_step(Communicator& comm, const StepTimes& mine, int64_t step, bool backward,
                     double tokens) {
   double maxima[4] = {mine.fwd_s, mine.bwd_s, mine.exchange_s, mine.exchange_bytes};

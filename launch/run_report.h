@@ -81,6 +81,12 @@ struct NamedArray {
   const std::vector<float>* data = nullptr;
 };
 
+// Relative RMS of each array of `run` against the same-named one of
+// `reference` (same order) into `errors`; returns how many exceed `tolerance`
+// (NaN counts as wrong).
+int count_wrong(const std::vector<NamedArray>& run, const std::vector<NamedArray>& reference,
+                double tolerance, std::vector<std::pair<std::string, double>>& errors);
+
 // Writes every array as float32 <dir>/<name>.npy: under a staging name first,
 // renamed all at the end; on any failure it removes what it wrote (staged or
 // already renamed), so a failed save leaves none of the result files behind.

@@ -120,10 +120,7 @@ class Job {
   StepTimes step(CpMixer& mixer, const TokenRange& in, Outputs& out);
   void run_reference();
   Outputs gather(const Outputs& local);
-  int count_wrong(const Outputs& full, std::vector<std::pair<std::string, double>>& errors) const;
-  std::vector<std::pair<std::string, const std::vector<float>*>> named(const Outputs& o) const;
-  Shape shape_of(const std::string& name) const;
-  void save(const Outputs& full) const;
+  std::vector<NamedArray> named(const Outputs& o) const;
   std::vector<std::pair<std::string, std::string>> header_fields(Exchange resolved) const;
   int run_steps();
   void report_step_metrics(const StepTimes& t) const;
@@ -223,7 +220,9 @@ int Job::run_steps() {
     if (options_.check || (last && !options_.save_dir.empty())) {
       Outputs full = gather(out);
       if (options_.check) {
-        int64_t wrong = root() ? count_wrong(full, report.check.errors) : 0;
+        int64_t wrong = root() ? count_wrong(named(full), named(reference_), kCheckTolerance,
+                                             report.check.errors)
+                               : 0;
         comm_.broadcast(&wrong, 1, CommType::i64, 0);  // every rank exits alike
         row.wrong = static_cast<int>(wrong);
       }
@@ -238,7 +237,7 @@ int Job::run_steps() {
   stage_ = Stage::results;
   // Rank 0 writes; a write failure becomes exit 3 on every rank.
   return finish_report(comm_, report, [&] {
-    if (!options_.save_dir.empty()) save(last_full);
+    if (!options_.save_dir.empty()) save_npy_files(options_.save_dir, named(last_full));
     if (!options_.json_path.empty()) write_report_json(options_.json_path, report);
   });
 }
@@ -408,46 +407,20 @@ Outputs Job::gather(const Outputs& local) {
   return full;
 }
 
-// The outputs this run produces, by file/report name, in report order.
-std::vector<std::pair<std::string, const std::vector<float>*>> Job::named(const Outputs& o) const {
-  std::vector<std::pair<std::string, const std::vector<float>*>> list{{"o", &o.o}, {"ht", &o.ht}};
-  if (!backward_) return list;
-  list.insert(list.end(), {{"dq", &o.dq}, {"dk", &o.dk}, {"dv", &o.dv}});
-  if (has_gate(options_.variant)) list.emplace_back("dg", &o.dg);
-  if (has_beta(options_.variant)) list.emplace_back("dbeta", &o.dbeta);
-  if (source_->has_h0()) list.emplace_back("dh0", &o.dh0);
-  return list;
-}
-
-int Job::count_wrong(const Outputs& full,
-                     std::vector<std::pair<std::string, double>>& errors) const {
-  errors.clear();
-  int wrong = 0;
-  const auto cp = named(full), ref = named(reference_);
-  for (std::size_t i = 0; i < cp.size(); ++i) {
-    const double err = relative_rms(*cp[i].second, *ref[i].second);
-    errors.emplace_back(cp[i].first, err);
-    if (!(err <= kCheckTolerance)) ++wrong;
-  }
-  return wrong;
-}
-
-Shape Job::shape_of(const std::string& name) const {
+// The outputs this run produces, by file/report name, with their
+// full-sequence shapes, in report order.
+std::vector<NamedArray> Job::named(const Outputs& o) const {
   const Dims& d = dims_;
   const Shape qk{d.batch, d.seq_len, d.heads, d.dk}, vo{d.batch, d.seq_len, d.heads, d.dv};
   const Shape bth{d.batch, d.seq_len, d.heads}, states{d.sequences, d.heads, d.dk, d.dv};
-  if (name == "o" || name == "dv") return vo;
-  if (name == "dq" || name == "dk") return qk;
-  if (name == "dg") return vector_gate(options_.variant) ? qk : bth;
-  if (name == "dbeta") return bth;
-  return states;  // ht, dh0
-}
-
-// --save: every output in the full-sequence layout, all or nothing.
-void Job::save(const Outputs& full) const {
-  std::vector<NamedArray> arrays;
-  for (const auto& [name, data] : named(full)) arrays.push_back({name, shape_of(name), data});
-  save_npy_files(options_.save_dir, arrays);
+  std::vector<NamedArray> list{{"o", vo, &o.o}, {"ht", states, &o.ht}};
+  if (!backward_) return list;
+  list.insert(list.end(), {{"dq", qk, &o.dq}, {"dk", qk, &o.dk}, {"dv", vo, &o.dv}});
+  if (has_gate(options_.variant))
+    list.push_back({"dg", vector_gate(options_.variant) ? qk : bth, &o.dg});
+  if (has_beta(options_.variant)) list.push_back({"dbeta", bth, &o.dbeta});
+  if (source_->has_h0()) list.push_back({"dh0", states, &o.dh0});
+  return list;
 }
 
 std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange resolved) const {
