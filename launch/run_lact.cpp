@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <utility>
@@ -163,18 +162,7 @@ void LactJob::setup() {
     local_.lr1 = shard(data_.lr1, d.heads);
     local_.lr2 = shard(data_.lr2, d.heads);
     if (!data_.d_o.empty()) local_.d_o = shard(data_.d_o, HD);
-    if (root() && !options_.save_dir.empty()) {
-      std::error_code ec;
-      std::filesystem::create_directories(options_.save_dir, ec);
-      SS_CHECK_ARG(std::filesystem::is_directory(options_.save_dir), "--save", "cannot create ",
-                   "directory '", options_.save_dir, "'", ec ? ": " + ec.message() : "");
-    }
-    if (root() && !options_.json_path.empty()) {
-      const std::filesystem::path parent =
-          std::filesystem::absolute(options_.json_path).parent_path();
-      SS_CHECK_ARG(std::filesystem::is_directory(parent), "--json", "directory '", parent.string(),
-                   "' does not exist");
-    }
+    if (root()) prepare_output_locations(options_.save_dir, options_.json_path);
   });
   backward_ = !data_.d_o.empty();
 }

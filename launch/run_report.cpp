@@ -245,6 +245,20 @@ void write_report_json(const std::string& path, const Report& report) {
   }
 }
 
+void prepare_output_locations(const std::string& save_dir, const std::string& json_path) {
+  if (!save_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(save_dir, ec);
+    SS_CHECK_ARG(std::filesystem::is_directory(save_dir), "--save", "cannot create directory '",
+                 save_dir, "'", ec ? ": " + ec.message() : "");
+  }
+  if (!json_path.empty()) {
+    const std::filesystem::path parent = std::filesystem::absolute(json_path).parent_path();
+    SS_CHECK_ARG(std::filesystem::is_directory(parent), "--json", "directory '", parent.string(),
+                 "' does not exist");
+  }
+}
+
 int count_wrong(const std::vector<NamedArray>& run, const std::vector<NamedArray>& reference,
                 double tolerance, std::vector<std::pair<std::string, double>>& errors) {
   SS_CHECK_ARG(run.size() == reference.size(), "--check", "the run has ", run.size(),

@@ -81,6 +81,11 @@ struct NamedArray {
   const std::vector<float>* data = nullptr;
 };
 
+// Creates the --save directory and checks that the --json file's folder
+// exists, so that a bad location is refused before the run, not after it.
+// Empty paths are skipped. Throws statescan::Error naming "--save"/"--json".
+void prepare_output_locations(const std::string& save_dir, const std::string& json_path);
+
 // Relative RMS of each array of `run` against the same-named one of
 // `reference` (same order) into `errors`; returns how many exceed `tolerance`
 // (NaN counts as wrong).

@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -294,19 +293,7 @@ void Job::setup_inputs() {
                                         : InputSource::from_directory(options_);
     dims_ = source_->dims();
     offsets_ = shard_offsets(options_, dims_.seq_len, comm_.size());
-    if (root() && !options_.save_dir.empty()) {
-      std::error_code ec;
-      std::filesystem::create_directories(options_.save_dir, ec);
-      SS_CHECK_ARG(std::filesystem::is_directory(options_.save_dir), "--save", "cannot create ",
-                   "directory '", options_.save_dir, "'", ec ? ": " + ec.message() : "");
-    }
-    // Refuse an unwritable JSON location now rather than after the run.
-    if (root() && !options_.json_path.empty()) {
-      const std::filesystem::path parent =
-          std::filesystem::absolute(options_.json_path).parent_path();
-      SS_CHECK_ARG(std::filesystem::is_directory(parent), "--json", "directory '", parent.string(),
-                   "' does not exist");
-    }
+    if (root()) prepare_output_locations(options_.save_dir, options_.json_path);
   });
   backward_ = source_->has_backward();
   local_ = source_->tokens(offsets_[comm_.rank()], offsets_[comm_.rank() + 1]);
