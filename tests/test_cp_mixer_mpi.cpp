@@ -12,6 +12,7 @@
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
+#include "tests/collective_error.h"
 #include "tests/cp_test_util.h"
 
 namespace statescan::test {
@@ -31,7 +32,8 @@ Communicator& world() {
 std::vector<int64_t> shard_bounds(int64_t T, int P) {
   std::vector<int64_t> b(static_cast<std::size_t>(P + 1), 0);
   const int64_t weight = static_cast<int64_t>(P) * (P + 1) / 2;
-  for (int r = 1; r < P; ++r) b[r] = std::max<int64_t>(b[r - 1] + 1, T * (r * (r + 1) / 2) / weight);
+  for (int r = 1; r < P; ++r)
+    b[r] = std::max<int64_t>(b[r - 1] + 1, T * (r * (r + 1) / 2) / weight);
   b[P] = T;
   return b;
 }
@@ -120,7 +122,8 @@ TEST_P(CpInvariance, EqualsSingleRank) {
   EXPECT_LE(rel_rms(mine.dv, local(full.dv, H * Dv)), kTol) << "rank " << r;
   if (has_gate(c.variant))
     EXPECT_LE(rel_rms(mine.dg, local(full.dg, vec ? H * Dk : H)), kTol) << "rank " << r;
-  if (has_beta(c.variant)) EXPECT_LE(rel_rms(mine.dbeta, local(full.dbeta, H)), kTol) << "rank " << r;
+  if (has_beta(c.variant))
+    EXPECT_LE(rel_rms(mine.dbeta, local(full.dbeta, H)), kTol) << "rank " << r;
   EXPECT_LE(rel_rms(mine.dh0, full.dh0), kTol) << "rank " << r;
 
   // The single-rank run itself against the fp64 reference, so that the two
@@ -191,24 +194,14 @@ struct CpErrors : ::testing::Test {
     a.beta = TensorView(beta.data(), DType::f32, {1, L, 2});
     a.o = TensorView(o.data(), DType::f32, {1, L, 2, 8});
     if (argument == "cu_seqlens") a.cu_seqlens = TensorView(cu.data(), DType::i64, {2});
-    bool threw = false;
-    try {
-      mixer.forward(a);
-    } catch (const Error& e) {
-      threw = true;
-      EXPECT_EQ(e.argument(), argument) << e.what();
-      EXPECT_EQ(e.rank(), reporter) << e.what();
-      if (reporter != culprit)
-        EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(culprit)), std::string::npos)
-            << e.what();
-    }
-    EXPECT_TRUE(threw) << "rank " << r << " did not get the error";
-    for (float x : o) ASSERT_EQ(x, 12345.f) << "rank " << r << " wrote output despite the error";
-    comm.barrier();  // reaching this on every rank is the no-hang check
+    expect_collective_error(
+        comm, [&] { mixer.forward(a); }, argument, culprit, reporter, o, 12345.f);
   }
 };
 
-TEST_F(CpErrors, NanGateOnLastRankFailsEveryRank) { expect_everywhere("g", comm.size() - 1); }
+TEST_F(CpErrors, NanGateOnLastRankFailsEveryRank) {
+  expect_everywhere("g", comm.size() - 1);
+}
 
 TEST_F(CpErrors, ChunkDisagreeingAcrossRanksFailsEveryRank) {
   if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";

@@ -12,6 +12,7 @@
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
+#include "tests/collective_error.h"
 #include "tests/lact_test_util.h"
 
 namespace statescan::test {
@@ -160,20 +161,8 @@ struct LactErrorsMpi : ::testing::Test {
     a.w2 = TensorView(w2.data(), DType::f32, {2, 6, 4});
     a.o = TensorView(o.data(), DType::f32, {1, Tl, 2, 4});
     LactLayer layer(comm, cfg);
-    bool threw = false;
-    try {
-      layer.forward(a);
-    } catch (const Error& e) {
-      threw = true;
-      EXPECT_EQ(e.argument(), argument) << e.what();
-      EXPECT_EQ(e.rank(), reporter) << e.what();
-      if (reporter != culprit)
-        EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(culprit)), std::string::npos)
-            << e.what();
-    }
-    EXPECT_TRUE(threw) << "rank " << r << " did not get the error";
-    for (float x : o) ASSERT_EQ(x, 12345.f) << "rank " << r << " wrote output despite the error";
-    comm.barrier();  // reaching this on every rank is the no-hang check
+    expect_collective_error(
+        comm, [&] { layer.forward(a); }, argument, culprit, reporter, o, 12345.f);
   }
 };
 
