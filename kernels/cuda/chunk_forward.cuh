@@ -789,12 +789,22 @@ __global__ void __launch_bounds__(256) chunk_output_kernel(const __grid_constant
   }
 }
 
+// Which of the three kernels a launch runs (a bit mask). The full forward runs
+// all three; context parallelism runs prepare + scan from a zero state for its
+// summary, and the backward re-runs prepare alone to recompute the tiles.
+enum ForwardStage : int {
+  kStagePrepare = 1,
+  kStageScan = 2,
+  kStageOutput = 4,
+  kAllStages = kStagePrepare | kStageScan | kStageOutput,
+};
+
 // Host launch of the three kernels for one (variant, dtype, head dims, l2norm).
 // The scan's Dv block is 16 columns when those blocks all fit in one wave
 // (one block per multiprocessor; few heads and sequences), else 32: a second
 // wave of a sequential scan would double its time.
 template <Decay kDecay, Rule kRule, typename Elem, int Dk, int Dv, bool kL2Norm>
-void launch_chunk_kernels(const ForwardArgs& a, cudaStream_t stream) {
+void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream) {
   using PrepTr = ChunkTraits<kDecay, kRule, Dk, Dv>;
   using OutTr = OutputTraits<Elem, Dk, Dv>;
   auto prepare = chunk_prepare_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
@@ -803,9 +813,11 @@ void launch_chunk_kernels(const ForwardArgs& a, cudaStream_t stream) {
                                      static_cast<int>(PrepTr::kPrepBytes)));
   SS_CUDA_CHECK(cudaFuncSetAttribute(output, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(OutTr::kBytes)));
-  prepare<<<dim3(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.heads)),
-            PrepTr::kThreads, PrepTr::kPrepBytes, stream>>>(a);
-  SS_LAUNCH_CHECK("chunk_prepare_kernel");
+  if (stages & kStagePrepare) {
+    prepare<<<dim3(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.heads)),
+              PrepTr::kThreads, PrepTr::kPrepBytes, stream>>>(a);
+    SS_LAUNCH_CHECK("chunk_prepare_kernel");
+  }
 
   auto launch_scan = [&](auto bv_tag) {
     constexpr int kBV = decltype(bv_tag)::value;
@@ -820,21 +832,24 @@ void launch_chunk_kernels(const ForwardArgs& a, cudaStream_t stream) {
   const int scan_bv = a.scan_block_cols != 0                              ? a.scan_block_cols
                       : a.heads * a.num_segments * (Dv / 16) <= a.num_sms ? 16
                                                                           : 32;
-  if (scan_bv == 16)
-    launch_scan(std::integral_constant<int, 16>{});
-  else
-    launch_scan(std::integral_constant<int, 32>{});
-
-  output<<<dim3(static_cast<unsigned>(2 * a.num_chunks), static_cast<unsigned>(a.heads)),
-           OutTr::kThreads, OutTr::kBytes, stream>>>(a);
-  SS_LAUNCH_CHECK("chunk_output_kernel");
+  if (stages & kStageScan) {
+    if (scan_bv == 16)
+      launch_scan(std::integral_constant<int, 16>{});
+    else
+      launch_scan(std::integral_constant<int, 32>{});
+  }
+  if (stages & kStageOutput) {
+    output<<<dim3(static_cast<unsigned>(2 * a.num_chunks), static_cast<unsigned>(a.heads)),
+             OutTr::kThreads, OutTr::kBytes, stream>>>(a);
+    SS_LAUNCH_CHECK("chunk_output_kernel");
+  }
 }
 
 // Dispatch of one variant over dtype x head dim x l2norm; defined once per
 // variant in chunk_forward_<variant>.cu so the instantiations compile in parallel.
 template <Decay kDecay, Rule kRule>
 void launch_chunk_forward(const ForwardArgs& a, DType dtype, int64_t head_dim, bool l2norm,
-                          cudaStream_t stream);
+                          int stages, cudaStream_t stream);
 
 #define SS_DISPATCH_BOOL(flag, kName, ...) \
   do {                                     \
@@ -849,14 +864,14 @@ void launch_chunk_forward(const ForwardArgs& a, DType dtype, int64_t head_dim, b
 
 template <Decay kDecay, Rule kRule>
 void launch_chunk_forward_impl(const ForwardArgs& a, DType dtype, int64_t head_dim, bool l2norm,
-                               cudaStream_t stream) {
+                               int stages, cudaStream_t stream) {
   auto with_dim = [&](auto elem_tag) {
     using Elem = decltype(elem_tag);
     SS_DISPATCH_BOOL(l2norm, kL2Norm, [&] {
       if (head_dim == 64) {
-        launch_chunk_kernels<kDecay, kRule, Elem, 64, 64, kL2Norm>(a, stream);
+        launch_chunk_kernels<kDecay, kRule, Elem, 64, 64, kL2Norm>(a, stages, stream);
       } else if (head_dim == 128) {
-        launch_chunk_kernels<kDecay, kRule, Elem, 128, 128, kL2Norm>(a, stream);
+        launch_chunk_kernels<kDecay, kRule, Elem, 128, 128, kL2Norm>(a, stages, stream);
       } else {
         SS_FAIL("dk", "CUDA forward supports Dk == Dv in {64, 128}, got ", head_dim);
       }
@@ -878,8 +893,8 @@ void launch_chunk_forward_impl(const ForwardArgs& a, DType dtype, int64_t head_d
 #define SS_INSTANTIATE_CHUNK_FORWARD(kDecay, kRule)                                             \
   template <>                                                                                   \
   void launch_chunk_forward<kDecay, kRule>(const ForwardArgs& a, DType dtype, int64_t head_dim, \
-                                           bool l2norm, cudaStream_t stream) {                  \
-    launch_chunk_forward_impl<kDecay, kRule>(a, dtype, head_dim, l2norm, stream);               \
+                                           bool l2norm, int stages, cudaStream_t stream) {      \
+    launch_chunk_forward_impl<kDecay, kRule>(a, dtype, head_dim, l2norm, stages, stream);       \
   }
 
 }  // namespace statescan::cuda::detail

@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "core/cuda_check.h"
-#include "kernels/cuda/chunk_forward.cuh"
 #include "kernels/cuda/cuda_mixer.h"
+#include "kernels/cuda/forward_plan.cuh"
 
 namespace statescan::cuda {
 namespace {
@@ -118,12 +118,15 @@ size_t forward_workspace_bytes(const MixerParams& p) {
   return layout_for(p).total;
 }
 
-void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
-                   cudaStream_t stream) {
+namespace detail {
+
+ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
+                         cudaStream_t stream) {
+  ForwardPlan plan;
   // validate() reads cu_seqlens on the host; here it is a device array, so
   // check a copy that points at a host mirror.
   MixerParams host_view = p;
-  std::vector<int64_t> offsets;
+  std::vector<int64_t>& offsets = plan.offsets;
   if (p.cu_seqlens != nullptr) {
     SS_CHECK_ARG(p.num_segments >= 1, "cu_seqlens", "must hold at least 2 offsets");
     offsets.resize(static_cast<size_t>(p.num_segments + 1));
@@ -139,7 +142,7 @@ void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes
                " bytes, got ", workspace_bytes);
 
   char* base = static_cast<char*>(workspace);
-  ForwardArgs a;
+  ForwardArgs& a = plan.args;
   static_cast<MixerTensors&>(a) = tensors_of(p);
   a.chunk_states = p.chunk_states;
   a.ws_q = base + l.q;
@@ -161,6 +164,7 @@ void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes
   a.num_segments = p.num_segments;
   a.chunks_per_row = ceil_div(p.seq_len, p.chunk);
   a.num_chunks = count_chunks(host_view);
+  plan.num_chunks = a.num_chunks;
 
   if (p.cu_seqlens != nullptr) {
     // Chunks are aligned to segment starts (kernels/mixer_params.h).
@@ -187,28 +191,45 @@ void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes
     a.chunk_table = chunk_dev;
     a.segment_table = segment_dev;
   }
+  return plan;
+}
 
-  using detail::launch_chunk_forward;
+void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stages,
+                           cudaStream_t stream) {
   switch (p.variant) {
     case Variant::linear:
-      launch_chunk_forward<Decay::none, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      launch_chunk_forward<Decay::none, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, stages,
+                                                        stream);
       break;
     case Variant::retention:
-      launch_chunk_forward<Decay::scalar, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      launch_chunk_forward<Decay::scalar, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, stages,
+                                                          stream);
       break;
     case Variant::gla:
-      launch_chunk_forward<Decay::vector, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      launch_chunk_forward<Decay::vector, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, stages,
+                                                          stream);
       break;
     case Variant::deltanet:
-      launch_chunk_forward<Decay::none, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      launch_chunk_forward<Decay::none, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stages,
+                                                     stream);
       break;
     case Variant::gated_deltanet:
-      launch_chunk_forward<Decay::scalar, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      launch_chunk_forward<Decay::scalar, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stages,
+                                                       stream);
       break;
     case Variant::kda:
-      launch_chunk_forward<Decay::vector, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stream);
+      launch_chunk_forward<Decay::vector, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stages,
+                                                       stream);
       break;
   }
+}
+
+}  // namespace detail
+
+void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream) {
+  const detail::ForwardPlan plan = detail::plan_forward(p, workspace, workspace_bytes, stream);
+  detail::launch_forward_stages(p, plan.args, detail::kAllStages, stream);
 }
 
 void mixer_forward(const MixerParams& p, cudaStream_t stream) {

@@ -33,6 +33,25 @@ void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes
 // token, state out to final_state when given. chunk_states is ignored.
 void decode_forward(const MixerParams& p, cudaStream_t stream);
 
+// --- backward (issue 4; kernels/cuda/chunk_backward*.cu) ----------------------
+// Chunkwise backward: dq, dk_out, dv_out, dg, dbeta and d_initial_state (each
+// when given) from d_o and d_final_state (null = zero), reading the fp32
+// chunk_states that mixer_forward wrote for the same inputs (required).
+// Intra-chunk quantities are recomputed; no floating-point atomics, so two
+// calls give bitwise-identical gradients. With p.state_grad_only only
+// d_initial_state is written (the CP pre-pass of DESIGN §5).
+void mixer_backward(const MixerBwdParams& p, cudaStream_t stream);
+size_t backward_workspace_bytes(const MixerParams& p);
+void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_bytes,
+                    cudaStream_t stream);
+
+// --- context-parallel summary (issue 3; kernels/cuda/summary.cu) --------------
+// The GPU twin of cpu::mixer_summary (kernels/cpu/cpu_mixer.h): the affine
+// map S_end = M S_start + E of the LAST segment of every batch row, without
+// computing outputs. M: [R,H,Dk,Dk] (delta rules) or [R,H,Dk] (additive);
+// E: [R,H,Dk,Dv]; R = batch (1 with cu_seqlens). Device pointers.
+void mixer_summary(const MixerParams& p, float* M, float* E, cudaStream_t stream);
+
 // True when a CUDA device is visible (tests skip otherwise).
 bool device_available();
 

@@ -1,0 +1,34 @@
+// Host-side plan of one chunkwise forward call, shared by the full forward
+// (cuda_mixer.cu), the CP summary (summary.cu) and the backward, which re-runs
+// the prepare stage to recompute its tiles: argument checks, the workspace
+// layout, the packed-sequence chunk tables, and a launch of any subset of the
+// three kernels (ForwardStage) for the variant.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cuda/chunk_forward.cuh"
+#include "kernels/mixer_params.h"
+
+namespace statescan::cuda::detail {
+
+struct ForwardPlan {
+  ForwardArgs args;              // kernel arguments, pointing into the workspace
+  std::vector<int64_t> offsets;  // host copy of cu_seqlens (empty without it)
+  int64_t num_chunks = 0;        // chunks over all segments (count_chunks)
+};
+
+// Validates `p` (cu_seqlens is a device array: copied to the host once, which
+// synchronises `stream`), lays the workspace out (at least
+// forward_workspace_bytes(p) bytes) and uploads the chunk tables on `stream`.
+ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
+                         cudaStream_t stream);
+
+// Launches `stages` (ForwardStage bits) of the variant's kernels with `a`.
+void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stages,
+                           cudaStream_t stream);
+
+}  // namespace statescan::cuda::detail
