@@ -92,8 +92,6 @@ __device__ __forceinline__ void chunk_geometry(const ForwardArgs& a, int64_t c, 
 template <Decay kDecay, Rule kRule, int Dk, int Dv>
 struct ChunkTraits {
   static constexpr int kMaxChunk = 64;
-  static constexpr int kThreads = 256;
-  static constexpr int kWarps = kThreads / 32;
   static constexpr int kPad = 4;
   static constexpr int kLdK = Dk + kPad;
   static constexpr int kLdV = Dv + kPad;
@@ -102,7 +100,6 @@ struct ChunkTraits {
   static constexpr bool kDelta = kRule == Rule::delta;
   static_assert(Dk % 16 == 0 && Dv % 16 == 0, "head dims must be multiples of 16");
   static_assert(Dk <= 128 && Dv <= 128, "head dims above 128 need another tiling");
-  static_assert(Dk + Dv <= kThreads, "forward substitution uses one thread per column");
   static_assert(kMaxChunk % 16 == 0, "chunk must be whole 16-row blocks");
 
   // chunk_prepare_kernel shared memory, in floats (each piece a multiple of 8).
@@ -123,6 +120,15 @@ struct ChunkTraits {
   // Two blocks per multiprocessor where shared memory allows (cap registers
   // at 128 so that the register file does not become the limit).
   static constexpr int kPrepBlocksPerSm = kPrepBytes <= 113 * 1024 ? 2 : 1;
+  // Threads per block: 256 where two blocks share a multiprocessor, else 512
+  // (kda/gla/deltanet/gdn at D=128: one 136-213 KB block per SM). Its phases
+  // are short and separated by barriers, so with 8 warps per SM most of the
+  // time went to waiting on memory; 16 warps halve the element loops and give
+  // every (Dk+Dv)/16 column tile of the UT solve its own warp. The register
+  // cap (128 at 512 threads) fits: the load stage's arrays halve with it.
+  static constexpr int kThreads = kPrepBlocksPerSm == 2 ? 256 : 512;
+  static constexpr int kWarps = kThreads / 32;
+  static_assert(Dk + Dv <= kThreads, "forward substitution uses one thread per column");
 };
 
 constexpr size_t align_smem(size_t bytes) {
@@ -210,12 +216,13 @@ __device__ __forceinline__ void copy_tile_async(T* dst, int ld_dst, const T* src
 }
 
 // chunk_prepare_kernel: the state-independent part of one chunk.
-//   grid (num_chunks, H), 256 threads; block (c, h) reads chunk c's q, k, v,
-//   g, beta of head h and writes ws_q/ws_k/ws_w/ws_u/ws_a/ws_decay tiles.
-//   Shared memory: ChunkTraits::kPrepBytes (213 KB for kda at D=128).
-//   Constraints: chunk in {16, 32, 64}; Dk, Dv multiples of 16, <= 128.
+//   grid (num_chunks, H), ChunkTraits::kThreads threads (256 or 512); block (c, h) reads chunk c's
+//   q, k, v, g, beta of head h and writes ws_q/ws_k/ws_w/ws_u/ws_a/ws_decay tiles. Shared memory:
+//   ChunkTraits::kPrepBytes (213 KB for kda at D=128). Constraints: chunk in {16, 32, 64}; Dk, Dv
+//   multiples of 16, <= 128.
 template <Decay kDecay, Rule kRule, typename Elem, int Dk, int Dv, bool kL2Norm>
-__global__ void __launch_bounds__(256, (ChunkTraits<kDecay, kRule, Dk, Dv>::kPrepBlocksPerSm))
+__global__ void __launch_bounds__((ChunkTraits<kDecay, kRule, Dk, Dv>::kThreads),
+                                  (ChunkTraits<kDecay, kRule, Dk, Dv>::kPrepBlocksPerSm))
     chunk_prepare_kernel(const __grid_constant__ ForwardArgs a) {
   using Tr = ChunkTraits<kDecay, kRule, Dk, Dv>;
   constexpr bool kSplit = std::is_same_v<Elem, float>;
