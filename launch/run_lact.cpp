@@ -13,6 +13,17 @@
 #include "kernels/cpu/lact.h"
 #include "launch/run_inputs.h"
 #include "parallel/lact_layer.h"
+#ifdef STATESCAN_HAS_CUDA
+#include <cuda_runtime.h>
+
+#include "comm/mpi_communicator.h"
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
+#include "kernels/cuda/cuda_mixer.h"
+#endif
+#ifdef STATESCAN_HAS_NCCL
+#include "comm/nccl_communicator.h"
+#endif
 
 namespace statescan::launch {
 namespace {
@@ -23,6 +34,29 @@ namespace {
 // 2.5e-6 at D = 64, M = 128 with Muon and momentum on 2-4 ranks (README
 // "LaCT layers"): 1e-5 leaves a margin of four.
 constexpr double kLactCheckTolerance = 1e-5;
+// --device cuda with --dtype bf16 against the fp32 CPU reference: bf16 GEMM
+// operands put the GPU within 5e-3 (o), 8e-3 (dq, dk, dv, dw) and 2e-2 (the
+// learning rates' gradients, DESIGN's dg/dbeta bound) of the fp64 reference
+// (tests/test_cuda_lact.cpp); the fp32 CPU is within ~4e-6 of it. One bound
+// covers every output here: the loosest.
+constexpr double kLactCheckTolerance16 = 2e-2;
+
+// The device of the LaCT job: cuda needs a CUDA build and a visible GPU (the
+// same error on every rank: argv is the same everywhere); auto picks cuda
+// when both are there.
+DeviceKind resolve_lact_device(DeviceKind requested) {
+#ifdef STATESCAN_HAS_CUDA
+  const bool gpu = cuda::device_available();
+  SS_CHECK_ARG(requested != DeviceKind::cuda || gpu, "--device",
+               "cuda requested but no CUDA device is visible; use --device cpu");
+  if (requested == DeviceKind::automatic) return gpu ? DeviceKind::cuda : DeviceKind::cpu;
+#else
+  SS_CHECK_ARG(requested != DeviceKind::cuda, "--device",
+               "cuda requested but this build has no CUDA; use --device cpu");
+  if (requested == DeviceKind::automatic) return DeviceKind::cpu;
+#endif
+  return requested;
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -119,6 +153,19 @@ class LactJob {
   LactOutputs gather(const LactOutputs& local);
   std::vector<NamedArray> named(const LactOutputs& o) const;
   std::vector<std::pair<std::string, std::string>> header_fields() const;
+  // The all-reduce path of the layer: "nccl", "mpi, host-staged" (device
+  // tensors over MPI) or the host communicator's backend.
+  std::string comm_kind() const;
+  double check_tolerance() const {
+    return device_ == DeviceKind::cuda && options_.dtype != DType::f32 ? kLactCheckTolerance16
+                                                                       : kLactCheckTolerance;
+  }
+#ifdef STATESCAN_HAS_CUDA
+  struct DeviceRun;
+  void setup_device();
+  StepTimes step_device(LactLayer& layer, LactOutputs& out, bool copy_back);
+  std::unique_ptr<DeviceRun> device_run_;
+#endif
 
   Communicator& comm_;
   TimedCommunicator timed_;
@@ -128,8 +175,172 @@ class LactJob {
   LactData data_;  // the whole problem (every rank)
   LactSlice local_;
   bool backward_ = false;
+  DeviceKind device_ = DeviceKind::cpu;
   LactOutputs reference_;  // rank 0, with --check
 };
+
+#ifdef STATESCAN_HAS_CUDA
+// --device cuda: this rank's slices and outputs in GPU memory (in --dtype),
+// and, over several ranks with NCCL, the NCCL communicator the layer uses.
+struct LactJob::DeviceRun {
+  struct Array {
+    DeviceBuffer<unsigned char> bytes;
+    DType dtype = DType::f32;
+    std::size_t count = 0;
+    Array() = default;
+    Array(const std::vector<float>& host, DType t) : dtype(t), count(host.size()) {
+      std::vector<unsigned char> raw(count * size_of(t));
+      convert_from_float(t, host.data(), raw.data(), count);
+      bytes = DeviceBuffer<unsigned char>(raw);
+    }
+    Array(std::size_t n, DType t) : bytes(n * size_of(t)), dtype(t), count(n) {}
+    TensorView view(Shape shape) {
+      return TensorView(bytes.data(), dtype, std::move(shape), Memory::device);
+    }
+    void download(std::vector<float>& host) const {
+      const std::vector<unsigned char> raw = bytes.to_host();
+      host.resize(count);
+      convert_to_float(dtype, raw.data(), host.data(), count);
+    }
+  };
+  Array q, k, v, lr0, lr1, lr2, w0, w1, w2, d_o;
+  Array o, dq, dk, dv, dlr0, dlr1, dlr2, dw0, dw1, dw2;
+  cudaStream_t stream = nullptr;
+#ifdef STATESCAN_HAS_NCCL
+  std::unique_ptr<NcclCommunicator> nccl;
+#endif
+  ~DeviceRun() {
+#ifdef STATESCAN_HAS_NCCL
+    nccl.reset();
+#endif
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  }
+};
+
+// Selects this rank's GPU, copies the slices there and, with several ranks
+// over MPI and NCCL built in, creates the NCCL communicator (collective).
+void LactJob::setup_device() {
+  auto run = std::make_unique<DeviceRun>();
+  auto* mpi = dynamic_cast<MpiCommunicator*>(&comm_);
+  collective_check(comm_, [&] {
+    SS_CHECK_ARG(options_.dtype == DType::f32 || options_.dtype == DType::bf16, "--dtype",
+                 "LaCT on the GPU runs f32 or bf16, got ", options_.dtype);
+    int devices = 0;
+    SS_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    const int local = mpi != nullptr ? mpi->local_rank() : 0;
+    SS_CUDA_CHECK(cudaSetDevice(local % devices));
+    SS_CUDA_CHECK(cudaStreamCreate(&run->stream));
+    const DType t = options_.dtype;
+    const LactDims& d = data_.dims;
+    run->q = DeviceRun::Array(local_.q, t);
+    run->k = DeviceRun::Array(local_.k, t);
+    run->v = DeviceRun::Array(local_.v, t);
+    run->lr0 = DeviceRun::Array(local_.lr0, t);
+    run->lr1 = DeviceRun::Array(local_.lr1, t);
+    run->lr2 = DeviceRun::Array(local_.lr2, t);
+    run->w0 = DeviceRun::Array(data_.w0, t);
+    run->w1 = DeviceRun::Array(data_.w1, t);
+    run->w2 = DeviceRun::Array(data_.w2, t);
+    const auto rates = static_cast<std::size_t>(d.batch * local_.length * d.heads);
+    const auto tokens = rates * static_cast<std::size_t>(d.dim);
+    const auto weights = static_cast<std::size_t>(d.heads * d.hidden * d.dim);
+    run->o = DeviceRun::Array(tokens, t);
+    if (backward_) {
+      run->d_o = DeviceRun::Array(local_.d_o, t);
+      for (auto* x : {&run->dq, &run->dk, &run->dv}) *x = DeviceRun::Array(tokens, t);
+      for (auto* x : {&run->dlr0, &run->dlr1, &run->dlr2}) *x = DeviceRun::Array(rates, t);
+      for (auto* x : {&run->dw0, &run->dw1, &run->dw2}) *x = DeviceRun::Array(weights, t);
+    }
+  });
+#ifdef STATESCAN_HAS_NCCL
+  // NCCL needs a GPU per rank; with more ranks than GPUs on a node (a test
+  // setup) the layer's all-reduces stage through the host over MPI instead.
+  // The ranks agree, so that all of them take the same path.
+  if (comm_.size() > 1 && mpi != nullptr) {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+    int64_t short_of_gpus = mpi->local_size() > devices ? 1 : 0;
+    comm_.all_reduce_max(&short_of_gpus, 1, CommType::i64);
+    if (short_of_gpus == 0) run->nccl = NcclCommunicator::create(*mpi, run->stream);
+  }
+#endif
+  device_run_ = std::move(run);
+}
+
+// One forward (+ backward) on the device tensors, timed on this rank (the
+// layer returns when its results are complete); `copy_back` fetches the
+// outputs into `out` afterwards, outside the timing.
+StepTimes LactJob::step_device(LactLayer& layer, LactOutputs& out, bool copy_back) {
+  DeviceRun& r = *device_run_;
+  const LactDims& d = data_.dims;
+  const Shape tokens{d.batch, local_.length, d.heads, d.dim},
+      rates{d.batch, local_.length, d.heads};
+  const Shape wide{d.heads, d.hidden, d.dim}, narrow{d.heads, d.dim, d.hidden};
+  timed_.reset();
+  LactForwardArgs fa;
+  fa.q = r.q.view(tokens);
+  fa.k = r.k.view(tokens);
+  fa.v = r.v.view(tokens);
+  fa.lr0 = r.lr0.view(rates);
+  fa.lr1 = r.lr1.view(rates);
+  fa.lr2 = r.lr2.view(rates);
+  fa.w0 = r.w0.view(wide);
+  fa.w1 = r.w1.view(narrow);
+  fa.w2 = r.w2.view(wide);
+  fa.o = r.o.view(tokens);
+  StepTimes t;
+  const auto t0 = Clock::now();
+  layer.forward(fa);
+  t.fwd_s = seconds_since(t0);
+  if (backward_) {
+    LactBackwardArgs ba;
+    ba.d_o = r.d_o.view(tokens);
+    ba.dq = r.dq.view(tokens);
+    ba.dk = r.dk.view(tokens);
+    ba.dv = r.dv.view(tokens);
+    ba.dlr0 = r.dlr0.view(rates);
+    ba.dlr1 = r.dlr1.view(rates);
+    ba.dlr2 = r.dlr2.view(rates);
+    ba.dw0 = r.dw0.view(wide);
+    ba.dw1 = r.dw1.view(narrow);
+    ba.dw2 = r.dw2.view(wide);
+    const auto t1 = Clock::now();
+    layer.backward(ba);
+    t.bwd_s = seconds_since(t1);
+  }
+  // Over the host-staged communicator the all-reduces are timed; over NCCL
+  // they are enqueued on the stream and not separable from compute here.
+  if (comm_.size() > 1) {
+    t.exchange_s = timed_.all_reduce_s();
+    t.exchange_bytes = timed_.all_reduce_bytes();
+  }
+  if (copy_back) {
+    r.o.download(out.o);
+    if (backward_) {
+      r.dq.download(out.dq);
+      r.dk.download(out.dk);
+      r.dv.download(out.dv);
+      r.dlr0.download(out.dlr0);
+      r.dlr1.download(out.dlr1);
+      r.dlr2.download(out.dlr2);
+      r.dw0.download(out.dw0);
+      r.dw1.download(out.dw1);
+      r.dw2.download(out.dw2);
+    }
+  }
+  return t;
+}
+#endif
+
+// The all-reduce path of the layer: "nccl", "<backend>, host-staged" (device
+// tensors over a host communicator) or the host communicator's backend.
+std::string LactJob::comm_kind() const {
+#if defined(STATESCAN_HAS_CUDA) && defined(STATESCAN_HAS_NCCL)
+  if (device_run_ && device_run_->nccl) return "nccl";
+#endif
+  if (device_ == DeviceKind::cuda) return std::string(comm_.backend()) + ", host-staged";
+  return comm_.backend();
+}
 
 // Global data, this rank's slices of every chunk, and the --save directory.
 // Collective: a fault on any rank fails every rank alike.
@@ -327,9 +538,10 @@ std::vector<std::pair<std::string, std::string>> LactJob::header_fields() const 
       {"renorm", config_.renorm ? "on" : "off"},
       {"dtype", to_string(options_.dtype)},
       {"ranks", std::to_string(P)},
-      {"exchange", P == 1 ? std::string("none (1 rank)") : std::string("all-reduce per chunk")},
+      {"exchange",
+       P == 1 ? std::string("none (1 rank)") : "all-reduce per chunk (" + comm_kind() + ")"},
       {"layout", "slice r of every chunk (" + std::to_string(config_.chunk / P) + " tokens/rank)"},
-      {"device", "cpu"},
+      {"device", device_ == DeviceKind::cuda ? "cuda" : "cpu"},
       {"threads/rank", std::to_string(num_threads())},
       {"pass", backward_ ? "fwd+bwd" : "fwd"},
       {"inputs", data_.description},
@@ -348,32 +560,48 @@ int LactJob::run() {
                  "w0.npy)\n",
                  flags.c_str());
   }
+  collective_check(comm_, [&] { device_ = resolve_lact_device(options_.device); });
   setup();
+#ifdef STATESCAN_HAS_CUDA
+  if (device_ == DeviceKind::cuda) setup_device();
+#endif
 
   stage_ = Stage::steps;
-  LactLayer layer(timed_, config_);
+  Communicator* layer_comm = &timed_;
+#if defined(STATESCAN_HAS_CUDA) && defined(STATESCAN_HAS_NCCL)
+  if (device_run_ && device_run_->nccl) layer_comm = device_run_->nccl.get();
+#endif
+  LactLayer layer(*layer_comm, config_);
   LactOutputs out;
   allocate(out, local_.length);
   Report report;
   report.check.enabled = options_.check;
-  report.check.tolerance = kLactCheckTolerance;
+  report.check.tolerance = check_tolerance();
   if (options_.check) run_reference();
   LactOutputs last_full;
   const int64_t steps = options_.warmup + options_.iters;
   const LactDims& d = data_.dims;
   for (int64_t s = 0; s < steps; ++s) {
     comm_.barrier();  // start together, so the max over ranks is the step's time
+    const bool last = s + 1 == steps;
+    const bool need_outputs =
+        s >= options_.warmup && (options_.check || (last && !options_.save_dir.empty()));
+#ifdef STATESCAN_HAS_CUDA
+    const StepTimes t = device_ == DeviceKind::cuda ? step_device(layer, out, need_outputs)
+                                                    : step(layer, &timed_, local_, out);
+#else
+    (void)need_outputs;
     const StepTimes t = step(layer, &timed_, local_, out);
+#endif
     if (s < options_.warmup) continue;
 
     StepRow row = reduce_step(comm_, t, s - options_.warmup + 1, backward_,
                               static_cast<double>(d.batch * d.seq_len));
 
-    const bool last = s + 1 == steps;
     if (options_.check || (last && !options_.save_dir.empty())) {
       LactOutputs full = gather(out);
       if (options_.check) {
-        int64_t wrong = root() ? count_wrong(named(full), named(reference_), kLactCheckTolerance,
+        int64_t wrong = root() ? count_wrong(named(full), named(reference_), check_tolerance(),
                                              report.check.errors)
                                : 0;
         comm_.broadcast(&wrong, 1, CommType::i64, 0);  // every rank exits alike

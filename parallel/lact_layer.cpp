@@ -6,21 +6,12 @@
 
 #include "comm/collective_check.h"
 #include "core/error.h"
+#include "parallel/lact_layer_internal.h"
 
 namespace statescan {
-namespace {
+namespace lact_detail {
 
-void check_host_f32(const TensorView& t, const Shape& shape, const char* name) {
-  check_tensor(t, shape, DType::f32, Memory::host, name);
-}
-
-// This rank's sizes; checked against every other rank's.
-struct LocalSizes {
-  int64_t batch = 0, local_len = 0, heads = 0, dim = 0, hidden = 0;
-};
-
-// Shapes, dtypes and placement of the forward arguments (no data reads).
-LocalSizes check_forward_shapes(const LactForwardArgs& a) {
+LocalSizes check_forward_shapes(const LactForwardArgs& a, const Placement& where) {
   SS_CHECK_ARG(a.q.defined() && a.q.shape.size() == 4, "q", "must be [B, T_local, H, D], got ",
                shape_string(a.q.shape));
   SS_CHECK_ARG(a.w0.defined() && a.w0.shape.size() == 3, "w0", "must be [H, M, D], got ",
@@ -37,18 +28,108 @@ LocalSizes check_forward_shapes(const LactForwardArgs& a) {
   const Shape tokens{s.batch, s.local_len, s.heads, s.dim};
   const Shape rates{s.batch, s.local_len, s.heads};
   const Shape wide{s.heads, s.hidden, s.dim}, narrow{s.heads, s.dim, s.hidden};
-  check_host_f32(a.q, tokens, "q");
-  check_host_f32(a.k, tokens, "k");
-  check_host_f32(a.v, tokens, "v");
-  check_host_f32(a.lr0, rates, "lr0");
-  check_host_f32(a.lr1, rates, "lr1");
-  check_host_f32(a.lr2, rates, "lr2");
-  check_host_f32(a.w0, wide, "w0");
-  check_host_f32(a.w1, narrow, "w1");
-  check_host_f32(a.w2, wide, "w2");
-  check_host_f32(a.o, tokens, "o");
+  auto check = [&](const TensorView& t, const Shape& shape, const char* name) {
+    check_tensor(t, shape, where.dtype, where.memory, name);
+  };
+  check(a.q, tokens, "q");
+  check(a.k, tokens, "k");
+  check(a.v, tokens, "v");
+  check(a.lr0, rates, "lr0");
+  check(a.lr1, rates, "lr1");
+  check(a.lr2, rates, "lr2");
+  check(a.w0, wide, "w0");
+  check(a.w1, narrow, "w1");
+  check(a.w2, wide, "w2");
+  check(a.o, tokens, "o");
   return s;
 }
+
+void check_backward_shapes(const LactBackwardArgs& a, const LocalSizes& s, const Placement& where) {
+  const Shape tokens{s.batch, s.local_len, s.heads, s.dim};
+  const Shape rates{s.batch, s.local_len, s.heads};
+  const Shape wide{s.heads, s.hidden, s.dim}, narrow{s.heads, s.dim, s.hidden};
+  auto check = [&](const TensorView& t, const Shape& shape, const char* name) {
+    check_tensor(t, shape, where.dtype, where.memory, name);
+  };
+  check(a.d_o, tokens, "d_o");
+  check(a.dq, tokens, "dq");
+  check(a.dk, tokens, "dk");
+  check(a.dv, tokens, "dv");
+  check(a.dlr0, rates, "dlr0");
+  check(a.dlr1, rates, "dlr1");
+  check(a.dlr2, rates, "dlr2");
+  check(a.dw0, wide, "dw0");
+  check(a.dw1, narrow, "dw1");
+  check(a.dw2, wide, "dw2");
+}
+
+// FNV-1a: lets the ranks confirm, with one small all-gather, that they start
+// from the same initial weights.
+int64_t content_hash(const void* data, std::size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint64_t h = 1469598103934665603ull;
+  for (std::size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  int64_t out = 0;
+  std::memcpy(&out, &h, sizeof(out));
+  return out;
+}
+
+void agree_on_problem(Communicator& control, const LocalSizes& s, const LactConfig& config,
+                      const Placement& where, const int64_t weight_hashes[3]) {
+  // Every rank must hold the same problem: equal sizes, options (the momentum
+  // compared bit for bit through its integer image), placement and initial
+  // weights.
+  struct Field {
+    const char* argument;
+    const char* what;
+    int64_t value;
+  };
+  int64_t momentum_bits = 0;
+  static_assert(sizeof(double) == sizeof(int64_t), "double is 64-bit");
+  std::memcpy(&momentum_bits, &config.momentum, sizeof(double));
+  const Field fields[] = {
+      {"q", "batch size B", s.batch},
+      {"q", "local length T/P", s.local_len},
+      {"q", "heads H", s.heads},
+      {"q", "head dim D", s.dim},
+      {"w0", "hidden width M", s.hidden},
+      {"q", "memory (0 host, 1 device)", where.memory == Memory::device ? 1 : 0},
+      {"q", "dtype code", static_cast<int64_t>(where.dtype)},
+      {"chunk", "chunk size", config.chunk},
+      {"schedule", "schedule", static_cast<int64_t>(config.schedule)},
+      {"muon_steps", "Newton-Schulz steps", config.muon_steps},
+      {"renorm", "renorm flag", config.renorm ? 1 : 0},
+      {"momentum", "momentum (bits)", momentum_bits},
+      {"w0", "content hash of w0", weight_hashes[0]},
+      {"w1", "content hash of w1", weight_hashes[1]},
+      {"w2", "content hash of w2", weight_hashes[2]},
+  };
+  constexpr int kFields = static_cast<int>(sizeof(fields) / sizeof(fields[0]));
+  int64_t mine[kFields];
+  for (int f = 0; f < kFields; ++f) mine[f] = fields[f].value;
+  const int P = control.size();
+  std::vector<int64_t> all(static_cast<std::size_t>(kFields * P));
+  control.all_gather(mine, all.data(), kFields, CommType::i64);
+  collective_check(control, [&] {
+    for (int r = 0; r < P; ++r)
+      for (int f = 0; f < kFields; ++f)
+        SS_CHECK_ARG(all[r * kFields + f] == mine[f], fields[f].argument, fields[f].what, " is ",
+                     all[r * kFields + f], " on rank ", r, " but ", mine[f],
+                     " here; every rank of the group must pass the same problem");
+  });
+}
+
+}  // namespace lact_detail
+
+namespace {
+
+using lact_detail::LocalSizes;
+using lact_detail::Placement;
+
+const Placement kHostF32{Memory::host, DType::f32};
 
 LactParams<float> make_params(const LactForwardArgs& a, const LactConfig& cfg, const LocalSizes& s,
                               int ranks, int rank) {
@@ -74,18 +155,12 @@ LactParams<float> make_params(const LactForwardArgs& a, const LactConfig& cfg, c
   return p;
 }
 
-// FNV-1a hash of a tensor's bytes: lets the ranks confirm, with one small
-// all-gather, that they start from the same initial weights.
-int64_t content_hash(const TensorView& t) {
-  const auto* bytes = static_cast<const unsigned char*>(t.data);
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t i = 0; i < t.numel() * static_cast<int64_t>(sizeof(float)); ++i) {
-    h ^= bytes[i];
-    h *= 1099511628211ull;
-  }
-  int64_t out = 0;
-  std::memcpy(&out, &h, sizeof(out));
-  return out;
+int64_t tensor_hash(const TensorView& t) {
+  return lact_detail::content_hash(t.data, static_cast<std::size_t>(t.numel()) * sizeof(float));
+}
+
+bool on_device(const TensorView& t) {
+  return t.defined() && t.memory == Memory::device;
 }
 
 }  // namespace
@@ -103,50 +178,19 @@ LactLayer::~LactLayer() = default;
 
 void LactLayer::forward(const LactForwardArgs& a) {
   saved_.reset();
+  device_.reset();
+  if (on_device(a.q)) {
+    forward_device(a);
+    return;
+  }
   LocalSizes s;
-  collective_check(comm_, [&] { s = check_forward_shapes(a); });
+  collective_check(comm_, [&] { s = lact_detail::check_forward_shapes(a, kHostF32); });
+  const int64_t hashes[3] = {tensor_hash(a.w0), tensor_hash(a.w1), tensor_hash(a.w2)};
+  lact_detail::agree_on_problem(comm_, s, config_, kHostF32, hashes);
 
-  // Every rank must hold the same problem: equal sizes, options (the momentum
-  // compared bit for bit through its integer image) and initial weights.
-  struct Field {
-    const char* argument;
-    const char* what;
-    int64_t value;
-  };
-  int64_t momentum_bits = 0;
-  static_assert(sizeof(double) == sizeof(int64_t), "double is 64-bit");
-  std::memcpy(&momentum_bits, &config_.momentum, sizeof(double));
-  const Field fields[] = {
-      {"q", "batch size B", s.batch},
-      {"q", "local length T/P", s.local_len},
-      {"q", "heads H", s.heads},
-      {"q", "head dim D", s.dim},
-      {"w0", "hidden width M", s.hidden},
-      {"chunk", "chunk size", config_.chunk},
-      {"schedule", "schedule", static_cast<int64_t>(config_.schedule)},
-      {"muon_steps", "Newton-Schulz steps", config_.muon_steps},
-      {"renorm", "renorm flag", config_.renorm ? 1 : 0},
-      {"momentum", "momentum (bits)", momentum_bits},
-      {"w0", "content hash of w0", content_hash(a.w0)},
-      {"w1", "content hash of w1", content_hash(a.w1)},
-      {"w2", "content hash of w2", content_hash(a.w2)},
-  };
-  constexpr int kFields = static_cast<int>(sizeof(fields) / sizeof(fields[0]));
-  int64_t mine[kFields];
-  for (int f = 0; f < kFields; ++f) mine[f] = fields[f].value;
   const int P = comm_.size();
-  std::vector<int64_t> all(static_cast<std::size_t>(kFields * P));
-  comm_.all_gather(mine, all.data(), kFields, CommType::i64);
-
   LactParams<float> p = make_params(a, config_, s, P, comm_.rank());
-  collective_check(comm_, [&] {
-    for (int r = 0; r < P; ++r)
-      for (int f = 0; f < kFields; ++f)
-        SS_CHECK_ARG(all[r * kFields + f] == mine[f], fields[f].argument, fields[f].what, " is ",
-                     all[r * kFields + f], " on rank ", r, " but ", mine[f],
-                     " here; every rank of the group must pass the same problem");
-    lact_check_params(p);
-  });
+  collective_check(comm_, [&] { lact_check_params(p); });
 
   auto saved = std::make_unique<Saved>();
   saved->params = p;
@@ -157,23 +201,16 @@ void LactLayer::forward(const LactForwardArgs& a) {
 }
 
 void LactLayer::backward(const LactBackwardArgs& a) {
+  if (device_ != nullptr || on_device(a.d_o)) {
+    backward_device(a);
+    return;
+  }
   collective_check(comm_, [&] {
     SS_CHECK_ARG(saved_ != nullptr, "forward", "backward needs a preceding forward on this layer");
     const LactParams<float>& p = saved_->params;
-    const Shape tokens{p.batch, p.local_len(), p.heads, p.dim};
-    const Shape rates{p.batch, p.local_len(), p.heads};
-    const Shape wide{p.heads, p.hidden, p.dim}, narrow{p.heads, p.dim, p.hidden};
-    check_host_f32(a.d_o, tokens, "d_o");
+    const LocalSizes s{p.batch, p.local_len(), p.heads, p.dim, p.hidden};
+    lact_detail::check_backward_shapes(a, s, kHostF32);
     check_finite(a.d_o.as<const float>(), a.d_o.numel(), "d_o");
-    check_host_f32(a.dq, tokens, "dq");
-    check_host_f32(a.dk, tokens, "dk");
-    check_host_f32(a.dv, tokens, "dv");
-    check_host_f32(a.dlr0, rates, "dlr0");
-    check_host_f32(a.dlr1, rates, "dlr1");
-    check_host_f32(a.dlr2, rates, "dlr2");
-    check_host_f32(a.dw0, wide, "dw0");
-    check_host_f32(a.dw1, narrow, "dw1");
-    check_host_f32(a.dw2, wide, "dw2");
   });
   LactGradParams<float> g;
   g.d_o = a.d_o.as<const float>();
@@ -190,5 +227,23 @@ void LactLayer::backward(const LactBackwardArgs& a) {
     comm_.all_reduce_sum(data, n, CommType::f32);
   });
 }
+
+#ifndef STATESCAN_HAS_CUDA
+// Without CUDA there is no GPU path: device tensors are refused (collectively).
+struct LactLayer::DeviceState {};
+void LactLayer::DeviceStateDeleter::operator()(DeviceState* state) const {
+  delete state;
+}
+void LactLayer::forward_device(const LactForwardArgs&) {
+  collective_check(comm_, [] {
+    SS_FAIL("q", "device tensors need a CUDA build of statescan (this one has no GPU path)");
+  });
+}
+void LactLayer::backward_device(const LactBackwardArgs&) {
+  collective_check(comm_, [] {
+    SS_FAIL("d_o", "device tensors need a CUDA build of statescan (this one has no GPU path)");
+  });
+}
+#endif
 
 }  // namespace statescan

@@ -17,6 +17,13 @@
 //   layer.backward(bwd_args);
 // Token layout per rank: [B, T/P, H, *] holding slice r of chunk 0, slice r of
 // chunk 1, ... (lact_shard / lact_token_range in kernels/cpu/lact.h).
+//
+// Placement: host fp32 tensors run the CPU template (kernels/cpu/lact.h);
+// device tensors (Memory::device, all of them, f32 or bf16, one dtype for the
+// whole call) run the GPU path (kernels/cuda/lact_cuda.h, CUDA builds). On the
+// GPU the all-reduces take device buffers: over an NCCL communicator they are
+// enqueued on its stream, any other communicator stages them through the
+// host. forward/backward return when their results are complete.
 #pragma once
 
 #include <memory>
@@ -28,8 +35,8 @@
 namespace statescan {
 
 struct LactForwardArgs {
-  // Local slices, host fp32, contiguous: q, k, v [B, T_local, H, D];
-  // lr0, lr1, lr2 [B, T_local, H] (> 0).
+  // Local slices, contiguous, host fp32 or device f32/bf16 (all alike):
+  // q, k, v [B, T_local, H, D]; lr0, lr1, lr2 [B, T_local, H] (> 0).
   TensorView q, k, v;
   TensorView lr0, lr1, lr2;
   // Initial fast weights, identical on every rank: w0, w2 [H, M, D]; w1 [H, D, M].
@@ -67,9 +74,18 @@ class LactLayer {
 
  private:
   struct Saved;
+  // The GPU path (parallel/lact_layer_cuda.cpp): streams, saved checkpoints.
+  struct DeviceState;
+  struct DeviceStateDeleter {
+    void operator()(DeviceState* state) const;
+  };
+  void forward_device(const LactForwardArgs& args);
+  void backward_device(const LactBackwardArgs& args);
+
   Communicator& comm_;
   LactConfig config_;
   std::unique_ptr<Saved> saved_;
+  std::unique_ptr<DeviceState, DeviceStateDeleter> device_;
 };
 
 }  // namespace statescan

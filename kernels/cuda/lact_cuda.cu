@@ -1,0 +1,158 @@
+// LaCT on the GPU (lact_cuda.h): argument checks, the device-side data checks
+// and the dtype dispatch onto the instantiations in lact_cuda_{f32,bf16}.cu.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/cuda/lact_cuda.h"
+
+namespace statescan::cuda {
+namespace lact_detail {
+using bf16 = __nv_bfloat16;
+template <typename T, typename U>
+void forward_impl(const LactCudaParams&, const LactDeviceAllReduce&, LactCudaSaved*, cudaStream_t);
+template <typename T, typename U>
+void backward_impl(const LactCudaParams&, const LactCudaGrads&, const LactCudaSaved&,
+                   const LactDeviceAllReduce&, cudaStream_t);
+}  // namespace lact_detail
+
+namespace {
+
+__device__ __forceinline__ float value_of(float x) {
+  return x;
+}
+__device__ __forceinline__ float value_of(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+// first[0] = the smallest index i < n whose value is not finite (or, with
+// `positive`, not > 0); stays n when every element passes.
+template <typename T>
+__global__ void first_bad_kernel(const T* x, int64_t n, bool positive, unsigned long long* first) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = value_of(x[i]);
+    const bool ok = isfinite(v) && (!positive || v > 0.0f);
+    if (!ok) atomicMin(first, static_cast<unsigned long long>(i));
+  }
+}
+
+// Throws naming `name` when an element of x fails the check (see first_bad_kernel).
+template <typename T>
+void check_elements(const T* x, int64_t n, bool positive, const char* name, cudaStream_t stream) {
+  if (n <= 0) return;
+  unsigned long long* first = nullptr;
+  SS_CUDA_CHECK(cudaMallocAsync(&first, sizeof(unsigned long long), stream));
+  const unsigned long long none = static_cast<unsigned long long>(n);
+  unsigned long long found = none;
+  T bad{};
+  cudaError_t rc = cudaMemcpyAsync(first, &none, sizeof(none), cudaMemcpyHostToDevice, stream);
+  if (rc == cudaSuccess) {
+    const int threads = 256;
+    const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 4096);
+    first_bad_kernel<T>
+        <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(x, n, positive, first);
+    rc = cudaGetLastError();
+  }
+  if (rc == cudaSuccess)
+    rc = cudaMemcpyAsync(&found, first, sizeof(found), cudaMemcpyDeviceToHost, stream);
+  if (rc == cudaSuccess) rc = cudaStreamSynchronize(stream);
+  (void)cudaFreeAsync(first, stream);
+  SS_CUDA_CHECK(rc);
+  if (found == none) return;
+  SS_CUDA_CHECK(cudaMemcpy(&bad, x + found, sizeof(T), cudaMemcpyDeviceToHost));
+  float value = 0;
+  if constexpr (std::is_same<T, float>::value) {
+    value = bad;
+  } else {
+    value = __bfloat162float(bad);
+  }
+  if (positive)
+    SS_FAIL(name, "element ", found, " is ", value, " (learning rates must be finite and > 0)");
+  SS_FAIL(name, "element ", found, " is ", value, " (NaN/Inf not allowed)");
+}
+
+void check_any(const void* x, DType dtype, int64_t n, bool positive, const char* name,
+               cudaStream_t stream) {
+  if (dtype == DType::f32) {
+    check_elements(static_cast<const float*>(x), n, positive, name, stream);
+  } else {
+    check_elements(static_cast<const __nv_bfloat16*>(x), n, positive, name, stream);
+  }
+}
+
+}  // namespace
+
+void lact_cuda_check_sizes(const LactCudaParams& p) {
+  check_lact_config(p.config);
+  SS_CHECK_ARG(p.dtype == DType::f32 || p.dtype == DType::bf16, "dtype",
+               "LaCT on the GPU supports f32 and bf16, got ", p.dtype);
+  SS_CHECK_ARG(p.batch >= 1, "q", "batch must be >= 1, got ", p.batch);
+  SS_CHECK_ARG(p.heads >= 1, "q", "heads must be >= 1, got ", p.heads);
+  SS_CHECK_ARG(p.dim >= 1, "q", "head dim D must be >= 1, got ", p.dim);
+  SS_CHECK_ARG(p.hidden >= 1, "w0", "hidden width M must be >= 1, got ", p.hidden);
+  SS_CHECK_ARG(p.ranks >= 1, "ranks", "must be >= 1, got ", p.ranks);
+  SS_CHECK_ARG(p.rank >= 0 && p.rank < p.ranks, "rank", p.rank, " not in [0, ", p.ranks, ")");
+  SS_CHECK_ARG(p.config.chunk % p.ranks == 0, "chunk", "chunk size ", p.config.chunk,
+               " is not divisible by the ", p.ranks,
+               " ranks (every chunk is split evenly across the group)");
+  SS_CHECK_ARG(p.seq_len >= 1 && p.seq_len % p.ranks == 0, "q", "sequence length ", p.seq_len,
+               " must be a positive multiple of the ", p.ranks, " ranks");
+  // The last chunk must split evenly too (lact_token_range checks it).
+  const int64_t chunks = lact_num_chunks(p.seq_len, p.config.chunk);
+  (void)lact_token_range(p.seq_len, p.config.chunk, p.ranks, p.rank, chunks - 1);
+  // cuBLAS takes int sizes and leading dimensions.
+  SS_CHECK_ARG(p.heads * p.dim < (int64_t(1) << 31) && p.hidden < (int64_t(1) << 31), "q",
+               "H D and M must fit in 32 bits");
+  const char* names[] = {"q", "k", "v", "lr0", "lr1", "lr2", "w0", "w1", "w2", "o"};
+  const void* ptrs[] = {p.q, p.k, p.v, p.lr0, p.lr1, p.lr2, p.w0, p.w1, p.w2, p.o};
+  for (int i = 0; i < 10; ++i) SS_CHECK_ARG(ptrs[i] != nullptr, names[i], "is required");
+}
+
+void lact_cuda_check_data(const LactCudaParams& p, cudaStream_t stream) {
+  lact_cuda_check_sizes(p);
+  const int64_t tokens = p.batch * p.local_len() * p.heads, weights = p.heads * p.hidden * p.dim;
+  check_any(p.q, p.dtype, tokens * p.dim, false, "q", stream);
+  check_any(p.k, p.dtype, tokens * p.dim, false, "k", stream);
+  check_any(p.v, p.dtype, tokens * p.dim, false, "v", stream);
+  check_any(p.lr0, p.dtype, tokens, true, "lr0", stream);
+  check_any(p.lr1, p.dtype, tokens, true, "lr1", stream);
+  check_any(p.lr2, p.dtype, tokens, true, "lr2", stream);
+  check_any(p.w0, p.dtype, weights, false, "w0", stream);
+  check_any(p.w1, p.dtype, weights, false, "w1", stream);
+  check_any(p.w2, p.dtype, weights, false, "w2", stream);
+}
+
+void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* name,
+                            cudaStream_t stream) {
+  check_any(x, dtype, n, false, name, stream);
+}
+
+void lact_cuda_forward(const LactCudaParams& p, const LactDeviceAllReduce& all_reduce,
+                       LactCudaSaved* saved, cudaStream_t stream) {
+  lact_cuda_check_sizes(p);
+  if (p.dtype == DType::f32) {
+    lact_detail::forward_impl<float, double>(p, all_reduce, saved, stream);
+  } else {
+    lact_detail::forward_impl<lact_detail::bf16, float>(p, all_reduce, saved, stream);
+  }
+}
+
+void lact_cuda_backward(const LactCudaParams& p, const LactCudaGrads& g, const LactCudaSaved& saved,
+                        const LactDeviceAllReduce& all_reduce, cudaStream_t stream) {
+  lact_cuda_check_sizes(p);
+  const char* names[] = {"d_o", "dq", "dk", "dv", "dlr0", "dlr1", "dlr2", "dw0", "dw1", "dw2"};
+  const void* ptrs[] = {g.d_o, g.dq, g.dk, g.dv, g.dlr0, g.dlr1, g.dlr2, g.dw0, g.dw1, g.dw2};
+  for (int i = 0; i < 10; ++i) SS_CHECK_ARG(ptrs[i] != nullptr, names[i], "is required");
+  if (p.dtype == DType::f32) {
+    lact_detail::backward_impl<float, double>(p, g, saved, all_reduce, stream);
+  } else {
+    lact_detail::backward_impl<lact_detail::bf16, float>(p, g, saved, all_reduce, stream);
+  }
+}
+
+}  // namespace statescan::cuda

@@ -1,0 +1,87 @@
+// LaCT (DESIGN §6) on the GPU: forward and backward of one layer with the
+// semantics, memory plan and sharded layout of the CPU template
+// (kernels/cpu/lact.h, read its header comment first).
+//
+// Every token-level product is a cuBLAS GEMM batched over the heads of a batch
+// row (cublasGemmStridedBatchedEx); elementwise work (SwiGLU and its
+// derivatives, learning-rate weighting, momentum, renorm, the Newton-Schulz
+// polynomial) runs in fused kernels. Precision:
+//   f32:  fp32 GEMMs without TF32; Muon's Newton-Schulz in fp64 (as the CPU).
+//   bf16: tokens, learning rates and GEMM operands bf16, fp32 accumulation and
+//         intermediates, fast weights kept as fp32 master copies; Newton-Schulz
+//         in fp32.
+// All pointers are device pointers; all tensors of one call share `dtype`.
+// Work is enqueued on `stream`; scratch comes from the stream-ordered pool.
+// The all-reduce callback receives device fp32 buffers and must sum them over
+// the group in stream order (NCCL on the same stream, or a host round trip).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+
+#include "core/device_buffer.h"
+#include "core/dtype.h"
+#include "kernels/cpu/lact.h"
+
+namespace statescan::cuda {
+
+// Sizes, sharding and device pointers of one call, laid out as LactParams.
+struct LactCudaParams {
+  LactConfig config;
+  DType dtype = DType::f32;  // f32 or bf16, for every tensor below
+  int64_t batch = 0, seq_len = 0, heads = 0, dim = 0, hidden = 0;
+  int64_t ranks = 1, rank = 0;
+  const void *q = nullptr, *k = nullptr, *v = nullptr;        // [B, T/P, H, D]
+  const void *lr0 = nullptr, *lr1 = nullptr, *lr2 = nullptr;  // [B, T/P, H]
+  const void *w0 = nullptr, *w1 = nullptr, *w2 = nullptr;     // [H,M,D], [H,D,M], [H,M,D]
+  void* o = nullptr;                                          // [B, T/P, H, D]
+
+  int64_t local_len() const { return ranks > 0 ? seq_len / ranks : 0; }
+};
+
+struct LactCudaGrads {
+  const void* d_o = nullptr;
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  void *dlr0 = nullptr, *dlr1 = nullptr, *dlr2 = nullptr;
+  void *dw0 = nullptr, *dw1 = nullptr, *dw2 = nullptr;  // summed over batch rows and ranks
+};
+
+// What forward saves for backward (fp32 for every dtype): per chunk and
+// (b, h) the weights at the chunk start and the chunk's update P, each a block
+// of 3 M D values laid out [W0 | W2 | W1] (the CPU's LactCheckpoints use
+// [W0 | W1 | W2]; on the GPU W0 and W2 are adjacent so that products pairing
+// them are single GEMMs).
+struct LactCudaSaved {
+  DeviceBuffer<float> weights;  // [chunks, B, H, 3 M D]
+  DeviceBuffer<float> updates;  // [chunks, B, H, 3 M D]
+};
+
+// Sums `count` device floats at `data` over the group, in place, ordered on
+// `stream`. Empty: a group of one.
+using LactDeviceAllReduce = std::function<void(float* data, std::size_t count, cudaStream_t)>;
+
+// Sizes, sharding, config and pointers (no data reads). Throws statescan::Error
+// naming the argument, as lact_check_params.
+void lact_cuda_check_sizes(const LactCudaParams& p);
+// The data checks of lact_check_params on the device: q, k, v, w finite,
+// learning rates finite and > 0. Synchronises `stream`; throws naming the
+// first faulty tensor and element.
+void lact_cuda_check_data(const LactCudaParams& p, cudaStream_t stream);
+// d_o finite (synchronises `stream`).
+void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* name,
+                            cudaStream_t stream);
+
+// o from the inputs; fills `saved` (may be null when no backward follows).
+// Collective through all_reduce (once per chunk). Checks sizes, not data.
+void lact_cuda_forward(const LactCudaParams& p, const LactDeviceAllReduce& all_reduce,
+                       LactCudaSaved* saved, cudaStream_t stream);
+
+// Gradients from d_o with `saved` from lact_cuda_forward of the same p.
+// Collective through all_reduce (once per chunk plus once).
+void lact_cuda_backward(const LactCudaParams& p, const LactCudaGrads& g, const LactCudaSaved& saved,
+                        const LactDeviceAllReduce& all_reduce, cudaStream_t stream);
+
+}  // namespace statescan::cuda

@@ -1,0 +1,10 @@
+// LaCT GPU instantiation: f32 tokens, fp64 Newton-Schulz (lact_cuda_impl.cuh).
+#include "kernels/cuda/lact_cuda_impl.cuh"
+
+namespace statescan::cuda::lact_detail {
+template void forward_impl<float, double>(const LactCudaParams&, const LactDeviceAllReduce&,
+                                          LactCudaSaved*, cudaStream_t);
+template void backward_impl<float, double>(const LactCudaParams&, const LactCudaGrads&,
+                                           const LactCudaSaved&, const LactDeviceAllReduce&,
+                                           cudaStream_t);
+}  // namespace statescan::cuda::lact_detail

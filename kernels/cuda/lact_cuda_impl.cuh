@@ -1,0 +1,1262 @@
+// The LaCT GPU forward and backward (lact_cuda.h), templated on the token
+// storage type T (float | __nv_bfloat16) and the Newton-Schulz type U
+// (double for f32, float for bf16). Included by one .cu per instantiation so
+// that nvcc builds them in parallel; lact_cuda.cu dispatches on the dtype.
+//
+// Weight blocks on the GPU are laid out [W0 | W2 | W1] per (batch row, head)
+// (the CPU uses [W0 | W1 | W2]): W0 and W2 then form one 2M x D matrix, so
+// that h0 and h2 (and every product that pairs them) are one GEMM with twice
+// the width. Row norms follow the same order: W0's M rows, W2's M rows, W1's
+// D rows. The saved checkpoints use this layout too.
+//
+// Structure mirrors kernels/cpu/lact.cpp function by function: the same
+// two-phase chunk loop around the all-reduce, the same saved state (W_c and
+// the update P of each chunk), the same recomputation in backward. Where the
+// CPU loops over (batch row, head) pairs, the GPU issues one GEMM per batch
+// row batched over the heads, and one fused kernel over all pairs.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/cuda/lact_cuda.h"
+
+namespace statescan::cuda {
+namespace lact_detail {
+
+using bf16 = __nv_bfloat16;
+
+// ---- scalar conversions -----------------------------------------------------
+
+__device__ __forceinline__ float to_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float to_float(bf16 x) {
+  return __bfloat162float(x);
+}
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ bf16 from_float<bf16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <typename T>
+constexpr cudaDataType_t data_type();
+template <>
+constexpr cudaDataType_t data_type<float>() {
+  return CUDA_R_32F;
+}
+template <>
+constexpr cudaDataType_t data_type<bf16>() {
+  return CUDA_R_16BF;
+}
+template <>
+constexpr cudaDataType_t data_type<double>() {
+  return CUDA_R_64F;
+}
+
+// ---- cuBLAS -----------------------------------------------------------------
+
+// One handle per (host thread, device), created on first use and kept for the
+// life of the thread: cublasCreate costs far more than one LaCT chunk.
+inline cublasHandle_t blas_handle(cudaStream_t stream) {
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  thread_local std::map<int, cublasHandle_t> handles;
+  cublasHandle_t& h = handles[device];
+  if (h == nullptr) {
+    SS_CUBLAS_CHECK(cublasCreate(&h));
+    // Plain fp32 stays fp32: no TF32 (DESIGN §7's 1e-5 budget).
+    SS_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+  }
+  SS_CUBLAS_CHECK(cublasSetStream(h, stream));
+  return h;
+}
+
+// One operand of a batched row-major GEMM: pointer, element type, leading
+// dimension (row stride) and the stride between batch entries, in elements.
+struct Operand {
+  const void* data;
+  cudaDataType_t type;
+  int64_t ld, stride;
+};
+struct Output {
+  void* data;
+  cudaDataType_t type;
+  int64_t ld, stride;
+};
+
+// Row-major batched C = alpha op(A) op(B) + beta C with op(A): m x k,
+// op(B): k x n, as cuBLAS's column-major C^T = op(B)^T op(A)^T.
+// `compute` fixes the precision: CUBLAS_COMPUTE_64F for double operands,
+// CUBLAS_COMPUTE_32F_PEDANTIC for fp32 (no TF32), CUBLAS_COMPUTE_32F for bf16.
+inline void gemm(cublasHandle_t h, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                 double alpha, const Operand& A, const Operand& B, double beta, const Output& C,
+                 int64_t batch, cublasComputeType_t compute) {
+  if (m == 0 || n == 0 || batch == 0) return;
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (compute == CUBLAS_COMPUTE_64F) {
+    SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha,
+        B.data, B.type, static_cast<int>(B.ld), B.stride, A.data, A.type, static_cast<int>(A.ld),
+        A.stride, &beta, C.data, C.type, static_cast<int>(C.ld), C.stride, static_cast<int>(batch),
+        compute, CUBLAS_GEMM_DEFAULT));
+  } else {
+    const float alpha_f = static_cast<float>(alpha), beta_f = static_cast<float>(beta);
+    SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha_f,
+        B.data, B.type, static_cast<int>(B.ld), B.stride, A.data, A.type, static_cast<int>(A.ld),
+        A.stride, &beta_f, C.data, C.type, static_cast<int>(C.ld), C.stride,
+        static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT));
+  }
+}
+
+template <typename T>
+constexpr cublasComputeType_t token_compute() {
+  return std::is_same<T, float>::value ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+}
+// Newton-Schulz precision: fp64 for U = double, fp32 else. Plain
+// CUBLAS_COMPUTE_32F with the default math mode never uses TF32 but, unlike
+// PEDANTIC, lets cuBLAS pick split-K kernels for these small batched shapes
+// (12 matrices of 256 x 512 at the benchmark shape). TF32 was measured: 28%
+// faster at 1M tokens, but dk 8.3e-3 on bidir + Muon, over DESIGN's 8e-3.
+template <typename U>
+constexpr cublasComputeType_t wide_compute() {
+  return std::is_same<U, double>::value ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
+}
+
+// ---- stream-ordered scratch -------------------------------------------------
+
+// An array from the stream-ordered pool, released on the same stream when it
+// goes out of scope (also when an exception unwinds).
+template <typename T>
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(std::size_t count, cudaStream_t stream) : stream_(stream), count_(count) {
+    if (count > 0) SS_CUDA_CHECK(cudaMallocAsync(&data_, count * sizeof(T), stream));
+  }
+  ~Scratch() {
+    if (data_ != nullptr) (void)cudaFreeAsync(data_, stream_);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  Scratch(Scratch&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), stream_(o.stream_), count_(o.count_) {}
+  Scratch& operator=(Scratch&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(stream_, o.stream_);
+    std::swap(count_, o.count_);
+    return *this;
+  }
+  T* get() const { return data_; }
+  std::size_t size() const { return count_; }
+  void zero() {
+    if (count_ > 0) SS_CUDA_CHECK(cudaMemsetAsync(data_, 0, count_ * sizeof(T), stream_));
+  }
+
+ private:
+  T* data_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::size_t count_ = 0;
+};
+
+// Row kernels: one block per token row (grid-strided beyond 2^20 rows),
+// kRowThreads threads over its columns.
+constexpr int kRowThreads = 128;
+inline unsigned row_grid(int64_t rows) {
+  return static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(rows, 1), 1 << 20));
+}
+
+inline unsigned grid_for(int64_t n, int threads) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  return static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(blocks, 1), 1 << 20));
+}
+constexpr int kThreads = 256;
+
+// ---- geometry -----------------------------------------------------------------
+
+// Sizes of one call. A pair is (batch row b, head h), index b H + h; every
+// per-pair weight block is [W0 | W2 | W1] of 3 M D fp32 values.
+struct Geo {
+  int64_t B, H, D, M, P, local_len, chunk, chunks, pairs, max_n;
+  int64_t md() const { return M * D; }
+  int64_t block() const { return 3 * M * D; }
+  int64_t norms() const { return 2 * M + D; }
+  int64_t state() const { return pairs * block(); }
+  // Tokens of chunk c on this rank and the local row of its first token.
+  int64_t slice_len(int64_t seq_len, int64_t c) const {
+    return std::min(chunk, seq_len - c * chunk) / P;
+  }
+  int64_t slice_start(int64_t c) const { return c * (chunk / P); }
+};
+
+inline Geo make_geo(const LactCudaParams& p) {
+  Geo g;
+  g.B = p.batch;
+  g.H = p.heads;
+  g.D = p.dim;
+  g.M = p.hidden;
+  g.P = p.ranks;
+  g.local_len = p.local_len();
+  g.chunk = p.config.chunk;
+  g.chunks = lact_num_chunks(p.seq_len, p.config.chunk);
+  g.pairs = p.batch * p.heads;
+  g.max_n = std::min(p.config.chunk, p.seq_len) / p.ranks;
+  return g;
+}
+
+// Row r (of 2M + D) of a weight block: W0's and then W2's M rows of D, then
+// W1's D rows of M. Row r's norm sits at index r of the block's norms.
+struct RowPlace {
+  int64_t offset, cols;
+};
+__device__ __forceinline__ RowPlace row_place(int64_t r, int64_t M, int64_t D) {
+  if (r < 2 * M) return {r * D, D};
+  return {2 * M * D + (r - 2 * M) * M, M};
+}
+
+// The user's array of slot i of a block: 0 = W0, 1 = W2, 2 = W1.
+template <typename P>
+__device__ __forceinline__ P slot_array(int64_t slot, P w0, P w1, P w2) {
+  return slot == 0 ? w0 : (slot == 1 ? w2 : w1);
+}
+
+// silu and its first two derivatives in fp32.
+struct SiluF {
+  float value, d1, d2;
+  __device__ __forceinline__ explicit SiluF(float x) {
+    const float s = 1.0f / (1.0f + expf(-x));
+    value = x * s;
+    d1 = s * (1.0f + x * (1.0f - s));
+    d2 = s * (1.0f - s) * (2.0f + x * (1.0f - 2.0f * s));
+  }
+};
+
+// Sum over the 32 lanes of a warp (every lane gets it).
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ double warp_sum(double x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// ---- weight-state kernels -----------------------------------------------------
+
+// dst[pairs, 3MD] fp32 blocks [W0 | W2 | W1] from the three initial arrays
+// (pair i uses head i % H).
+template <typename T>
+__global__ void load_weights_kernel(const T* w0, const T* w1, const T* w2, int64_t pairs, int64_t H,
+                                    int64_t md, float* dst) {
+  const int64_t total = pairs * 3 * md;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t pair = e / (3 * md), o = e % (3 * md), slot = o / md, r = o % md;
+    dst[e] = to_float(slot_array(slot, w0, w1, w2)[(pair % H) * md + r]);
+  }
+}
+
+// norms[blocks, 2M + D]: the L2 norm of every row of every block; one warp per row.
+static __global__ void row_norms_kernel(const float* w, int64_t blocks, int64_t M, int64_t D,
+                                        float* norms) {
+  const int64_t rows = blocks * (2 * M + D);
+  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= rows) return;
+  const int64_t blk = warp / (2 * M + D), r = warp % (2 * M + D);
+  const RowPlace rp = row_place(r, M, D);
+  const float* row = w + blk * 3 * M * D + rp.offset;
+  float s = 0;
+  for (int64_t j = lane; j < rp.cols; j += 32) s += row[j] * row[j];
+  s = warp_sum(s);
+  if (lane == 0) norms[warp] = sqrtf(s);
+}
+
+// Storage-typed copy of fp32 values (GEMM operands of the bf16 path).
+template <typename T>
+__global__ void convert_kernel(const float* src, int64_t n, T* dst) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x)
+    dst[e] = from_float<T>(src[e]);
+}
+
+// Momentum: vel = mu vel + g.
+static __global__ void momentum_kernel(const float* g, int64_t n, float mu, float* vel) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x)
+    vel[e] = mu * vel[e] + g[e];
+}
+
+// Backward of momentum: dg += dvel; dvel = mu dg.
+static __global__ void momentum_backward_kernel(float* dg, int64_t n, float mu, float* dvel) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const float d = dg[e] + dvel[e];
+    dg[e] = d;
+    dvel[e] = mu * d;
+  }
+}
+
+// W <- renorm(W - step), in place; one warp per row. norm0: [H, 2M + D].
+static __global__ void step_renorm_kernel(float* W, const float* step, const float* norm0,
+                                          int64_t pairs, int64_t H, int64_t M, int64_t D,
+                                          bool renorm) {
+  const int64_t nr = 2 * M + D;
+  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= pairs * nr) return;
+  const int64_t pair = warp / nr, r = warp % nr;
+  const RowPlace rp = row_place(r, M, D);
+  float* row = W + pair * 3 * M * D + rp.offset;
+  const float* d = step + pair * 3 * M * D + rp.offset;
+  float s = 0;
+  for (int64_t j = lane; j < rp.cols; j += 32) {
+    const float x = row[j] - d[j];
+    row[j] = x;
+    s += x * x;
+  }
+  if (!renorm) return;
+  s = warp_sum(s);
+  const float scale = norm0[(pair % H) * nr + r] / (sqrtf(s) + float(kLactEps));
+  __syncwarp();
+  for (int64_t j = lane; j < rp.cols; j += 32) row[j] *= scale;
+}
+
+// Backward of step_renorm for one chunk: x = W - step, dy = dW (adjoint of
+// the new weights). Writes dW <- dx (the direct path), d_step = -dx, and adds
+// the renorm target's adjoint x.dy / den to d_norm0 [pairs, 2M + D].
+static __global__ void step_renorm_backward_kernel(const float* W, const float* step,
+                                                   const float* norm0, int64_t pairs, int64_t H,
+                                                   int64_t M, int64_t D, bool renorm, float* dW,
+                                                   float* d_step, float* d_norm0) {
+  const int64_t nr = 2 * M + D;
+  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= pairs * nr) return;
+  const int64_t pair = warp / nr, r = warp % nr;
+  const RowPlace rp = row_place(r, M, D);
+  const int64_t base = pair * 3 * M * D + rp.offset;
+  if (!renorm) {
+    for (int64_t j = lane; j < rp.cols; j += 32) d_step[base + j] = -dW[base + j];
+    return;
+  }
+  float xx = 0, xdy = 0;
+  for (int64_t j = lane; j < rp.cols; j += 32) {
+    const float x = W[base + j] - step[base + j];
+    xx += x * x;
+    xdy += x * dW[base + j];
+  }
+  xx = warp_sum(xx);
+  xdy = warp_sum(xdy);
+  const float n0 = norm0[(pair % H) * nr + r];
+  const float s = sqrtf(xx), den = s + float(kLactEps);
+  if (lane == 0) d_norm0[pair * nr + r] += xdy / den;
+  const float radial = s > 0.0f ? n0 * xdy / (den * den * s) : 0.0f;
+  __syncwarp();
+  for (int64_t j = lane; j < rp.cols; j += 32) {
+    const float x = W[base + j] - step[base + j];
+    const float dx = n0 / den * dW[base + j] - radial * x;
+    dW[base + j] = dx;
+    d_step[base + j] = -dx;
+  }
+}
+
+// The initial weights' gradient [H, 3MD]: the carried adjoints summed over
+// batch rows plus the renorm targets' path n0 = |w row| (dn0 w / n0).
+static __global__ void initial_grad_kernel(const float* dW, const float* d_norm0,
+                                           const float* w_init, const float* norm0, int64_t B,
+                                           int64_t H, int64_t M, int64_t D, bool renorm,
+                                           float* d_init) {
+  const int64_t md = M * D, block = 3 * md, nr = 2 * M + D;
+  const int64_t total = H * block;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = e / block, o = e % block;
+    const int64_t r = o < 2 * md ? o / D : 2 * M + (o - 2 * md) / M;  // row = norm index
+    float acc = 0, dn = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      acc += dW[(b * H + h) * block + o];
+      dn += d_norm0[(b * H + h) * nr + r];
+    }
+    if (renorm) {
+      const float n0 = norm0[h * nr + r];
+      if (n0 != 0.0f) acc += dn / n0 * w_init[e];
+    }
+    d_init[e] = acc;
+  }
+}
+
+// dw0, dw1, dw2 [H, ...] in storage type from d_init [H, 3MD] ([W0 | W2 | W1]).
+template <typename T>
+__global__ void store_weight_grads_kernel(const float* d_init, int64_t H, int64_t md, T* dw0,
+                                          T* dw1, T* dw2) {
+  const int64_t total = H * 3 * md;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = e / (3 * md), o = e % (3 * md), slot = o / md, r = o % md;
+    slot_array(slot, dw0, dw1, dw2)[h * md + r] = from_float<T>(d_init[e]);
+  }
+}
+
+// ---- token kernels ------------------------------------------------------------
+
+// Learning rate of row t of pair i in this chunk slice.
+template <typename T>
+__device__ __forceinline__ float lr_at(const T* lr, int64_t pair, int64_t t, int64_t H,
+                                       int64_t local_len, int64_t t0) {
+  const int64_t b = pair / H, h = pair % H;
+  return to_float(lr[(b * local_len + t0 + t) * H + h]);
+}
+
+// Apply forward: gate = silu(h0) h2 (operand type, rows of M) from the
+// hidden rows h = [h0 | h2] (rows of 2M). Blocks stride over rows, threads
+// over a row's columns (no per-element index division).
+template <typename T>
+__global__ void apply_gate_kernel(const float* h, int64_t rows, int64_t M, T* gate) {
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* hr = h + row * 2 * M;
+    T* g = gate + row * M;
+    for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
+      const float x = hr[j];
+      g[j] = from_float<T>(x / (1.0f + expf(-x)) * hr[M + j]);
+    }
+  }
+}
+
+// Key side of the update gradient, lr-weighted (operands of G's GEMMs), from
+// h = [h0 | h2] (rows of 2M) and e (rows of M): z = [z0 | z2] with
+// z0 = lr0 e h2 silu'(h0), z2 = lr2 e silu(h0); gate = lr1 silu(h0) h2.
+// With z_lo / gate_lo (bf16 with Muon, see LactGpu::split_update_) each value
+// is also written as a second bf16 term, x - bf16(x), so that hi + lo carries
+// it to ~2^-16. Blocks stride over the pairs' token rows, threads over columns.
+template <typename T>
+__global__ void key_side_kernel(const float* h, const float* e_in, const T* lr0, const T* lr1,
+                                const T* lr2, int64_t pairs, int64_t n, int64_t M, int64_t H,
+                                int64_t local_len, int64_t t0, T* z, T* gate, T* z_lo, T* gate_lo) {
+  for (int64_t row = blockIdx.x; row < pairs * n; row += gridDim.x) {
+    const int64_t pair = row / n, t = row % n;
+    const float l0 = lr_at(lr0, pair, t, H, local_len, t0);
+    const float l1 = lr_at(lr1, pair, t, H, local_len, t0);
+    const float l2 = lr_at(lr2, pair, t, H, local_len, t0);
+    const float* hr = h + row * 2 * M;
+    const float* er = e_in + row * M;
+    T* zr = z + row * 2 * M;
+    T* gr = gate + row * M;
+    for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
+      const SiluF s(hr[j]);
+      const float ev = er[j], hv = hr[M + j];
+      const float z0 = l0 * ev * hv * s.d1, z2 = l2 * ev * s.value, g = l1 * s.value * hv;
+      const T z0_hi = from_float<T>(z0), z2_hi = from_float<T>(z2), g_hi = from_float<T>(g);
+      zr[j] = z0_hi;
+      zr[M + j] = z2_hi;
+      gr[j] = g_hi;
+      if (z_lo != nullptr) {
+        z_lo[row * 2 * M + j] = from_float<T>(z0 - to_float(z0_hi));
+        z_lo[row * 2 * M + M + j] = from_float<T>(z2 - to_float(z2_hi));
+        gate_lo[row * M + j] = from_float<T>(g - to_float(g_hi));
+      }
+    }
+  }
+}
+
+// Apply backward elementwise, from h = [h0 | h2] and dgate (rows of M):
+// gate = silu(h0) h2 (rows of M) and dh = [dg h2 silu'(h0) | dg silu(h0)]
+// (rows of 2M), as operands. Blocks over rows, threads over columns.
+template <typename T>
+__global__ void apply_backward_kernel(const float* h, const float* dgate, int64_t rows, int64_t M,
+                                      T* gate, T* dh) {
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* hr = h + row * 2 * M;
+    const float* dgr = dgate + row * M;
+    T* gr = gate + row * M;
+    T* dhr = dh + row * 2 * M;
+    for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
+      const SiluF s(hr[j]);
+      const float hv = hr[M + j], dg = dgr[j];
+      gr[j] = from_float<T>(s.value * hv);
+      dhr[j] = from_float<T>(dg * hv * s.d1);
+      dhr[M + j] = from_float<T>(dg * s.value);
+    }
+  }
+}
+
+// Backward of the update gradient, one block per token row (pair, t): from
+// h = [h0 | h2], e, u = [u0 | u2] = k [dG0; dG2]^T and u1 = dG1^T v (fp32)
+// writes dlr0..2 of the token and the operands z = [z0 | z2], gate (lr-
+// weighted, for dk and dv), de and dh = [dh0 | dh2] (for dW, dk, dv).
+// Rows of 2M: h, u, z, dh; rows of M: e, u1, gate, de.
+template <typename T>
+__global__ void gradients_backward_rows_kernel(const float* h, const float* e_in, const float* u,
+                                               const float* u1, const T* lr0, const T* lr1,
+                                               const T* lr2, int64_t n, int64_t M, int64_t H,
+                                               int64_t local_len, int64_t t0, T* dlr0, T* dlr1,
+                                               T* dlr2, T* z_out, T* gate_out, T* de_out,
+                                               T* dh_out) {
+  const int64_t row = blockIdx.x;  // pair * n + t
+  const int64_t pair = row / n, t = row % n;
+  const float l0 = lr_at(lr0, pair, t, H, local_len, t0);
+  const float l1 = lr_at(lr1, pair, t, H, local_len, t0);
+  const float l2 = lr_at(lr2, pair, t, H, local_len, t0);
+  float s0 = 0, s1 = 0, s2 = 0;
+  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
+    const int64_t i = row * M + j, i0 = row * 2 * M + j, i2 = i0 + M;
+    const SiluF s(h[i0]);
+    const float hv = h[i2], ev = e_in[i], u0 = u[i0], u2 = u[i2], v1 = u1[i];
+    const float gate = s.value * hv, z0 = ev * hv * s.d1, z2 = ev * s.value;
+    s0 += z0 * u0;
+    s2 += z2 * u2;
+    s1 -= gate * v1;
+    z_out[i0] = from_float<T>(l0 * z0);
+    z_out[i2] = from_float<T>(l2 * z2);
+    gate_out[i] = from_float<T>(l1 * gate);
+    const float dz0 = l0 * u0, dz2 = l2 * u2, dgate = -l1 * v1;
+    de_out[i] = from_float<T>(dz2 * s.value + dz0 * hv * s.d1);
+    const float dact = dz2 * ev + dgate * hv;
+    dh_out[i2] = from_float<T>(dz0 * ev * s.d1 + dgate * s.value);
+    dh_out[i0] = from_float<T>(dz0 * ev * hv * s.d2 + dact * s.d1);
+  }
+  __shared__ float red[3][32];
+  s0 = warp_sum(s0);
+  s1 = warp_sum(s1);
+  s2 = warp_sum(s2);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) red[0][warp] = s0, red[1][warp] = s1, red[2][warp] = s2;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float a = 0, b = 0, c = 0;
+    for (int w = 0; w < warps; ++w) a += red[0][w], b += red[1][w], c += red[2][w];
+    const int64_t b_row = pair / H, hh = pair % H;
+    const int64_t idx = (b_row * local_len + t0 + t) * H + hh;
+    dlr0[idx] = from_float<T>(a);
+    dlr1[idx] = from_float<T>(b);
+    dlr2[idx] = from_float<T>(c);
+  }
+}
+
+// Token gradients of one chunk slice from the fp32 accumulator [B, n, H D]
+// into the storage tensor [B, T_local, H D] at local row t0.
+template <typename T>
+__global__ void store_tokens_kernel(const float* src, int64_t B, int64_t n, int64_t hd,
+                                    int64_t local_len, int64_t t0, T* dst) {
+  const int64_t total = B * n * hd;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = e / (n * hd), r = e % (n * hd);
+    dst[(b * local_len + t0) * hd + r] = from_float<T>(src[e]);
+  }
+}
+
+// ---- Newton-Schulz (Muon) -------------------------------------------------------
+
+// The three matrices of every pair, each oriented so that its Gram matrix is
+// the smaller side, all m x n with m = min(M, D), n = max(M, D): W0 and W2
+// (M x D) transpose when M > D, W1 (D x M) when D > M. Element (r, col) of
+// matrix `mat` (= pair * 3 + slot) sits at this offset of a [pairs, 3MD] array.
+__device__ __forceinline__ int64_t oriented_offset(int64_t mat, int64_t r, int64_t col, int64_t M,
+                                                   int64_t D) {
+  const int64_t pair = mat / 3, i = mat % 3;
+  const int64_t rows = i == 2 ? D : M, cols = i == 2 ? M : D;
+  const int64_t base = pair * 3 * M * D + i * M * D;
+  return rows > cols ? base + col * cols + r : base + r * cols + col;
+}
+
+// X[mat] = oriented(P[mat]) * scale[mat] (scale null: 1).
+template <typename U>
+__global__ void ns_load_kernel(const float* P, const U* scale, int64_t mats, int64_t M, int64_t D,
+                               U* X) {
+  const int64_t m = M < D ? M : D, n = M < D ? D : M, total = mats * m * n;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t mat = e / (m * n), r = (e / n) % m, col = e % n;
+    const U x = static_cast<U>(P[oriented_offset(mat, r, col, M, D)]);
+    X[e] = scale ? x * scale[mat] : x;
+  }
+}
+
+// out[mat] (fp32, original orientation) = X[mat].
+template <typename U>
+__global__ void ns_store_kernel(const U* X, int64_t mats, int64_t M, int64_t D, float* out) {
+  const int64_t m = M < D ? M : D, n = M < D ? D : M, total = mats * m * n;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t mat = e / (m * n), r = (e / n) % m, col = e % n;
+    out[oriented_offset(mat, r, col, M, D)] = static_cast<float>(X[e]);
+  }
+}
+
+// Per matrix of P (fp32 [mats, MD] as blocks): scale = 1 / (||P||_F + eps).
+template <typename U>
+__global__ void ns_scale_kernel(const float* P, int64_t md, U* scale) {
+  const float* x = P + blockIdx.x * md;
+  double s = 0;
+  for (int64_t j = threadIdx.x; j < md; j += blockDim.x) s += double(x[j]) * double(x[j]);
+  __shared__ double red[32];
+  s = warp_sum(s);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double t = 0;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[w];
+    scale[blockIdx.x] = static_cast<U>(1.0 / (sqrt(t) + kLactEps));
+  }
+}
+
+// Backward of the Frobenius normalisation, per matrix (one block each), with
+// Xp the unscaled oriented input and dX the adjoint of X_0:
+// dXp = dX / den - (Xp.dX) / (den^2 f) Xp, written over dX.
+template <typename U>
+__global__ void ns_normalise_backward_kernel(const U* Xp, U* dX, int64_t mn) {
+  const U* x = Xp + blockIdx.x * mn;
+  U* d = dX + blockIdx.x * mn;
+  double ss = 0, sd = 0;
+  for (int64_t j = threadIdx.x; j < mn; j += blockDim.x) {
+    ss += double(x[j]) * double(x[j]);
+    sd += double(x[j]) * double(d[j]);
+  }
+  __shared__ double red[2][32];
+  ss = warp_sum(ss);
+  sd = warp_sum(sd);
+  if (threadIdx.x % 32 == 0) red[0][threadIdx.x / 32] = ss, red[1][threadIdx.x / 32] = sd;
+  __syncthreads();
+  __shared__ double f_s, dot_s;
+  if (threadIdx.x == 0) {
+    double a = 0, b = 0;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) a += red[0][w], b += red[1][w];
+    f_s = sqrt(a);
+    dot_s = b;
+  }
+  __syncthreads();
+  const double f = f_s, den = f + kLactEps;
+  const double radial = f > 0 ? dot_s / (den * den * f) : 0.0;
+  for (int64_t j = threadIdx.x; j < mn; j += blockDim.x)
+    d[j] = static_cast<U>(double(d[j]) / den - radial * double(x[j]));
+}
+
+// S = dA + dA^T for every m x m matrix.
+template <typename U>
+__global__ void symmetrise_kernel(const U* dA, int64_t mats, int64_t m, U* S) {
+  const int64_t total = mats * m * m;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t mat = e / (m * m), i = (e / m) % m, j = e % m;
+    S[e] = dA[e] + dA[mat * m * m + j * m + i];
+  }
+}
+
+// Muon's NS_s over all 3 * pairs matrices of a [pairs, 3MD] array at once,
+// each Newton-Schulz product one batched GEMM in U.
+template <typename U>
+class NewtonSchulz {
+ public:
+  NewtonSchulz(const Geo& g, int steps, bool keep_iterates, cudaStream_t stream)
+      : compute_(wide_compute<U>()),
+        M_(g.M),
+        D_(g.D),
+        m_(std::min(g.M, g.D)),
+        n_(std::max(g.M, g.D)),
+        mats_(3 * g.pairs),
+        steps_(steps),
+        stream_(stream),
+        X_(mats_ * m_ * n_, stream),
+        Y_(mats_ * m_ * n_, stream),
+        A_(mats_ * m_ * m_, stream),
+        Bm_(mats_ * m_ * m_, stream),
+        scale_(mats_, stream) {
+    if (keep_iterates) {
+      iterates_ = Scratch<U>(steps_ * mats_ * m_ * n_, stream);
+      dA_ = Scratch<U>(mats_ * m_ * m_, stream);
+      dB_ = Scratch<U>(mats_ * m_ * m_, stream);
+    }
+  }
+  ~NewtonSchulz() {
+    if (fwd_.exec != nullptr || bwd_.exec != nullptr) (void)cudaStreamSynchronize(stream_);
+    if (fwd_.exec != nullptr) (void)cudaGraphExecDestroy(fwd_.exec);
+    if (bwd_.exec != nullptr) (void)cudaGraphExecDestroy(bwd_.exec);
+  }
+  NewtonSchulz(const NewtonSchulz&) = delete;
+  NewtonSchulz& operator=(const NewtonSchulz&) = delete;
+
+  // out = NS(P) (fp32 [pairs, 3MD]); keeps the iterates when constructed so.
+  // Replayed as a CUDA graph when P and out repeat (see replay()).
+  void forward(const float* P, float* out) {
+    replay(fwd_, P, out, nullptr, [&] { forward_eager(P, out); });
+  }
+
+  // dP = (dNS/dP)^T d_out, after forward(P, ...) on this object with iterates.
+  void backward(const float* P, const float* d_out, float* dP) {
+    replay(bwd_, P, d_out, dP, [&] { backward_eager(P, d_out, dP); });
+  }
+
+ private:
+  // One captured sequence: its executable graph and the pointers it baked in.
+  struct Replay {
+    cudaGraphExec_t exec = nullptr;
+    const void* key[3] = {nullptr, nullptr, nullptr};
+    int calls = 0;
+    bool failed = false;
+  };
+
+  // Runs `enqueue` eagerly the first time (that also sets up cuBLAS for the
+  // stream), captures it as a CUDA graph the second time and replays the graph
+  // while the pointers stay the same: one launch per chunk instead of ~30 small
+  // cuBLAS calls and kernels. (At the 1M-token benchmark shape Newton-Schulz is
+  // GPU-bound and the replay changed little, 221 -> 215 ms forward; it helps
+  // where chunks are small.) Any capture failure, and the legacy default
+  // stream (not capturable), fall back to eager launches.
+  template <typename F>
+  void replay(Replay& r, const void* a, const void* b, const void* c, F&& enqueue) {
+    const bool same = r.key[0] == a && r.key[1] == b && r.key[2] == c;
+    if (r.exec != nullptr && same) {
+      SS_CUDA_CHECK(cudaGraphLaunch(r.exec, stream_));
+      return;
+    }
+    if (r.exec != nullptr) {
+      (void)cudaStreamSynchronize(stream_);
+      (void)cudaGraphExecDestroy(r.exec);
+      r.exec = nullptr;
+    }
+    const bool capturable =
+        stream_ != nullptr && stream_ != cudaStreamLegacy && stream_ != cudaStreamPerThread;
+    const bool first = !same || r.calls == 0;
+    r.key[0] = a, r.key[1] = b, r.key[2] = c;
+    ++r.calls;
+    if (!capturable || r.failed || first) {
+      enqueue();
+      return;
+    }
+    cudaGraph_t graph = nullptr;
+    if (cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+      (void)cudaGetLastError();
+      r.failed = true;
+      enqueue();
+      return;
+    }
+    bool captured = true;
+    try {
+      enqueue();
+    } catch (...) {  // the capture must end whatever happened; eager below
+      captured = false;
+    }
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    if (captured && end == cudaSuccess && graph != nullptr &&
+        cudaGraphInstantiate(&r.exec, graph, 0) == cudaSuccess) {
+      (void)cudaGraphDestroy(graph);
+      SS_CUDA_CHECK(cudaGraphLaunch(r.exec, stream_));
+      return;
+    }
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    r.exec = nullptr;
+    r.failed = true;
+    enqueue();  // nothing of the failed capture ran
+  }
+
+  void forward_eager(const float* P, float* out) {
+    const int64_t mn = m_ * n_;
+    ns_scale_kernel<U>
+        <<<static_cast<unsigned>(mats_), kThreads, 0, stream_>>>(P, M_ * D_, scale_.get());
+    SS_LAUNCH_CHECK("ns_scale_kernel");
+    ns_load_kernel<U><<<grid_for(mats_ * mn, kThreads), kThreads, 0, stream_>>>(
+        P, scale_.get(), mats_, M_, D_, X_.get());
+    SS_LAUNCH_CHECK("ns_load_kernel");
+    cublasHandle_t h = blas_handle(stream_);
+    for (int s = 0; s < steps_; ++s) {
+      if (iterates_.get())
+        SS_CUDA_CHECK(cudaMemcpyAsync(iterates_.get() + s * mats_ * mn, X_.get(),
+                                      mats_ * mn * sizeof(U), cudaMemcpyDeviceToDevice, stream_));
+      gram_and_poly(h, X_.get());
+      // Y = a X + B X.
+      SS_CUDA_CHECK(cudaMemcpyAsync(Y_.get(), X_.get(), mats_ * mn * sizeof(U),
+                                    cudaMemcpyDeviceToDevice, stream_));
+      gemm(h, false, false, m_, n_, m_, 1.0, op(Bm_.get(), m_, m_ * m_), op(X_.get(), n_, mn),
+           kMuonA, out_(Y_.get(), n_, mn), mats_, compute_);
+      std::swap(X_, Y_);
+    }
+    ns_store_kernel<U>
+        <<<grid_for(mats_ * mn, kThreads), kThreads, 0, stream_>>>(X_.get(), mats_, M_, D_, out);
+    SS_LAUNCH_CHECK("ns_store_kernel");
+  }
+
+  void backward_eager(const float* P, const float* d_out, float* dP) {
+    const int64_t mn = m_ * n_, mm = m_ * m_;
+    cublasHandle_t h = blas_handle(stream_);
+    // dX in X_, the next adjoint in Y_.
+    ns_load_kernel<U><<<grid_for(mats_ * mn, kThreads), kThreads, 0, stream_>>>(
+        d_out, static_cast<const U*>(nullptr), mats_, M_, D_, X_.get());
+    SS_LAUNCH_CHECK("ns_load_kernel");
+    for (int s = steps_ - 1; s >= 0; --s) {
+      const U* X = iterates_.get() + s * mats_ * mn;
+      gram_and_poly(h, X);
+      // Y = a X + B X:  dXn = a dY + B dY,  dB = dY X^T.
+      SS_CUDA_CHECK(cudaMemcpyAsync(Y_.get(), X_.get(), mats_ * mn * sizeof(U),
+                                    cudaMemcpyDeviceToDevice, stream_));
+      gemm(h, false, false, m_, n_, m_, 1.0, op(Bm_.get(), m_, mm), op(X_.get(), n_, mn), kMuonA,
+           out_(Y_.get(), n_, mn), mats_, compute_);
+      gemm(h, false, true, m_, m_, n_, 1.0, op(X_.get(), n_, mn), op(X, n_, mn), 0.0,
+           out_(dB_.get(), m_, mm), mats_, compute_);
+      // B = b A + c A A:  dA = b dB + c (dB A + A dB).
+      SS_CUDA_CHECK(cudaMemcpyAsync(dA_.get(), dB_.get(), mats_ * mm * sizeof(U),
+                                    cudaMemcpyDeviceToDevice, stream_));
+      gemm(h, false, false, m_, m_, m_, kMuonC, op(dB_.get(), m_, mm), op(A_.get(), m_, mm), kMuonB,
+           out_(dA_.get(), m_, mm), mats_, compute_);
+      gemm(h, false, false, m_, m_, m_, kMuonC, op(A_.get(), m_, mm), op(dB_.get(), m_, mm), 1.0,
+           out_(dA_.get(), m_, mm), mats_, compute_);
+      // A = X X^T:  dXn += (dA + dA^T) X  (Bm_ is free now: it holds S).
+      symmetrise_kernel<U><<<grid_for(mats_ * mm, kThreads), kThreads, 0, stream_>>>(
+          dA_.get(), mats_, m_, Bm_.get());
+      SS_LAUNCH_CHECK("symmetrise_kernel");
+      gemm(h, false, false, m_, n_, m_, 1.0, op(Bm_.get(), m_, mm), op(X, n_, mn), 1.0,
+           out_(Y_.get(), n_, mn), mats_, compute_);
+      std::swap(X_, Y_);
+    }
+    // X_0 = Xp / (||Xp|| + eps): Xp (unscaled, oriented) into Y_.
+    ns_load_kernel<U><<<grid_for(mats_ * mn, kThreads), kThreads, 0, stream_>>>(
+        P, static_cast<const U*>(nullptr), mats_, M_, D_, Y_.get());
+    SS_LAUNCH_CHECK("ns_load_kernel");
+    ns_normalise_backward_kernel<U>
+        <<<static_cast<unsigned>(mats_), kThreads, 0, stream_>>>(Y_.get(), X_.get(), mn);
+    SS_LAUNCH_CHECK("ns_normalise_backward_kernel");
+    ns_store_kernel<U>
+        <<<grid_for(mats_ * mn, kThreads), kThreads, 0, stream_>>>(X_.get(), mats_, M_, D_, dP);
+    SS_LAUNCH_CHECK("ns_store_kernel");
+  }
+
+  static Operand op(const U* p, int64_t ld, int64_t stride) {
+    return {p, data_type<U>(), ld, stride};
+  }
+  static Output out_(U* p, int64_t ld, int64_t stride) { return {p, data_type<U>(), ld, stride}; }
+
+  // A = X X^T, Bm = b A + c A A for every matrix.
+  void gram_and_poly(cublasHandle_t h, const U* X) {
+    const int64_t mn = m_ * n_, mm = m_ * m_;
+    gemm(h, false, true, m_, m_, n_, 1.0, op(X, n_, mn), op(X, n_, mn), 0.0, out_(A_.get(), m_, mm),
+         mats_, compute_);
+    SS_CUDA_CHECK(cudaMemcpyAsync(Bm_.get(), A_.get(), mats_ * mm * sizeof(U),
+                                  cudaMemcpyDeviceToDevice, stream_));
+    gemm(h, false, false, m_, m_, m_, kMuonC, op(A_.get(), m_, mm), op(A_.get(), m_, mm), kMuonB,
+         out_(Bm_.get(), m_, mm), mats_, compute_);
+  }
+
+  Replay fwd_, bwd_;
+  cublasComputeType_t compute_;
+  int64_t M_, D_, m_, n_, mats_;
+  int steps_;
+  cudaStream_t stream_;
+  Scratch<U> X_, Y_, A_, Bm_, scale_, iterates_, dA_, dB_;
+};
+
+// ---- the layer ------------------------------------------------------------------
+
+template <typename T, typename U>
+class LactGpu {
+ public:
+  LactGpu(const LactCudaParams& p, cudaStream_t stream)
+      : p_(p),
+        g_(make_geo(p)),
+        stream_(stream),
+        blas_(blas_handle(stream)),
+        causal_(p.config.schedule == LactSchedule::apply_then_update),
+        momentum_(p.config.momentum > 0),
+        split_update_(!std::is_same<T, float>::value && p.config.muon_steps > 0),
+        w_init_(g_.H * g_.block(), stream),
+        norm0_(g_.H * g_.norms(), stream) {
+    load_weights_kernel<T><<<grid_for(w_init_.size(), kThreads), kThreads, 0, stream_>>>(
+        tok(p.w0), tok(p.w1), tok(p.w2), g_.H, g_.H, g_.md(), w_init_.get());
+    SS_LAUNCH_CHECK("load_weights_kernel");
+    row_norms_kernel<<<grid_for(g_.H * g_.norms() * 32, kThreads), kThreads, 0, stream_>>>(
+        w_init_.get(), g_.H, g_.M, g_.D, norm0_.get());
+    SS_LAUNCH_CHECK("row_norms_kernel");
+    const std::size_t nm = static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M);
+    h_ = Scratch<float>(2 * nm, stream);
+    e_ = Scratch<float>(nm, stream);
+    z_ = Scratch<T>(2 * nm, stream);
+    gate_ = Scratch<T>(nm, stream);
+    if (split_update_) {
+      z_lo_ = Scratch<T>(2 * nm, stream);
+      gate_lo_ = Scratch<T>(nm, stream);
+    }
+    if (!std::is_same<T, float>::value) w_op_ = Scratch<T>(g_.state(), stream);
+  }
+
+  void forward(const LactDeviceAllReduce& all_reduce, LactCudaSaved* saved) {
+    const std::size_t state = static_cast<std::size_t>(g_.state());
+    Scratch<float> W(state, stream_), grads(state, stream_), vel, step;
+    load_weights_kernel<T><<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
+        tok(p_.w0), tok(p_.w1), tok(p_.w2), g_.pairs, g_.H, g_.md(), W.get());
+    SS_LAUNCH_CHECK("load_weights_kernel");
+    if (momentum_) {
+      vel = Scratch<float>(state, stream_);
+      vel.zero();
+    }
+    const bool muon = p_.config.muon_steps > 0;
+    std::unique_ptr<NewtonSchulz<U>> ns;
+    if (muon) {
+      step = Scratch<float>(state, stream_);
+      ns = std::make_unique<NewtonSchulz<U>>(g_, p_.config.muon_steps, false, stream_);
+    }
+    // Checkpoints: reused when a previous forward of the same size left them
+    // (repeated steps then allocate nothing; cudaMalloc would sync the device).
+    const std::size_t saved_count = static_cast<std::size_t>(g_.chunks) * state;
+    if (saved && saved->weights.size() != saved_count) {
+      saved->weights = DeviceBuffer<float>();
+      saved->updates = DeviceBuffer<float>();
+      saved->weights = DeviceBuffer<float>(saved_count);
+      saved->updates = DeviceBuffer<float>(saved_count);
+    }
+    for (int64_t c = 0; c < g_.chunks; ++c) {
+      const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
+      if (saved)
+        SS_CUDA_CHECK(cudaMemcpyAsync(saved->weights.data() + c * state, W.get(),
+                                      state * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      const T* w_op = operand_weights(W.get());
+      if (causal_) apply_forward(w_op, n, t0);
+      partial_gradients(w_op, n, t0, grads.get());
+      if (all_reduce) all_reduce(grads.get(), state, stream_);
+      float* update = grads.get();
+      if (momentum_) {
+        momentum_kernel<<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
+            grads.get(), state, static_cast<float>(p_.config.momentum), vel.get());
+        SS_LAUNCH_CHECK("momentum_kernel");
+        update = vel.get();
+      }
+      if (saved)
+        SS_CUDA_CHECK(cudaMemcpyAsync(saved->updates.data() + c * state, update,
+                                      state * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      const float* d = update;
+      if (muon) {
+        ns->forward(update, step.get());
+        d = step.get();
+      }
+      step_renorm(W.get(), d);
+      if (!causal_) apply_forward(operand_weights(W.get()), n, t0);
+    }
+  }
+
+  void backward(const LactCudaGrads& gr, const LactCudaSaved& saved,
+                const LactDeviceAllReduce& all_reduce) {
+    const std::size_t state = static_cast<std::size_t>(g_.state());
+    const std::size_t nm = static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M);
+    const std::size_t tokens = static_cast<std::size_t>(g_.B * g_.max_n * g_.H * g_.D);
+    SS_CHECK_ARG(saved.weights.size() == static_cast<std::size_t>(g_.chunks) * state &&
+                     saved.updates.size() == saved.weights.size(),
+                 "saved", "checkpoints do not match this problem (run lact_cuda_forward first)");
+    Scratch<float> dW(state, stream_), dG(state, stream_), d_step(state, stream_), dvel, step,
+        w_next;
+    Scratch<float> d_norm0(g_.pairs * g_.norms(), stream_);
+    dW.zero();
+    d_norm0.zero();
+    if (momentum_) {
+      dvel = Scratch<float>(state, stream_);
+      dvel.zero();
+    }
+    const bool muon = p_.config.muon_steps > 0;
+    std::unique_ptr<NewtonSchulz<U>> ns;
+    Scratch<float> p_stage;
+    if (muon) {
+      step = Scratch<float>(state, stream_);
+      p_stage = Scratch<float>(state, stream_);
+      ns = std::make_unique<NewtonSchulz<U>>(g_, p_.config.muon_steps, true, stream_);
+    }
+    if (!causal_) w_next = Scratch<float>(state, stream_);
+    Scratch<T> dG_op;
+    if (!std::is_same<T, float>::value) dG_op = Scratch<T>(state, stream_);
+    u_ = Scratch<float>(2 * nm, stream_);
+    u1_ = Scratch<float>(nm, stream_);
+    de_ = Scratch<T>(nm, stream_);
+    dh_ = Scratch<T>(2 * nm, stream_);
+    dq_acc_ = Scratch<float>(tokens, stream_);
+    dk_acc_ = Scratch<float>(tokens, stream_);
+    dv_acc_ = Scratch<float>(tokens, stream_);
+
+    for (int64_t c = g_.chunks - 1; c >= 0; --c) {
+      const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
+      const float* Wc = saved.weights.data() + c * state;
+      const float* Pc = saved.updates.data() + c * state;
+      const float* d = Pc;
+      if (muon) {
+        // Through a fixed buffer, so that Newton-Schulz replays one graph.
+        SS_CUDA_CHECK(cudaMemcpyAsync(p_stage.get(), Pc, state * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream_));
+        Pc = p_stage.get();
+        ns->forward(Pc, step.get());  // keeps the iterates for ns->backward
+        d = step.get();
+      }
+      if (!causal_) {
+        SS_CUDA_CHECK(cudaMemcpyAsync(w_next.get(), Wc, state * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream_));
+        step_renorm(w_next.get(), d);
+        apply_backward(gr, operand_weights(w_next.get()), n, t0, dW.get());
+      }
+      step_renorm_backward_kernel<<<grid_for(g_.pairs * g_.norms() * 32, kThreads), kThreads, 0,
+                                    stream_>>>(Wc, d, norm0_.get(), g_.pairs, g_.H, g_.M, g_.D,
+                                               p_.config.renorm, dW.get(), d_step.get(),
+                                               d_norm0.get());
+      SS_LAUNCH_CHECK("step_renorm_backward_kernel");
+      if (muon) {
+        ns->backward(Pc, d_step.get(), dG.get());
+      } else {
+        SS_CUDA_CHECK(cudaMemcpyAsync(dG.get(), d_step.get(), state * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream_));
+      }
+      if (momentum_) {
+        momentum_backward_kernel<<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
+            dG.get(), state, static_cast<float>(p_.config.momentum), dvel.get());
+        SS_LAUNCH_CHECK("momentum_backward_kernel");
+      }
+      if (all_reduce) all_reduce(dG.get(), state, stream_);
+      const T* w_op = operand_weights(Wc);
+      const T* dg_op = reinterpret_cast<const T*>(dG.get());
+      if (!std::is_same<T, float>::value) {
+        convert_kernel<T>
+            <<<grid_for(state, kThreads), kThreads, 0, stream_>>>(dG.get(), state, dG_op.get());
+        SS_LAUNCH_CHECK("convert_kernel");
+        dg_op = dG_op.get();
+      }
+      gradients_backward(gr, w_op, dg_op, n, t0, dW.get());
+      if (causal_) apply_backward(gr, w_op, n, t0, dW.get());
+    }
+
+    Scratch<float> d_init(g_.H * g_.block(), stream_);
+    initial_grad_kernel<<<grid_for(d_init.size(), kThreads), kThreads, 0, stream_>>>(
+        dW.get(), d_norm0.get(), w_init_.get(), norm0_.get(), g_.B, g_.H, g_.M, g_.D,
+        p_.config.renorm, d_init.get());
+    SS_LAUNCH_CHECK("initial_grad_kernel");
+    if (all_reduce) all_reduce(d_init.get(), d_init.size(), stream_);
+    store_weight_grads_kernel<T><<<grid_for(d_init.size(), kThreads), kThreads, 0, stream_>>>(
+        d_init.get(), g_.H, g_.md(), static_cast<T*>(gr.dw0), static_cast<T*>(gr.dw1),
+        static_cast<T*>(gr.dw2));
+    SS_LAUNCH_CHECK("store_weight_grads_kernel");
+  }
+
+ private:
+  static const T* tok(const void* p) { return static_cast<const T*>(p); }
+  static constexpr cudaDataType_t kT = data_type<T>();
+
+  // Views of one batch row b for a GEMM batched over its H heads.
+  Operand tokens(const void* base, int64_t b, int64_t t0) const {
+    const int64_t hd = g_.H * g_.D;
+    return {tok(base) + (b * g_.local_len + t0) * hd, kT, hd, g_.D};
+  }
+  // Slot 0 of a block as [W0; W2] (2M x D, or W0 alone with M rows), slot 2
+  // as W1 (D x M).
+  Operand weights(const T* w, int64_t b, int slot) const {
+    const int64_t ld = slot == 2 ? g_.M : g_.D;
+    return {w + b * g_.H * g_.block() + slot * g_.md(), kT, ld, g_.block()};
+  }
+  Output weight_grad(float* dW, int64_t b, int slot) const {
+    const int64_t ld = slot == 2 ? g_.M : g_.D;
+    return {dW + b * g_.H * g_.block() + slot * g_.md(), CUDA_R_32F, ld, g_.block()};
+  }
+  // Per-pair intermediates of n rows of `width` (M or 2M), pair-major.
+  template <typename X>
+  Operand rows_in(const X* buf, int64_t b, int64_t n, int64_t width) const {
+    return {buf + b * g_.H * n * width, data_type<X>(), width, n * width};
+  }
+  template <typename X>
+  Output rows_out(X* buf, int64_t b, int64_t n, int64_t width) const {
+    return {buf + b * g_.H * n * width, data_type<X>(), width, n * width};
+  }
+  // fp32 token accumulators [B, n, H D].
+  Output acc_out(float* buf, int64_t b, int64_t n) const {
+    const int64_t hd = g_.H * g_.D;
+    return {buf + b * n * hd, CUDA_R_32F, hd, g_.D};
+  }
+
+  void gemm_t(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const Operand& A,
+              const Operand& B, double beta, const Output& C) {
+    gemm(blas_, ta, tb, m, n, k, alpha, A, B, beta, C, g_.H, token_compute<T>());
+  }
+
+  // The GEMM operand copy of fp32 weights: themselves for f32, bf16 else.
+  const T* operand_weights(const float* W) {
+    if constexpr (std::is_same<T, float>::value) {
+      return W;
+    } else {
+      convert_kernel<T>
+          <<<grid_for(g_.state(), kThreads), kThreads, 0, stream_>>>(W, g_.state(), w_op_.get());
+      SS_LAUNCH_CHECK("convert_kernel");
+      return w_op_.get();
+    }
+  }
+
+  void step_renorm(float* W, const float* step) {
+    step_renorm_kernel<<<grid_for(g_.pairs * g_.norms() * 32, kThreads), kThreads, 0, stream_>>>(
+        W, step, norm0_.get(), g_.pairs, g_.H, g_.M, g_.D, p_.config.renorm);
+    SS_LAUNCH_CHECK("step_renorm_kernel");
+  }
+
+  // h = [h0 | h2] = X [W0; W2]^T (rows of 2M) for the tokens X (q or k).
+  void hidden(const void* x, const T* w, int64_t n, int64_t t0) {
+    const int64_t M2 = 2 * g_.M;
+    for (int64_t b = 0; b < g_.B; ++b)
+      gemm_t(false, true, n, M2, g_.D, 1.0, tokens(x, b, t0), weights(w, b, 0), 0.0,
+             rows_out(h_.get(), b, n, M2));
+  }
+
+  // o = f_W(q) for the slice.
+  void apply_forward(const T* w, int64_t n, int64_t t0) {
+    const int64_t rows = g_.pairs * n, M = g_.M, hd = g_.H * g_.D;
+    hidden(p_.q, w, n, t0);
+    apply_gate_kernel<T>
+        <<<row_grid(rows), kRowThreads, 0, stream_>>>(h_.get(), rows, M, gate_.get());
+    SS_LAUNCH_CHECK("apply_gate_kernel");
+    for (int64_t b = 0; b < g_.B; ++b)
+      gemm_t(false, true, n, g_.D, M, 1.0, rows_in<T>(gate_.get(), b, n, M), weights(w, b, 2), 0.0,
+             Output{static_cast<T*>(p_.o) + (b * g_.local_len + t0) * hd, kT, hd, g_.D});
+  }
+
+  // h = [h0 | h2] and e = -W1^T v (as rows) at the slice's keys and values.
+  void key_side(const T* w, int64_t n, int64_t t0) {
+    hidden(p_.k, w, n, t0);
+    for (int64_t b = 0; b < g_.B; ++b)
+      gemm_t(false, false, n, g_.M, g_.D, -1.0, tokens(p_.v, b, t0), weights(w, b, 2), 0.0,
+             rows_out(e_.get(), b, n, g_.M));
+  }
+
+  // G = [G0 | G2 | G1] of the slice at W (this rank's partial sum).
+  void partial_gradients(const T* w, int64_t n, int64_t t0, float* G) {
+    const int64_t M = g_.M, M2 = 2 * g_.M;
+    key_side(w, n, t0);
+    key_side_kernel<T><<<row_grid(g_.pairs * n), kRowThreads, 0, stream_>>>(
+        h_.get(), e_.get(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), g_.pairs, n, M, g_.H,
+        g_.local_len, t0, z_.get(), gate_.get(), z_lo_.get(), gate_lo_.get());
+    SS_LAUNCH_CHECK("key_side_kernel");
+    for (int64_t b = 0; b < g_.B; ++b) {
+      // [G0; G2] = [z0 | z2]^T k,  G1 = -v^T gate (+ the low bf16 terms).
+      gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(z_.get(), b, n, M2), tokens(p_.k, b, t0),
+             0.0, weight_grad(G, b, 0));
+      gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(gate_.get(), b, n, M),
+             0.0, weight_grad(G, b, 2));
+      if (split_update_) {
+        gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(z_lo_.get(), b, n, M2),
+               tokens(p_.k, b, t0), 1.0, weight_grad(G, b, 0));
+        gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0),
+               rows_in<T>(gate_lo_.get(), b, n, M), 1.0, weight_grad(G, b, 2));
+      }
+    }
+  }
+
+  void store_tokens(const float* acc, int64_t n, int64_t t0, void* dst) {
+    const int64_t hd = g_.H * g_.D, total = g_.B * n * hd;
+    store_tokens_kernel<T><<<grid_for(total, kThreads), kThreads, 0, stream_>>>(
+        acc, g_.B, n, hd, g_.local_len, t0, static_cast<T*>(dst));
+    SS_LAUNCH_CHECK("store_tokens_kernel");
+  }
+
+  // Backward of apply_forward at w: writes dq of the slice, adds to dW.
+  void apply_backward(const LactCudaGrads& gr, const T* w, int64_t n, int64_t t0, float* dW) {
+    const int64_t rows = g_.pairs * n, M = g_.M, M2 = 2 * g_.M;
+    hidden(p_.q, w, n, t0);
+    for (int64_t b = 0; b < g_.B; ++b)  // dgate = W1^T do (as rows), in u1's buffer
+      gemm_t(false, false, n, M, g_.D, 1.0, tokens(gr.d_o, b, t0), weights(w, b, 2), 0.0,
+             rows_out(u1_.get(), b, n, M));
+    apply_backward_kernel<T><<<row_grid(rows), kRowThreads, 0, stream_>>>(
+        h_.get(), u1_.get(), rows, M, gate_.get(), dh_.get());
+    SS_LAUNCH_CHECK("apply_backward_kernel");
+    for (int64_t b = 0; b < g_.B; ++b) {
+      // o = W1 gate: dW1 += do gate^T;  [h0; h2] = [W0; W2] q: d[W0; W2] += dh^T q,
+      // dq = dh [W0; W2].
+      gemm_t(true, false, g_.D, M, n, 1.0, tokens(gr.d_o, b, t0), rows_in<T>(gate_.get(), b, n, M),
+             1.0, weight_grad(dW, b, 2));
+      gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(dh_.get(), b, n, M2), tokens(p_.q, b, t0),
+             1.0, weight_grad(dW, b, 0));
+      gemm_t(false, false, n, g_.D, M2, 1.0, rows_in<T>(dh_.get(), b, n, M2), weights(w, b, 0), 0.0,
+             acc_out(dq_acc_.get(), b, n));
+    }
+    store_tokens(dq_acc_.get(), n, t0, gr.dq);
+  }
+
+  // Backward of partial_gradients given the all-reduced dG (operand type):
+  // writes dk, dv, dlr0..2 of the slice, adds the second-order part to dW.
+  void gradients_backward(const LactCudaGrads& gr, const T* w, const T* dg, int64_t n, int64_t t0,
+                          float* dW) {
+    const int64_t M = g_.M, M2 = 2 * g_.M;
+    key_side(w, n, t0);
+    for (int64_t b = 0; b < g_.B; ++b) {
+      // [u0 | u2] = k [dG0; dG2]^T, u1 = v dG1 (as rows).
+      gemm_t(false, true, n, M2, g_.D, 1.0, tokens(p_.k, b, t0), weights(dg, b, 0), 0.0,
+             rows_out(u_.get(), b, n, M2));
+      gemm_t(false, false, n, M, g_.D, 1.0, tokens(p_.v, b, t0), weights(dg, b, 2), 0.0,
+             rows_out(u1_.get(), b, n, M));
+    }
+    gradients_backward_rows_kernel<T><<<static_cast<unsigned>(g_.pairs * n), 128, 0, stream_>>>(
+        h_.get(), e_.get(), u_.get(), u1_.get(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), n, M, g_.H,
+        g_.local_len, t0, static_cast<T*>(gr.dlr0), static_cast<T*>(gr.dlr1),
+        static_cast<T*>(gr.dlr2), z_.get(), gate_.get(), de_.get(), dh_.get());
+    SS_LAUNCH_CHECK("gradients_backward_rows_kernel");
+    for (int64_t b = 0; b < g_.B; ++b) {
+      // dk = [lr0 z0 | lr2 z2] [dG0; dG2] + [dh0 | dh2] [W0; W2];
+      // dv = -lr1 gate dG1^T - de W1^T.
+      gemm_t(false, false, n, g_.D, M2, 1.0, rows_in<T>(z_.get(), b, n, M2), weights(dg, b, 0), 0.0,
+             acc_out(dk_acc_.get(), b, n));
+      gemm_t(false, false, n, g_.D, M2, 1.0, rows_in<T>(dh_.get(), b, n, M2), weights(w, b, 0), 1.0,
+             acc_out(dk_acc_.get(), b, n));
+      gemm_t(false, true, n, g_.D, M, -1.0, rows_in<T>(gate_.get(), b, n, M), weights(dg, b, 2),
+             0.0, acc_out(dv_acc_.get(), b, n));
+      gemm_t(false, true, n, g_.D, M, -1.0, rows_in<T>(de_.get(), b, n, M), weights(w, b, 2), 1.0,
+             acc_out(dv_acc_.get(), b, n));
+      // e = -W1^T v: dW1 -= v de^T;  [h0; h2] = [W0; W2] k: d[W0; W2] += dh^T k.
+      gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(de_.get(), b, n, M),
+             1.0, weight_grad(dW, b, 2));
+      gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(dh_.get(), b, n, M2), tokens(p_.k, b, t0),
+             1.0, weight_grad(dW, b, 0));
+    }
+    store_tokens(dk_acc_.get(), n, t0, gr.dk);
+    store_tokens(dv_acc_.get(), n, t0, gr.dv);
+  }
+
+  LactCudaParams p_;
+  Geo g_;
+  cudaStream_t stream_;
+  cublasHandle_t blas_;
+  bool causal_, momentum_;
+  // bf16 with Muon: the update gradient G (Newton-Schulz's input) takes its
+  // token operands z, gate as bf16 hi + lo pairs (two GEMMs each). Newton-
+  // Schulz amplifies the small singular directions of its input by up to
+  // a^5 ~ 490, and plain bf16 z, gate put ~1e-3 relative noise there: in a
+  // host emulation of this path (bidir, Muon, D 32, M 64, C 128) they lifted
+  // dk from 5.4e-3 to 7.3e-3 and dlr from 6.3e-3 to 8.6e-3 (DESIGN's bounds
+  // 8e-3 and 2e-2). Costs 6 M D more forward GEMM FLOPs per token (18 -> 24),
+  // with Muon only.
+  bool split_update_;
+  Scratch<float> w_init_, norm0_;
+  // Rows of 2M: h_, u_ (fp32), z_, dh_ (operands); rows of M: e_, u1_ (fp32),
+  // gate_, de_ (operands).
+  Scratch<float> h_, e_, u_, u1_, dq_acc_, dk_acc_, dv_acc_;
+  Scratch<T> z_, gate_, de_, dh_, w_op_, z_lo_, gate_lo_;
+};
+
+template <typename T, typename U>
+void forward_impl(const LactCudaParams& p, const LactDeviceAllReduce& all_reduce,
+                  LactCudaSaved* saved, cudaStream_t stream) {
+  LactGpu<T, U> layer(p, stream);
+  layer.forward(all_reduce, saved);
+}
+
+template <typename T, typename U>
+void backward_impl(const LactCudaParams& p, const LactCudaGrads& g, const LactCudaSaved& saved,
+                   const LactDeviceAllReduce& all_reduce, cudaStream_t stream) {
+  LactGpu<T, U> layer(p, stream);
+  layer.backward(g, saved, all_reduce);
+}
+
+}  // namespace lact_detail
+}  // namespace statescan::cuda

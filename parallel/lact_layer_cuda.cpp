@@ -1,0 +1,272 @@
+// The GPU path of LactLayer (parallel/lact_layer.h): device tensors run
+// kernels/cuda/lact_cuda.h with the same checks, agreement and collective
+// errors as the host path. The fast-weight all-reduces take device buffers:
+// over NCCL they are enqueued on the communicator's stream (the layer computes
+// on that stream too, so no cross-stream waits are needed); any other
+// communicator is staged through the host. The control plane (argument
+// agreement, error broadcast) is small host data; over NCCL it is staged
+// through a device buffer.
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <vector>
+
+#include "comm/collective_check.h"
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/cuda/lact_cuda.h"
+#include "parallel/lact_layer.h"
+#include "parallel/lact_layer_internal.h"
+#ifdef STATESCAN_HAS_NCCL
+#include "comm/nccl_communicator.h"
+#endif
+
+namespace statescan {
+namespace {
+
+#ifdef STATESCAN_HAS_NCCL
+// Host-buffer collectives over an NCCL communicator for the control plane:
+// each call copies through a device buffer and waits through the
+// communicator (its timeout watches the wait). Point to point is refused.
+class HostOverNccl final : public Communicator {
+ public:
+  explicit HostOverNccl(NcclCommunicator& nccl) : nccl_(nccl) {}
+  ~HostOverNccl() override {
+    if (buffer_ != nullptr) (void)cudaFree(buffer_);
+  }
+  int rank() const override { return nccl_.rank(); }
+  int size() const override { return nccl_.size(); }
+  const char* backend() const override { return "nccl-host-staged"; }
+  void all_gather(const void* send, void* recv, std::size_t count, CommType type) override {
+    const std::size_t bytes = count * size_of(type), ranks = static_cast<std::size_t>(size());
+    char* dev = reserve(bytes * ranks);
+    char* mine = dev + bytes * static_cast<std::size_t>(rank());
+    to_device(mine, send, bytes);
+    nccl_.all_gather(mine, dev, count, type);
+    to_host(recv, dev, bytes * ranks);
+  }
+  void all_reduce_sum(void* data, std::size_t count, CommType type) override {
+    char* dev = stage_in(data, count * size_of(type));
+    nccl_.all_reduce_sum(dev, count, type);
+    to_host(data, dev, count * size_of(type));
+  }
+  void all_reduce_max(void* data, std::size_t count, CommType type) override {
+    char* dev = stage_in(data, count * size_of(type));
+    nccl_.all_reduce_max(dev, count, type);
+    to_host(data, dev, count * size_of(type));
+  }
+  void broadcast(void* data, std::size_t count, CommType type, int root) override {
+    char* dev = stage_in(data, count * size_of(type));
+    nccl_.broadcast(dev, count, type, root);
+    to_host(data, dev, count * size_of(type));
+  }
+  void send(const void*, std::size_t, CommType, int, int) override { refuse("send"); }
+  void recv(void*, std::size_t, CommType, int, int) override { refuse("recv"); }
+  void send_recv(const void*, std::size_t, int, void*, std::size_t, int, CommType, int) override {
+    refuse("send_recv");
+  }
+  void barrier() override { nccl_.barrier(); }
+  std::unique_ptr<Communicator> split(int, int) override { refuse("split"); }
+
+ private:
+  [[noreturn]] static void refuse(const char* op) {
+    SS_FAIL("comm", "the LaCT layer's control communicator has no ", op);
+  }
+  char* reserve(std::size_t bytes) {
+    if (bytes > capacity_) {
+      nccl_.wait();
+      if (buffer_ != nullptr) SS_CUDA_CHECK(cudaFree(buffer_));
+      buffer_ = nullptr;
+      SS_CUDA_CHECK(cudaMalloc(&buffer_, bytes));
+      capacity_ = bytes;
+    }
+    return static_cast<char*>(buffer_);
+  }
+  char* stage_in(const void* host, std::size_t bytes) {
+    char* dev = reserve(bytes);
+    to_device(dev, host, bytes);
+    return dev;
+  }
+  void to_device(void* dev, const void* host, std::size_t bytes) {
+    SS_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, nccl_.stream()));
+  }
+  void to_host(void* host, const void* dev, std::size_t bytes) {
+    SS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, nccl_.stream()));
+    nccl_.wait();
+  }
+
+  NcclCommunicator& nccl_;
+  void* buffer_ = nullptr;
+  std::size_t capacity_ = 0;
+};
+#endif
+
+// The NCCL communicator behind `comm`, or null.
+#ifdef STATESCAN_HAS_NCCL
+NcclCommunicator* as_nccl(Communicator& comm) {
+  return dynamic_cast<NcclCommunicator*>(&comm);
+}
+#else
+Communicator* as_nccl(Communicator&) {
+  return nullptr;
+}
+#endif
+
+// Hash of a device tensor's bytes (copied to the host once per forward; the
+// weights are H M D values, small next to the tokens).
+int64_t device_hash(const TensorView& t) {
+  const std::size_t bytes = static_cast<std::size_t>(t.numel()) * size_of(t.dtype);
+  std::vector<unsigned char> host(bytes);
+  SS_CUDA_CHECK(cudaMemcpy(host.data(), t.data, bytes, cudaMemcpyDeviceToHost));
+  return lact_detail::content_hash(host.data(), bytes);
+}
+
+}  // namespace
+
+// Streams and the state forward saves for backward.
+struct LactLayer::DeviceState {
+  cudaStream_t stream = nullptr;
+  bool owns_stream = false;
+  std::unique_ptr<Communicator> staged_control;  // over NCCL only
+  Communicator* control = nullptr;               // host-buffer collectives
+  lact_detail::LocalSizes sizes;
+  lact_detail::Placement where;
+  cuda::LactCudaParams params;
+  cuda::LactCudaSaved saved;
+
+  explicit DeviceState(Communicator& comm) {
+    control = &comm;
+#ifdef STATESCAN_HAS_NCCL
+    if (NcclCommunicator* nccl = as_nccl(comm)) {
+      stream = nccl->stream();
+      staged_control = std::make_unique<HostOverNccl>(*nccl);
+      control = staged_control.get();
+      return;
+    }
+#endif
+    // A blocking stream: it waits for work the caller queued on the legacy
+    // default stream, so inputs written there are complete when we start.
+    SS_CUDA_CHECK(cudaStreamCreate(&stream));
+    owns_stream = true;
+  }
+  ~DeviceState() {
+    // Saved buffers are plain cudaMalloc; the stream's scratch frees on it.
+    if (stream != nullptr) (void)cudaStreamSynchronize(stream);
+    if (owns_stream) (void)cudaStreamDestroy(stream);
+  }
+  DeviceState(const DeviceState&) = delete;
+  DeviceState& operator=(const DeviceState&) = delete;
+
+  // Waits until everything enqueued on the stream is done (through NCCL's
+  // watchdog when the communicator is NCCL).
+  void finish(Communicator& comm) {
+#ifdef STATESCAN_HAS_NCCL
+    if (NcclCommunicator* nccl = as_nccl(comm)) {
+      nccl->wait();
+      return;
+    }
+#endif
+    (void)comm;
+    SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  // The all-reduce of device fp32 buffers over `comm`.
+  cuda::LactDeviceAllReduce all_reduce(Communicator& comm) {
+    if (comm.size() == 1) return {};
+#ifdef STATESCAN_HAS_NCCL
+    if (NcclCommunicator* nccl = as_nccl(comm)) {
+      return [nccl](float* data, std::size_t count, cudaStream_t) {
+        nccl->all_reduce_sum(data, count, CommType::f32);
+      };
+    }
+#endif
+    // Host communicators: through the host, in stream order.
+    return [&comm](float* data, std::size_t count, cudaStream_t s) {
+      std::vector<float> host(count);
+      SS_CUDA_CHECK(
+          cudaMemcpyAsync(host.data(), data, count * sizeof(float), cudaMemcpyDeviceToHost, s));
+      SS_CUDA_CHECK(cudaStreamSynchronize(s));
+      comm.all_reduce_sum(host.data(), count, CommType::f32);
+      SS_CUDA_CHECK(
+          cudaMemcpyAsync(data, host.data(), count * sizeof(float), cudaMemcpyHostToDevice, s));
+      SS_CUDA_CHECK(cudaStreamSynchronize(s));
+    };
+  }
+};
+
+void LactLayer::DeviceStateDeleter::operator()(DeviceState* state) const {
+  delete state;
+}
+
+void LactLayer::forward_device(const LactForwardArgs& a) {
+  std::unique_ptr<DeviceState, DeviceStateDeleter> state(new DeviceState(comm_));
+  Communicator& control = *state->control;
+  lact_detail::Placement& where = state->where;
+  where.memory = Memory::device;
+  where.dtype = a.q.dtype;
+  lact_detail::LocalSizes& s = state->sizes;
+  collective_check(control, [&] {
+    SS_CHECK_ARG(where.dtype == DType::f32 || where.dtype == DType::bf16, "q",
+                 "LaCT on the GPU takes f32 or bf16 tensors, got ", where.dtype);
+    s = lact_detail::check_forward_shapes(a, where);
+  });
+  const int64_t hashes[3] = {device_hash(a.w0), device_hash(a.w1), device_hash(a.w2)};
+  lact_detail::agree_on_problem(control, s, config_, where, hashes);
+
+  cuda::LactCudaParams& p = state->params;
+  p.config = config_;
+  p.dtype = where.dtype;
+  p.batch = s.batch;
+  p.seq_len = s.local_len * comm_.size();
+  p.heads = s.heads;
+  p.dim = s.dim;
+  p.hidden = s.hidden;
+  p.ranks = comm_.size();
+  p.rank = comm_.rank();
+  p.q = a.q.data;
+  p.k = a.k.data;
+  p.v = a.v.data;
+  p.lr0 = a.lr0.data;
+  p.lr1 = a.lr1.data;
+  p.lr2 = a.lr2.data;
+  p.w0 = a.w0.data;
+  p.w1 = a.w1.data;
+  p.w2 = a.w2.data;
+  p.o = a.o.data;
+  collective_check(control, [&] { cuda::lact_cuda_check_data(p, state->stream); });
+
+  cuda::lact_cuda_forward(p, state->all_reduce(comm_), &state->saved, state->stream);
+  state->finish(comm_);
+  device_ = std::move(state);
+}
+
+void LactLayer::backward_device(const LactBackwardArgs& a) {
+  if (device_ == nullptr) {
+    // No device state: agree on the error over a control plane of our own.
+    DeviceState scratch(comm_);
+    collective_check(*scratch.control, [] {
+      SS_FAIL("forward", "backward needs a preceding forward (on device tensors) on this layer");
+    });
+    return;
+  }
+  DeviceState& state = *device_;
+  collective_check(*state.control, [&] {
+    lact_detail::check_backward_shapes(a, state.sizes, state.where);
+    cuda::lact_cuda_check_finite(a.d_o.data, state.where.dtype, a.d_o.numel(), "d_o", state.stream);
+  });
+  cuda::LactCudaGrads g;
+  g.d_o = a.d_o.data;
+  g.dq = a.dq.data;
+  g.dk = a.dk.data;
+  g.dv = a.dv.data;
+  g.dlr0 = a.dlr0.data;
+  g.dlr1 = a.dlr1.data;
+  g.dlr2 = a.dlr2.data;
+  g.dw0 = a.dw0.data;
+  g.dw1 = a.dw1.data;
+  g.dw2 = a.dw2.data;
+  cuda::lact_cuda_backward(state.params, g, state.saved, state.all_reduce(comm_), state.stream);
+  state.finish(comm_);
+}
+
+}  // namespace statescan

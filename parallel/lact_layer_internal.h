@@ -1,0 +1,41 @@
+// Pieces of LactLayer shared by its host path (lact_layer.cpp) and its GPU
+// path (lact_layer_cuda.cpp): argument checks and the agreement of all ranks
+// on one problem. Private to parallel/ (not installed).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "comm/communicator.h"
+#include "core/tensor.h"
+#include "parallel/lact_layer.h"
+
+namespace statescan::lact_detail {
+
+// Where and in which element type the tensors of a call live: host fp32 for
+// the CPU path, device f32 or bf16 for the GPU path.
+struct Placement {
+  Memory memory = Memory::host;
+  DType dtype = DType::f32;
+};
+
+// This rank's sizes; checked against every other rank's.
+struct LocalSizes {
+  int64_t batch = 0, local_len = 0, heads = 0, dim = 0, hidden = 0;
+};
+
+// Shapes, dtypes and placement of the forward arguments (no data reads).
+LocalSizes check_forward_shapes(const LactForwardArgs& a, const Placement& where);
+// The same for backward, against the forward's sizes.
+void check_backward_shapes(const LactBackwardArgs& a, const LocalSizes& s, const Placement& where);
+
+// FNV-1a hash of `bytes` bytes (host memory).
+int64_t content_hash(const void* data, std::size_t bytes);
+
+// Collective over `control` (host buffers): every rank must pass the same
+// sizes, options, placement and initial weights (given as content hashes).
+// Throws the same statescan::Error on every rank otherwise.
+void agree_on_problem(Communicator& control, const LocalSizes& s, const LactConfig& config,
+                      const Placement& where, const int64_t weight_hashes[3]);
+
+}  // namespace statescan::lact_detail

@@ -1,0 +1,219 @@
+// LaCT on the GPU sharded over ranks (mpirun -np 1 and 2, one GPU per rank):
+// LactLayer on device tensors over NCCL (and over the MPI communicator, whose
+// all-reduces stage through the host) must give the unsharded fp64 result for
+// the output and every gradient, forward and backward; bad input on one rank
+// must raise the same error on every rank with nothing written. Every rank
+// skips when the node has fewer GPUs than ranks.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/mpi_communicator.h"
+#include "comm/nccl_communicator.h"
+#include "core/error.h"
+#include "tests/collective_error.h"
+#include "tests/lact_cuda_test_util.h"
+
+namespace statescan::test {
+namespace {
+
+constexpr double kF32Tol = 1e-5;  // DESIGN §7 vs fp64
+// bf16 (tests/test_cuda_lact.cpp explains the learning rates' bound).
+constexpr double kBf16OutTol = 5e-3, kBf16GradTol = 8e-3, kBf16RateGradTol = 2e-2;
+
+// MPI world, and (when every rank has a GPU) an NCCL communicator over it on
+// this rank's GPU. Built once for the whole binary: NCCL setup is slow.
+struct World {
+  std::unique_ptr<MpiCommunicator> mpi;
+  std::string skip;  // why the GPU tests cannot run here, agreed by all ranks
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<NcclCommunicator> nccl;
+
+  World() {
+    mpi = MpiCommunicator::world();
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+    int64_t short_of_gpus = mpi->local_size() > devices ? 1 : 0;
+    mpi->all_reduce_max(&short_of_gpus, 1, CommType::i64);
+    if (short_of_gpus != 0) {
+      skip = "needs one GPU per rank; this node has " + std::to_string(devices) + " for " +
+             std::to_string(mpi->local_size()) + " ranks";
+      return;
+    }
+    if (cudaSetDevice(NcclCommunicator::device_for(*mpi)) != cudaSuccess ||
+        cudaStreamCreate(&stream) != cudaSuccess) {
+      skip = "could not select this rank's GPU";
+      return;
+    }
+    nccl = NcclCommunicator::create(*mpi, stream);
+  }
+};
+
+World& world() {
+  static World w;
+  return w;
+}
+
+struct ShardCase {
+  LactCase options;
+  int64_t seq_len, chunk;  // every chunk divisible by 2
+  DType dtype;
+  bool over_nccl;  // else the MPI communicator (host-staged all-reduce)
+};
+
+std::string shard_case_name(const ::testing::TestParamInfo<ShardCase>& info) {
+  const ShardCase& c = info.param;
+  return lact_case_name(c.options) + "_T" + std::to_string(c.seq_len) + "_C" +
+         std::to_string(c.chunk) + "_" + to_string(c.dtype) + (c.over_nccl ? "_nccl" : "_mpi");
+}
+
+void PrintTo(const ShardCase& c, std::ostream* os) {
+  *os << shard_case_name(::testing::TestParamInfo<ShardCase>(c, 0));
+}
+
+class LactCudaSharding : public ::testing::TestWithParam<ShardCase> {
+ protected:
+  void SetUp() override {
+    if (!world().skip.empty()) GTEST_SKIP() << world().skip;
+  }
+};
+
+// The layer on device tensors, sharded over the world, against the unsharded
+// fp64 reference (computed on every rank from the same seed).
+TEST_P(LactCudaSharding, ShardedLayerMatchesUnshardedReference) {
+  const ShardCase& c = GetParam();
+  Communicator& comm = c.over_nccl ? static_cast<Communicator&>(*world().nccl)
+                                   : static_cast<Communicator&>(*world().mpi);
+  const int P = comm.size(), r = comm.rank();
+  const LactSizes s{2, c.seq_len, 2, c.dtype == DType::f32 ? 8 : 32,
+                    c.dtype == DType::f32 ? 16 : 64};
+  const LactProblem p = rounded_to(random_lact_problem(s, 9100 + c.seq_len * 7 + c.chunk), c.dtype);
+  const LactConfig cfg = c.options.config(c.chunk);
+  LactLayer layer(comm, cfg);
+  const LactResult<double> mine = run_lact_gpu_layer(layer, p, P, r, c.dtype);
+  const LactResult<double> full = run_lact_kernel<double>(p, cfg);
+  auto local = [&](const std::vector<double>& x, int64_t inner) {
+    return lact_shard(x, s.batch, s.seq_len, inner, c.chunk, P, r);
+  };
+  const bool f32 = c.dtype == DType::f32;
+  const double out_tol = f32 ? kF32Tol : kBf16OutTol, grad_tol = f32 ? kF32Tol : kBf16GradTol;
+  const double rate_tol = f32 ? kF32Tol : kBf16RateGradTol;
+  const int64_t HD = s.heads * s.dim, H = s.heads;
+  EXPECT_LE(rel_rms(mine.o, local(full.o, HD)), out_tol) << "rank " << r << " o";
+  EXPECT_LE(rel_rms(mine.dq, local(full.dq, HD)), grad_tol) << "rank " << r << " dq";
+  EXPECT_LE(rel_rms(mine.dk, local(full.dk, HD)), grad_tol) << "rank " << r << " dk";
+  EXPECT_LE(rel_rms(mine.dv, local(full.dv, HD)), grad_tol) << "rank " << r << " dv";
+  EXPECT_LE(rel_rms(mine.dlr0, local(full.dlr0, H)), rate_tol) << "rank " << r << " dlr0";
+  EXPECT_LE(rel_rms(mine.dlr1, local(full.dlr1, H)), rate_tol) << "rank " << r << " dlr1";
+  EXPECT_LE(rel_rms(mine.dlr2, local(full.dlr2, H)), rate_tol) << "rank " << r << " dlr2";
+  EXPECT_LE(rel_rms(mine.dw0, full.dw0), grad_tol) << "rank " << r << " dw0";
+  EXPECT_LE(rel_rms(mine.dw1, full.dw1), grad_tol) << "rank " << r << " dw1";
+  EXPECT_LE(rel_rms(mine.dw2, full.dw2), grad_tol) << "rank " << r << " dw2";
+}
+
+std::vector<ShardCase> shard_cases() {
+  std::vector<ShardCase> cases;
+  for (const LactCase& o : all_lact_cases()) {
+    cases.push_back({o, 48, 16, DType::f32, true});  // three full chunks
+    cases.push_back({o, 40, 16, DType::f32, true});  // chunks of 16, 16 and 8
+  }
+  using S = LactSchedule;
+  cases.push_back({{S::apply_then_update, true, true, true}, 32, 32, DType::f32, true});
+  cases.push_back({{S::update_then_apply, true, true, true}, 48, 16, DType::f32, false});
+  // bf16: chunks of at least 2 min(D, M) tokens (tests/test_cuda_lact.cpp says why).
+  cases.push_back({{S::apply_then_update, true, true, true}, 256, 128, DType::bf16, true});
+  cases.push_back({{S::update_then_apply, false, true, true}, 256, 128, DType::bf16, true});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, LactCudaSharding, ::testing::ValuesIn(shard_cases()),
+                         shard_case_name);
+
+// ---- errors reach every rank, with no hang and nothing written -------------------------
+
+class LactCudaErrorsMpi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!world().skip.empty()) GTEST_SKIP() << world().skip;
+  }
+
+  // Forward over NCCL with rank `culprit`'s input broken for `argument`.
+  void expect_everywhere(const std::string& argument, int culprit, int reporter, int64_t chunk) {
+    Communicator& comm = *world().nccl;
+    const int P = comm.size(), r = comm.rank();
+    LactConfig cfg;
+    cfg.chunk = chunk;
+    const LactSizes s{1, 4 * P, 2, 4, 6};
+    LactProblem p = random_lact_problem(s, 31337);
+    if (argument == "lr0" && r == culprit) p.lr0[1] = std::numeric_limits<double>::quiet_NaN();
+    if (argument == "w1" && r == culprit) p.w1[3] += 1e-3;
+    const int64_t Tl = s.seq_len / P;
+    p.s.seq_len = Tl;  // this rank's slice-sized buffers (contents do not matter)
+    DeviceLactRun d(p, DType::f32);
+    const float sentinel = 12345.f;
+    {
+      std::vector<float> f(d.o.count, sentinel);
+      std::vector<unsigned char> raw(f.size() * sizeof(float));
+      std::memcpy(raw.data(), f.data(), raw.size());
+      d.o.bytes.copy_from_host(raw);
+    }
+    const int64_t D = (argument == "k" && r == culprit) ? 3 : 4;
+    LactForwardArgs a;
+    a.q = d.q.view({1, Tl, 2, 4});
+    a.k = d.k.view({1, Tl, 2, D});
+    a.v = d.v.view({1, Tl, 2, 4});
+    a.lr0 = d.lr0.view({1, Tl, 2});
+    a.lr1 = d.lr1.view({1, Tl, 2});
+    a.lr2 = d.lr2.view({1, Tl, 2});
+    a.w0 = d.w0.view({2, 6, 4});
+    a.w1 = d.w1.view({2, 4, 6});
+    a.w2 = d.w2.view({2, 6, 4});
+    a.o = d.o.view({1, Tl, 2, 4});
+    LactLayer layer(comm, cfg);
+    std::vector<float> o_host;
+    expect_collective_error(
+        comm,
+        [&] {
+          try {
+            layer.forward(a);
+          } catch (...) {
+            const std::vector<double> o = d.o.read();
+            o_host.assign(o.begin(), o.end());
+            throw;
+          }
+        },
+        argument, culprit, reporter, o_host, sentinel);
+  }
+};
+
+TEST_F(LactCudaErrorsMpi, ChunkNotDivisibleByRanksFailsEveryRank) {
+  const int P = world().nccl->size();
+  if (P == 1) GTEST_SKIP() << "every chunk divides over one rank";
+  expect_everywhere("chunk", 0, 0, 2 * P + 1);
+}
+
+TEST_F(LactCudaErrorsMpi, NanLearningRateOnLastRankFailsEveryRank) {
+  const int last = world().nccl->size() - 1;
+  expect_everywhere("lr0", last, last, 4);
+}
+
+TEST_F(LactCudaErrorsMpi, WrongShapeOnLastRankFailsEveryRank) {
+  const int last = world().nccl->size() - 1;
+  expect_everywhere("k", last, last, 4);
+}
+
+TEST_F(LactCudaErrorsMpi, InitialWeightsDisagreeingAcrossRanksFailEveryRank) {
+  const int P = world().nccl->size();
+  if (P == 1) GTEST_SKIP() << "needs two ranks to disagree";
+  expect_everywhere("w1", 1, 0, 4);
+}
+
+}  // namespace
+}  // namespace statescan::test
