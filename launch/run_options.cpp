@@ -123,6 +123,18 @@ const std::vector<OptionSpec>& option_specs() {
        [](RunOptions& o, const std::string& f, const std::string& v) {
          o.device = parse_device(v, f.c_str());
        }},
+      {"--cp-comm", true, false,
+       [](RunOptions& o, const std::string& f, const std::string& v) {
+         if (v == "auto") {
+           o.cp_comm = RunOptions::CpComm::automatic;
+         } else if (v == "nccl") {
+           o.cp_comm = RunOptions::CpComm::nccl;
+         } else if (v == "mpi") {
+           o.cp_comm = RunOptions::CpComm::mpi;
+         } else {
+           SS_FAIL(f, "'", v, "' is not a communicator (auto, nccl, mpi)");
+         }
+       }},
       {"--load", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
          SS_CHECK_ARG(!v.empty(), f, "expects a directory");
@@ -321,8 +333,14 @@ Parallelism and device
   --exchange NAME    allgather | ring | tree | auto (cost model)                  [auto]
   --shards a,b,...   explicit shard lengths, one per rank, summing to T
                      (default: rank r gets [floor(rT/P), floor((r+1)T/P)))
-  --device NAME      auto | cpu | cuda   (auto: cpu until the CUDA mixer lands;
-                     cuda is refused with an error, never replaced silently)  [auto]
+  --device NAME      auto | cpu | cuda   (auto: cuda when a GPU is visible, else
+                     cpu; cuda without a GPU is an error, never replaced
+                     silently). cuda: inputs uploaded in --dtype; several
+                     ranks exchange over NCCL when built with it.          [auto]
+  --cp-comm NAME     auto | nccl | mpi: with --device cuda and several ranks, the
+                     exchange over NCCL (one GPU per rank) or staged through host
+                     memory over MPI (ranks may share a GPU); auto: nccl when
+                     built with it                                           [auto]
 
 Run
   --iters N          timed steps                                                  [3]

@@ -32,6 +32,11 @@ struct RunOptions {
   int64_t warmup = 1;
   bool check = true;
   DeviceKind device = DeviceKind::automatic;
+  // --cp-comm: the mixer's communicator with --device cuda and several ranks:
+  // nccl (exchange on the GPU; one GPU per rank), mpi (exchange staged
+  // through host memory; ranks may share a GPU), auto = nccl when built with it.
+  enum class CpComm { automatic, nccl, mpi };
+  CpComm cp_comm = CpComm::automatic;
   std::string load_dir;   // empty: synthetic inputs
   std::string save_dir;   // empty: nothing saved
   std::string json_path;  // empty: no JSON

@@ -109,19 +109,21 @@ std::string format_header(const Report& report) {
 }
 
 std::string format_column_header() {
-  std::string units = printf_string("# %6s %10s %10s %10s %13s %12s", "", "(ms)", "(ms)", "(ms)",
-                                    "(B/rank)", "(tokens/s)");
-  return printf_string("# %6s %10s %10s %10s %13s %12s %7s\n", "step", "fwd", "bwd", "exchange",
-                       "exchange", "throughput", "#wrong") +
+  std::string units = printf_string("# %6s %10s %10s %10s %13s %7s %12s", "", "(ms)", "(ms)",
+                                    "(ms)", "(B/rank)", "(%)", "(tokens/s)");
+  return printf_string("# %6s %10s %10s %10s %13s %7s %12s %7s\n", "step", "fwd", "bwd", "exchange",
+                       "exchange", "hidden", "throughput", "#wrong") +
          units + "\n";
 }
 
 std::string format_row(const StepRow& r) {
   const std::string bwd = r.bwd_ms >= 0 ? printf_string("%10.2f", r.bwd_ms) : "       N/A";
   const std::string wrong = r.wrong >= 0 ? std::to_string(r.wrong) : "N/A";
-  return printf_string("  %6lld %10.2f %s %10.3f %13lld %12.4g %7s\n",
+  const std::string hidden = r.hidden_pct >= 0 ? printf_string("%7.1f", r.hidden_pct) : "    N/A";
+  return printf_string("  %6lld %10.2f %s %10.3f %13lld %s %12.4g %7s\n",
                        static_cast<long long>(r.step), r.fwd_ms, bwd.c_str(), r.exchange_ms,
-                       static_cast<long long>(r.exchange_bytes), r.tokens_per_s, wrong.c_str());
+                       static_cast<long long>(r.exchange_bytes), hidden.c_str(), r.tokens_per_s,
+                       wrong.c_str());
 }
 
 std::string format_footer(const Report& report) {
@@ -131,6 +133,11 @@ std::string format_footer(const Report& report) {
   out += printf_string(
       "  exchange %.3f ms  throughput %.4g tokens/s  (over %zu steps, max over ranks)\n",
       a.exchange_ms, a.tokens_per_s, report.rows.size());
+  for (std::size_t r = 0; r < report.ranks.size(); ++r) {
+    const RankExchange& x = report.ranks[r];
+    out += printf_string("# rank %zu (last step): exchange %.3f ms  %lld B sent  %.1f%% hidden\n",
+                         r, x.exchange_ms, static_cast<long long>(x.exchange_bytes), x.hidden_pct);
+  }
   if (report.check.enabled) {
     out += printf_string("# check: rel RMS vs a single-rank run (tolerance %.0e):",
                          report.check.tolerance);
@@ -159,6 +166,7 @@ std::string to_json(const Report& report) {
        << ", \"bwd_ms\": " << (r.bwd_ms >= 0 ? json_number(r.bwd_ms) : "null")
        << ", \"exchange_ms\": " << json_number(r.exchange_ms)
        << ", \"exchange_bytes\": " << r.exchange_bytes
+       << ", \"exchange_hidden_pct\": " << (r.hidden_pct >= 0 ? json_number(r.hidden_pct) : "null")
        << ", \"tokens_per_s\": " << json_number(r.tokens_per_s)
        << ", \"wrong\": " << (r.wrong >= 0 ? std::to_string(r.wrong) : "null") << "}";
   }
@@ -168,6 +176,14 @@ std::string to_json(const Report& report) {
      << ", \"bwd_ms\": " << (a.backward ? json_number(a.bwd_ms) : "null")
      << ", \"exchange_ms\": " << json_number(a.exchange_ms)
      << ", \"tokens_per_s\": " << json_number(a.tokens_per_s) << "},\n";
+  if (!report.ranks.empty()) {
+    os << "  \"ranks\": [";
+    for (std::size_t r = 0; r < report.ranks.size(); ++r)
+      os << (r ? ", " : "") << "{\"exchange_ms\": " << json_number(report.ranks[r].exchange_ms)
+         << ", \"exchange_bytes\": " << report.ranks[r].exchange_bytes
+         << ", \"hidden_pct\": " << json_number(report.ranks[r].hidden_pct) << "}";
+    os << "],\n";
+  }
   os << "  \"check\": ";
   if (report.check.enabled) {
     os << "{\"tolerance\": " << json_number(report.check.tolerance)
@@ -277,6 +293,8 @@ StepRow reduce_step(Communicator& comm, const StepTimes& mine, int64_t step, boo
                     double tokens) {
   double maxima[4] = {mine.fwd_s, mine.bwd_s, mine.exchange_s, mine.exchange_bytes};
   comm.all_reduce_max(maxima, 4, CommType::f64);
+  double sums[2] = {mine.hidden_s, mine.exchange_s};
+  comm.all_reduce_sum(sums, 2, CommType::f64);
   StepRow row;
   row.step = step;
   row.fwd_ms = maxima[0] * 1e3;
@@ -284,7 +302,21 @@ StepRow reduce_step(Communicator& comm, const StepTimes& mine, int64_t step, boo
   row.exchange_ms = maxima[2] * 1e3;
   row.exchange_bytes = static_cast<int64_t>(maxima[3]);
   row.tokens_per_s = tokens / (maxima[0] + maxima[1]);
+  row.hidden_pct = sums[1] > 0 ? 100.0 * sums[0] / sums[1] : -1;
   return row;
+}
+
+std::vector<RankExchange> gather_rank_exchange(Communicator& comm, const StepTimes& mine) {
+  const double fields[3] = {mine.exchange_s, mine.exchange_bytes, mine.hidden_s};
+  std::vector<double> all(static_cast<std::size_t>(3 * comm.size()));
+  comm.all_gather(fields, all.data(), 3, CommType::f64);
+  std::vector<RankExchange> ranks(static_cast<std::size_t>(comm.size()));
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    ranks[r].exchange_ms = all[3 * r] * 1e3;
+    ranks[r].exchange_bytes = static_cast<int64_t>(all[3 * r + 1]);
+    ranks[r].hidden_pct = all[3 * r] > 0 ? 100.0 * all[3 * r + 2] / all[3 * r] : 0.0;
+  }
+  return ranks;
 }
 
 void print_row(Report& report, const StepRow& row, bool root,

@@ -24,6 +24,15 @@ struct StepRow {
   int64_t exchange_bytes = 0;  // bytes sent by one rank, forward + backward
   double tokens_per_s = 0;     // B*T / (fwd + bwd)
   int wrong = -1;              // outputs over tolerance; < 0: not checked
+  double hidden_pct = -1;      // exchange time hidden behind compute, % of it
+                               // over all ranks; < 0: no exchange (N/A)
+};
+
+// One rank's exchange in the last timed step (forward + backward).
+struct RankExchange {
+  double exchange_ms = 0;
+  int64_t exchange_bytes = 0;
+  double hidden_pct = 0;  // of this rank's exchange time
 };
 
 // Relative RMS error of each output/gradient against the single-rank run.
@@ -38,6 +47,7 @@ struct Report {
   std::vector<std::pair<std::string, std::string>> header;
   std::vector<StepRow> rows;
   CheckSummary check;
+  std::vector<RankExchange> ranks;  // per rank, last step; empty: not reported
 
   int total_wrong() const;
 };
@@ -107,7 +117,12 @@ void write_report_json(const std::string& path, const Report& report);
 // One rank's timing of one step.
 struct StepTimes {
   double fwd_s = 0, bwd_s = 0, exchange_s = 0, exchange_bytes = 0;
+  double hidden_s = 0;  // of exchange_s, the part that overlapped compute
 };
+
+// Every rank's exchange of `mine` (all-gather, collective), for the per-rank
+// lines of the footer.
+std::vector<RankExchange> gather_rank_exchange(Communicator& comm, const StepTimes& mine);
 
 // The table row of a step: maxima over the ranks of `comm` (collective).
 // `backward` says whether the run has a backward pass; `tokens` is B*T.

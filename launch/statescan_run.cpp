@@ -41,13 +41,28 @@
 #include "monitoring/flop_model.h"
 #include "monitoring/metrics_exporter.h"
 #include "parallel/cp_mixer.h"
+#ifdef STATESCAN_HAS_CUDA
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
+#include "kernels/cuda/cuda_mixer.h"
+#endif
+#ifdef STATESCAN_HAS_NCCL
+#include "comm/nccl_communicator.h"
+#endif
 
 namespace statescan::launch {
 namespace {
 
-// Both runs are fp32 on the CPU; they differ only in summation order (chunk
-// alignment and the boundary-state scan), which stays well below this.
+// Both runs compute in fp32 from the same inputs and differ only in summation
+// order (chunk alignment and the boundary-state scan), which stays well below
+// 1e-5. On the GPU with 16-bit inputs the single-GPU run carries its state
+// rounded to the dtype for the matrix products while the CP run forms the
+// boundary state in fp32: differences of the dtype's state error (DESIGN §7),
+// so 16-bit GPU runs use 1e-2.
 constexpr double kCheckTolerance = 1e-5;
+constexpr double kCheckTolerance16 = 1e-2;
 
 using Clock = std::chrono::steady_clock;
 
@@ -61,21 +76,70 @@ TensorView view(const std::vector<float>& x, Shape shape) {
   return TensorView(const_cast<float*>(x.data()), DType::f32, std::move(shape));
 }
 
-// The device the run uses. The CUDA context-parallel mixer has not landed
-// yet, so auto means the CPU and an explicit cuda request is refused rather
-// than silently run on the CPU.
+// The device the run uses: cuda needs a CUDA build and a visible GPU (else
+// the same error on every rank: argv is the same everywhere); auto picks cuda
+// when both are there.
 DeviceKind resolve_device(DeviceKind requested) {
 #ifdef STATESCAN_HAS_CUDA
-  constexpr const char* kBuild = "this build has CUDA kernels, but CpMixer runs on the CPU only";
+  const bool gpu = cuda::device_available();
+  SS_CHECK_ARG(requested != DeviceKind::cuda || gpu, "--device",
+               "cuda requested but no CUDA device is visible; use --device cpu");
+  if (requested == DeviceKind::automatic) return gpu ? DeviceKind::cuda : DeviceKind::cpu;
 #else
-  constexpr const char* kBuild = "this build has no CUDA";
-#endif
   SS_CHECK_ARG(requested != DeviceKind::cuda, "--device",
-               "cuda is not available in this build/yet: the CUDA context-parallel mixer has "
-               "not landed (",
-               kBuild, "); use --device cpu");
-  return DeviceKind::cpu;
+               "cuda requested but this build has no CUDA; use --device cpu");
+  if (requested == DeviceKind::automatic) return DeviceKind::cpu;
+#endif
+  return requested;
 }
+
+#ifdef STATESCAN_HAS_CUDA
+// One tensor of a step on the GPU: fp32 host values converted to `dtype`.
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const std::vector<float>& host, DType dtype) : dtype_(dtype) {
+    if (host.empty()) return;
+    std::vector<unsigned char> bytes(host.size() * size_of(dtype));
+    convert_from_float(dtype, host.data(), bytes.data(), host.size());
+    buf_ = DeviceBuffer<unsigned char>(bytes);
+    count_ = host.size();
+  }
+  static DeviceArray zeros(std::size_t count, DType dtype) {
+    DeviceArray a;
+    a.dtype_ = dtype;
+    if (count == 0) return a;
+    a.buf_ = DeviceBuffer<unsigned char>(count * size_of(dtype));
+    a.buf_.fill_bytes(0);
+    a.count_ = count;
+    return a;
+  }
+  TensorView view(Shape shape) const {
+    if (count_ == 0) return {};
+    return TensorView(const_cast<unsigned char*>(buf_.data()), dtype_, std::move(shape),
+                      Memory::device);
+  }
+  void to_host(std::vector<float>& out) const {
+    if (count_ == 0) return;
+    const std::vector<unsigned char> bytes = buf_.to_host();
+    out.resize(count_);
+    convert_to_float(dtype_, bytes.data(), out.data(), count_);
+  }
+
+ private:
+  DeviceBuffer<unsigned char> buf_;
+  DType dtype_ = DType::f32;
+  std::size_t count_ = 0;
+};
+
+// A TokenRange and its outputs on the GPU: token tensors in the run's dtype,
+// g and states fp32, cu_seqlens int64.
+struct DeviceStep {
+  DeviceArray q, k, v, g, beta, d_o, h0, dht;
+  DeviceArray o, ht, dq, dk, dv, dg, dbeta, dh0;
+  std::unique_ptr<DeviceBuffer<int64_t>> cu;
+};
+#endif
 
 // Gathers every rank's [B, L_r, inner] piece into rank 0's [B, T, inner]
 // (offsets: the P + 1 shard boundaries). Other ranks return an empty vector.
@@ -117,6 +181,12 @@ class Job {
   void setup_inputs();
   void allocate(Outputs& out, const Dims& d, int64_t length) const;
   StepTimes step(CpMixer& mixer, const TokenRange& in, Outputs& out);
+  StepTimes run_step(CpMixer& mixer, const CpForwardArgs& fa, const CpBackwardArgs& ba);
+  void setup_device(const MpiCommunicator* mpi);
+  double check_tolerance() const {
+    return device_ == DeviceKind::cuda && options_.dtype != DType::f32 ? kCheckTolerance16
+                                                                       : kCheckTolerance;
+  }
   void run_reference();
   Outputs gather(const Outputs& local);
   std::vector<NamedArray> named(const Outputs& o) const;
@@ -133,6 +203,12 @@ class Job {
   Dims dims_;
   std::vector<int64_t> offsets_;
   DeviceKind device_ = DeviceKind::cpu;
+  Communicator* cp_comm_ = nullptr;  // the mixer's communicator (comm_, or NCCL over it)
+  std::string comm_description_;
+#ifdef STATESCAN_HAS_NCCL
+  cudaStream_t nccl_stream_ = nullptr;
+  std::unique_ptr<NcclCommunicator> nccl_;
+#endif
   bool backward_ = false;
   TokenRange local_;
   Outputs reference_;                         // rank 0, with --check
@@ -149,6 +225,8 @@ int Job::run(int argc, char** argv) {
   configure_threads(mpi);
   if (options_.metrics_hold > 0) install_hold_signals();
   device_ = resolve_device(options_.device);
+  cp_comm_ = &comm_;
+  comm_description_ = comm_.size() == 1 ? "single rank" : "mpi (host)";
   // LaCT runs its own layer (launch/run_lact.h); it has no metrics exporter.
   if (options_.lact) return run_lact_job(comm_, options_, stage_);
   config_.variant = options_.variant;
@@ -161,6 +239,7 @@ int Job::run(int argc, char** argv) {
                  "statescan-run: metrics on http://%s/metrics (rank r of a node: port %d + r)\n",
                  metrics_->address().c_str(), options_.metrics_port);
   }
+  setup_device(mpi);
   setup_inputs();
 
   // A failure from here on is counted in statescan_errors_total, and with
@@ -189,12 +268,12 @@ int Job::run(int argc, char** argv) {
 // The timed steps, the table and the results; returns the exit code.
 int Job::run_steps() {
   stage_ = Stage::steps;
-  CpMixer mixer(comm_, config_, options_.exchange, metrics_.get());
+  CpMixer mixer(*cp_comm_, config_, options_.exchange, metrics_.get());
   Outputs out;
   allocate(out, dims_, local_.length());
   Report report;
   report.check.enabled = options_.check;
-  report.check.tolerance = kCheckTolerance;
+  report.check.tolerance = check_tolerance();
   Outputs last_full;
   const int64_t steps = options_.warmup + options_.iters;
   ProgressLine progress(root() ? options_.progress : RunOptions::Progress::never, steps,
@@ -219,7 +298,7 @@ int Job::run_steps() {
     if (options_.check || (last && !options_.save_dir.empty())) {
       Outputs full = gather(out);
       if (options_.check) {
-        int64_t wrong = root() ? count_wrong(named(full), named(reference_), kCheckTolerance,
+        int64_t wrong = root() ? count_wrong(named(full), named(reference_), check_tolerance(),
                                              report.check.errors)
                                : 0;
         comm_.broadcast(&wrong, 1, CommType::i64, 0);  // every rank exits alike
@@ -230,6 +309,7 @@ int Job::run_steps() {
     progress.clear();
     print_row(report, row, root(), header_fields(mixer.last_forward_stats().exchange));
     progress.update(s + 1, row.tokens_per_s);
+    if (last) report.ranks = gather_rank_exchange(comm_, t);
   }
   progress.clear();
 
@@ -314,49 +394,148 @@ void Job::allocate(Outputs& out, const Dims& d, int64_t length) const {
   if (source_->has_h0()) out.dh0.assign(states, 0.f);
 }
 
-// Forward (+ backward) of `mixer` on the tokens `in`, timed on this rank.
+// Forward (+ backward) of `mixer` on the tokens `in`, timed on this rank: on
+// host views of `in` and `out`, or with --device cuda on device copies (in
+// the run's dtype) whose outputs are copied back into `out` afterwards.
 StepTimes Job::step(CpMixer& mixer, const TokenRange& in, Outputs& out) {
   const Dims& d = dims_;
   const int64_t B = d.batch, L = in.length(), H = d.heads, N = d.sequences;
   const Shape qk{B, L, H, d.dk}, vo{B, L, H, d.dv}, bth{B, L, H}, states{N, H, d.dk, d.dv};
   const Variant v = options_.variant;
+  const Shape gs = vector_gate(v) ? qk : bth;
   std::vector<int64_t> cu = in.cu_seqlens;
-
   CpForwardArgs fa;
+  CpBackwardArgs ba;
+
+#ifdef STATESCAN_HAS_CUDA
+  if (device_ == DeviceKind::cuda) {
+    // The upload is not timed: a trainer's tensors are already on the GPU.
+    const DType x = options_.dtype;
+    DeviceStep dev;
+    dev.q = DeviceArray(in.q, x);
+    dev.k = DeviceArray(in.k, x);
+    dev.v = DeviceArray(in.v, x);
+    dev.g = DeviceArray(in.g, DType::f32);
+    dev.beta = DeviceArray(in.beta, x);
+    dev.h0 = DeviceArray(in.h0, DType::f32);
+    dev.o = DeviceArray::zeros(out.o.size(), x);
+    dev.ht = DeviceArray::zeros(out.ht.size(), DType::f32);
+    if (!cu.empty()) dev.cu = std::make_unique<DeviceBuffer<int64_t>>(cu);
+    fa.q = dev.q.view(qk);
+    fa.k = dev.k.view(qk);
+    fa.v = dev.v.view(vo);
+    fa.g = dev.g.view(gs);
+    fa.beta = dev.beta.view(bth);
+    if (dev.cu)
+      fa.cu_seqlens =
+          TensorView(dev.cu->data(), DType::i64, {static_cast<int64_t>(cu.size())}, Memory::device);
+    fa.initial_state = dev.h0.view(states);
+    fa.o = dev.o.view(vo);
+    fa.final_state = dev.ht.view(states);
+    if (backward_) {
+      dev.d_o = DeviceArray(in.d_o, x);
+      dev.dht = DeviceArray(in.dht, DType::f32);
+      dev.dq = DeviceArray::zeros(out.dq.size(), x);
+      dev.dk = DeviceArray::zeros(out.dk.size(), x);
+      dev.dv = DeviceArray::zeros(out.dv.size(), x);
+      dev.dg = DeviceArray::zeros(out.dg.size(), DType::f32);
+      dev.dbeta = DeviceArray::zeros(out.dbeta.size(), x);
+      dev.dh0 = DeviceArray::zeros(out.dh0.size(), DType::f32);
+      ba.d_o = dev.d_o.view(vo);
+      ba.d_final_state = dev.dht.view(states);
+      ba.dq = dev.dq.view(qk);
+      ba.dk = dev.dk.view(qk);
+      ba.dv = dev.dv.view(vo);
+      ba.dg = dev.dg.view(gs);
+      ba.dbeta = dev.dbeta.view(bth);
+      ba.d_initial_state = dev.dh0.view(states);
+    }
+    const StepTimes t = run_step(mixer, fa, ba);
+    for (auto [from, to] : {std::pair{&dev.o, &out.o},
+                            {&dev.ht, &out.ht},
+                            {&dev.dq, &out.dq},
+                            {&dev.dk, &out.dk},
+                            {&dev.dv, &out.dv},
+                            {&dev.dg, &out.dg},
+                            {&dev.dbeta, &out.dbeta},
+                            {&dev.dh0, &out.dh0}})
+      from->to_host(*to);
+    return t;
+  }
+#endif
+
   fa.q = view(in.q, qk);
   fa.k = view(in.k, qk);
   fa.v = view(in.v, vo);
-  if (has_gate(v)) fa.g = view(in.g, vector_gate(v) ? qk : bth);
+  if (has_gate(v)) fa.g = view(in.g, gs);
   if (has_beta(v)) fa.beta = view(in.beta, bth);
   if (!cu.empty())
     fa.cu_seqlens = TensorView(cu.data(), DType::i64, {static_cast<int64_t>(cu.size())});
   if (!in.h0.empty()) fa.initial_state = view(in.h0, states);
   fa.o = view(out.o, vo);
   fa.final_state = view(out.ht, states);
+  if (backward_) {
+    ba.d_o = view(in.d_o, vo);
+    if (!in.dht.empty()) ba.d_final_state = view(in.dht, states);
+    ba.dq = view(out.dq, qk);
+    ba.dk = view(out.dk, qk);
+    ba.dv = view(out.dv, vo);
+    if (has_gate(v)) ba.dg = view(out.dg, gs);
+    if (has_beta(v)) ba.dbeta = view(out.dbeta, bth);
+    if (!out.dh0.empty()) ba.d_initial_state = view(out.dh0, states);
+  }
+  return run_step(mixer, fa, ba);
+}
 
+// Forward (+ backward when the run has one) with their wall times (CpMixer
+// returns once its outputs are complete, on either device).
+StepTimes Job::run_step(CpMixer& mixer, const CpForwardArgs& fa, const CpBackwardArgs& ba) {
   StepTimes t;
   const auto t0 = Clock::now();
   mixer.forward(fa);
   t.fwd_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  t.exchange_s = mixer.last_forward_stats().exchange_s;
-  t.exchange_bytes = static_cast<double>(mixer.last_forward_stats().exchange_bytes);
+  const CpStepStats& fs = mixer.last_forward_stats();
+  t.exchange_s = fs.exchange_s;
+  t.exchange_bytes = static_cast<double>(fs.exchange_bytes);
+  t.hidden_s = fs.hidden_s;
   if (!backward_) return t;
-
-  CpBackwardArgs ba;
-  ba.d_o = view(in.d_o, vo);
-  if (!in.dht.empty()) ba.d_final_state = view(in.dht, states);
-  ba.dq = view(out.dq, qk);
-  ba.dk = view(out.dk, qk);
-  ba.dv = view(out.dv, vo);
-  if (has_gate(v)) ba.dg = view(out.dg, vector_gate(v) ? qk : bth);
-  if (has_beta(v)) ba.dbeta = view(out.dbeta, bth);
-  if (!out.dh0.empty()) ba.d_initial_state = view(out.dh0, states);
   const auto t1 = Clock::now();
   mixer.backward(ba);
   t.bwd_s = std::chrono::duration<double>(Clock::now() - t1).count();
-  t.exchange_s += mixer.last_backward_stats().exchange_s;
-  t.exchange_bytes += static_cast<double>(mixer.last_backward_stats().exchange_bytes);
+  const CpStepStats& bs = mixer.last_backward_stats();
+  t.exchange_s += bs.exchange_s;
+  t.exchange_bytes += static_cast<double>(bs.exchange_bytes);
+  t.hidden_s += bs.hidden_s;
   return t;
+}
+
+// --device cuda: this rank's GPU (local rank modulo the visible GPUs) and,
+// with several ranks and an NCCL build, an NCCL communicator over MPI so that
+// the exchange stays on the GPU; otherwise the exchange is staged through
+// host memory over MPI. Collective (NCCL's creation is).
+void Job::setup_device(const MpiCommunicator* mpi) {
+  if (device_ != DeviceKind::cuda) return;
+#ifdef STATESCAN_HAS_CUDA
+  int devices = 0;
+  collective_check(comm_, [&] {
+    SS_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    SS_CUDA_CHECK(cudaSetDevice((mpi != nullptr ? mpi->local_rank() : 0) % devices));
+  });
+  comm_description_ = comm_.size() == 1 ? "single rank" : "mpi (host-staged exchange)";
+#ifdef STATESCAN_HAS_NCCL
+  if (comm_.size() > 1 && mpi != nullptr && options_.cp_comm != RunOptions::CpComm::mpi) {
+    collective_check(comm_, [&] { SS_CUDA_CHECK(cudaStreamCreate(&nccl_stream_)); });
+    nccl_ = NcclCommunicator::create(const_cast<MpiCommunicator&>(*mpi), nccl_stream_);
+    cp_comm_ = nccl_.get();
+    comm_description_ = "nccl (device exchange)";
+  }
+#else
+  SS_CHECK_ARG(options_.cp_comm != RunOptions::CpComm::nccl, "--cp-comm",
+               "nccl requested but this build has no NCCL");
+#endif
+#else
+  (void)mpi;
+#endif
 }
 
 // Rank 0 runs the whole sequence as one rank: the oracle of --check. The
@@ -434,6 +613,7 @@ std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange res
       {"ranks", std::to_string(comm_.size())},
       {"exchange", exchange},
       {"device", to_string(device_)},
+      {"comm", comm_description_},
       {"threads/rank", std::to_string(num_threads())},
       {"pass", backward_ ? "fwd+bwd" : "fwd"},
       {"inputs", source_->description()},

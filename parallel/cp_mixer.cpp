@@ -8,33 +8,21 @@
 #include "core/error.h"
 #include "kernels/cpu/cpu_mixer.h"
 #include "kernels/mixer_params.h"
+#include "parallel/cp_mixer_internal.h"
 #include "parallel/exchange.h"
 
 namespace statescan {
+
+using cp_detail::Geometry;
+using cp_detail::LocalSegment;
+using cp_detail::TensorRules;
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
-
-// One piece of a sequence that lies in this rank's shard. Without cu_seqlens
-// each batch row is one sequence spanning every shard.
-struct LocalSegment {
-  int64_t seq;          // global sequence index n (batch row without cu_seqlens)
-  int64_t row;          // batch row of the local tensors
-  int64_t begin, end;   // local token range
-  bool from_prev;       // the sequence started on an earlier rank
-  bool to_next;         // the sequence continues on a later rank
-};
-
-// Sizes of this rank's problem, checked against the other ranks'.
-struct Geometry {
-  int64_t batch = 0, local_len = 0, heads = 0, dk = 0, dv = 0;
-  int64_t sequences = 0;          // N
-  int64_t global_len = 0;         // sum of shard lengths
-  int64_t shard_begin = 0;        // global offset of this shard
-};
 
 void check_input(const TensorView& t, const Shape& shape, const char* name) {
   check_tensor(t, shape, DType::f32, Memory::host, name);
@@ -45,9 +33,27 @@ void check_output(const TensorView& t, const Shape& shape, const char* name) {
   check_tensor(t, shape, DType::f32, Memory::host, name);
 }
 
+// The same checks under `rules` (dtype: the element type this tensor must have).
+void check_input(const TensorView& t, const Shape& shape, DType dtype, const TensorRules& rules,
+                 const char* name) {
+  check_tensor(t, shape, dtype, rules.memory, name);
+  if (rules.check_values) check_finite(t.as<const float>(), t.numel(), name);
+}
+
+void check_output(const TensorView& t, const Shape& shape, DType dtype, const TensorRules& rules,
+                  const char* name) {
+  check_tensor(t, shape, dtype, rules.memory, name);
+}
+
+}  // namespace
+
+namespace cp_detail {
+
 // The local checks of forward: shapes, dtypes, finiteness. Returns the local
 // geometry (global fields are filled in later).
-Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg) {
+Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg,
+                             const TensorRules& rules) {
+  const DType x = rules.dtype;
   check_chunk(cfg.chunk);
   SS_CHECK_ARG(a.q.defined() && a.q.shape.size() == 4, "q", "must be [B, T_local, H, Dk], got ",
                shape_string(a.q.shape));
@@ -65,21 +71,21 @@ Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg) {
   const Shape qk{g.batch, g.local_len, g.heads, g.dk};
   const Shape vo{g.batch, g.local_len, g.heads, g.dv};
   const Shape bth{g.batch, g.local_len, g.heads};
-  check_input(a.q, qk, "q");
-  check_input(a.k, qk, "k");
-  check_input(a.v, vo, "v");
+  check_input(a.q, qk, x, rules, "q");
+  check_input(a.k, qk, x, rules, "k");
+  check_input(a.v, vo, x, rules, "v");
   if (has_gate(cfg.variant)) {
-    check_input(a.g, vector_gate(cfg.variant) ? qk : bth, "g");
+    check_input(a.g, vector_gate(cfg.variant) ? qk : bth, DType::f32, rules, "g");
   } else {
     SS_CHECK_ARG(!a.g.defined(), "g", "must be undefined for variant ", to_string(cfg.variant));
   }
   if (has_beta(cfg.variant)) {
-    check_input(a.beta, bth, "beta");
+    check_input(a.beta, bth, x, rules, "beta");
   } else {
     SS_CHECK_ARG(!a.beta.defined(), "beta", "must be undefined for variant ",
                  to_string(cfg.variant));
   }
-  check_output(a.o, vo, "o");
+  check_output(a.o, vo, x, rules, "o");
   g.sequences = g.batch;
   if (a.cu_seqlens.defined()) {
     SS_CHECK_ARG(g.batch == 1, "cu_seqlens", "packed sequences need batch 1, got ", g.batch);
@@ -96,8 +102,10 @@ Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg) {
                    ", ", n + 1, " are ", cu[n], ", ", cu[n + 1], ")");
   }
   const Shape states{g.sequences, g.heads, g.dk, g.dv};
-  if (a.initial_state.defined()) check_input(a.initial_state, states, "initial_state");
-  if (a.final_state.defined()) check_output(a.final_state, states, "final_state");
+  if (a.initial_state.defined())
+    check_input(a.initial_state, states, DType::f32, rules, "initial_state");
+  if (a.final_state.defined())
+    check_output(a.final_state, states, DType::f32, rules, "final_state");
   return g;
 }
 
@@ -105,22 +113,26 @@ Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg) {
 // cu_seqlens everywhere; shard lengths summing to the packed length. Fills the
 // global fields.
 void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfig& cfg,
-                    Geometry& g) {
+                    bool on_device, Geometry& g) {
   int64_t cu_sum = 0, cu_last = -1;
   if (a.cu_seqlens.defined()) {
     const auto* cu = a.cu_seqlens.as<const int64_t>();
     for (int64_t n = 0; n <= g.sequences; ++n) cu_sum += cu[n] * (n + 1);
     cu_last = cu[g.sequences];
   }
-  const int64_t kFields = 10;
-  const int64_t mine[kFields] = {g.batch, g.heads, g.dk, g.dv, g.sequences,
-                                 static_cast<int64_t>(cfg.variant), cfg.chunk,
-                                 a.initial_state.defined() ? 1 : 0, cu_sum, g.local_len};
+  const int64_t kFields = 11;
+  const int64_t mine[kFields] = {g.batch,     g.heads,
+                                 g.dk,        g.dv,
+                                 g.sequences, static_cast<int64_t>(cfg.variant),
+                                 cfg.chunk,   a.initial_state.defined() ? 1 : 0,
+                                 cu_sum,      on_device ? 1 : 0,
+                                 g.local_len};
   std::vector<int64_t> all(static_cast<std::size_t>(kFields * comm.size()));
   comm.all_gather(mine, all.data(), kFields, CommType::i64);
   collective_check(comm, [&] {
-    static const char* kNames[] = {"batch",     "heads", "dk",  "dv",         "cu_seqlens",
-                                   "variant",   "chunk", "initial_state", "cu_seqlens"};
+    static const char* kNames[] = {"batch",      "heads",   "dk",    "dv",
+                                   "cu_seqlens", "variant", "chunk", "initial_state",
+                                   "cu_seqlens", "memory"};
     for (int r = 0; r < comm.size(); ++r)
       for (int64_t f = 0; f + 1 < kFields; ++f)
         SS_CHECK_ARG(all[r * kFields + f] == mine[f], kNames[f], "rank ", r, " has ",
@@ -150,20 +162,31 @@ std::vector<LocalSegment> local_segments(const CpForwardArgs& a, const Geometry&
   for (int64_t n = 0; n < g.sequences; ++n) {
     const int64_t b = std::max(cu[n], lo), e = std::min(cu[n + 1], hi);
     if (b >= e) continue;
-    segs.push_back({n, 0, b - lo, e - lo, cu[n] < lo, cu[n + 1] > hi});
+    segs.push_back({n, 0, b - lo, e - lo, cu[n]<lo, cu[n + 1]> hi});
   }
   return segs;
 }
 
-}  // namespace
+bool single_continuing(const std::vector<LocalSegment>& segs, int64_t row) {
+  int64_t count = 0;
+  bool from_prev = false;
+  for (const auto& s : segs)
+    if (s.row == row) {
+      ++count;
+      from_prev = s.from_prev;
+    }
+  return count == 1 && from_prev;
+}
+
+}  // namespace cp_detail
 
 struct CpMixer::Saved {
   Geometry geo;
   std::vector<LocalSegment> segs;
-  std::vector<int64_t> local_cu;     // local segment offsets (packed case)
-  MixerParams params;                // local problem; pointers into the user's inputs
-  std::vector<float> chunk_states;   // [chunks, H, Dk, Dv]
-  ScanMaps maps;                     // this rank's (M, E); M reused (transposed) in backward
+  std::vector<int64_t> local_cu;    // local segment offsets (packed case)
+  MixerParams params;               // local problem; pointers into the user's inputs
+  std::vector<float> chunk_states;  // [chunks, H, Dk, Dv]
+  ScanMaps maps;                    // this rank's (M, E); M reused (transposed) in backward
   Exchange exchange = Exchange::ring;
 };
 
@@ -175,17 +198,60 @@ CpMixer::CpMixer(Communicator& comm, MixerConfig config, Exchange exchange, CpOb
 
 CpMixer::~CpMixer() = default;
 
+namespace {
+
+bool on_device(const TensorView& t) {
+  return t.defined() && t.memory == Memory::device;
+}
+
+bool any_on_device(const CpForwardArgs& a) {
+  for (const TensorView* t :
+       {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.cu_seqlens, &a.initial_state, &a.o, &a.final_state})
+    if (on_device(*t)) return true;
+  return false;
+}
+
+bool any_on_device(const CpBackwardArgs& a) {
+  for (const TensorView* t :
+       {&a.d_o, &a.d_final_state, &a.dq, &a.dk, &a.dv, &a.dg, &a.dbeta, &a.d_initial_state})
+    if (on_device(*t)) return true;
+  return false;
+}
+
+}  // namespace
+
+#ifndef STATESCAN_HAS_CUDA
+// Without CUDA there is no GPU path: device tensors are refused (collectively,
+// so that every rank throws the same error).
+struct CpMixer::DeviceState {};
+void CpMixer::DeviceStateDeleter::operator()(DeviceState* state) const {
+  delete state;
+}
+void CpMixer::forward_device(const CpForwardArgs&) {
+  collective_check(comm_, [] { SS_FAIL("q", "device tensors need a CUDA build of statescan"); });
+}
+void CpMixer::backward_device(const CpBackwardArgs&) {
+  collective_check(comm_, [] { SS_FAIL("do", "device tensors need a CUDA build of statescan"); });
+}
+#endif
+
 void CpMixer::forward(const CpForwardArgs& a) {
+  if (any_on_device(a)) {
+    saved_.reset();
+    forward_device(a);
+    return;
+  }
+  saved_on_device_ = false;
   const auto t_start = Clock::now();
   fwd_stats_ = CpStepStats{};
   auto saved = std::make_unique<Saved>();
   Geometry& g = saved->geo;
-  collective_check(comm_, [&] { g = check_forward_local(a, config_); });
-  agree_geometry(comm_, a, config_, g);
+  collective_check(comm_, [&] { g = cp_detail::check_forward_local(a, config_, TensorRules{}); });
+  cp_detail::agree_geometry(comm_, a, config_, /*on_device=*/false, g);
 
   const int P = comm_.size();
   const int64_t H = g.heads, Dk = g.dk, Dv = g.dv, state = Dk * Dv;
-  saved->segs = local_segments(a, g);
+  saved->segs = cp_detail::local_segments(a, g);
   const auto& segs = saved->segs;
   const int64_t nseg = static_cast<int64_t>(segs.size());
 
@@ -240,17 +306,7 @@ void CpMixer::forward(const CpForwardArgs& a) {
     // A shard in which a sequence begins passes on a carry that no longer
     // depends on its incoming state: M = 0 (DESIGN §5).
     for (int64_t r = 0; r < rows; ++r) {
-      const bool single_continuing = [&] {
-        int64_t count = 0;
-        bool from_prev = false;
-        for (const auto& s : segs)
-          if (s.row == r) {
-            ++count;
-            from_prev = s.from_prev;
-          }
-        return count == 1 && from_prev;
-      }();
-      if (!single_continuing)
+      if (!cp_detail::single_continuing(segs, r))
         std::fill_n(maps.M.begin() + r * H * maps.m_size(), H * maps.m_size(), 0.f);
     }
     fwd_stats_.summary_s = seconds_since(t0);
@@ -290,8 +346,10 @@ void CpMixer::forward(const CpForwardArgs& a) {
     auto* ht = a.final_state.as<float>();
     std::fill_n(ht, g.sequences * H * state, 0.f);
     for (int64_t i = 0; i < nseg; ++i)
-      if (!segs[i].to_next) std::copy_n(finals.data() + i * H * state, H * state, ht + segs[i].seq * H * state);
-    if (P > 1) comm_.all_reduce_sum(ht, static_cast<std::size_t>(g.sequences * H * state), CommType::f32);
+      if (!segs[i].to_next)
+        std::copy_n(finals.data() + i * H * state, H * state, ht + segs[i].seq * H * state);
+    if (P > 1)
+      comm_.all_reduce_sum(ht, static_cast<std::size_t>(g.sequences * H * state), CommType::f32);
   }
   fwd_stats_.merge_s += seconds_since(t0);
   p.initial_state = nullptr;  // `init` dies here; backward reads chunk_states
@@ -309,6 +367,10 @@ void CpMixer::forward(const CpForwardArgs& a) {
 }
 
 void CpMixer::backward(const CpBackwardArgs& a) {
+  if (saved_on_device_ || any_on_device(a)) {
+    backward_device(a);
+    return;
+  }
   const auto t_start = Clock::now();
   bwd_stats_ = CpStepStats{};
   collective_check(comm_, [&] {
@@ -330,7 +392,8 @@ void CpMixer::backward(const CpBackwardArgs& a) {
     if (sv.params.g != nullptr) {
       check_output(a.dg, vector_gate(config_.variant) ? qk : bth, "dg");
     } else {
-      SS_CHECK_ARG(!a.dg.defined(), "dg", "must be undefined for variant ", to_string(config_.variant));
+      SS_CHECK_ARG(!a.dg.defined(), "dg", "must be undefined for variant ",
+                   to_string(config_.variant));
     }
     if (sv.params.beta != nullptr) {
       check_output(a.dbeta, bth, "dbeta");
@@ -367,7 +430,8 @@ void CpMixer::backward(const CpBackwardArgs& a) {
     std::fill(back.E.begin(), back.E.end(), 0.f);
     for (int64_t i = 0; i < nseg; ++i)
       if (sv.segs[i].from_prev)
-        std::copy_n(dinit.data() + i * H * state, H * state, back.E.begin() + sv.segs[i].row * H * state);
+        std::copy_n(dinit.data() + i * H * state, H * state,
+                    back.E.begin() + sv.segs[i].row * H * state);
     if (!back.diagonal) {
       for (int64_t m = 0; m < back.maps(); ++m) {
         float* M = back.M.data() + m * Dk * Dk;
@@ -410,7 +474,8 @@ void CpMixer::backward(const CpBackwardArgs& a) {
     for (int64_t i = 0; i < nseg; ++i)
       if (!sv.segs[i].from_prev)
         std::copy_n(dinit.data() + i * H * state, H * state, dh0 + sv.segs[i].seq * H * state);
-    if (P > 1) comm_.all_reduce_sum(dh0, static_cast<std::size_t>(g.sequences * H * state), CommType::f32);
+    if (P > 1)
+      comm_.all_reduce_sum(dh0, static_cast<std::size_t>(g.sequences * H * state), CommType::f32);
   }
   bwd_stats_.merge_s += seconds_since(t0);
   bwd_stats_.total_s = seconds_since(t_start);

@@ -29,11 +29,19 @@
 
 namespace statescan {
 
+// Host or GPU: with every tensor in host memory (fp32) the CPU kernels run;
+// with every tensor in device memory (CUDA builds) the CUDA kernels run, in
+// the dtype of q (f32, bf16 or f16: q, k, v, beta, o and their gradients;
+// g and all states stay fp32), with cu_seqlens a device int64 array too.
+// Mixing host and device tensors is an error naming the first odd argument.
+// The GPU path's streams are the mixer's own (blocking w.r.t. the legacy
+// default stream, so inputs written there are seen); forward/backward return
+// once the outputs are complete.
 struct CpForwardArgs {
-  // Local shard, host fp32 (device tensors in CUDA builds): [B, T_local, H, *].
+  // Local shard, host fp32 or device: [B, T_local, H, *].
   TensorView q, k, v;
-  TensorView g;      // [B,T_local,H] or [B,T_local,H,Dk]; undefined iff no decay
-  TensorView beta;   // [B,T_local,H]; undefined iff additive
+  TensorView g;     // [B,T_local,H] or [B,T_local,H,Dk]; undefined iff no decay
+  TensorView beta;  // [B,T_local,H]; undefined iff additive
   // Global packed-sequence offsets [N+1] (int64, same on every rank) or undefined.
   TensorView cu_seqlens;
   // [N,H,Dk,Dv] fp32, same on every rank; undefined = zeros.
@@ -57,8 +65,13 @@ struct CpBackwardArgs {
 // What the last forward/backward call spent, on this rank.
 struct CpStepStats {
   double summary_s = 0, exchange_s = 0, merge_s = 0, local_s = 0, total_s = 0;
-  int64_t exchange_bytes = 0;  // bytes this rank sent in the exchange
+  int64_t exchange_bytes = 0;               // bytes this rank sent in the exchange
   Exchange exchange = Exchange::allgather;  // the strategy used (auto resolved)
+  // GPU path: how much of exchange_s other work on this rank's GPU ran
+  // under (CUDA events; 0 on the host path, where nothing overlaps).
+  double hidden_s = 0;
+  double hidden_fraction() const { return exchange_s > 0 ? hidden_s / exchange_s : 0.0; }
+  bool on_device = false;  // the call ran the CUDA kernels
 };
 
 class CpMixer {
@@ -82,11 +95,21 @@ class CpMixer {
 
  private:
   struct Saved;
+  // The GPU path (parallel/cp_mixer_cuda.cpp): its saved tensors and streams.
+  struct DeviceState;
+  struct DeviceStateDeleter {
+    void operator()(DeviceState* state) const;
+  };
+  void forward_device(const CpForwardArgs& args);
+  void backward_device(const CpBackwardArgs& args);
+
   Communicator& comm_;
   MixerConfig config_;
   Exchange exchange_;
   CpObserver* observer_;
   std::unique_ptr<Saved> saved_;
+  std::unique_ptr<DeviceState, DeviceStateDeleter> device_;
+  bool saved_on_device_ = false;  // the last forward ran the GPU path
   CpStepStats fwd_stats_, bwd_stats_;
 };
 

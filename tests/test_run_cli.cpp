@@ -28,6 +28,10 @@
 #include "tests/lact_test_util.h"
 #include "tests/test_util.h"
 
+#ifdef STATESCAN_HAS_CUDA
+#include "kernels/cuda/cuda_mixer.h"
+#endif
+
 #ifndef STATESCAN_RUN_PATH
 #error "STATESCAN_RUN_PATH must name the statescan-run binary (set by tests/CMakeLists.txt)"
 #endif
@@ -350,7 +354,13 @@ TEST(RunCli, FailedSaveLeavesNoResultFiles) {
   EXPECT_EQ(files_in(dir.out()), std::set<std::string>{"dq.npy"});
 }
 
-TEST(RunCli, CudaDeviceIsRefusedOnEveryRank) {
+// Without a GPU (CI, or a build without CUDA) an explicit --device cuda is an
+// error on every rank, never a silent CPU run. (With GPUs it runs: the GPU
+// suites test that path.)
+TEST(RunCli, CudaDeviceWithoutGpuIsRefusedOnEveryRank) {
+#ifdef STATESCAN_HAS_CUDA
+  if (cuda::device_available()) GTEST_SKIP() << "a GPU is present: --device cuda runs here";
+#endif
   TempDir dir;
   const RunResult r = run_cli(dir, "--device cuda --seq-len 45 --iters 1 --warmup 0");
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;

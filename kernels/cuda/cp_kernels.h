@@ -1,0 +1,99 @@
+// CUDA pieces of context parallelism (DESIGN §5) that parallel/ builds on:
+//
+//   PreparedForward  one chunkwise forward split around the exchange: the
+//                    state-independent prepare stage runs once, the summary
+//                    (M, E) of the shard reads its tiles, and after the
+//                    exchange the scan + output stages run from the true
+//                    incoming state with the same workspace.
+//   affine-map kernels  apply S <- M S + E (full or diagonal M), compose two
+//                    maps, transpose M, count non-finite elements: what the
+//                    device exchange and the CP mixer's checks need. fp32.
+//
+// All pointers are device pointers; work is queued on the given stream.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "core/dtype.h"
+#include "kernels/mixer_params.h"
+
+namespace statescan::cuda {
+
+// How the summary computes the delta rules' (M, E):
+//   scan      E: the forward's own boundary scan (outputs off); M: the same
+//             scan run from S = I with U = 0 (both sequential over chunks);
+//   products  each chunk's map (diag(d) - K_^T W, K_^T U) by batched GEMMs,
+//             then a log-depth tree of batched GEMMs composing neighbours
+//             (cuBLAS; parallel over chunks; TF32 tree for 16-bit inputs,
+//             fp32 for fp32 inputs). Additive rules always use the scan for E.
+// Process-wide; the default comes from STATESCAN_CP_LINEAR=scan|products
+// (unset: scan).
+enum class LinearPart { scan, products };
+LinearPart summary_linear_part();
+void set_summary_linear_part(LinearPart part);
+
+class PreparedForward {
+ public:
+  // Validates `p` (device pointers, cu_seqlens included; synchronises `stream`
+  // once in packed mode to read it), takes the workspace from the stream-
+  // ordered pool and queues the prepare stage. p.o, p.final_state,
+  // p.chunk_states and p.initial_state are the pointers finish() uses; the
+  // *contents* of p.initial_state may change until finish() is queued.
+  PreparedForward(const MixerParams& p, cudaStream_t stream);
+  ~PreparedForward();  // frees the workspace on the construction stream
+  PreparedForward(const PreparedForward&) = delete;
+  PreparedForward& operator=(const PreparedForward&) = delete;
+
+  // The summary of cuda::mixer_summary (cuda_mixer.h) from the prepared
+  // tiles, with E starting from the *current* contents of p.initial_state
+  // (zeros if null). Overwrites the workspace's state and V' tiles (and, for
+  // fp32 inputs, p.chunk_states), which finish() rewrites. With
+  // with_linear_part = false only E is computed (M is not touched): CP ranks
+  // whose M is never applied (the first and last of the scan) skip its scan.
+  void summary(float* M, float* E, cudaStream_t stream, bool with_linear_part = true);
+
+  // Scan + output stages from p.initial_state: o, final_state, chunk_states.
+  void finish(cudaStream_t stream);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// One batch of affine maps S_out = M S_in + E, [maps] of them, contiguous:
+// M [maps, Dk, Dk] (or [maps, Dk] when diagonal), E [maps, Dk, Dv].
+struct DeviceMaps {
+  int64_t maps = 0, dk = 0, dv = 0;
+  bool diagonal = false;
+  const float* M = nullptr;
+  const float* E = nullptr;
+  int64_t m_size() const { return diagonal ? dk : dk * dk; }
+};
+
+// out[m] (Dk x width, packed) = M[m] in[m] + E[m][:, col0 : col0 + width];
+// in (Dk x width per map, packed) may be null (a zero incoming state).
+// `out` must not alias `in`.
+void apply_affine_maps(const DeviceMaps& maps, const float* in, float* out, int64_t col0,
+                       int64_t width, cudaStream_t stream);
+
+// (M_l, E_l) <- (M_l M_e, M_l E_e + E_l): `later` (M_l, E_l at later_M, later_E)
+// composed after `earlier`, in place. `scratch` holds at least
+// maps * (m_size + Dk * Dv) floats and must not alias either.
+void compose_affine_maps(int64_t maps, int64_t dk, int64_t dv, bool diagonal, float* later_M,
+                         float* later_E, const float* earlier_M, const float* earlier_E,
+                         float* scratch, cudaStream_t stream);
+
+// Mt[m] = M[m]^T for [maps, Dk, Dk]; Mt must not alias M.
+void transpose_maps(const float* M, float* Mt, int64_t maps, int64_t dk, cudaStream_t stream);
+
+// Queues a count of the NaN/Inf elements of `data` (n elements of dtype) into
+// *count (device int, added to; zero it first).
+void count_nonfinite(const void* data, int64_t n, DType dtype, int* count, cudaStream_t stream);
+
+// out[m] = identity (Dk x Dv, ones where i == j) for `maps` states.
+void fill_identity(float* out, int64_t maps, int64_t dk, int64_t dv, cudaStream_t stream);
+
+}  // namespace statescan::cuda

@@ -1,0 +1,378 @@
+// The CP summary on the GPU (DESIGN §5): the affine map S_end = M S_start + E
+// of the last segment of every batch row, from the chunkwise forward's own
+// prepare and scan kernels, plus PreparedForward, which lets the CP mixer
+// share one prepare stage between the summary and the local forward.
+//
+// E is the scan from the segment's initial state with outputs switched off.
+// M for delta rules: the scan's per-chunk update S <- diag(d) S + K_^T (U - W S)
+// is affine in S with linear part (diag(d) - K_^T W); scanning from S = I with
+// U = 0 therefore yields the product of the chunk maps, i.e. M (the kernels
+// need Dk == Dv, so the Dk x Dk map fits the Dk x Dv state exactly). Reusing
+// the scan keeps M bit-consistent with how the forward carries states (bf16
+// operands rounded as the forward rounds them, fp32 accumulation).
+// M for additive rules: the diagonal prod alpha = exp(sum of g over the
+// segment), summed in fp64 as the CPU path does.
+#include <cublas_v2.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "kernels/cuda/cp_kernels.h"
+#include "kernels/cuda/cuda_mixer.h"
+#include "kernels/cuda/forward_plan.cuh"
+
+namespace statescan::cuda {
+namespace {
+
+using detail::ForwardArgs;
+using detail::ForwardPlan;
+
+// additive_decay_kernel: M[row, h, d] = exp(sum_{t in [begin, end)} g[row, t, h, d])
+// (scalar gates broadcast over d; ones without decay).
+//   grid (rows * H, ceil(Dk / 32)), 256 threads = 32 key dims x 8 token lanes;
+//   each lane sums every 8th token in fp64, the lanes reduce in shared memory.
+__global__ void additive_decay_kernel(const float* g, bool vector_gate, int64_t seq_len,
+                                      int64_t heads, int64_t dk, int64_t begin, int64_t end,
+                                      float* M) {
+  __shared__ double partial[8][32];
+  const int64_t row = blockIdx.x / heads, h = blockIdx.x % heads;
+  const int lane_d = threadIdx.x % 32, lane_t = threadIdx.x / 32;
+  const int64_t d = blockIdx.y * 32 + lane_d;
+  double sum = 0.0;
+  if (g != nullptr && d < dk) {
+    for (int64_t t = begin + lane_t; t < end; t += 8) {
+      const int64_t token = row * seq_len + t;
+      sum += vector_gate ? g[(token * heads + h) * dk + d] : g[token * heads + h];
+    }
+  }
+  partial[lane_t][lane_d] = sum;
+  __syncthreads();
+  if (lane_t == 0 && d < dk) {
+    double total = 0.0;
+    for (int i = 0; i < 8; ++i) total += partial[i][lane_d];
+    M[(row * heads + h) * dk + d] = static_cast<float>(exp(total));
+  }
+}
+
+// diag_kernel: maps[b] = diag(decay[first_tile + b]) for b < count, Dk x Dk
+// fp32 each (decay: [tiles, Dk], the per-chunk e^{b_C}); one thread per element.
+__global__ void diag_kernel(float* maps, const float* decay, int64_t first_tile, int64_t count,
+                            int64_t dk) {
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= count * dk * dk) return;
+  const int64_t b = idx / (dk * dk), i = (idx / dk) % dk, j = idx % dk;
+  maps[idx] = i == j ? decay[(first_tile + b) * dk + i] : 0.f;
+}
+
+// The process-wide choice of summary_linear_part(): STATESCAN_CP_LINEAR=products
+// selects the product tree (M and E), anything else (or unset) the scans.
+LinearPart& linear_part_setting() {
+  static LinearPart part = [] {
+    const char* text = std::getenv("STATESCAN_CP_LINEAR");
+    return text != nullptr && std::strcmp(text, "products") == 0 ? LinearPart::products
+                                                                 : LinearPart::scan;
+  }();
+  return part;
+}
+
+bool linear_part_by_products_enabled() {
+  return linear_part_setting() == LinearPart::products;
+}
+
+// One cuBLAS handle per device, made on first use (cublasCreate is slow).
+cublasHandle_t cublas_handle() {
+  static cublasHandle_t handles[64] = {};
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  SS_CHECK_ARG(device < 64, "device", "more than 64 devices");
+  if (handles[device] == nullptr) SS_CUBLAS_CHECK(cublasCreate(&handles[device]));
+  return handles[device];
+}
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::bf16:
+      return CUDA_R_16BF;
+    case DType::f16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+// The delta rules' summary (M, E) of `count` chunks starting at global chunk
+// `first`, as a product tree instead of a scan: each chunk's affine map
+//   M_c = diag(d_c) - K_c^T W_c,   E_c = K_c^T U_c
+// (two batched GEMMs over every chunk and head, from the prepared tiles), then
+// log2(count) levels of batched GEMMs composing neighbours,
+//   (M', E') = (M_{2i+1} M_{2i}, M_{2i+1} E_{2i} + E_{2i+1}),
+// and finally E += M S_0 for an initial state S_0 ([H, Dk, Dv], may be null).
+// Parallel over chunks where the scan walks them one by one. 16-bit inputs
+// compose on TF32 tensor cores (their states are carried at 16-bit precision
+// anyway), fp32 inputs with fp32 GEMMs. Writes M [H, Dk, Dk] (when M_out is
+// not null) and E [H, Dk, Dv].
+//
+// cuBLAS is column-major: a row-major r x c array with row stride c is its
+// c x r transpose there, so row-major Y = A B + C is computed as
+// Y^T = B^T A^T + C^T (operands swapped).
+void summary_by_products(const MixerParams& p, const ForwardArgs& a, int64_t first, int64_t count,
+                         const float* initial_state, float* M_out, float* E_out,
+                         cudaStream_t stream) {
+  const int64_t H = p.heads, D = p.dk, Dv = p.dv, C = p.chunk, D2 = D * D, DE = D * Dv;
+  cublasHandle_t handle = cublas_handle();
+  SS_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  // Two levels' worth of maps: level L in (m_a, e_a) or (m_b, e_b) alternately.
+  const int64_t half = (count + 1) / 2;
+  float *m_a = nullptr, *e_a = nullptr, *m_b = nullptr, *e_b = nullptr;
+  auto alloc = [&](float** ptr, int64_t floats) {
+    SS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(ptr),
+                                  static_cast<size_t>(floats) * sizeof(float), stream));
+  };
+  alloc(&m_a, count * H * D2);
+  alloc(&e_a, count * H * DE);
+  alloc(&m_b, half * H * D2);
+  alloc(&e_b, half * H * DE);
+  const int64_t n = count * H * D2;
+  diag_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(m_a, a.ws_decay,
+                                                                          first * H, count * H, D);
+  SS_LAUNCH_CHECK("diag_kernel");
+  const float minus_one = -1.f, one = 1.f, zero = 0.f;
+  const size_t elem = size_of(p.dtype);
+  const size_t tile0 = static_cast<size_t>(first * H);
+  const char* ws_k = static_cast<const char*>(a.ws_k) + tile0 * C * D * elem;
+  const char* ws_w = static_cast<const char*>(a.ws_w) + tile0 * C * D * elem;
+  const char* ws_u = static_cast<const char*>(a.ws_u) + tile0 * C * Dv * elem;
+  const cudaDataType_t t = cuda_type(p.dtype);
+  const int batch0 = static_cast<int>(count * H);
+  // M_c = diag - K^T W:  M^T = -(W^T)(K^T)^T + diag.
+  SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(D), static_cast<int>(D),
+      static_cast<int>(C), &minus_one, ws_w, t, static_cast<int>(D), C * D, ws_k, t,
+      static_cast<int>(D), C * D, &one, m_a, CUDA_R_32F, static_cast<int>(D), D2, batch0,
+      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  // E_c = K^T U:  E^T = (U^T)(K^T)^T.
+  SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(Dv), static_cast<int>(D),
+      static_cast<int>(C), &one, ws_u, t, static_cast<int>(Dv), C * Dv, ws_k, t,
+      static_cast<int>(D), C * D, &zero, e_a, CUDA_R_32F, static_cast<int>(Dv), DE, batch0,
+      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+
+  const cublasComputeType_t tree_compute =
+      p.dtype == DType::f32 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
+  // Device pointer arrays of one level: M pairs (A, B, C) then E pairs (A, B, C).
+  void** ptrs = nullptr;
+  const int64_t max_batch = (count / 2 + 1) * H;
+  SS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptrs),
+                                static_cast<size_t>(6 * max_batch) * sizeof(void*), stream));
+  std::vector<void*> host;
+  float *cur_m = m_a, *cur_e = e_a, *nxt_m = m_b, *nxt_e = e_b;
+  int64_t m = count;
+  while (m > 1) {
+    const int64_t pairs = m / 2;
+    const int64_t batch = pairs * H;
+    host.assign(static_cast<size_t>(6 * batch), nullptr);
+    for (int64_t i = 0; i < pairs; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t b = i * H + h;
+        const int64_t lo = (2 * i) * H + h, hi = (2 * i + 1) * H + h, out = i * H + h;
+        // M' = M_hi M_lo:  M'^T = M_lo^T M_hi^T.
+        host[b] = cur_m + lo * D2;
+        host[batch + b] = cur_m + hi * D2;
+        host[2 * batch + b] = nxt_m + out * D2;
+        // E' = M_hi E_lo + E_hi:  E'^T = E_lo^T M_hi^T + E_hi^T (E_hi copied in first).
+        host[3 * batch + b] = cur_e + lo * DE;
+        host[4 * batch + b] = cur_m + hi * D2;
+        host[5 * batch + b] = nxt_e + out * DE;
+      }
+    // Pageable host -> device: staged before the call returns.
+    SS_CUDA_CHECK(cudaMemcpyAsync(ptrs, host.data(), host.size() * sizeof(void*),
+                                  cudaMemcpyHostToDevice, stream));
+    // E_hi of every pair into the output slots ([pairs] rows of H*DE floats).
+    SS_CUDA_CHECK(cudaMemcpy2DAsync(nxt_e, static_cast<size_t>(H * DE) * sizeof(float),
+                                    cur_e + H * DE, static_cast<size_t>(2 * H * DE) * sizeof(float),
+                                    static_cast<size_t>(H * DE) * sizeof(float),
+                                    static_cast<size_t>(pairs), cudaMemcpyDeviceToDevice, stream));
+    auto cptr = [&](int64_t k) { return const_cast<const void**>(ptrs + k * batch); };
+    SS_CUBLAS_CHECK(cublasGemmBatchedEx(
+        handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(D), static_cast<int>(D),
+        static_cast<int>(D), &one, cptr(0), CUDA_R_32F, static_cast<int>(D), cptr(1), CUDA_R_32F,
+        static_cast<int>(D), &zero, ptrs + 2 * batch, CUDA_R_32F, static_cast<int>(D),
+        static_cast<int>(batch), tree_compute, CUBLAS_GEMM_DEFAULT));
+    SS_CUBLAS_CHECK(cublasGemmBatchedEx(
+        handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(Dv), static_cast<int>(D),
+        static_cast<int>(D), &one, cptr(3), CUDA_R_32F, static_cast<int>(Dv), cptr(4), CUDA_R_32F,
+        static_cast<int>(D), &one, ptrs + 5 * batch, CUDA_R_32F, static_cast<int>(Dv),
+        static_cast<int>(batch), tree_compute, CUBLAS_GEMM_DEFAULT));
+    if (m % 2 == 1) {  // the unpaired last map passes through
+      SS_CUDA_CHECK(cudaMemcpyAsync(nxt_m + pairs * H * D2, cur_m + (m - 1) * H * D2,
+                                    static_cast<size_t>(H * D2) * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, stream));
+      SS_CUDA_CHECK(cudaMemcpyAsync(nxt_e + pairs * H * DE, cur_e + (m - 1) * H * DE,
+                                    static_cast<size_t>(H * DE) * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, stream));
+    }
+    std::swap(cur_m, nxt_m);
+    std::swap(cur_e, nxt_e);
+    m = pairs + m % 2;
+  }
+  // E = M S_0 + E_tree:  E^T = S_0^T M^T + E_tree^T, per head.
+  if (initial_state != nullptr)
+    SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(Dv), static_cast<int>(D),
+        static_cast<int>(D), &one, initial_state, CUDA_R_32F, static_cast<int>(Dv), DE, cur_m,
+        CUDA_R_32F, static_cast<int>(D), D2, &one, cur_e, CUDA_R_32F, static_cast<int>(Dv), DE,
+        static_cast<int>(H),
+        p.dtype == DType::f32 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32,
+        CUBLAS_GEMM_DEFAULT));
+  if (M_out != nullptr)
+    SS_CUDA_CHECK(cudaMemcpyAsync(M_out, cur_m, static_cast<size_t>(H * D2) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream));
+  SS_CUDA_CHECK(cudaMemcpyAsync(E_out, cur_e, static_cast<size_t>(H * DE) * sizeof(float),
+                                cudaMemcpyDeviceToDevice, stream));
+  for (void* ptr : {static_cast<void*>(ptrs), static_cast<void*>(m_a), static_cast<void*>(e_a),
+                    static_cast<void*>(m_b), static_cast<void*>(e_b)})
+    SS_CUDA_CHECK(cudaFreeAsync(ptr, stream));
+}
+
+// The scan arguments that cover only the last segment of every batch row:
+// all rows without cu_seqlens, the last segment (as segment 0) with it.
+ForwardArgs last_segment_args(const MixerParams& p, const ForwardPlan& plan) {
+  ForwardArgs a = plan.args;
+  a.o = nullptr;
+  a.chunk_states = nullptr;
+  a.final_state = nullptr;
+  if (p.cu_seqlens != nullptr) {
+    const int64_t last = p.num_segments - 1;
+    a.segment_table += 2 * last;
+    a.num_segments = 1;
+    if (a.initial_state != nullptr) a.initial_state += last * p.heads * p.dk * p.dv;
+  }
+  return a;
+}
+
+void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, float* E,
+                       bool with_linear_part, cudaStream_t stream) {
+  SS_CHECK_ARG(M != nullptr || !with_linear_part, "M", "summary output must not be null");
+  SS_CHECK_ARG(E != nullptr, "E", "summary output must not be null");
+  const int64_t rows = p.cu_seqlens != nullptr ? 1 : p.batch;
+  if (has_beta(p.variant) && linear_part_by_products_enabled()) {
+    // (M, E) together by the product tree, per row; no scan.
+    const int64_t state = p.heads * p.dk * p.dv;
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t first = r * plan.args.chunks_per_row, count = plan.args.chunks_per_row;
+      int64_t segment = r;
+      if (p.cu_seqlens != nullptr) {
+        segment = p.num_segments - 1;
+        first = 0;
+        for (int64_t n = 0; n < segment; ++n)
+          first += (plan.offsets[n + 1] - plan.offsets[n] + p.chunk - 1) / p.chunk;
+        count = plan.num_chunks - first;
+      }
+      const float* s0 = p.initial_state != nullptr ? p.initial_state + segment * state : nullptr;
+      summary_by_products(p, plan.args, first, count, s0,
+                          with_linear_part ? M + r * p.heads * p.dk * p.dk : nullptr, E + r * state,
+                          stream);
+    }
+    return;
+  }
+  ForwardArgs a = last_segment_args(p, plan);
+  a.final_state = E;
+  detail::launch_forward_stages(p, a, detail::kStageScan, stream);
+  if (!with_linear_part) return;
+
+  if (has_beta(p.variant)) {
+    // Linear part: scan the identity with U = 0.
+    const size_t u_bytes =
+        static_cast<size_t>(plan.num_chunks) * p.heads * p.chunk * p.dv * size_of(p.dtype);
+    const size_t ident_floats = static_cast<size_t>(rows * p.heads * p.dk * p.dv);
+    void* zero_u = nullptr;
+    float* ident = nullptr;
+    SS_CUDA_CHECK(cudaMallocAsync(&zero_u, u_bytes, stream));
+    SS_CUDA_CHECK(
+        cudaMallocAsync(reinterpret_cast<void**>(&ident), ident_floats * sizeof(float), stream));
+    SS_CUDA_CHECK(cudaMemsetAsync(zero_u, 0, u_bytes, stream));
+    fill_identity(ident, rows * p.heads, p.dk, p.dv, stream);
+    ForwardArgs m = last_segment_args(p, plan);
+    m.ws_u = zero_u;
+    m.initial_state = ident;
+    m.final_state = M;
+    detail::launch_forward_stages(p, m, detail::kStageScan, stream);
+    SS_CUDA_CHECK(cudaFreeAsync(zero_u, stream));
+    SS_CUDA_CHECK(cudaFreeAsync(ident, stream));
+  } else {
+    int64_t begin = 0, end = p.seq_len;
+    if (p.cu_seqlens != nullptr) {
+      begin = plan.offsets[static_cast<size_t>(p.num_segments - 1)];
+      end = plan.offsets[static_cast<size_t>(p.num_segments)];
+    }
+    const dim3 grid(static_cast<unsigned>(rows * p.heads), static_cast<unsigned>((p.dk + 31) / 32));
+    additive_decay_kernel<<<grid, 256, 0, stream>>>(p.g, vector_gate(p.variant), p.seq_len, p.heads,
+                                                    p.dk, begin, end, M);
+    SS_LAUNCH_CHECK("additive_decay_kernel");
+  }
+}
+
+}  // namespace
+
+LinearPart summary_linear_part() {
+  return linear_part_setting();
+}
+
+void set_summary_linear_part(LinearPart part) {
+  linear_part_setting() = part;
+}
+
+struct PreparedForward::Impl {
+  MixerParams params;
+  void* workspace = nullptr;
+  size_t bytes = 0;
+  cudaStream_t stream = nullptr;
+  ForwardPlan plan;
+};
+
+PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.params = p;
+  s.stream = stream;
+  s.bytes = forward_workspace_bytes(p);
+  SS_CUDA_CHECK(cudaMallocAsync(&s.workspace, s.bytes, stream));
+  try {
+    s.plan = detail::plan_forward(p, s.workspace, s.bytes, stream);
+    detail::launch_forward_stages(p, s.plan.args, detail::kStagePrepare, stream);
+  } catch (...) {
+    (void)cudaFreeAsync(s.workspace, stream);
+    throw;
+  }
+}
+
+PreparedForward::~PreparedForward() {
+  if (impl_ && impl_->workspace != nullptr) (void)cudaFreeAsync(impl_->workspace, impl_->stream);
+}
+
+void PreparedForward::summary(float* M, float* E, cudaStream_t stream, bool with_linear_part) {
+  summary_from_plan(impl_->params, impl_->plan, M, E, with_linear_part, stream);
+}
+
+void PreparedForward::finish(cudaStream_t stream) {
+  detail::launch_forward_stages(impl_->params, impl_->plan.args,
+                                detail::kStageScan | detail::kStageOutput, stream);
+}
+
+void mixer_summary(const MixerParams& p, float* M, float* E, cudaStream_t stream) {
+  SS_CHECK_ARG(M != nullptr, "M", "summary output must not be null");
+  SS_CHECK_ARG(E != nullptr, "E", "summary output must not be null");
+  // No outputs: o only has to pass validation (it is never written), and
+  // the caller's chunk_states / final_state are left alone.
+  MixerParams q = p;
+  q.o = E;
+  q.final_state = nullptr;
+  q.chunk_states = nullptr;
+  PreparedForward prepared(q, stream);
+  prepared.summary(M, E, stream);
+}
+
+}  // namespace statescan::cuda

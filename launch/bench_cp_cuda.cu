@@ -1,0 +1,387 @@
+// statescan-bench --cp-measure (launch/bench_cp_cuda.h).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
+#include "core/error.h"
+#include "kernels/cuda/cp_kernels.h"
+#include "kernels/cuda/cuda_mixer.h"
+#include "launch/bench_cp_cuda.h"
+#include "parallel/cp_model.h"
+
+namespace statescan {
+namespace {
+
+enum class Fill { normal, gate, sigmoid };
+
+__device__ __forceinline__ uint32_t mix32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+
+__device__ __forceinline__ void store(float* p, float x) {
+  *p = x;
+}
+__device__ __forceinline__ void store(__nv_bfloat16* p, float x) {
+  *p = __float2bfloat16(x);
+}
+__device__ __forceinline__ void store(__half* p, float x) {
+  *p = __float2half(x);
+}
+
+// fill_kernel: out[i] = f(N(0,1) from a hash of (seed, i)), f per Fill:
+// the identity, logsigmoid(x + 4) (realistic gates) or sigmoid(x) (beta).
+template <typename T>
+__global__ void fill_kernel(T* out, int64_t n, uint64_t seed, Fill fill) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float u1 = (mix32(seed * 0x9E3779B97F4A7C15ull + 2 * i) + 1.f) * 2.3283064e-10f;
+    const float u2 = mix32(seed * 0x9E3779B97F4A7C15ull + 2 * i + 1) * 2.3283064e-10f;
+    float x = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+    if (fill == Fill::gate) x = -log1pf(expf(-(x + 4.f)));
+    if (fill == Fill::sigmoid) x = 1.f / (1.f + expf(-x));
+    store(out + i, x);
+  }
+}
+
+void fill(void* out, int64_t n, DType t, uint64_t seed, Fill f) {
+  const unsigned blocks = 2048;
+  switch (t) {
+    case DType::f32:
+      fill_kernel<<<blocks, 256>>>(static_cast<float*>(out), n, seed, f);
+      break;
+    case DType::bf16:
+      fill_kernel<<<blocks, 256>>>(static_cast<__nv_bfloat16*>(out), n, seed, f);
+      break;
+    case DType::f16:
+      fill_kernel<<<blocks, 256>>>(static_cast<__half*>(out), n, seed, f);
+      break;
+    default:
+      SS_FAIL("dtype", "f32, bf16 or f16");
+  }
+  SS_LAUNCH_CHECK("fill_kernel");
+}
+
+// Median over `iters` timed runs (after `warmup` untimed ones) of the events
+// fn records: fn(start, stop) queues its work between them on `stream`.
+template <typename F>
+double median_ms(int warmup, int iters, cudaStream_t stream, F&& fn) {
+  cudaEvent_t start, stop;
+  SS_CUDA_CHECK(cudaEventCreate(&start));
+  SS_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> ms;
+  for (int i = 0; i < warmup + iters; ++i) {
+    SS_CUDA_CHECK(cudaEventRecord(start, stream));
+    fn();
+    SS_CUDA_CHECK(cudaEventRecord(stop, stream));
+    SS_CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0.f;
+    SS_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    if (i >= warmup) ms.push_back(t);
+  }
+  SS_CUDA_CHECK(cudaEventDestroy(start));
+  SS_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+struct Measured {
+  Variant variant;
+  double fwd_ms = 0, bwd_ms = std::numeric_limits<double>::quiet_NaN();
+  double prepare_ms = 0, summary_ms = 0, finish_ms = 0;
+  double prepass_ms = std::numeric_limits<double>::quiet_NaN();
+  double merge_fwd_ms = 0, merge_bwd_ms = 0;
+  double summary_other_ms = std::numeric_limits<double>::quiet_NaN();
+  double summary_e_ms = 0;  // E only (no M), the default method
+  std::string other_name;   // the linear-part method of summary_other_ms
+  std::string bwd_note;
+  double overhead() const {
+    return (summary_ms + prepass_ms + merge_fwd_ms + merge_bwd_ms) / (fwd_ms + bwd_ms);
+  }
+};
+
+Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream) {
+  const int64_t T = o.seq_len, H = o.heads, D = o.dim;
+  const int64_t tokens = T * H;
+  const int64_t chunks = (T + o.chunk - 1) / o.chunk;
+  const std::size_t elem = size_of(o.dtype);
+  DeviceBuffer<unsigned char> q(tokens * D * elem), k(tokens * D * elem), v(tokens * D * elem),
+      out(tokens * D * elem), d_o(tokens * D * elem), dq(tokens * D * elem), dk(tokens * D * elem),
+      dv(tokens * D * elem), beta(tokens * elem), dbeta(tokens * elem);
+  const int64_t g_count = has_gate(variant) ? (vector_gate(variant) ? tokens * D : tokens) : 0;
+  DeviceBuffer<float> g(std::max<int64_t>(g_count, 1)), dg(std::max<int64_t>(g_count, 1));
+  DeviceBuffer<float> states(static_cast<std::size_t>(chunks * H * D * D)), final_state(H * D * D),
+      d_init(H * D * D), M(H * D * D), E(H * D * D), S(H * D * D), S_out(H * D * D), Mt(H * D * D);
+  fill(q.data(), tokens * D, o.dtype, 1, Fill::normal);
+  fill(k.data(), tokens * D, o.dtype, 2, Fill::normal);
+  fill(v.data(), tokens * D, o.dtype, 3, Fill::normal);
+  fill(d_o.data(), tokens * D, o.dtype, 4, Fill::normal);
+  fill(beta.data(), tokens, o.dtype, 5, Fill::sigmoid);
+  if (g_count > 0) fill(g.data(), g_count, DType::f32, 6, Fill::gate);
+  fill(S.data(), H * D * D, DType::f32, 7, Fill::normal);
+  SS_CUDA_CHECK(cudaDeviceSynchronize());
+
+  MixerParams p;
+  p.variant = variant;
+  p.batch = 1;
+  p.seq_len = T;
+  p.heads = H;
+  p.dk = p.dv = D;
+  p.chunk = o.chunk;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  p.l2norm_qk = true;  // random q, k: let the op normalise them, as KDA/GDN models do
+  p.dtype = o.dtype;
+  p.num_segments = 1;
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.g = has_gate(variant) ? g.data() : nullptr;
+  p.beta = has_beta(variant) ? beta.data() : nullptr;
+  p.o = out.data();
+  p.final_state = final_state.data();
+  p.chunk_states = states.data();
+
+  Measured m;
+  m.variant = variant;
+  const size_t ws_bytes = cuda::forward_workspace_bytes(p);
+  DeviceBuffer<unsigned char> ws(ws_bytes);
+  m.fwd_ms = median_ms(o.warmup, o.iters, stream,
+                       [&] { cuda::mixer_forward(p, ws.data(), ws_bytes, stream); });
+
+  // The CP forward's pieces: prepare once, summary, then scan + output.
+  cudaEvent_t e[4];
+  for (auto& ev : e) SS_CUDA_CHECK(cudaEventCreate(&ev));
+  std::vector<double> prep, summ, fin;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    SS_CUDA_CHECK(cudaEventRecord(e[0], stream));
+    {
+      cuda::PreparedForward prepared(p, stream);
+      SS_CUDA_CHECK(cudaEventRecord(e[1], stream));
+      prepared.summary(M.data(), E.data(), stream);
+      SS_CUDA_CHECK(cudaEventRecord(e[2], stream));
+      prepared.finish(stream);
+      SS_CUDA_CHECK(cudaEventRecord(e[3], stream));
+    }
+    SS_CUDA_CHECK(cudaEventSynchronize(e[3]));
+    if (i < o.warmup) continue;
+    float a = 0, b = 0, c = 0;
+    SS_CUDA_CHECK(cudaEventElapsedTime(&a, e[0], e[1]));
+    SS_CUDA_CHECK(cudaEventElapsedTime(&b, e[1], e[2]));
+    SS_CUDA_CHECK(cudaEventElapsedTime(&c, e[2], e[3]));
+    prep.push_back(a);
+    summ.push_back(b);
+    fin.push_back(c);
+  }
+  for (auto& ev : e) SS_CUDA_CHECK(cudaEventDestroy(ev));
+  auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  m.prepare_ms = median(prep);
+  m.summary_ms = median(summ);
+  m.finish_ms = median(fin);
+
+  // E alone (what the first rank computes), by the default method.
+  {
+    cuda::PreparedForward prepared(p, stream);
+    m.summary_e_ms = median_ms(o.warmup, o.iters, stream,
+                               [&] { prepared.summary(M.data(), E.data(), stream, false); });
+  }
+  // The summary again with the other way of computing the delta rules' (M, E).
+  if (has_beta(variant)) {
+    const cuda::LinearPart saved = cuda::summary_linear_part();
+    cuda::set_summary_linear_part(saved == cuda::LinearPart::scan ? cuda::LinearPart::products
+                                                                  : cuda::LinearPart::scan);
+    cuda::PreparedForward prepared(p, stream);
+    m.summary_other_ms =
+        median_ms(o.warmup, o.iters, stream, [&] { prepared.summary(M.data(), E.data(), stream); });
+    cuda::set_summary_linear_part(saved);
+    m.other_name = saved == cuda::LinearPart::scan ? "products" : "scan";
+  }
+
+  // Merge-side map work: S_in = M S + E for every head (forward), plus M^T
+  // (backward; the reverse scan applies M^T S + D).
+  cuda::DeviceMaps maps;
+  maps.maps = H;
+  maps.dk = D;
+  maps.dv = D;
+  maps.diagonal = !has_beta(variant);
+  maps.M = M.data();
+  maps.E = E.data();
+  m.merge_fwd_ms = median_ms(o.warmup, o.iters, stream, [&] {
+    cuda::apply_affine_maps(maps, S.data(), S_out.data(), 0, D, stream);
+  });
+  m.merge_bwd_ms = median_ms(o.warmup, o.iters, stream, [&] {
+    if (!maps.diagonal) cuda::transpose_maps(M.data(), Mt.data(), H, D, stream);
+    cuda::apply_affine_maps(maps, S.data(), S_out.data(), 0, D, stream);
+  });
+
+  // Backward: the local pass and the CP pre-pass. The chunk states are the
+  // last forward's (the same inputs), as in training.
+  MixerBwdParams bp;
+  static_cast<MixerParams&>(bp) = p;
+  bp.d_o = d_o.data();
+  bp.d_initial_state = d_init.data();
+  try {
+    MixerBwdParams pre = bp;
+    pre.state_grad_only = true;
+    m.prepass_ms = median_ms(o.warmup, o.iters, stream, [&] { cuda::mixer_backward(pre, stream); });
+    bp.dq = dq.data();
+    bp.dk_out = dk.data();
+    bp.dv_out = dv.data();
+    bp.dg = has_gate(variant) ? dg.data() : nullptr;
+    bp.dbeta = has_beta(variant) ? dbeta.data() : nullptr;
+    m.bwd_ms = median_ms(o.warmup, o.iters, stream, [&] { cuda::mixer_backward(bp, stream); });
+  } catch (const Error& err) {
+    m.bwd_note = err.what();
+    SS_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  return m;
+}
+
+std::string fmt(const char* format, double x) {
+  if (!std::isfinite(x)) return "N/A";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, x);
+  return buf;
+}
+
+}  // namespace
+
+int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
+  SS_CHECK_ARG(cuda::device_available(), "--cp-measure", "needs a CUDA device");
+  SS_CHECK_ARG(o.dim == 64 || o.dim == 128, "--dim", "must be 64 or 128");
+  SS_CHECK_ARG(o.iters >= 1 && o.warmup >= 0, "-n", "iters >= 1, warmup >= 0");
+  SS_CHECK_ARG(!o.variants.empty(), "--variant", "at least one variant");
+  cudaStream_t stream;
+  SS_CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaDeviceProp prop{};
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  // Workspaces stay in the stream-ordered pool between iterations (as the
+  // GPU CpMixer arranges), so the medians time kernels, not page mapping.
+  cudaMemPool_t pool = nullptr;
+  SS_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  uint64_t keep = UINT64_MAX;
+  SS_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+
+  char line[1024];
+  std::snprintf(
+      line, sizeof line,
+      "# statescan-bench --cp-measure: context-parallel overhead on one GPU (%s)\n"
+      "#  T=%lld tokens/rank  H=%lld  D=%lld  chunk=%lld  dtype=%s  l2norm on  "
+      "median of %d after %d warm-up\n"
+      "#  overhead = (summary + pre-pass + merge fwd + merge bwd) / (fwd + bwd); "
+      "target < 5%% (issue 5)\n"
+      "#  a middle rank's work (the first and last ranks skip parts); summary M by %s\n#\n",
+      prop.name, static_cast<long long>(o.seq_len), static_cast<long long>(o.heads),
+      static_cast<long long>(o.dim), static_cast<long long>(o.chunk), to_string(o.dtype), o.iters,
+      o.warmup, cuda::summary_linear_part() == cuda::LinearPart::scan ? "scan" : "products");
+  out << line;
+  std::snprintf(line, sizeof line,
+                "# %-15s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s\n"
+                "# %-15s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s\n",
+                "variant", "fwd", "bwd", "prepare", "summary", "scan+out", "pre-pass", "merge-f",
+                "merge-b", "overhead", "target", "", "(ms)", "(ms)", "(ms)", "(ms)", "(ms)", "(ms)",
+                "(ms)", "(ms)", "(%)", "");
+  out << line;
+  std::vector<Measured> rows;
+  int code = 0;
+  for (Variant v : o.variants) {
+    const Measured m = measure(o, v, stream);
+    const double overhead = m.overhead();
+    const bool met = std::isfinite(overhead) && overhead < 0.05;
+    if (std::isfinite(overhead) && !met) code = 1;
+    std::snprintf(line, sizeof line, "  %-15s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s\n",
+                  to_string(v), fmt("%.3f", m.fwd_ms).c_str(), fmt("%.3f", m.bwd_ms).c_str(),
+                  fmt("%.3f", m.prepare_ms).c_str(), fmt("%.3f", m.summary_ms).c_str(),
+                  fmt("%.3f", m.finish_ms).c_str(), fmt("%.3f", m.prepass_ms).c_str(),
+                  fmt("%.4f", m.merge_fwd_ms).c_str(), fmt("%.4f", m.merge_bwd_ms).c_str(),
+                  fmt("%.2f", 100 * overhead).c_str(),
+                  std::isfinite(overhead) ? (met ? "met" : "MISSED") : "N/A");
+    out << line;
+    if (!m.bwd_note.empty()) out << "#   bwd/pre-pass not measured: " << m.bwd_note << "\n";
+    std::snprintf(line, sizeof line, "#   summary E only (first rank): %.3f ms\n", m.summary_e_ms);
+    out << line;
+    if (std::isfinite(m.summary_other_ms)) {
+      const double other = (m.summary_other_ms + m.prepass_ms + m.merge_fwd_ms + m.merge_bwd_ms) /
+                           (m.fwd_ms + m.bwd_ms);
+      std::snprintf(line, sizeof line,
+                    "#   summary with M by %s (STATESCAN_CP_LINEAR=%s): %.3f ms -> overhead %s%%\n",
+                    m.other_name.c_str(), m.other_name.c_str(), m.summary_other_ms,
+                    fmt("%.2f", 100 * other).c_str());
+      out << line;
+    }
+    rows.push_back(m);
+  }
+  out << "#\n";
+
+  // The scaling model with the measured local times (bwd modelled as 2 x fwd
+  // where it could not be measured, and said so).
+  for (const Measured& m : rows) {
+    CpLayer layer;
+    layer.variant = m.variant;
+    layer.batch = 1;
+    layer.seq_len = o.seq_len;
+    layer.heads = o.heads;
+    layer.dk = layer.dv = o.dim;
+    layer.chunk = o.chunk;
+    layer.dtype = o.dtype;
+    const bool have_bwd = std::isfinite(m.bwd_ms);
+    CpLocalTimes times = estimate_local_times(layer, m.fwd_ms, have_bwd ? m.bwd_ms : -1);
+    times.summary_fwd_ms = m.summary_ms;
+    if (std::isfinite(m.prepass_ms)) times.summary_bwd_ms = m.prepass_ms;
+    times.merge_ms = 0.5 * (m.merge_fwd_ms + m.merge_bwd_ms);
+    CpModelConfig config;
+    config.link = link_preset(o.link, o.gpus_per_node);
+    config.overlap = o.overlap;
+    config.max_ranks = o.max_ranks;
+    std::vector<std::string> notes{
+        std::string("fwd, summary fwd, merge: measured now on ") + prop.name,
+        have_bwd ? "bwd, summary bwd (pre-pass): measured now"
+                 : "bwd: ASSUMED 2 x fwd, summary bwd MODELLED (the GPU backward did not run)",
+        std::string("link preset: ") + to_string(o.link)};
+    const CpModelResult result = predict_cp_scaling(layer, times, config);
+    out << format_cp_model_table(layer, times, config, result, notes);
+  }
+
+  if (!o.json_path.empty()) {
+    std::ofstream f(o.json_path);
+    SS_CHECK_ARG(static_cast<bool>(f), "--json", "cannot write ", o.json_path);
+    f << "[";
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const Measured& m = rows[i];
+      auto num = [](double x) { return std::isfinite(x) ? fmt("%.6g", x) : std::string("null"); };
+      f << (i ? ",\n " : "\n ") << "{\"variant\": \"" << to_string(m.variant)
+        << "\", \"seq_len\": " << o.seq_len << ", \"heads\": " << o.heads << ", \"dim\": " << o.dim
+        << ", \"dtype\": \"" << to_string(o.dtype) << "\", \"fwd_ms\": " << num(m.fwd_ms)
+        << ", \"bwd_ms\": " << num(m.bwd_ms) << ", \"prepare_ms\": " << num(m.prepare_ms)
+        << ", \"summary_ms\": " << num(m.summary_ms) << ", \"scan_output_ms\": " << num(m.finish_ms)
+        << ", \"prepass_ms\": " << num(m.prepass_ms)
+        << ", \"merge_fwd_ms\": " << num(m.merge_fwd_ms)
+        << ", \"merge_bwd_ms\": " << num(m.merge_bwd_ms) << ", \"overhead\": " << num(m.overhead())
+        << "}";
+    }
+    f << "\n]\n";
+    SS_CHECK_ARG(static_cast<bool>(f), "--json", "write failed: ", o.json_path);
+  }
+  SS_CUDA_CHECK(cudaStreamDestroy(stream));
+  return code;
+}
+
+}  // namespace statescan

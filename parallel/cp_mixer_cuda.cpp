@@ -1,0 +1,733 @@
+// The GPU path of CpMixer (parallel/cp_mixer.h): the same distributed scan as
+// the host path, with the CUDA kernels, device maps and, over NCCL, an
+// exchange that never leaves the GPU.
+//
+// Forward: prepare (state-independent tiles, once) -> summary (M, E) from
+// those tiles -> exchange on its own stream -> merge -> scan + output from the
+// true incoming state with the same tiles. Backward: pre-pass
+// cuda::mixer_backward with state_grad_only -> reverse exchange of (M^T, D)
+// -> local cuda::mixer_backward with the true downstream gradient.
+//
+// Control traffic (argument agreement, collective errors) is a few bytes of
+// host data; over NCCL it is staged through a small device buffer
+// (StagedControl), so every rank still agrees before anything is written.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "comm/collective_check.h"
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/cuda/cp_kernels.h"
+#include "kernels/cuda/cuda_mixer.h"
+#include "kernels/mixer_params.h"
+#include "parallel/cp_mixer.h"
+#include "parallel/cp_mixer_internal.h"
+#include "parallel/exchange.h"
+#include "parallel/exchange_cuda.h"
+#ifdef STATESCAN_HAS_NCCL
+#include "comm/nccl_communicator.h"
+#endif
+
+namespace statescan {
+
+using cp_detail::Geometry;
+using cp_detail::LocalSegment;
+using cp_detail::TensorRules;
+
+namespace {
+
+// Device memory from the stream-ordered pool, released on the same stream.
+class StreamBuffer {
+ public:
+  StreamBuffer() = default;
+  StreamBuffer(std::size_t bytes, cudaStream_t stream) : stream_(stream), bytes_(bytes) {
+    if (bytes > 0) SS_CUDA_CHECK(cudaMallocAsync(&data_, bytes, stream));
+  }
+  ~StreamBuffer() { release(); }
+  StreamBuffer(StreamBuffer&& o) noexcept { *this = std::move(o); }
+  StreamBuffer& operator=(StreamBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      stream_ = o.stream_;
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  template <typename T = float>
+  T* get() const {
+    return static_cast<T*>(data_);
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void release() {
+    if (data_ != nullptr) (void)cudaFreeAsync(data_, stream_);
+    data_ = nullptr;
+  }
+  void* data_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+StreamBuffer zeros(std::size_t floats, cudaStream_t stream) {
+  StreamBuffer b(floats * sizeof(float), stream);
+  if (floats > 0) SS_CUDA_CHECK(cudaMemsetAsync(b.get(), 0, floats * sizeof(float), stream));
+  return b;
+}
+
+void copy_floats(float* dst, const float* src, int64_t count, cudaStream_t stream) {
+  if (count > 0)
+    SS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(count) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream));
+}
+
+#ifdef STATESCAN_HAS_NCCL
+// Host-buffer collectives over an NCCL communicator, for the control plane:
+// each call copies through a device buffer and waits (watched by the
+// communicator's timeout). Point to point is not needed there and refused.
+class StagedControl final : public Communicator {
+ public:
+  explicit StagedControl(NcclCommunicator& nccl) : nccl_(nccl) {}
+  ~StagedControl() override {
+    if (buffer_ != nullptr) (void)cudaFree(buffer_);
+  }
+  int rank() const override { return nccl_.rank(); }
+  int size() const override { return nccl_.size(); }
+  const char* backend() const override { return "nccl-staged"; }
+  void all_gather(const void* send, void* recv, std::size_t count, CommType type) override {
+    const std::size_t bytes = count * size_of(type);
+    char* dev = reserve(bytes * static_cast<std::size_t>(size()));
+    char* mine = dev + bytes * static_cast<std::size_t>(rank());
+    up(mine, send, bytes);
+    nccl_.all_gather(mine, dev, count, type);
+    down(recv, dev, bytes * static_cast<std::size_t>(size()));
+  }
+  void all_reduce_sum(void* data, std::size_t count, CommType type) override {
+    reduce(data, count, type, true);
+  }
+  void all_reduce_max(void* data, std::size_t count, CommType type) override {
+    reduce(data, count, type, false);
+  }
+  void broadcast(void* data, std::size_t count, CommType type, int root) override {
+    const std::size_t bytes = count * size_of(type);
+    char* dev = reserve(bytes);
+    up(dev, data, bytes);
+    nccl_.broadcast(dev, count, type, root);
+    down(data, dev, bytes);
+  }
+  void send(const void*, std::size_t, CommType, int, int) override { refuse("send"); }
+  void recv(void*, std::size_t, CommType, int, int) override { refuse("recv"); }
+  void send_recv(const void*, std::size_t, int, void*, std::size_t, int, CommType, int) override {
+    refuse("send_recv");
+  }
+  void barrier() override { nccl_.barrier(); }
+  std::unique_ptr<Communicator> split(int, int) override { refuse("split"); }
+
+ private:
+  [[noreturn]] static void refuse(const char* op) {
+    SS_FAIL("comm", "the staged control communicator has no ", op);
+  }
+  char* reserve(std::size_t bytes) {
+    if (bytes > capacity_) {
+      nccl_.wait();
+      if (buffer_ != nullptr) SS_CUDA_CHECK(cudaFree(buffer_));
+      buffer_ = nullptr;
+      SS_CUDA_CHECK(cudaMalloc(&buffer_, bytes));
+      capacity_ = bytes;
+    }
+    return static_cast<char*>(buffer_);
+  }
+  void up(void* dev, const void* host, std::size_t bytes) {
+    SS_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, nccl_.stream()));
+  }
+  void down(void* host, const void* dev, std::size_t bytes) {
+    SS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, nccl_.stream()));
+    nccl_.wait();
+  }
+  void reduce(void* data, std::size_t count, CommType type, bool sum) {
+    const std::size_t bytes = count * size_of(type);
+    char* dev = reserve(bytes);
+    up(dev, data, bytes);
+    if (sum)
+      nccl_.all_reduce_sum(dev, count, type);
+    else
+      nccl_.all_reduce_max(dev, count, type);
+    down(data, dev, bytes);
+  }
+
+  NcclCommunicator& nccl_;
+  void* buffer_ = nullptr;
+  std::size_t capacity_ = 0;
+};
+#endif
+
+using Clock = std::chrono::steady_clock;
+
+// Event timing of one call's phases on the mixer's streams.
+struct Events {
+  cudaEvent_t e[10] = {};
+  Events() {
+    for (auto& ev : e) SS_CUDA_CHECK(cudaEventCreate(&ev));
+  }
+  ~Events() {
+    for (auto& ev : e) (void)cudaEventDestroy(ev);
+  }
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+  double seconds(int from, int to) const {
+    float ms = 0.f;
+    SS_CUDA_CHECK(cudaEventElapsedTime(&ms, e[from], e[to]));
+    return ms * 1e-3;
+  }
+};
+
+}  // namespace
+
+struct CpMixer::DeviceState {
+  cudaStream_t compute = nullptr;   // kernels
+  cudaStream_t exchange = nullptr;  // the scan's communication and composition
+  Events events;
+  std::unique_ptr<Communicator> control;  // StagedControl over NCCL, else unused
+
+  // Saved by forward for backward.
+  bool valid = false;
+  Geometry geo;
+  std::vector<LocalSegment> segs;
+  std::vector<int64_t> local_cu;  // host copy of the local offsets (packed)
+  StreamBuffer local_cu_dev;      // the same on the device
+  MixerParams params;             // the local problem (device pointers)
+  StreamBuffer init;              // [nseg, H, Dk, Dv] states entering the local segments
+  StreamBuffer chunk_states;      // [chunks, H, Dk, Dv]
+  StreamBuffer maps_M;            // this rank's M [rows, H, m_size]
+  int64_t rows = 0;
+  bool diagonal = false;
+  Exchange exchange_used = Exchange::ring;
+
+  DeviceState() {
+    // Blocking streams: they wait for work the caller queued on the legacy
+    // default stream (inputs copied there are complete when we start).
+    SS_CUDA_CHECK(cudaStreamCreate(&compute));
+    SS_CUDA_CHECK(cudaStreamCreate(&exchange));
+    // Every step takes its workspaces (GBs at long sequences) from the
+    // device's default stream-ordered pool. With the pool's default release
+    // threshold (0) each synchronisation hands that memory back to the
+    // driver and the next step maps it again; keep it in the pool instead
+    // (process-wide for this device, as caching allocators do).
+    int device = 0;
+    SS_CUDA_CHECK(cudaGetDevice(&device));
+    cudaMemPool_t pool = nullptr;
+    SS_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    uint64_t keep = UINT64_MAX;
+    SS_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  }
+  ~DeviceState() {
+    // Buffers free on `compute`: finish everything first.
+    (void)cudaStreamSynchronize(exchange);
+    (void)cudaStreamSynchronize(compute);
+    local_cu_dev = StreamBuffer();
+    init = StreamBuffer();
+    chunk_states = StreamBuffer();
+    maps_M = StreamBuffer();
+    (void)cudaStreamSynchronize(compute);
+    (void)cudaStreamDestroy(exchange);
+    (void)cudaStreamDestroy(compute);
+  }
+};
+
+void CpMixer::DeviceStateDeleter::operator()(DeviceState* state) const {
+  delete state;
+}
+
+namespace {
+
+bool is_nccl(const Communicator& comm) {
+  return std::strcmp(comm.backend(), "nccl") == 0;
+}
+
+// Waits for `stream`: through the NCCL communicator's watchdog when there is
+// one (a dead peer then fails instead of hanging), else directly.
+void wait_stream(Communicator& comm, cudaStream_t stream) {
+#ifdef STATESCAN_HAS_NCCL
+  if (is_nccl(comm)) {
+    static_cast<NcclCommunicator&>(comm).wait(stream);
+    return;
+  }
+#endif
+  (void)comm;
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+// Sum over ranks of a device fp32 array, in place, ordered on `stream`.
+void all_reduce_device(Communicator& comm, float* data, int64_t count, cudaStream_t stream) {
+  if (comm.size() == 1 || count == 0) return;
+#ifdef STATESCAN_HAS_NCCL
+  if (is_nccl(comm)) {
+    auto& nccl = static_cast<NcclCommunicator&>(comm);
+    const cudaStream_t old = nccl.stream();
+    nccl.set_stream(stream);
+    try {
+      nccl.all_reduce_sum(data, static_cast<std::size_t>(count), CommType::f32);
+    } catch (...) {
+      nccl.set_stream(old);
+      throw;
+    }
+    nccl.set_stream(old);
+    return;
+  }
+#endif
+  std::vector<float> host(static_cast<std::size_t>(count));
+  SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), data, host.size() * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream));
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  comm.all_reduce_sum(host.data(), host.size(), CommType::f32);
+  SS_CUDA_CHECK(cudaMemcpyAsync(data, host.data(), host.size() * sizeof(float),
+                                cudaMemcpyHostToDevice, stream));
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void check_device(const TensorView& t, const char* name) {
+  if (t.defined())
+    SS_CHECK_ARG(t.memory == Memory::device, name,
+                 "is in host memory while other tensors of the call are on the device "
+                 "(all host or all device)");
+}
+
+// Counts NaN/Inf of the given device tensors (one sync) and names the first
+// offender. Runs inside collective_check, so a fault on one rank is an error
+// on all of them.
+void check_finite_device(const std::vector<std::pair<const TensorView*, const char*>>& inputs,
+                         cudaStream_t stream) {
+  StreamBuffer counts(inputs.size() * sizeof(int), stream);
+  SS_CUDA_CHECK(cudaMemsetAsync(counts.get<int>(), 0, inputs.size() * sizeof(int), stream));
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const TensorView& t = *inputs[i].first;
+    if (t.defined())
+      cuda::count_nonfinite(t.data, t.numel(), t.dtype, counts.get<int>() + i, stream);
+  }
+  std::vector<int> host(inputs.size());
+  SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), counts.get<int>(), host.size() * sizeof(int),
+                                cudaMemcpyDeviceToHost, stream));
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    SS_CHECK_ARG(host[i] == 0, inputs[i].second, "has ", host[i], " non-finite (NaN/Inf) elements");
+}
+
+// The communicator the mixer's host-side agreement uses: `comm` itself, or
+// over NCCL a staged view of it (created once in `slot`).
+Communicator& control_comm(Communicator& comm, std::unique_ptr<Communicator>& slot) {
+#ifdef STATESCAN_HAS_NCCL
+  if (is_nccl(comm)) {
+    if (!slot) slot = std::make_unique<StagedControl>(static_cast<NcclCommunicator&>(comm));
+    return *slot;
+  }
+#endif
+  (void)slot;
+  return comm;
+}
+
+void check_supported(int64_t dk, int64_t dv) {
+  SS_CHECK_ARG(dk == dv && (dk == 64 || dk == 128), "dk",
+               "the CUDA path supports Dk == Dv in {64, 128}, got Dk ", dk, ", Dv ", dv);
+}
+
+}  // namespace
+
+void CpMixer::forward_device(const CpForwardArgs& a) {
+  const auto t_start = Clock::now();
+  fwd_stats_ = CpStepStats{};
+  fwd_stats_.on_device = true;
+  if (!device_) device_.reset(new DeviceState());
+  DeviceState& ds = *device_;
+  ds.valid = false;
+  saved_on_device_ = true;
+  Communicator& ctl = control_comm(comm_, ds.control);
+  const cudaStream_t cs = ds.compute;
+
+  // ---- local checks, then agreement ------------------------------------------
+  Geometry g;
+  std::vector<int64_t> host_cu;
+  CpForwardArgs ha = a;  // a.cu_seqlens replaced by a host copy
+  collective_check(ctl, [&] {
+    check_device(a.q, "q");
+    check_device(a.k, "k");
+    check_device(a.v, "v");
+    check_device(a.g, "g");
+    check_device(a.beta, "beta");
+    check_device(a.cu_seqlens, "cu_seqlens");
+    check_device(a.initial_state, "initial_state");
+    check_device(a.o, "o");
+    check_device(a.final_state, "final_state");
+    SS_CHECK_ARG(a.q.defined(), "q", "must be defined");
+    const DType x = a.q.dtype;
+    SS_CHECK_ARG(x == DType::f32 || x == DType::bf16 || x == DType::f16, "q",
+                 "the CUDA path takes f32, bf16 or f16 inputs, got ", to_string(x));
+    if (a.cu_seqlens.defined()) {
+      check_dtype(a.cu_seqlens, DType::i64, "cu_seqlens");
+      SS_CHECK_ARG(a.cu_seqlens.shape.size() == 1 && a.cu_seqlens.size(0) >= 2, "cu_seqlens",
+                   "must be a 1-D int64 array of >= 2 offsets, got shape ",
+                   shape_string(a.cu_seqlens.shape));
+      host_cu.resize(static_cast<std::size_t>(a.cu_seqlens.size(0)));
+      SS_CUDA_CHECK(cudaMemcpyAsync(host_cu.data(), a.cu_seqlens.data,
+                                    host_cu.size() * sizeof(int64_t), cudaMemcpyDeviceToHost, cs));
+      SS_CUDA_CHECK(cudaStreamSynchronize(cs));
+      ha.cu_seqlens = TensorView(host_cu.data(), DType::i64, a.cu_seqlens.shape);
+    }
+    TensorRules rules;
+    rules.memory = Memory::device;
+    rules.dtype = x;
+    rules.check_values = false;
+    g = cp_detail::check_forward_local(ha, config_, rules);
+    check_supported(g.dk, g.dv);
+    check_finite_device({{&a.q, "q"},
+                         {&a.k, "k"},
+                         {&a.v, "v"},
+                         {&a.g, "g"},
+                         {&a.beta, "beta"},
+                         {&a.initial_state, "initial_state"}},
+                        cs);
+  });
+  cp_detail::agree_geometry(ctl, ha, config_, /*on_device=*/true, g);
+
+  const int P = comm_.size();
+  const int64_t H = g.heads, Dk = g.dk, Dv = g.dv, state = Dk * Dv;
+  ds.geo = g;
+  ds.segs = cp_detail::local_segments(ha, g);
+  const auto& segs = ds.segs;
+  const int64_t nseg = static_cast<int64_t>(segs.size());
+  ds.rows = a.cu_seqlens.defined() ? 1 : g.batch;
+  ds.diagonal = !has_beta(config_.variant);
+  const int64_t rows = ds.rows;
+
+  MixerParams& p = ds.params;
+  p = MixerParams{};
+  p.variant = config_.variant;
+  p.batch = g.batch;
+  p.seq_len = g.local_len;
+  p.heads = H;
+  p.dk = Dk;
+  p.dv = Dv;
+  p.chunk = config_.chunk;
+  p.scale = static_cast<float>(config_.scale_for(Dk));
+  p.l2norm_qk = config_.l2norm_qk;
+  p.dtype = a.q.dtype;
+  p.num_segments = nseg;
+  p.q = a.q.data;
+  p.k = a.k.data;
+  p.v = a.v.data;
+  p.g = has_gate(config_.variant) ? a.g.as<const float>() : nullptr;
+  p.beta = has_beta(config_.variant) ? a.beta.data : nullptr;
+  p.o = a.o.data;
+  ds.local_cu.clear();
+  if (a.cu_seqlens.defined()) {
+    ds.local_cu.push_back(0);
+    for (const auto& s : segs) ds.local_cu.push_back(s.end);
+  }
+  int64_t chunks = 0;
+  collective_check(ctl, [&] {
+    MixerParams host_view = p;
+    host_view.cu_seqlens = ds.local_cu.empty() ? nullptr : ds.local_cu.data();
+    validate(host_view);
+    chunks = count_chunks(host_view);
+  });
+  if (!ds.local_cu.empty()) {
+    ds.local_cu_dev = StreamBuffer(ds.local_cu.size() * sizeof(int64_t), cs);
+    SS_CUDA_CHECK(cudaMemcpyAsync(ds.local_cu_dev.get<int64_t>(), ds.local_cu.data(),
+                                  ds.local_cu.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                  cs));
+    p.cu_seqlens = ds.local_cu_dev.get<int64_t>();
+  } else {
+    ds.local_cu_dev = StreamBuffer();
+  }
+
+  Events& ev = ds.events;
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[0], cs));
+  // States entering the local segments: h0 where a sequence starts here, the
+  // incoming boundary state (after the scan) where it continues.
+  ds.init = zeros(static_cast<std::size_t>(nseg * H * state), cs);
+  const float* h0 = a.initial_state.defined() ? a.initial_state.as<const float>() : nullptr;
+  for (int64_t i = 0; i < nseg; ++i)
+    if (!segs[i].from_prev && h0 != nullptr)
+      copy_floats(ds.init.get() + i * H * state, h0 + segs[i].seq * H * state, H * state, cs);
+  ds.chunk_states = StreamBuffer(static_cast<std::size_t>(chunks * H * state) * sizeof(float), cs);
+  StreamBuffer finals(static_cast<std::size_t>(nseg * H * state) * sizeof(float), cs);
+  p.initial_state = ds.init.get();
+  p.final_state = finals.get();
+  p.chunk_states = ds.chunk_states.get();
+
+  ds.exchange_used = exchange_;
+  const int64_t m_size = ds.diagonal ? Dk : Dk * Dk;
+  StreamBuffer maps_E, incoming;
+  if (P > 1) {
+    ds.maps_M = StreamBuffer(static_cast<std::size_t>(rows * H * m_size) * sizeof(float), cs);
+    maps_E = StreamBuffer(static_cast<std::size_t>(rows * H * state) * sizeof(float), cs);
+    incoming = StreamBuffer(static_cast<std::size_t>(rows * H * state) * sizeof(float), cs);
+  }
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[1], cs));  // buffers allocated
+  cuda::PreparedForward prepared(p, cs);
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[8], cs));  // prepare done
+  if (P > 1) {
+    // 1. summary from the prepared tiles. The last rank's map reaches no one
+    // and the first rank's M only ever multiplies the zero state entering the
+    // scan (also in backward, where their roles swap), so those ranks skip
+    // that work and pass zeros (DESIGN §5: the results do not depend on it).
+    const int rank = comm_.rank();
+    const bool need_E = rank != P - 1;
+    const bool need_M = need_E && rank != 0;
+    const std::size_t m_bytes = static_cast<std::size_t>(rows * H * m_size) * sizeof(float);
+    if (need_E)
+      prepared.summary(ds.maps_M.get(), maps_E.get(), cs, need_M);
+    else
+      SS_CUDA_CHECK(cudaMemsetAsync(
+          maps_E.get(), 0, static_cast<std::size_t>(rows * H * state) * sizeof(float), cs));
+    if (!need_M) SS_CUDA_CHECK(cudaMemsetAsync(ds.maps_M.get(), 0, m_bytes, cs));
+    for (int64_t r = 0; r < rows; ++r)
+      if (!cp_detail::single_continuing(segs, r))
+        SS_CUDA_CHECK(cudaMemsetAsync(ds.maps_M.get() + r * H * m_size, 0,
+                                      static_cast<std::size_t>(H * m_size) * sizeof(float), cs));
+    SS_CUDA_CHECK(cudaEventRecord(ev.e[2], cs));  // summary done: maps ready
+
+    // 2. exchange on its own stream; a ring rank already waits for its
+    // predecessor while the summary runs.
+    const int64_t map_bytes = rows * H * (m_size + state) * 4;
+    const int64_t apply_flops = 2 * rows * H * m_size * Dv;
+    // `auto` over NCCL: the GPU link preset (NVLink figures, GPU composition
+    // rate); over a host communicator the host defaults of exchange.h.
+    const LinkModel link = is_nccl(comm_) ? link_preset(LinkPreset::nvlink) : LinkModel{};
+    ds.exchange_used =
+        resolve_exchange(exchange_, P, map_bytes, rows * H * state * 4, apply_flops, link);
+    // The exchange begins with the summary (a ring rank then waits for its
+    // predecessor, which runs its own summary meanwhile).
+    SS_CUDA_CHECK(cudaStreamWaitEvent(ds.exchange, ev.e[8], 0));
+    DeviceScanMaps dm;
+    dm.rows = rows;
+    dm.heads = H;
+    dm.dk = Dk;
+    dm.dv = Dv;
+    dm.diagonal = ds.diagonal;
+    dm.M = ds.maps_M.get();
+    dm.E = maps_E.get();
+    fwd_stats_.exchange_bytes =
+        exclusive_scan_device(comm_, ds.exchange_used, dm, ScanOrder::forward, incoming.get(),
+                              ds.exchange, ev.e[2], ev.e[3]);
+    SS_CUDA_CHECK(cudaEventRecord(ev.e[4], ds.exchange));
+    SS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev.e[4], 0));
+
+    // 3. merge: the incoming state enters the segment that continues.
+    for (int64_t i = 0; i < nseg; ++i)
+      if (segs[i].from_prev)
+        copy_floats(ds.init.get() + i * H * state, incoming.get() + segs[i].row * H * state,
+                    H * state, cs);
+  } else {
+    for (int i : {2, 3, 4}) SS_CUDA_CHECK(cudaEventRecord(ev.e[i], cs));
+  }
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[5], cs));  // merge done
+  fwd_stats_.exchange = ds.exchange_used;
+
+  // 4. local scan + output from the true incoming states.
+  prepared.finish(cs);
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[6], cs));
+
+  // The final state of each sequence leaves the rank on which it ends.
+  if (a.final_state.defined()) {
+    auto* ht = a.final_state.as<float>();
+    SS_CUDA_CHECK(cudaMemsetAsync(
+        ht, 0, static_cast<std::size_t>(g.sequences * H * state) * sizeof(float), cs));
+    for (int64_t i = 0; i < nseg; ++i)
+      if (!segs[i].to_next)
+        copy_floats(ht + segs[i].seq * H * state, finals.get() + i * H * state, H * state, cs);
+    all_reduce_device(comm_, ht, g.sequences * H * state, cs);
+  }
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[7], cs));
+  wait_stream(comm_, cs);
+  p.final_state = nullptr;  // `finals` dies here; backward reads the chunk states
+
+  // Phase times from the events.
+  const double prepare_s = ev.seconds(0, 8);
+  fwd_stats_.summary_s = ev.seconds(8, 2);
+  fwd_stats_.exchange_s = P > 1 ? ev.seconds(3, 4) : 0.0;
+  fwd_stats_.merge_s = ev.seconds(4, 5) + ev.seconds(6, 7);
+  fwd_stats_.local_s = prepare_s + ev.seconds(5, 6);
+  // Exchange work before the maps were ready ran under the summary.
+  fwd_stats_.hidden_s = std::clamp(ev.seconds(3, 2), 0.0, fwd_stats_.exchange_s);
+  ds.valid = true;
+  fwd_stats_.total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  if (observer_ != nullptr) {
+    observer_->on_exchange_strategy(fwd_stats_.exchange);
+    observer_->on_phase(Phase::summary, fwd_stats_.summary_s, 0);
+    observer_->on_phase(Phase::exchange, fwd_stats_.exchange_s, fwd_stats_.exchange_bytes);
+    observer_->on_phase(Phase::merge, fwd_stats_.merge_s, 0);
+    observer_->on_phase(Phase::fwd, fwd_stats_.total_s, 0);
+  }
+}
+
+void CpMixer::backward_device(const CpBackwardArgs& a) {
+  const auto t_start = Clock::now();
+  bwd_stats_ = CpStepStats{};
+  bwd_stats_.on_device = true;
+  if (!device_) device_.reset(new DeviceState());
+  DeviceState& ds = *device_;
+  Communicator& ctl = control_comm(comm_, ds.control);
+  const cudaStream_t cs = ds.compute;
+  collective_check(ctl, [&] {
+    SS_CHECK_ARG(ds.valid && saved_on_device_, "backward",
+                 "called without a preceding forward on the device");
+  });
+  const Geometry& g = ds.geo;
+  const MixerParams& sp = ds.params;
+  const int P = comm_.size();
+  const int64_t H = g.heads, Dk = g.dk, Dv = g.dv, state = Dk * Dv;
+  const int64_t nseg = static_cast<int64_t>(ds.segs.size());
+  const Shape qk{g.batch, g.local_len, H, Dk}, vo{g.batch, g.local_len, H, Dv};
+  const Shape bth{g.batch, g.local_len, H}, states{g.sequences, H, Dk, Dv};
+  collective_check(ctl, [&] {
+    for (auto [t, name] : {std::pair{&a.d_o, "do"},
+                           {&a.d_final_state, "d_final_state"},
+                           {&a.dq, "dq"},
+                           {&a.dk, "dk"},
+                           {&a.dv, "dv"},
+                           {&a.dg, "dg"},
+                           {&a.dbeta, "dbeta"},
+                           {&a.d_initial_state, "d_initial_state"}})
+      check_device(*t, name);
+    const DType x = sp.dtype;
+    check_tensor(a.d_o, vo, x, Memory::device, "do");
+    if (a.d_final_state.defined())
+      check_tensor(a.d_final_state, states, DType::f32, Memory::device, "d_final_state");
+    check_tensor(a.dq, qk, x, Memory::device, "dq");
+    check_tensor(a.dk, qk, x, Memory::device, "dk");
+    check_tensor(a.dv, vo, x, Memory::device, "dv");
+    if (sp.g != nullptr) {
+      check_tensor(a.dg, vector_gate(config_.variant) ? qk : bth, DType::f32, Memory::device, "dg");
+    } else {
+      SS_CHECK_ARG(!a.dg.defined(), "dg", "must be undefined for variant ",
+                   to_string(config_.variant));
+    }
+    if (sp.beta != nullptr) {
+      check_tensor(a.dbeta, bth, x, Memory::device, "dbeta");
+    } else {
+      SS_CHECK_ARG(!a.dbeta.defined(), "dbeta", "must be undefined for variant ",
+                   to_string(config_.variant));
+    }
+    if (a.d_initial_state.defined())
+      check_tensor(a.d_initial_state, states, DType::f32, Memory::device, "d_initial_state");
+    check_finite_device({{&a.d_o, "do"}, {&a.d_final_state, "d_final_state"}}, cs);
+  });
+
+  MixerBwdParams bp;
+  static_cast<MixerParams&>(bp) = sp;
+  bp.d_o = a.d_o.data;
+  Events& ev = ds.events;
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[0], cs));
+  // Gradient entering each local segment's final state: the user's dht where
+  // the sequence ends here, the next rank's dS_in where it continues.
+  StreamBuffer dfinal = zeros(static_cast<std::size_t>(nseg * H * state), cs);
+  const float* dht = a.d_final_state.defined() ? a.d_final_state.as<const float>() : nullptr;
+  for (int64_t i = 0; i < nseg; ++i)
+    if (!ds.segs[i].to_next && dht != nullptr)
+      copy_floats(dfinal.get() + i * H * state, dht + ds.segs[i].seq * H * state, H * state, cs);
+  bp.d_final_state = dfinal.get();
+  StreamBuffer dinit = zeros(static_cast<std::size_t>(nseg * H * state), cs);
+  bp.d_initial_state = dinit.get();
+
+  const int64_t rows = ds.rows;
+  const int64_t m_size = ds.diagonal ? Dk : Dk * Dk;
+  StreamBuffer back_E, back_M, incoming;
+  if (P > 1) {
+    back_E = zeros(static_cast<std::size_t>(rows * H * state), cs);
+    if (!ds.diagonal)
+      back_M = StreamBuffer(static_cast<std::size_t>(rows * H * m_size) * sizeof(float), cs);
+    incoming = StreamBuffer(static_cast<std::size_t>(rows * H * state) * sizeof(float), cs);
+  }
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[1], cs));  // buffers allocated
+  if (P > 1) {
+    // 1. pre-pass: D_r = dS_in with zero gradient from the next rank. Rank 0
+    // is last in reverse order: its (M^T, D) reach no one, and none of its
+    // segments continues from a previous rank, so it skips the pre-pass.
+    if (comm_.rank() != 0) {
+      bp.state_grad_only = true;
+      cuda::mixer_backward(bp, cs);
+      bp.state_grad_only = false;
+    }
+    for (int64_t i = 0; i < nseg; ++i)
+      if (ds.segs[i].from_prev)
+        copy_floats(back_E.get() + ds.segs[i].row * H * state, dinit.get() + i * H * state,
+                    H * state, cs);
+    const float* m_for_back = ds.maps_M.get();
+    if (!ds.diagonal) {
+      cuda::transpose_maps(ds.maps_M.get(), back_M.get(), rows * H, Dk, cs);
+      m_for_back = back_M.get();
+    }
+    SS_CUDA_CHECK(cudaEventRecord(ev.e[2], cs));  // pre-pass done: maps ready
+
+    // 2. reverse exchange: dS_out of this rank = dS_in of the next.
+    SS_CUDA_CHECK(cudaStreamWaitEvent(ds.exchange, ev.e[1], 0));
+    DeviceScanMaps dm;
+    dm.rows = rows;
+    dm.heads = H;
+    dm.dk = Dk;
+    dm.dv = Dv;
+    dm.diagonal = ds.diagonal;
+    dm.M = m_for_back;
+    dm.E = back_E.get();
+    bwd_stats_.exchange_bytes =
+        exclusive_scan_device(comm_, ds.exchange_used, dm, ScanOrder::reverse, incoming.get(),
+                              ds.exchange, ev.e[2], ev.e[3]);
+    SS_CUDA_CHECK(cudaEventRecord(ev.e[4], ds.exchange));
+    SS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev.e[4], 0));
+    for (int64_t i = 0; i < nseg; ++i)
+      if (ds.segs[i].to_next)
+        copy_floats(dfinal.get() + i * H * state, incoming.get() + ds.segs[i].row * H * state,
+                    H * state, cs);
+    SS_CUDA_CHECK(cudaMemsetAsync(dinit.get(), 0,
+                                  static_cast<std::size_t>(nseg * H * state) * sizeof(float), cs));
+  } else {
+    for (int i : {2, 3, 4}) SS_CUDA_CHECK(cudaEventRecord(ev.e[i], cs));
+  }
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[5], cs));
+  bwd_stats_.exchange = ds.exchange_used;
+
+  // 3. local backward with the true downstream state gradient.
+  bp.dq = a.dq.data;
+  bp.dk_out = a.dk.data;
+  bp.dv_out = a.dv.data;
+  bp.dg = a.dg.defined() ? a.dg.as<float>() : nullptr;
+  bp.dbeta = a.dbeta.defined() ? a.dbeta.data : nullptr;
+  cuda::mixer_backward(bp, cs);
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[6], cs));
+
+  // dh0 of each sequence comes from the rank on which it starts.
+  if (a.d_initial_state.defined()) {
+    auto* dh0 = a.d_initial_state.as<float>();
+    SS_CUDA_CHECK(cudaMemsetAsync(
+        dh0, 0, static_cast<std::size_t>(g.sequences * H * state) * sizeof(float), cs));
+    for (int64_t i = 0; i < nseg; ++i)
+      if (!ds.segs[i].from_prev)
+        copy_floats(dh0 + ds.segs[i].seq * H * state, dinit.get() + i * H * state, H * state, cs);
+    all_reduce_device(comm_, dh0, g.sequences * H * state, cs);
+  }
+  SS_CUDA_CHECK(cudaEventRecord(ev.e[7], cs));
+  wait_stream(comm_, cs);
+
+  bwd_stats_.summary_s = ev.seconds(1, 2);
+  bwd_stats_.exchange_s = P > 1 ? ev.seconds(3, 4) : 0.0;
+  bwd_stats_.merge_s = ev.seconds(4, 5) + ev.seconds(6, 7);
+  bwd_stats_.local_s = ev.seconds(5, 6);
+  bwd_stats_.hidden_s = std::clamp(ev.seconds(3, 2), 0.0, bwd_stats_.exchange_s);
+  bwd_stats_.total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  if (observer_ != nullptr) {
+    observer_->on_exchange_strategy(bwd_stats_.exchange);
+    observer_->on_phase(Phase::summary, bwd_stats_.summary_s, 0);
+    observer_->on_phase(Phase::exchange, bwd_stats_.exchange_s, bwd_stats_.exchange_bytes);
+    observer_->on_phase(Phase::merge, bwd_stats_.merge_s, 0);
+    observer_->on_phase(Phase::bwd, bwd_stats_.total_s, 0);
+  }
+}
+
+}  // namespace statescan

@@ -1,0 +1,245 @@
+// Device exclusive scan of affine maps (parallel/exchange_cuda.h).
+#include "parallel/exchange_cuda.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/cuda/cp_kernels.h"
+#ifdef STATESCAN_HAS_NCCL
+#include "comm/nccl_communicator.h"
+#endif
+
+namespace statescan {
+namespace {
+
+// Scan positions: forward order is rank order, reverse order the opposite.
+struct Order {
+  int rank, size;
+  bool reverse;
+  int pos() const { return reverse ? size - 1 - rank : rank; }
+  int rank_at(int p) const {
+    if (p < 0 || p >= size) return -1;
+    return reverse ? size - 1 - p : p;
+  }
+};
+
+// fp32 device memory from the stream-ordered pool, released on the same stream.
+class StreamFloats {
+ public:
+  StreamFloats(std::size_t count, cudaStream_t stream) : stream_(stream) {
+    if (count > 0)
+      SS_CUDA_CHECK(
+          cudaMallocAsync(reinterpret_cast<void**>(&data_), count * sizeof(float), stream));
+  }
+  ~StreamFloats() {
+    if (data_ != nullptr) (void)cudaFreeAsync(data_, stream_);
+  }
+  StreamFloats(const StreamFloats&) = delete;
+  StreamFloats& operator=(const StreamFloats&) = delete;
+  float* get() const { return data_; }
+
+ private:
+  float* data_ = nullptr;
+  cudaStream_t stream_;
+};
+
+void copy_d2d(float* dst, const float* src, int64_t count, cudaStream_t stream) {
+  if (count > 0)
+    SS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(count) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream));
+}
+
+bool is_nccl_backend(const Communicator& comm) {
+  return std::strcmp(comm.backend(), "nccl") == 0;
+}
+
+// The host path: stage through host memory and run the host scan.
+int64_t scan_staged(Communicator& comm, Exchange strategy, const DeviceScanMaps& d, ScanOrder order,
+                    float* incoming, cudaStream_t stream) {
+  ScanMaps host;
+  host.rows = d.rows;
+  host.heads = d.heads;
+  host.dk = d.dk;
+  host.dv = d.dv;
+  host.diagonal = d.diagonal;
+  host.M.resize(static_cast<std::size_t>(d.maps() * d.m_size()));
+  host.E.resize(static_cast<std::size_t>(d.maps() * d.dk * d.dv));
+  SS_CUDA_CHECK(cudaMemcpyAsync(host.M.data(), d.M, host.M.size() * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream));
+  SS_CUDA_CHECK(cudaMemcpyAsync(host.E.data(), d.E, host.E.size() * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream));
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  ScanResult r = exclusive_scan(comm, strategy, host, order);
+  SS_CUDA_CHECK(cudaMemcpyAsync(incoming, r.incoming.data(), r.incoming.size() * sizeof(float),
+                                cudaMemcpyHostToDevice, stream));
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));  // r.incoming dies here
+  return r.bytes_sent;
+}
+
+#ifdef STATESCAN_HAS_NCCL
+
+constexpr int kTag = 0;  // NCCL ignores tags; pairs match in posting order
+
+// Restores the communicator's stream when the scan leaves (also on throw).
+class StreamSwap {
+ public:
+  StreamSwap(NcclCommunicator& comm, cudaStream_t stream) : comm_(comm), old_(comm.stream()) {
+    comm_.set_stream(stream);
+  }
+  ~StreamSwap() { comm_.set_stream(old_); }
+
+ private:
+  NcclCommunicator& comm_;
+  cudaStream_t old_;
+};
+
+cuda::DeviceMaps maps_at(const DeviceScanMaps& d, const float* packed) {
+  cuda::DeviceMaps m;
+  m.maps = d.maps();
+  m.dk = d.dk;
+  m.dv = d.dv;
+  m.diagonal = d.diagonal;
+  m.M = packed;
+  m.E = packed + d.maps() * d.m_size();
+  return m;
+}
+
+// Packs [all M | all E] into `out` (device).
+void pack(const DeviceScanMaps& d, float* out, cudaStream_t stream) {
+  copy_d2d(out, d.M, d.maps() * d.m_size(), stream);
+  copy_d2d(out + d.maps() * d.m_size(), d.E, d.maps() * d.dk * d.dv, stream);
+}
+
+int64_t scan_allgather(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& ord, float* S,
+                       cudaStream_t stream) {
+  const int64_t n = d.maps() * (d.m_size() + d.dk * d.dv);
+  const int64_t state = d.maps() * d.dk * d.dv;
+  StreamFloats all(static_cast<std::size_t>(n * ord.size), stream), next(state, stream);
+  // In place: this rank's maps already sit at their slot of the result.
+  float* mine = all.get() + n * comm.rank();
+  pack(d, mine, stream);
+  comm.all_gather(mine, all.get(), static_cast<std::size_t>(n), CommType::f32);
+  SS_CUDA_CHECK(cudaMemsetAsync(S, 0, state * sizeof(float), stream));
+  // S_in = predecessors' maps composed in scan order, applied to a zero start.
+  for (int p = 0; p < ord.pos(); ++p) {
+    const float* packed = all.get() + n * ord.rank_at(p);
+    cuda::apply_affine_maps(maps_at(d, packed), p == 0 ? nullptr : S, next.get(), 0, d.dv, stream);
+    copy_d2d(S, next.get(), state, stream);
+  }
+  return n * static_cast<int64_t>(sizeof(float)) * (ord.size - 1);
+}
+
+int64_t scan_ring(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& ord, float* S,
+                  cudaStream_t stream, cudaEvent_t maps_ready) {
+  const int prev = ord.rank_at(ord.pos() - 1), next = ord.rank_at(ord.pos() + 1);
+  const int64_t state = d.maps() * d.dk * d.dv;
+  SS_CUDA_CHECK(cudaMemsetAsync(S, 0, state * sizeof(float), stream));
+  // Blocks along Dv (as the host ring): the next rank starts on block j while
+  // this one receives and computes block j+1.
+  const int64_t blocks = std::min<int64_t>(4, d.dv);
+  const int64_t width = (d.dv + blocks - 1) / blocks;
+  const int64_t block_max = d.maps() * d.dk * width;
+  StreamFloats in(block_max, stream), out(block_max, stream);
+  cuda::DeviceMaps mine;
+  mine.maps = d.maps();
+  mine.dk = d.dk;
+  mine.dv = d.dv;
+  mine.diagonal = d.diagonal;
+  mine.M = d.M;
+  mine.E = d.E;
+  int64_t sent = 0;
+  for (int64_t c0 = 0; c0 < d.dv; c0 += width) {
+    const int64_t w = std::min(width, d.dv - c0);
+    const std::size_t block = static_cast<std::size_t>(d.maps() * d.dk * w);
+    if (prev >= 0) {
+      comm.recv(in.get(), block, CommType::f32, prev, kTag);
+      // Unpack the block ([maps*Dk rows] x w) into columns c0.. of S.
+      SS_CUDA_CHECK(cudaMemcpy2DAsync(S + c0, d.dv * sizeof(float), in.get(), w * sizeof(float),
+                                      w * sizeof(float), static_cast<std::size_t>(d.maps() * d.dk),
+                                      cudaMemcpyDeviceToDevice, stream));
+    }
+    if (next < 0) continue;
+    if (maps_ready != nullptr && c0 == 0)  // M and E are read from here on
+      SS_CUDA_CHECK(cudaStreamWaitEvent(stream, maps_ready, 0));
+    cuda::apply_affine_maps(mine, prev >= 0 ? in.get() : nullptr, out.get(), c0, w, stream);
+    comm.send(out.get(), block, CommType::f32, next, kTag);
+    sent += static_cast<int64_t>(block * sizeof(float));
+  }
+  return sent;
+}
+
+int64_t scan_tree(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& ord, float* S,
+                  cudaStream_t stream) {
+  const int64_t m_floats = d.maps() * d.m_size(), state = d.maps() * d.dk * d.dv;
+  const int64_t n = m_floats + state;
+  StreamFloats acc(n, stream), got(n, stream), scratch(n, stream);
+  pack(d, acc.get(), stream);
+  int64_t sent = 0;
+  // Inclusive Kogge-Stone scan: after the round with distance `dist`, acc at
+  // position p composes positions max(0, p-2*dist+1)..p.
+  for (int dist = 1; dist < ord.size; dist *= 2) {
+    const int to = ord.rank_at(ord.pos() + dist), from = ord.rank_at(ord.pos() - dist);
+    comm.send_recv(acc.get(), static_cast<std::size_t>(n), to, got.get(),
+                   static_cast<std::size_t>(n), from, CommType::f32, kTag);
+    if (to >= 0) sent += n * static_cast<int64_t>(sizeof(float));
+    if (from >= 0)
+      cuda::compose_affine_maps(d.maps(), d.dk, d.dv, d.diagonal, acc.get(), acc.get() + m_floats,
+                                got.get(), got.get() + m_floats, scratch.get(), stream);
+  }
+  // Exclusive result: the predecessor's inclusive E.
+  const int to = ord.rank_at(ord.pos() + 1), from = ord.rank_at(ord.pos() - 1);
+  SS_CUDA_CHECK(cudaMemsetAsync(S, 0, state * sizeof(float), stream));
+  comm.send_recv(acc.get() + m_floats, static_cast<std::size_t>(state), to, S,
+                 static_cast<std::size_t>(state), from, CommType::f32, kTag);
+  if (to >= 0) sent += state * static_cast<int64_t>(sizeof(float));
+  return sent;
+}
+
+#endif  // STATESCAN_HAS_NCCL
+
+}  // namespace
+
+int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const DeviceScanMaps& maps,
+                              ScanOrder order, float* incoming, cudaStream_t stream,
+                              cudaEvent_t maps_ready, cudaEvent_t started) {
+  SS_CHECK_ARG(maps.M != nullptr && maps.E != nullptr, "maps", "M and E must be device arrays");
+  SS_CHECK_ARG(incoming != nullptr, "incoming", "must be a device array");
+  SS_CHECK_ARG(strategy != Exchange::automatic, "exchange", "must be resolved before the scan");
+  const Order ord{comm.rank(), comm.size(), order == ScanOrder::reverse};
+  // Only a ring rank with a predecessor has work (its receive) that does not
+  // read its own maps; everything else starts once they are ready.
+  const bool receive_first = is_nccl_backend(comm) && strategy == Exchange::ring && ord.size > 1 &&
+                             ord.rank_at(ord.pos() - 1) >= 0;
+  if (!receive_first && maps_ready != nullptr)
+    SS_CUDA_CHECK(cudaStreamWaitEvent(stream, maps_ready, 0));
+  if (started != nullptr) SS_CUDA_CHECK(cudaEventRecord(started, stream));
+  if (ord.size == 1) {
+    SS_CUDA_CHECK(
+        cudaMemsetAsync(incoming, 0, maps.maps() * maps.dk * maps.dv * sizeof(float), stream));
+    return 0;
+  }
+  if (!is_nccl_backend(comm)) return scan_staged(comm, strategy, maps, order, incoming, stream);
+#ifdef STATESCAN_HAS_NCCL
+  auto& nccl = static_cast<NcclCommunicator&>(comm);
+  StreamSwap swap(nccl, stream);
+  switch (strategy) {
+    case Exchange::allgather:
+      return scan_allgather(nccl, maps, ord, incoming, stream);
+    case Exchange::ring:
+      return scan_ring(nccl, maps, ord, incoming, stream, receive_first ? maps_ready : nullptr);
+    case Exchange::tree:
+      return scan_tree(nccl, maps, ord, incoming, stream);
+    case Exchange::automatic:
+      break;
+  }
+  SS_FAIL("exchange", "must be resolved before the scan");
+#else
+  SS_FAIL("comm", "backend '", comm.backend(), "' needs an NCCL build");
+#endif
+}
+
+}  // namespace statescan

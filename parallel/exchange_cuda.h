@@ -1,0 +1,52 @@
+// The distributed scan of DESIGN §5 on device maps: the same exclusive scan
+// as parallel/exchange.h (same strategies, same fp32 result, same bytes_sent
+// definitions as predicted_exchange_bytes), with M, E and the result in GPU
+// memory and the work queued on a CUDA stream.
+//
+// With an NCCL communicator (backend() == "nccl") the maps never leave the
+// GPU: allgather is one ncclAllGather then local composition, ring hands the
+// state on in blocks along Dv (each block is sent as soon as it is computed,
+// so the next rank starts while this one works on the next block), tree is a
+// Kogge-Stone scan with grouped send/recv. The communicator's stream is set
+// to `stream` for the call (and restored), so everything is stream-ordered;
+// the call returns once the operations are queued.
+// With a host communicator (single, mpi) the maps are staged through host
+// memory and the host exclusive_scan runs (the call synchronises `stream`).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "comm/communicator.h"
+#include "core/options.h"
+#include "parallel/exchange.h"
+
+namespace statescan {
+
+struct DeviceScanMaps {
+  int64_t rows = 0, heads = 0, dk = 0, dv = 0;
+  bool diagonal = false;     // M holds Dk floats per (row, head)
+  const float* M = nullptr;  // device [rows, heads, Dk(, Dk)]
+  const float* E = nullptr;  // device [rows, heads, Dk, Dv]
+
+  int64_t m_size() const { return diagonal ? dk : dk * dk; }
+  int64_t maps() const { return rows * heads; }
+};
+
+// Collective over `comm`. Writes S_in of this rank to `incoming` (device,
+// [rows, heads, Dk, Dv]; zeros for the first rank in scan order) and returns
+// the bytes this rank sent. `strategy` must be resolved.
+//
+// Overlap: when `maps_ready` is given, `stream` waits for that event only
+// where M and E are first read, so the ring can post its receive from the
+// predecessor (and wait for it) while the summary that produces M and E is
+// still running on another stream. `started` (optional) is recorded on
+// `stream` where the exchange's own work begins: at once for a ring rank
+// that receives first, after `maps_ready` otherwise; the time from `started`
+// to `maps_ready` is exchange hidden behind the summary.
+int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const DeviceScanMaps& maps,
+                              ScanOrder order, float* incoming, cudaStream_t stream,
+                              cudaEvent_t maps_ready = nullptr, cudaEvent_t started = nullptr);
+
+}  // namespace statescan

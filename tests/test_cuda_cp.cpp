@@ -1,0 +1,456 @@
+// GPU context parallelism on one GPU: cuda::mixer_summary against
+// cpu::mixer_summary, the device affine-map kernels against host math, and
+// CpMixer on device tensors (SingleRankCommunicator) against the fp64
+// reference, forward and backward, plus its argument checks. Skips where no
+// GPU is present (CI has none). Multi-rank GPU CP is test_cuda_cp_mpi.
+//
+// Tolerances (relative RMS): f32 inputs 1e-5 (DESIGN §7; the kernels' fp32
+// products are split-tf32, about fp32 accurate); bf16 inputs 5e-3 for o,
+// states and the summary maps, 8e-3 for dq/dk/dv, 2e-2 for dg/dbeta.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/device_buffer.h"
+#include "core/error.h"
+#include "kernels/cpu/cpu_mixer.h"
+#include "kernels/cuda/cp_kernels.h"
+#include "kernels/cuda/cuda_mixer.h"
+#include "tests/cuda_cp_test_util.h"
+
+namespace statescan::test {
+namespace {
+
+double state_tol(DType t) {
+  return t == DType::f32 ? 1e-5 : 5e-3;
+}
+double grad_tol(DType t) {
+  return t == DType::f32 ? 1e-5 : 8e-3;
+}
+double gate_grad_tol(DType t) {
+  return t == DType::f32 ? 1e-5 : 2e-2;
+}
+
+void sync_or_fail() {
+  const cudaError_t status = cudaDeviceSynchronize();
+  ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
+}
+
+std::vector<float> as_float(const std::vector<double>& x) {
+  return std::vector<float>(x.begin(), x.end());
+}
+
+// ---- cuda::mixer_summary vs cpu::mixer_summary -----------------------------------
+
+enum class Layout { rows, packed };
+
+using SummaryParam = std::tuple<Variant, DType, int64_t, Layout>;
+
+std::string summary_name(const ::testing::TestParamInfo<SummaryParam>& info) {
+  return std::string(to_string(std::get<0>(info.param))) + "_" +
+         to_string(std::get<1>(info.param)) + "_d" + std::to_string(std::get<2>(info.param)) +
+         (std::get<3>(info.param) == Layout::packed ? "_packed" : "_rows");
+}
+
+class CudaSummary : public ::testing::TestWithParam<SummaryParam> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+  void expect_summary_matches_cpu();
+};
+
+// Runs the summary comparison once per way of computing M.
+TEST_P(CudaSummary, MatchesCpuSummary) {
+  for (cuda::LinearPart part : {cuda::LinearPart::scan, cuda::LinearPart::products}) {
+    SCOPED_TRACE(part == cuda::LinearPart::scan ? "M by scan" : "M by products");
+    cuda::set_summary_linear_part(part);
+    expect_summary_matches_cpu();
+    cuda::set_summary_linear_part(cuda::LinearPart::scan);
+    if (!has_beta(std::get<0>(GetParam()))) break;  // additive M has one way only
+  }
+}
+
+void CudaSummary::expect_summary_matches_cpu() {
+  const auto [variant, dtype, dim, layout] = GetParam();
+  ProblemSpec s;
+  s.variant = variant;
+  s.heads = 3;
+  s.dk = s.dv = dim;
+  s.with_h0 = true;  // E starts from the segment's initial state
+  if (layout == Layout::packed) {
+    s.seq_len = 230;
+    s.cu_seqlens = {0, 37, 101, 230};  // last segment: two full chunks and a partial one
+  } else {
+    s.batch = 2;
+    s.seq_len = 150;
+  }
+  const uint64_t seed = 17 + 1000 * static_cast<uint64_t>(variant) +
+                        100 * static_cast<uint64_t>(dtype) + static_cast<uint64_t>(dim) +
+                        (layout == Layout::packed ? 7 : 0);
+  ref::Problem p = random_problem(s, seed);
+  round_problem(p, dtype);
+
+  const int64_t rows = layout == Layout::packed ? 1 : s.batch;
+  const int64_t m_size = has_beta(variant) ? dim * dim : dim;
+  const int64_t H = s.heads, state = dim * dim;
+
+  // Host fp32 copies of exactly what the GPU sees.
+  const auto q = as_float(p.q), k = as_float(p.k), v = as_float(p.v), g = as_float(p.g),
+             beta = as_float(p.beta), h0 = as_float(p.h0);
+  MixerParams host;
+  host.variant = variant;
+  host.batch = p.batch;
+  host.seq_len = p.seq_len;
+  host.heads = H;
+  host.dk = host.dv = dim;
+  host.chunk = 64;
+  host.scale = static_cast<float>(p.scale);
+  host.dtype = DType::f32;
+  host.cu_seqlens = p.cu_seqlens.empty() ? nullptr : p.cu_seqlens.data();
+  host.num_segments = p.num_sequences();
+  host.q = q.data();
+  host.k = k.data();
+  host.v = v.data();
+  host.g = g.empty() ? nullptr : g.data();
+  host.beta = beta.empty() ? nullptr : beta.data();
+  host.initial_state = h0.data();
+  std::vector<float> want_M(static_cast<std::size_t>(rows * H * m_size)),
+      want_E(static_cast<std::size_t>(rows * H * state));
+  cpu::mixer_summary(host, want_M.data(), want_E.data());
+
+  const DeviceTensor dq(q, dtype, {}), dk(k, dtype, {}), dv(v, dtype, {}), dg(g, DType::f32, {}),
+      dbeta(beta, dtype, {}), dh0(h0, DType::f32, {});
+  std::unique_ptr<DeviceBuffer<int64_t>> cu;
+  if (!p.cu_seqlens.empty()) cu = std::make_unique<DeviceBuffer<int64_t>>(p.cu_seqlens);
+  MixerParams dev = host;
+  dev.dtype = dtype;
+  dev.cu_seqlens = cu ? cu->data() : nullptr;
+  dev.q = dq.view().data;
+  dev.k = dk.view().data;
+  dev.v = dv.view().data;
+  dev.g = static_cast<const float*>(dg.view().data);
+  dev.beta = dbeta.view().data;
+  dev.initial_state = static_cast<const float*>(dh0.view().data);
+  DeviceBuffer<float> M(want_M.size()), E(want_E.size());
+  M.fill_bytes(0xFF);
+  E.fill_bytes(0xFF);
+  cuda::mixer_summary(dev, M.data(), E.data(), nullptr);
+  sync_or_fail();
+  EXPECT_LE(rel_rms(M.to_host(), want_M), state_tol(dtype)) << "M";
+  EXPECT_LE(rel_rms(E.to_host(), want_E), state_tol(dtype)) << "E";
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, CudaSummary,
+                         ::testing::Combine(::testing::ValuesIn(kAllVariants),
+                                            ::testing::Values(DType::f32, DType::bf16),
+                                            ::testing::Values(int64_t{64}, int64_t{128}),
+                                            ::testing::Values(Layout::rows, Layout::packed)),
+                         summary_name);
+
+// ---- affine-map kernels vs host math ---------------------------------------------
+
+class AffineMaps : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+  bool diagonal() const { return GetParam(); }
+  static constexpr int64_t kMaps = 3, kDk = 16, kDv = 12;
+  int64_t m_size() const { return diagonal() ? kDk : kDk * kDk; }
+
+  // out = M in + E[:, c0:c0+w] on the host (in may be empty: zero).
+  std::vector<double> host_apply(const std::vector<float>& M, const std::vector<float>& E,
+                                 const std::vector<float>& in, int64_t c0, int64_t w) const {
+    std::vector<double> out(static_cast<std::size_t>(kMaps * kDk * w));
+    for (int64_t m = 0; m < kMaps; ++m)
+      for (int64_t i = 0; i < kDk; ++i)
+        for (int64_t c = 0; c < w; ++c) {
+          double acc = E[(m * kDk + i) * kDv + c0 + c];
+          if (!in.empty()) {
+            if (diagonal()) {
+              acc += double(M[m * kDk + i]) * in[(m * kDk + i) * w + c];
+            } else {
+              for (int64_t j = 0; j < kDk; ++j)
+                acc += double(M[(m * kDk + i) * kDk + j]) * in[(m * kDk + j) * w + c];
+            }
+          }
+          out[(m * kDk + i) * w + c] = acc;
+        }
+    return out;
+  }
+  std::vector<float> random(std::size_t n, uint64_t seed) const {
+    std::mt19937_64 rng(seed);
+    return as_float(randn(n, rng, 0.5));
+  }
+};
+
+TEST_P(AffineMaps, ApplyMatchesHost) {
+  const auto M = random(kMaps * m_size(), 1), E = random(kMaps * kDk * kDv, 2);
+  const int64_t c0 = 4, w = 5;
+  const auto in = random(kMaps * kDk * w, 3);
+  DeviceBuffer<float> dM(M), dE(E), din(in), out(static_cast<std::size_t>(kMaps * kDk * w));
+  cuda::DeviceMaps maps;
+  maps.maps = kMaps;
+  maps.dk = kDk;
+  maps.dv = kDv;
+  maps.diagonal = diagonal();
+  maps.M = dM.data();
+  maps.E = dE.data();
+  out.fill_bytes(0xFF);
+  cuda::apply_affine_maps(maps, din.data(), out.data(), c0, w, nullptr);
+  sync_or_fail();
+  EXPECT_LE(rel_rms(out.to_host(), host_apply(M, E, in, c0, w)), 1e-6);
+  out.fill_bytes(0xFF);
+  cuda::apply_affine_maps(maps, nullptr, out.data(), c0, w, nullptr);  // zero incoming state
+  sync_or_fail();
+  EXPECT_LE(rel_rms(out.to_host(), host_apply(M, E, {}, c0, w)), 1e-6);
+}
+
+TEST_P(AffineMaps, ComposeMatchesHost) {
+  const auto Ml = random(kMaps * m_size(), 4), El = random(kMaps * kDk * kDv, 5);
+  const auto Me = random(kMaps * m_size(), 6), Ee = random(kMaps * kDk * kDv, 7);
+  // Host: (Ml Me, Ml Ee + El).
+  std::vector<double> want_M(Ml.size()), want_E = host_apply(Ml, El, Ee, 0, kDv);
+  for (int64_t m = 0; m < kMaps; ++m)
+    for (int64_t i = 0; i < kDk; ++i) {
+      if (diagonal()) {
+        want_M[m * kDk + i] = double(Ml[m * kDk + i]) * Me[m * kDk + i];
+        continue;
+      }
+      for (int64_t c = 0; c < kDk; ++c) {
+        double acc = 0;
+        for (int64_t j = 0; j < kDk; ++j)
+          acc += double(Ml[(m * kDk + i) * kDk + j]) * Me[(m * kDk + j) * kDk + c];
+        want_M[(m * kDk + i) * kDk + c] = acc;
+      }
+    }
+  DeviceBuffer<float> dMl(Ml), dEl(El), dMe(Me), dEe(Ee);
+  DeviceBuffer<float> scratch(static_cast<std::size_t>(kMaps * (m_size() + kDk * kDv)));
+  cuda::compose_affine_maps(kMaps, kDk, kDv, diagonal(), dMl.data(), dEl.data(), dMe.data(),
+                            dEe.data(), scratch.data(), nullptr);
+  sync_or_fail();
+  EXPECT_LE(rel_rms(dMl.to_host(), want_M), 1e-6) << "M";
+  EXPECT_LE(rel_rms(dEl.to_host(), want_E), 1e-6) << "E";
+}
+
+INSTANTIATE_TEST_SUITE_P(FullAndDiagonal, AffineMaps, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return std::string(i.param ? "diagonal" : "full");
+                         });
+
+TEST(AffineMapKernels, TransposeMatchesHost) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  const int64_t maps = 2, dk = 24;
+  std::mt19937_64 rng(11);
+  const auto M = as_float(randn(static_cast<std::size_t>(maps * dk * dk), rng));
+  std::vector<double> want(M.size());
+  for (int64_t m = 0; m < maps; ++m)
+    for (int64_t i = 0; i < dk; ++i)
+      for (int64_t j = 0; j < dk; ++j) want[(m * dk + j) * dk + i] = M[(m * dk + i) * dk + j];
+  DeviceBuffer<float> dM(M), dMt(M.size());
+  dMt.fill_bytes(0xFF);
+  cuda::transpose_maps(dM.data(), dMt.data(), maps, dk, nullptr);
+  sync_or_fail();
+  EXPECT_EQ(rel_rms(dMt.to_host(), want), 0.0);
+}
+
+TEST(AffineMapKernels, CountsNonFiniteElements) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
+    std::vector<float> x(100000, 0.5f);
+    x[7] = std::numeric_limits<float>::quiet_NaN();
+    x[99999] = std::numeric_limits<float>::infinity();
+    x[50000] = -std::numeric_limits<float>::infinity();
+    const DeviceTensor d(x, t, {static_cast<int64_t>(x.size())});
+    DeviceBuffer<int> count(std::vector<int>{0});
+    cuda::count_nonfinite(d.view().data, static_cast<int64_t>(x.size()), t, count.data(), nullptr);
+    sync_or_fail();
+    EXPECT_EQ(count.to_host()[0], 3) << to_string(t);
+  }
+}
+
+TEST(AffineMapKernels, FillsIdentity) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  DeviceBuffer<float> out(2 * 8 * 8);
+  out.fill_bytes(0xFF);
+  cuda::fill_identity(out.data(), 2, 8, 8, nullptr);
+  sync_or_fail();
+  const auto h = out.to_host();
+  for (int64_t m = 0; m < 2; ++m)
+    for (int64_t i = 0; i < 8; ++i)
+      for (int64_t j = 0; j < 8; ++j) ASSERT_EQ(h[(m * 8 + i) * 8 + j], i == j ? 1.f : 0.f);
+}
+
+// ---- CpMixer on the GPU, one rank, vs the fp64 reference ----------------------------
+
+using MixerParam = std::tuple<Variant, DType, Layout>;
+
+std::string mixer_name(const ::testing::TestParamInfo<MixerParam>& info) {
+  return std::string(to_string(std::get<0>(info.param))) + "_" +
+         to_string(std::get<1>(info.param)) +
+         (std::get<2>(info.param) == Layout::packed ? "_packed" : "_rows");
+}
+
+class CpGpuSingleRank : public ::testing::TestWithParam<MixerParam> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+    const auto [variant, dtype, layout] = GetParam();
+    ProblemSpec s;
+    s.variant = variant;
+    s.heads = 2;
+    s.dk = s.dv = 64;
+    s.with_h0 = true;
+    s.l2norm_qk = variant == Variant::kda;
+    if (layout == Layout::packed) {
+      s.seq_len = 200;
+      s.cu_seqlens = {0, 30, 131, 200};
+    } else {
+      s.batch = 2;
+      s.seq_len = 150;
+    }
+    const uint64_t seed = 300 + 31 * static_cast<uint64_t>(variant) +
+                          7 * static_cast<uint64_t>(dtype) + (layout == Layout::packed ? 1 : 0);
+    p_ = random_problem(s, seed);
+    round_problem(p_, dtype);
+    std::mt19937_64 rng(seed + 1);
+    d_o_ = round_to_dtype(randn(p_.v.size(), rng), dtype);
+    dht_ =
+        round_f32(randn(static_cast<std::size_t>(p_.num_sequences() * s.heads * s.dk * s.dv), rng));
+    cfg_.variant = variant;
+    cfg_.chunk = 64;
+    cfg_.l2norm_qk = s.l2norm_qk;
+  }
+  DType dtype() const { return std::get<1>(GetParam()); }
+
+  ref::Problem p_;
+  std::vector<double> d_o_, dht_;
+  MixerConfig cfg_;
+};
+
+TEST_P(CpGpuSingleRank, ForwardMatchesReference) {
+  SingleRankCommunicator comm;
+  CpMixer mixer(comm, cfg_, Exchange::automatic);
+  const CpOutputs out = run_cp_device(mixer, p_, dtype(), 0, p_.seq_len, d_o_, dht_, false);
+  const ref::Outputs want = ref::forward(p_);
+  EXPECT_LE(rel_rms(out.o, want.o), state_tol(dtype())) << "o";
+  EXPECT_LE(rel_rms(out.ht, want.ht), state_tol(dtype())) << "final state";
+  EXPECT_TRUE(mixer.last_forward_stats().on_device);
+}
+
+TEST_P(CpGpuSingleRank, BackwardMatchesReference) {
+  SingleRankCommunicator comm;
+  CpMixer mixer(comm, cfg_, Exchange::automatic);
+  const CpOutputs out = run_cp_device(mixer, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
+  const ref::Grads want = ref::backward(p_, d_o_, dht_);
+  EXPECT_LE(rel_rms(out.dq, want.dq), grad_tol(dtype())) << "dq";
+  EXPECT_LE(rel_rms(out.dk, want.dk), grad_tol(dtype())) << "dk";
+  EXPECT_LE(rel_rms(out.dv, want.dv), grad_tol(dtype())) << "dv";
+  if (!p_.g.empty()) EXPECT_LE(rel_rms(out.dg, want.dg), gate_grad_tol(dtype())) << "dg";
+  if (!p_.beta.empty())
+    EXPECT_LE(rel_rms(out.dbeta, want.dbeta), gate_grad_tol(dtype())) << "dbeta";
+  EXPECT_LE(rel_rms(out.dh0, want.dh0), state_tol(dtype())) << "dh0";
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, CpGpuSingleRank,
+                         ::testing::Combine(::testing::ValuesIn(kAllVariants),
+                                            ::testing::Values(DType::f32, DType::bf16),
+                                            ::testing::Values(Layout::rows, Layout::packed)),
+                         mixer_name);
+
+// ---- argument checks of the GPU path ----------------------------------------------
+
+class CpGpuErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+    ProblemSpec s;
+    s.variant = Variant::gated_deltanet;
+    s.seq_len = 40;
+    s.heads = 2;
+    s.dk = s.dv = 64;
+    p_ = random_problem(s, 5);
+    round_problem(p_, DType::bf16);
+  }
+  // Forward on device tensors, with `tweak` applied to the arguments, must
+  // throw naming `argument` and leave o untouched (still NaN-poisoned).
+  template <typename F>
+  void expect_refused(const std::string& argument, F&& tweak) {
+    const int64_t T = p_.seq_len, H = p_.heads, D = p_.dk;
+    const Shape qk{1, T, H, D}, bth{1, T, H};
+    auto g = as_float(p_.g);
+    DeviceTensor q(as_float(p_.q), DType::bf16, qk), k(as_float(p_.k), DType::bf16, qk),
+        v(as_float(p_.v), DType::bf16, qk), beta(as_float(p_.beta), DType::bf16, bth);
+    DeviceTensor gd(g, DType::f32, bth);
+    DeviceTensor o = DeviceTensor::poisoned(static_cast<std::size_t>(T * H * D), DType::bf16, qk);
+    CpForwardArgs a;
+    a.q = q.view();
+    a.k = k.view();
+    a.v = v.view();
+    a.g = gd.view();
+    a.beta = beta.view();
+    a.o = o.view();
+    std::vector<float> host_g = g;
+    tweak(a, host_g);
+    SingleRankCommunicator comm;
+    MixerConfig cfg;
+    cfg.variant = p_.variant;
+    CpMixer mixer(comm, cfg, Exchange::ring);
+    try {
+      mixer.forward(a);
+      ADD_FAILURE() << "no error for " << argument;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), argument) << e.what();
+    }
+    for (float x : o.to_host()) ASSERT_TRUE(std::isnan(x)) << "o written despite the error";
+  }
+  ref::Problem p_;
+};
+
+TEST_F(CpGpuErrors, RefusesNanInGate) {
+  std::unique_ptr<DeviceTensor> bad;
+  expect_refused("g", [&](CpForwardArgs& a, std::vector<float>& g) {
+    g[3] = std::numeric_limits<float>::quiet_NaN();
+    bad = std::make_unique<DeviceTensor>(g, DType::f32, a.g.shape);
+    a.g = bad->view();
+  });
+}
+
+TEST_F(CpGpuErrors, RefusesHostTensorAmongDeviceTensors) {
+  std::vector<float> host_v;
+  expect_refused("v", [&](CpForwardArgs& a, std::vector<float>&) {
+    host_v.assign(static_cast<std::size_t>(a.v.numel()), 0.f);
+    a.v = TensorView(host_v.data(), DType::bf16, a.v.shape, Memory::host);
+  });
+}
+
+TEST_F(CpGpuErrors, RefusesMixedDtypes) {
+  std::unique_ptr<DeviceTensor> f32_k;
+  expect_refused("k", [&](CpForwardArgs& a, std::vector<float>&) {
+    f32_k = std::make_unique<DeviceTensor>(as_float(p_.k), DType::f32, a.k.shape);
+    a.k = f32_k->view();
+  });
+}
+
+TEST_F(CpGpuErrors, RefusesUnsupportedHeadDim) {
+  // Dk = 32 is valid on the CPU path but not on the GPU kernels.
+  ProblemSpec s;
+  s.variant = Variant::gated_deltanet;
+  s.seq_len = 40;
+  s.heads = 2;
+  s.dk = s.dv = 32;
+  p_ = random_problem(s, 6);
+  round_problem(p_, DType::bf16);
+  expect_refused("dk", [](CpForwardArgs&, std::vector<float>&) {});
+}
+
+}  // namespace
+}  // namespace statescan::test

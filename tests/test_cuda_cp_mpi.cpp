@@ -1,0 +1,314 @@
+// GPU context parallelism under mpirun (np 1 and 2): CpMixer on device
+// tensors with P ranks must equal a single-GPU run of the same inputs, for
+// every variant x exchange, forward and backward, over uneven shards and
+// packed sequences on and across the rank boundary. Two communicators:
+//   nccl  the exchange stays on the GPU (needs one GPU per rank: the suite
+//         skips on every rank, by one agreed decision, when the node has fewer);
+//   mpi   the exchange is staged through host memory (ranks may share a GPU).
+// Bad input on one rank (NaN in g) must raise the same error on every rank.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+#include "comm/mpi_communicator.h"
+#include "comm/nccl_communicator.h"
+#include "core/error.h"
+#include "kernels/cuda/cuda_mixer.h"
+#include "tests/collective_error.h"
+#include "tests/cuda_cp_test_util.h"
+
+namespace statescan::test {
+namespace {
+
+// f32: CP and single-GPU runs differ only in how the boundary state is
+// formed (fp32 maps vs the carried state): DESIGN §7's fp32 bar. bf16: the
+// single-GPU run rounds the carried state to bf16 for its products, the CP
+// run composes it in fp32: bf16's state bar.
+double tol(DType t) {
+  return t == DType::f32 ? 1e-5 : 5e-3;
+}
+double grad_tol(DType t) {
+  return t == DType::f32 ? 1e-5 : 8e-3;
+}
+double gate_grad_tol(DType t) {
+  return t == DType::f32 ? 1e-5 : 2e-2;
+}
+
+MpiCommunicator& mpi() {
+  static std::unique_ptr<MpiCommunicator> comm = MpiCommunicator::world();
+  return *comm;
+}
+
+// Why this job cannot run GPU tests of `backend`, or "" if it can; agreed
+// over MPI so that every rank skips or none does.
+std::string why_skip(const std::string& backend) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+  const int64_t need = backend == "nccl" ? mpi().local_size() : 1;
+  int64_t short_of_gpus = devices < need ? 1 : 0;
+  mpi().all_reduce_max(&short_of_gpus, 1, CommType::i64);
+  if (short_of_gpus == 0) return "";
+  return backend + " needs " + std::to_string(need) + " GPU(s) per node; some node has " +
+         std::to_string(devices);
+}
+
+// The NCCL communicator over the world, made on first use and finalised by
+// the test environment's TearDown (every rank, before MPI_Finalize).
+std::unique_ptr<NcclCommunicator>& nccl_world() {
+  static std::unique_ptr<NcclCommunicator> nccl;
+  return nccl;
+}
+
+class NcclWorldEnvironment : public ::testing::Environment {
+ public:
+  void TearDown() override { nccl_world().reset(); }
+};
+const ::testing::Environment* const kNcclWorldEnvironment =
+    ::testing::AddGlobalTestEnvironment(new NcclWorldEnvironment);
+
+// The communicator of `backend` over the world, made once per process.
+Communicator& world(const std::string& backend) {
+  static cudaStream_t stream = nullptr;
+  if (backend == "mpi") return mpi();
+  std::unique_ptr<NcclCommunicator>& nccl = nccl_world();
+  if (!nccl) {
+    if (cudaStreamCreate(&stream) != cudaSuccess) SS_FAIL("cuda", "cudaStreamCreate failed");
+    nccl = NcclCommunicator::create(mpi(), stream);
+  }
+  return *nccl;
+}
+
+// Uneven contiguous shards: rank r gets a share proportional to r + 1.
+std::vector<int64_t> shard_bounds(int64_t T, int P) {
+  std::vector<int64_t> b(static_cast<std::size_t>(P + 1), 0);
+  const int64_t weight = static_cast<int64_t>(P) * (P + 1) / 2;
+  for (int r = 1; r < P; ++r)
+    b[r] = std::max<int64_t>(b[r - 1] + 1, T * (r * (r + 1) / 2) / weight);
+  b[P] = T;
+  return b;
+}
+
+enum class Layout { batch_rows, packed_on_boundary, packed_across };
+
+struct Case {
+  Variant variant;
+  Exchange exchange;
+  Layout layout;
+  DType dtype;
+  const char* backend;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  const char* l = c.layout == Layout::batch_rows           ? "rows"
+                  : c.layout == Layout::packed_on_boundary ? "packed_on_boundary"
+                                                           : "packed_across";
+  return std::string(c.backend) + "_" + to_string(c.variant) + "_" + to_string(c.exchange) + "_" +
+         l + "_" + to_string(c.dtype);
+}
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << case_name(::testing::TestParamInfo<Case>(c, 0));
+}
+
+class CudaCpInvariance : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    const std::string skip = why_skip(GetParam().backend);
+    if (!skip.empty()) GTEST_SKIP() << skip;
+    int devices = 1;
+    cudaGetDeviceCount(&devices);
+    ASSERT_EQ(cudaSetDevice(mpi().local_rank() % devices), cudaSuccess);
+    const Case c = GetParam();
+    comm_ = &world(c.backend);
+    P_ = comm_->size();
+    r_ = comm_->rank();
+    const int64_t T = 300;
+    bounds_ = shard_bounds(T, P_);
+    ProblemSpec s;
+    s.variant = c.variant;
+    s.seq_len = T;
+    s.heads = 2;
+    s.dk = s.dv = 64;
+    s.with_h0 = true;
+    s.l2norm_qk = c.variant == Variant::kda;
+    if (c.layout == Layout::batch_rows) {
+      s.batch = 2;
+    } else if (c.layout == Layout::packed_on_boundary) {
+      // A sequence ending exactly at rank 1's start, one starting there and
+      // running to the end.
+      s.cu_seqlens = {0, 7, bounds_[1], T};
+      if (P_ == 1) s.cu_seqlens = {0, 7, 100, T};
+    } else {
+      // A sequence that crosses the rank boundary, then a short one.
+      s.cu_seqlens = {0, 5, bounds_[1] + 70 < T ? bounds_[1] + 70 : T - 3, T};
+    }
+    // Same seed on every rank: every rank holds the same full problem.
+    const uint64_t seed = 9000 + static_cast<uint64_t>(c.variant) * 64 +
+                          static_cast<uint64_t>(c.exchange) * 8 + static_cast<uint64_t>(c.layout) +
+                          static_cast<uint64_t>(c.dtype) * 1000;
+    p_ = random_problem(s, seed);
+    round_problem(p_, c.dtype);
+    std::mt19937_64 rng(seed + 1);
+    d_o_ = round_to_dtype(randn(p_.v.size(), rng), c.dtype);
+    dht_ =
+        round_f32(randn(static_cast<std::size_t>(p_.num_sequences() * s.heads * s.dk * s.dv), rng));
+    cfg_.variant = c.variant;
+    cfg_.chunk = 64;
+    cfg_.l2norm_qk = s.l2norm_qk;
+  }
+
+  // Runs the single-GPU and the CP run; returns (full, mine).
+  std::pair<CpOutputs, CpOutputs> run(bool backward) {
+    const Case c = GetParam();
+    SingleRankCommunicator self;
+    CpMixer single(self, cfg_, Exchange::ring);
+    CpOutputs full = run_cp_device(single, p_, c.dtype, 0, p_.seq_len, d_o_, dht_, backward);
+    CpMixer cp(*comm_, cfg_, c.exchange);
+    CpOutputs mine =
+        run_cp_device(cp, p_, c.dtype, bounds_[r_], bounds_[r_ + 1], d_o_, dht_, backward);
+    if (P_ > 1) {
+      EXPECT_EQ(cp.last_forward_stats().exchange, c.exchange);
+      // In forward order every rank but the last sends (ring and tree send
+      // nothing from the last rank).
+      if (r_ + 1 < P_) EXPECT_GT(cp.last_forward_stats().exchange_bytes, 0);
+    }
+    EXPECT_TRUE(cp.last_forward_stats().on_device);
+    return {std::move(full), std::move(mine)};
+  }
+  std::vector<double> local(const std::vector<float>& x, int64_t inner) const {
+    std::vector<double> d(x.begin(), x.end());
+    return slice_tokens_d(d, p_.batch, p_.seq_len, bounds_[r_], bounds_[r_ + 1], inner);
+  }
+
+  Communicator* comm_ = nullptr;
+  int P_ = 1, r_ = 0;
+  std::vector<int64_t> bounds_;
+  ref::Problem p_;
+  std::vector<double> d_o_, dht_;
+  MixerConfig cfg_;
+};
+
+TEST_P(CudaCpInvariance, ForwardEqualsSingleGpu) {
+  const DType t = GetParam().dtype;
+  const auto [full, mine] = run(false);
+  const int64_t H = p_.heads, Dv = p_.dv;
+  EXPECT_LE(rel_rms(mine.o, local(full.o, H * Dv)), tol(t)) << "o, rank " << r_;
+  EXPECT_LE(rel_rms(mine.ht, full.ht), tol(t)) << "final state, rank " << r_;
+  // The single-GPU run itself against the fp64 reference, so that the two
+  // cannot agree on a wrong answer.
+  if (r_ == 0) {
+    const ref::Outputs ro = ref::forward(p_);
+    EXPECT_LE(rel_rms(full.o, ro.o), tol(t));
+    EXPECT_LE(rel_rms(full.ht, ro.ht), tol(t));
+  }
+}
+
+TEST_P(CudaCpInvariance, BackwardEqualsSingleGpu) {
+  const DType t = GetParam().dtype;
+  const auto [full, mine] = run(true);
+  const int64_t H = p_.heads, Dk = p_.dk, Dv = p_.dv;
+  const bool vec = vector_gate(p_.variant);
+  EXPECT_LE(rel_rms(mine.dq, local(full.dq, H * Dk)), grad_tol(t)) << "dq, rank " << r_;
+  EXPECT_LE(rel_rms(mine.dk, local(full.dk, H * Dk)), grad_tol(t)) << "dk, rank " << r_;
+  EXPECT_LE(rel_rms(mine.dv, local(full.dv, H * Dv)), grad_tol(t)) << "dv, rank " << r_;
+  if (has_gate(p_.variant))
+    EXPECT_LE(rel_rms(mine.dg, local(full.dg, vec ? H * Dk : H)), gate_grad_tol(t))
+        << "dg, rank " << r_;
+  if (has_beta(p_.variant))
+    EXPECT_LE(rel_rms(mine.dbeta, local(full.dbeta, H)), gate_grad_tol(t)) << "dbeta, rank " << r_;
+  EXPECT_LE(rel_rms(mine.dh0, full.dh0), tol(t)) << "dh0, rank " << r_;
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (const char* backend : {"nccl", "mpi"})
+    for (Variant v : kAllVariants)
+      for (Exchange e : {Exchange::allgather, Exchange::ring, Exchange::tree})
+        for (Layout l : {Layout::batch_rows, Layout::packed_on_boundary, Layout::packed_across})
+          cases.push_back({v, e, l, DType::f32, backend});
+  // bf16, the training dtype, on the two models issue 5 measures.
+  for (Variant v : {Variant::kda, Variant::gated_deltanet})
+    for (Exchange e : {Exchange::allgather, Exchange::ring, Exchange::tree})
+      cases.push_back({v, e, Layout::packed_across, DType::bf16, "nccl"});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariantsExchanges, CudaCpInvariance, ::testing::ValuesIn(all_cases()),
+                         case_name);
+
+// ---- a bad input on one rank: the same error everywhere, no hang ---------------------
+
+class CudaCpErrors : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CudaCpErrors, NanInGateOnOneRankFailsEveryRank) {
+  const std::string backend = GetParam();
+  const std::string skip = why_skip(backend);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  int devices = 1;
+  cudaGetDeviceCount(&devices);
+  ASSERT_EQ(cudaSetDevice(mpi().local_rank() % devices), cudaSuccess);
+  Communicator& comm = world(backend);
+  const int P = comm.size(), r = comm.rank();
+  const int culprit = P - 1;
+  ProblemSpec s;
+  s.variant = Variant::gated_deltanet;
+  s.seq_len = 160;
+  s.heads = 2;
+  s.dk = s.dv = 64;
+  ref::Problem p = random_problem(s, 77);
+  round_problem(p, DType::bf16);
+  const auto bounds = shard_bounds(s.seq_len, P);
+  const int64_t L = bounds[r + 1] - bounds[r];
+  const Shape qk{1, L, 2, 64}, bth{1, L, 2};
+  auto g = slice_tokens(p.g, 1, s.seq_len, bounds[r], bounds[r + 1], 2);
+  if (r == culprit) g[1] = std::numeric_limits<float>::quiet_NaN();
+  const DeviceTensor q(slice_tokens(p.q, 1, s.seq_len, bounds[r], bounds[r + 1], 128), DType::bf16,
+                       qk);
+  const DeviceTensor k(slice_tokens(p.k, 1, s.seq_len, bounds[r], bounds[r + 1], 128), DType::bf16,
+                       qk);
+  const DeviceTensor v(slice_tokens(p.v, 1, s.seq_len, bounds[r], bounds[r + 1], 128), DType::bf16,
+                       qk);
+  const DeviceTensor beta(slice_tokens(p.beta, 1, s.seq_len, bounds[r], bounds[r + 1], 2),
+                          DType::bf16, bth);
+  const DeviceTensor gd(g, DType::f32, bth);
+  CpForwardArgs a;
+  a.q = q.view();
+  a.k = k.view();
+  a.v = v.view();
+  a.g = gd.view();
+  a.beta = beta.view();
+  // o holds a sentinel (as bf16 holds it) that must survive the refusal.
+  const DeviceTensor o16(std::vector<float>(static_cast<std::size_t>(L * 128), 12345.f),
+                         DType::bf16, qk);
+  a.o = o16.view();
+  MixerConfig cfg;
+  cfg.variant = s.variant;
+  CpMixer mixer(comm, cfg, Exchange::ring);
+  bool threw = false;
+  try {
+    mixer.forward(a);
+  } catch (const Error& e) {
+    threw = true;
+    EXPECT_EQ(e.argument(), "g") << e.what();
+    EXPECT_EQ(e.rank(), culprit) << e.what();
+  }
+  EXPECT_TRUE(threw) << "rank " << r << " did not get the error";
+  const float sentinel = round_to(DType::bf16, 12345.f);
+  for (float x : o16.to_host())
+    ASSERT_EQ(x, sentinel) << "rank " << r << " wrote o despite the error";
+  mpi().barrier();  // reaching this on every rank is the no-hang check
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CudaCpErrors, ::testing::Values("nccl", "mpi"),
+                         [](const ::testing::TestParamInfo<const char*>& i) {
+                           return std::string(i.param);
+                         });
+
+}  // namespace
+}  // namespace statescan::test
