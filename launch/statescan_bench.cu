@@ -32,6 +32,28 @@
 //             (2*(C/2)*2D) + W S (2*D^2)                        = 5*C*D + 6*D^2
 // Byte model: the unavoidable HBM traffic: read q, k, v, g, beta, write o;
 // the per-chunk intermediates and states are not counted.
+//
+// --backward: forward + backward rows instead (kernels/cuda/chunk_backward.cuh):
+//   statescan-bench --backward [-v kda] [-t 32768,1048576] [-n 5] [--json F]
+// Per variant and T: median forward time (saving chunk_states), median
+// forward+backward time, tokens/s of the pair, TFLOP/s and GB/s of the pair
+// against the counted models below, the peak device memory of the step
+// (inputs, outputs, gradients, chunk states and one shared workspace:
+// cudaMemGetInfo before and after allocating them; the kernels allocate
+// nothing else), and err_grad: the largest relative RMS error over dq, dk, dv,
+// dg, dbeta, dh0 of a separate 512-token, 2-head problem cut from the same
+// inputs, against the fp64 reference backward.
+// Backward FLOP model (per token and head, 2 FLOP per MAC, with the intra-chunk
+// recomputation this design does):
+//   additive: reverse scan A^T dO, K_ dS, Q^^T dO (C/2*D + 2*D^2 MAC); gradients
+//             recompute A, dA = dO V'^T, dA K~, dA^T Q^ (4 * C/2*D), dO S^T,
+//             V' dS^T (2*D^2)                                  = 5*C*D + 8*D^2
+//   delta:    additive + W^T dV', dW = dV' S^T, V' = U - W S (3*D^2), KK (C/2*D),
+//             W, U (C*D), T^T [dU|dW] (C*D), dT (C*D), dMm paths (C*D)
+//                                                              = 14*C*D + 14*D^2
+// Backward bytes: read q, k, v, g, beta, dO and the fp32 chunk states
+// (4*D^2/C per token), write dq, dk, dv, dg, dbeta; the forward of the pair
+// also writes the chunk states.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -69,6 +91,7 @@ struct Options {
   std::string json;
   std::string plot;  // --plot FILE.png: tokens/s against T, one line per variant
   bool help = false;
+  bool backward = false;  // --backward: forward + backward rows
 
   // --cp-model (see the comment at the top); negative times mean "not given".
   bool cp_model = false, cp_measure = false;
@@ -125,6 +148,8 @@ Options parse(int argc, char** argv) {
       // Refused before the GPU work rather than after it.
       SS_CHECK_ARG(o.plot.size() > 4 && o.plot.compare(o.plot.size() - 4, 4, ".png") == 0, "--plot",
                    "'", o.plot, "' must end in .png");
+    } else if (arg == "--backward") {
+      o.backward = true;
     } else if (arg == "--cp-model") {
       o.cp_model = true;
     } else if (arg == "--cp-measure") {
@@ -369,6 +394,285 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
   return r;
 }
 
+struct BwdRow {
+  std::string variant;
+  int64_t batch, seq_len, heads, dim;
+  std::string dtype;
+  double ms_fwd, ms_fwd_bwd, tokens_per_s, tflops, gbps, peak_gb, err_grad;
+};
+
+// Median of n timed calls of fn on `stream` (after `warmup` untimed ones).
+template <typename Fn>
+double median_ms(Fn&& fn, int warmup, int iters, cudaStream_t stream) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<cudaEvent_t> events(static_cast<std::size_t>(iters) + 1);
+  for (auto& e : events) SS_CUDA_CHECK(cudaEventCreate(&e));
+  SS_CUDA_CHECK(cudaEventRecord(events[0], stream));
+  for (int i = 0; i < iters; ++i) {
+    fn();
+    SS_CUDA_CHECK(cudaEventRecord(events[static_cast<std::size_t>(i) + 1], stream));
+  }
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> times;
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    SS_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
+    times.push_back(ms);
+  }
+  for (auto& e : events) SS_CUDA_CHECK(cudaEventDestroy(e));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// The device tensors of one forward + backward step, [B, T, H, *].
+struct StepTensors {
+  DeviceBuffer<unsigned char> q, k, v, o, d_o, dq, dk, dv, beta, dbeta;
+  DeviceBuffer<float> g, dg, chunk_states, dh0;
+
+  StepTensors(Variant variant, int64_t B, int64_t T, int64_t H, int64_t D, DType t,
+              int64_t num_chunks)
+      : q(B * T * H * D * size_of(t)),
+        k(q.size()),
+        v(q.size()),
+        o(q.size()),
+        d_o(q.size()),
+        dq(q.size()),
+        dk(q.size()),
+        dv(q.size()),
+        beta(has_beta(variant) ? B * T * H * size_of(t) : 0),
+        dbeta(beta.size()),
+        g(has_gate(variant) ? B * T * H * (vector_gate(variant) ? D : 1) : 0),
+        dg(g.size()),
+        chunk_states(static_cast<std::size_t>(num_chunks * H * D * D)),
+        dh0(static_cast<std::size_t>(B * H * D * D)) {}
+
+  // Forward and backward parameters over these tensors.
+  MixerBwdParams params(Variant variant, int64_t B, int64_t T, int64_t H, int64_t D, DType t,
+                        int64_t chunk) {
+    MixerBwdParams p;
+    p.variant = variant;
+    p.batch = B;
+    p.seq_len = T;
+    p.heads = H;
+    p.dk = p.dv = D;
+    p.chunk = chunk;
+    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    p.l2norm_qk = has_beta(variant);  // delta rules need unit-norm keys
+    p.dtype = t;
+    p.num_segments = B;
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.g = g.size() ? g.data() : nullptr;
+    p.beta = beta.size() ? beta.data() : nullptr;
+    p.o = o.data();
+    p.chunk_states = chunk_states.data();
+    p.d_o = d_o.data();
+    p.dq = dq.data();
+    p.dk_out = dk.data();
+    p.dv_out = dv.data();
+    p.dg = dg.size() ? dg.data() : nullptr;
+    p.dbeta = dbeta.size() ? dbeta.data() : nullptr;
+    p.d_initial_state = dh0.data();
+    return p;
+  }
+};
+
+// Head h's [tokens, d] slice of a [tokens, heads, d] host array, as doubles.
+std::vector<double> head_slice(const std::vector<float>& all, int64_t tokens, int64_t heads,
+                               int64_t h, int64_t d) {
+  std::vector<double> out(static_cast<std::size_t>(tokens * d));
+  for (int64_t i = 0; i < tokens; ++i)
+    for (int64_t e = 0; e < d; ++e) out[i * d + e] = all[(i * heads + h) * d + e];
+  return out;
+}
+
+// err_grad: forward + backward of a T_ref-token, 2-head problem whose inputs
+// are the first tokens of the big one, against ref::backward on every head.
+double gradient_error(Variant variant, int64_t D, DType t, int64_t chunk, uint64_t seed) {
+  const int64_t T = 512, H = 2;
+  MixerParams shape;
+  shape.seq_len = T;
+  shape.chunk = chunk;
+  shape.batch = 1;
+  shape.num_segments = 1;
+  StepTensors x(variant, 1, T, H, D, t, count_chunks(shape));
+  fill_random(x.q.data(), t, T * H * D, seed + 1, Fill::normal);
+  fill_random(x.k.data(), t, T * H * D, seed + 2, Fill::normal);
+  fill_random(x.v.data(), t, T * H * D, seed + 3, Fill::normal);
+  fill_random(x.d_o.data(), t, T * H * D, seed + 6, Fill::normal);
+  if (x.g.size())
+    fill_random(x.g.data(), DType::f32, static_cast<int64_t>(x.g.size()), seed + 4, Fill::log_gate);
+  if (x.beta.size()) fill_random(x.beta.data(), t, T * H, seed + 5, Fill::sigmoid);
+  MixerBwdParams p = x.params(variant, 1, T, H, D, t, chunk);
+  cuda::mixer_forward(p, nullptr);
+  cuda::mixer_backward(p, nullptr);
+  SS_CUDA_CHECK(cudaDeviceSynchronize());
+
+  const int64_t gw = vector_gate(variant) ? D : 1;
+  const std::vector<float> q = download(x.q.data(), t, T * H * D),
+                           k = download(x.k.data(), t, T * H * D),
+                           v = download(x.v.data(), t, T * H * D),
+                           d_o = download(x.d_o.data(), t, T * H * D),
+                           dq = download(x.dq.data(), t, T * H * D),
+                           dk = download(x.dk.data(), t, T * H * D),
+                           dv = download(x.dv.data(), t, T * H * D),
+                           dh0 = download(x.dh0.data(), DType::f32, H * D * D);
+  std::vector<float> g, dg, beta, dbeta;
+  if (x.g.size()) {
+    g = download(x.g.data(), DType::f32, T * H * gw);
+    dg = download(x.dg.data(), DType::f32, T * H * gw);
+  }
+  if (x.beta.size()) {
+    beta = download(x.beta.data(), t, T * H);
+    dbeta = download(x.dbeta.data(), t, T * H);
+  }
+  double worst = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    ref::Problem rp;
+    rp.variant = variant;
+    rp.seq_len = T;
+    rp.dk = rp.dv = D;
+    rp.scale = p.scale;
+    rp.l2norm_qk = p.l2norm_qk;
+    rp.q = head_slice(q, T, H, h, D);
+    rp.k = head_slice(k, T, H, h, D);
+    rp.v = head_slice(v, T, H, h, D);
+    if (!g.empty()) rp.g = head_slice(g, T, H, h, gw);
+    if (!beta.empty()) rp.beta = head_slice(beta, T, H, h, 1);
+    const ref::Grads want = ref::backward(rp, head_slice(d_o, T, H, h, D), {});
+    auto err = [&](const std::vector<float>& got, int64_t width, const std::vector<double>& ref) {
+      worst = std::max(worst, rel_rms_host(
+                                  [&] {
+                                    std::vector<float> s(static_cast<std::size_t>(T * width));
+                                    for (int64_t i = 0; i < T; ++i)
+                                      for (int64_t e = 0; e < width; ++e)
+                                        s[i * width + e] = got[(i * H + h) * width + e];
+                                    return s;
+                                  }(),
+                                  ref));
+    };
+    err(dq, D, want.dq);
+    err(dk, D, want.dk);
+    err(dv, D, want.dv);
+    if (!dg.empty()) err(dg, gw, want.dg);
+    if (!dbeta.empty()) err(dbeta, 1, want.dbeta);
+    const std::vector<float> dh0_h(dh0.begin() + h * D * D, dh0.begin() + (h + 1) * D * D);
+    worst = std::max(worst, rel_rms_host(dh0_h, want.dh0));
+  }
+  return worst;
+}
+
+BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
+  const int64_t B = opt.batch, H = opt.heads, D = opt.dim;
+  const DType t = opt.dtype;
+  const std::size_t es = size_of(t);
+  const int64_t tokens = B * T * H;
+  const bool vec = vector_gate(variant);
+  MixerParams shape;
+  shape.batch = B;
+  shape.seq_len = T;
+  shape.chunk = opt.chunk;
+  shape.num_segments = B;
+  const int64_t num_chunks = count_chunks(shape);
+
+  SS_CUDA_CHECK(cudaDeviceSynchronize());
+  size_t free_before = 0, free_after = 0, total = 0;
+  SS_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  BwdRow r;
+  {
+    StepTensors x(variant, B, T, H, D, t, num_chunks);
+    MixerBwdParams p = x.params(variant, B, T, H, D, t, opt.chunk);
+    // One workspace serves both calls (they never overlap).
+    DeviceBuffer<unsigned char> workspace(
+        std::max(cuda::forward_workspace_bytes(p), cuda::backward_workspace_bytes(p)));
+    SS_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+    fill_random(x.q.data(), t, tokens * D, 1, Fill::normal);
+    fill_random(x.k.data(), t, tokens * D, 2, Fill::normal);
+    fill_random(x.v.data(), t, tokens * D, 3, Fill::normal);
+    fill_random(x.d_o.data(), t, tokens * D, 6, Fill::normal);
+    if (x.g.size())
+      fill_random(x.g.data(), DType::f32, static_cast<int64_t>(x.g.size()), 4, Fill::log_gate);
+    if (x.beta.size()) fill_random(x.beta.data(), t, tokens, 5, Fill::sigmoid);
+
+    cudaStream_t stream;
+    SS_CUDA_CHECK(cudaStreamCreate(&stream));
+    auto forward = [&] { cuda::mixer_forward(p, workspace.data(), workspace.size(), stream); };
+    auto step = [&] {
+      forward();
+      cuda::mixer_backward(p, workspace.data(), workspace.size(), stream);
+    };
+    r.ms_fwd = median_ms(forward, opt.warmup, opt.iters, stream);
+    r.ms_fwd_bwd = median_ms(step, opt.warmup, opt.iters, stream);
+    SS_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+  r.peak_gb = static_cast<double>(free_before - free_after) / 1e9;
+  r.err_grad = gradient_error(variant, D, t, opt.chunk, 100);
+
+  const double C = static_cast<double>(opt.chunk), d = static_cast<double>(D);
+  const double fwd_flop = has_beta(variant) ? 5.0 * C * d + 6.0 * d * d : 2.0 * C * d + 4.0 * d * d;
+  const double bwd_flop =
+      has_beta(variant) ? 14.0 * C * d + 14.0 * d * d : 5.0 * C * d + 8.0 * d * d;
+  const double in_bytes = 3.0 * d * es + (has_gate(variant) ? (vec ? 4.0 * d : 4.0) : 0.0) +
+                          (has_beta(variant) ? es : 0.0);
+  const double state_bytes = 4.0 * d * d / C;
+  // forward: inputs + o + chunk states; backward: inputs + dO + chunk states + gradients.
+  const double bytes_per_token =
+      (in_bytes + d * es + state_bytes) + (in_bytes + d * es + state_bytes + in_bytes);
+  r.variant = to_string(variant);
+  r.batch = B;
+  r.seq_len = T;
+  r.heads = H;
+  r.dim = D;
+  r.dtype = to_string(t);
+  r.tokens_per_s = B * T / (r.ms_fwd_bwd * 1e-3);
+  r.tflops = (fwd_flop + bwd_flop) * tokens / (r.ms_fwd_bwd * 1e-3) / 1e12;
+  r.gbps = bytes_per_token * tokens / (r.ms_fwd_bwd * 1e-3) / 1e9;
+  return r;
+}
+
+int run_backward_table(const Options& opt, const cudaDeviceProp& prop) {
+  std::printf("# statescan-bench --backward: chunkwise forward + backward on %s (%d SMs)\n",
+              prop.name, prop.multiProcessorCount);
+  std::printf("# dtype %s, chunk %lld, warm-up %d, timed %d (median), l2norm_qk on delta rules\n",
+              to_string(opt.dtype), static_cast<long long>(opt.chunk), opt.warmup, opt.iters);
+  std::printf(
+      "# tokens/s, TFLOP/s, GB/s: of forward+backward; peak: device memory of the step;\n"
+      "# err_grad: worst rel RMS of dq,dk,dv,dg,dbeta,dh0 vs fp64 (512 tokens, 2 heads)\n#\n");
+  std::printf("# %-15s %8s %3s %4s %4s %9s %12s %12s %9s %9s %9s %10s\n", "variant", "T", "B", "H",
+              "D", "fwd(ms)", "fwd+bwd(ms)", "tokens/s", "TFLOP/s", "GB/s", "peak(GB)", "err_grad");
+  std::vector<BwdRow> rows;
+  for (Variant variant : opt.variants) {
+    for (int64_t T : opt.lengths) {
+      const BwdRow r = bench_backward_one(opt, variant, T);
+      rows.push_back(r);
+      std::printf("  %-15s %8lld %3lld %4lld %4lld %9.3f %12.3f %12.4g %9.2f %9.1f %9.2f %10.2e\n",
+                  r.variant.c_str(), static_cast<long long>(r.seq_len),
+                  static_cast<long long>(r.batch), static_cast<long long>(r.heads),
+                  static_cast<long long>(r.dim), r.ms_fwd, r.ms_fwd_bwd, r.tokens_per_s, r.tflops,
+                  r.gbps, r.peak_gb, r.err_grad);
+      std::fflush(stdout);
+    }
+  }
+  if (!opt.json.empty()) {
+    std::ofstream out(opt.json);
+    SS_CHECK_ARG(out.good(), "json", "cannot write ", opt.json);
+    out << "[\n";
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const BwdRow& r = rows[i];
+      out << "  {\"op\": \"forward_backward\", \"variant\": \"" << r.variant
+          << "\", \"B\": " << r.batch << ", \"T\": " << r.seq_len << ", \"H\": " << r.heads
+          << ", \"D\": " << r.dim << ", \"dtype\": \"" << r.dtype << "\", \"ms_fwd\": " << r.ms_fwd
+          << ", \"ms_fwd_bwd\": " << r.ms_fwd_bwd << ", \"tokens_per_s\": " << r.tokens_per_s
+          << ", \"tflops\": " << r.tflops << ", \"gbps\": " << r.gbps
+          << ", \"peak_gb\": " << r.peak_gb << ", \"err_grad\": " << r.err_grad << "}"
+          << (i + 1 < rows.size() ? "," : "") << "\n";
+    }
+    out << "]\n";
+  }
+  return 0;
+}
+
 // Forward ms of the README's H200 table (B=1, T=131072, H=16, D=128, bf16,
 // chunk 64, 2026-11-30), the --cp-model default when no GPU measures it.
 double readme_fwd_ms_128k(Variant v) {
@@ -430,9 +734,10 @@ int run_cp_model(const Options& opt) {
   }
   CpGpuModel gpu;
   CpLocalTimes times = estimate_local_times(layer, fwd_ms, opt.bwd_ms, gpu);
-  notes.push_back(opt.bwd_ms > 0
-                      ? "bwd: given by --bwd-ms"
-                      : "bwd: ASSUMED 2 x fwd (the GPU backward kernels do not exist yet)");
+  notes.push_back(
+      opt.bwd_ms > 0
+          ? "bwd: given by --bwd-ms"
+          : "bwd: ASSUMED 2 x fwd (not measured here: statescan-bench --backward times it)");
   if (opt.summary_fwd_ms > 0) times.summary_fwd_ms = opt.summary_fwd_ms;
   if (opt.summary_bwd_ms > 0) times.summary_bwd_ms = opt.summary_bwd_ms;
   if (opt.merge_ms > 0) times.merge_ms = opt.merge_ms;
@@ -482,7 +787,7 @@ int run(int argc, char** argv) {
     std::printf(
         "usage: statescan-bench [-v variants] [-t lengths] [-b B] [-H heads] [-d dim]\n"
         "                       [-c chunk] [--dtype bf16|f16|f32] [-w warmup] [-n iters]\n"
-        "                       [--json file] [--plot file.png]\n"
+        "                       [--json file] [--plot file.png] [--backward]\n"
         "       statescan-bench --cp-model [--variant kda] [--seq-len T] [-P 1024]\n"
         "                       [--link hierarchical|nvlink|ib] [--gpus-per-node 8]\n"
         "                       [--link-bw-GBps X] [--link-latency-us X] [--ib-bw-GBps X]\n"
@@ -495,6 +800,7 @@ int run(int argc, char** argv) {
   if (opt.cp_model) return run_cp_model(opt);
   cudaDeviceProp prop{};
   SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (opt.backward) return run_backward_table(opt, prop);
   std::printf("# statescan-bench: chunkwise forward on %s (%d SMs)\n", prop.name,
               prop.multiProcessorCount);
   std::printf("# dtype %s, chunk %lld, warm-up %d, timed %d (median), l2norm_qk on delta rules\n",

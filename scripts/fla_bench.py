@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
-"""Times flash-linear-attention's Triton chunk kernels (forward only) on the same
-shapes as statescan-bench, for the side-by-side table of scripts/gpu-check.sh.
+"""Times flash-linear-attention's Triton chunk kernels on the same shapes as
+statescan-bench, for the side-by-side tables of scripts/gpu-check.sh: the
+forward ("ms") and, with --backward, forward + backward ("ms_fwd_bwd": the op,
+then torch.autograd.grad of its output w.r.t. q, k, v, g, beta with a random
+dO) — the same row shape, so one summary script reads both.
 
 FLA's source is brought to the GPU machine as the ignored folder .fla/ (never
 committed); run with PYTHONPATH=.fla. Ops that FLA refuses on this
@@ -8,7 +11,7 @@ Triton/GPU (gated-delta and simple-GLA on Triton 3.6 on Hopper) are reported
 with their error instead of a time.
 
 usage: fla_bench.py [--variants kda,deltanet,gla,linear] [--lengths 32768]
-                    [-H 16] [-d 128] [-n 20] [--json out.json]
+                    [-H 16] [-d 128] [-n 20] [--backward] [--json out.json]
 """
 import argparse
 import json
@@ -71,6 +74,35 @@ def time_op(fn, args, warmup, iters):
     return times[len(times) // 2]
 
 
+def output_of(result):
+    """FLA ops return (o, final_state); o alone otherwise."""
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def fwd_bwd_step(fn, inputs, d_o):
+    """One forward + backward: gradients of o w.r.t. every input (unused ones,
+    e.g. g for linear attention, come back as None)."""
+    with torch.enable_grad():
+        o = output_of(fn(*inputs))
+        return torch.autograd.grad(o, inputs, d_o, allow_unused=True)
+
+
+def time_fwd_bwd(fn, inputs, warmup, iters):
+    inputs = [x.detach().requires_grad_(True) for x in inputs]
+    d_o = torch.randn_like(inputs[2])
+    for _ in range(warmup):
+        fwd_bwd_step(fn, inputs, d_o)
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
+        fwd_bwd_step(fn, inputs, d_o)
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    times = sorted(events[i].elapsed_time(events[i + 1]) for i in range(iters))
+    return times[len(times) // 2]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="kda,deltanet,gla,linear")
@@ -79,10 +111,13 @@ def main():
     ap.add_argument("-d", type=int, default=128)
     ap.add_argument("-w", type=int, default=3)
     ap.add_argument("-n", type=int, default=20)
+    ap.add_argument("--backward", action="store_true",
+                    help="also time forward + backward (ms_fwd_bwd)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     import triton
-    print(f"# FLA forward, torch {torch.__version__}, triton {triton.__version__}, "
+    what = "forward + backward" if args.backward else "forward"
+    print(f"# FLA {what}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name()}", flush=True)
     rows = []
     for variant in args.variants.split(","):
@@ -92,7 +127,13 @@ def main():
                 fn = op_for(variant)
                 ms = time_op(fn, make_inputs(variant, T, args.H, args.d), args.w, args.n)
                 row["ms"] = ms
-                print(f"  {variant:15s} {T:8d} {ms:10.3f} ms", flush=True)
+                line = f"  {variant:15s} {T:8d} {ms:10.3f} ms"
+                if args.backward:
+                    ms_fb = time_fwd_bwd(fn, make_inputs(variant, T, args.H, args.d), args.w,
+                                         args.n)
+                    row["ms_fwd_bwd"] = ms_fb
+                    line += f"  fwd+bwd {ms_fb:10.3f} ms"
+                print(line, flush=True)
             except Exception as e:  # FLA refuses some ops on this Triton/GPU
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 print(f"  {variant:15s} {T:8d}   failed: {row['error']}", flush=True)

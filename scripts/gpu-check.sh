@@ -9,6 +9,9 @@
 #   BENCH_ARGS       extra statescan-bench arguments (default: its defaults)
 #   GTEST_FILTER     restrict the GPU tests
 #   FLA=0            skip the FLA comparison; FLA_ARGS extra fla_bench.py args
+#   BWD=0            skip the backward: test_cuda_backward, `statescan-bench
+#                    --backward` (BWD_ARGS, default "-t 32768") and its 1M-token
+#                    KDA row with peak memory (BWD_1M=0 skips that row)
 #   NCU=1            also time the three forward kernels separately at 32K with
 #                    Nsight Compute (clocks left alone), for NCU_VARIANTS
 #                    (default "kda deltanet linear")
@@ -27,6 +30,7 @@ status=0
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
     cmake --build "$BUILD" --target test_cuda_forward statescan-bench -j16 &&
+    { [[ "${BWD:-1}" == 0 ]] || cmake --build "$BUILD" --target test_cuda_backward -j16; } &&
     { ! grep -q "STATESCAN_WITH_NCCL:BOOL=ON" "$BUILD/CMakeCache.txt" ||
       cmake --build "$BUILD" --target test_comm_nccl -j16; }
 } >"$OUT/build.log" 2>&1 || { echo "gpu-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
@@ -50,6 +54,22 @@ grep -E "^\[  FAILED  \]" "$OUT/tests.log" | head -40
 "$BUILD/launch/statescan-bench" --json "$OUT/bench.json" ${BENCH_ARGS:-} \
   >"$OUT/bench.log" 2>&1 || status=1
 
+# Backward: tests, the forward+backward table, and KDA at T = 1M with its peak memory.
+if [[ "${BWD:-1}" != 0 ]]; then
+  "$BUILD/tests/test_cuda_backward" --gtest_filter="${GTEST_FILTER_BWD:-*}" \
+    --gtest_output="json:$OUT/tests_bwd.json" >"$OUT/tests_bwd.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran" "$OUT/tests_bwd.log" | sed 's/^/backward: /' | tail -5
+  grep -E "^\[  FAILED  \]" "$OUT/tests_bwd.log" | head -40
+  # shellcheck disable=SC2086
+  "$BUILD/launch/statescan-bench" --backward --json "$OUT/bench_bwd.json" ${BWD_ARGS:--t 32768} \
+    >"$OUT/bench_bwd.log" 2>&1 || status=1
+  if [[ "${BWD_1M:-1}" != 0 ]]; then
+    timeout 600 "$BUILD/launch/statescan-bench" --backward -v kda -t 1048576 -H 16 -d 128 \
+      --dtype bf16 -w 1 -n 3 --json "$OUT/bench_bwd_1m.json" >"$OUT/bench_bwd_1m.log" 2>&1 ||
+      status=1
+  fi
+fi
+
 # Per-kernel split (prepare / scan / output) of one timed forward at 32K.
 if [[ "${NCU:-0}" != 0 ]] && command -v ncu >/dev/null; then
   for v in ${NCU_VARIANTS:-kda deltanet linear}; do
@@ -67,12 +87,14 @@ fi
 if [[ "${FLA:-1}" != 0 && -d "$ROOT/.fla/fla" ]] && python3 -c "import torch, triton" 2>/dev/null; then
   # shellcheck disable=SC2086
   PYTHONPATH="$ROOT/.fla${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
-    python3 "$ROOT/scripts/fla_bench.py" --json "$OUT/fla.json" ${FLA_ARGS:-} \
+    python3 "$ROOT/scripts/fla_bench.py" --json "$OUT/fla.json" \
+    $([[ "${BWD:-1}" != 0 ]] && echo --backward) ${FLA_ARGS:-} \
     >"$OUT/fla.log" 2>&1 || echo "gpu-check: FLA comparison failed, see $OUT/fla.log"
 fi
 
 echo
 cat "$OUT/bench.log"
+for f in bench_bwd.log bench_bwd_1m.log; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
 if [[ -f "$OUT/fla.json" ]]; then
   python3 - "$OUT/bench.json" "$OUT/fla.json" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
@@ -88,5 +110,22 @@ for f in json.load(open(sys.argv[2])):
     else:
         print(f"  {f['variant']:15s} {f['T']:8d} {mine:>14s} {'refused':>10s}   ({f['error'][:60]})")
 PY
+  if [[ -f "$OUT/bench_bwd.json" ]]; then
+    python3 - "$OUT/bench_bwd.json" "$OUT/fla.json" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+ours = {(r["variant"], r["T"]): r for r in json.load(open(sys.argv[1]))}
+print("#\n# statescan vs FLA (forward + backward, same GPU, same run)")
+print(f"# {'variant':15s} {'T':>8s} {'statescan(ms)':>14s} {'FLA(ms)':>10s} {'FLA/statescan':>14s}")
+for f in json.load(open(sys.argv[2])):
+    o = ours.get((f["variant"], f["T"]))
+    mine = f"{o['ms_fwd_bwd']:.3f}" if o else "-"
+    if "ms_fwd_bwd" in f:
+        ratio = f"{f['ms_fwd_bwd'] / o['ms_fwd_bwd']:.2f}" if o else "-"
+        print(f"  {f['variant']:15s} {f['T']:8d} {mine:>14s} {f['ms_fwd_bwd']:10.3f} {ratio:>14s}")
+    else:
+        why = f.get("error", "not timed")[:60]
+        print(f"  {f['variant']:15s} {f['T']:8d} {mine:>14s} {'refused':>10s}   ({why})")
+PY
+  fi
 fi
 exit $status

@@ -1,18 +1,199 @@
-// placeholder: the chunkwise CUDA backward (issue 4) is being written; until
-// then these entry points refuse, so that callers link and fail loudly.
+// Host side of the chunkwise CUDA backward (issue 4): argument checks, the
+// workspace layout and the per-variant dispatch. The kernels are in
+// chunk_backward.cuh; the forward's prepare stage is re-run (forward_plan.cuh)
+// to recompute the tiles the reverse scan reads.
+//
+// Workspace, every piece 256-byte aligned:
+//   [forward workspace (forward_workspace_bytes)]  Q^, K_, W, U, A, gamma in T
+//   [dS_{c+1} per chunk, fp32 [chunks, H, Dk, Dv]]
+//   [chunk_grad_kernel scratch, fp32, one slice per persistent block]
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+
+#include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/cuda/chunk_backward.cuh"
 #include "kernels/cuda/cuda_mixer.h"
+#include "kernels/cuda/forward_plan.cuh"
 
 namespace statescan::cuda {
+namespace {
 
-size_t backward_workspace_bytes(const MixerParams&) {
-  SS_FAIL("device", "the CUDA backward has not landed yet");
+using detail::BackwardArgs;
+using detail::GradTraits;
+
+size_t align_up(size_t x) {
+  return (x + 255) / 256 * 256;
 }
-void mixer_backward(const MixerBwdParams&, void*, size_t, cudaStream_t) {
-  SS_FAIL("device", "the CUDA backward has not landed yet");
+
+// An upper bound on the number of chunks that does not need cu_seqlens'
+// contents (as the forward's): each segment adds at most one partial chunk.
+int64_t max_chunks(const MixerParams& p) {
+  const int64_t per_row = (p.seq_len + p.chunk - 1) / p.chunk;
+  return p.cu_seqlens == nullptr ? p.batch * per_row : per_row + p.num_segments;
 }
-void mixer_backward(const MixerBwdParams&, cudaStream_t) {
-  SS_FAIL("device", "the CUDA backward has not landed yet");
+
+int multiprocessors() {
+  int device = 0, count = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+int64_t scratch_floats_per_block(const MixerParams& p) {
+  return p.dk == 64 ? GradTraits<64, 64>::kScratchFloats : GradTraits<128, 128>::kScratchFloats;
+}
+
+// Which backward kernels run their tensor-core versions
+// (detail::TensorCorePaths: 1 = gradient kernel, 2 = reverse scan): both by
+// default; STATESCAN_BWD_TC=<bits> overrides (0 = the CUDA-core reference
+// kernels, about 5x slower). Read once.
+int tensor_core_paths() {
+  static const int value = [] {
+    const char* text = std::getenv("STATESCAN_BWD_TC");
+    return text != nullptr ? (std::atoi(text) & 3) : 3;
+  }();
+  return value;
+}
+
+// Blocks per multiprocessor of the persistent gradient kernel: its shared
+// memory allows one for the tensor-core version, two for the CUDA-core one.
+int grad_blocks_per_sm() {
+  return (tensor_core_paths() & detail::kTensorCoreGrad) != 0 ? 1 : 2;
+}
+
+// Persistent grid of chunk_grad_kernel, never more blocks than (chunk, head) items.
+int grad_blocks(const MixerParams& p) {
+  const int64_t items = max_chunks(p) * p.heads;
+  return static_cast<int>(
+      std::min<int64_t>(items, static_cast<int64_t>(grad_blocks_per_sm()) * multiprocessors()));
+}
+
+struct BackwardLayout {
+  size_t forward = 0, ds = 0, scratch = 0, total = 0;
+};
+
+BackwardLayout layout_for(const MixerParams& p) {
+  BackwardLayout l;
+  size_t at = align_up(forward_workspace_bytes(p));
+  l.forward = 0;
+  l.ds = at;
+  at += align_up(static_cast<size_t>(max_chunks(p) * p.heads * p.dk * p.dv) * sizeof(float));
+  l.scratch = at;
+  at += align_up(static_cast<size_t>(grad_blocks(p) * scratch_floats_per_block(p)) * sizeof(float));
+  l.total = at;
+  return l;
+}
+
+// The backward-only arguments, before anything is launched or allocated (the
+// problem itself is validated by plan_forward).
+void check_backward_args(const MixerBwdParams& p) {
+  SS_CHECK_ARG(p.dk == p.dv && (p.dk == 64 || p.dk == 128), "dk",
+               "CUDA backward supports Dk == Dv in {64, 128}, got Dk ", p.dk, ", Dv ", p.dv);
+  SS_CHECK_ARG(p.d_o != nullptr, "do", "must not be null");
+  if (p.state_grad_only) {
+    SS_CHECK_ARG(p.d_initial_state != nullptr, "d_initial_state",
+                 "state_grad_only needs an output for the state gradient");
+    return;
+  }
+  SS_CHECK_ARG(p.chunk_states != nullptr, "chunk_states",
+               "backward needs the chunk states saved by forward");
+  // The tensor-core gradient kernel reads 16x16 tiles of the states directly.
+  SS_CHECK_ARG(reinterpret_cast<uintptr_t>(p.chunk_states) % 32 == 0, "chunk_states",
+               "must be 32-byte aligned");
+  SS_CHECK_ARG(p.dq && p.dk_out && p.dv_out, "dq/dk/dv", "gradient pointers must not be null");
+  SS_CHECK_ARG((p.dg != nullptr) == (p.g != nullptr), "dg", "must be given exactly when g is");
+  SS_CHECK_ARG((p.dbeta != nullptr) == (p.beta != nullptr), "dbeta",
+               "must be given exactly when beta is");
+}
+
+void launch_variant(const MixerBwdParams& p, const BackwardArgs& a, int blocks,
+                    cudaStream_t stream) {
+  using detail::launch_chunk_backward;
+  const bool sgo = p.state_grad_only;
+  const int tc = tensor_core_paths();
+  switch (p.variant) {
+    case Variant::linear:
+      launch_chunk_backward<Decay::none, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, sgo, blocks,
+                                                         tc, stream);
+      break;
+    case Variant::retention:
+      launch_chunk_backward<Decay::scalar, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, sgo,
+                                                           blocks, tc, stream);
+      break;
+    case Variant::gla:
+      launch_chunk_backward<Decay::vector, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, sgo,
+                                                           blocks, tc, stream);
+      break;
+    case Variant::deltanet:
+      launch_chunk_backward<Decay::none, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, sgo, blocks,
+                                                      tc, stream);
+      break;
+    case Variant::gated_deltanet:
+      launch_chunk_backward<Decay::scalar, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, sgo, blocks,
+                                                        tc, stream);
+      break;
+    case Variant::kda:
+      launch_chunk_backward<Decay::vector, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, sgo, blocks,
+                                                        tc, stream);
+      break;
+  }
+}
+
+}  // namespace
+
+size_t backward_workspace_bytes(const MixerParams& p) {
+  return layout_for(p).total;
+}
+
+void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_bytes,
+                    cudaStream_t stream) {
+  check_backward_args(p);
+  const BackwardLayout l = layout_for(p);
+  SS_CHECK_ARG(workspace != nullptr && workspace_bytes >= l.total, "workspace", "needs ", l.total,
+               " bytes, got ", workspace_bytes);
+  // plan_forward validates the problem as a forward call, which needs an
+  // output pointer; the prepare stage never writes o, so any non-null
+  // pointer stands in when the caller passed none.
+  MixerParams fwd = p;
+  if (fwd.o == nullptr) fwd.o = workspace;
+  char* base = static_cast<char*>(workspace);
+  const detail::ForwardPlan plan =
+      detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream);
+  detail::launch_forward_stages(fwd, plan.args, detail::kStagePrepare, stream);
+
+  BackwardArgs a;
+  a.f = plan.args;
+  a.d_o = p.d_o;
+  a.d_final_state = p.d_final_state;
+  a.chunk_states = p.chunk_states;
+  a.dq = p.dq;
+  a.dk = p.dk_out;
+  a.dv = p.dv_out;
+  a.dg = p.dg;
+  a.dbeta = p.dbeta;
+  a.d_initial_state = p.d_initial_state;
+  a.ws_ds = p.state_grad_only ? nullptr : reinterpret_cast<float*>(base + l.ds);
+  a.ws_scratch = reinterpret_cast<float*>(base + l.scratch);
+  a.num_items = plan.num_chunks * p.heads;
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(a.num_items, static_cast<int64_t>(grad_blocks(p))));
+  launch_variant(p, a, blocks, stream);
+}
+
+void mixer_backward(const MixerBwdParams& p, cudaStream_t stream) {
+  check_backward_args(p);
+  const size_t bytes = backward_workspace_bytes(p);
+  void* workspace = nullptr;
+  SS_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
+  try {
+    mixer_backward(p, workspace, bytes, stream);
+  } catch (...) {
+    (void)cudaFreeAsync(workspace, stream);
+    throw;
+  }
+  SS_CUDA_CHECK(cudaFreeAsync(workspace, stream));
 }
 
 }  // namespace statescan::cuda

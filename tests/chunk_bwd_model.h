@@ -1,0 +1,328 @@
+// Host model (fp64, plain loops) of the chunkwise backward that the CUDA
+// kernels in kernels/cuda/chunk_backward.cuh implement, phase for phase:
+//   1. states entering every chunk (the forward's chunk_states),
+//   2. the reverse scan over chunks: dV' = A^T dO + K_ dS_{c+1},
+//      dS_c = diag(gamma) dS_{c+1} + Q^^T dO - W^T dV',
+//   3. per chunk, the intra-chunk gradients with every exponential written as
+//      a difference b_t - b_s <= 0 (never e^{-b} alone).
+// It exists to check the derivation against ref::backward before the GPU;
+// tests/test_chunk_bwd_model.cpp runs it on tiny shapes.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/options.h"
+#include "kernels/cpu/reference.h"
+
+namespace statescan::test {
+
+inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<double>& d_o,
+                                       const std::vector<double>& dht, int64_t C) {
+  using Vec = std::vector<double>;
+  const VariantSpec spec = spec_of(p.variant);
+  const bool delta = spec.rule == Rule::delta;
+  const bool vec_gate = spec.decay == Decay::vector, scalar_gate = spec.decay == Decay::scalar;
+  const int64_t H = p.heads, Dk = p.dk, Dv = p.dv, T = p.seq_len;
+  const int64_t N = p.num_sequences();
+  ref::Grads out;
+  out.dq.assign(p.q.size(), 0);
+  out.dk.assign(p.k.size(), 0);
+  out.dv.assign(p.v.size(), 0);
+  out.dg.assign(p.g.size(), 0);
+  out.dbeta.assign(p.beta.size(), 0);
+  out.dh0.assign(static_cast<size_t>(N * H * Dk * Dv), 0);
+
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t row = p.cu_seqlens.empty() ? n : 0;
+    const int64_t begin = p.cu_seqlens.empty() ? 0 : p.cu_seqlens[n];
+    const int64_t end = p.cu_seqlens.empty() ? T : p.cu_seqlens[n + 1];
+    const int64_t nchunks = (end - begin + C - 1) / C;
+    for (int64_t h = 0; h < H; ++h) {
+      auto tok = [&](int64_t t) { return (row * T + t) * H + h; };
+      // Per-chunk prepared values (padded rows zero, g = 0).
+      struct Chunk {
+        int64_t t0, L;
+        Vec q, k, b, v, dO, beta, rq, rk;  // q, k normalised (q without scale)
+      };
+      std::vector<Chunk> ch(static_cast<size_t>(nchunks));
+      for (int64_t c = 0; c < nchunks; ++c) {
+        Chunk& x = ch[c];
+        x.t0 = begin + c * C;
+        x.L = std::min(C, end - x.t0);
+        x.q.assign(C * Dk, 0);
+        x.k.assign(C * Dk, 0);
+        x.b.assign(C * Dk, 0);
+        x.v.assign(C * Dv, 0);
+        x.dO.assign(C * Dv, 0);
+        x.beta.assign(C, 0);
+        x.rq.assign(C, 1);
+        x.rk.assign(C, 1);
+        for (int64_t t = 0; t < x.L; ++t) {
+          const int64_t i = tok(x.t0 + t);
+          double qq = 0, kk = 0;
+          for (int64_t d = 0; d < Dk; ++d) {
+            qq += p.q[i * Dk + d] * p.q[i * Dk + d];
+            kk += p.k[i * Dk + d] * p.k[i * Dk + d];
+          }
+          if (p.l2norm_qk) {
+            x.rq[t] = 1 / std::sqrt(qq + ref::kL2NormEps);
+            x.rk[t] = 1 / std::sqrt(kk + ref::kL2NormEps);
+          }
+          for (int64_t d = 0; d < Dk; ++d) {
+            x.q[t * Dk + d] = p.q[i * Dk + d] * x.rq[t];
+            x.k[t * Dk + d] = p.k[i * Dk + d] * x.rk[t];
+          }
+          for (int64_t j = 0; j < Dv; ++j) {
+            x.v[t * Dv + j] = p.v[i * Dv + j];
+            x.dO[t * Dv + j] = d_o[i * Dv + j];
+          }
+          if (delta) x.beta[t] = p.beta[i];
+        }
+        for (int64_t t = 0; t < C; ++t)
+          for (int64_t d = 0; d < Dk; ++d) {
+            double g = 0;
+            if (t < x.L && vec_gate) g = p.g[tok(x.t0 + t) * Dk + d];
+            if (t < x.L && scalar_gate) g = p.g[tok(x.t0 + t)];
+            x.b[t * Dk + d] = (t > 0 ? x.b[(t - 1) * Dk + d] : 0) + g;
+          }
+      }
+      auto e = [&](const Chunk& x, int64_t t, int64_t s, int64_t d) {
+        return std::exp(x.b[t * Dk + d] - x.b[s * Dk + d]);
+      };
+      // Per chunk: A, KK (raw k k~ products), T, W, U.
+      auto intra = [&](const Chunk& x, Vec& A, Vec& KK, Vec& Tm, Vec& W, Vec& U) {
+        A.assign(C * C, 0);
+        KK.assign(C * C, 0);
+        for (int64_t t = 0; t < C; ++t)
+          for (int64_t s = 0; s <= t; ++s) {
+            double a = 0, m = 0;
+            for (int64_t d = 0; d < Dk; ++d) {
+              a += x.q[t * Dk + d] * x.k[s * Dk + d] * e(x, t, s, d);
+              m += x.k[t * Dk + d] * x.k[s * Dk + d] * e(x, t, s, d);
+            }
+            A[t * C + s] = p.scale * a;
+            if (s < t) KK[t * C + s] = m;
+          }
+        Tm.assign(C * C, 0);
+        W.assign(C * Dk, 0);
+        U = x.v;
+        if (!delta) return;
+        for (int64_t s = 0; s < C; ++s)
+          for (int64_t t = 0; t < C; ++t) {
+            double acc = t == s ? 1 : 0;
+            for (int64_t r = s; r < t; ++r) acc -= x.beta[t] * KK[t * C + r] * Tm[r * C + s];
+            Tm[t * C + s] = acc;
+          }
+        for (int64_t t = 0; t < C; ++t) {
+          for (int64_t d = 0; d < Dk; ++d) {
+            double acc = 0;
+            for (int64_t s = 0; s <= t; ++s)
+              acc += Tm[t * C + s] * x.beta[s] * x.k[s * Dk + d] * std::exp(x.b[s * Dk + d]);
+            W[t * Dk + d] = acc;
+          }
+          for (int64_t j = 0; j < Dv; ++j) {
+            double acc = 0;
+            for (int64_t s = 0; s <= t; ++s) acc += Tm[t * C + s] * x.beta[s] * x.v[s * Dv + j];
+            U[t * Dv + j] = acc;
+          }
+        }
+      };
+      // 1. forward chunk states.
+      std::vector<Vec> S(static_cast<size_t>(nchunks + 1), Vec(Dk * Dv, 0));
+      if (!p.h0.empty())
+        for (int64_t i = 0; i < Dk * Dv; ++i) S[0][i] = p.h0[(n * H + h) * Dk * Dv + i];
+      std::vector<Vec> Vp(static_cast<size_t>(nchunks));
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const Chunk& x = ch[c];
+        Vec A, KK, Tm, W, U;
+        intra(x, A, KK, Tm, W, U);
+        Vp[c] = U;
+        for (int64_t t = 0; t < C; ++t)
+          for (int64_t j = 0; j < Dv; ++j)
+            for (int64_t d = 0; d < Dk; ++d) Vp[c][t * Dv + j] -= W[t * Dk + d] * S[c][d * Dv + j];
+        for (int64_t d = 0; d < Dk; ++d)
+          for (int64_t j = 0; j < Dv; ++j) {
+            double s = std::exp(x.b[(C - 1) * Dk + d]) * S[c][d * Dv + j];
+            for (int64_t t = 0; t < C; ++t)
+              s += x.k[t * Dk + d] * std::exp(x.b[(C - 1) * Dk + d] - x.b[t * Dk + d]) *
+                   Vp[c][t * Dv + j];
+            S[c + 1][d * Dv + j] = s;
+          }
+      }
+      // 2. reverse scan.
+      std::vector<Vec> dS(static_cast<size_t>(nchunks + 1), Vec(Dk * Dv, 0));
+      if (!dht.empty())
+        for (int64_t i = 0; i < Dk * Dv; ++i) dS[nchunks][i] = dht[(n * H + h) * Dk * Dv + i];
+      std::vector<Vec> dVp(static_cast<size_t>(nchunks));
+      for (int64_t c = nchunks - 1; c >= 0; --c) {
+        const Chunk& x = ch[c];
+        Vec A, KK, Tm, W, U;
+        intra(x, A, KK, Tm, W, U);
+        Vec& dv = dVp[c];
+        dv.assign(C * Dv, 0);
+        for (int64_t t = 0; t < C; ++t)
+          for (int64_t j = 0; j < Dv; ++j) {
+            double acc = 0;
+            for (int64_t r = t; r < C; ++r) acc += A[r * C + t] * x.dO[r * Dv + j];
+            for (int64_t d = 0; d < Dk; ++d)
+              acc += x.k[t * Dk + d] * std::exp(x.b[(C - 1) * Dk + d] - x.b[t * Dk + d]) *
+                     dS[c + 1][d * Dv + j];
+            dv[t * Dv + j] = acc;
+          }
+        for (int64_t d = 0; d < Dk; ++d)
+          for (int64_t j = 0; j < Dv; ++j) {
+            double acc = std::exp(x.b[(C - 1) * Dk + d]) * dS[c + 1][d * Dv + j];
+            for (int64_t t = 0; t < C; ++t) {
+              acc += p.scale * x.q[t * Dk + d] * std::exp(x.b[t * Dk + d]) * x.dO[t * Dv + j];
+              acc -= W[t * Dk + d] * dv[t * Dv + j];
+            }
+            dS[c][d * Dv + j] = acc;
+          }
+      }
+      for (int64_t i = 0; i < Dk * Dv; ++i) out.dh0[(n * H + h) * Dk * Dv + i] = dS[0][i];
+      // 3. per-chunk gradients.
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const Chunk& x = ch[c];
+        Vec A, KK, Tm, W, U;
+        intra(x, A, KK, Tm, W, U);
+        const Vec& Sc = S[c];
+        const Vec& dSn = dS[c + 1];
+        const Vec& vp = Vp[c];
+        const Vec& dvp = dVp[c];
+        Vec dA(C * C, 0), gq(C * Dk, 0), gk(C * Dk, 0), db(C * Dk, 0), dW(C * Dk, 0);
+        Vec dbeta(C, 0), dvout(C * Dv, 0), dgamma(Dk, 0), colsum(Dk, 0);
+        for (int64_t t = 0; t < C; ++t)
+          for (int64_t s = 0; s <= t; ++s) {
+            double acc = 0;
+            for (int64_t j = 0; j < Dv; ++j) acc += x.dO[t * Dv + j] * vp[s * Dv + j];
+            dA[t * C + s] = acc;
+          }
+        for (int64_t t = 0; t < C; ++t)
+          for (int64_t d = 0; d < Dk; ++d) {
+            const double eb = std::exp(x.b[t * Dk + d]);
+            const double ebar = std::exp(x.b[(C - 1) * Dk + d] - x.b[t * Dk + d]);
+            double os = 0, vs = 0, ws = 0;
+            for (int64_t j = 0; j < Dv; ++j) {
+              os += x.dO[t * Dv + j] * Sc[d * Dv + j];
+              vs += vp[t * Dv + j] * dSn[d * Dv + j];
+              ws += dvp[t * Dv + j] * Sc[d * Dv + j];
+            }
+            double qa = 0, ka = 0;
+            for (int64_t s = 0; s <= t; ++s) qa += dA[t * C + s] * x.k[s * Dk + d] * e(x, t, s, d);
+            for (int64_t r = t; r < C; ++r) ka += dA[r * C + t] * x.q[r * Dk + d] * e(x, r, t, d);
+            gq[t * Dk + d] = p.scale * (eb * os + qa);
+            const double gkbar = ebar * vs, gkt = p.scale * ka;
+            gk[t * Dk + d] = gkbar + gkt;
+            db[t * Dk + d] = gq[t * Dk + d] * x.q[t * Dk + d] - (gkbar + gkt) * x.k[t * Dk + d];
+            colsum[d] += gkbar * x.k[t * Dk + d];
+            dW[t * Dk + d] = -ws;
+          }
+        for (int64_t d = 0; d < Dk; ++d)
+          for (int64_t j = 0; j < Dv; ++j) dgamma[d] += dSn[d * Dv + j] * Sc[d * Dv + j];
+        if (delta) {
+          Vec TdU(C * Dv, 0), TdW(C * Dk, 0), dT(C * C, 0), tmp(C * C, 0), dM(C * C, 0);
+          for (int64_t s = 0; s < C; ++s) {
+            for (int64_t j = 0; j < Dv; ++j) {
+              double acc = 0;
+              for (int64_t t = s; t < C; ++t) acc += Tm[t * C + s] * dvp[t * Dv + j];
+              TdU[s * Dv + j] = acc;
+            }
+            for (int64_t d = 0; d < Dk; ++d) {
+              double acc = 0;
+              for (int64_t t = s; t < C; ++t) acc += Tm[t * C + s] * dW[t * Dk + d];
+              TdW[s * Dk + d] = acc;
+            }
+          }
+          for (int64_t t = 0; t < C; ++t) {
+            for (int64_t j = 0; j < Dv; ++j) {
+              dvout[t * Dv + j] = x.beta[t] * TdU[t * Dv + j];
+              dbeta[t] += TdU[t * Dv + j] * x.v[t * Dv + j];
+            }
+            for (int64_t d = 0; d < Dk; ++d) {
+              const double eb = std::exp(x.b[t * Dk + d]);
+              dbeta[t] += TdW[t * Dk + d] * x.k[t * Dk + d] * eb;
+              const double gkh = x.beta[t] * eb * TdW[t * Dk + d];
+              gk[t * Dk + d] += gkh;
+              db[t * Dk + d] += gkh * x.k[t * Dk + d];
+            }
+          }
+          // dT only matters strictly below the diagonal: T's perturbations
+          // -T dMm T are strictly lower triangular.
+          for (int64_t t = 0; t < C; ++t)
+            for (int64_t s = 0; s < t; ++s) {
+              double acc = 0;
+              for (int64_t j = 0; j < Dv; ++j) acc += dvp[t * Dv + j] * x.v[s * Dv + j];
+              for (int64_t d = 0; d < Dk; ++d)
+                acc += dW[t * Dk + d] * x.k[s * Dk + d] * std::exp(x.b[s * Dk + d]);
+              dT[t * C + s] = x.beta[s] * acc;
+            }
+          for (int64_t t = 0; t < C; ++t)
+            for (int64_t s = 0; s < C; ++s) {
+              double acc = 0;
+              for (int64_t r = 0; r < C; ++r) acc += dT[t * C + r] * Tm[s * C + r];
+              tmp[t * C + s] = acc;
+            }
+          for (int64_t t = 0; t < C; ++t)
+            for (int64_t s = 0; s < t; ++s) {
+              double acc = 0;
+              for (int64_t r = 0; r < C; ++r) acc += Tm[r * C + t] * tmp[r * C + s];
+              dM[t * C + s] = -acc;
+            }
+          for (int64_t t = 0; t < C; ++t) {
+            for (int64_t s = 0; s < t; ++s) dbeta[t] += dM[t * C + s] * KK[t * C + s];
+            for (int64_t d = 0; d < Dk; ++d) {
+              double kh = 0, kt = 0;
+              for (int64_t s = 0; s < t; ++s) kh += dM[t * C + s] * x.k[s * Dk + d] * e(x, t, s, d);
+              for (int64_t r = t + 1; r < C; ++r)
+                kt += x.beta[r] * dM[r * C + t] * x.k[r * Dk + d] * e(x, r, t, d);
+              kh *= x.beta[t];
+              gk[t * Dk + d] += kh + kt;
+              db[t * Dk + d] += (kh - kt) * x.k[t * Dk + d];
+            }
+          }
+        } else {
+          dvout = dvp;
+        }
+        for (int64_t d = 0; d < Dk; ++d)
+          db[(x.L - 1) * Dk + d] += colsum[d] + dgamma[d] * std::exp(x.b[(C - 1) * Dk + d]);
+        // Outputs.
+        for (int64_t t = 0; t < x.L; ++t) {
+          const int64_t i = tok(x.t0 + t);
+          double qg = 0, kg = 0;
+          for (int64_t d = 0; d < Dk; ++d) {
+            qg += x.q[t * Dk + d] * gq[t * Dk + d];
+            kg += x.k[t * Dk + d] * gk[t * Dk + d];
+          }
+          for (int64_t d = 0; d < Dk; ++d) {
+            double dq = gq[t * Dk + d], dk = gk[t * Dk + d];
+            if (p.l2norm_qk) {
+              dq = x.rq[t] * (dq - x.q[t * Dk + d] * qg);
+              dk = x.rk[t] * (dk - x.k[t * Dk + d] * kg);
+            }
+            out.dq[i * Dk + d] = dq;
+            out.dk[i * Dk + d] = dk;
+          }
+          for (int64_t j = 0; j < Dv; ++j) out.dv[i * Dv + j] = dvout[t * Dv + j];
+          if (delta) out.dbeta[i] = dbeta[t];
+          if (vec_gate)
+            for (int64_t d = 0; d < Dk; ++d) {
+              double acc = 0;
+              for (int64_t r = t; r < x.L; ++r) acc += db[r * Dk + d];
+              out.dg[i * Dk + d] = acc;
+            }
+          if (scalar_gate) {
+            double acc = 0;
+            for (int64_t r = t; r < x.L; ++r)
+              for (int64_t d = 0; d < Dk; ++d) acc += db[r * Dk + d];
+            out.dg[i] = acc;
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace statescan::test

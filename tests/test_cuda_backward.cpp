@@ -1,0 +1,422 @@
+// The CUDA chunkwise backward (kernels/cuda/cuda_mixer.h mixer_backward)
+// against the fp64 reference backward: all six variants x dtype x head dim,
+// with initial state and final-state gradient, in-kernel L2 norm, packed
+// sequences, chunk sizes 16/32/64 and partial last chunks; determinism, the
+// state-gradient-only pre-pass and bad arguments. Skips where no GPU is
+// present (CI has none).
+//
+// Tolerances (relative RMS vs fp64 on the exact inputs the GPU sees, DESIGN §7):
+//   f32: 1e-5 for every gradient.
+//   bf16 / f16: dq, dk, dv and dh0 8e-3; dg and dbeta 2e-2.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/device_buffer.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/cuda/cuda_mixer.h"
+#include "tests/test_util.h"
+
+namespace statescan::test {
+namespace {
+
+struct Tolerances {
+  double qkv, gate, state;
+};
+
+Tolerances tolerances(DType t) {
+  if (t == DType::f32) return {1e-5, 1e-5, 1e-5};
+  return {8e-3, 2e-2, 8e-3};
+}
+
+// Rounds x to what a tensor of dtype `t` holds; returns the storage bytes.
+std::vector<unsigned char> to_storage(DType t, std::vector<double>& x) {
+  std::vector<float> f(x.begin(), x.end());
+  std::vector<unsigned char> bytes(f.size() * size_of(t));
+  convert_from_float(t, f.data(), bytes.data(), f.size());
+  convert_to_float(t, bytes.data(), f.data(), f.size());
+  x.assign(f.begin(), f.end());
+  return bytes;
+}
+
+std::vector<double> from_storage(DType t, const std::vector<unsigned char>& bytes) {
+  std::vector<float> f(bytes.size() / size_of(t));
+  convert_to_float(t, bytes.data(), f.data(), f.size());
+  return std::vector<double>(f.begin(), f.end());
+}
+
+std::vector<double> to_double(const std::vector<float>& x) {
+  return std::vector<double>(x.begin(), x.end());
+}
+
+bool all_bytes(const std::vector<unsigned char>& x, unsigned char value) {
+  for (unsigned char e : x)
+    if (e != value) return false;
+  return true;
+}
+
+// A forward + backward problem on the GPU. The constructor rounds the
+// reference problem's inputs (and the incoming gradients) to what the device
+// sees, so the reference and the kernels compute from identical values.
+class GpuBackward {
+ public:
+  GpuBackward(ref::Problem& p, DType dtype, int64_t chunk, bool with_dht, uint64_t seed)
+      : ref_(p), dtype_(dtype), chunk_(chunk) {
+    p.scale = static_cast<float>(p.scale);
+    for (auto* g : {&p.g, &p.h0})
+      for (auto& e : *g) e = static_cast<float>(e);
+    std::mt19937_64 rng(seed);
+    d_o_host_ = randn(p.v.size(), rng);
+    if (with_dht) {
+      dht_host_ = randn(static_cast<size_t>(p.num_sequences() * p.heads * p.dk * p.dv), rng);
+      for (auto& e : dht_host_) e = static_cast<float>(e);
+    }
+    q_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.q));
+    k_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.k));
+    v_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.v));
+    d_o_ = DeviceBuffer<unsigned char>(to_storage(dtype, d_o_host_));
+    if (!p.beta.empty()) beta_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.beta));
+    if (!p.g.empty()) g_ = DeviceBuffer<float>(std::vector<float>(p.g.begin(), p.g.end()));
+    if (!p.h0.empty()) h0_ = DeviceBuffer<float>(std::vector<float>(p.h0.begin(), p.h0.end()));
+    if (with_dht)
+      dht_ = DeviceBuffer<float>(std::vector<float>(dht_host_.begin(), dht_host_.end()));
+    if (!p.cu_seqlens.empty()) cu_seqlens_ = DeviceBuffer<int64_t>(p.cu_seqlens);
+
+    MixerParams host = base_params();
+    host.cu_seqlens = p.cu_seqlens.empty() ? nullptr : p.cu_seqlens.data();
+    const size_t state = static_cast<size_t>(p.heads * p.dk * p.dv);
+    const size_t elem = size_of(dtype);
+    o_ = DeviceBuffer<unsigned char>(p.v.size() * elem);
+    chunk_states_ = DeviceBuffer<float>(state * count_chunks(host));
+    dq_ = DeviceBuffer<unsigned char>(p.q.size() * elem);
+    dk_ = DeviceBuffer<unsigned char>(p.k.size() * elem);
+    dv_ = DeviceBuffer<unsigned char>(p.v.size() * elem);
+    if (!p.g.empty()) dg_ = DeviceBuffer<float>(p.g.size());
+    if (!p.beta.empty()) dbeta_ = DeviceBuffer<unsigned char>(p.beta.size() * elem);
+    dh0_ = DeviceBuffer<float>(state * p.num_sequences());
+  }
+
+  MixerParams base_params() const {
+    MixerParams m;
+    m.variant = ref_.variant;
+    m.batch = ref_.batch;
+    m.seq_len = ref_.seq_len;
+    m.heads = ref_.heads;
+    m.dk = ref_.dk;
+    m.dv = ref_.dv;
+    m.chunk = chunk_;
+    m.scale = static_cast<float>(ref_.scale);
+    m.l2norm_qk = ref_.l2norm_qk;
+    m.dtype = dtype_;
+    m.cu_seqlens = cu_seqlens_.size() ? cu_seqlens_.data() : nullptr;
+    m.num_segments = ref_.num_sequences();
+    m.q = q_.data();
+    m.k = k_.data();
+    m.v = v_.data();
+    m.g = g_.size() ? g_.data() : nullptr;
+    m.beta = beta_.size() ? beta_.data() : nullptr;
+    m.initial_state = h0_.size() ? h0_.data() : nullptr;
+    return m;
+  }
+
+  // The forward, saving the chunk states the backward reads.
+  void run_forward() {
+    MixerParams m = base_params();
+    m.o = o_.data();
+    m.chunk_states = chunk_states_.data();
+    cuda::mixer_forward(m, nullptr);
+    check_sync();
+  }
+
+  // Backward parameters with every output poisoned (NaN bytes) first, so an
+  // element the kernels never write fails the comparison.
+  MixerBwdParams backward_params() {
+    for (auto* b : {&dq_, &dk_, &dv_, &dbeta_}) b->fill_bytes(0xFF);
+    dg_.fill_bytes(0xFF);
+    dh0_.fill_bytes(0xFF);
+    MixerBwdParams m;
+    static_cast<MixerParams&>(m) = base_params();
+    m.chunk_states = chunk_states_.data();
+    m.d_o = d_o_.data();
+    m.d_final_state = dht_.size() ? dht_.data() : nullptr;
+    m.dq = dq_.data();
+    m.dk_out = dk_.data();
+    m.dv_out = dv_.data();
+    m.dg = dg_.size() ? dg_.data() : nullptr;
+    m.dbeta = dbeta_.size() ? dbeta_.data() : nullptr;
+    m.d_initial_state = dh0_.data();
+    return m;
+  }
+
+  void run_backward() {
+    cuda::mixer_backward(backward_params(), nullptr);
+    check_sync();
+  }
+
+  ref::Grads want() const { return ref::backward(ref_, d_o_host_, dht_host_); }
+
+  // Gradients as computed (dtype-rounded where stored in dtype).
+  ref::Grads got() const {
+    ref::Grads g;
+    g.dq = from_storage(dtype_, dq_.to_host());
+    g.dk = from_storage(dtype_, dk_.to_host());
+    g.dv = from_storage(dtype_, dv_.to_host());
+    if (dg_.size()) g.dg = to_double(dg_.to_host());
+    if (dbeta_.size()) g.dbeta = from_storage(dtype_, dbeta_.to_host());
+    g.dh0 = to_double(dh0_.to_host());
+    return g;
+  }
+  // Raw bytes of every gradient output, for bitwise comparisons.
+  std::vector<std::vector<unsigned char>> raw_outputs() const {
+    std::vector<std::vector<unsigned char>> out = {dq_.to_host(), dk_.to_host(), dv_.to_host()};
+    if (dbeta_.size()) out.push_back(dbeta_.to_host());
+    for (const DeviceBuffer<float>* f : {&dg_, &dh0_}) {
+      const std::vector<float> x = f->size() ? f->to_host() : std::vector<float>{};
+      std::vector<unsigned char> bytes(x.size() * sizeof(float));
+      if (!x.empty()) std::memcpy(bytes.data(), x.data(), bytes.size());
+      out.push_back(bytes);
+    }
+    return out;
+  }
+  std::vector<double> dh0() const { return to_double(dh0_.to_host()); }
+
+  static void check_sync() {
+    const cudaError_t status = cudaDeviceSynchronize();
+    ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
+  }
+
+ private:
+  const ref::Problem& ref_;
+  DType dtype_;
+  int64_t chunk_;
+  std::vector<double> d_o_host_, dht_host_;
+  DeviceBuffer<unsigned char> q_, k_, v_, beta_, o_, d_o_, dq_, dk_, dv_, dbeta_;
+  DeviceBuffer<float> g_, h0_, dht_, chunk_states_, dg_, dh0_;
+  DeviceBuffer<int64_t> cu_seqlens_;
+};
+
+void expect_grads_match(const ref::Grads& got, const ref::Grads& want, const Tolerances& tol) {
+  EXPECT_LE(rel_rms(got.dq, want.dq), tol.qkv) << "dq";
+  EXPECT_LE(rel_rms(got.dk, want.dk), tol.qkv) << "dk";
+  EXPECT_LE(rel_rms(got.dv, want.dv), tol.qkv) << "dv";
+  EXPECT_LE(rel_rms(got.dg, want.dg), tol.gate) << "dg";
+  EXPECT_LE(rel_rms(got.dbeta, want.dbeta), tol.gate) << "dbeta";
+  EXPECT_LE(rel_rms(got.dh0, want.dh0), tol.state) << "dh0";
+}
+
+using Param = std::tuple<Variant, DType, int64_t>;
+
+class CudaBackward : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+  Variant variant() const { return std::get<0>(GetParam()); }
+  DType dtype() const { return std::get<1>(GetParam()); }
+  int64_t dim() const { return std::get<2>(GetParam()); }
+
+  ProblemSpec spec() const {
+    ProblemSpec s;
+    s.variant = variant();
+    s.batch = 2;
+    s.seq_len = 150;  // two full chunks of 64 and a partial one
+    s.heads = 3;
+    s.dk = s.dv = dim();
+    return s;
+  }
+  uint64_t seed(uint64_t salt) const {
+    return 1000003ull * salt + 7919ull * static_cast<uint64_t>(variant()) +
+           101ull * static_cast<uint64_t>(dtype()) + static_cast<uint64_t>(dim());
+  }
+
+  void expect_matches_reference(const ProblemSpec& s, uint64_t salt, int64_t chunk, bool with_dht) {
+    ref::Problem p = random_problem(s, seed(salt));
+    GpuBackward gpu(p, dtype(), chunk, with_dht, seed(salt) + 1);
+    gpu.run_forward();
+    gpu.run_backward();
+    expect_grads_match(gpu.got(), gpu.want(), tolerances(dtype()));
+  }
+};
+
+TEST_P(CudaBackward, MatchesReference) {
+  expect_matches_reference(spec(), 1, 64, false);
+}
+
+TEST_P(CudaBackward, MatchesReferenceWithInitialStateAndFinalGradient) {
+  ProblemSpec s = spec();
+  s.with_h0 = true;
+  expect_matches_reference(s, 2, 64, true);
+}
+
+TEST_P(CudaBackward, MatchesReferenceWithL2Norm) {
+  ProblemSpec s = spec();
+  s.l2norm_qk = true;
+  s.with_h0 = true;
+  expect_matches_reference(s, 3, 64, true);
+}
+
+TEST_P(CudaBackward, MatchesReferenceWithPackedSequences) {
+  ProblemSpec s = spec();
+  s.batch = 1;
+  s.seq_len = 230;
+  s.cu_seqlens = {0, 17, 81, 150, 151, 230};  // lengths 17, 64, 69, 1, 79
+  s.with_h0 = true;
+  expect_matches_reference(s, 4, 64, true);
+}
+
+TEST_P(CudaBackward, MatchesReferenceWithChunk16) {
+  ProblemSpec s = spec();
+  s.with_h0 = true;
+  expect_matches_reference(s, 5, 16, true);
+}
+
+TEST_P(CudaBackward, MatchesReferenceWithChunk32) {
+  ProblemSpec s = spec();
+  s.seq_len = 101;
+  expect_matches_reference(s, 6, 32, true);
+}
+
+// The caller-owned workspace entry point: at least backward_workspace_bytes
+// works (and gives the allocating entry point's results), one byte less is
+// refused naming "workspace".
+TEST_P(CudaBackward, UsesCallerWorkspace) {
+  ProblemSpec s = spec();
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(11));
+  GpuBackward gpu(p, dtype(), 32, true, seed(11) + 1);
+  gpu.run_forward();
+  gpu.run_backward();
+  const auto expected = gpu.raw_outputs();
+  MixerBwdParams m = gpu.backward_params();
+  const size_t bytes = cuda::backward_workspace_bytes(m);
+  DeviceBuffer<unsigned char> workspace(bytes);
+  cuda::mixer_backward(m, workspace.data(), bytes, nullptr);
+  GpuBackward::check_sync();
+  const auto got = gpu.raw_outputs();
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == expected[i]) << "output " << i;
+  try {
+    cuda::mixer_backward(m, workspace.data(), bytes - 1, nullptr);
+    FAIL() << "expected statescan::Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "workspace");
+  }
+}
+
+// No float atomics: two runs give bitwise-identical gradients.
+TEST_P(CudaBackward, IsDeterministic) {
+  ProblemSpec s = spec();
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(7));
+  GpuBackward gpu(p, dtype(), 64, true, seed(7) + 1);
+  gpu.run_forward();
+  gpu.run_backward();
+  const auto first = gpu.raw_outputs();
+  gpu.run_backward();
+  const auto second = gpu.raw_outputs();
+  ASSERT_EQ(first.size(), second.size());
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(first[i] == second[i]) << "output " << i;
+}
+
+// The CP pre-pass: only d_initial_state, equal to the full run's; every other
+// output keeps its poison.
+TEST_P(CudaBackward, StateGradOnlyWritesOnlyInitialStateGradient) {
+  ProblemSpec s = spec();
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(8));
+  GpuBackward gpu(p, dtype(), 64, false, seed(8) + 1);
+  gpu.run_forward();
+  gpu.run_backward();
+  const std::vector<double> full = gpu.dh0();
+  MixerBwdParams m = gpu.backward_params();
+  m.state_grad_only = true;
+  m.chunk_states = nullptr;  // not needed by the pre-pass
+  cuda::mixer_backward(m, nullptr);
+  GpuBackward::check_sync();
+  EXPECT_LE(rel_rms(gpu.dh0(), full), 1e-6) << "dh0";
+  EXPECT_LE(rel_rms(gpu.dh0(), gpu.want().dh0), tolerances(dtype()).state) << "dh0 vs reference";
+  const auto raw = gpu.raw_outputs();
+  for (size_t i = 0; i + 2 < raw.size(); ++i)
+    EXPECT_TRUE(all_bytes(raw[i], 0xFF)) << "output " << i;
+  EXPECT_TRUE(all_bytes(raw[raw.size() - 2], 0xFF)) << "dg";
+}
+
+TEST_P(CudaBackward, RejectsMissingChunkStates) {
+  ref::Problem p = random_problem(spec(), seed(9));
+  GpuBackward gpu(p, dtype(), 64, false, seed(9) + 1);
+  MixerBwdParams m = gpu.backward_params();
+  m.chunk_states = nullptr;
+  try {
+    cuda::mixer_backward(m, nullptr);
+    FAIL() << "expected statescan::Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "chunk_states");
+  }
+}
+
+TEST_P(CudaBackward, RejectsMissingGateOrBetaGradient) {
+  if (!has_gate(variant()) && !has_beta(variant())) GTEST_SKIP() << "no g or beta";
+  ref::Problem p = random_problem(spec(), seed(10));
+  GpuBackward gpu(p, dtype(), 64, false, seed(10) + 1);
+  gpu.run_forward();
+  MixerBwdParams m = gpu.backward_params();
+  const char* expected = has_gate(variant()) ? "dg" : "dbeta";
+  if (has_gate(variant()))
+    m.dg = nullptr;
+  else
+    m.dbeta = nullptr;
+  try {
+    cuda::mixer_backward(m, nullptr);
+    FAIL() << "expected statescan::Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), expected);
+  }
+}
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  return variant_name(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param)) + "_d" +
+         std::to_string(std::get<2>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, CudaBackward,
+                         ::testing::Combine(::testing::ValuesIn(kAllVariants),
+                                            ::testing::Values(DType::f32, DType::bf16, DType::f16),
+                                            ::testing::Values<int64_t>(64, 128)),
+                         param_name);
+
+// B*H fills the GPU: 16 heads x 32 chunks = 512 (chunk, head) items, more
+// than the persistent grid, bf16, every variant.
+class CudaBackwardLarge : public ::testing::TestWithParam<Variant> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(CudaBackwardLarge, MatchesReference) {
+  ProblemSpec s;
+  s.variant = GetParam();
+  s.batch = 1;
+  s.heads = 16;
+  s.seq_len = 2048;
+  s.dk = s.dv = 64;
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, 4242 + static_cast<uint64_t>(GetParam()));
+  GpuBackward gpu(p, DType::bf16, 64, true, 99);
+  gpu.run_forward();
+  gpu.run_backward();
+  expect_grads_match(gpu.got(), gpu.want(), tolerances(DType::bf16));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, CudaBackwardLarge, ::testing::ValuesIn(kAllVariants),
+                         [](const ::testing::TestParamInfo<Variant>& info) {
+                           return variant_name(info.param);
+                         });
+
+}  // namespace
+}  // namespace statescan::test
