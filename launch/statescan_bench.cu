@@ -20,10 +20,14 @@
 //                   [--ib-latency-us X] [--compose-TFLOPs X] [--overlap F]
 //                   [--fwd-ms X] [--bwd-ms X] [--summary-fwd-ms X]
 //                   [--summary-bwd-ms X] [--merge-ms X] [--cp-measure] [--json F]
-// Without --cp-measure it never touches CUDA (it runs on machines without a
-// GPU); the local forward time is --fwd-ms, else the H200 figure measured in
-// README.md for the variant (scaled linearly in B*T*H). With --cp-measure it
-// first measures the local forward of the layer on GPU 0.
+// It never touches CUDA (it runs on machines without a GPU); the local forward
+// time is --fwd-ms, else the H200 figure measured in README.md for the variant
+// (scaled linearly in B*T*H). --cp-measure instead measures every piece on
+// GPU 0 (local forward and backward, summary, pre-pass, merge: the overhead of
+// issue 5) and feeds the model with them (launch/bench_cp_cuda.h).
+//
+// --lact (as the first argument) benchmarks the LaCT layer instead, with its
+// own flags (launch/bench_lact.h), e.g. statescan-bench --lact --muon-steps 0.
 //
 // FLOP model (multiply-add = 2 FLOP, per token and head, Dk = Dv = D, chunk C):
 //   additive: intra-chunk Q K^T and A V over the causal half, 2*(C/2)*D each,
@@ -64,6 +68,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -75,6 +80,8 @@
 #include "core/options.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cuda_mixer.h"
+#include "launch/bench_cp_cuda.h"
+#include "launch/bench_lact.h"
 #include "launch/bench_plot.h"
 #include "parallel/cp_model.h"
 #include "parallel/exchange.h"
@@ -96,6 +103,7 @@ struct Options {
   // --cp-model (see the comment at the top); negative times mean "not given".
   bool cp_model = false, cp_measure = false;
   Variant cp_variant = Variant::kda;
+  bool cp_variant_given = false;  // --cp-measure: one variant instead of kda and gdn
   int64_t cp_seq_len = 131072;
   int cp_max_ranks = 1024;
   LinkPreset link = LinkPreset::hierarchical;
@@ -156,6 +164,7 @@ Options parse(int argc, char** argv) {
       o.cp_model = o.cp_measure = true;
     } else if (arg == "--variant") {
       o.cp_variant = parse_variant(value(), "--variant");
+      o.cp_variant_given = true;
     } else if (arg == "--seq-len") {
       o.cp_seq_len = static_cast<int64_t>(parse_positive_number(value(), "--seq-len"));
     } else if (arg == "-P") {
@@ -708,17 +717,7 @@ int run_cp_model(const Options& opt) {
   char line[512];
 
   double fwd_ms = opt.fwd_ms;
-  if (opt.cp_measure) {
-    Options one = opt;
-    const Row r = bench_one(one, layer.variant, layer.seq_len);
-    fwd_ms = r.ms;
-    cudaDeviceProp prop{};
-    SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    std::snprintf(line, sizeof line,
-                  "fwd: measured now on %s (median of %d, err_ref %.1e); --fwd-ms ignored",
-                  prop.name, opt.iters, r.err_ref);
-    notes.push_back(line);
-  } else if (fwd_ms > 0) {
+  if (fwd_ms > 0) {
     notes.push_back("fwd: given by --fwd-ms");
   } else {
     SS_CHECK_ARG(layer.dk == 128 && layer.chunk == 64 && layer.dtype == DType::bf16, "--fwd-ms",
@@ -796,6 +795,25 @@ int run(int argc, char** argv) {
         "                       [--summary-bwd-ms X] [--merge-ms X] [--cp-measure] [--json F]\n");
     return 0;
   }
+  // --cp-measure times every CP piece on this GPU (launch/bench_cp_cuda.h)
+  // and feeds the scaling model with them.
+  if (opt.cp_measure) {
+    CpMeasureOptions m;
+    if (opt.cp_variant_given) m.variants = {opt.cp_variant};
+    m.seq_len = opt.cp_seq_len;
+    m.heads = opt.heads;
+    m.dim = opt.dim;
+    m.chunk = opt.chunk;
+    m.dtype = opt.dtype;
+    m.warmup = opt.warmup;
+    m.iters = opt.iters;
+    m.link = opt.link;
+    m.gpus_per_node = opt.gpus_per_node;
+    m.max_ranks = opt.cp_max_ranks;
+    m.overlap = opt.overlap;
+    m.json_path = opt.json;
+    return run_cp_measure(m, std::cout);
+  }
   // Before any CUDA call: the model alone runs where no GPU is present.
   if (opt.cp_model) return run_cp_model(opt);
   cudaDeviceProp prop{};
@@ -858,6 +876,9 @@ int run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
+    // The LaCT layer's benchmark has its own flags (launch/bench_lact.h).
+    if (argc > 1 && std::string(argv[1]) == "--lact")
+      return statescan::run_lact_bench(argc, argv, std::cout);
     return statescan::run(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "statescan-bench: %s\n", e.what());

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# multi-gpu.sh OUTDIR — on one node with >= 2 NVIDIA GPUs: build the multi-GPU
+# suites and statescan-run for sm_90a, run the NCCL tests on every GPU, then
+# the context-parallel scaling runs of issue 8 (weak: 128K tokens per GPU;
+# strong: 1M tokens over P GPUs; LaCT: one 1M-token chunk sharded over P) and
+# print one table per study. Logs and JSON rows land in OUTDIR.
+#
+# Environment knobs:
+#   BUILD_DIR   build folder (default <repo>/build-gpu)
+#   VARIANTS    CP variants (default "kda gated_deltanet")
+#   ITERS       timed steps per run (default 10, after 3 warm-up steps)
+#   SKIP_TESTS=1 / SKIP_LACT=1   leave those parts out
+set -uo pipefail
+
+OUT=${1:?usage: scripts/multi-gpu.sh OUTDIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${BUILD_DIR:-$ROOT/build-gpu}
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+ITERS=${ITERS:-10}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# NVLink SHARP (multicast) stays off on these machines (see the device notes).
+export NCCL_NVLS_ENABLE=0
+status=0
+echo "multi-gpu: $NGPU GPU(s)"
+[[ "$NGPU" -ge 2 ]] || { echo "multi-gpu: needs >= 2 GPUs"; exit 1; }
+
+{
+  cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+    -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
+    cmake --build "$BUILD" -j"$(nproc)" --target statescan-run test_comm_nccl test_cuda_cp_mpi \
+      test_cuda_lact_mpi
+} >"$OUT/build.log" 2>&1 || { echo "multi-gpu: build failed, see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
+
+# P = 2, 4, 8 up to the GPUs present.
+ranks=()
+for p in 2 4 8; do [[ $p -le $NGPU ]] && ranks+=("$p"); done
+
+if [[ "${SKIP_TESTS:-0}" == 0 ]]; then
+  for t in test_comm_nccl test_cuda_cp_mpi test_cuda_lact_mpi; do
+    [[ -x "$BUILD/tests/$t" ]] || continue
+    for p in "${ranks[@]}"; do
+      timeout 400 mpirun -np "$p" --oversubscribe "$BUILD/tests/$t" >"$OUT/${t}_np$p.log" 2>&1 || status=1
+      echo "$t np$p: $(grep -aE '\[  (PASSED|FAILED|SKIPPED) ' "$OUT/${t}_np$p.log" | tr -d '\033' | sed 's/\[[0-9;]*m//g' | tr '\n' ' ')"
+      grep -aE "\[  FAILED  \]" "$OUT/${t}_np$p.log" | head -10
+    done
+  done
+fi
+
+# One statescan-run row: run NAME P ARGS... -> OUT/NAME_pP.json
+run() {
+  local name=$1 p=$2
+  shift 2
+  timeout 300 mpirun -np "$p" --oversubscribe "$BUILD/launch/statescan-run" --device cuda \
+    --iters "$ITERS" --warmup 3 --json "$OUT/${name}_p$p.json" "$@" >"$OUT/${name}_p$p.log" 2>&1 ||
+    { echo "multi-gpu: $name P=$p failed, see $OUT/${name}_p$p.log"; tail -5 "$OUT/${name}_p$p.log"; status=1; }
+}
+
+for v in ${VARIANTS:-kda gated_deltanet}; do
+  for p in 1 "${ranks[@]}"; do
+    run "weak_$v" "$p" --variant "$v" --seq-len $((131072 * p)) --heads 16 --dk 128 --dv 128 \
+      --dtype bf16 --exchange auto --no-check
+    run "strong_$v" "$p" --variant "$v" --seq-len 1048576 --heads 16 --dk 128 --dv 128 \
+      --dtype bf16 --exchange auto --no-check
+  done
+done
+if [[ "${SKIP_LACT:-0}" == 0 ]]; then
+  for p in 1 "${ranks[@]}"; do
+    run lact "$p" --variant lact --seq-len 1048576 --lact-chunk 1048576 --heads 4 --dk 256 \
+      --lact-hidden 512 --dtype bf16 --no-check
+  done
+fi
+
+python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
+import glob, json, os, re, sys
+out = sys.argv[1]
+rows = {}
+for f in glob.glob(os.path.join(out, "*_p*.json")):
+    m = re.match(r"(.*)_p(\d+)\.json$", os.path.basename(f))
+    try:
+        rows[(m.group(1), int(m.group(2)))] = json.load(open(f))
+    except Exception as e:  # a failed run leaves a partial file
+        print(f"# {f}: unreadable ({e})")
+studies = sorted({k[0] for k in rows})
+for s in studies:
+    print(f"#\n# {s}: step = fwd + bwd per rank (ms); efficiency vs P = 1"
+          f" ({'weak: tokens per GPU fixed' if s.startswith('weak') else 'strong: total tokens fixed' if s.startswith('strong') else 'one chunk sharded'})")
+    print(f"# {'P':>3} {'fwd_ms':>9} {'bwd_ms':>9} {'step_ms':>9} {'xchg_ms':>8} {'xchg_B/rank':>12} {'hidden%':>8} {'Mtok/s':>9} {'eff%':>6}")
+    base = rows.get((s, 1))
+    for (name, p), r in sorted(rows.items()):
+        if name != s:
+            continue
+        a = r["avg"]
+        step = a["fwd_ms"] + (a["bwd_ms"] or 0)
+        ranks = r.get("ranks") or [{}]
+        xb = max(x.get("exchange_bytes", 0) for x in ranks)
+        hid = min((x.get("hidden_pct") or 0) for x in ranks) if p > 1 else 0
+        eff = ""
+        if base:
+            b = base["avg"]
+            bstep = b["fwd_ms"] + (b["bwd_ms"] or 0)
+            eff = f"{100 * bstep / step:6.1f}" if s.startswith("weak") else f"{100 * bstep / (p * step):6.1f}"
+        print(f"  {p:>3} {a['fwd_ms']:9.3f} {(a['bwd_ms'] or 0):9.3f} {step:9.3f} {a['exchange_ms']:8.3f} {xb:12d} {hid:8.1f} {a['tokens_per_s']/1e6:9.2f} {eff:>6}")
+PY
+exit $status
