@@ -20,6 +20,7 @@
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "kernels/cuda/cuda_mixer.h"
+#include "launch/device_array.h"
 #endif
 #ifdef STATESCAN_HAS_NCCL
 #include "comm/nccl_communicator.h"
@@ -183,28 +184,8 @@ class LactJob {
 // --device cuda: this rank's slices and outputs in GPU memory (in --dtype),
 // and, over several ranks with NCCL, the NCCL communicator the layer uses.
 struct LactJob::DeviceRun {
-  struct Array {
-    DeviceBuffer<unsigned char> bytes;
-    DType dtype = DType::f32;
-    std::size_t count = 0;
-    Array() = default;
-    Array(const std::vector<float>& host, DType t) : dtype(t), count(host.size()) {
-      std::vector<unsigned char> raw(count * size_of(t));
-      convert_from_float(t, host.data(), raw.data(), count);
-      bytes = DeviceBuffer<unsigned char>(raw);
-    }
-    Array(std::size_t n, DType t) : bytes(n * size_of(t)), dtype(t), count(n) {}
-    TensorView view(Shape shape) {
-      return TensorView(bytes.data(), dtype, std::move(shape), Memory::device);
-    }
-    void download(std::vector<float>& host) const {
-      const std::vector<unsigned char> raw = bytes.to_host();
-      host.resize(count);
-      convert_to_float(dtype, raw.data(), host.data(), count);
-    }
-  };
-  Array q, k, v, lr0, lr1, lr2, w0, w1, w2, d_o;
-  Array o, dq, dk, dv, dlr0, dlr1, dlr2, dw0, dw1, dw2;
+  DeviceArray q, k, v, lr0, lr1, lr2, w0, w1, w2, d_o;
+  DeviceArray o, dq, dk, dv, dlr0, dlr1, dlr2, dw0, dw1, dw2;
   cudaStream_t stream = nullptr;
 #ifdef STATESCAN_HAS_NCCL
   std::unique_ptr<NcclCommunicator> nccl;
@@ -232,24 +213,24 @@ void LactJob::setup_device() {
     SS_CUDA_CHECK(cudaStreamCreate(&run->stream));
     const DType t = options_.dtype;
     const LactDims& d = data_.dims;
-    run->q = DeviceRun::Array(local_.q, t);
-    run->k = DeviceRun::Array(local_.k, t);
-    run->v = DeviceRun::Array(local_.v, t);
-    run->lr0 = DeviceRun::Array(local_.lr0, t);
-    run->lr1 = DeviceRun::Array(local_.lr1, t);
-    run->lr2 = DeviceRun::Array(local_.lr2, t);
-    run->w0 = DeviceRun::Array(data_.w0, t);
-    run->w1 = DeviceRun::Array(data_.w1, t);
-    run->w2 = DeviceRun::Array(data_.w2, t);
+    run->q = DeviceArray(local_.q, t);
+    run->k = DeviceArray(local_.k, t);
+    run->v = DeviceArray(local_.v, t);
+    run->lr0 = DeviceArray(local_.lr0, t);
+    run->lr1 = DeviceArray(local_.lr1, t);
+    run->lr2 = DeviceArray(local_.lr2, t);
+    run->w0 = DeviceArray(data_.w0, t);
+    run->w1 = DeviceArray(data_.w1, t);
+    run->w2 = DeviceArray(data_.w2, t);
     const auto rates = static_cast<std::size_t>(d.batch * local_.length * d.heads);
     const auto tokens = rates * static_cast<std::size_t>(d.dim);
     const auto weights = static_cast<std::size_t>(d.heads * d.hidden * d.dim);
-    run->o = DeviceRun::Array(tokens, t);
+    run->o = DeviceArray::zeros(tokens, t);
     if (backward_) {
-      run->d_o = DeviceRun::Array(local_.d_o, t);
-      for (auto* x : {&run->dq, &run->dk, &run->dv}) *x = DeviceRun::Array(tokens, t);
-      for (auto* x : {&run->dlr0, &run->dlr1, &run->dlr2}) *x = DeviceRun::Array(rates, t);
-      for (auto* x : {&run->dw0, &run->dw1, &run->dw2}) *x = DeviceRun::Array(weights, t);
+      run->d_o = DeviceArray(local_.d_o, t);
+      for (auto* x : {&run->dq, &run->dk, &run->dv}) *x = DeviceArray::zeros(tokens, t);
+      for (auto* x : {&run->dlr0, &run->dlr1, &run->dlr2}) *x = DeviceArray::zeros(rates, t);
+      for (auto* x : {&run->dw0, &run->dw1, &run->dw2}) *x = DeviceArray::zeros(weights, t);
     }
   });
 #ifdef STATESCAN_HAS_NCCL
@@ -315,17 +296,17 @@ StepTimes LactJob::step_device(LactLayer& layer, LactOutputs& out, bool copy_bac
     t.exchange_bytes = timed_.all_reduce_bytes();
   }
   if (copy_back) {
-    r.o.download(out.o);
+    r.o.to_host(out.o);
     if (backward_) {
-      r.dq.download(out.dq);
-      r.dk.download(out.dk);
-      r.dv.download(out.dv);
-      r.dlr0.download(out.dlr0);
-      r.dlr1.download(out.dlr1);
-      r.dlr2.download(out.dlr2);
-      r.dw0.download(out.dw0);
-      r.dw1.download(out.dw1);
-      r.dw2.download(out.dw2);
+      r.dq.to_host(out.dq);
+      r.dk.to_host(out.dk);
+      r.dv.to_host(out.dv);
+      r.dlr0.to_host(out.dlr0);
+      r.dlr1.to_host(out.dlr1);
+      r.dlr2.to_host(out.dlr2);
+      r.dw0.to_host(out.dw0);
+      r.dw1.to_host(out.dw1);
+      r.dw2.to_host(out.dw2);
     }
   }
   return t;

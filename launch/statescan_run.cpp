@@ -47,6 +47,7 @@
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "kernels/cuda/cuda_mixer.h"
+#include "launch/device_array.h"
 #endif
 #ifdef STATESCAN_HAS_NCCL
 #include "comm/nccl_communicator.h"
@@ -94,44 +95,6 @@ DeviceKind resolve_device(DeviceKind requested) {
 }
 
 #ifdef STATESCAN_HAS_CUDA
-// One tensor of a step on the GPU: fp32 host values converted to `dtype`.
-class DeviceArray {
- public:
-  DeviceArray() = default;
-  DeviceArray(const std::vector<float>& host, DType dtype) : dtype_(dtype) {
-    if (host.empty()) return;
-    std::vector<unsigned char> bytes(host.size() * size_of(dtype));
-    convert_from_float(dtype, host.data(), bytes.data(), host.size());
-    buf_ = DeviceBuffer<unsigned char>(bytes);
-    count_ = host.size();
-  }
-  static DeviceArray zeros(std::size_t count, DType dtype) {
-    DeviceArray a;
-    a.dtype_ = dtype;
-    if (count == 0) return a;
-    a.buf_ = DeviceBuffer<unsigned char>(count * size_of(dtype));
-    a.buf_.fill_bytes(0);
-    a.count_ = count;
-    return a;
-  }
-  TensorView view(Shape shape) const {
-    if (count_ == 0) return {};
-    return TensorView(const_cast<unsigned char*>(buf_.data()), dtype_, std::move(shape),
-                      Memory::device);
-  }
-  void to_host(std::vector<float>& out) const {
-    if (count_ == 0) return;
-    const std::vector<unsigned char> bytes = buf_.to_host();
-    out.resize(count_);
-    convert_to_float(dtype_, bytes.data(), out.data(), count_);
-  }
-
- private:
-  DeviceBuffer<unsigned char> buf_;
-  DType dtype_ = DType::f32;
-  std::size_t count_ = 0;
-};
-
 // A TokenRange and its outputs on the GPU: token tensors in the run's dtype,
 // g and states fp32, cu_seqlens int64.
 struct DeviceStep {
@@ -180,7 +143,10 @@ class Job {
   void configure_threads(const MpiCommunicator* mpi) const;
   void setup_inputs();
   void allocate(Outputs& out, const Dims& d, int64_t length) const;
-  StepTimes step(CpMixer& mixer, const TokenRange& in, Outputs& out);
+  StepTimes step(CpMixer& mixer, const TokenRange& in, Outputs& out, bool copy_back);
+#ifdef STATESCAN_HAS_CUDA
+  std::unique_ptr<DeviceStep> upload(const TokenRange& in, const Outputs& out) const;
+#endif
   StepTimes run_step(CpMixer& mixer, const CpForwardArgs& fa, const CpBackwardArgs& ba);
   void setup_device(const MpiCommunicator* mpi);
   double check_tolerance() const {
@@ -211,6 +177,9 @@ class Job {
 #endif
   bool backward_ = false;
   TokenRange local_;
+#ifdef STATESCAN_HAS_CUDA
+  std::unique_ptr<DeviceStep> device_local_;  // local_ on the GPU, uploaded once
+#endif
   Outputs reference_;                         // rank 0, with --check
   std::unique_ptr<MetricsExporter> metrics_;  // with --metrics-port
 };
@@ -281,8 +250,12 @@ int Job::run_steps() {
   const double tokens = static_cast<double>(dims_.batch * dims_.seq_len);
   for (int64_t s = 0; s < steps; ++s) {
     if (s == options_.warmup && options_.check) run_reference();
+    const bool last = s + 1 == steps;
+    // Outputs come back from the GPU only for the steps that read them.
+    const bool wanted =
+        s >= options_.warmup && (options_.check || (last && !options_.save_dir.empty()));
     comm_.barrier();  // start together, so the max over ranks is the step's time
-    const StepTimes t = step(mixer, local_, out);
+    const StepTimes t = step(mixer, local_, out, wanted);
     report_step_metrics(t);
     // Labels later exchange bytes with the strategy `auto` resolved to, for a
     // CpMixer that does not report it itself (CpObserver::on_exchange_strategy).
@@ -294,8 +267,7 @@ int Job::run_steps() {
 
     StepRow row = reduce_step(comm_, t, s - options_.warmup + 1, backward_, tokens);
 
-    const bool last = s + 1 == steps;
-    if (options_.check || (last && !options_.save_dir.empty())) {
+    if (wanted) {
       Outputs full = gather(out);
       if (options_.check) {
         int64_t wrong = root() ? count_wrong(named(full), named(reference_), check_tolerance(),
@@ -394,10 +366,39 @@ void Job::allocate(Outputs& out, const Dims& d, int64_t length) const {
   if (source_->has_h0()) out.dh0.assign(states, 0.f);
 }
 
+#ifdef STATESCAN_HAS_CUDA
+// `in` on the GPU in the run's dtype (g and states fp32), with zeroed outputs
+// sized like `out`. Not timed.
+std::unique_ptr<DeviceStep> Job::upload(const TokenRange& in, const Outputs& out) const {
+  const DType x = options_.dtype;
+  auto dev = std::make_unique<DeviceStep>();
+  dev->q = DeviceArray(in.q, x);
+  dev->k = DeviceArray(in.k, x);
+  dev->v = DeviceArray(in.v, x);
+  dev->g = DeviceArray(in.g, DType::f32);
+  dev->beta = DeviceArray(in.beta, x);
+  dev->h0 = DeviceArray(in.h0, DType::f32);
+  dev->o = DeviceArray::zeros(out.o.size(), x);
+  dev->ht = DeviceArray::zeros(out.ht.size(), DType::f32);
+  if (!in.cu_seqlens.empty()) dev->cu = std::make_unique<DeviceBuffer<int64_t>>(in.cu_seqlens);
+  if (!backward_) return dev;
+  dev->d_o = DeviceArray(in.d_o, x);
+  dev->dht = DeviceArray(in.dht, DType::f32);
+  dev->dq = DeviceArray::zeros(out.dq.size(), x);
+  dev->dk = DeviceArray::zeros(out.dk.size(), x);
+  dev->dv = DeviceArray::zeros(out.dv.size(), x);
+  dev->dg = DeviceArray::zeros(out.dg.size(), DType::f32);
+  dev->dbeta = DeviceArray::zeros(out.dbeta.size(), x);
+  dev->dh0 = DeviceArray::zeros(out.dh0.size(), DType::f32);
+  return dev;
+}
+#endif
+
 // Forward (+ backward) of `mixer` on the tokens `in`, timed on this rank: on
 // host views of `in` and `out`, or with --device cuda on device copies (in
-// the run's dtype) whose outputs are copied back into `out` afterwards.
-StepTimes Job::step(CpMixer& mixer, const TokenRange& in, Outputs& out) {
+// the run's dtype) whose outputs are copied back into `out` when `copy_back`
+// (the CPU path writes `out` directly).
+StepTimes Job::step(CpMixer& mixer, const TokenRange& in, Outputs& out, bool copy_back) {
   const Dims& d = dims_;
   const int64_t B = d.batch, L = in.length(), H = d.heads, N = d.sequences;
   const Shape qk{B, L, H, d.dk}, vo{B, L, H, d.dv}, bth{B, L, H}, states{N, H, d.dk, d.dv};
@@ -409,59 +410,56 @@ StepTimes Job::step(CpMixer& mixer, const TokenRange& in, Outputs& out) {
 
 #ifdef STATESCAN_HAS_CUDA
   if (device_ == DeviceKind::cuda) {
-    // The upload is not timed: a trainer's tensors are already on the GPU.
-    const DType x = options_.dtype;
-    DeviceStep dev;
-    dev.q = DeviceArray(in.q, x);
-    dev.k = DeviceArray(in.k, x);
-    dev.v = DeviceArray(in.v, x);
-    dev.g = DeviceArray(in.g, DType::f32);
-    dev.beta = DeviceArray(in.beta, x);
-    dev.h0 = DeviceArray(in.h0, DType::f32);
-    dev.o = DeviceArray::zeros(out.o.size(), x);
-    dev.ht = DeviceArray::zeros(out.ht.size(), DType::f32);
-    if (!cu.empty()) dev.cu = std::make_unique<DeviceBuffer<int64_t>>(cu);
-    fa.q = dev.q.view(qk);
-    fa.k = dev.k.view(qk);
-    fa.v = dev.v.view(vo);
-    fa.g = dev.g.view(gs);
-    fa.beta = dev.beta.view(bth);
-    if (dev.cu)
-      fa.cu_seqlens =
-          TensorView(dev.cu->data(), DType::i64, {static_cast<int64_t>(cu.size())}, Memory::device);
-    fa.initial_state = dev.h0.view(states);
-    fa.o = dev.o.view(vo);
-    fa.final_state = dev.ht.view(states);
+    // The tensors go to the GPU once per token range and stay there: a
+    // trainer's tensors already live on the GPU, and uploading gigabytes every
+    // step would put seconds of host work, and the ranks' skew in it, between
+    // the barrier and the timed forward.
+    std::unique_ptr<DeviceStep> transient;
+    DeviceStep* dev = nullptr;
+    if (&in == &local_) {
+      if (!device_local_) device_local_ = upload(in, out);
+      dev = device_local_.get();
+    } else {
+      transient = upload(in, out);
+      dev = transient.get();
+    }
+    fa.q = dev->q.view(qk);
+    fa.k = dev->k.view(qk);
+    fa.v = dev->v.view(vo);
+    fa.g = dev->g.view(gs);
+    fa.beta = dev->beta.view(bth);
+    if (dev->cu)
+      fa.cu_seqlens = TensorView(dev->cu->data(), DType::i64, {static_cast<int64_t>(cu.size())},
+                                 Memory::device);
+    fa.initial_state = dev->h0.view(states);
+    fa.o = dev->o.view(vo);
+    fa.final_state = dev->ht.view(states);
     if (backward_) {
-      dev.d_o = DeviceArray(in.d_o, x);
-      dev.dht = DeviceArray(in.dht, DType::f32);
-      dev.dq = DeviceArray::zeros(out.dq.size(), x);
-      dev.dk = DeviceArray::zeros(out.dk.size(), x);
-      dev.dv = DeviceArray::zeros(out.dv.size(), x);
-      dev.dg = DeviceArray::zeros(out.dg.size(), DType::f32);
-      dev.dbeta = DeviceArray::zeros(out.dbeta.size(), x);
-      dev.dh0 = DeviceArray::zeros(out.dh0.size(), DType::f32);
-      ba.d_o = dev.d_o.view(vo);
-      ba.d_final_state = dev.dht.view(states);
-      ba.dq = dev.dq.view(qk);
-      ba.dk = dev.dk.view(qk);
-      ba.dv = dev.dv.view(vo);
-      ba.dg = dev.dg.view(gs);
-      ba.dbeta = dev.dbeta.view(bth);
-      ba.d_initial_state = dev.dh0.view(states);
+      ba.d_o = dev->d_o.view(vo);
+      ba.d_final_state = dev->dht.view(states);
+      ba.dq = dev->dq.view(qk);
+      ba.dk = dev->dk.view(qk);
+      ba.dv = dev->dv.view(vo);
+      ba.dg = dev->dg.view(gs);
+      ba.dbeta = dev->dbeta.view(bth);
+      ba.d_initial_state = dev->dh0.view(states);
     }
     const StepTimes t = run_step(mixer, fa, ba);
-    for (auto [from, to] : {std::pair{&dev.o, &out.o},
-                            {&dev.ht, &out.ht},
-                            {&dev.dq, &out.dq},
-                            {&dev.dk, &out.dk},
-                            {&dev.dv, &out.dv},
-                            {&dev.dg, &out.dg},
-                            {&dev.dbeta, &out.dbeta},
-                            {&dev.dh0, &out.dh0}})
-      from->to_host(*to);
+    if (copy_back) {
+      for (auto [from, to] : {std::pair{&dev->o, &out.o},
+                              {&dev->ht, &out.ht},
+                              {&dev->dq, &out.dq},
+                              {&dev->dk, &out.dk},
+                              {&dev->dv, &out.dv},
+                              {&dev->dg, &out.dg},
+                              {&dev->dbeta, &out.dbeta},
+                              {&dev->dh0, &out.dh0}})
+        from->to_host(*to);
+    }
     return t;
   }
+#else
+  (void)copy_back;
 #endif
 
   fa.q = view(in.q, qk);
@@ -547,7 +545,7 @@ void Job::run_reference() {
     CpMixer mixer(single, config_, options_.exchange);
     const TokenRange full = source_->tokens(0, dims_.seq_len);
     allocate(reference_, dims_, dims_.seq_len);
-    step(mixer, full, reference_);
+    step(mixer, full, reference_, true);
   });
 }
 

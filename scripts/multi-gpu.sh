@@ -9,7 +9,8 @@
 #   BUILD_DIR   build folder (default <repo>/build-gpu)
 #   VARIANTS    CP variants (default "kda gated_deltanet")
 #   ITERS       timed steps per run (default 10, after 3 warm-up steps)
-#   SKIP_TESTS=1 / SKIP_LACT=1   leave those parts out
+#   STUDIES     which scaling studies (default "weak strong lact")
+#   SKIP_TESTS=1 leave the test suites out (and their build)
 set -uo pipefail
 
 OUT=${1:?usage: scripts/multi-gpu.sh OUTDIR}
@@ -29,8 +30,12 @@ echo "multi-gpu: $NGPU GPU(s)"
 {
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
-    cmake --build "$BUILD" -j"$(nproc)" --target statescan-run test_comm_nccl test_cuda_cp_mpi \
-      test_cuda_lact_mpi
+    if [[ "${SKIP_TESTS:-0}" == 0 ]]; then
+      cmake --build "$BUILD" -j"$(nproc)" --target statescan-run test_comm_nccl test_cuda_cp_mpi \
+        test_cuda_lact_mpi
+    else
+      cmake --build "$BUILD" -j"$(nproc)" --target statescan-run
+    fi
 } >"$OUT/build.log" 2>&1 || { echo "multi-gpu: build failed, see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
 
 # P = 2, 4, 8 up to the GPUs present.
@@ -50,22 +55,25 @@ fi
 
 # One statescan-run row: run NAME P ARGS... -> OUT/NAME_pP.json
 run() {
-  local name=$1 p=$2
+  local name=$1 p=$2 t0=$SECONDS
   shift 2
-  timeout 300 mpirun -np "$p" --oversubscribe "$BUILD/launch/statescan-run" --device cuda \
+  timeout "${RUN_TIMEOUT:-300}" mpirun -np "$p" --oversubscribe "$BUILD/launch/statescan-run" --device cuda \
     --iters "$ITERS" --warmup 3 --json "$OUT/${name}_p$p.json" "$@" >"$OUT/${name}_p$p.log" 2>&1 ||
     { echo "multi-gpu: $name P=$p failed, see $OUT/${name}_p$p.log"; tail -5 "$OUT/${name}_p$p.log"; status=1; }
+  # One line per run as it ends, so a cut-off session still shows progress.
+  echo "multi-gpu: $name P=$p $((SECONDS - t0)) s: $(grep -a '^# Avg' "$OUT/${name}_p$p.log")"
 }
+studies=" ${STUDIES:-weak strong lact} "
 
 for v in ${VARIANTS:-kda gated_deltanet}; do
   for p in 1 "${ranks[@]}"; do
-    run "weak_$v" "$p" --variant "$v" --seq-len $((131072 * p)) --heads 16 --dk 128 --dv 128 \
+    [[ "$studies" == *" weak "* ]] && run "weak_$v" "$p" --variant "$v" --seq-len $((131072 * p)) --heads 16 --dk 128 --dv 128 \
       --dtype bf16 --exchange auto --no-check
-    run "strong_$v" "$p" --variant "$v" --seq-len 1048576 --heads 16 --dk 128 --dv 128 \
+    [[ "$studies" == *" strong "* ]] && run "strong_$v" "$p" --variant "$v" --seq-len 1048576 --heads 16 --dk 128 --dv 128 \
       --dtype bf16 --exchange auto --no-check
   done
 done
-if [[ "${SKIP_LACT:-0}" == 0 ]]; then
+if [[ "$studies" == *" lact "* ]]; then
   for p in 1 "${ranks[@]}"; do
     run lact "$p" --variant lact --seq-len 1048576 --lact-chunk 1048576 --heads 4 --dk 256 \
       --lact-hidden 512 --dtype bf16 --no-check
