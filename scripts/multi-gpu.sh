@@ -46,18 +46,20 @@ if [[ "${SKIP_TESTS:-0}" == 0 ]]; then
   for t in test_comm_nccl test_cuda_cp_mpi test_cuda_lact_mpi; do
     [[ -x "$BUILD/tests/$t" ]] || continue
     for p in "${ranks[@]}"; do
-      timeout 400 mpirun -np "$p" --oversubscribe "$BUILD/tests/$t" >"$OUT/${t}_np$p.log" 2>&1 || status=1
+      timeout 400 mpirun -np "$p" --oversubscribe --bind-to none "$BUILD/tests/$t" >"$OUT/${t}_np$p.log" 2>&1 || status=1
       echo "$t np$p: $(grep -aE '\[  (PASSED|FAILED|SKIPPED) ' "$OUT/${t}_np$p.log" | tr -d '\033' | sed 's/\[[0-9;]*m//g' | tr '\n' ' ')"
       grep -aE "\[  FAILED  \]" "$OUT/${t}_np$p.log" | head -10
     done
   done
 fi
 
-# One statescan-run row: run NAME P ARGS... -> OUT/NAME_pP.json
+# One statescan-run row: run NAME P ARGS... -> OUT/NAME_pP.json. OpenMPI binds
+# each of up to 2 ranks to one core by default: --bind-to none lets a rank's
+# host threads (input set-up, NCCL's proxy) use the node's cores.
 run() {
   local name=$1 p=$2 t0=$SECONDS
   shift 2
-  timeout "${RUN_TIMEOUT:-300}" mpirun -np "$p" --oversubscribe "$BUILD/launch/statescan-run" --device cuda \
+  timeout "${RUN_TIMEOUT:-300}" mpirun -np "$p" --oversubscribe --bind-to none "$BUILD/launch/statescan-run" --device cuda \
     --iters "$ITERS" --warmup 3 --json "$OUT/${name}_p$p.json" "$@" >"$OUT/${name}_p$p.log" 2>&1 ||
     { echo "multi-gpu: $name P=$p failed, see $OUT/${name}_p$p.log"; tail -5 "$OUT/${name}_p$p.log"; status=1; }
   # One line per run as it ends, so a cut-off session still shows progress.
