@@ -65,61 +65,6 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Forwards every call to `inner` and times the fp32 all-reduce sums: in
-// LactLayer those are exactly the fast-weight gradient exchanges (one per
-// chunk in forward, one per chunk plus one in backward); its validation uses
-// other collectives. LactLayer reports no exchange statistics itself.
-class TimedCommunicator final : public Communicator {
- public:
-  explicit TimedCommunicator(Communicator& inner) : inner_(inner) {}
-
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  const char* backend() const override { return inner_.backend(); }
-  void all_gather(const void* send, void* recv, std::size_t count, CommType type) override {
-    inner_.all_gather(send, recv, count, type);
-  }
-  void all_reduce_sum(void* data, std::size_t count, CommType type) override {
-    const auto start = Clock::now();
-    inner_.all_reduce_sum(data, count, type);
-    if (type == CommType::f32) {
-      all_reduce_s_ += seconds_since(start);
-      all_reduce_bytes_ += static_cast<double>(count * size_of(type));
-    }
-  }
-  void all_reduce_max(void* data, std::size_t count, CommType type) override {
-    inner_.all_reduce_max(data, count, type);
-  }
-  void broadcast(void* data, std::size_t count, CommType type, int root) override {
-    inner_.broadcast(data, count, type, root);
-  }
-  void send(const void* data, std::size_t count, CommType type, int peer, int tag) override {
-    inner_.send(data, count, type, peer, tag);
-  }
-  void recv(void* data, std::size_t count, CommType type, int peer, int tag) override {
-    inner_.recv(data, count, type, peer, tag);
-  }
-  void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
-                 std::size_t recv_count, int source, CommType type, int tag) override {
-    inner_.send_recv(send, send_count, dest, recv, recv_count, source, type, tag);
-  }
-  void barrier() override { inner_.barrier(); }
-  std::unique_ptr<Communicator> split(int color, int key) override {
-    return inner_.split(color, key);
-  }
-  void set_timeout(std::chrono::milliseconds timeout) override { inner_.set_timeout(timeout); }
-  std::chrono::milliseconds timeout() const override { return inner_.timeout(); }
-
-  // Time in, and payload bytes of, the fp32 all-reduces since the last reset.
-  double all_reduce_s() const { return all_reduce_s_; }
-  double all_reduce_bytes() const { return all_reduce_bytes_; }
-  void reset() { all_reduce_s_ = all_reduce_bytes_ = 0; }
-
- private:
-  Communicator& inner_;
-  double all_reduce_s_ = 0, all_reduce_bytes_ = 0;
-};
-
 // Every output and gradient of one step: token tensors are local slices on
 // the ranks of a sharded run, dw0..2 are full on every rank.
 struct LactOutputs {
@@ -140,14 +85,15 @@ TensorView view(const std::vector<float>& x, Shape shape) {
 class LactJob {
  public:
   LactJob(Communicator& comm, const RunOptions& options, Stage& stage)
-      : comm_(comm), timed_(comm), options_(options), stage_(stage) {}
+      : comm_(comm), options_(options), stage_(stage) {}
   int run();
 
  private:
   bool root() const { return comm_.rank() == 0; }
   void setup();
   void allocate(LactOutputs& out, int64_t length) const;
-  StepTimes step(LactLayer& layer, TimedCommunicator* timed, const LactSlice& in,
+  void add_exchange(const LactLayer& layer, StepTimes& t) const;
+  StepTimes step(LactLayer& layer, const LactSlice& in,
                  LactOutputs& out) const;
   void run_reference();
   std::vector<float> gather(const std::vector<float>& local, int64_t inner);
@@ -169,7 +115,6 @@ class LactJob {
 #endif
 
   Communicator& comm_;
-  TimedCommunicator timed_;
   const RunOptions& options_;
   Stage& stage_;
   LactConfig config_;
@@ -257,7 +202,6 @@ StepTimes LactJob::step_device(LactLayer& layer, LactOutputs& out, bool copy_bac
   const Shape tokens{d.batch, local_.length, d.heads, d.dim},
       rates{d.batch, local_.length, d.heads};
   const Shape wide{d.heads, d.hidden, d.dim}, narrow{d.heads, d.dim, d.hidden};
-  timed_.reset();
   LactForwardArgs fa;
   fa.q = r.q.view(tokens);
   fa.k = r.k.view(tokens);
@@ -289,12 +233,7 @@ StepTimes LactJob::step_device(LactLayer& layer, LactOutputs& out, bool copy_bac
     layer.backward(ba);
     t.bwd_s = seconds_since(t1);
   }
-  // Over the host-staged communicator the all-reduces are timed; over NCCL
-  // they are enqueued on the stream and not separable from compute here.
-  if (comm_.size() > 1) {
-    t.exchange_s = timed_.all_reduce_s();
-    t.exchange_bytes = timed_.all_reduce_bytes();
-  }
+  add_exchange(layer, t);
   if (copy_back) {
     r.o.to_host(out.o);
     if (backward_) {
@@ -371,15 +310,22 @@ void LactJob::allocate(LactOutputs& out, int64_t length) const {
   for (auto* x : {&out.dw0, &out.dw1, &out.dw2}) x->assign(weights, 0.f);
 }
 
-// Forward (+ backward) of `layer` on `in`, timed on this rank; the exchange
-// time and bytes come from `timed` (null: none, the single-rank reference).
-StepTimes LactJob::step(LactLayer& layer, TimedCommunicator* timed, const LactSlice& in,
-                        LactOutputs& out) const {
+// The layer's all-reduce time and bytes of the step just run (the forward's,
+// and the backward's when the run has one).
+void LactJob::add_exchange(const LactLayer& layer, StepTimes& t) const {
+  t.exchange_s = layer.last_forward_exchange().seconds;
+  t.exchange_bytes = layer.last_forward_exchange().bytes;
+  if (!backward_) return;
+  t.exchange_s += layer.last_backward_exchange().seconds;
+  t.exchange_bytes += layer.last_backward_exchange().bytes;
+}
+
+// Forward (+ backward) of `layer` on `in`, timed on this rank, with the
+// layer's all-reduces.
+StepTimes LactJob::step(LactLayer& layer, const LactSlice& in, LactOutputs& out) const {
   const LactDims& d = data_.dims;
   const Shape tokens{d.batch, in.length, d.heads, d.dim}, rates{d.batch, in.length, d.heads};
   const Shape wide{d.heads, d.hidden, d.dim}, narrow{d.heads, d.dim, d.hidden};
-  if (timed != nullptr) timed->reset();
-
   LactForwardArgs fa;
   fa.q = view(in.q, tokens);
   fa.k = view(in.k, tokens);
@@ -411,11 +357,7 @@ StepTimes LactJob::step(LactLayer& layer, TimedCommunicator* timed, const LactSl
     layer.backward(ba);
     t.bwd_s = seconds_since(t1);
   }
-  // One rank all-reduces with nobody: no exchange to report.
-  if (timed != nullptr && comm_.size() > 1) {
-    t.exchange_s = timed->all_reduce_s();
-    t.exchange_bytes = timed->all_reduce_bytes();
-  }
+  add_exchange(layer, t);
   return t;
 }
 
@@ -436,7 +378,7 @@ void LactJob::run_reference() {
     full.d_o = data_.d_o;
     full.length = data_.dims.seq_len;
     allocate(reference_, full.length);
-    step(layer, nullptr, full, reference_);
+    step(layer, full, reference_);
   });
 }
 
@@ -548,7 +490,7 @@ int LactJob::run() {
 #endif
 
   stage_ = Stage::steps;
-  Communicator* layer_comm = &timed_;
+  Communicator* layer_comm = &comm_;
 #if defined(STATESCAN_HAS_CUDA) && defined(STATESCAN_HAS_NCCL)
   if (device_run_ && device_run_->nccl) layer_comm = device_run_->nccl.get();
 #endif
@@ -569,10 +511,10 @@ int LactJob::run() {
         s >= options_.warmup && (options_.check || (last && !options_.save_dir.empty()));
 #ifdef STATESCAN_HAS_CUDA
     const StepTimes t = device_ == DeviceKind::cuda ? step_device(layer, out, need_outputs)
-                                                    : step(layer, &timed_, local_, out);
+                                                    : step(layer, local_, out);
 #else
     (void)need_outputs;
-    const StepTimes t = step(layer, &timed_, local_, out);
+    const StepTimes t = step(layer, local_, out);
 #endif
     if (s < options_.warmup) continue;
 

@@ -10,6 +10,7 @@
 // collective_check), so every rank exits with the same code and MPI finalises
 // cleanly. Only an unexpected failure on some ranks aborts the job.
 #include <mpi.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -320,14 +321,30 @@ void Job::hold_after_run() const {
 }
 
 // One CPU thread per core on each node: ranks sharing a node split its
-// cores, unless STATESCAN_NUM_THREADS says otherwise. Must run before the
-// first parallel_for (the thread count is read once).
+// cores, unless STATESCAN_NUM_THREADS says otherwise. Never more threads than
+// the cores this process may run on: OpenMPI binds each of up to 2 ranks to
+// one core by default, and 32 threads on one core made set-up take minutes.
+// Must run before the first parallel_for (the thread count is read once).
 void Job::configure_threads(const MpiCommunicator* mpi) const {
   if (std::getenv("STATESCAN_NUM_THREADS") != nullptr) return;
   const int per_node = mpi != nullptr ? std::max(1, mpi->local_size()) : 1;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const std::string threads = std::to_string(std::max(1, cores / per_node));
-  ::setenv("STATESCAN_NUM_THREADS", threads.c_str(), 0);
+  int threads = std::max(1, cores / per_node);
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) == 0) {
+    const int usable = CPU_COUNT(&allowed);
+    if (usable > 0 && usable < threads) {
+      if (root() && usable < 4 && cores >= 4 * per_node) {
+        std::fprintf(stderr,
+                     "statescan-run: note: this rank may use %d of the node's %d cores (mpirun "
+                     "binding); host set-up runs on %d thread(s): `mpirun --bind-to none` "
+                     "lifts that\n",
+                     usable, cores, usable);
+      }
+      threads = usable;
+    }
+  }
+  ::setenv("STATESCAN_NUM_THREADS", std::to_string(threads).c_str(), 0);
 }
 
 void Job::setup_inputs() {

@@ -1,5 +1,6 @@
 #include "parallel/lact_layer.h"
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -61,6 +62,15 @@ void check_backward_shapes(const LactBackwardArgs& a, const LocalSizes& s, const
   check(a.dw0, wide, "dw0");
   check(a.dw1, narrow, "dw1");
   check(a.dw2, wide, "dw2");
+}
+
+void timed_all_reduce(Communicator& comm, float* data, std::size_t count,
+                      LactExchangeStats& stats) {
+  const auto start = std::chrono::steady_clock::now();
+  comm.all_reduce_sum(data, count, CommType::f32);
+  stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats.bytes += static_cast<double>(count * sizeof(float));
+  ++stats.calls;
 }
 
 // FNV-1a: lets the ranks confirm, with one small all-gather, that they start
@@ -176,6 +186,15 @@ LactLayer::LactLayer(Communicator& comm, LactConfig config) : comm_(comm), confi
 
 LactLayer::~LactLayer() = default;
 
+// The host path's fast-weight all-reduce, counted into `stats`; none on one
+// rank (nothing to exchange, nothing to report).
+LactAllReduce<float> LactLayer::all_reduce(LactExchangeStats& stats) {
+  if (comm_.size() == 1) return {};
+  return [this, &stats](float* data, std::size_t n) {
+    lact_detail::timed_all_reduce(comm_, data, n, stats);
+  };
+}
+
 void LactLayer::forward(const LactForwardArgs& a) {
   saved_.reset();
   device_.reset();
@@ -194,9 +213,8 @@ void LactLayer::forward(const LactForwardArgs& a) {
 
   auto saved = std::make_unique<Saved>();
   saved->params = p;
-  lact_forward<float>(
-      p, [this](float* data, std::size_t n) { comm_.all_reduce_sum(data, n, CommType::f32); },
-      &saved->checkpoints);
+  forward_exchange_ = {};
+  lact_forward<float>(p, all_reduce(forward_exchange_), &saved->checkpoints);
   saved_ = std::move(saved);
 }
 
@@ -223,9 +241,8 @@ void LactLayer::backward(const LactBackwardArgs& a) {
   g.dw0 = a.dw0.as<float>();
   g.dw1 = a.dw1.as<float>();
   g.dw2 = a.dw2.as<float>();
-  lact_backward<float>(saved_->params, g, saved_->checkpoints, [this](float* data, std::size_t n) {
-    comm_.all_reduce_sum(data, n, CommType::f32);
-  });
+  backward_exchange_ = {};
+  lact_backward<float>(saved_->params, g, saved_->checkpoints, all_reduce(backward_exchange_));
 }
 
 #ifndef STATESCAN_HAS_CUDA

@@ -53,6 +53,17 @@ struct LactBackwardArgs {
   TensorView dw0, dw1, dw2;
 };
 
+// The fast-weight gradient all-reduces of one forward or backward on this
+// rank: how many, their fp32 payload, and the time spent in them. Host
+// communicators: wall time of the calls (device buffers include their staging
+// copies). NCCL: GPU time between events around each call on the layer's
+// stream, which includes waiting for the slowest rank to arrive.
+struct LactExchangeStats {
+  int64_t calls = 0;
+  double bytes = 0;
+  double seconds = 0;
+};
+
 class LactLayer {
  public:
   // Validates the config (throws naming "chunk", "momentum" or "muon_steps").
@@ -71,6 +82,9 @@ class LactLayer {
   void backward(const LactBackwardArgs& args);
 
   const LactConfig& config() const { return config_; }
+  // The all-reduces of the last forward and of the last backward.
+  const LactExchangeStats& last_forward_exchange() const { return forward_exchange_; }
+  const LactExchangeStats& last_backward_exchange() const { return backward_exchange_; }
 
  private:
   struct Saved;
@@ -79,11 +93,13 @@ class LactLayer {
   struct DeviceStateDeleter {
     void operator()(DeviceState* state) const;
   };
+  LactAllReduce<float> all_reduce(LactExchangeStats& stats);
   void forward_device(const LactForwardArgs& args);
   void backward_device(const LactBackwardArgs& args);
 
   Communicator& comm_;
   LactConfig config_;
+  LactExchangeStats forward_exchange_, backward_exchange_;
   std::unique_ptr<Saved> saved_;
   std::unique_ptr<DeviceState, DeviceStateDeleter> device_;
 };

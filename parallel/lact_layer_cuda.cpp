@@ -152,45 +152,73 @@ struct LactLayer::DeviceState {
   ~DeviceState() {
     // Saved buffers are plain cudaMalloc; the stream's scratch frees on it.
     if (stream != nullptr) (void)cudaStreamSynchronize(stream);
+    for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
     if (owns_stream) (void)cudaStreamDestroy(stream);
   }
   DeviceState(const DeviceState&) = delete;
   DeviceState& operator=(const DeviceState&) = delete;
 
   // Waits until everything enqueued on the stream is done (through NCCL's
-  // watchdog when the communicator is NCCL).
-  void finish(Communicator& comm) {
+  // watchdog when the communicator is NCCL), then adds the GPU time of the
+  // pass's NCCL all-reduces to `stats`.
+  void finish(Communicator& comm, LactExchangeStats& stats) {
 #ifdef STATESCAN_HAS_NCCL
     if (NcclCommunicator* nccl = as_nccl(comm)) {
       nccl->wait();
+      for (std::size_t i = 0; i + 1 < events_used; i += 2) {
+        float ms = 0;
+        SS_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
+        stats.seconds += 1e-3 * ms;
+      }
+      events_used = 0;
       return;
     }
 #endif
     (void)comm;
+    (void)stats;
     SS_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 
-  // The all-reduce of device fp32 buffers over `comm`.
-  cuda::LactDeviceAllReduce all_reduce(Communicator& comm) {
+  // The all-reduce of device fp32 buffers over `comm`, counted into `stats`.
+  cuda::LactDeviceAllReduce all_reduce(Communicator& comm, LactExchangeStats& stats) {
     if (comm.size() == 1) return {};
+    events_used = 0;  // a pass that threw may have left some behind
 #ifdef STATESCAN_HAS_NCCL
     if (NcclCommunicator* nccl = as_nccl(comm)) {
-      return [nccl](float* data, std::size_t count, cudaStream_t) {
+      // Stream-ordered: bracketed by events, read back in finish().
+      return [this, nccl, &stats](float* data, std::size_t count, cudaStream_t s) {
+        SS_CUDA_CHECK(cudaEventRecord(next_event(), s));
         nccl->all_reduce_sum(data, count, CommType::f32);
+        SS_CUDA_CHECK(cudaEventRecord(next_event(), s));
+        stats.bytes += static_cast<double>(count * sizeof(float));
+        ++stats.calls;
       };
     }
 #endif
     // Host communicators: through the host, in stream order.
-    return [&comm](float* data, std::size_t count, cudaStream_t s) {
+    return [&comm, &stats](float* data, std::size_t count, cudaStream_t s) {
       std::vector<float> host(count);
       SS_CUDA_CHECK(
           cudaMemcpyAsync(host.data(), data, count * sizeof(float), cudaMemcpyDeviceToHost, s));
       SS_CUDA_CHECK(cudaStreamSynchronize(s));
-      comm.all_reduce_sum(host.data(), count, CommType::f32);
+      lact_detail::timed_all_reduce(comm, host.data(), count, stats);
       SS_CUDA_CHECK(
           cudaMemcpyAsync(data, host.data(), count * sizeof(float), cudaMemcpyHostToDevice, s));
       SS_CUDA_CHECK(cudaStreamSynchronize(s));
     };
+  }
+
+ private:
+  // Timing events for the NCCL all-reduces, reused from pass to pass.
+  std::vector<cudaEvent_t> events;
+  std::size_t events_used = 0;
+  cudaEvent_t next_event() {
+    if (events_used == events.size()) {
+      cudaEvent_t e = nullptr;
+      SS_CUDA_CHECK(cudaEventCreate(&e));
+      events.push_back(e);
+    }
+    return events[events_used++];
   }
 };
 
@@ -235,8 +263,10 @@ void LactLayer::forward_device(const LactForwardArgs& a) {
   p.o = a.o.data;
   collective_check(control, [&] { cuda::lact_cuda_check_data(p, state->stream); });
 
-  cuda::lact_cuda_forward(p, state->all_reduce(comm_), &state->saved, state->stream);
-  state->finish(comm_);
+  forward_exchange_ = {};
+  cuda::lact_cuda_forward(p, state->all_reduce(comm_, forward_exchange_), &state->saved,
+                          state->stream);
+  state->finish(comm_, forward_exchange_);
   device_ = std::move(state);
 }
 
@@ -265,8 +295,10 @@ void LactLayer::backward_device(const LactBackwardArgs& a) {
   g.dw0 = a.dw0.data;
   g.dw1 = a.dw1.data;
   g.dw2 = a.dw2.data;
-  cuda::lact_cuda_backward(state.params, g, state.saved, state.all_reduce(comm_), state.stream);
-  state.finish(comm_);
+  backward_exchange_ = {};
+  cuda::lact_cuda_backward(state.params, g, state.saved, state.all_reduce(comm_, backward_exchange_),
+                           state.stream);
+  state.finish(comm_, backward_exchange_);
 }
 
 }  // namespace statescan

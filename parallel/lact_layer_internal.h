@@ -29,6 +29,10 @@ LocalSizes check_forward_shapes(const LactForwardArgs& a, const Placement& where
 // The same for backward, against the forward's sizes.
 void check_backward_shapes(const LactBackwardArgs& a, const LocalSizes& s, const Placement& where);
 
+// comm.all_reduce_sum of `count` host floats, counted and timed into `stats`.
+void timed_all_reduce(Communicator& comm, float* data, std::size_t count,
+                      LactExchangeStats& stats);
+
 // FNV-1a hash of `bytes` bytes (host memory).
 int64_t content_hash(const void* data, std::size_t bytes);
 

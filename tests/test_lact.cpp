@@ -307,6 +307,10 @@ TEST_P(LactCpuPath, SingleRankLayerMatchesReference) {
   SingleRankCommunicator self;
   LactLayer layer(self, cfg);
   expect_close(run_lact_layer(layer, p, 1, 0), run_lact_kernel<double>(p, cfg), kF32Tol, "");
+  // A group of one exchanges nothing, so it reports no all-reduces.
+  EXPECT_EQ(layer.last_forward_exchange().calls, 0);
+  EXPECT_EQ(layer.last_backward_exchange().calls, 0);
+  EXPECT_EQ(layer.last_forward_exchange().bytes + layer.last_backward_exchange().bytes, 0.0);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllOptions, LactCpuPath, ::testing::ValuesIn(all_lact_cases()), case_name);

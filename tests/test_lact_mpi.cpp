@@ -104,6 +104,29 @@ TEST_P(LactSharding, Fp32LayerMatchesReference) {
   expect_slices_match(mine, run_lact_kernel<double>(p, cfg), s, c.chunk, kTol);
 }
 
+// The layer's exchange statistics count exactly its fast-weight all-reduces:
+// one per chunk in forward of every (row, head)'s three M x D gradients, one
+// per chunk plus one of the initial weights' gradients (summed over rows) in
+// backward.
+TEST_P(LactSharding, ExchangeStatsCountTheAllReduces) {
+  const ShardCase& c = GetParam();
+  Communicator& comm = world();
+  const LactSizes s{2, c.seq_len, 2, 8, 16};
+  const LactProblem p = rounded(random_lact_problem(s, seed_of(c) + 2));
+  LactLayer layer(comm, c.options.config(c.chunk));
+  run_lact_layer(layer, p, comm.size(), comm.rank());
+  const int64_t chunks = (c.seq_len + c.chunk - 1) / c.chunk;
+  const double block = 3.0 * static_cast<double>(s.hidden * s.dim) * sizeof(float);
+  const LactExchangeStats& f = layer.last_forward_exchange();
+  const LactExchangeStats& b = layer.last_backward_exchange();
+  EXPECT_EQ(f.calls, chunks);
+  EXPECT_DOUBLE_EQ(f.bytes, static_cast<double>(chunks * s.batch * s.heads) * block);
+  EXPECT_GT(f.seconds, 0.0);
+  EXPECT_EQ(b.calls, chunks + 1);
+  EXPECT_DOUBLE_EQ(b.bytes, static_cast<double>(chunks * s.batch * s.heads + s.heads) * block);
+  EXPECT_GT(b.seconds, 0.0);
+}
+
 std::vector<ShardCase> shard_cases() {
   std::vector<ShardCase> cases;
   for (const LactCase& o : all_lact_cases()) {
