@@ -345,6 +345,7 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
     const bool have_bwd = std::isfinite(m.bwd_ms);
     CpLocalTimes times = estimate_local_times(layer, m.fwd_ms, have_bwd ? m.bwd_ms : -1);
     times.summary_fwd_ms = m.summary_ms;
+    times.summary_fwd_first_ms = m.summary_e_ms;  // the first rank's (P = 2)
     if (std::isfinite(m.prepass_ms)) times.summary_bwd_ms = m.prepass_ms;
     times.merge_ms = 0.5 * (m.merge_fwd_ms + m.merge_bwd_ms);
     CpModelConfig config;
@@ -354,7 +355,8 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
     std::vector<std::string> notes{
         std::string("fwd, summary fwd, merge: measured now on ") + prop.name,
         have_bwd ? "bwd, summary bwd (pre-pass): measured now"
-                 : "bwd: ASSUMED 2 x fwd, summary bwd MODELLED (the GPU backward did not run)",
+                 : "bwd: ASSUMED from the README's bwd/fwd ratio, summary bwd MODELLED (the GPU "
+                   "backward did not run)",
         std::string("link preset: ") + to_string(o.link)};
     const CpModelResult result = predict_cp_scaling(layer, times, config);
     out << format_cp_model_table(layer, times, config, result, notes);

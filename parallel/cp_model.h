@@ -5,8 +5,15 @@
 // Weak scaling: every rank holds seq_len tokens whatever P is. Per layer,
 // forward + backward:
 //   t(1) = fwd + bwd
-//   t(P) = fwd + bwd + summary_fwd + summary_bwd + 2 * merge
+//   t(P) = fwd + bwd + summary_fwd(P) + summary_bwd + 2 * merge
 //          + max(0, exchange_fwd - overlap * fwd) + max(0, exchange_bwd - overlap * bwd)
+//   summary_fwd(2) = summary_fwd_first (the first rank's E only),
+//   summary_fwd(P >= 3) = summary_fwd (a middle rank's E and M).
+// Why P = 2 differs: the first rank has no incoming state, so it sends E alone
+// and skips M; the last rank sends nothing forward and skips the summary. At
+// P = 2 the forward critical path is therefore the first rank's E; from P = 3
+// on a middle rank computes both. In backward every rank but the first runs
+// the pre-pass (summary_bwd), so it is on the critical path at every P >= 2.
 // The summary does not depend on the incoming state, so nothing hides it: it
 // is always on the critical path. State-independent local work (A, W, U of the
 // chunkwise pass) may run while the exchange is in flight; `overlap` is the
@@ -47,30 +54,62 @@ int64_t cp_apply_flops(const CpLayer& layer);
 //                 chunk gradient 2*C*Dk*Dv (M_r^T is kept from forward)
 //   additive:     diagonal M: chunk carry 2*C*Dk*Dv and a Dk*Dv scaling, both ways
 double cp_summary_flops(const CpLayer& layer, bool backward);
+// Counted work of the first rank's forward summary: E alone (chunk carry and
+// composing E; delta rules skip the chunk transition's M and composing M).
+// For Dk = Dv this is half of the delta rules' forward count, which matches
+// the measurement (KDA, H200: E alone 5.71 ms of E+M 11.49 ms, 49.7 %).
+double cp_summary_first_flops(const CpLayer& layer);
 // HBM bytes the summary reads: k, v (dtype), gates (fp32), beta (dtype).
 double cp_summary_bytes(const CpLayer& layer);
 
+// Effective summary rates, calibrated 2026-11-30 on one H200 (141 GB HBM3e)
+// from `statescan-bench --cp-measure`, KDA, B=1, T=131072, H=16, D=128, bf16,
+// chunk 64, a middle rank: summary fwd (E+M) 11.49 ms, summary bwd (pre-pass)
+// 23.53 ms. Rate = cp_summary_flops of that layer / measured time:
+//   fwd: 2048 chunks x 16 heads x 12,582,912 FLOP = 412,316,860,416 FLOP
+//   bwd: 2048 chunks x 16 heads x  8,388,608 FLOP = 274,877,906,944 FLOP
+// The summary is a sequential scan over chunks (each chunk's composition waits
+// for the previous one), far from throughput-bound: 35.9 and 11.7 TFLOP/s
+// against 989 TF32 dense peak. The check against a second measurement
+// (Gated DeltaNet: 11.49 / 20.19 ms) is in tests/test_cp_model.cpp.
+inline constexpr double kSummaryFwdFlopsPerS = 412316860416.0 / 11.49e-3;  // 35.9 TFLOP/s
+inline constexpr double kSummaryBwdFlopsPerS = 274877906944.0 / 23.53e-3;  // 11.7 TFLOP/s
+
 // The GPU the summary and merge run on. Defaults: one H200, 4.8 TB/s HBM3e;
-// 300 TFLOP/s achievable for fp32-accumulate tensor-core GEMMs (an assumption:
-// 989 TF32 dense peak); 5 us per kernel launch.
+// the calibrated summary rates above; 5 us per kernel launch.
 struct CpGpuModel {
-  double flops_per_s = 300e12;
+  double summary_fwd_flops_per_s = kSummaryFwdFlopsPerS;
+  double summary_bwd_flops_per_s = kSummaryBwdFlopsPerS;
   double hbm_Bps = 4.8e12;
   double launch_s = 5e-6;
 };
 
+// Single-GPU times of one layer measured on one H200 at the README shape
+// (B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-11-30; README.md's
+// Performance table): the local forward, and forward + backward.
+struct CpReferenceTimes {
+  double fwd_ms = 0, fwd_bwd_ms = 0;
+  double bwd_ms() const { return fwd_bwd_ms - fwd_ms; }
+};
+CpReferenceTimes cp_h200_reference_128k(Variant variant);
+
 // Single-GPU times of one layer, ms. merge_ms is per direction (forward and
-// backward each merge once).
+// backward each merge once). summary_fwd_ms is a middle rank's (E and M),
+// summary_fwd_first_ms the first rank's (E alone), which is what P = 2 waits
+// for; < 0 means not known, and P = 2 then pays summary_fwd_ms (never a
+// silent zero). A first-rank time above the middle rank's is capped at it (E
+// is a part of the middle rank's work).
 struct CpLocalTimes {
   double fwd_ms = 0, bwd_ms = 0;
-  double summary_fwd_ms = 0, summary_bwd_ms = 0;
+  double summary_fwd_ms = 0, summary_fwd_first_ms = -1, summary_bwd_ms = 0;
   double merge_ms = 0;
 };
 
 // Fills the summary and merge times from the counted work (the larger of the
-// FLOP time and the HBM time, plus one launch; merge: read and write one state
-// in HBM, plus one launch), and bwd = 2 * fwd when bwd_ms < 0 (the GPU
-// backward does not exist yet: an assumption the output must label).
+// FLOP time at the calibrated rate and the HBM time, plus one launch; merge:
+// read and write one state in HBM, plus one launch), and, when bwd_ms < 0,
+// bwd = fwd x the variant's measured bwd/fwd ratio of cp_h200_reference_128k
+// (an assumption for other shapes, which the output must label).
 CpLocalTimes estimate_local_times(const CpLayer& layer, double fwd_ms, double bwd_ms,
                                   const CpGpuModel& gpu = {});
 
