@@ -65,8 +65,8 @@ void validate(const MixerBwdParams& p) {
                  "state_grad_only needs an output for the state gradient");
     return;
   }
-  SS_CHECK_ARG(p.chunk_states != nullptr, "chunk_states",
-               "backward needs the chunk states saved by forward");
+  SS_CHECK_ARG(p.chunk_states != nullptr || p.recompute_chunk_states, "chunk_states",
+               "backward needs the chunk states saved by forward (or recompute_chunk_states)");
   SS_CHECK_ARG(p.dq && p.dk_out && p.dv_out, "dq/dk/dv", "gradient pointers must not be null");
   SS_CHECK_ARG((p.dg != nullptr) == (p.g != nullptr), "dg", "must be given exactly when g is");
   SS_CHECK_ARG((p.dbeta != nullptr) == (p.beta != nullptr), "dbeta",

@@ -77,6 +77,12 @@ struct MixerBwdParams : MixerParams {
   // may be null). Context parallelism uses this pre-pass: the gradient of a
   // shard's incoming state with zero downstream gradient (DESIGN §5).
   bool state_grad_only = false;
+
+  // When set, chunk_states is not read (it may be null): backward re-runs the
+  // forward's state scan into its own workspace first. Forward then need not
+  // keep the 4*Dk*Dv/chunk bytes per token and head of fp32 chunk states
+  // between the passes, at the cost of one more scan in backward.
+  bool recompute_chunk_states = false;
 };
 
 // Segment n's token range [begin, end) within its batch row.

@@ -19,10 +19,13 @@
 //                   [--link-bw-GBps X] [--link-latency-us X] [--ib-bw-GBps X]
 //                   [--ib-latency-us X] [--compose-TFLOPs X] [--overlap F]
 //                   [--fwd-ms X] [--bwd-ms X] [--summary-fwd-ms X]
-//                   [--summary-bwd-ms X] [--merge-ms X] [--cp-measure] [--json F]
+//                   [--summary-fwd-first-ms X] [--summary-bwd-ms X] [--merge-ms X]
+//                   [--cp-measure] [--json F]
 // It never touches CUDA (it runs on machines without a GPU); the local forward
-// time is --fwd-ms, else the H200 figure measured in README.md for the variant
-// (scaled linearly in B*T*H). --cp-measure instead measures every piece on
+// and backward times are --fwd-ms / --bwd-ms, else the H200 figures measured
+// in README.md for the variant (scaled linearly in B*T*H; D=128, chunk 64,
+// bf16 only), the summaries the counted work at rates calibrated on the
+// measured KDA summary (parallel/cp_model.h). --cp-measure instead measures every piece on
 // GPU 0 (local forward and backward, summary, pre-pass, merge: the overhead of
 // issue 5) and feeds the model with them (launch/bench_cp_cuda.h).
 //
@@ -38,7 +41,8 @@
 // the per-chunk intermediates and states are not counted.
 //
 // --backward: forward + backward rows instead (kernels/cuda/chunk_backward.cuh):
-//   statescan-bench --backward [-v kda] [-t 32768,1048576] [-n 5] [--json F]
+//   statescan-bench --backward [--recompute] [-v kda] [-t 32768,1048576] [-n 5] [--json F]
+// (--recompute: forward saves no chunk states; backward recomputes them)
 // Per variant and T: median forward time (saving chunk_states), median
 // forward+backward time, tokens/s of the pair, TFLOP/s and GB/s of the pair
 // against the counted models below, the peak device memory of the step
@@ -99,6 +103,7 @@ struct Options {
   std::string plot;  // --plot FILE.png: tokens/s against T, one line per variant
   bool help = false;
   bool backward = false;  // --backward: forward + backward rows
+  bool recompute = false;  // --recompute: with --backward, chunk states recomputed
 
   // --cp-model (see the comment at the top); negative times mean "not given".
   bool cp_model = false, cp_measure = false;
@@ -110,7 +115,8 @@ struct Options {
   int gpus_per_node = 8;
   double link_bw_GBps = -1, link_latency_us = -1, ib_bw_GBps = -1, ib_latency_us = -1;
   double compose_tflops = -1, overlap = 0;
-  double fwd_ms = -1, bwd_ms = -1, summary_fwd_ms = -1, summary_bwd_ms = -1, merge_ms = -1;
+  double fwd_ms = -1, bwd_ms = -1, summary_fwd_ms = -1, summary_fwd_first_ms = -1,
+         summary_bwd_ms = -1, merge_ms = -1;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -158,6 +164,8 @@ Options parse(int argc, char** argv) {
                    "'", o.plot, "' must end in .png");
     } else if (arg == "--backward") {
       o.backward = true;
+    } else if (arg == "--recompute") {
+      o.recompute = true;
     } else if (arg == "--cp-model") {
       o.cp_model = true;
     } else if (arg == "--cp-measure") {
@@ -195,6 +203,8 @@ Options parse(int argc, char** argv) {
       o.bwd_ms = parse_positive_number(value(), "--bwd-ms");
     } else if (arg == "--summary-fwd-ms") {
       o.summary_fwd_ms = parse_positive_number(value(), "--summary-fwd-ms");
+    } else if (arg == "--summary-fwd-first-ms") {
+      o.summary_fwd_first_ms = parse_positive_number(value(), "--summary-fwd-first-ms");
     } else if (arg == "--summary-bwd-ms") {
       o.summary_bwd_ms = parse_positive_number(value(), "--summary-bwd-ms");
     } else if (arg == "--merge-ms") {
@@ -206,6 +216,7 @@ Options parse(int argc, char** argv) {
     }
   }
   SS_CHECK_ARG(o.iters >= 1, "iters", "must be >= 1");
+  SS_CHECK_ARG(!o.recompute || o.backward, "--recompute", "applies to --backward only");
   return o;
 }
 
@@ -456,6 +467,7 @@ struct StepTensors {
         dh0(static_cast<std::size_t>(B * H * D * D)) {}
 
   // Forward and backward parameters over these tensors.
+  // With no chunk_states buffer (num_chunks 0) the backward recomputes them.
   MixerBwdParams params(Variant variant, int64_t B, int64_t T, int64_t H, int64_t D, DType t,
                         int64_t chunk) {
     MixerBwdParams p;
@@ -475,7 +487,8 @@ struct StepTensors {
     p.g = g.size() ? g.data() : nullptr;
     p.beta = beta.size() ? beta.data() : nullptr;
     p.o = o.data();
-    p.chunk_states = chunk_states.data();
+    p.chunk_states = chunk_states.size() ? chunk_states.data() : nullptr;
+    p.recompute_chunk_states = chunk_states.size() == 0;
     p.d_o = d_o.data();
     p.dq = dq.data();
     p.dk_out = dk.data();
@@ -498,14 +511,15 @@ std::vector<double> head_slice(const std::vector<float>& all, int64_t tokens, in
 
 // err_grad: forward + backward of a T_ref-token, 2-head problem whose inputs
 // are the first tokens of the big one, against ref::backward on every head.
-double gradient_error(Variant variant, int64_t D, DType t, int64_t chunk, uint64_t seed) {
+double gradient_error(Variant variant, int64_t D, DType t, int64_t chunk, bool recompute,
+                      uint64_t seed) {
   const int64_t T = 512, H = 2;
   MixerParams shape;
   shape.seq_len = T;
   shape.chunk = chunk;
   shape.batch = 1;
   shape.num_segments = 1;
-  StepTensors x(variant, 1, T, H, D, t, count_chunks(shape));
+  StepTensors x(variant, 1, T, H, D, t, recompute ? 0 : count_chunks(shape));
   fill_random(x.q.data(), t, T * H * D, seed + 1, Fill::normal);
   fill_random(x.k.data(), t, T * H * D, seed + 2, Fill::normal);
   fill_random(x.v.data(), t, T * H * D, seed + 3, Fill::normal);
@@ -590,11 +604,13 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
   SS_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   BwdRow r;
   {
-    StepTensors x(variant, B, T, H, D, t, num_chunks);
+    // --recompute: forward keeps no chunk states; backward re-derives them.
+    StepTensors x(variant, B, T, H, D, t, opt.recompute ? 0 : num_chunks);
     MixerBwdParams p = x.params(variant, B, T, H, D, t, opt.chunk);
     // One workspace serves both calls (they never overlap).
     DeviceBuffer<unsigned char> workspace(
-        std::max(cuda::forward_workspace_bytes(p), cuda::backward_workspace_bytes(p)));
+        std::max(cuda::forward_workspace_bytes(p),
+                 cuda::backward_workspace_bytes(p, p.recompute_chunk_states)));
     SS_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
     fill_random(x.q.data(), t, tokens * D, 1, Fill::normal);
     fill_random(x.k.data(), t, tokens * D, 2, Fill::normal);
@@ -616,7 +632,7 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
     SS_CUDA_CHECK(cudaStreamDestroy(stream));
   }
   r.peak_gb = static_cast<double>(free_before - free_after) / 1e9;
-  r.err_grad = gradient_error(variant, D, t, opt.chunk, 100);
+  r.err_grad = gradient_error(variant, D, t, opt.chunk, opt.recompute, 100);
 
   const double C = static_cast<double>(opt.chunk), d = static_cast<double>(D);
   const double fwd_flop = has_beta(variant) ? 5.0 * C * d + 6.0 * d * d : 2.0 * C * d + 4.0 * d * d;
@@ -645,6 +661,9 @@ int run_backward_table(const Options& opt, const cudaDeviceProp& prop) {
               prop.name, prop.multiProcessorCount);
   std::printf("# dtype %s, chunk %lld, warm-up %d, timed %d (median), l2norm_qk on delta rules\n",
               to_string(opt.dtype), static_cast<long long>(opt.chunk), opt.warmup, opt.iters);
+  std::printf("# chunk states: %s\n",
+              opt.recompute ? "recomputed by backward (--recompute)"
+                            : "saved by forward (fp32, 4 D^2 / chunk bytes per token-head)");
   std::printf(
       "# tokens/s, TFLOP/s, GB/s: of forward+backward; peak: device memory of the step;\n"
       "# err_grad: worst rel RMS of dq,dk,dv,dg,dbeta,dh0 vs fp64 (512 tokens, 2 heads)\n#\n");
@@ -682,26 +701,6 @@ int run_backward_table(const Options& opt, const cudaDeviceProp& prop) {
   return 0;
 }
 
-// Forward ms of the README's H200 table (B=1, T=131072, H=16, D=128, bf16,
-// chunk 64, 2026-11-30), the --cp-model default when no GPU measures it.
-double readme_fwd_ms_128k(Variant v) {
-  switch (v) {
-    case Variant::linear:
-      return 5.566;
-    case Variant::retention:
-      return 6.628;
-    case Variant::gla:
-      return 11.077;
-    case Variant::deltanet:
-      return 11.480;
-    case Variant::gated_deltanet:
-      return 12.763;
-    case Variant::kda:
-      return 16.362;
-  }
-  return 0;
-}
-
 // --cp-model: local times (measured, given or defaulted, each labelled) fed
 // to the scaling model, printed as a table and optionally as JSON.
 int run_cp_model(const Options& opt) {
@@ -716,37 +715,72 @@ int run_cp_model(const Options& opt) {
   std::vector<std::string> notes;
   char line[512];
 
+  // The defaults are README.md's H200 figures (cp_h200_reference_128k), valid
+  // for its shape only; B, T and H scale them linearly.
+  const CpReferenceTimes ref = cp_h200_reference_128k(layer.variant);
+  const bool readme_shape = layer.dk == 128 && layer.chunk == 64 && layer.dtype == DType::bf16;
+  const double scale =
+      static_cast<double>(layer.batch * layer.seq_len * layer.heads) / (131072.0 * 16.0);
   double fwd_ms = opt.fwd_ms;
   if (fwd_ms > 0) {
     notes.push_back("fwd: given by --fwd-ms");
   } else {
-    SS_CHECK_ARG(layer.dk == 128 && layer.chunk == 64 && layer.dtype == DType::bf16, "--fwd-ms",
+    SS_CHECK_ARG(readme_shape, "--fwd-ms",
                  "needed: the README default is for D=128, chunk 64, bf16 only");
-    const double scale =
-        static_cast<double>(layer.batch * layer.seq_len * layer.heads) / (131072.0 * 16.0);
-    fwd_ms = readme_fwd_ms_128k(layer.variant) * scale;
+    fwd_ms = ref.fwd_ms * scale;
     std::snprintf(line, sizeof line,
-                  "fwd: NOT measured: README.md's H200 figure for %s at T=131072, H=16, D=128, "
+                  "fwd: NOT measured here: README H200 figure for %s at T=131072, H=16, D=128, "
                   "bf16 (%.3f ms) x %.4g (B*T*H scaling)",
-                  to_string(layer.variant), readme_fwd_ms_128k(layer.variant), scale);
+                  to_string(layer.variant), ref.fwd_ms, scale);
     notes.push_back(line);
   }
-  CpGpuModel gpu;
-  CpLocalTimes times = estimate_local_times(layer, fwd_ms, opt.bwd_ms, gpu);
-  notes.push_back(
-      opt.bwd_ms > 0
-          ? "bwd: given by --bwd-ms"
-          : "bwd: ASSUMED 2 x fwd (not measured here: statescan-bench --backward times it)");
+  double bwd_ms = opt.bwd_ms;
+  if (bwd_ms > 0) {
+    notes.push_back("bwd: given by --bwd-ms");
+  } else if (readme_shape) {
+    bwd_ms = ref.bwd_ms() * scale;
+    std::snprintf(line, sizeof line,
+                  "bwd: NOT measured here: README H200 figure for %s at T=131072 (fwd+bwd %.2f - "
+                  "fwd %.3f = %.3f ms) x %.4g (B*T*H scaling)",
+                  to_string(layer.variant), ref.fwd_bwd_ms, ref.fwd_ms, ref.bwd_ms(), scale);
+    notes.push_back(line);
+  } else {
+    // estimate_local_times applies the README ratio when bwd_ms < 0.
+    std::snprintf(line, sizeof line,
+                  "bwd: ASSUMED fwd x %.3f, the README H200 bwd/fwd ratio for %s at D=128, "
+                  "chunk 64, bf16 (this shape differs; give --bwd-ms)",
+                  ref.bwd_ms() / ref.fwd_ms, to_string(layer.variant));
+    notes.push_back(line);
+  }
+  const CpGpuModel gpu;
+  CpLocalTimes times = estimate_local_times(layer, fwd_ms, bwd_ms, gpu);
+  const double first_share = times.summary_fwd_first_ms / times.summary_fwd_ms;
   if (opt.summary_fwd_ms > 0) times.summary_fwd_ms = opt.summary_fwd_ms;
+  if (opt.summary_fwd_first_ms > 0) {
+    times.summary_fwd_first_ms = opt.summary_fwd_first_ms;
+  } else if (opt.summary_fwd_ms > 0) {
+    times.summary_fwd_first_ms = first_share * opt.summary_fwd_ms;
+  }
   if (opt.summary_bwd_ms > 0) times.summary_bwd_ms = opt.summary_bwd_ms;
   if (opt.merge_ms > 0) times.merge_ms = opt.merge_ms;
   auto source = [](bool given) { return given ? "given" : "MODELLED"; };
+  char first_source[64];
+  std::snprintf(first_source, sizeof first_source, "%s",
+                opt.summary_fwd_first_ms > 0 ? "given" : "MODELLED");
+  if (opt.summary_fwd_first_ms < 0 && opt.summary_fwd_ms > 0)
+    std::snprintf(first_source, sizeof first_source, "the counted E share (%.3f) of the given",
+                  first_share);
   std::snprintf(line, sizeof line,
-                "summary fwd: %s, summary bwd: %s, merge: %s (modelled = counted work at %.0f "
-                "TFLOP/s, %.1f TB/s HBM, %.0f us launch; see parallel/cp_model.h)",
-                source(opt.summary_fwd_ms > 0), source(opt.summary_bwd_ms > 0),
-                source(opt.merge_ms > 0), gpu.flops_per_s / 1e12, gpu.hbm_Bps / 1e12,
-                gpu.launch_s * 1e6);
+                "summary fwd: %s, summary fwd first rank: %s, summary bwd: %s, merge: %s",
+                source(opt.summary_fwd_ms > 0), first_source, source(opt.summary_bwd_ms > 0),
+                source(opt.merge_ms > 0));
+  notes.push_back(line);
+  std::snprintf(line, sizeof line,
+                "MODELLED = counted work at the summary rates calibrated on KDA's measured "
+                "summary (H200, 2026-11-30: fwd %.1f, bwd %.1f TFLOP/s effective), %.1f TB/s HBM "
+                "floor, %.0f us launch; see parallel/cp_model.h",
+                gpu.summary_fwd_flops_per_s / 1e12, gpu.summary_bwd_flops_per_s / 1e12,
+                gpu.hbm_Bps / 1e12, gpu.launch_s * 1e6);
   notes.push_back(line);
 
   CpModelConfig config;
@@ -786,13 +820,14 @@ int run(int argc, char** argv) {
     std::printf(
         "usage: statescan-bench [-v variants] [-t lengths] [-b B] [-H heads] [-d dim]\n"
         "                       [-c chunk] [--dtype bf16|f16|f32] [-w warmup] [-n iters]\n"
-        "                       [--json file] [--plot file.png] [--backward]\n"
+        "                       [--json file] [--plot file.png] [--backward [--recompute]]\n"
         "       statescan-bench --cp-model [--variant kda] [--seq-len T] [-P 1024]\n"
         "                       [--link hierarchical|nvlink|ib] [--gpus-per-node 8]\n"
         "                       [--link-bw-GBps X] [--link-latency-us X] [--ib-bw-GBps X]\n"
         "                       [--ib-latency-us X] [--compose-TFLOPs X] [--overlap F]\n"
         "                       [--fwd-ms X] [--bwd-ms X] [--summary-fwd-ms X]\n"
-        "                       [--summary-bwd-ms X] [--merge-ms X] [--cp-measure] [--json F]\n");
+        "                       [--summary-fwd-first-ms X] [--summary-bwd-ms X] [--merge-ms X]\n"
+        "                       [--cp-measure] [--json F]\n");
     return 0;
   }
   // --cp-measure times every CP piece on this GPU (launch/bench_cp_cuda.h)

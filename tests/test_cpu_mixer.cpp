@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -96,13 +98,16 @@ struct BackwardResult {
 
 // mixer_backward (after a forward that saved the chunk states), outputs
 // poisoned with NaN beforehand. dht may be empty (zero).
+// recompute: backward re-derives the chunk states (none are passed to it).
 BackwardResult run_backward(const Fp32Problem& fp, int64_t chunk, const std::vector<float>& d_o,
-                            const std::vector<float>& dht, bool state_grad_only = false) {
+                            const std::vector<float>& dht, bool state_grad_only = false,
+                            bool recompute = false) {
   ForwardResult fwd = run_forward(fp, chunk);
   MixerBwdParams p;
   static_cast<MixerParams&>(p) = fp.params(chunk);
   p.o = fwd.o.data();
-  p.chunk_states = fwd.chunk_states.data();
+  p.chunk_states = recompute ? nullptr : fwd.chunk_states.data();
+  p.recompute_chunk_states = recompute;
   p.d_o = d_o.data();
   p.d_final_state = dht.empty() ? nullptr : dht.data();
   p.state_grad_only = state_grad_only;
@@ -300,6 +305,26 @@ TEST_P(CpuMixer, StateGradOnlyEqualsFullBackward) {
   const BackwardResult full = run_backward(fp, chunk(), cast(ct.d_o), cast(ct.dht));
   const BackwardResult only = run_backward(fp, chunk(), cast(ct.d_o), cast(ct.dht), true);
   EXPECT_LE(rel_rms(only.dh0, full.dh0), kTol);
+}
+
+// Backward that recomputes the chunk states (the same forward pass) gives
+// bitwise the gradients of the one that reads the saved states.
+TEST_P(CpuMixer, RecomputedChunkStatesGiveTheSavedStatesGradients) {
+  Fp32Problem fp(random_problem(packed_spec(), seed()));
+  const Cotangents ct = random_cotangents(fp, with_h0(), seed() + 2);
+  const BackwardResult saved = run_backward(fp, chunk(), cast(ct.d_o), cast(ct.dht));
+  const BackwardResult again = run_backward(fp, chunk(), cast(ct.d_o), cast(ct.dht), false, true);
+  auto bits = [](const std::vector<float>& x) {
+    std::vector<uint32_t> b(x.size());
+    if (!x.empty()) std::memcpy(b.data(), x.data(), x.size() * sizeof(float));
+    return b;
+  };
+  EXPECT_EQ(bits(again.dq), bits(saved.dq));
+  EXPECT_EQ(bits(again.dk), bits(saved.dk));
+  EXPECT_EQ(bits(again.dv), bits(saved.dv));
+  EXPECT_EQ(bits(again.dg), bits(saved.dg));
+  EXPECT_EQ(bits(again.dbeta), bits(saved.dbeta));
+  EXPECT_EQ(bits(again.dh0), bits(saved.dh0));
 }
 
 // ---- summary (DESIGN §5) ---------------------------------------------------------

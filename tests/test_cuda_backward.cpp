@@ -323,6 +323,48 @@ TEST_P(CudaBackward, IsDeterministic) {
   for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(first[i] == second[i]) << "output " << i;
 }
 
+// recompute_chunk_states: backward re-derives the chunk states with the
+// forward's own scan, so its gradients are bitwise those of the run that read
+// the saved states (outputs poisoned again in between), packed sequences and
+// an initial state included; the caller's workspace entry point sizes for it.
+TEST_P(CudaBackward, RecomputedChunkStatesGiveTheSavedStatesGradients) {
+  ProblemSpec s = spec();
+  s.batch = 1;
+  s.seq_len = 230;
+  s.cu_seqlens = {0, 17, 81, 150, 151, 230};
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(12));
+  GpuBackward gpu(p, dtype(), 64, true, seed(12) + 1);
+  gpu.run_forward();
+  gpu.run_backward();
+  const auto expected = gpu.raw_outputs();
+  MixerBwdParams m = gpu.backward_params();  // poisons the outputs again
+  m.chunk_states = nullptr;
+  m.recompute_chunk_states = true;
+  cuda::mixer_backward(m, nullptr);
+  GpuBackward::check_sync();
+  const auto got = gpu.raw_outputs();
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == expected[i]) << "output " << i;
+
+  m = gpu.backward_params();
+  m.chunk_states = nullptr;
+  m.recompute_chunk_states = true;
+  const size_t bytes = cuda::backward_workspace_bytes(m, true);
+  EXPECT_GT(bytes, cuda::backward_workspace_bytes(m));  // room for the states
+  DeviceBuffer<unsigned char> workspace(bytes);
+  cuda::mixer_backward(m, workspace.data(), bytes, nullptr);
+  GpuBackward::check_sync();
+  const auto again = gpu.raw_outputs();
+  for (size_t i = 0; i < again.size(); ++i) EXPECT_TRUE(again[i] == expected[i]) << "output " << i;
+  try {
+    cuda::mixer_backward(m, workspace.data(), cuda::backward_workspace_bytes(m), nullptr);
+    FAIL() << "expected statescan::Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "workspace");
+  }
+}
+
 // The CP pre-pass: only d_initial_state, equal to the full run's; every other
 // output keeps its poison.
 TEST_P(CudaBackward, StateGradOnlyWritesOnlyInitialStateGradient) {

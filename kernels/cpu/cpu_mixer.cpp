@@ -534,6 +534,23 @@ void mixer_forward(const MixerParams& p) {
 void mixer_backward(const MixerBwdParams& p) {
   validate(p);
   check_cpu_inputs(p);
+  if (p.recompute_chunk_states && !p.state_grad_only) {
+    // Re-run the forward for its chunk states (its o goes to scratch; the
+    // caller's final_state is left alone), then the usual backward.
+    std::vector<float> states(
+        static_cast<std::size_t>(count_chunks(p) * p.heads * p.dk * p.dv));
+    std::vector<float> o(static_cast<std::size_t>(p.batch * p.seq_len * p.heads * p.dv));
+    MixerParams fwd = p;
+    fwd.o = o.data();
+    fwd.final_state = nullptr;
+    fwd.chunk_states = states.data();
+    mixer_forward(fwd);
+    MixerBwdParams with_states = p;
+    with_states.chunk_states = states.data();
+    with_states.recompute_chunk_states = false;
+    mixer_backward(with_states);
+    return;
+  }
   dispatch(p.variant, [&](auto tag) {
     using Tag = decltype(tag);
     parallel_for(p.num_segments * p.heads, [&](int64_t index) {

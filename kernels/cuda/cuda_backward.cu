@@ -71,17 +71,22 @@ int grad_blocks(const MixerParams& p) {
 }
 
 struct BackwardLayout {
-  size_t forward = 0, ds = 0, scratch = 0, total = 0;
+  size_t forward = 0, ds = 0, scratch = 0, states = 0, total = 0;
 };
 
-BackwardLayout layout_for(const MixerParams& p) {
+// `recompute`: room for the fp32 chunk states the backward re-derives.
+BackwardLayout layout_for(const MixerParams& p, bool recompute) {
   BackwardLayout l;
+  const size_t states =
+      align_up(static_cast<size_t>(max_chunks(p) * p.heads * p.dk * p.dv) * sizeof(float));
   size_t at = align_up(forward_workspace_bytes(p));
   l.forward = 0;
   l.ds = at;
-  at += align_up(static_cast<size_t>(max_chunks(p) * p.heads * p.dk * p.dv) * sizeof(float));
+  at += states;
   l.scratch = at;
   at += align_up(static_cast<size_t>(grad_blocks(p) * scratch_floats_per_block(p)) * sizeof(float));
+  l.states = at;
+  if (recompute) at += states;
   l.total = at;
   return l;
 }
@@ -97,11 +102,11 @@ void check_backward_args(const MixerBwdParams& p) {
                  "state_grad_only needs an output for the state gradient");
     return;
   }
-  SS_CHECK_ARG(p.chunk_states != nullptr, "chunk_states",
-               "backward needs the chunk states saved by forward");
+  SS_CHECK_ARG(p.chunk_states != nullptr || p.recompute_chunk_states, "chunk_states",
+               "backward needs the chunk states saved by forward (or recompute_chunk_states)");
   // The tensor-core gradient kernel reads 16x16 tiles of the states directly.
-  SS_CHECK_ARG(reinterpret_cast<uintptr_t>(p.chunk_states) % 32 == 0, "chunk_states",
-               "must be 32-byte aligned");
+  SS_CHECK_ARG(p.recompute_chunk_states || reinterpret_cast<uintptr_t>(p.chunk_states) % 32 == 0,
+               "chunk_states", "must be 32-byte aligned");
   SS_CHECK_ARG(p.dq && p.dk_out && p.dv_out, "dq/dk/dv", "gradient pointers must not be null");
   SS_CHECK_ARG((p.dg != nullptr) == (p.g != nullptr), "dg", "must be given exactly when g is");
   SS_CHECK_ARG((p.dbeta != nullptr) == (p.beta != nullptr), "dbeta",
@@ -143,14 +148,15 @@ void launch_variant(const MixerBwdParams& p, const BackwardArgs& a, int blocks,
 
 }  // namespace
 
-size_t backward_workspace_bytes(const MixerParams& p) {
-  return layout_for(p).total;
+size_t backward_workspace_bytes(const MixerParams& p, bool recompute_chunk_states) {
+  return layout_for(p, recompute_chunk_states).total;
 }
 
 void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_bytes,
                     cudaStream_t stream) {
   check_backward_args(p);
-  const BackwardLayout l = layout_for(p);
+  const bool recompute = p.recompute_chunk_states && !p.state_grad_only;
+  const BackwardLayout l = layout_for(p, recompute);
   SS_CHECK_ARG(workspace != nullptr && workspace_bytes >= l.total, "workspace", "needs ", l.total,
                " bytes, got ", workspace_bytes);
   // plan_forward validates the problem as a forward call, which needs an
@@ -159,15 +165,24 @@ void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_b
   MixerParams fwd = p;
   if (fwd.o == nullptr) fwd.o = workspace;
   char* base = static_cast<char*>(workspace);
+  int stages = detail::kStagePrepare;
+  if (recompute) {
+    // The forward's scan re-derives the chunk states (the same kernel, so the
+    // same values forward would have saved); the caller's final_state is not
+    // touched.
+    fwd.chunk_states = reinterpret_cast<float*>(base + l.states);
+    fwd.final_state = nullptr;
+    stages |= detail::kStageScan;
+  }
   const detail::ForwardPlan plan =
       detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream);
-  detail::launch_forward_stages(fwd, plan.args, detail::kStagePrepare, stream);
+  detail::launch_forward_stages(fwd, plan.args, stages, stream);
 
   BackwardArgs a;
   a.f = plan.args;
   a.d_o = p.d_o;
   a.d_final_state = p.d_final_state;
-  a.chunk_states = p.chunk_states;
+  a.chunk_states = fwd.chunk_states;
   a.dq = p.dq;
   a.dk = p.dk_out;
   a.dv = p.dv_out;
@@ -184,7 +199,7 @@ void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_b
 
 void mixer_backward(const MixerBwdParams& p, cudaStream_t stream) {
   check_backward_args(p);
-  const size_t bytes = backward_workspace_bytes(p);
+  const size_t bytes = backward_workspace_bytes(p, p.recompute_chunk_states && !p.state_grad_only);
   void* workspace = nullptr;
   SS_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
   try {

@@ -41,7 +41,9 @@ void decode_forward(const MixerParams& p, cudaStream_t stream);
 // calls give bitwise-identical gradients. With p.state_grad_only only
 // d_initial_state is written (the CP pre-pass of DESIGN §5).
 void mixer_backward(const MixerBwdParams& p, cudaStream_t stream);
-size_t backward_workspace_bytes(const MixerParams& p);
+// With recompute_chunk_states (MixerBwdParams) the workspace also holds the
+// re-derived fp32 chunk states.
+size_t backward_workspace_bytes(const MixerParams& p, bool recompute_chunk_states = false);
 void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_bytes,
                     cudaStream_t stream);
 
