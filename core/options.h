@@ -51,6 +51,9 @@ struct MixerConfig {
   int64_t chunk = 64;        // 16, 32 or 64
   double scale = -1.0;       // < 0 means Dk^-1/2
   bool l2norm_qk = false;    // L2-normalise q and k per head inside the op
+  // Keep no fp32 chunk states from forward to backward (4*Dk*Dv/chunk bytes
+  // per token and head); backward recomputes them with one more state scan.
+  bool recompute_chunk_states = false;
 
   double scale_for(int64_t dk) const;
 };

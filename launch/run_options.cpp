@@ -156,6 +156,8 @@ const std::vector<OptionSpec>& option_specs() {
        }},
       {"--l2norm", false, false,
        [](RunOptions& o, const std::string&, const std::string&) { o.l2norm = true; }},
+      {"--recompute-states", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) { o.recompute_states = true; }},
       {"--scale", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
          o.scale = parse_positive_double(f, v);
@@ -240,6 +242,7 @@ void check_variant_flags(const RunOptions& o, int argc, const char* const* argv)
       {"--shards", "LaCT splits every chunk evenly over the ranks"},
       {"--scale", "LaCT has no q scale"},
       {"--l2norm", "LaCT takes q and k as given"},
+      {"--recompute-states", "LaCT recomputes its per-chunk fast weights always"},
       {"--metrics-port", "the metrics exporter does not cover LaCT yet"},
       {"--progress", "the progress line does not cover LaCT yet"},
   };
@@ -315,6 +318,9 @@ Problem
   --scale X          q scale                                                      [Dk^-1/2]
   --l2norm           L2-normalise q and k inside the op (else the synthetic q, k
                      of delta variants are unit vectors already)
+  --recompute-states keep no fp32 chunk states from forward to backward; backward
+                     recomputes them (one more state scan, 4*Dk*Dv/chunk bytes per
+                     token and head less memory between the passes)
   --seed N           seed of the synthetic inputs                                 [0]
 
 LaCT (--variant lact; q, k, v share D = --dk; --dv may only repeat it)
@@ -326,8 +332,8 @@ LaCT (--variant lact; q, k, v share D = --dk; --dv may only repeat it)
   --momentum MU      momentum of the fast-weight updates in [0, 1); 0 = off       [0]
   --no-renorm        keep the updated rows' norms (default: rescale every row to its
                      initial norm)
-  --chunk, --exchange, --shards, --scale, --l2norm, --metrics-port and --progress
-  are refused with --variant lact.
+  --chunk, --exchange, --shards, --scale, --l2norm, --recompute-states,
+  --metrics-port and --progress are refused with --variant lact.
 
 Parallelism and device
   --exchange NAME    allgather | ring | tree | auto (cost model)                  [auto]

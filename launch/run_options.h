@@ -42,6 +42,7 @@ struct RunOptions {
   std::string json_path;  // empty: no JSON
   uint64_t seed = 0;
   bool l2norm = false;
+  bool recompute_states = false;  // --recompute-states: backward recomputes chunk states
   double scale = -1.0;          // < 0: Dk^-1/2
   std::vector<int64_t> shards;  // empty: even contiguous split
   // Prometheus exporter of each rank on metrics_port + node-local rank (< 0:

@@ -203,6 +203,7 @@ int Job::run(int argc, char** argv) {
   config_.chunk = options_.chunk;
   config_.scale = options_.scale;
   config_.l2norm_qk = options_.l2norm;
+  config_.recompute_chunk_states = options_.recompute_states;
   metrics_ = start_metrics(comm_, mpi != nullptr ? mpi->local_rank() : 0, options_);
   if (metrics_ && root()) {
     std::fprintf(stderr,
@@ -624,6 +625,7 @@ std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange res
       {"dtype", to_string(options_.dtype)},
       {"scale", scale},
       {"l2norm", options_.l2norm ? "on" : "off"},
+      {"chunk states", options_.recompute_states ? "recomputed" : "saved"},
       {"sequences", std::to_string(d.sequences) + (source_->packed() ? " (packed)" : "")},
       {"ranks", std::to_string(comm_.size())},
       {"exchange", exchange},

@@ -185,7 +185,8 @@ struct CpMixer::Saved {
   std::vector<LocalSegment> segs;
   std::vector<int64_t> local_cu;    // local segment offsets (packed case)
   MixerParams params;               // local problem; pointers into the user's inputs
-  std::vector<float> chunk_states;  // [chunks, H, Dk, Dv]
+  std::vector<float> chunk_states;  // [chunks, H, Dk, Dv], unless recomputed
+  std::vector<float> init;          // [nseg, H, Dk, Dv] incoming states, when recomputed
   ScanMaps maps;                    // this rank's (M, E); M reused (transposed) in backward
   Exchange exchange = Exchange::ring;
 };
@@ -333,8 +334,10 @@ void CpMixer::forward(const CpForwardArgs& a) {
 
   // 4. local chunkwise forward from the true incoming states.
   auto t0 = Clock::now();
-  saved->chunk_states.assign(static_cast<std::size_t>(count_chunks(p) * H * state), 0.f);
-  p.chunk_states = saved->chunk_states.data();
+  if (!config_.recompute_chunk_states) {
+    saved->chunk_states.assign(static_cast<std::size_t>(count_chunks(p) * H * state), 0.f);
+    p.chunk_states = saved->chunk_states.data();
+  }
   std::vector<float> finals(static_cast<std::size_t>(nseg * H * state));
   p.final_state = finals.data();
   cpu::mixer_forward(p);
@@ -352,7 +355,13 @@ void CpMixer::forward(const CpForwardArgs& a) {
       comm_.all_reduce_sum(ht, static_cast<std::size_t>(g.sequences * H * state), CommType::f32);
   }
   fwd_stats_.merge_s += seconds_since(t0);
-  p.initial_state = nullptr;  // `init` dies here; backward reads chunk_states
+  if (config_.recompute_chunk_states) {
+    // Backward re-runs the local scan from the same incoming states.
+    saved->init = std::move(init);
+    p.initial_state = saved->init.data();
+  } else {
+    p.initial_state = nullptr;  // `init` dies here; backward reads chunk_states
+  }
   p.final_state = nullptr;
   p.o = nullptr;
   saved_ = std::move(saved);
@@ -406,7 +415,9 @@ void CpMixer::backward(const CpBackwardArgs& a) {
 
   MixerBwdParams bp;
   static_cast<MixerParams&>(bp) = sv.params;
-  bp.chunk_states = const_cast<float*>(sv.chunk_states.data());
+  bp.chunk_states = config_.recompute_chunk_states ? nullptr
+                                                   : const_cast<float*>(sv.chunk_states.data());
+  bp.recompute_chunk_states = config_.recompute_chunk_states;
   bp.d_o = a.d_o.data;
   // Gradient entering each local segment's final state: the user's dht where
   // the sequence ends here, the next rank's dS_in where it continues (filled

@@ -455,7 +455,11 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   for (int64_t i = 0; i < nseg; ++i)
     if (!segs[i].from_prev && h0 != nullptr)
       copy_floats(ds.init.get() + i * H * state, h0 + segs[i].seq * H * state, H * state, cs);
-  ds.chunk_states = StreamBuffer(static_cast<std::size_t>(chunks * H * state) * sizeof(float), cs);
+  // With recompute_chunk_states backward re-runs the scan from ds.init instead.
+  ds.chunk_states =
+      config_.recompute_chunk_states
+          ? StreamBuffer()
+          : StreamBuffer(static_cast<std::size_t>(chunks * H * state) * sizeof(float), cs);
   StreamBuffer finals(static_cast<std::size_t>(nseg * H * state) * sizeof(float), cs);
   p.initial_state = ds.init.get();
   p.final_state = finals.get();
@@ -622,6 +626,7 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
 
   MixerBwdParams bp;
   static_cast<MixerParams&>(bp) = sp;
+  bp.recompute_chunk_states = config_.recompute_chunk_states;
   bp.d_o = a.d_o.data;
   Events& ev = ds.events;
   SS_CUDA_CHECK(cudaEventRecord(ev.e[0], cs));

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <string>
 
@@ -59,16 +61,21 @@ void PrintTo(const Case& c, std::ostream* os) {
   *os << case_name(::testing::TestParamInfo<Case>(c, 0));
 }
 
-class CpInvariance : public ::testing::TestWithParam<Case> {};
+// One case's problem (the same on every rank: same seed), its cotangents and
+// config, and the uneven shard bounds.
+struct CaseProblem {
+  ProblemSpec spec;
+  ref::Problem p;
+  std::vector<double> d_o, dht;
+  MixerConfig cfg;
+  std::vector<int64_t> bounds;
+};
 
-TEST_P(CpInvariance, EqualsSingleRank) {
-  const Case c = GetParam();
-  Communicator& comm = world();
-  const int P = comm.size(), r = comm.rank();
+CaseProblem make_problem(const Case& c, int P) {
+  CaseProblem cp;
   const int64_t T = 67;
-  const auto bounds = shard_bounds(T, P);
-
-  ProblemSpec s;
+  cp.bounds = shard_bounds(T, P);
+  ProblemSpec& s = cp.spec;
   s.variant = c.variant;
   s.seq_len = T;
   s.heads = 2;
@@ -81,32 +88,43 @@ TEST_P(CpInvariance, EqualsSingleRank) {
   } else if (c.layout == Layout::packed_on_boundary) {
     // A sequence ending exactly at rank 1's start, one starting there, and a
     // long one that spans every later rank boundary.
-    s.cu_seqlens = {0, 3, bounds[1], bounds[1] + 2, T - 4, T};
+    s.cu_seqlens = {0, 3, cp.bounds[1], cp.bounds[1] + 2, T - 4, T};
   } else {
     // Sequences that cross the first rank boundary and (for P > 2) others.
-    s.cu_seqlens = {0, 5, bounds[1] + 1, T};
+    s.cu_seqlens = {0, 5, cp.bounds[1] + 1, T};
   }
-  // Same seed on every rank: all ranks hold the same full problem.
   const uint64_t seed = 5000 + static_cast<uint64_t>(c.variant) * 64 +
                         static_cast<uint64_t>(c.exchange) * 8 + static_cast<uint64_t>(c.layout);
-  ref::Problem p = random_problem(s, seed);
-  round_to_float(p);
+  cp.p = random_problem(s, seed);
+  round_to_float(cp.p);
   std::mt19937_64 rng(seed + 1);
-  const auto d_o = round_f32(randn(p.v.size(), rng));
-  const auto dht =
-      round_f32(randn(static_cast<std::size_t>(p.num_sequences() * s.heads * s.dk * s.dv), rng));
+  cp.d_o = round_f32(randn(cp.p.v.size(), rng));
+  cp.dht = round_f32(
+      randn(static_cast<std::size_t>(cp.p.num_sequences() * s.heads * s.dk * s.dv), rng));
+  cp.cfg.variant = c.variant;
+  cp.cfg.chunk = 16;
+  cp.cfg.l2norm_qk = s.l2norm_qk;
+  return cp;
+}
 
-  MixerConfig cfg;
-  cfg.variant = c.variant;
-  cfg.chunk = 16;
-  cfg.l2norm_qk = s.l2norm_qk;
+class CpInvariance : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CpInvariance, EqualsSingleRank) {
+  const Case c = GetParam();
+  Communicator& comm = world();
+  const int P = comm.size(), r = comm.rank();
+  const CaseProblem cpp = make_problem(c, P);
+  const ProblemSpec& s = cpp.spec;
+  const ref::Problem& p = cpp.p;
+  const int64_t T = s.seq_len;
+  const auto& bounds = cpp.bounds;
 
   SingleRankCommunicator self;
-  CpMixer single(self, cfg, Exchange::ring);
-  const CpOutputs full = run_cp(single, p, 0, T, d_o, dht);
+  CpMixer single(self, cpp.cfg, Exchange::ring);
+  const CpOutputs full = run_cp(single, p, 0, T, cpp.d_o, cpp.dht);
 
-  CpMixer cp(comm, cfg, c.exchange);
-  const CpOutputs mine = run_cp(cp, p, bounds[r], bounds[r + 1], d_o, dht);
+  CpMixer cp(comm, cpp.cfg, c.exchange);
+  const CpOutputs mine = run_cp(cp, p, bounds[r], bounds[r + 1], cpp.d_o, cpp.dht);
   if (P > 1) EXPECT_EQ(cp.last_forward_stats().exchange, c.exchange);
 
   const int64_t B = p.batch, H = s.heads, Dk = s.dk, Dv = s.dv;
@@ -145,6 +163,50 @@ std::vector<Case> all_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariantsExchanges, CpInvariance, ::testing::ValuesIn(all_cases()),
+                         case_name);
+
+// MixerConfig::recompute_chunk_states: forward keeps only the incoming states
+// and backward re-runs the local scan from them, so every output and gradient
+// is bitwise the one of the mixer that kept the chunk states (ring exchange;
+// the layouts put sequence boundaries on and across rank boundaries).
+class CpRecompute : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CpRecompute, GivesTheSavedStatesResults) {
+  const Case c = GetParam();
+  Communicator& comm = world();
+  const int r = comm.rank();
+  const CaseProblem cpp = make_problem(c, comm.size());
+  const int64_t t0 = cpp.bounds[r], t1 = cpp.bounds[r + 1];
+  CpMixer kept(comm, cpp.cfg, c.exchange);
+  const CpOutputs want = run_cp(kept, cpp.p, t0, t1, cpp.d_o, cpp.dht);
+  MixerConfig cfg = cpp.cfg;
+  cfg.recompute_chunk_states = true;
+  CpMixer recomputing(comm, cfg, c.exchange);
+  const CpOutputs got = run_cp(recomputing, cpp.p, t0, t1, cpp.d_o, cpp.dht);
+  auto bits = [](const std::vector<float>& x) {
+    std::vector<uint32_t> b(x.size());
+    if (!x.empty()) std::memcpy(b.data(), x.data(), x.size() * sizeof(float));
+    return b;
+  };
+  EXPECT_EQ(bits(got.o), bits(want.o)) << "rank " << r;
+  EXPECT_EQ(bits(got.ht), bits(want.ht)) << "rank " << r;
+  EXPECT_EQ(bits(got.dq), bits(want.dq)) << "rank " << r;
+  EXPECT_EQ(bits(got.dk), bits(want.dk)) << "rank " << r;
+  EXPECT_EQ(bits(got.dv), bits(want.dv)) << "rank " << r;
+  EXPECT_EQ(bits(got.dg), bits(want.dg)) << "rank " << r;
+  EXPECT_EQ(bits(got.dbeta), bits(want.dbeta)) << "rank " << r;
+  EXPECT_EQ(bits(got.dh0), bits(want.dh0)) << "rank " << r;
+}
+
+std::vector<Case> recompute_cases() {
+  std::vector<Case> cases;
+  for (Variant v : kAllVariants)
+    for (Layout l : {Layout::batch_rows, Layout::packed_across})
+      cases.push_back({v, Exchange::ring, l});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, CpRecompute, ::testing::ValuesIn(recompute_cases()),
                          case_name);
 
 // ---- errors must reach every rank, with no hang and no partial output -----------

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -358,6 +359,31 @@ TEST_P(CpGpuSingleRank, BackwardMatchesReference) {
   if (!p_.beta.empty())
     EXPECT_LE(rel_rms(out.dbeta, want.dbeta), gate_grad_tol(dtype())) << "dbeta";
   EXPECT_LE(rel_rms(out.dh0, want.dh0), state_tol(dtype())) << "dh0";
+}
+
+// recompute_chunk_states on the GPU path: backward re-runs the local scan from
+// the kept incoming states, so outputs and gradients are bitwise those of a
+// mixer that kept the chunk states.
+TEST_P(CpGpuSingleRank, RecomputedChunkStatesGiveTheSavedStatesResults) {
+  SingleRankCommunicator comm;
+  CpMixer kept(comm, cfg_, Exchange::automatic);
+  const CpOutputs want = run_cp_device(kept, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
+  MixerConfig cfg = cfg_;
+  cfg.recompute_chunk_states = true;
+  CpMixer recomputing(comm, cfg, Exchange::automatic);
+  const CpOutputs got = run_cp_device(recomputing, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() &&
+           (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  };
+  EXPECT_TRUE(same(got.o, want.o)) << "o";
+  EXPECT_TRUE(same(got.ht, want.ht)) << "final state";
+  EXPECT_TRUE(same(got.dq, want.dq)) << "dq";
+  EXPECT_TRUE(same(got.dk, want.dk)) << "dk";
+  EXPECT_TRUE(same(got.dv, want.dv)) << "dv";
+  EXPECT_TRUE(same(got.dg, want.dg)) << "dg";
+  EXPECT_TRUE(same(got.dbeta, want.dbeta)) << "dbeta";
+  EXPECT_TRUE(same(got.dh0, want.dh0)) << "dh0";
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CpGpuSingleRank,
