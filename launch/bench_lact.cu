@@ -23,6 +23,7 @@
 #include "core/error.h"
 #include "kernels/cuda/lact_cuda.h"
 #include "launch/bench_lact.h"
+#include "monitoring/flop_model.h"
 
 namespace statescan {
 namespace {
@@ -340,9 +341,8 @@ LactBenchResult measure_lact(const LactBenchOptions& o) {
                "statescan-bench --lact needs a CUDA device");
   LactBenchResult r;
   const int64_t tokens = o.batch * o.seq_len * o.heads;
-  const double mdt = double(o.hidden) * double(o.dim) * double(tokens);
-  r.fwd_flops = 18.0 * mdt;
-  r.fwd_bwd_flops = 64.0 * mdt;
+  r.fwd_flops = lact_step_flops(tokens, o.dim, o.hidden, false);
+  r.fwd_bwd_flops = lact_step_flops(tokens, o.dim, o.hidden, true);
   const double chunks = double(lact_num_chunks(o.seq_len, o.chunk));
   const double mats = 3.0 * double(o.batch * o.heads);
   const double m = double(std::min(o.dim, o.hidden)), n = double(std::max(o.dim, o.hidden));

@@ -1,5 +1,6 @@
 #include "launch/run_lact.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -12,6 +13,9 @@
 #include "core/parallel_for.h"
 #include "kernels/cpu/lact.h"
 #include "launch/run_inputs.h"
+#include "launch/run_metrics.h"
+#include "monitoring/flop_model.h"
+#include "monitoring/metrics_exporter.h"
 #include "parallel/lact_layer.h"
 #ifdef STATESCAN_HAS_CUDA
 #include <cuda_runtime.h>
@@ -84,8 +88,8 @@ TensorView view(const std::vector<float>& x, Shape shape) {
 
 class LactJob {
  public:
-  LactJob(Communicator& comm, const RunOptions& options, Stage& stage)
-      : comm_(comm), options_(options), stage_(stage) {}
+  LactJob(Communicator& comm, const RunOptions& options, Stage& stage, MetricsExporter* metrics)
+      : comm_(comm), options_(options), stage_(stage), metrics_(metrics) {}
   int run();
 
  private:
@@ -93,6 +97,7 @@ class LactJob {
   void setup();
   void allocate(LactOutputs& out, int64_t length) const;
   void add_exchange(const LactLayer& layer, StepTimes& t) const;
+  void report_step_metrics(const StepTimes& t) const;
   StepTimes step(LactLayer& layer, const LactSlice& in,
                  LactOutputs& out) const;
   void run_reference();
@@ -117,6 +122,7 @@ class LactJob {
   Communicator& comm_;
   const RunOptions& options_;
   Stage& stage_;
+  MetricsExporter* metrics_;  // null without --metrics-port
   LactConfig config_;
   LactData data_;  // the whole problem (every rank)
   LactSlice local_;
@@ -504,6 +510,9 @@ int LactJob::run() {
   LactOutputs last_full;
   const int64_t steps = options_.warmup + options_.iters;
   const LactDims& d = data_.dims;
+  ProgressLine progress(root() ? options_.progress : RunOptions::Progress::never, steps,
+                        options_.warmup);
+  const double tokens = static_cast<double>(d.batch * d.seq_len);
   for (int64_t s = 0; s < steps; ++s) {
     comm_.barrier();  // start together, so the max over ranks is the step's time
     const bool last = s + 1 == steps;
@@ -516,10 +525,13 @@ int LactJob::run() {
     (void)need_outputs;
     const StepTimes t = step(layer, local_, out);
 #endif
-    if (s < options_.warmup) continue;
+    report_step_metrics(t);
+    if (s < options_.warmup) {
+      progress.update(s + 1, tokens / (t.fwd_s + t.bwd_s));  // this rank's time
+      continue;
+    }
 
-    StepRow row = reduce_step(comm_, t, s - options_.warmup + 1, backward_,
-                              static_cast<double>(d.batch * d.seq_len));
+    StepRow row = reduce_step(comm_, t, s - options_.warmup + 1, backward_, tokens);
 
     if (options_.check || (last && !options_.save_dir.empty())) {
       LactOutputs full = gather(out);
@@ -532,8 +544,11 @@ int LactJob::run() {
       }
       if (last) last_full = std::move(full);
     }
+    progress.clear();
     print_row(report, row, root(), header_fields());
+    progress.update(s + 1, row.tokens_per_s);
   }
+  progress.clear();
 
   stage_ = Stage::results;
   // Rank 0 writes; a write failure becomes exit 3 on every rank.
@@ -545,8 +560,25 @@ int LactJob::run() {
 
 }  // namespace
 
-int run_lact_job(Communicator& comm, const RunOptions& options, Stage& stage) {
-  LactJob job(comm, options, stage);
+// This rank's step to the exporter: the layer's phases (forward, backward,
+// the all-reduces), its tokens and wall time, the counted token-GEMM FLOPs,
+// and the process's memory.
+void LactJob::report_step_metrics(const StepTimes& t) const {
+  if (metrics_ == nullptr) return;
+  const LactDims& d = data_.dims;
+  metrics_->on_phase(Phase::fwd, t.fwd_s, 0);
+  if (backward_) metrics_->on_phase(Phase::bwd, t.bwd_s, 0);
+  metrics_->on_allreduce(t.exchange_s, static_cast<int64_t>(t.exchange_bytes));
+  const int64_t tokens = d.batch * local_.length;
+  const double seconds = std::max(t.fwd_s + t.bwd_s, 1e-9);  // a clock tick can read 0
+  metrics_->on_step({tokens, seconds, lact_step_flops(tokens * d.heads, d.dim, d.hidden, backward_)});
+  const MemoryUse memory = process_memory();
+  metrics_->set_device_memory(memory.current_bytes, memory.peak_bytes);
+}
+
+int run_lact_job(Communicator& comm, const RunOptions& options, Stage& stage,
+                 MetricsExporter* metrics) {
+  LactJob job(comm, options, stage, metrics);
   return job.run();
 }
 

@@ -10,6 +10,7 @@
 
 #include "comm/communicator.h"
 #include "launch/run_options.h"
+#include "monitoring/metrics_exporter.h"
 #include "launch/run_report.h"
 
 namespace statescan::launch {
@@ -18,6 +19,9 @@ namespace statescan::launch {
 // outputs over tolerance. Throws statescan::Error for faults in arguments and
 // inputs (the same on every rank) and RuntimeFailure when writing the results
 // failed; keeps `stage` current so that the caller maps errors to exit codes.
-int run_lact_job(Communicator& comm, const RunOptions& options, Stage& stage);
+// `metrics` (null: none) gets every step: phases, the all-reduces under
+// strategy "allreduce", tokens, counted FLOPs and memory.
+int run_lact_job(Communicator& comm, const RunOptions& options, Stage& stage,
+                 MetricsExporter* metrics);
 
 }  // namespace statescan::launch

@@ -43,7 +43,7 @@ std::unique_ptr<MetricsExporter> start_metrics(Communicator& comm, int local_ran
                    local_rank, " is beyond port 65535");
       MetricsOptions mo;
       mo.rank = comm.rank();
-      mo.variant = to_string(options.variant);
+      mo.variant = options.lact ? "lact" : to_string(options.variant);
       mo.bind_address = options.metrics_bind;
       mo.port = port;
       mo.exchange = options.exchange;

@@ -243,8 +243,6 @@ void check_variant_flags(const RunOptions& o, int argc, const char* const* argv)
       {"--scale", "LaCT has no q scale"},
       {"--l2norm", "LaCT takes q and k as given"},
       {"--recompute-states", "LaCT recomputes its per-chunk fast weights always"},
-      {"--metrics-port", "the metrics exporter does not cover LaCT yet"},
-      {"--progress", "the progress line does not cover LaCT yet"},
   };
   for (const auto& [flag, why] : refused)
     SS_CHECK_ARG(find_flag(argc, argv, flag) == nullptr, flag, "does not apply to --variant lact (",
@@ -332,8 +330,8 @@ LaCT (--variant lact; q, k, v share D = --dk; --dv may only repeat it)
   --momentum MU      momentum of the fast-weight updates in [0, 1); 0 = off       [0]
   --no-renorm        keep the updated rows' norms (default: rescale every row to its
                      initial norm)
-  --chunk, --exchange, --shards, --scale, --l2norm, --recompute-states,
-  --metrics-port and --progress are refused with --variant lact.
+  --chunk, --exchange, --shards, --scale, --l2norm and --recompute-states are
+  refused with --variant lact.
 
 Parallelism and device
   --exchange NAME    allgather | ring | tree | auto (cost model)                  [auto]

@@ -197,8 +197,6 @@ int Job::run(int argc, char** argv) {
   device_ = resolve_device(options_.device);
   cp_comm_ = &comm_;
   comm_description_ = comm_.size() == 1 ? "single rank" : "mpi (host)";
-  // LaCT runs its own layer (launch/run_lact.h); it has no metrics exporter.
-  if (options_.lact) return run_lact_job(comm_, options_, stage_);
   config_.variant = options_.variant;
   config_.chunk = options_.chunk;
   config_.scale = options_.scale;
@@ -210,13 +208,17 @@ int Job::run(int argc, char** argv) {
                  "statescan-run: metrics on http://%s/metrics (rank r of a node: port %d + r)\n",
                  metrics_->address().c_str(), options_.metrics_port);
   }
-  setup_device(mpi);
-  setup_inputs();
+  if (!options_.lact) {
+    setup_device(mpi);
+    setup_inputs();
+  }
 
   // A failure from here on is counted in statescan_errors_total, and with
-  // --metrics-hold stays visible to a scrape before the job exits.
+  // --metrics-hold stays visible to a scrape before the job exits. LaCT runs
+  // its own layer and job (launch/run_lact.h) with the same exporter.
   try {
-    const int code = run_steps();
+    const int code =
+        options_.lact ? run_lact_job(comm_, options_, stage_, metrics_.get()) : run_steps();
     hold_after_run();
     return code;
   } catch (const RuntimeFailure&) {

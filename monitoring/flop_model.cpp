@@ -21,4 +21,13 @@ double chunkwise_step_flops(const FlopShape& shape, bool with_backward) {
   return with_backward ? 3 * forward : forward;
 }
 
+double lact_step_flops(int64_t token_heads, int64_t dim, int64_t hidden, bool with_backward) {
+  SS_CHECK_ARG(token_heads >= 0, "tokens", "is ", token_heads);
+  SS_CHECK_ARG(dim >= 0, "dim", "is ", dim);
+  SS_CHECK_ARG(hidden >= 0, "hidden", "is ", hidden);
+  const double mdt =
+      static_cast<double>(hidden) * static_cast<double>(dim) * static_cast<double>(token_heads);
+  return (with_backward ? 64.0 : 18.0) * mdt;
+}
+
 }  // namespace statescan

@@ -35,4 +35,11 @@ double chunkwise_forward_flops(const FlopShape& shape);
 // Forward (+ backward: 3x the forward) FLOPs of one step.
 double chunkwise_step_flops(const FlopShape& shape, bool with_backward);
 
+// LaCT (DESIGN §6): the token-side GEMMs of the SwiGLU fast weights per token
+// and head, hidden width M and head dim D: forward 18 M D (apply: 3 products
+// of 2 M D; the fast-weight gradient: 6 more), forward + backward 64 M D.
+// Muon's Newton-Schulz products are per chunk, not per token, and are left
+// out. Throws naming the field for negative sizes.
+double lact_step_flops(int64_t token_heads, int64_t dim, int64_t hidden, bool with_backward);
+
 }  // namespace statescan

@@ -79,6 +79,7 @@ struct PrometheusMetrics {
   std::array<prometheus::Counter*, kNumPhases> phase_seconds{};
   // Indexed by Exchange; the "auto" child is added only if ever needed.
   std::array<prometheus::Counter*, 4> exchange_bytes{};
+  prometheus::Counter* allreduce_bytes = nullptr;  // added on first use
   prometheus::Family<prometheus::Counter>* exchange_family = nullptr;
   prometheus::Gauge* memory_current = nullptr;
   prometheus::Gauge* memory_peak = nullptr;
@@ -115,7 +116,8 @@ struct PrometheusMetrics {
       phase_seconds[index_of(p)] = &phases.Add({{"phase", to_string(p)}});
     exchange_family = &prometheus::BuildCounter()
                            .Name("statescan_exchange_bytes_total")
-                           .Help("Bytes this rank sent in the boundary-state exchange")
+                           .Help("Bytes this rank sent in the boundary-state exchange "
+                                 "(allreduce: LaCT's fast-weight gradients)")
                            .Labels(labels)
                            .Register(r);
     for (Exchange e : {Exchange::allgather, Exchange::ring, Exchange::tree})
@@ -244,6 +246,23 @@ void MetricsExporter::on_phase(Phase phase, double seconds, int64_t bytes) {
           &prom.exchange_family->Add({{"strategy", strategy_label(impl_->strategy)}});
     prom.exchange_bytes[s]->Increment(static_cast<double>(bytes));
   }
+#endif
+}
+
+void MetricsExporter::on_allreduce(double seconds, int64_t bytes) {
+  SS_CHECK_ARG(std::isfinite(seconds) && seconds >= 0, "seconds", "an all-reduce reported ",
+               seconds, " s");
+  SS_CHECK_ARG(bytes >= 0, "bytes", "an all-reduce reported ", bytes, " bytes");
+  const int p = index_of(Phase::exchange);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->totals.phase_seconds[p] += seconds;
+  impl_->totals.allreduce_bytes += bytes;
+#if defined(STATESCAN_HAS_PROMETHEUS)
+  auto& prom = impl_->prom;
+  prom.phase_seconds[p]->Increment(seconds);
+  if (prom.allreduce_bytes == nullptr)
+    prom.allreduce_bytes = &prom.exchange_family->Add({{"strategy", "allreduce"}});
+  prom.allreduce_bytes->Increment(static_cast<double>(bytes));
 #endif
 }
 

@@ -12,7 +12,9 @@
 //   statescan_step_seconds                      histogram  wall time per step
 //   statescan_tokens_per_second                 gauge      of the last step
 //   statescan_phase_seconds_total{phase}        counter    fwd|bwd|summary|exchange|merge
-//   statescan_exchange_bytes_total{strategy}    counter    allgather|ring|tree
+//   statescan_exchange_bytes_total{strategy}    counter    allgather|ring|tree, or
+//                                                          allreduce (LaCT's fast-weight
+//                                                          gradient all-reduces)
 //   statescan_achieved_tflops                   gauge      of the last step (counted FLOPs)
 //   statescan_device_memory_bytes{kind}         gauge      current|peak
 //   statescan_errors_total{kind}                counter    see ErrorKind
@@ -80,6 +82,7 @@ struct MetricsSnapshot {
   std::array<double, kNumPhases> phase_seconds{};  // indexed by Phase
   // Indexed by Exchange (allgather, ring, tree, automatic = not yet resolved).
   std::array<int64_t, 4> exchange_bytes{};
+  int64_t allreduce_bytes = 0;  // LaCT's all-reduces (on_allreduce)
   int64_t device_memory_current = 0, device_memory_peak = 0;
   std::array<int64_t, kNumErrorKinds> errors{};  // indexed by ErrorKind
 
@@ -109,6 +112,10 @@ class MetricsExporter final : public CpObserver {
   // non-finite values throw naming "seconds" / "bytes".
   void on_phase(Phase phase, double seconds, int64_t bytes) override;
   void on_exchange_strategy(Exchange strategy) override;
+  // A layer that exchanges by all-reduce (LaCT): its time counts in the
+  // exchange phase, its bytes under strategy="allreduce". Negative or
+  // non-finite values throw naming "seconds" / "bytes".
+  void on_allreduce(double seconds, int64_t bytes);
 
   // Step-level calls of the trainer/launcher. Any thread; all are thread-safe.
   void on_step(const StepSample& step);

@@ -3,7 +3,9 @@
 # exporters on two loopback ports, checks the plain /metrics text of each
 # rank, then starts a real Prometheus server (Debian package `prometheus`) on
 # a loopback port that scrapes both ranks, and reads statescan_tokens_total
-# back through Prometheus' HTTP query API. Exits non-zero on any failure.
+# back through Prometheus' HTTP query API; then the same exporter under a
+# --variant lact job (labels, all-reduce bytes, tokens). Exits non-zero on any
+# failure.
 #
 #   STATESCAN_BUILD_DIR   reuse this build directory (e.g. build/ after
 #                         run-tests.sh) instead of a fresh CPU-only one
@@ -140,4 +142,40 @@ status=0
 wait "$RUN_PID" || status=$?
 RUN_PID=""
 [ "$status" -eq 0 ] || fail "statescan-run exited with $status after the hold was ended"
+
+# ---- 3. the LaCT job exports too: variant "lact", all-reduce bytes ----------------
+LACT_PORT=$((METRICS_PORT + 2))
+LACT_T=512
+step "mpirun -np 2 statescan-run --variant lact --metrics-port $LACT_PORT"
+mpirun -np 2 --oversubscribe "$BUILD/launch/statescan-run" --device cpu --variant lact \
+  --seq-len "$LACT_T" --lact-chunk 128 --heads 2 --dk 16 --lact-hidden 32 --warmup "$WARMUP" \
+  --iters "$ITERS" --no-check --metrics-port "$LACT_PORT" --metrics-hold 300 >"$WORK/run.log" 2>&1 &
+RUN_PID=$!
+for _ in $(seq 600); do
+  grep -q '^# Avg' "$WORK/run.log" && break
+  kill -0 "$RUN_PID" 2>/dev/null || fail "statescan-run --variant lact ended before its metrics could be read"
+  sleep 0.2
+done
+grep -q '^# Avg' "$WORK/run.log" || fail "statescan-run --variant lact did not finish within 120 s"
+total=0
+for rank in 0 1; do
+  port=$((LACT_PORT + rank))
+  curl -sf "http://127.0.0.1:$port/metrics" >"$WORK/lact-rank$rank.txt" || fail "GET :$port/metrics (lact)"
+  line=$(grep "^statescan_tokens_total{" "$WORK/lact-rank$rank.txt") ||
+    fail "lact rank $rank serves no statescan_tokens_total sample"
+  [[ "$line" == *'variant="lact"'* ]] || fail "lact rank $rank: unexpected labels in: $line"
+  bytes=$(grep '^statescan_exchange_bytes_total{.*strategy="allreduce"' "$WORK/lact-rank$rank.txt") ||
+    fail "lact rank $rank serves no all-reduce bytes"
+  [ "${bytes##* }" != 0 ] || fail "lact rank $rank: all-reduce bytes are 0"
+  step "lact rank $rank /metrics: $line; $bytes"
+  tokens=${line##* }
+  total=$((total + ${tokens%.*}))
+done
+[ "$total" -eq $(((WARMUP + ITERS) * LACT_T)) ] ||
+  fail "lact: statescan_tokens_total over the ranks is $total, expected $(((WARMUP + ITERS) * LACT_T))"
+kill -USR1 "$RUN_PID"
+status=0
+wait "$RUN_PID" || status=$?
+RUN_PID=""
+[ "$status" -eq 0 ] || fail "statescan-run --variant lact exited with $status after the hold"
 step "OK"

@@ -273,6 +273,29 @@ TEST_P(ServedMetrics, UnreportedAutomaticStrategyIsLabelledAuto) {
   EXPECT_EQ(metrics_->snapshot().bytes(Exchange::automatic), 640);
 }
 
+// LaCT's all-reduces: their time adds to the exchange phase, their bytes go
+// under strategy="allreduce" (a series that exists only once reported).
+TEST_P(ServedMetrics, AllReducesCountAsExchangeUnderTheirOwnStrategy) {
+  const auto before = scrape();
+  EXPECT_TRUE(std::isnan(value_of(before, "statescan_exchange_bytes_total",
+                                  labels({{"strategy", "allreduce"}}))));
+  const int64_t bytes = 1 + static_cast<int64_t>(rng_() % 100000);
+  const double s1 = uniform(1e-6, 0.5), s2 = uniform(1e-6, 0.5);
+  metrics_->on_allreduce(s1, bytes);
+  metrics_->on_allreduce(s2, 2 * bytes);
+  const auto samples = scrape();
+  EXPECT_TRUE(near(
+      value_of(samples, "statescan_exchange_bytes_total", labels({{"strategy", "allreduce"}})),
+      3.0 * bytes));
+  EXPECT_TRUE(near(
+      value_of(samples, "statescan_phase_seconds_total", labels({{"phase", "exchange"}})), s1 + s2));
+  for (const char* strategy : {"allgather", "ring", "tree"})
+    EXPECT_TRUE(near(
+        value_of(samples, "statescan_exchange_bytes_total", labels({{"strategy", strategy}})), 0));
+  EXPECT_EQ(metrics_->snapshot().allreduce_bytes, 3 * bytes);
+  EXPECT_TRUE(near(metrics_->snapshot().phase(Phase::exchange), s1 + s2));
+}
+
 TEST_P(ServedMetrics, StepsFeedTokensHistogramAndRates) {
   SCOPED_TRACE("seed " + std::to_string(seed_));
   int64_t tokens = 0;
@@ -472,10 +495,13 @@ TEST(MetricsExporterSetup, InvalidReportsAreRefused) {
   expect_error([&] { m.on_step({1, 0.0, 0}); }, "seconds");
   expect_error([&] { m.on_step({1, 1.0, INFINITY}); }, "flops");
   expect_error([&] { m.set_device_memory(10, 5); }, "peak_bytes");
+  expect_error([&] { m.on_allreduce(-1.0, 8); }, "seconds");
+  expect_error([&] { m.on_allreduce(0.1, -8); }, "bytes");
   // Refused reports leave the totals untouched.
   const MetricsSnapshot snap = m.snapshot();
   EXPECT_EQ(snap.steps, 0);
   EXPECT_EQ(snap.phase(Phase::fwd), 0);
+  EXPECT_EQ(snap.allreduce_bytes, 0);
 }
 
 // ---- FLOP model ------------------------------------------------------------------
@@ -515,6 +541,15 @@ TEST(FlopModel, ScalesWithTokensAndHeads) {
 TEST(FlopModel, InvalidShapesAreRefused) {
   expect_error([] { chunkwise_forward_flops({Variant::kda, 64, 1, 64, 64, 0}); }, "chunk");
   expect_error([] { chunkwise_forward_flops({Variant::kda, -1, 1, 64, 64, 64}); }, "tokens");
+}
+
+TEST(FlopModel, LactCountsItsTokenGemms) {
+  // Forward per token-head: apply (3 products of 2 M D) and the fast-weight
+  // gradient (6 more): 18 M D; with backward 64 M D. M = 6, D = 4, 10 token-heads.
+  EXPECT_DOUBLE_EQ(lact_step_flops(10, 4, 6, false), 18.0 * 6 * 4 * 10);
+  EXPECT_DOUBLE_EQ(lact_step_flops(10, 4, 6, true), 64.0 * 6 * 4 * 10);
+  expect_error([] { lact_step_flops(-1, 4, 6, false); }, "tokens");
+  expect_error([] { lact_step_flops(1, 4, -6, false); }, "hidden");
 }
 
 }  // namespace
