@@ -65,19 +65,32 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# Waits until the run in the background ($RUN_PID, logging to run.log) has
+# printed its table's footer: its steps are done and its exporters hold.
+wait_for_steps() {
+  for _ in $(seq 600); do
+    grep -q '^# Avg' "$WORK/run.log" && return 0
+    kill -0 "$RUN_PID" 2>/dev/null || fail "$1 ended before its metrics could be read"
+    sleep 0.2
+  done
+  fail "$1 did not finish its steps within 120 s"
+}
+# Ends the hold (SIGUSR1) and expects a clean exit.
+stop_run() {
+  kill -USR1 "$RUN_PID"
+  local status=0
+  wait "$RUN_PID" || status=$?
+  RUN_PID=""
+  [ "$status" -eq 0 ] || fail "$1 exited with $status after the hold was ended"
+}
+
 step "mpirun -np 2 statescan-run --metrics-port $METRICS_PORT --metrics-hold 300"
 mpirun -np 2 --oversubscribe "$BUILD/launch/statescan-run" --device cpu --variant kda \
   --seq-len "$SEQ_LEN" --warmup "$WARMUP" --iters "$ITERS" --no-check \
   --metrics-port "$METRICS_PORT" --metrics-hold 300 >"$WORK/run.log" 2>&1 &
 RUN_PID=$!
 
-# The steps are done when the table's footer is out; the exporters then hold.
-for _ in $(seq 600); do
-  grep -q '^# Avg' "$WORK/run.log" && break
-  kill -0 "$RUN_PID" 2>/dev/null || fail "statescan-run ended before its metrics could be read"
-  sleep 0.2
-done
-grep -q '^# Avg' "$WORK/run.log" || fail "statescan-run did not finish its steps within 120 s"
+wait_for_steps statescan-run
 cat "$WORK/run.log"
 
 # ---- 1. the plain /metrics text of each rank -----------------------------------
@@ -137,11 +150,7 @@ curl -sf "http://127.0.0.1:$PROM_PORT/api/v1/query" --data-urlencode 'query=stat
 step "Prometheus query API: sum(statescan_tokens_total) = $got (expected $EXPECTED_TOKENS)"
 
 # ---- the run ends cleanly when told to stop holding --------------------------------
-kill -USR1 "$RUN_PID"
-status=0
-wait "$RUN_PID" || status=$?
-RUN_PID=""
-[ "$status" -eq 0 ] || fail "statescan-run exited with $status after the hold was ended"
+stop_run statescan-run
 
 # ---- 3. the LaCT job exports too: variant "lact", all-reduce bytes ----------------
 LACT_PORT=$((METRICS_PORT + 2))
@@ -151,12 +160,7 @@ mpirun -np 2 --oversubscribe "$BUILD/launch/statescan-run" --device cpu --varian
   --seq-len "$LACT_T" --lact-chunk 128 --heads 2 --dk 16 --lact-hidden 32 --warmup "$WARMUP" \
   --iters "$ITERS" --no-check --metrics-port "$LACT_PORT" --metrics-hold 300 >"$WORK/run.log" 2>&1 &
 RUN_PID=$!
-for _ in $(seq 600); do
-  grep -q '^# Avg' "$WORK/run.log" && break
-  kill -0 "$RUN_PID" 2>/dev/null || fail "statescan-run --variant lact ended before its metrics could be read"
-  sleep 0.2
-done
-grep -q '^# Avg' "$WORK/run.log" || fail "statescan-run --variant lact did not finish within 120 s"
+wait_for_steps "statescan-run --variant lact"
 total=0
 for rank in 0 1; do
   port=$((LACT_PORT + rank))
@@ -173,9 +177,5 @@ for rank in 0 1; do
 done
 [ "$total" -eq $(((WARMUP + ITERS) * LACT_T)) ] ||
   fail "lact: statescan_tokens_total over the ranks is $total, expected $(((WARMUP + ITERS) * LACT_T))"
-kill -USR1 "$RUN_PID"
-status=0
-wait "$RUN_PID" || status=$?
-RUN_PID=""
-[ "$status" -eq 0 ] || fail "statescan-run --variant lact exited with $status after the hold"
+stop_run "statescan-run --variant lact"
 step "OK"
