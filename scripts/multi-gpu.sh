@@ -10,6 +10,8 @@
 #   VARIANTS    CP variants (default "kda gated_deltanet")
 #   ITERS       timed steps per run (default 10, after 3 warm-up steps)
 #   STUDIES     which scaling studies (default "weak strong lact")
+#   EXCHANGES   the exchanges of the weak study (default "auto"; e.g. "auto ring
+#               tree": one table each, all against the same P = 1 run)
 #   SKIP_TESTS=1 leave the test suites out (and their build)
 set -uo pipefail
 
@@ -69,8 +71,16 @@ studies=" ${STUDIES:-weak strong lact} "
 
 for v in ${VARIANTS:-kda gated_deltanet}; do
   for p in 1 "${ranks[@]}"; do
-    [[ "$studies" == *" weak "* ]] && run "weak_$v" "$p" --variant "$v" --seq-len $((131072 * p)) --heads 16 --dk 128 --dv 128 \
-      --dtype bf16 --exchange auto --no-check
+    if [[ "$studies" == *" weak "* ]]; then
+      # P = 1 exchanges nothing: one run serves every exchange's table.
+      for x in ${EXCHANGES:-auto}; do
+        name="weak_$v"
+        [[ "$x" == auto ]] || name="weak_${v}_$x"
+        [[ $p -eq 1 && "$x" != auto ]] && continue
+        run "$name" "$p" --variant "$v" --seq-len $((131072 * p)) --heads 16 --dk 128 \
+          --dv 128 --dtype bf16 --exchange "$x" --no-check
+      done
+    fi
     [[ "$studies" == *" strong "* ]] && run "strong_$v" "$p" --variant "$v" --seq-len 1048576 --heads 16 --dk 128 --dv 128 \
       --dtype bf16 --exchange auto --no-check
   done
@@ -97,7 +107,8 @@ for s in studies:
     print(f"#\n# {s}: step = fwd + bwd per rank (ms); efficiency vs P = 1"
           f" ({'weak: tokens per GPU fixed' if s.startswith('weak') else 'strong: total tokens fixed' if s.startswith('strong') else 'one chunk sharded'})")
     print(f"# {'P':>3} {'fwd_ms':>9} {'bwd_ms':>9} {'step_ms':>9} {'xchg_ms':>8} {'xchg_B/rank':>12} {'hidden%':>8} {'Mtok/s':>9} {'eff%':>6}")
-    base = rows.get((s, 1))
+    # weak_<variant>_<exchange> tables share weak_<variant>'s P = 1 run.
+    base = rows.get((s, 1)) or rows.get((re.sub(r"_(allgather|ring|tree)$", "", s), 1))
     for (name, p), r in sorted(rows.items()):
         if name != s:
             continue
