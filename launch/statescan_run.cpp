@@ -157,7 +157,8 @@ class Job {
   void run_reference();
   Outputs gather(const Outputs& local);
   std::vector<NamedArray> named(const Outputs& o) const;
-  std::vector<std::pair<std::string, std::string>> header_fields(Exchange resolved) const;
+  std::vector<std::pair<std::string, std::string>> header_fields(Exchange resolved,
+                                                                 const LinkModel* link) const;
   int run_steps();
   void report_step_metrics(const StepTimes& t) const;
   void hold_after_run() const;
@@ -283,7 +284,8 @@ int Job::run_steps() {
       if (last) last_full = std::move(full);
     }
     progress.clear();
-    print_row(report, row, root(), header_fields(mixer.last_forward_stats().exchange));
+    print_row(report, row, root(),
+              header_fields(mixer.last_forward_stats().exchange, mixer.auto_link()));
     progress.update(s + 1, row.tokens_per_s);
     if (last) report.ranks = gather_rank_exchange(comm_, t);
   }
@@ -607,13 +609,25 @@ std::vector<NamedArray> Job::named(const Outputs& o) const {
   return list;
 }
 
-std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange resolved) const {
+// `link`: what `auto` resolved the exchange with (null: none).
+std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange resolved,
+                                                                   const LinkModel* link) const {
   const Dims& d = dims_;
   std::string shards;
   for (std::size_t r = 0; r + 1 < offsets_.size(); ++r)
     shards += (r ? "," : "") + std::to_string(offsets_[r + 1] - offsets_[r]);
   std::string exchange = comm_.size() == 1 ? std::string("none (1 rank)") : to_string(resolved);
-  if (comm_.size() > 1 && options_.exchange == Exchange::automatic) exchange += " (auto)";
+  if (comm_.size() > 1 && options_.exchange == Exchange::automatic) {
+    exchange += " (auto";
+    if (link != nullptr) {
+      char figures[96];
+      std::snprintf(figures, sizeof figures, "; link %.3g us, %.3g GB/s%s", link->latency_s * 1e6,
+                    link->bandwidth_Bps * 1e-9,
+                    cp_comm_ != &comm_ ? " NVLink preset" : " measured");
+      exchange += figures;
+    }
+    exchange += ")";
+  }
   char scale[32];
   std::snprintf(scale, sizeof scale, "%.6g", config_.scale_for(d.dk));
   return {

@@ -199,6 +199,16 @@ CpMixer::CpMixer(Communicator& comm, MixerConfig config, Exchange exchange, CpOb
 
 CpMixer::~CpMixer() = default;
 
+Exchange CpMixer::resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops,
+                          bool over_nccl) {
+  if (exchange_ != Exchange::automatic) return exchange_;
+  // NCCL moves device buffers, which measure_link's host messages cannot
+  // time: the NVLink preset stands in (GPU composition rate either way).
+  if (!auto_link_) auto_link_ = over_nccl ? link_preset(LinkPreset::nvlink) : measure_link(comm_);
+  return resolve_exchange(exchange_, comm_.size(), map_bytes, state_bytes, apply_flops,
+                          *auto_link_);
+}
+
 namespace {
 
 bool on_device(const TensorView& t) {
@@ -316,8 +326,8 @@ void CpMixer::forward(const CpForwardArgs& a) {
     t0 = Clock::now();
     const int64_t map_bytes = static_cast<int64_t>((maps.M.size() + maps.E.size()) * 4);
     const int64_t apply_flops = 2 * rows * H * (maps.diagonal ? Dk : Dk * Dk) * Dv;
-    saved->exchange = resolve_exchange(exchange_, P, map_bytes,
-                                       static_cast<int64_t>(maps.E.size() * 4), apply_flops);
+    saved->exchange =
+        resolve(map_bytes, static_cast<int64_t>(maps.E.size() * 4), apply_flops, false);
     ScanResult scan = exclusive_scan(comm_, saved->exchange, maps, ScanOrder::forward);
     fwd_stats_.exchange_s = seconds_since(t0);
     fwd_stats_.exchange_bytes = scan.bytes_sent;

@@ -20,11 +20,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "core/options.h"
 #include "core/tensor.h"
+#include "parallel/exchange.h"
 #include "parallel/observer.h"
 
 namespace statescan {
@@ -92,6 +94,10 @@ class CpMixer {
 
   const CpStepStats& last_forward_stats() const { return fwd_stats_; }
   const CpStepStats& last_backward_stats() const { return bwd_stats_; }
+  // The link `auto` resolved the exchange with: measured (measure_link) at the
+  // first forward over a host communicator, the NVLink preset over NCCL; null
+  // before that forward, with an explicit exchange, or on one rank.
+  const LinkModel* auto_link() const { return auto_link_ ? &*auto_link_ : nullptr; }
 
  private:
   struct Saved;
@@ -102,6 +108,9 @@ class CpMixer {
   };
   void forward_device(const CpForwardArgs& args);
   void backward_device(const CpBackwardArgs& args);
+  // The exchange this forward uses: exchange_ unless automatic, else the
+  // cost model's pick on `link` (collective when it measures).
+  Exchange resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops, bool over_nccl);
 
   Communicator& comm_;
   MixerConfig config_;
@@ -111,6 +120,7 @@ class CpMixer {
   std::unique_ptr<DeviceState, DeviceStateDeleter> device_;
   bool saved_on_device_ = false;  // the last forward ran the GPU path
   CpStepStats fwd_stats_, bwd_stats_;
+  std::optional<LinkModel> auto_link_;
 };
 
 }  // namespace statescan

@@ -502,10 +502,8 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     const int64_t map_bytes = rows * H * (m_size + state) * 4;
     const int64_t apply_flops = 2 * rows * H * m_size * Dv;
     // `auto` over NCCL: the GPU link preset (NVLink figures, GPU composition
-    // rate); over a host communicator the host defaults of exchange.h.
-    const LinkModel link = is_nccl(comm_) ? link_preset(LinkPreset::nvlink) : LinkModel{};
-    ds.exchange_used =
-        resolve_exchange(exchange_, P, map_bytes, rows * H * state * 4, apply_flops, link);
+    // rate); over a host communicator the link measured at the first forward.
+    ds.exchange_used = resolve(map_bytes, rows * H * state * 4, apply_flops, is_nccl(comm_));
     // The exchange begins with the summary (a ring rank then waits for its
     // predecessor, which runs its own summary meanwhile).
     SS_CUDA_CHECK(cudaStreamWaitEvent(ds.exchange, ev.e[8], 0));

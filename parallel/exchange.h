@@ -73,6 +73,15 @@ LinkPreset parse_link_preset(std::string_view name, const char* argument = "link
 // unless it is >= 1.
 LinkModel link_preset(LinkPreset preset, int gpus_per_node = 8);
 
+// Collective over `comm` (host buffers): measures the group's link by timing
+// ring shifts (every rank sends to the next, receives from the previous) of
+// a small and a large message, medians of a few repetitions: latency = the
+// small shift, bandwidth = the extra bytes over the extra time. The ranks
+// agree on the slowest figures (all-reduce max), so every rank resolves
+// `auto` alike. compose_flops_per_s and the node layout come from `base`.
+// A group of one returns `base`.
+LinkModel measure_link(Communicator& comm, const LinkModel& base = {});
+
 double predicted_exchange_seconds(Exchange e, int ranks, int64_t map_bytes, int64_t state_bytes,
                                   int64_t apply_flops, const LinkModel& link = {});
 Exchange resolve_exchange(Exchange requested, int ranks, int64_t map_bytes, int64_t state_bytes,

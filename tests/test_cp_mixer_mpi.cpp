@@ -209,6 +209,52 @@ std::vector<Case> recompute_cases() {
 INSTANTIATE_TEST_SUITE_P(AllVariants, CpRecompute, ::testing::ValuesIn(recompute_cases()),
                          case_name);
 
+// ---- `auto` on a measured link -------------------------------------------------------
+
+// measure_link: finite positive figures, the same on every rank (so that every
+// rank resolves `auto` alike), the rest of the model taken from `base`.
+TEST(MeasureLink, EveryRankGetsTheSamePositiveFigures) {
+  Communicator& comm = world();
+  LinkModel base;
+  base.compose_flops_per_s = 123e9;
+  base.gpus_per_node = 4;
+  const LinkModel m = measure_link(comm, base);
+  if (comm.size() == 1) {
+    EXPECT_EQ(m.latency_s, base.latency_s);
+    return;
+  }
+  EXPECT_TRUE(std::isfinite(m.latency_s) && m.latency_s > 0);
+  EXPECT_TRUE(std::isfinite(m.bandwidth_Bps) && m.bandwidth_Bps > 0);
+  EXPECT_EQ(m.compose_flops_per_s, base.compose_flops_per_s);
+  EXPECT_EQ(m.gpus_per_node, base.gpus_per_node);
+  std::vector<double> all(2 * static_cast<std::size_t>(comm.size()));
+  const double mine[2] = {m.latency_s, m.bandwidth_Bps};
+  comm.all_gather(mine, all.data(), 2, CommType::f64);
+  for (int r = 0; r < comm.size(); ++r) {
+    EXPECT_EQ(all[2 * r], m.latency_s) << "rank " << r;
+    EXPECT_EQ(all[2 * r + 1], m.bandwidth_Bps) << "rank " << r;
+  }
+}
+
+// CpMixer with `auto` measures the link at its first forward and reports it;
+// an explicit exchange measures nothing.
+TEST(MeasureLink, AutoMixerReportsTheLinkItResolvedWith) {
+  Communicator& comm = world();
+  const CaseProblem cpp = make_problem({Variant::gla, Exchange::automatic, Layout::batch_rows},
+                                       comm.size());
+  const int r = comm.rank();
+  CpMixer automatic(comm, cpp.cfg, Exchange::automatic);
+  EXPECT_EQ(automatic.auto_link(), nullptr);
+  run_cp(automatic, cpp.p, cpp.bounds[r], cpp.bounds[r + 1], cpp.d_o, cpp.dht);
+  if (comm.size() > 1) {
+    ASSERT_NE(automatic.auto_link(), nullptr);
+    EXPECT_GT(automatic.auto_link()->bandwidth_Bps, 0);
+  }
+  CpMixer ring(comm, cpp.cfg, Exchange::ring);
+  run_cp(ring, cpp.p, cpp.bounds[r], cpp.bounds[r + 1], cpp.d_o, cpp.dht);
+  EXPECT_EQ(ring.auto_link(), nullptr);
+}
+
 // ---- errors must reach every rank, with no hang and no partial output -----------
 
 struct CpErrors : ::testing::Test {
