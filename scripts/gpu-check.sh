@@ -11,7 +11,9 @@
 #   FLA=0            skip the FLA comparison; FLA_ARGS extra fla_bench.py args
 #   BWD=0            skip the backward: test_cuda_backward, `statescan-bench
 #                    --backward` (BWD_ARGS, default "-t 32768") and its 1M-token
-#                    KDA row with peak memory (BWD_1M=0 skips that row)
+#                    KDA row with peak memory (BWD_1M=0 skips that row), once
+#                    with the chunk states saved and once recomputed (--recompute;
+#                    RECOMPUTE=0 skips that one)
 #   NCU=1            also time the three forward kernels separately at 32K with
 #                    Nsight Compute (clocks left alone), for NCU_VARIANTS
 #                    (default "kda deltanet linear")
@@ -67,6 +69,10 @@ if [[ "${BWD:-1}" != 0 ]]; then
     timeout 600 "$BUILD/launch/statescan-bench" --backward -v kda -t 1048576 -H 16 -d 128 \
       --dtype bf16 -w 1 -n 3 --json "$OUT/bench_bwd_1m.json" >"$OUT/bench_bwd_1m.log" 2>&1 ||
       status=1
+    if [[ "${RECOMPUTE:-1}" != 0 ]]; then
+      timeout 600 "$BUILD/launch/statescan-bench" --backward --recompute -v kda -t 1048576 \
+        -H 16 -d 128 --dtype bf16 -w 1 -n 3 >"$OUT/bench_bwd_1m_recompute.log" 2>&1 || status=1
+    fi
   fi
 fi
 
@@ -94,7 +100,7 @@ fi
 
 echo
 cat "$OUT/bench.log"
-for f in bench_bwd.log bench_bwd_1m.log; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
+for f in bench_bwd.log bench_bwd_1m.log bench_bwd_1m_recompute.log; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
 if [[ -f "$OUT/fla.json" ]]; then
   python3 - "$OUT/bench.json" "$OUT/fla.json" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
