@@ -315,6 +315,19 @@ TEST(RunCli, ExplicitUnevenShardsMatchReference) {
   expect_outputs_match_reference(dir, in);
 }
 
+// --recompute-states keeps no chunk states between the passes: the saved
+// outputs still match the reference, and the header says so.
+TEST(RunCli, RecomputedChunkStatesMatchReference) {
+  TempDir dir;
+  const Inputs in = make_inputs(Variant::gated_deltanet, {0, 3, 9, 40, 45}, 6);
+  write_inputs(in, dir.in());
+  const RunResult r =
+      run_cli(dir, "--variant gated_deltanet --recompute-states --exchange ring " + io_args(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("chunk states recomputed"), std::string::npos) << r.out;
+  expect_outputs_match_reference(dir, in);
+}
+
 // ---- bad input: every rank reports it, nothing is written ------------------------------
 
 TEST(RunCli, NaNInGateFailsOnEveryRankWithoutWriting) {
