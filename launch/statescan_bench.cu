@@ -298,64 +298,123 @@ std::vector<float> head0_slice(const void* data, DType t, int64_t tokens, int64_
   return out;
 }
 
-Row bench_one(const Options& opt, Variant variant, int64_t T) {
-  const int64_t B = opt.batch, H = opt.heads, D = opt.dim;
-  const DType t = opt.dtype;
-  const std::size_t es = size_of(t);
-  const int64_t tokens = B * T * H;
-  const bool vec = vector_gate(variant);
-  DeviceBuffer<unsigned char> q(tokens * D * es), k(tokens * D * es), v(tokens * D * es),
-      o(tokens * D * es), o_decode(tokens * D * es), beta(has_beta(variant) ? tokens * es : 0);
-  DeviceBuffer<float> g(has_gate(variant) ? (vec ? tokens * D : tokens) : 0);
-  DeviceBuffer<float> final_state(B * H * D * D), final_decode(B * H * D * D);
-  fill_random(q.data(), t, tokens * D, 1, Fill::normal);
-  fill_random(k.data(), t, tokens * D, 2, Fill::normal);
-  fill_random(v.data(), t, tokens * D, 3, Fill::normal);
-  if (g.size())
-    fill_random(g.data(), DType::f32, static_cast<int64_t>(g.size()), 4, Fill::log_gate);
-  if (beta.size()) fill_random(beta.data(), t, tokens, 5, Fill::sigmoid);
-
-  MixerParams p;
-  p.variant = variant;
-  p.batch = B;
-  p.seq_len = T;
-  p.heads = H;
-  p.dk = p.dv = D;
-  p.chunk = opt.chunk;
-  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  p.l2norm_qk = has_beta(variant);  // delta rules need unit-norm keys
-  p.dtype = t;
-  p.num_segments = B;
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
-  p.g = g.size() ? g.data() : nullptr;
-  p.beta = beta.size() ? beta.data() : nullptr;
-  p.o = o.data();
-  p.final_state = final_state.data();
-
-  DeviceBuffer<unsigned char> workspace(cuda::forward_workspace_bytes(p));
-  cudaStream_t stream;
-  SS_CUDA_CHECK(cudaStreamCreate(&stream));
-  for (int i = 0; i < opt.warmup; ++i)
-    cuda::mixer_forward(p, workspace.data(), workspace.size(), stream);
-  std::vector<cudaEvent_t> events(static_cast<std::size_t>(opt.iters) + 1);
+// Median of n timed calls of fn on `stream` (after `warmup` untimed ones).
+template <typename Fn>
+double median_ms(Fn&& fn, int warmup, int iters, cudaStream_t stream) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<cudaEvent_t> events(static_cast<std::size_t>(iters) + 1);
   for (auto& e : events) SS_CUDA_CHECK(cudaEventCreate(&e));
   SS_CUDA_CHECK(cudaEventRecord(events[0], stream));
-  for (int i = 0; i < opt.iters; ++i) {
-    cuda::mixer_forward(p, workspace.data(), workspace.size(), stream);
+  for (int i = 0; i < iters; ++i) {
+    fn();
     SS_CUDA_CHECK(cudaEventRecord(events[static_cast<std::size_t>(i) + 1], stream));
   }
   SS_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<double> times;
-  for (int i = 0; i < opt.iters; ++i) {
+  for (int i = 0; i < iters; ++i) {
     float ms = 0;
     SS_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
     times.push_back(ms);
   }
   for (auto& e : events) SS_CUDA_CHECK(cudaEventDestroy(e));
   std::sort(times.begin(), times.end());
-  const double ms = times[times.size() / 2];
+  return times[times.size() / 2];
+}
+
+// The device tensors of one forward + backward step, [B, T, H, *].
+struct StepTensors {
+  DeviceBuffer<unsigned char> q, k, v, o, d_o, dq, dk, dv, beta, dbeta;
+  DeviceBuffer<float> g, dg, chunk_states, dh0;
+
+  // backward = false: the forward's tensors only (no d_o or gradients).
+  StepTensors(Variant variant, int64_t B, int64_t T, int64_t H, int64_t D, DType t,
+              int64_t num_chunks, bool backward = true)
+      : q(B * T * H * D * size_of(t)),
+        k(q.size()),
+        v(q.size()),
+        o(q.size()),
+        d_o(backward ? q.size() : 0),
+        dq(d_o.size()),
+        dk(d_o.size()),
+        dv(d_o.size()),
+        beta(has_beta(variant) ? B * T * H * size_of(t) : 0),
+        dbeta(backward ? beta.size() : 0),
+        g(has_gate(variant) ? B * T * H * (vector_gate(variant) ? D : 1) : 0),
+        dg(backward ? g.size() : 0),
+        chunk_states(static_cast<std::size_t>(num_chunks * H * D * D)),
+        dh0(backward ? static_cast<std::size_t>(B * H * D * D) : 0),
+        dtype_(t),
+        elems_(B * T * H * D),
+        token_heads_(B * T * H) {}
+
+  // Random inputs (and d_o): seeds seed + 1 .. seed + 6 for q, k, v, g, beta, d_o.
+  void fill(uint64_t seed) {
+    fill_random(q.data(), dtype_, elems_, seed + 1, Fill::normal);
+    fill_random(k.data(), dtype_, elems_, seed + 2, Fill::normal);
+    fill_random(v.data(), dtype_, elems_, seed + 3, Fill::normal);
+    if (g.size())
+      fill_random(g.data(), DType::f32, static_cast<int64_t>(g.size()), seed + 4, Fill::log_gate);
+    if (beta.size()) fill_random(beta.data(), dtype_, token_heads_, seed + 5, Fill::sigmoid);
+    if (d_o.size()) fill_random(d_o.data(), dtype_, elems_, seed + 6, Fill::normal);
+  }
+
+  // Forward and backward parameters over these tensors.
+  // With no chunk_states buffer (num_chunks 0) the backward recomputes them.
+  MixerBwdParams params(Variant variant, int64_t B, int64_t T, int64_t H, int64_t D, DType t,
+                        int64_t chunk) {
+    MixerBwdParams p;
+    p.variant = variant;
+    p.batch = B;
+    p.seq_len = T;
+    p.heads = H;
+    p.dk = p.dv = D;
+    p.chunk = chunk;
+    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    p.l2norm_qk = has_beta(variant);  // delta rules need unit-norm keys
+    p.dtype = t;
+    p.num_segments = B;
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.g = g.size() ? g.data() : nullptr;
+    p.beta = beta.size() ? beta.data() : nullptr;
+    p.o = o.data();
+    p.chunk_states = chunk_states.size() ? chunk_states.data() : nullptr;
+    p.recompute_chunk_states = chunk_states.size() == 0;
+    p.d_o = d_o.size() ? d_o.data() : nullptr;
+    p.dq = dq.size() ? dq.data() : nullptr;
+    p.dk_out = dk.size() ? dk.data() : nullptr;
+    p.dv_out = dv.size() ? dv.data() : nullptr;
+    p.dg = dg.size() ? dg.data() : nullptr;
+    p.dbeta = dbeta.size() ? dbeta.data() : nullptr;
+    p.d_initial_state = dh0.size() ? dh0.data() : nullptr;
+    return p;
+  }
+
+ private:
+  DType dtype_;
+  int64_t elems_, token_heads_;
+};
+
+Row bench_one(const Options& opt, Variant variant, int64_t T) {
+  const int64_t B = opt.batch, H = opt.heads, D = opt.dim;
+  const DType t = opt.dtype;
+  const std::size_t es = size_of(t);
+  const int64_t tokens = B * T * H;
+  const bool vec = vector_gate(variant);
+  StepTensors x(variant, B, T, H, D, t, 0, /*backward=*/false);
+  x.fill(0);
+  DeviceBuffer<unsigned char> o_decode(tokens * D * es);
+  DeviceBuffer<float> final_state(B * H * D * D), final_decode(B * H * D * D);
+  MixerParams p = x.params(variant, B, T, H, D, t, opt.chunk);
+  p.final_state = final_state.data();
+
+  DeviceBuffer<unsigned char> workspace(cuda::forward_workspace_bytes(p));
+  cudaStream_t stream;
+  SS_CUDA_CHECK(cudaStreamCreate(&stream));
+  const double ms = median_ms(
+      [&] { cuda::mixer_forward(p, workspace.data(), workspace.size(), stream); }, opt.warmup,
+      opt.iters, stream);
 
   // Correctness 1: the recurrent decode kernel on the whole problem.
   MixerParams pd = p;
@@ -363,7 +422,7 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
   pd.final_state = final_decode.data();
   cuda::decode_forward(pd, stream);
   SS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const std::vector<float> o_host = download(o.data(), t, tokens * D);
+  const std::vector<float> o_host = download(x.o.data(), t, tokens * D);
   const std::vector<float> od_host = download(o_decode.data(), t, tokens * D);
   const double err_decode = rel_rms_host(o_host, od_host);
 
@@ -381,16 +440,16 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
   auto to_double = [](const std::vector<float>& x) {
     return std::vector<double>(x.begin(), x.end());
   };
-  rp.q = to_double(head0_slice(q.data(), t, t_ref, H, D));
-  rp.k = to_double(head0_slice(k.data(), t, t_ref, H, D));
-  rp.v = to_double(head0_slice(v.data(), t, t_ref, H, D));
-  if (g.size()) {
-    rp.g = to_double(vec ? head0_slice(g.data(), DType::f32, t_ref, H, D)
-                         : head0_slice(g.data(), DType::f32, t_ref, H, 1));
+  rp.q = to_double(head0_slice(x.q.data(), t, t_ref, H, D));
+  rp.k = to_double(head0_slice(x.k.data(), t, t_ref, H, D));
+  rp.v = to_double(head0_slice(x.v.data(), t, t_ref, H, D));
+  if (x.g.size()) {
+    rp.g = to_double(vec ? head0_slice(x.g.data(), DType::f32, t_ref, H, D)
+                         : head0_slice(x.g.data(), DType::f32, t_ref, H, 1));
   }
-  if (beta.size()) rp.beta = to_double(head0_slice(beta.data(), t, t_ref, H, 1));
+  if (x.beta.size()) rp.beta = to_double(head0_slice(x.beta.data(), t, t_ref, H, 1));
   const ref::Outputs want = ref::forward(rp);
-  const double err_ref = rel_rms_host(head0_slice(o.data(), t, t_ref, H, D), want.o);
+  const double err_ref = rel_rms_host(head0_slice(x.o.data(), t, t_ref, H, D), want.o);
 
   SS_CUDA_CHECK(cudaStreamDestroy(stream));
 
@@ -421,85 +480,6 @@ struct BwdRow {
   double ms_fwd, ms_fwd_bwd, tokens_per_s, tflops, gbps, peak_gb, err_grad;
 };
 
-// Median of n timed calls of fn on `stream` (after `warmup` untimed ones).
-template <typename Fn>
-double median_ms(Fn&& fn, int warmup, int iters, cudaStream_t stream) {
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<cudaEvent_t> events(static_cast<std::size_t>(iters) + 1);
-  for (auto& e : events) SS_CUDA_CHECK(cudaEventCreate(&e));
-  SS_CUDA_CHECK(cudaEventRecord(events[0], stream));
-  for (int i = 0; i < iters; ++i) {
-    fn();
-    SS_CUDA_CHECK(cudaEventRecord(events[static_cast<std::size_t>(i) + 1], stream));
-  }
-  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> times;
-  for (int i = 0; i < iters; ++i) {
-    float ms = 0;
-    SS_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
-    times.push_back(ms);
-  }
-  for (auto& e : events) SS_CUDA_CHECK(cudaEventDestroy(e));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-// The device tensors of one forward + backward step, [B, T, H, *].
-struct StepTensors {
-  DeviceBuffer<unsigned char> q, k, v, o, d_o, dq, dk, dv, beta, dbeta;
-  DeviceBuffer<float> g, dg, chunk_states, dh0;
-
-  StepTensors(Variant variant, int64_t B, int64_t T, int64_t H, int64_t D, DType t,
-              int64_t num_chunks)
-      : q(B * T * H * D * size_of(t)),
-        k(q.size()),
-        v(q.size()),
-        o(q.size()),
-        d_o(q.size()),
-        dq(q.size()),
-        dk(q.size()),
-        dv(q.size()),
-        beta(has_beta(variant) ? B * T * H * size_of(t) : 0),
-        dbeta(beta.size()),
-        g(has_gate(variant) ? B * T * H * (vector_gate(variant) ? D : 1) : 0),
-        dg(g.size()),
-        chunk_states(static_cast<std::size_t>(num_chunks * H * D * D)),
-        dh0(static_cast<std::size_t>(B * H * D * D)) {}
-
-  // Forward and backward parameters over these tensors.
-  // With no chunk_states buffer (num_chunks 0) the backward recomputes them.
-  MixerBwdParams params(Variant variant, int64_t B, int64_t T, int64_t H, int64_t D, DType t,
-                        int64_t chunk) {
-    MixerBwdParams p;
-    p.variant = variant;
-    p.batch = B;
-    p.seq_len = T;
-    p.heads = H;
-    p.dk = p.dv = D;
-    p.chunk = chunk;
-    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-    p.l2norm_qk = has_beta(variant);  // delta rules need unit-norm keys
-    p.dtype = t;
-    p.num_segments = B;
-    p.q = q.data();
-    p.k = k.data();
-    p.v = v.data();
-    p.g = g.size() ? g.data() : nullptr;
-    p.beta = beta.size() ? beta.data() : nullptr;
-    p.o = o.data();
-    p.chunk_states = chunk_states.size() ? chunk_states.data() : nullptr;
-    p.recompute_chunk_states = chunk_states.size() == 0;
-    p.d_o = d_o.data();
-    p.dq = dq.data();
-    p.dk_out = dk.data();
-    p.dv_out = dv.data();
-    p.dg = dg.size() ? dg.data() : nullptr;
-    p.dbeta = dbeta.size() ? dbeta.data() : nullptr;
-    p.d_initial_state = dh0.data();
-    return p;
-  }
-};
-
 // Head h's [tokens, d] slice of a [tokens, heads, d] host array, as doubles.
 std::vector<double> head_slice(const std::vector<float>& all, int64_t tokens, int64_t heads,
                                int64_t h, int64_t d) {
@@ -520,13 +500,7 @@ double gradient_error(Variant variant, int64_t D, DType t, int64_t chunk, bool r
   shape.batch = 1;
   shape.num_segments = 1;
   StepTensors x(variant, 1, T, H, D, t, recompute ? 0 : count_chunks(shape));
-  fill_random(x.q.data(), t, T * H * D, seed + 1, Fill::normal);
-  fill_random(x.k.data(), t, T * H * D, seed + 2, Fill::normal);
-  fill_random(x.v.data(), t, T * H * D, seed + 3, Fill::normal);
-  fill_random(x.d_o.data(), t, T * H * D, seed + 6, Fill::normal);
-  if (x.g.size())
-    fill_random(x.g.data(), DType::f32, static_cast<int64_t>(x.g.size()), seed + 4, Fill::log_gate);
-  if (x.beta.size()) fill_random(x.beta.data(), t, T * H, seed + 5, Fill::sigmoid);
+  x.fill(seed);
   MixerBwdParams p = x.params(variant, 1, T, H, D, t, chunk);
   cuda::mixer_forward(p, nullptr);
   cuda::mixer_backward(p, nullptr);
@@ -612,13 +586,7 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
         std::max(cuda::forward_workspace_bytes(p),
                  cuda::backward_workspace_bytes(p, p.recompute_chunk_states)));
     SS_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
-    fill_random(x.q.data(), t, tokens * D, 1, Fill::normal);
-    fill_random(x.k.data(), t, tokens * D, 2, Fill::normal);
-    fill_random(x.v.data(), t, tokens * D, 3, Fill::normal);
-    fill_random(x.d_o.data(), t, tokens * D, 6, Fill::normal);
-    if (x.g.size())
-      fill_random(x.g.data(), DType::f32, static_cast<int64_t>(x.g.size()), 4, Fill::log_gate);
-    if (x.beta.size()) fill_random(x.beta.data(), t, tokens, 5, Fill::sigmoid);
+    x.fill(0);
 
     cudaStream_t stream;
     SS_CUDA_CHECK(cudaStreamCreate(&stream));
