@@ -199,6 +199,15 @@ CpMixer::CpMixer(Communicator& comm, MixerConfig config, Exchange exchange, CpOb
 
 CpMixer::~CpMixer() = default;
 
+void CpMixer::report_to_observer(const CpStepStats& s, Phase total) const {
+  if (observer_ == nullptr) return;
+  observer_->on_exchange_strategy(s.exchange);
+  observer_->on_phase(Phase::summary, s.summary_s, 0);
+  observer_->on_phase(Phase::exchange, s.exchange_s, s.exchange_bytes);
+  observer_->on_phase(Phase::merge, s.merge_s, 0);
+  observer_->on_phase(total, s.total_s, 0);
+}
+
 Exchange CpMixer::resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops,
                           bool over_nccl) {
   if (exchange_ != Exchange::automatic) return exchange_;
@@ -376,13 +385,7 @@ void CpMixer::forward(const CpForwardArgs& a) {
   p.o = nullptr;
   saved_ = std::move(saved);
   fwd_stats_.total_s = seconds_since(t_start);
-  if (observer_ != nullptr) {
-    observer_->on_exchange_strategy(fwd_stats_.exchange);
-    observer_->on_phase(Phase::summary, fwd_stats_.summary_s, 0);
-    observer_->on_phase(Phase::exchange, fwd_stats_.exchange_s, fwd_stats_.exchange_bytes);
-    observer_->on_phase(Phase::merge, fwd_stats_.merge_s, 0);
-    observer_->on_phase(Phase::fwd, fwd_stats_.total_s, 0);
-  }
+  report_to_observer(fwd_stats_, Phase::fwd);
 }
 
 void CpMixer::backward(const CpBackwardArgs& a) {
@@ -500,13 +503,7 @@ void CpMixer::backward(const CpBackwardArgs& a) {
   }
   bwd_stats_.merge_s += seconds_since(t0);
   bwd_stats_.total_s = seconds_since(t_start);
-  if (observer_ != nullptr) {
-    observer_->on_exchange_strategy(bwd_stats_.exchange);
-    observer_->on_phase(Phase::summary, bwd_stats_.summary_s, 0);
-    observer_->on_phase(Phase::exchange, bwd_stats_.exchange_s, bwd_stats_.exchange_bytes);
-    observer_->on_phase(Phase::merge, bwd_stats_.merge_s, 0);
-    observer_->on_phase(Phase::bwd, bwd_stats_.total_s, 0);
-  }
+  report_to_observer(bwd_stats_, Phase::bwd);
 }
 
 }  // namespace statescan

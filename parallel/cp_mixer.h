@@ -111,6 +111,9 @@ class CpMixer {
   // The exchange this forward uses: exchange_ unless automatic, else the
   // cost model's pick on `link` (collective when it measures).
   Exchange resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops, bool over_nccl);
+  // One call's phases to the observer (if any), host or GPU path alike;
+  // `total` is Phase::fwd or Phase::bwd.
+  void report_to_observer(const CpStepStats& s, Phase total) const;
 
   Communicator& comm_;
   MixerConfig config_;

@@ -560,13 +560,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   fwd_stats_.hidden_s = std::clamp(ev.seconds(3, 2), 0.0, fwd_stats_.exchange_s);
   ds.valid = true;
   fwd_stats_.total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
-  if (observer_ != nullptr) {
-    observer_->on_exchange_strategy(fwd_stats_.exchange);
-    observer_->on_phase(Phase::summary, fwd_stats_.summary_s, 0);
-    observer_->on_phase(Phase::exchange, fwd_stats_.exchange_s, fwd_stats_.exchange_bytes);
-    observer_->on_phase(Phase::merge, fwd_stats_.merge_s, 0);
-    observer_->on_phase(Phase::fwd, fwd_stats_.total_s, 0);
-  }
+  report_to_observer(fwd_stats_, Phase::fwd);
 }
 
 void CpMixer::backward_device(const CpBackwardArgs& a) {
@@ -724,13 +718,7 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
   bwd_stats_.local_s = ev.seconds(5, 6);
   bwd_stats_.hidden_s = std::clamp(ev.seconds(3, 2), 0.0, bwd_stats_.exchange_s);
   bwd_stats_.total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
-  if (observer_ != nullptr) {
-    observer_->on_exchange_strategy(bwd_stats_.exchange);
-    observer_->on_phase(Phase::summary, bwd_stats_.summary_s, 0);
-    observer_->on_phase(Phase::exchange, bwd_stats_.exchange_s, bwd_stats_.exchange_bytes);
-    observer_->on_phase(Phase::merge, bwd_stats_.merge_s, 0);
-    observer_->on_phase(Phase::bwd, bwd_stats_.total_s, 0);
-  }
+  report_to_observer(bwd_stats_, Phase::bwd);
 }
 
 }  // namespace statescan
