@@ -10,7 +10,7 @@
 //
 // Control traffic (argument agreement, collective errors) is a few bytes of
 // host data; over NCCL it is staged through a small device buffer
-// (StagedControl), so every rank still agrees before anything is written.
+// (NcclHostStaged), so every rank still agrees before anything is written.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,6 +32,7 @@
 #include "parallel/exchange_cuda.h"
 #ifdef STATESCAN_HAS_NCCL
 #include "comm/nccl_communicator.h"
+#include "comm/nccl_host_staged.h"
 #endif
 
 namespace statescan {
@@ -88,85 +89,6 @@ void copy_floats(float* dst, const float* src, int64_t count, cudaStream_t strea
                                   cudaMemcpyDeviceToDevice, stream));
 }
 
-#ifdef STATESCAN_HAS_NCCL
-// Host-buffer collectives over an NCCL communicator, for the control plane:
-// each call copies through a device buffer and waits (watched by the
-// communicator's timeout). Point to point is not needed there and refused.
-class StagedControl final : public Communicator {
- public:
-  explicit StagedControl(NcclCommunicator& nccl) : nccl_(nccl) {}
-  ~StagedControl() override {
-    if (buffer_ != nullptr) (void)cudaFree(buffer_);
-  }
-  int rank() const override { return nccl_.rank(); }
-  int size() const override { return nccl_.size(); }
-  const char* backend() const override { return "nccl-staged"; }
-  void all_gather(const void* send, void* recv, std::size_t count, CommType type) override {
-    const std::size_t bytes = count * size_of(type);
-    char* dev = reserve(bytes * static_cast<std::size_t>(size()));
-    char* mine = dev + bytes * static_cast<std::size_t>(rank());
-    up(mine, send, bytes);
-    nccl_.all_gather(mine, dev, count, type);
-    down(recv, dev, bytes * static_cast<std::size_t>(size()));
-  }
-  void all_reduce_sum(void* data, std::size_t count, CommType type) override {
-    reduce(data, count, type, true);
-  }
-  void all_reduce_max(void* data, std::size_t count, CommType type) override {
-    reduce(data, count, type, false);
-  }
-  void broadcast(void* data, std::size_t count, CommType type, int root) override {
-    const std::size_t bytes = count * size_of(type);
-    char* dev = reserve(bytes);
-    up(dev, data, bytes);
-    nccl_.broadcast(dev, count, type, root);
-    down(data, dev, bytes);
-  }
-  void send(const void*, std::size_t, CommType, int, int) override { refuse("send"); }
-  void recv(void*, std::size_t, CommType, int, int) override { refuse("recv"); }
-  void send_recv(const void*, std::size_t, int, void*, std::size_t, int, CommType, int) override {
-    refuse("send_recv");
-  }
-  void barrier() override { nccl_.barrier(); }
-  std::unique_ptr<Communicator> split(int, int) override { refuse("split"); }
-
- private:
-  [[noreturn]] static void refuse(const char* op) {
-    SS_FAIL("comm", "the staged control communicator has no ", op);
-  }
-  char* reserve(std::size_t bytes) {
-    if (bytes > capacity_) {
-      nccl_.wait();
-      if (buffer_ != nullptr) SS_CUDA_CHECK(cudaFree(buffer_));
-      buffer_ = nullptr;
-      SS_CUDA_CHECK(cudaMalloc(&buffer_, bytes));
-      capacity_ = bytes;
-    }
-    return static_cast<char*>(buffer_);
-  }
-  void up(void* dev, const void* host, std::size_t bytes) {
-    SS_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, nccl_.stream()));
-  }
-  void down(void* host, const void* dev, std::size_t bytes) {
-    SS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, nccl_.stream()));
-    nccl_.wait();
-  }
-  void reduce(void* data, std::size_t count, CommType type, bool sum) {
-    const std::size_t bytes = count * size_of(type);
-    char* dev = reserve(bytes);
-    up(dev, data, bytes);
-    if (sum)
-      nccl_.all_reduce_sum(dev, count, type);
-    else
-      nccl_.all_reduce_max(dev, count, type);
-    down(data, dev, bytes);
-  }
-
-  NcclCommunicator& nccl_;
-  void* buffer_ = nullptr;
-  std::size_t capacity_ = 0;
-};
-#endif
 
 using Clock = std::chrono::steady_clock;
 
@@ -194,7 +116,7 @@ struct CpMixer::DeviceState {
   cudaStream_t compute = nullptr;   // kernels
   cudaStream_t exchange = nullptr;  // the scan's communication and composition
   Events events;
-  std::unique_ptr<Communicator> control;  // StagedControl over NCCL, else unused
+  std::unique_ptr<Communicator> control;  // NcclHostStaged over NCCL, else unused
 
   // Saved by forward for backward.
   bool valid = false;
@@ -324,7 +246,7 @@ void check_finite_device(const std::vector<std::pair<const TensorView*, const ch
 Communicator& control_comm(Communicator& comm, std::unique_ptr<Communicator>& slot) {
 #ifdef STATESCAN_HAS_NCCL
   if (is_nccl(comm)) {
-    if (!slot) slot = std::make_unique<StagedControl>(static_cast<NcclCommunicator&>(comm));
+    if (!slot) slot = std::make_unique<NcclHostStaged>(static_cast<NcclCommunicator&>(comm));
     return *slot;
   }
 #endif

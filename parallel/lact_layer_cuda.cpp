@@ -19,87 +19,11 @@
 #include "parallel/lact_layer_internal.h"
 #ifdef STATESCAN_HAS_NCCL
 #include "comm/nccl_communicator.h"
+#include "comm/nccl_host_staged.h"
 #endif
 
 namespace statescan {
 namespace {
-
-#ifdef STATESCAN_HAS_NCCL
-// Host-buffer collectives over an NCCL communicator for the control plane:
-// each call copies through a device buffer and waits through the
-// communicator (its timeout watches the wait). Point to point is refused.
-class HostOverNccl final : public Communicator {
- public:
-  explicit HostOverNccl(NcclCommunicator& nccl) : nccl_(nccl) {}
-  ~HostOverNccl() override {
-    if (buffer_ != nullptr) (void)cudaFree(buffer_);
-  }
-  int rank() const override { return nccl_.rank(); }
-  int size() const override { return nccl_.size(); }
-  const char* backend() const override { return "nccl-host-staged"; }
-  void all_gather(const void* send, void* recv, std::size_t count, CommType type) override {
-    const std::size_t bytes = count * size_of(type), ranks = static_cast<std::size_t>(size());
-    char* dev = reserve(bytes * ranks);
-    char* mine = dev + bytes * static_cast<std::size_t>(rank());
-    to_device(mine, send, bytes);
-    nccl_.all_gather(mine, dev, count, type);
-    to_host(recv, dev, bytes * ranks);
-  }
-  void all_reduce_sum(void* data, std::size_t count, CommType type) override {
-    char* dev = stage_in(data, count * size_of(type));
-    nccl_.all_reduce_sum(dev, count, type);
-    to_host(data, dev, count * size_of(type));
-  }
-  void all_reduce_max(void* data, std::size_t count, CommType type) override {
-    char* dev = stage_in(data, count * size_of(type));
-    nccl_.all_reduce_max(dev, count, type);
-    to_host(data, dev, count * size_of(type));
-  }
-  void broadcast(void* data, std::size_t count, CommType type, int root) override {
-    char* dev = stage_in(data, count * size_of(type));
-    nccl_.broadcast(dev, count, type, root);
-    to_host(data, dev, count * size_of(type));
-  }
-  void send(const void*, std::size_t, CommType, int, int) override { refuse("send"); }
-  void recv(void*, std::size_t, CommType, int, int) override { refuse("recv"); }
-  void send_recv(const void*, std::size_t, int, void*, std::size_t, int, CommType, int) override {
-    refuse("send_recv");
-  }
-  void barrier() override { nccl_.barrier(); }
-  std::unique_ptr<Communicator> split(int, int) override { refuse("split"); }
-
- private:
-  [[noreturn]] static void refuse(const char* op) {
-    SS_FAIL("comm", "the LaCT layer's control communicator has no ", op);
-  }
-  char* reserve(std::size_t bytes) {
-    if (bytes > capacity_) {
-      nccl_.wait();
-      if (buffer_ != nullptr) SS_CUDA_CHECK(cudaFree(buffer_));
-      buffer_ = nullptr;
-      SS_CUDA_CHECK(cudaMalloc(&buffer_, bytes));
-      capacity_ = bytes;
-    }
-    return static_cast<char*>(buffer_);
-  }
-  char* stage_in(const void* host, std::size_t bytes) {
-    char* dev = reserve(bytes);
-    to_device(dev, host, bytes);
-    return dev;
-  }
-  void to_device(void* dev, const void* host, std::size_t bytes) {
-    SS_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, nccl_.stream()));
-  }
-  void to_host(void* host, const void* dev, std::size_t bytes) {
-    SS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, nccl_.stream()));
-    nccl_.wait();
-  }
-
-  NcclCommunicator& nccl_;
-  void* buffer_ = nullptr;
-  std::size_t capacity_ = 0;
-};
-#endif
 
 // The NCCL communicator behind `comm`, or null.
 #ifdef STATESCAN_HAS_NCCL
@@ -139,7 +63,7 @@ struct LactLayer::DeviceState {
 #ifdef STATESCAN_HAS_NCCL
     if (NcclCommunicator* nccl = as_nccl(comm)) {
       stream = nccl->stream();
-      staged_control = std::make_unique<HostOverNccl>(*nccl);
+      staged_control = std::make_unique<NcclHostStaged>(*nccl);
       control = staged_control.get();
       return;
     }
