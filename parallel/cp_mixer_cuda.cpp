@@ -4,9 +4,10 @@
 //
 // Forward: prepare (state-independent tiles, once) -> summary (M, E) from
 // those tiles -> exchange on its own stream -> merge -> scan + output from the
-// true incoming state with the same tiles. Backward: pre-pass
-// cuda::mixer_backward with state_grad_only -> reverse exchange of (M^T, D)
-// -> local cuda::mixer_backward with the true downstream gradient.
+// true incoming state with the same tiles. Backward: prepare once
+// (cuda::PreparedBackward) -> pre-pass with state_grad_only -> reverse
+// exchange of (M^T, D) -> local backward with the true downstream gradient
+// from the same tiles (rank 0, without a pre-pass, prepares while it waits).
 //
 // Control traffic (argument agreement, collective errors) is a few bytes of
 // host data; over NCCL it is staged through a small device buffer
@@ -17,6 +18,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -565,13 +567,18 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
     incoming = StreamBuffer(static_cast<std::size_t>(rows * H * state) * sizeof(float), cs);
   }
   SS_CUDA_CHECK(cudaEventRecord(ev.e[1], cs));  // buffers allocated
+  // The state-independent tiles, prepared once for the pre-pass and the local
+  // backward. Rank 0 has no pre-pass: it queues them after handing its maps
+  // to the exchange, so that they are computed while it waits.
+  std::optional<cuda::PreparedBackward> prepared;
   if (P > 1) {
     // 1. pre-pass: D_r = dS_in with zero gradient from the next rank. Rank 0
     // is last in reverse order: its (M^T, D) reach no one, and none of its
     // segments continues from a previous rank, so it skips the pre-pass.
     if (comm_.rank() != 0) {
+      prepared.emplace(bp, cs);
       bp.state_grad_only = true;
-      cuda::mixer_backward(bp, cs);
+      prepared->run(bp, cs);
       bp.state_grad_only = false;
     }
     for (int64_t i = 0; i < nseg; ++i)
@@ -584,6 +591,7 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
       m_for_back = back_M.get();
     }
     SS_CUDA_CHECK(cudaEventRecord(ev.e[2], cs));  // pre-pass done: maps ready
+    if (!prepared) prepared.emplace(bp, cs);
 
     // 2. reverse exchange: dS_out of this rank = dS_in of the next.
     SS_CUDA_CHECK(cudaStreamWaitEvent(ds.exchange, ev.e[1], 0));
@@ -618,7 +626,8 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
   bp.dv_out = a.dv.data;
   bp.dg = a.dg.defined() ? a.dg.as<float>() : nullptr;
   bp.dbeta = a.dbeta.defined() ? a.dbeta.data : nullptr;
-  cuda::mixer_backward(bp, cs);
+  if (!prepared) prepared.emplace(bp, cs);
+  prepared->run(bp, cs);
   SS_CUDA_CHECK(cudaEventRecord(ev.e[6], cs));
 
   // dh0 of each sequence comes from the rank on which it starts.

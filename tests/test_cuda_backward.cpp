@@ -20,6 +20,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cpu/reference.h"
+#include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "tests/test_util.h"
 
@@ -363,6 +364,54 @@ TEST_P(CudaBackward, RecomputedChunkStatesGiveTheSavedStatesGradients) {
   } catch (const Error& e) {
     EXPECT_EQ(e.argument(), "workspace");
   }
+}
+
+// cuda::PreparedBackward (the CP path): one prepared set of tiles serves the
+// pre-pass and then the full backward, bitwise equal to mixer_backward's; a
+// different problem or stream is refused.
+TEST_P(CudaBackward, PreparedBackwardServesThePrePassAndTheBackward) {
+  ProblemSpec s = spec();
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(13));
+  GpuBackward gpu(p, dtype(), 64, true, seed(13) + 1);
+  gpu.run_forward();
+  gpu.run_backward();
+  const auto expected = gpu.raw_outputs();
+  const std::vector<double> expected_dh0 = gpu.dh0();
+
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  {
+    MixerBwdParams m = gpu.backward_params();
+    cuda::PreparedBackward prepared(m, stream);
+    MixerBwdParams pre = m;
+    pre.state_grad_only = true;
+    prepared.run(pre, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_LE(rel_rms(gpu.dh0(), expected_dh0), 1e-6) << "pre-pass dh0";
+    m = gpu.backward_params();  // poisons the outputs again
+    prepared.run(m, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const auto got = gpu.raw_outputs();
+    ASSERT_EQ(got.size(), expected.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == expected[i]) << "output " << i;
+
+    MixerBwdParams other = m;
+    other.scale *= 2;
+    try {
+      prepared.run(other, stream);
+      FAIL() << "expected statescan::Error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "p");
+    }
+    try {
+      prepared.run(m, nullptr);
+      FAIL() << "expected statescan::Error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "stream");
+    }
+  }
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 // The CP pre-pass: only d_initial_state, equal to the full run's; every other

@@ -63,6 +63,30 @@ class PreparedForward {
   std::unique_ptr<Impl> impl_;
 };
 
+// One chunkwise backward split around the CP exchange: the construction
+// queues the forward's prepare stage (the state-independent tiles; with
+// p.recompute_chunk_states also the state scan) once, and every run() reads
+// those tiles: the pre-pass (state_grad_only) and then the local backward.
+// A rank that waits for the exchange constructs it before the wait, so the
+// prepare stage runs meanwhile. run() takes the problem of the construction
+// (same sizes, inputs, initial state and chunk states; its outputs and
+// gradients may differ) on the same stream. The workspace comes from the
+// stream-ordered pool and frees on that stream.
+class PreparedBackward {
+ public:
+  PreparedBackward(const MixerBwdParams& p, cudaStream_t stream);
+  ~PreparedBackward();
+  PreparedBackward(const PreparedBackward&) = delete;
+  PreparedBackward& operator=(const PreparedBackward&) = delete;
+
+  // cuda::mixer_backward(p) from the prepared tiles.
+  void run(const MixerBwdParams& p, cudaStream_t stream);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // One batch of affine maps S_out = M S_in + E, [maps] of them, contiguous:
 // M [maps, Dk, Dk] (or [maps, Dk] when diagonal), E [maps, Dk, Dv].
 struct DeviceMaps {

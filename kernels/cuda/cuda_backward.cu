@@ -10,10 +10,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/cuda/chunk_backward.cuh"
+#include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/forward_plan.cuh"
 
@@ -152,37 +154,48 @@ size_t backward_workspace_bytes(const MixerParams& p, bool recompute_chunk_state
   return layout_for(p, recompute_chunk_states).total;
 }
 
-void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_bytes,
-                    cudaStream_t stream) {
-  check_backward_args(p);
-  const bool recompute = p.recompute_chunk_states && !p.state_grad_only;
-  const BackwardLayout l = layout_for(p, recompute);
-  SS_CHECK_ARG(workspace != nullptr && workspace_bytes >= l.total, "workspace", "needs ", l.total,
-               " bytes, got ", workspace_bytes);
+namespace {
+
+// The queued prepare stage of one backward: the forward's plan over the
+// workspace and the fp32 chunk states the backward kernels read.
+struct Prepared {
+  detail::ForwardPlan plan;
+  float* chunk_states = nullptr;
+};
+
+// Queues the forward's prepare stage into the workspace at `base` (layout
+// `l`), and with `recompute` also its state scan, which re-derives the chunk
+// states (the same kernel, so the same values forward would have saved); the
+// caller's final_state is not touched.
+Prepared prepare_backward(const MixerBwdParams& p, bool recompute, const BackwardLayout& l,
+                          char* base, cudaStream_t stream) {
   // plan_forward validates the problem as a forward call, which needs an
   // output pointer; the prepare stage never writes o, so any non-null
   // pointer stands in when the caller passed none.
   MixerParams fwd = p;
-  if (fwd.o == nullptr) fwd.o = workspace;
-  char* base = static_cast<char*>(workspace);
+  if (fwd.o == nullptr) fwd.o = base;
   int stages = detail::kStagePrepare;
   if (recompute) {
-    // The forward's scan re-derives the chunk states (the same kernel, so the
-    // same values forward would have saved); the caller's final_state is not
-    // touched.
     fwd.chunk_states = reinterpret_cast<float*>(base + l.states);
     fwd.final_state = nullptr;
     stages |= detail::kStageScan;
   }
-  const detail::ForwardPlan plan =
-      detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream);
-  detail::launch_forward_stages(fwd, plan.args, stages, stream);
+  Prepared prep;
+  prep.plan = detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream);
+  prep.chunk_states = fwd.chunk_states;
+  detail::launch_forward_stages(fwd, prep.plan.args, stages, stream);
+  return prep;
+}
 
+// The reverse scan and the per-chunk gradients of `p` (or, with
+// p.state_grad_only, only the scan's d_initial_state) from prepared tiles.
+void run_backward(const MixerBwdParams& p, const Prepared& prep, const BackwardLayout& l,
+                  char* base, cudaStream_t stream) {
   BackwardArgs a;
-  a.f = plan.args;
+  a.f = prep.plan.args;
   a.d_o = p.d_o;
   a.d_final_state = p.d_final_state;
-  a.chunk_states = fwd.chunk_states;
+  a.chunk_states = prep.chunk_states;
   a.dq = p.dq;
   a.dk = p.dk_out;
   a.dv = p.dv_out;
@@ -191,10 +204,82 @@ void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_b
   a.d_initial_state = p.d_initial_state;
   a.ws_ds = p.state_grad_only ? nullptr : reinterpret_cast<float*>(base + l.ds);
   a.ws_scratch = reinterpret_cast<float*>(base + l.scratch);
-  a.num_items = plan.num_chunks * p.heads;
+  a.num_items = prep.plan.num_chunks * p.heads;
   const int blocks =
       static_cast<int>(std::min<int64_t>(a.num_items, static_cast<int64_t>(grad_blocks(p))));
   launch_variant(p, a, blocks, stream);
+}
+
+// Everything of the problem the prepared tiles depend on.
+bool same_problem(const MixerParams& a, const MixerParams& b) {
+  return a.variant == b.variant && a.batch == b.batch && a.seq_len == b.seq_len &&
+         a.heads == b.heads && a.dk == b.dk && a.dv == b.dv && a.chunk == b.chunk &&
+         a.scale == b.scale && a.l2norm_qk == b.l2norm_qk && a.dtype == b.dtype &&
+         a.cu_seqlens == b.cu_seqlens && a.num_segments == b.num_segments && a.q == b.q &&
+         a.k == b.k && a.v == b.v && a.g == b.g && a.beta == b.beta &&
+         a.initial_state == b.initial_state;
+}
+
+}  // namespace
+
+void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_bytes,
+                    cudaStream_t stream) {
+  check_backward_args(p);
+  const bool recompute = p.recompute_chunk_states && !p.state_grad_only;
+  const BackwardLayout l = layout_for(p, recompute);
+  SS_CHECK_ARG(workspace != nullptr && workspace_bytes >= l.total, "workspace", "needs ", l.total,
+               " bytes, got ", workspace_bytes);
+  char* base = static_cast<char*>(workspace);
+  const Prepared prep = prepare_backward(p, recompute, l, base, stream);
+  run_backward(p, prep, l, base, stream);
+}
+
+struct PreparedBackward::Impl {
+  MixerBwdParams problem;
+  BackwardLayout layout;
+  Prepared prep;
+  void* workspace = nullptr;
+  cudaStream_t stream = nullptr;
+};
+
+PreparedBackward::PreparedBackward(const MixerBwdParams& p, cudaStream_t stream)
+    : impl_(std::make_unique<Impl>()) {
+  SS_CHECK_ARG(p.dk == p.dv && (p.dk == 64 || p.dk == 128), "dk",
+               "CUDA backward supports Dk == Dv in {64, 128}, got Dk ", p.dk, ", Dv ", p.dv);
+  SS_CHECK_ARG(p.chunk_states != nullptr || p.recompute_chunk_states, "chunk_states",
+               "backward needs the chunk states saved by forward (or recompute_chunk_states)");
+  SS_CHECK_ARG(p.recompute_chunk_states || reinterpret_cast<uintptr_t>(p.chunk_states) % 32 == 0,
+               "chunk_states", "must be 32-byte aligned");
+  Impl& m = *impl_;
+  m.problem = p;
+  m.stream = stream;
+  m.layout = layout_for(p, p.recompute_chunk_states);
+  SS_CUDA_CHECK(cudaMallocAsync(&m.workspace, m.layout.total, stream));
+  try {
+    m.prep = prepare_backward(p, p.recompute_chunk_states, m.layout,
+                              static_cast<char*>(m.workspace), stream);
+  } catch (...) {
+    (void)cudaFreeAsync(m.workspace, stream);
+    throw;
+  }
+}
+
+PreparedBackward::~PreparedBackward() {
+  if (impl_ && impl_->workspace != nullptr) (void)cudaFreeAsync(impl_->workspace, impl_->stream);
+}
+
+void PreparedBackward::run(const MixerBwdParams& p, cudaStream_t stream) {
+  Impl& m = *impl_;
+  check_backward_args(p);
+  SS_CHECK_ARG(same_problem(p, m.problem), "p",
+               "PreparedBackward::run needs the problem it was prepared for");
+  SS_CHECK_ARG(stream == m.stream, "stream", "must be the stream PreparedBackward was built on");
+  if (!p.state_grad_only) {
+    SS_CHECK_ARG(p.recompute_chunk_states == m.problem.recompute_chunk_states &&
+                     (p.recompute_chunk_states || p.chunk_states == m.problem.chunk_states),
+                 "chunk_states", "must be those PreparedBackward was built with");
+  }
+  run_backward(p, m.prep, m.layout, static_cast<char*>(m.workspace), stream);
 }
 
 void mixer_backward(const MixerBwdParams& p, cudaStream_t stream) {
