@@ -621,9 +621,8 @@ std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange res
     exchange += " (auto";
     if (link != nullptr) {
       char figures[96];
-      std::snprintf(figures, sizeof figures, "; link %.3g us, %.3g GB/s%s", link->latency_s * 1e6,
-                    link->bandwidth_Bps * 1e-9,
-                    cp_comm_ != &comm_ ? " NVLink preset" : " measured");
+      std::snprintf(figures, sizeof figures, "; link %.3g us, %.3g GB/s measured",
+                    link->latency_s * 1e6, link->bandwidth_Bps * 1e-9);
       exchange += figures;
     }
     exchange += ")";

@@ -211,8 +211,8 @@ void CpMixer::report_to_observer(const CpStepStats& s, Phase total) const {
 Exchange CpMixer::resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops,
                           bool over_nccl) {
   if (exchange_ != Exchange::automatic) return exchange_;
-  // NCCL moves device buffers, which measure_link's host messages cannot
-  // time: the NVLink preset stands in (GPU composition rate either way).
+  // Over NCCL the GPU path measured the link with device buffers before
+  // calling (measure_link_device); the preset stands in only if it did not.
   if (!auto_link_) auto_link_ = over_nccl ? link_preset(LinkPreset::nvlink) : measure_link(comm_);
   return resolve_exchange(exchange_, comm_.size(), map_bytes, state_bytes, apply_flops,
                           *auto_link_);

@@ -94,9 +94,9 @@ class CpMixer {
 
   const CpStepStats& last_forward_stats() const { return fwd_stats_; }
   const CpStepStats& last_backward_stats() const { return bwd_stats_; }
-  // The link `auto` resolved the exchange with: measured (measure_link) at the
-  // first forward over a host communicator, the NVLink preset over NCCL; null
-  // before that forward, with an explicit exchange, or on one rank.
+  // The link `auto` resolved the exchange with, measured at the first forward
+  // (measure_link; over NCCL measure_link_device); null before that forward,
+  // with an explicit exchange, or on one rank.
   const LinkModel* auto_link() const { return auto_link_ ? &*auto_link_ : nullptr; }
 
  private:

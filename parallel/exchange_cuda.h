@@ -49,4 +49,10 @@ int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const Devic
                               ScanOrder order, float* incoming, cudaStream_t stream,
                               cudaEvent_t maps_ready = nullptr, cudaEvent_t started = nullptr);
 
+// measure_link (parallel/exchange.h) for an NCCL communicator: the same ring
+// shifts of device buffers, timed on the GPU by events around each shift on
+// the communicator's stream; the ranks agree on the slowest figures. Other
+// communicators fall back to measure_link. Collective.
+LinkModel measure_link_device(Communicator& comm, const LinkModel& base);
+
 }  // namespace statescan
