@@ -4,9 +4,12 @@
 // to recompute the tiles the reverse scan reads.
 //
 // Workspace, every piece 256-byte aligned:
-//   [forward workspace (forward_workspace_bytes)]  Q^, K_, W, U, A, gamma in T
+//   [prepare-stage workspace (detail::prepare_workspace_bytes)]  Q^, K_, W, U,
+//        A, gamma in T (with recompute_chunk_states the whole forward workspace:
+//        the scan stage also writes V' and the T-typed states)
 //   [dS_{c+1} per chunk, fp32 [chunks, H, Dk, Dv]]
 //   [chunk_grad_kernel scratch, fp32, one slice per persistent block]
+//   [recompute_chunk_states only: the fp32 chunk states]
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -81,7 +84,8 @@ BackwardLayout layout_for(const MixerParams& p, bool recompute) {
   BackwardLayout l;
   const size_t states =
       align_up(static_cast<size_t>(max_chunks(p) * p.heads * p.dk * p.dv) * sizeof(float));
-  size_t at = align_up(forward_workspace_bytes(p));
+  // Without recomputation only the prepare stage runs: no V' or T states.
+  size_t at = align_up(recompute ? forward_workspace_bytes(p) : detail::prepare_workspace_bytes(p));
   l.forward = 0;
   l.ds = at;
   at += states;
@@ -181,7 +185,7 @@ Prepared prepare_backward(const MixerBwdParams& p, bool recompute, const Backwar
     stages |= detail::kStageScan;
   }
   Prepared prep;
-  prep.plan = detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream);
+  prep.plan = detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream, !recompute);
   prep.chunk_states = fwd.chunk_states;
   detail::launch_forward_stages(fwd, prep.plan.args, stages, stream);
   return prep;

@@ -39,7 +39,9 @@ size_t align_up(size_t x) {
   return (x + 255) / 256 * 256;
 }
 
-WorkspaceLayout layout_for(const MixerParams& p) {
+// prepare_only: without V' and the T-typed states, which only the scan stage
+// writes (the backward re-runs the prepare stage alone).
+WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
   const size_t chunks = static_cast<size_t>(max_chunks(p));
   const size_t H = static_cast<size_t>(p.heads), C = static_cast<size_t>(p.chunk);
   const size_t elem = size_of(p.dtype);
@@ -57,11 +59,15 @@ WorkspaceLayout layout_for(const MixerParams& p) {
   l.u = take(chunks * H * C * static_cast<size_t>(p.dv) * elem);
   l.a = take(chunks * H * C * C * elem);
   l.decay = take(chunks * H * static_cast<size_t>(p.dk) * sizeof(float));
-  l.vnew = take(has_beta(p.variant) ? chunks * H * C * static_cast<size_t>(p.dv) * elem : 0);
+  l.vnew = take(has_beta(p.variant) && !prepare_only
+                    ? chunks * H * C * static_cast<size_t>(p.dv) * elem
+                    : 0);
   // The output kernel reads the chunk states in the element type; fp32
   // inputs read the caller's chunk_states when given.
   const bool states_in_caller = p.dtype == DType::f32 && p.chunk_states != nullptr;
-  l.states = take(states_in_caller ? 0 : chunks * H * static_cast<size_t>(p.dk * p.dv) * elem);
+  l.states = take(states_in_caller || prepare_only
+                      ? 0
+                      : chunks * H * static_cast<size_t>(p.dk * p.dv) * elem);
   if (p.cu_seqlens != nullptr) {
     l.chunk_table = take(chunks * 2 * sizeof(int64_t));
     l.segment_table = take(static_cast<size_t>(p.num_segments) * 2 * sizeof(int64_t));
@@ -120,8 +126,12 @@ size_t forward_workspace_bytes(const MixerParams& p) {
 
 namespace detail {
 
+size_t prepare_workspace_bytes(const MixerParams& p) {
+  return layout_for(p, true).total;
+}
+
 ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, bool prepare_only) {
   ForwardPlan plan;
   // validate() reads cu_seqlens on the host; here it is a device array, so
   // check a copy that points at a host mirror.
@@ -137,7 +147,7 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   }
   validate(host_view);
   check_supported(p);
-  const WorkspaceLayout l = layout_for(p);
+  const WorkspaceLayout l = layout_for(p, prepare_only);
   SS_CHECK_ARG(workspace != nullptr && workspace_bytes >= l.total, "workspace", "needs ", l.total,
                " bytes, got ", workspace_bytes);
 
@@ -151,10 +161,10 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.ws_u = base + l.u;
   a.ws_a = base + l.a;
   a.ws_decay = reinterpret_cast<float*>(base + l.decay);
-  a.ws_vnew = has_beta(p.variant) ? base + l.vnew : nullptr;
+  a.ws_vnew = has_beta(p.variant) && !prepare_only ? base + l.vnew : nullptr;
   a.ws_states = p.dtype == DType::f32 && p.chunk_states != nullptr
                     ? static_cast<void*>(p.chunk_states)
-                    : static_cast<void*>(base + l.states);
+                    : prepare_only ? nullptr : static_cast<void*>(base + l.states);
   a.num_sms = multiprocessor_count();
   a.scan_block_cols = scan_block_cols_override();
   a.heads = p.heads;
