@@ -333,37 +333,46 @@ LinkModel link_preset(LinkPreset preset, int gpus_per_node) {
   return m;
 }
 
-LinkModel measure_link(Communicator& comm, const LinkModel& base) {
-  const int P = comm.size(), r = comm.rank();
-  if (P == 1) return base;
-  constexpr int kTag = 7311, kWarmup = 2, kReps = 7;
-  constexpr std::size_t kSmall = 2, kLarge = 1 << 18;  // floats: 8 B and 1 MiB
-  std::vector<float> send(kLarge, 1.f), recv(kLarge);
-  const int next = (r + 1) % P, prev = (r + P - 1) % P;
-  // Median seconds of one ring shift of `count` floats.
-  auto shift_seconds = [&](std::size_t count) {
+LinkModel link_from_ring_probe(const RingProbe& probe, const LinkModel& base) {
+  constexpr int kWarmup = 2, kReps = 7;
+  constexpr std::size_t kSmall = 2;  // floats: 8 B
+  auto median_seconds = [&](std::size_t floats) {
     std::vector<double> times;
     for (int i = 0; i < kWarmup + kReps; ++i) {
-      comm.barrier();  // start together: a late peer is not link time
-      const auto t0 = std::chrono::steady_clock::now();
-      comm.send_recv(send.data(), count, next, recv.data(), count, prev, CommType::f32, kTag);
-      const double s =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double s = probe.shift(floats);
       if (i >= kWarmup) times.push_back(s);
     }
     std::nth_element(times.begin(), times.begin() + kReps / 2, times.end());
     return times[kReps / 2];
   };
-  const double small = shift_seconds(kSmall), large = shift_seconds(kLarge);
+  const double small = median_seconds(kSmall), large = median_seconds(probe.large);
   // The slowest pair sets every round (as the model assumes): max over ranks
   // of the latency and of the seconds per byte.
-  const double extra_bytes = static_cast<double>((kLarge - kSmall) * sizeof(float));
+  const double extra_bytes = static_cast<double>((probe.large - kSmall) * sizeof(float));
   double worst[2] = {std::max(small, 1e-7), std::max(large - small, 1e-9) / extra_bytes};
-  comm.all_reduce_max(worst, 2, CommType::f64);
+  probe.agree_max(worst);
   LinkModel m = base;
   m.latency_s = worst[0];
   m.bandwidth_Bps = 1.0 / worst[1];
   return m;
+}
+
+LinkModel measure_link(Communicator& comm, const LinkModel& base) {
+  const int P = comm.size(), r = comm.rank();
+  if (P == 1) return base;
+  constexpr int kTag = 7311;
+  RingProbe probe;
+  probe.large = 1 << 18;  // 1 MiB
+  std::vector<float> send(probe.large, 1.f), recv(probe.large);
+  const int next = (r + 1) % P, prev = (r + P - 1) % P;
+  probe.shift = [&](std::size_t count) {
+    comm.barrier();  // start together: a late peer is not link time
+    const auto t0 = std::chrono::steady_clock::now();
+    comm.send_recv(send.data(), count, next, recv.data(), count, prev, CommType::f32, kTag);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  probe.agree_max = [&](double* values) { comm.all_reduce_max(values, 2, CommType::f64); };
+  return link_from_ring_probe(probe, base);
 }
 
 Exchange resolve_exchange(Exchange requested, int ranks, int64_t map_bytes, int64_t state_bytes,

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string_view>
 #include <vector>
 
@@ -81,6 +82,17 @@ LinkModel link_preset(LinkPreset preset, int gpus_per_node = 8);
 // `auto` alike. compose_flops_per_s and the node layout come from `base`.
 // A group of one returns `base`.
 LinkModel measure_link(Communicator& comm, const LinkModel& base = {});
+
+// What measure_link and its device twin (parallel/exchange_cuda.h) share:
+// `shift(n)` lines the ranks up and returns the seconds of one ring shift of
+// n floats; `agree_max` replaces two doubles by their max over the ranks.
+// Medians of 7 shifts after 2 warm-ups, of 2 floats and of `large` floats.
+struct RingProbe {
+  std::function<double(std::size_t floats)> shift;
+  std::function<void(double* values)> agree_max;
+  std::size_t large = 0;
+};
+LinkModel link_from_ring_probe(const RingProbe& probe, const LinkModel& base);
 
 double predicted_exchange_seconds(Exchange e, int ranks, int64_t map_bytes, int64_t state_bytes,
                                   int64_t apply_flops, const LinkModel& link = {});

@@ -246,55 +246,49 @@ LinkModel measure_link_device(Communicator& comm, const LinkModel& base) {
 #ifdef STATESCAN_HAS_NCCL
   auto* nccl = dynamic_cast<NcclCommunicator*>(&comm);
   if (nccl != nullptr && comm.size() > 1) {
-    constexpr int kWarmup = 2, kReps = 7;
-    constexpr std::size_t kSmall = 2, kLarge = 1 << 20;  // floats: 8 B and 4 MiB
     const int P = comm.size(), r = comm.rank();
     const int next = (r + 1) % P, prev = (r + P - 1) % P;
+    RingProbe probe;
+    probe.large = 1 << 20;  // 4 MiB
     float* buffers = nullptr;
-    SS_CUDA_CHECK(cudaMalloc(&buffers, 2 * kLarge * sizeof(float) + 2 * sizeof(double)));
+    SS_CUDA_CHECK(cudaMalloc(&buffers, 2 * probe.large * sizeof(float) + 2 * sizeof(double)));
     cudaEvent_t begin = nullptr, end = nullptr;
-    LinkModel m = base;
-    try {
-      SS_CUDA_CHECK(cudaEventCreate(&begin));
-      SS_CUDA_CHECK(cudaEventCreate(&end));
-      SS_CUDA_CHECK(cudaMemsetAsync(buffers, 0, 2 * kLarge * sizeof(float), nccl->stream()));
-      auto shift_seconds = [&](std::size_t count) {
-        std::vector<double> times;
-        for (int i = 0; i < kWarmup + kReps; ++i) {
-          nccl->barrier();  // start together: a late peer is not link time
-          SS_CUDA_CHECK(cudaEventRecord(begin, nccl->stream()));
-          nccl->send_recv(buffers, count, next, buffers + kLarge, count, prev, CommType::f32, 0);
-          SS_CUDA_CHECK(cudaEventRecord(end, nccl->stream()));
-          nccl->wait();
-          float ms = 0.f;
-          SS_CUDA_CHECK(cudaEventElapsedTime(&ms, begin, end));
-          if (i >= kWarmup) times.push_back(1e-3 * ms);
-        }
-        std::nth_element(times.begin(), times.begin() + kReps / 2, times.end());
-        return times[kReps / 2];
-      };
-      const double small = shift_seconds(kSmall), large = shift_seconds(kLarge);
-      const double extra_bytes = static_cast<double>((kLarge - kSmall) * sizeof(float));
-      double worst[2] = {std::max(small, 1e-7), std::max(large - small, 1e-9) / extra_bytes};
-      auto* dev = reinterpret_cast<double*>(buffers + 2 * kLarge);
-      SS_CUDA_CHECK(
-          cudaMemcpyAsync(dev, worst, sizeof worst, cudaMemcpyHostToDevice, nccl->stream()));
-      nccl->all_reduce_max(dev, 2, CommType::f64);
-      SS_CUDA_CHECK(
-          cudaMemcpyAsync(worst, dev, sizeof worst, cudaMemcpyDeviceToHost, nccl->stream()));
-      nccl->wait();
-      m.latency_s = worst[0];
-      m.bandwidth_Bps = 1.0 / worst[1];
-    } catch (...) {
+    auto release = [&] {
       if (begin != nullptr) (void)cudaEventDestroy(begin);
       if (end != nullptr) (void)cudaEventDestroy(end);
       (void)cudaFree(buffers);
+    };
+    try {
+      SS_CUDA_CHECK(cudaEventCreate(&begin));
+      SS_CUDA_CHECK(cudaEventCreate(&end));
+      SS_CUDA_CHECK(cudaMemsetAsync(buffers, 0, 2 * probe.large * sizeof(float), nccl->stream()));
+      // GPU time of the shift: events on the communicator's stream around it.
+      probe.shift = [&](std::size_t count) {
+        nccl->barrier();  // start together: a late peer is not link time
+        SS_CUDA_CHECK(cudaEventRecord(begin, nccl->stream()));
+        nccl->send_recv(buffers, count, next, buffers + probe.large, count, prev, CommType::f32, 0);
+        SS_CUDA_CHECK(cudaEventRecord(end, nccl->stream()));
+        nccl->wait();
+        float ms = 0.f;
+        SS_CUDA_CHECK(cudaEventElapsedTime(&ms, begin, end));
+        return 1e-3 * ms;
+      };
+      probe.agree_max = [&](double* values) {
+        auto* dev = reinterpret_cast<double*>(buffers + 2 * probe.large);
+        SS_CUDA_CHECK(cudaMemcpyAsync(dev, values, 2 * sizeof(double), cudaMemcpyHostToDevice,
+                                      nccl->stream()));
+        nccl->all_reduce_max(dev, 2, CommType::f64);
+        SS_CUDA_CHECK(cudaMemcpyAsync(values, dev, 2 * sizeof(double), cudaMemcpyDeviceToHost,
+                                      nccl->stream()));
+        nccl->wait();
+      };
+      const LinkModel m = link_from_ring_probe(probe, base);
+      release();
+      return m;
+    } catch (...) {
+      release();
       throw;
     }
-    (void)cudaEventDestroy(begin);
-    (void)cudaEventDestroy(end);
-    SS_CUDA_CHECK(cudaFree(buffers));
-    return m;
   }
 #endif
   return measure_link(comm, base);
