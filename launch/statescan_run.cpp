@@ -620,9 +620,10 @@ std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange res
   if (comm_.size() > 1 && options_.exchange == Exchange::automatic) {
     exchange += " (auto";
     if (link != nullptr) {
-      char figures[96];
-      std::snprintf(figures, sizeof figures, "; link %.3g us, %.3g GB/s measured",
-                    link->latency_s * 1e6, link->bandwidth_Bps * 1e-9);
+      char figures[128];
+      std::snprintf(figures, sizeof figures, "; link %.3g us measured, %.3g GB/s %s",
+                    link->latency_s * 1e6, link->bandwidth_Bps * 1e-9,
+                    link->bandwidth_measured ? "measured" : "preset (transfer below the noise)");
       exchange += figures;
     }
     exchange += ")";

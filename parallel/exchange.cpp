@@ -347,13 +347,18 @@ LinkModel link_from_ring_probe(const RingProbe& probe, const LinkModel& base) {
   };
   const double small = median_seconds(kSmall), large = median_seconds(probe.large);
   // The slowest pair sets every round (as the model assumes): max over ranks
-  // of the latency and of the seconds per byte.
+  // of the latency and of the seconds per byte. A transfer under a quarter of
+  // the latency is noise, not a bandwidth: that rank votes "unresolved".
   const double extra_bytes = static_cast<double>((probe.large - kSmall) * sizeof(float));
-  double worst[2] = {std::max(small, 1e-7), std::max(large - small, 1e-9) / extra_bytes};
-  probe.agree_max(worst);
+  const bool resolved = large - small >= 0.25 * small;
+  double worst[3] = {std::max(small, 1e-7),
+                     resolved ? (large - small) / extra_bytes : 1.0 / base.bandwidth_Bps,
+                     resolved ? 0.0 : 1.0};
+  probe.agree_max(worst, 3);
   LinkModel m = base;
   m.latency_s = worst[0];
-  m.bandwidth_Bps = 1.0 / worst[1];
+  m.bandwidth_measured = worst[2] == 0.0;
+  m.bandwidth_Bps = m.bandwidth_measured ? 1.0 / worst[1] : base.bandwidth_Bps;
   return m;
 }
 
@@ -371,7 +376,9 @@ LinkModel measure_link(Communicator& comm, const LinkModel& base) {
     comm.send_recv(send.data(), count, next, recv.data(), count, prev, CommType::f32, kTag);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  probe.agree_max = [&](double* values) { comm.all_reduce_max(values, 2, CommType::f64); };
+  probe.agree_max = [&](double* values, int n) {
+    comm.all_reduce_max(values, static_cast<std::size_t>(n), CommType::f64);
+  };
   return link_from_ring_probe(probe, base);
 }
 

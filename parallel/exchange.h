@@ -61,6 +61,10 @@ struct LinkModel {
   int gpus_per_node = 0;              // 0: every rank on the one link above
   double inter_latency_s = 0;         // per message between nodes
   double inter_bandwidth_Bps = 0;     // per direction per GPU between nodes
+  // Set by measure_link*: the bandwidth above came from the large shift. False
+  // when its extra time over the small shift was below the timing noise (on
+  // some rank), and bandwidth_Bps is then the base's figure.
+  bool bandwidth_measured = false;
 };
 
 // Named GPU links for the scaling model: NVLink within one node (every rank on
@@ -79,17 +83,20 @@ LinkModel link_preset(LinkPreset preset, int gpus_per_node = 8);
 // a small and a large message, medians of a few repetitions: latency = the
 // small shift, bandwidth = the extra bytes over the extra time. The ranks
 // agree on the slowest figures (all-reduce max), so every rank resolves
-// `auto` alike. compose_flops_per_s and the node layout come from `base`.
+// `auto` alike. Where the large shift takes less than 1.25x the small one,
+// its transfer time is lost in the latency's noise: the bandwidth is then
+// the base's and `bandwidth_measured` false (never a fit of noise). compose_flops_per_s and the node layout come from `base`.
 // A group of one returns `base`.
 LinkModel measure_link(Communicator& comm, const LinkModel& base = {});
 
 // What measure_link and its device twin (parallel/exchange_cuda.h) share:
 // `shift(n)` lines the ranks up and returns the seconds of one ring shift of
-// n floats; `agree_max` replaces two doubles by their max over the ranks.
+// n floats; `agree_max(values, n)` replaces n doubles by their max over the
+// ranks.
 // Medians of 7 shifts after 2 warm-ups, of 2 floats and of `large` floats.
 struct RingProbe {
   std::function<double(std::size_t floats)> shift;
-  std::function<void(double* values)> agree_max;
+  std::function<void(double* values, int n)> agree_max;
   std::size_t large = 0;
 };
 LinkModel link_from_ring_probe(const RingProbe& probe, const LinkModel& base);

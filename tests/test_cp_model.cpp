@@ -365,5 +365,35 @@ TEST(CpModel, BadModelInputsNameTheField) {
   expect_error_naming("fwd-ms", [&] { estimate_local_times(l, 0, -1); });
 }
 
+// link_from_ring_probe on a scripted probe (one rank, agree_max the identity):
+// latency from the small shift, bandwidth from the extra bytes over the extra
+// time; a large shift within the small one's noise gives no bandwidth fit.
+LinkModel probe_link(double small_s, double large_s, std::size_t large_floats) {
+  RingProbe probe;
+  probe.large = large_floats;
+  probe.shift = [=](std::size_t floats) { return floats == large_floats ? large_s : small_s; };
+  probe.agree_max = [](double*, int) {};
+  LinkModel base;
+  base.bandwidth_Bps = 7e9;
+  return link_from_ring_probe(probe, base);
+}
+
+TEST(LinkProbe, FitsLatencyAndBandwidth) {
+  const std::size_t floats = std::size_t{1} << 24;  // 64 MiB
+  const LinkModel m = probe_link(200e-6, 200e-6 + 0.5e-3, floats);
+  EXPECT_DOUBLE_EQ(m.latency_s, 200e-6);
+  EXPECT_NEAR(m.bandwidth_Bps, (floats - 2) * 4.0 / 0.5e-3, 1e3);
+  EXPECT_TRUE(m.bandwidth_measured);
+}
+
+TEST(LinkProbe, TransferInsideLatencyNoiseKeepsTheBaseBandwidth) {
+  // What 4 MiB over NVLink through NCCL looked like on two H200s: the large
+  // shift as fast as the small one.
+  const LinkModel m = probe_link(234e-6, 233e-6, std::size_t{1} << 20);
+  EXPECT_DOUBLE_EQ(m.latency_s, 234e-6);
+  EXPECT_EQ(m.bandwidth_Bps, 7e9);
+  EXPECT_FALSE(m.bandwidth_measured);
+}
+
 }  // namespace
 }  // namespace statescan
