@@ -779,7 +779,10 @@ __global__ void __launch_bounds__(256, 2)
 }
 
 // out (M x N, row-major, ld ldo) = [out +] (kNeg ? -1 : 1) * X Y on the tensor
-// cores (split tf32, as mma_tf32: about fp32 accuracy). Each warp owns a 2x2
+// cores: with kSplit in split tf32 (as mma_tf32: about fp32 accuracy, three
+// mma per step), else one tf32 mma per step on operands rounded to tf32
+// (10-bit mantissa: finer than the bf16/f16 inputs and outputs of the
+// 16-bit paths, which take it; fp32 inputs keep the split). Each warp owns a 2x2
 // group of 16x16 output tiles (1 wide where M/16 or N/16 is odd), so every
 // fragment it loads from X and Y feeds two tiles: the operands come from
 // global scratch or shared memory, and loads, not the mma, bound this.
@@ -788,7 +791,7 @@ __global__ void __launch_bounds__(256, 2)
 // col_major reads y[j * ldy + k] (Y^T of a row-major [N, K] array). M, N are
 // multiples of 16, K of 8; every pointer is 32-byte aligned, ld's multiples
 // of 4; out must not overlap X or Y. No barrier inside: the caller syncs.
-template <typename LayoutX, typename LayoutY, bool kNeg = false>
+template <typename LayoutX, typename LayoutY, bool kNeg = false, bool kSplit = true>
 __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, int ldx,
                                          const float* y, int ldy, int M, int N, int K,
                                          bool accumulate) {
@@ -828,7 +831,7 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
             const float v = kNeg ? -a_hi[i].x[e] : a_hi[i].x[e];
             const float hi = wmma::__float_to_tf32(v);
             a_hi[i].x[e] = hi;
-            a_lo[i].x[e] = wmma::__float_to_tf32(v - hi);
+            if constexpr (kSplit) a_lo[i].x[e] = wmma::__float_to_tf32(v - hi);
           }
         }
 #pragma unroll
@@ -841,7 +844,7 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
             const float v = b_hi[j].x[e];
             const float hi = wmma::__float_to_tf32(v);
             b_hi[j].x[e] = hi;
-            b_lo[j].x[e] = wmma::__float_to_tf32(v - hi);
+            if constexpr (kSplit) b_lo[j].x[e] = wmma::__float_to_tf32(v - hi);
           }
         }
         // Same order per tile as mma_tf32: lo*hi, hi*lo, hi*hi.
@@ -850,8 +853,10 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
 #pragma unroll
         for (int j = 0; j < 2; ++j)
           if (i < ri && j < rj) {
-            wmma::mma_sync(acc[i][j], a_lo[i], b_hi[j], acc[i][j]);
-            wmma::mma_sync(acc[i][j], a_hi[i], b_lo[j], acc[i][j]);
+            if constexpr (kSplit) {
+              wmma::mma_sync(acc[i][j], a_lo[i], b_hi[j], acc[i][j]);
+              wmma::mma_sync(acc[i][j], a_hi[i], b_lo[j], acc[i][j]);
+            }
             wmma::mma_sync(acc[i][j], a_hi[i], b_hi[j], acc[i][j]);
           }
     }
@@ -880,6 +885,8 @@ __global__ void __launch_bounds__(256, 1)
   using ColM = wmma::col_major;
   constexpr bool kDelta = kRule == Rule::delta;
   constexpr bool kVector = kDecay == Decay::vector;
+  // Split tf32 (about fp32) only where the inputs are fp32; see block_mm.
+  constexpr bool kSplit = std::is_same_v<T, float>;
   constexpr int kThreads = Tr::kThreads, kWarps = Tr::kWarps, kMC = Tr::kMaxChunk;
   extern __shared__ __align__(128) float smem[];
   float* q = smem;          // normalised q (no scale)
@@ -1015,40 +1022,48 @@ __global__ void __launch_bounds__(256, 1)
     }
     __syncthreads();
 
-    // ---- A, KK (pairwise decay, CUDA cores); K^, K_, diag(beta) K^, diag(beta) V
-    // One warp per row t: lanes split the Dk dims (coalesced loads of row s),
-    // row t's q, k and b stay in registers, each (t, s) sum is a shuffle reduction.
-    constexpr int kPerLane = Dk / 32;
-    for (int t = warp; t < C; t += kWarps) {
-      float qt[kPerLane], kt[kPerLane], bt[kPerLane];
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e) {
-        const int d = lane + 32 * e;
-        qt[e] = q[t * Dk + d];
-        kt[e] = k[t * Dk + d];
-        bt[e] = gate_b(t, d);
-      }
-#pragma unroll 2
-      for (int s = 0; s <= t; ++s) {
-        float aq = 0.f, am = 0.f;
+    // ---- A, KK; K^, K_, diag(beta) K^, diag(beta) V ------------------------
+    // A scalar (or no) decay factors out of the sum over dimensions: A and KK
+    // are plain products on the tensor cores, masked and decayed below. A
+    // per-dimension decay does not: one warp per row t on the CUDA cores, lanes
+    // split the Dk dims (coalesced loads of row s), row t's q, k and b stay in
+    // registers, each (t, s) sum is a shuffle reduction.
+    if constexpr (!kVector) {
+      block_mm<RowM, ColM, false, kSplit>(sA, C, q, Dk, k, Dk, C, C, Dk, false);
+      if constexpr (kDelta) block_mm<RowM, ColM, false, kSplit>(sKK, C, k, Dk, k, Dk, C, C, Dk, false);
+    } else {
+      constexpr int kPerLane = Dk / 32;
+      for (int t = warp; t < C; t += kWarps) {
+        float qt[kPerLane], kt[kPerLane], bt[kPerLane];
 #pragma unroll
         for (int e = 0; e < kPerLane; ++e) {
           const int d = lane + 32 * e;
-          float ks = k[s * Dk + d];
-          if constexpr (kDecay != Decay::none) ks *= __expf(bt[e] - gate_b(s, d));
-          aq += qt[e] * ks;
-          if constexpr (kDelta) am += kt[e] * ks;
+          qt[e] = q[t * Dk + d];
+          kt[e] = k[t * Dk + d];
+          bt[e] = gate_b(t, d);
         }
-        aq = warp_sum(aq);
-        if constexpr (kDelta) am = warp_sum(am);
-        if (lane == 0) {
-          sA[t * C + s] = scale * aq;
-          sKK[t * C + s] = s < t ? am : 0.f;
+#pragma unroll 2
+        for (int s = 0; s <= t; ++s) {
+          float aq = 0.f, am = 0.f;
+#pragma unroll
+          for (int e = 0; e < kPerLane; ++e) {
+            const int d = lane + 32 * e;
+            float ks = k[s * Dk + d];
+            if constexpr (kDecay != Decay::none) ks *= __expf(bt[e] - gate_b(s, d));
+            aq += qt[e] * ks;
+            if constexpr (kDelta) am += kt[e] * ks;
+          }
+          aq = warp_sum(aq);
+          if constexpr (kDelta) am = warp_sum(am);
+          if (lane == 0) {
+            sA[t * C + s] = scale * aq;
+            sKK[t * C + s] = s < t ? am : 0.f;
+          }
         }
-      }
-      for (int s = t + 1 + lane; s < C; s += 32) {
-        sA[t * C + s] = 0.f;
-        sKK[t * C + s] = 0.f;
+        for (int s = t + 1 + lane; s < C; s += 32) {
+          sA[t * C + s] = 0.f;
+          sKK[t * C + s] = 0.f;
+        }
       }
     }
     for (int idx = tid; idx < C * Dk; idx += kThreads) {
@@ -1066,32 +1081,51 @@ __global__ void __launch_bounds__(256, 1)
       for (int idx = tid; idx < C * Dv; idx += kThreads) Bv[idx] = sBeta[idx / Dv] * v[idx];
     }
     __syncthreads();
+    if constexpr (!kVector) {  // causal masks and the pairwise decay of A and KK
+      for (int idx = tid; idx < C * C; idx += kThreads) {
+        const int t = idx / C, s = idx % C;
+        const float f = s <= t ? decay(t, s, 0) : 0.f;
+        sA[idx] *= scale * f;
+        if constexpr (kDelta) sKK[idx] = s < t ? sKK[idx] * f : 0.f;
+      }
+      __syncthreads();
+    }
 
     if constexpr (kDelta) {
-      // ---- T = (I + diag(beta) KK)^{-1}, one thread per column -------------
+      // ---- T = (I + diag(beta) KK)^{-1}, one thread per column s ------------
+      // Forward substitution x_t = [t == s] - beta_t sum_{r<t} KK_tr x_r with
+      // the column in registers (fully unrolled; x_r = 0 for r < s, so the
+      // sum may start at 0): the chain is register FMAs on broadcast loads of
+      // KK's row, not ~C^2/2 dependent shared-memory round trips of 2 warps.
       if (tid < C) {
         const int s = tid;
-        for (int t = 0; t < C; ++t) {
-          float acc = t == s ? 1.f : 0.f;
-          for (int r = s; r < t; ++r) acc -= sBeta[t] * sKK[t * C + r] * sT[r * C + s];
-          sT[t * C + s] = t < s ? 0.f : acc;
+        float x[kMC];
+#pragma unroll
+        for (int t = 0; t < kMC; ++t) {
+          if (t < C) {
+            float part = 0.f;
+#pragma unroll
+            for (int r = 0; r < t; ++r) part += sKK[t * C + r] * x[r];
+            x[t] = (t == s ? 1.f : 0.f) - sBeta[t] * part;
+            sT[t * C + s] = x[t];
+          }
         }
       }
       __syncthreads();
       // ---- W = T diag(beta) K^, U = T diag(beta) V (into V') ---------------
-      block_mm<RowM, RowM>(W, Dk, sT, C, Bk, Dk, C, Dk, C, false);
-      block_mm<RowM, RowM>(Vp, Dv, sT, C, Bv, Dv, C, Dv, C, false);
+      block_mm<RowM, RowM, false, kSplit>(W, Dk, sT, C, Bk, Dk, C, Dk, C, false);
+      block_mm<RowM, RowM, false, kSplit>(Vp, Dv, sT, C, Bv, Dv, C, Dv, C, false);
       __syncthreads();
       // ---- V' = U - W S_c -------------------------------------------------
-      block_mm<RowM, RowM, true>(Vp, Dv, W, Dk, S, Dv, C, Dv, Dk, true);
+      block_mm<RowM, RowM, true, kSplit>(Vp, Dv, W, Dk, S, Dv, C, Dv, Dk, true);
       __syncthreads();
     }
 
     // ---- dV' = K_ dS (+ A^T dO below), dA = dO V'^T, dO S^T, V' dS^T, dgamma
-    block_mm<RowM, RowM>(dVp, Dv, Kbar, Dk, dS, Dv, C, Dv, Dk, false);
-    block_mm<RowM, ColM>(sdA, C, dO, Dv, vp, Dv, C, C, Dv, false);
-    block_mm<RowM, ColM>(gq, Dk, dO, Dv, S, Dv, C, Dk, Dv, false);
-    block_mm<RowM, ColM>(gk, Dk, vp, Dv, dS, Dv, C, Dk, Dv, false);
+    block_mm<RowM, RowM, false, kSplit>(dVp, Dv, Kbar, Dk, dS, Dv, C, Dv, Dk, false);
+    block_mm<RowM, ColM, false, kSplit>(sdA, C, dO, Dv, vp, Dv, C, C, Dv, false);
+    block_mm<RowM, ColM, false, kSplit>(gq, Dk, dO, Dv, S, Dv, C, Dk, Dv, false);
+    block_mm<RowM, ColM, false, kSplit>(gk, Dk, vp, Dv, dS, Dv, C, Dk, Dv, false);
     for (int d = warp; d < Dk; d += kWarps) {  // dgamma_d = dS_d . S_d (warp per row)
       float acc = 0.f;
       for (int j = lane; j < Dv; j += 32) acc += dS[d * Dv + j] * S[d * Dv + j];
@@ -1099,10 +1133,18 @@ __global__ void __launch_bounds__(256, 1)
       if (lane == 0) sDgamma[d] = acc;
     }
     __syncthreads();
-    block_mm<ColM, RowM>(dVp, Dv, sA, C, dO, Dv, C, Dv, C, true);
-    // Causal mask of dA; gate factors of the state parts of gq and gk.
-    for (int idx = tid; idx < C * C; idx += kThreads)
-      if (idx % C > idx / C) sdA[idx] = 0.f;
+    block_mm<ColM, RowM, false, kSplit>(dVp, Dv, sA, C, dO, Dv, C, Dv, C, true);
+    // Causal mask of dA (without a per-dimension decay, also its pairwise
+    // decay and the scale: the A path below is then two plain products);
+    // gate factors of the state parts of gq and gk.
+    for (int idx = tid; idx < C * C; idx += kThreads) {
+      const int t = idx / C, s = idx % C;
+      if constexpr (kVector) {
+        if (s > t) sdA[idx] = 0.f;
+      } else {
+        sdA[idx] = s > t ? 0.f : sdA[idx] * scale * decay(t, s, 0);
+      }
+    }
     for (int idx = tid; idx < C * Dk; idx += kThreads) {
       const int t = idx / Dk, d = idx % Dk;
       float up = 1.f, down = 1.f;
@@ -1116,7 +1158,7 @@ __global__ void __launch_bounds__(256, 1)
     __syncthreads();
 
     // ---- dW = -dV' S_c^T; column sums of the K_ path (they land on b_{L-1}) -
-    if constexpr (kDelta) block_mm<RowM, ColM, true>(dW, Dk, dVp, Dv, S, Dv, C, Dk, Dv, false);
+    if constexpr (kDelta) block_mm<RowM, ColM, true, kSplit>(dW, Dk, dVp, Dv, S, Dv, C, Dk, Dv, false);
     if (tid < Dk) {
       float acc = 0.f;
       for (int t = 0; t < C; ++t) acc += gk[t * Dk + tid] * k[t * Dk + tid];
@@ -1125,26 +1167,34 @@ __global__ void __launch_bounds__(256, 1)
     __syncthreads();
 
     // ---- A path: gq += scale dA (k decay), gk += scale dA^T (q decay); db ---
-    for (int idx = tid; idx < C * Dk; idx += kThreads) {
-      const int t = idx / Dk, d = idx % Dk;
-      float qa = 0.f, ka = 0.f;
-      for (int s = 0; s <= t; ++s) qa += sdA[t * C + s] * k[s * Dk + d] * decay(t, s, d);
-      for (int r = t; r < C; ++r) ka += sdA[r * C + t] * q[r * Dk + d] * decay(r, t, d);
-      const float gqv = gq[idx] + scale * qa;
-      const float gkbar = gk[idx], gkt = scale * ka;
-      gq[idx] = gqv;
-      gk[idx] = gkbar + gkt;
-      db[idx] = gqv * q[idx] - (gkbar + gkt) * k[idx];
+    if constexpr (kVector) {
+      for (int idx = tid; idx < C * Dk; idx += kThreads) {
+        const int t = idx / Dk, d = idx % Dk;
+        float qa = 0.f, ka = 0.f;
+        for (int s = 0; s <= t; ++s) qa += sdA[t * C + s] * k[s * Dk + d] * decay(t, s, d);
+        for (int r = t; r < C; ++r) ka += sdA[r * C + t] * q[r * Dk + d] * decay(r, t, d);
+        const float gqv = gq[idx] + scale * qa;
+        const float gkbar = gk[idx], gkt = scale * ka;
+        gq[idx] = gqv;
+        gk[idx] = gkbar + gkt;
+        db[idx] = gqv * q[idx] - (gkbar + gkt) * k[idx];
+      }
+    } else {  // dA already holds scale and the decay: two products
+      block_mm<RowM, RowM, false, kSplit>(gq, Dk, sdA, C, k, Dk, C, Dk, C, true);
+      block_mm<ColM, RowM, false, kSplit>(gk, Dk, sdA, C, q, Dk, C, Dk, C, true);
+      if constexpr (kDecay != Decay::none) {
+        __syncthreads();
+        for (int idx = tid; idx < C * Dk; idx += kThreads) db[idx] = gq[idx] * q[idx] - gk[idx] * k[idx];
+      }
     }
     __syncthreads();
-
     if constexpr (kDelta) {
       // ---- through the UT transform: T^T dU, T^T dW, dT -------------------
-      block_mm<ColM, RowM>(TdU, Dv, sT, C, dVp, Dv, C, Dv, C, false);
-      block_mm<ColM, RowM>(TdW, Dk, sT, C, dW, Dk, C, Dk, C, false);
-      block_mm<RowM, ColM>(sdT, C, dVp, Dv, v, Dv, C, C, Dv, false);
+      block_mm<ColM, RowM, false, kSplit>(TdU, Dv, sT, C, dVp, Dv, C, Dv, C, false);
+      block_mm<ColM, RowM, false, kSplit>(TdW, Dk, sT, C, dW, Dk, C, Dk, C, false);
+      block_mm<RowM, ColM, false, kSplit>(sdT, C, dVp, Dv, v, Dv, C, C, Dv, false);
       __syncthreads();
-      block_mm<RowM, ColM>(sdT, C, dW, Dk, Kh, Dk, C, C, Dk, true);
+      block_mm<RowM, ColM, false, kSplit>(sdT, C, dW, Dk, Kh, Dk, C, C, Dk, true);
       __syncthreads();
       // dT_ts = beta_s (dV' V^T + dW K^^T)_ts, strictly lower (T's
       // perturbations -T dMm T are strictly lower triangular).
@@ -1154,7 +1204,7 @@ __global__ void __launch_bounds__(256, 1)
       }
       __syncthreads();
       // tmp = dT T^T; dv = beta T^T dU; dbeta (direct part); gk += beta e^b T^T dW.
-      block_mm<RowM, ColM>(sTmp, C, sdT, C, sT, C, C, C, C, false);
+      block_mm<RowM, ColM, false, kSplit>(sTmp, C, sdT, C, sT, C, C, C, C, false);
       for (int idx = tid; idx < L * Dv; idx += kThreads) {
         const int t = idx / Dv, j = idx % Dv;
         dv_out[row(t) * Dv + j] = from_float<T>(sBeta[t] * TdU[idx]);
@@ -1176,10 +1226,17 @@ __global__ void __launch_bounds__(256, 1)
       }
       __syncthreads();
       // dMm = -strict_lower(T^T tmp), into dT (its last reader was tmp above).
-      block_mm<ColM, RowM, true>(sdT, C, sT, C, sTmp, C, C, C, C, false);
+      block_mm<ColM, RowM, true, kSplit>(sdT, C, sT, C, sTmp, C, C, C, C, false);
       __syncthreads();
-      for (int idx = tid; idx < C * C; idx += kThreads)
-        if (idx % C >= idx / C) sdT[idx] = 0.f;
+      // Without a per-dimension decay, sA (free since the A path) takes
+      // diag(beta) (dMm o decay): the K^ and K~ gradients below are then
+      // sA K and sA^T K.
+      for (int idx = tid; idx < C * C; idx += kThreads) {
+        const int t = idx / C, s = idx % C;
+        const float m = s < t ? sdT[idx] : 0.f;
+        sdT[idx] = m;
+        if constexpr (!kVector) sA[idx] = sBeta[t] * m * decay(t, s, 0);
+      }
       __syncthreads();
       // Mm_ts = beta_t KK_ts: dbeta += dMm . KK; k-space gradients of K^ and K~.
       for (int t = warp; t < C; t += kWarps) {
@@ -1188,15 +1245,26 @@ __global__ void __launch_bounds__(256, 1)
         acc = warp_sum(acc);
         if (lane == 0) sDbeta[t] += acc;
       }
-      for (int idx = tid; idx < C * Dk; idx += kThreads) {
-        const int t = idx / Dk, d = idx % Dk;
-        float kh = 0.f, kt = 0.f;
-        for (int s = 0; s < t; ++s) kh += sdT[t * C + s] * k[s * Dk + d] * decay(t, s, d);
-        for (int r = t + 1; r < C; ++r)
-          kt += sBeta[r] * sdT[r * C + t] * k[r * Dk + d] * decay(r, t, d);
-        kh *= sBeta[t];
-        gk[idx] += kh + kt;
-        db[idx] += (kh - kt) * k[idx];
+      if constexpr (kVector) {
+        for (int idx = tid; idx < C * Dk; idx += kThreads) {
+          const int t = idx / Dk, d = idx % Dk;
+          float kh = 0.f, kt = 0.f;
+          for (int s = 0; s < t; ++s) kh += sdT[t * C + s] * k[s * Dk + d] * decay(t, s, d);
+          for (int r = t + 1; r < C; ++r)
+            kt += sBeta[r] * sdT[r * C + t] * k[r * Dk + d] * decay(r, t, d);
+          kh *= sBeta[t];
+          gk[idx] += kh + kt;
+          db[idx] += (kh - kt) * k[idx];
+        }
+      } else {  // kh = sA K, kt = sA^T K into the free dW, TdW
+        block_mm<RowM, RowM, false, kSplit>(dW, Dk, sA, C, k, Dk, C, Dk, C, false);
+        block_mm<ColM, RowM, false, kSplit>(TdW, Dk, sA, C, k, Dk, C, Dk, C, false);
+        __syncthreads();
+        for (int idx = tid; idx < C * Dk; idx += kThreads) {
+          const float kh = dW[idx], kt = TdW[idx];
+          gk[idx] += kh + kt;
+          db[idx] += (kh - kt) * k[idx];
+        }
       }
       __syncthreads();
     } else {
