@@ -801,7 +801,10 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
   constexpr bool kRowY = std::is_same_v<LayoutY, wmma::row_major>;
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int row_tiles = M / 16, col_tiles = N / 16;
-  const int ri = row_tiles % 2 == 0 ? 2 : 1, rj = col_tiles % 2 == 0 ? 2 : 1;
+  // 2x2 groups, unless that leaves warps idle (a C x C output at C = 64 is 4
+  // groups for 8 warps): then 1x2, twice the groups.
+  const int rj = col_tiles % 2 == 0 ? 2 : 1;
+  const int ri = row_tiles % 2 == 0 && (row_tiles / 2) * (col_tiles / rj) >= warps ? 2 : 1;
   const int group_cols = col_tiles / rj, groups = (row_tiles / ri) * group_cols;
   for (int g = warp; g < groups; g += warps) {
     const int I0 = (g / group_cols) * ri, J0 = (g % group_cols) * rj;
@@ -817,7 +820,11 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
           else
             wmma::fill_fragment(acc[i][j], 0.f);
         }
-#pragma unroll 2
+    // The operands come from L2 (global scratch) with few warps per SM to
+    // hide it: unroll so several k-steps' loads are in flight (4 without the
+    // split, whose lo fragments double the registers per step).
+    constexpr int kUnroll = kSplit ? 2 : 4;
+#pragma unroll kUnroll
     for (int kk = 0; kk < K; kk += 8) {
       FragA a_hi[2], a_lo[2];
       FragB b_hi[2], b_lo[2];
@@ -867,6 +874,143 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
         if (i < ri && j < rj)
           wmma::store_matrix_sync(out + (I0 + i) * 16 * ldo + (J0 + j) * 16, acc[i][j], ldo,
                                   wmma::mem_row_major);
+  }
+}
+
+// Pairwise products with a per-dimension decay, in 16-row blocks (for
+// chunk_grad_kernel_tc). Gamma_tsd = e^{b_td - b_sd} (s <= t) does not factor
+// out of a sum over d, but between blocks it splits at the source block's last
+// row rho: Gamma_tsd = e^{b_td - b_rho,d} e^{b_rho,d - b_sd}, both exponents
+// <= 0 (b is a running sum of log gates, non-increasing in t), so no factor
+// overflows however strong the gates. The off-diagonal blocks are then plain
+// products on the tensor cores with O(C D) exponentials; only the 16 x 16
+// diagonal blocks pay one per term on the CUDA cores (a quarter of the terms
+// at C = 64). C is a multiple of 16; q, k, x*, b are [C, Dk] fp32 and M is C x C
+// (row-major, ld C); `tmp` holds 3 * 64 * Dk floats. No barrier at the end:
+// the caller syncs before reading the outputs.
+
+// gram: a[t,s] = sum_d x_td y_sd Gamma_tsd for s <= t, 0 above; with kTwo also
+// a2[t,s] = sum_d x2_td y_sd Gamma_tsd for s < t, 0 on and above the diagonal.
+template <int Dk, bool kSplit, bool kTwo>
+__device__ __forceinline__ void vector_decay_gram(float* a, float* a2, const float* x,
+                                                  const float* x2, const float* y,
+                                                  const float* b, int C, float* tmp) {
+  using RowM = wmma::row_major;
+  using ColM = wmma::col_major;
+  constexpr int kPerLane = Dk / 32;
+  const int tid = threadIdx.x, threads = blockDim.x, warp = tid / 32, lane = tid % 32;
+  const int warps = threads / 32;
+  // Diagonal blocks: one warp per row t, lanes over d, s in t's block.
+  for (int t = warp; t < C; t += warps) {
+    float xt[kPerLane], x2t[kPerLane], bt[kPerLane];
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      const int d = lane + 32 * e;
+      xt[e] = x[t * Dk + d];
+      if constexpr (kTwo) x2t[e] = x2[t * Dk + d];
+      bt[e] = b[t * Dk + d];
+    }
+    for (int s = t & ~15; s <= t; ++s) {
+      float acc = 0.f, acc2 = 0.f;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        const int d = lane + 32 * e;
+        const float ys = y[s * Dk + d] * __expf(bt[e] - b[s * Dk + d]);
+        acc += xt[e] * ys;
+        if constexpr (kTwo) acc2 += x2t[e] * ys;
+      }
+      acc = warp_sum(acc);
+      if constexpr (kTwo) acc2 = warp_sum(acc2);
+      if (lane == 0) {
+        a[t * C + s] = acc;
+        if constexpr (kTwo) a2[t * C + s] = s < t ? acc2 : 0.f;
+      }
+    }
+    for (int s = t + 1 + lane; s < C; s += 32) {
+      a[t * C + s] = 0.f;
+      if constexpr (kTwo) a2[t * C + s] = 0.f;
+    }
+  }
+  // Off-diagonal blocks, one source block J at a time: rows r0.. of x (and
+  // x2) scaled by e^{b - b_rho}, block J of y by e^{b_rho - b}, then one
+  // product each into the (rows > rho, block J) part of a (and a2).
+  float* xr = tmp;
+  float* x2r = xr + 48 * Dk;
+  float* yj = x2r + 48 * Dk;
+  for (int J = 0; J + 1 < C / 16; ++J) {
+    const int r0 = 16 * J + 16, rows = C - r0, rho = 16 * J + 15;
+    for (int idx = tid; idx < rows * Dk; idx += threads) {
+      const int t = r0 + idx / Dk, d = idx % Dk;
+      const float e = __expf(b[t * Dk + d] - b[rho * Dk + d]);
+      xr[idx] = x[t * Dk + d] * e;
+      if constexpr (kTwo) x2r[idx] = x2[t * Dk + d] * e;
+    }
+    for (int idx = tid; idx < 16 * Dk; idx += threads) {
+      const int s = 16 * J + idx / Dk, d = idx % Dk;
+      yj[idx] = y[s * Dk + d] * __expf(b[rho * Dk + d] - b[s * Dk + d]);
+    }
+    __syncthreads();
+    block_mm<RowM, ColM, false, kSplit>(a + r0 * C + 16 * J, C, xr, Dk, yj, Dk, rows, 16, Dk,
+                                        false);
+    if constexpr (kTwo)
+      block_mm<RowM, ColM, false, kSplit>(a2 + r0 * C + 16 * J, C, x2r, Dk, yj, Dk, rows, 16, Dk,
+                                          false);
+    __syncthreads();  // the next J rewrites the scaled copies
+  }
+}
+
+// path: out_f[t,d] (+)= sum_{s <= t} M[t,s] Gamma_tsd xf[s,d] and
+//       out_b[t,d] (+)= sum_{r >= t} M[r,t] Gamma_rtd xb[r,d];
+// M is zero above its diagonal (its diagonal is used).
+template <int Dk, bool kSplit>
+__device__ __forceinline__ void vector_decay_path(float* out_f, float* out_b, const float* M,
+                                                  const float* xf, const float* xb,
+                                                  const float* b, int C, float* tmp,
+                                                  bool accumulate) {
+  using RowM = wmma::row_major;
+  using ColM = wmma::col_major;
+  const int tid = threadIdx.x, threads = blockDim.x;
+  // Diagonal blocks on the CUDA cores.
+  for (int idx = tid; idx < C * Dk; idx += threads) {
+    const int t = idx / Dk, d = idx % Dk, s0 = t & ~15;
+    const float bt = b[idx];
+    float fa = 0.f, ba = 0.f;
+    for (int s = s0; s <= t; ++s) fa += M[t * C + s] * xf[s * Dk + d] * __expf(bt - b[s * Dk + d]);
+    for (int r = t; r < s0 + 16; ++r) ba += M[r * C + t] * xb[r * Dk + d] * __expf(b[r * Dk + d] - bt);
+    out_f[idx] = (accumulate ? out_f[idx] : 0.f) + fa;
+    out_b[idx] = (accumulate ? out_b[idx] : 0.f) + ba;
+  }
+  // Off-diagonal blocks, one source block J at a time:
+  //   out_f[rows > rho] += e^{b - b_rho} o (M[rows > rho, J] (xf_J o e^{b_rho - b_J}))
+  //   out_b[J]          += e^{b_rho - b_J} o (M[rows > rho, J]^T (xb o e^{b - b_rho}))
+  float* e_rows = tmp;               // e^{b - b_rho}, rows > rho
+  float* xb_rows = e_rows + 48 * Dk;  // xb o e_rows
+  float* p_rows = xb_rows + 48 * Dk;  // the out_f product
+  float* f_j = p_rows + 48 * Dk;      // e^{b_rho - b_J}
+  float* xf_j = f_j + 16 * Dk;        // xf_J o f_j
+  float* p_j = xf_j + 16 * Dk;        // the out_b product
+  for (int J = 0; J + 1 < C / 16; ++J) {
+    const int r0 = 16 * J + 16, rows = C - r0, rho = 16 * J + 15;
+    __syncthreads();  // out_f/out_b (diagonal pass or the previous J) and tmp are settled
+    for (int idx = tid; idx < rows * Dk; idx += threads) {
+      const int t = r0 + idx / Dk, d = idx % Dk;
+      const float e = __expf(b[t * Dk + d] - b[rho * Dk + d]);
+      e_rows[idx] = e;
+      xb_rows[idx] = xb[t * Dk + d] * e;
+    }
+    for (int idx = tid; idx < 16 * Dk; idx += threads) {
+      const int s = 16 * J + idx / Dk, d = idx % Dk;
+      const float f = __expf(b[rho * Dk + d] - b[s * Dk + d]);
+      f_j[idx] = f;
+      xf_j[idx] = xf[s * Dk + d] * f;
+    }
+    __syncthreads();
+    const float* m = M + r0 * C + 16 * J;
+    block_mm<RowM, RowM, false, kSplit>(p_rows, Dk, m, C, xf_j, Dk, rows, Dk, 16, false);
+    block_mm<ColM, RowM, false, kSplit>(p_j, Dk, m, C, xb_rows, Dk, 16, Dk, rows, false);
+    __syncthreads();
+    for (int idx = tid; idx < rows * Dk; idx += threads) out_f[r0 * Dk + idx] += e_rows[idx] * p_rows[idx];
+    for (int idx = tid; idx < 16 * Dk; idx += threads) out_b[16 * J * Dk + idx] += f_j[idx] * p_j[idx];
   }
 }
 
@@ -1025,46 +1169,12 @@ __global__ void __launch_bounds__(256, 1)
     // ---- A, KK; K^, K_, diag(beta) K^, diag(beta) V ------------------------
     // A scalar (or no) decay factors out of the sum over dimensions: A and KK
     // are plain products on the tensor cores, masked and decayed below. A
-    // per-dimension decay does not: one warp per row t on the CUDA cores, lanes
-    // split the Dk dims (coalesced loads of row s), row t's q, k and b stay in
-    // registers, each (t, s) sum is a shuffle reduction.
+    // per-dimension decay does not: vector_decay_gram (16-row blocks).
     if constexpr (!kVector) {
       block_mm<RowM, ColM, false, kSplit>(sA, C, q, Dk, k, Dk, C, C, Dk, false);
       if constexpr (kDelta) block_mm<RowM, ColM, false, kSplit>(sKK, C, k, Dk, k, Dk, C, C, Dk, false);
     } else {
-      constexpr int kPerLane = Dk / 32;
-      for (int t = warp; t < C; t += kWarps) {
-        float qt[kPerLane], kt[kPerLane], bt[kPerLane];
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) {
-          const int d = lane + 32 * e;
-          qt[e] = q[t * Dk + d];
-          kt[e] = k[t * Dk + d];
-          bt[e] = gate_b(t, d);
-        }
-#pragma unroll 2
-        for (int s = 0; s <= t; ++s) {
-          float aq = 0.f, am = 0.f;
-#pragma unroll
-          for (int e = 0; e < kPerLane; ++e) {
-            const int d = lane + 32 * e;
-            float ks = k[s * Dk + d];
-            if constexpr (kDecay != Decay::none) ks *= __expf(bt[e] - gate_b(s, d));
-            aq += qt[e] * ks;
-            if constexpr (kDelta) am += kt[e] * ks;
-          }
-          aq = warp_sum(aq);
-          if constexpr (kDelta) am = warp_sum(am);
-          if (lane == 0) {
-            sA[t * C + s] = scale * aq;
-            sKK[t * C + s] = s < t ? am : 0.f;
-          }
-        }
-        for (int s = t + 1 + lane; s < C; s += 32) {
-          sA[t * C + s] = 0.f;
-          sKK[t * C + s] = 0.f;
-        }
-      }
+      vector_decay_gram<Dk, kSplit, kDelta>(sA, sKK, q, k, k, b, C, scratch);
     }
     for (int idx = tid; idx < C * Dk; idx += kThreads) {
       const int t = idx / Dk, d = idx % Dk;
@@ -1081,15 +1191,15 @@ __global__ void __launch_bounds__(256, 1)
       for (int idx = tid; idx < C * Dv; idx += kThreads) Bv[idx] = sBeta[idx / Dv] * v[idx];
     }
     __syncthreads();
-    if constexpr (!kVector) {  // causal masks and the pairwise decay of A and KK
-      for (int idx = tid; idx < C * C; idx += kThreads) {
-        const int t = idx / C, s = idx % C;
-        const float f = s <= t ? decay(t, s, 0) : 0.f;
-        sA[idx] *= scale * f;
-        if constexpr (kDelta) sKK[idx] = s < t ? sKK[idx] * f : 0.f;
-      }
-      __syncthreads();
+    // The scale; causal masks and the pairwise decay of a scalar gate (the
+    // vector gram applied both).
+    for (int idx = tid; idx < C * C; idx += kThreads) {
+      const int t = idx / C, s = idx % C;
+      const float f = s <= t ? (kVector ? 1.f : decay(t, s, 0)) : 0.f;
+      sA[idx] *= scale * f;
+      if constexpr (kDelta) sKK[idx] = s < t ? sKK[idx] * f : 0.f;
     }
+    __syncthreads();
 
     if constexpr (kDelta) {
       // ---- T = (I + diag(beta) KK)^{-1}, one thread per column s ------------
@@ -1134,16 +1244,12 @@ __global__ void __launch_bounds__(256, 1)
     }
     __syncthreads();
     block_mm<ColM, RowM, false, kSplit>(dVp, Dv, sA, C, dO, Dv, C, Dv, C, true);
-    // Causal mask of dA (without a per-dimension decay, also its pairwise
-    // decay and the scale: the A path below is then two plain products);
-    // gate factors of the state parts of gq and gk.
+    // Causal mask and scale of dA (a scalar gate's pairwise decay too: the A
+    // path below is then two plain products); gate factors of the state parts
+    // of gq and gk.
     for (int idx = tid; idx < C * C; idx += kThreads) {
       const int t = idx / C, s = idx % C;
-      if constexpr (kVector) {
-        if (s > t) sdA[idx] = 0.f;
-      } else {
-        sdA[idx] = s > t ? 0.f : sdA[idx] * scale * decay(t, s, 0);
-      }
+      sdA[idx] = s > t ? 0.f : sdA[idx] * scale * (kVector ? 1.f : decay(t, s, 0));
     }
     for (int idx = tid; idx < C * Dk; idx += kThreads) {
       const int t = idx / Dk, d = idx % Dk;
@@ -1167,27 +1273,19 @@ __global__ void __launch_bounds__(256, 1)
     __syncthreads();
 
     // ---- A path: gq += scale dA (k decay), gk += scale dA^T (q decay); db ---
+    // dA already holds the scale (and a scalar gate's decay).
     if constexpr (kVector) {
-      for (int idx = tid; idx < C * Dk; idx += kThreads) {
-        const int t = idx / Dk, d = idx % Dk;
-        float qa = 0.f, ka = 0.f;
-        for (int s = 0; s <= t; ++s) qa += sdA[t * C + s] * k[s * Dk + d] * decay(t, s, d);
-        for (int r = t; r < C; ++r) ka += sdA[r * C + t] * q[r * Dk + d] * decay(r, t, d);
-        const float gqv = gq[idx] + scale * qa;
-        const float gkbar = gk[idx], gkt = scale * ka;
-        gq[idx] = gqv;
-        gk[idx] = gkbar + gkt;
-        db[idx] = gqv * q[idx] - (gkbar + gkt) * k[idx];
-      }
-    } else {  // dA already holds scale and the decay: two products
+      vector_decay_path<Dk, kSplit>(gq, gk, sdA, k, q, b, C, scratch, true);
+    } else {
       block_mm<RowM, RowM, false, kSplit>(gq, Dk, sdA, C, k, Dk, C, Dk, C, true);
       block_mm<ColM, RowM, false, kSplit>(gk, Dk, sdA, C, q, Dk, C, Dk, C, true);
-      if constexpr (kDecay != Decay::none) {
-        __syncthreads();
-        for (int idx = tid; idx < C * Dk; idx += kThreads) db[idx] = gq[idx] * q[idx] - gk[idx] * k[idx];
-      }
+    }
+    if constexpr (kDecay != Decay::none) {
+      __syncthreads();
+      for (int idx = tid; idx < C * Dk; idx += kThreads) db[idx] = gq[idx] * q[idx] - gk[idx] * k[idx];
     }
     __syncthreads();
+
     if constexpr (kDelta) {
       // ---- through the UT transform: T^T dU, T^T dW, dT -------------------
       block_mm<ColM, RowM, false, kSplit>(TdU, Dv, sT, C, dVp, Dv, C, Dv, C, false);
@@ -1228,14 +1326,14 @@ __global__ void __launch_bounds__(256, 1)
       // dMm = -strict_lower(T^T tmp), into dT (its last reader was tmp above).
       block_mm<ColM, RowM, true, kSplit>(sdT, C, sT, C, sTmp, C, C, C, C, false);
       __syncthreads();
-      // Without a per-dimension decay, sA (free since the A path) takes
-      // diag(beta) (dMm o decay): the K^ and K~ gradients below are then
-      // sA K and sA^T K.
+      // sA (free since the A path) takes diag(beta) dMm (with a scalar gate's
+      // pairwise decay): the K^ and K~ gradients below are then sA K and
+      // sA^T K (with a vector gate, vector_decay_path's blocks).
       for (int idx = tid; idx < C * C; idx += kThreads) {
         const int t = idx / C, s = idx % C;
         const float m = s < t ? sdT[idx] : 0.f;
         sdT[idx] = m;
-        if constexpr (!kVector) sA[idx] = sBeta[t] * m * decay(t, s, 0);
+        sA[idx] = sBeta[t] * m * (kVector ? 1.f : decay(t, s, 0));
       }
       __syncthreads();
       // Mm_ts = beta_t KK_ts: dbeta += dMm . KK; k-space gradients of K^ and K~.
@@ -1245,26 +1343,18 @@ __global__ void __launch_bounds__(256, 1)
         acc = warp_sum(acc);
         if (lane == 0) sDbeta[t] += acc;
       }
+      // kh = sA K, kt = sA^T K into the free dW, TdW
       if constexpr (kVector) {
-        for (int idx = tid; idx < C * Dk; idx += kThreads) {
-          const int t = idx / Dk, d = idx % Dk;
-          float kh = 0.f, kt = 0.f;
-          for (int s = 0; s < t; ++s) kh += sdT[t * C + s] * k[s * Dk + d] * decay(t, s, d);
-          for (int r = t + 1; r < C; ++r)
-            kt += sBeta[r] * sdT[r * C + t] * k[r * Dk + d] * decay(r, t, d);
-          kh *= sBeta[t];
-          gk[idx] += kh + kt;
-          db[idx] += (kh - kt) * k[idx];
-        }
-      } else {  // kh = sA K, kt = sA^T K into the free dW, TdW
+        vector_decay_path<Dk, kSplit>(dW, TdW, sA, k, k, b, C, scratch, false);
+      } else {
         block_mm<RowM, RowM, false, kSplit>(dW, Dk, sA, C, k, Dk, C, Dk, C, false);
         block_mm<ColM, RowM, false, kSplit>(TdW, Dk, sA, C, k, Dk, C, Dk, C, false);
-        __syncthreads();
-        for (int idx = tid; idx < C * Dk; idx += kThreads) {
-          const float kh = dW[idx], kt = TdW[idx];
-          gk[idx] += kh + kt;
-          db[idx] += (kh - kt) * k[idx];
-        }
+      }
+      __syncthreads();
+      for (int idx = tid; idx < C * Dk; idx += kThreads) {
+        const float kh = dW[idx], kt = TdW[idx];
+        gk[idx] += kh + kt;
+        db[idx] += (kh - kt) * k[idx];
       }
       __syncthreads();
     } else {
