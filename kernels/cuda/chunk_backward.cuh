@@ -873,6 +873,25 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
   }
 }
 
+// Four consecutive elements as floats, for the elementwise passes of
+// chunk_grad_kernel_tc: one 16-byte (8-byte for 16-bit T) access where there
+// were four. Those passes read and write the block's global scratch, and a
+// store that may alias the next element's load serialises the loop on L2
+// round trips (ncu: long-scoreboard stalls were the largest share), so a
+// quarter of the iterations is a quarter of the waits.
+struct Quad {
+  float v[4];
+};
+template <typename P>
+__device__ __forceinline__ Quad ldq(const P* p) {
+  const float4 x = load4(p);
+  return {{x.x, x.y, x.z, x.w}};
+}
+template <typename P>
+__device__ __forceinline__ void stq(P* p, const Quad& x) {
+  store4(p, make_float4(x.v[0], x.v[1], x.v[2], x.v[3]));
+}
+
 // Pairwise products with a per-dimension decay, in 16-row blocks (for
 // chunk_grad_kernel_tc). Gamma_tsd = e^{b_td - b_sd} (s <= t) does not factor
 // out of a sum over d, but between blocks it splits at the source block's last
@@ -1005,8 +1024,20 @@ __device__ __forceinline__ void vector_decay_path(float* out_f, float* out_b, co
     block_mm<RowM, RowM, false, kSplit>(p_rows, Dk, m, C, xf_j, Dk, rows, Dk, 16, false);
     block_mm<ColM, RowM, false, kSplit>(p_j, Dk, m, C, xb_rows, Dk, 16, Dk, rows, false);
     __syncthreads();
-    for (int idx = tid; idx < rows * Dk; idx += threads) out_f[r0 * Dk + idx] += e_rows[idx] * p_rows[idx];
-    for (int idx = tid; idx < 16 * Dk; idx += threads) out_b[16 * J * Dk + idx] += f_j[idx] * p_j[idx];
+    for (int i = 4 * tid; i < rows * Dk; i += 4 * threads) {
+      Quad o = ldq(out_f + r0 * Dk + i);
+      const Quad e = ldq(e_rows + i), p = ldq(p_rows + i);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o.v[c] += e.v[c] * p.v[c];
+      stq(out_f + r0 * Dk + i, o);
+    }
+    for (int i = 4 * tid; i < 16 * Dk; i += 4 * threads) {
+      Quad o = ldq(out_b + 16 * J * Dk + i);
+      const Quad f = ldq(f_j + i), p = ldq(p_j + i);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o.v[c] += f.v[c] * p.v[c];
+      stq(out_b + 16 * J * Dk + i, o);
+    }
   }
 }
 
@@ -1088,6 +1119,17 @@ __global__ void __launch_bounds__(256, 1)
     if constexpr (kDecay == Decay::none) return 1.f;
     return __expf(gate_b(t, d) - gate_b(s, d));
   };
+  // e^{b_t} and e^{b_{C-1} - b_t} of dimension d (1 without a gate).
+  auto up_down = [&](int t, int d, float& up, float& down) {
+    up = 1.f;
+    down = 1.f;
+    if constexpr (kDecay != Decay::none) {
+      up = __expf(gate_b(t, d));
+      down = __expf(gate_b(C - 1, d) - gate_b(t, d));
+    }
+  };
+  const Quad kZero4{{0.f, 0.f, 0.f, 0.f}};
+  static_assert(Dk % 4 == 0 && Dv % 4 == 0 && Dk <= 128, "4-wide passes, a lane per 4 dims");
 
   for (int64_t item = blockIdx.x; item < a.num_items; item += gridDim.x) {
     const int64_t c = item / H, h = item % H, tile = c * H + h;
@@ -1100,18 +1142,21 @@ __global__ void __launch_bounds__(256, 1)
     const float* vp = kDelta ? Vp : v;
 
     // ---- load; rows past the chunk's end are zeros with g = 0 --------------
-    for (int idx = tid; idx < C * Dk; idx += kThreads) {
-      const int t = idx / Dk, d = idx % Dk;
+    // (Elementwise passes go four elements at a time: see Quad.)
+    for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
+      const int t = i / Dk, d = i % Dk;
       const bool valid = t < L;
-      q[idx] = valid ? to_float(q_in[row(t) * Dk + d]) : 0.f;
-      k[idx] = valid ? to_float(k_in[row(t) * Dk + d]) : 0.f;
-      if constexpr (kVector) b[idx] = valid ? f.g[row(t) * Dk + d] : 0.f;
+      const int64_t src = row(t) * Dk + d;
+      stq(q + i, valid ? ldq(q_in + src) : kZero4);
+      stq(k + i, valid ? ldq(k_in + src) : kZero4);
+      if constexpr (kVector) stq(b + i, valid ? ldq(f.g + src) : kZero4);
     }
-    for (int idx = tid; idx < C * Dv; idx += kThreads) {
-      const int t = idx / Dv, j = idx % Dv;
+    for (int i = 4 * tid; i < C * Dv; i += 4 * kThreads) {
+      const int t = i / Dv, j = i % Dv;
       const bool valid = t < L;
-      v[idx] = valid ? to_float(v_in[row(t) * Dv + j]) : 0.f;
-      dO[idx] = valid ? to_float(do_in[row(t) * Dv + j]) : 0.f;
+      const int64_t src = row(t) * Dv + j;
+      stq(v + i, valid ? ldq(v_in + src) : kZero4);
+      stq(dO + i, valid ? ldq(do_in + src) : kZero4);
     }
     if (tid < C) {
       const bool valid = tid < L;
@@ -1172,19 +1217,30 @@ __global__ void __launch_bounds__(256, 1)
     } else {
       vector_decay_gram<Dk, kSplit, kDelta>(sA, sKK, q, k, k, b, C, scratch);
     }
-    for (int idx = tid; idx < C * Dk; idx += kThreads) {
-      const int t = idx / Dk, d = idx % Dk;
-      float up = 1.f, down = 1.f;  // e^{b_t}, e^{b_{C-1} - b_t}
-      if constexpr (kDecay != Decay::none) {
-        up = __expf(gate_b(t, d));
-        down = __expf(gate_b(C - 1, d) - gate_b(t, d));
+    for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
+      const int t = i / Dk, d = i % Dk;
+      const Quad x = ldq(k + i);
+      Quad kh, kbar, bk;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float up, down;
+        up_down(t, d + e, up, down);
+        kh.v[e] = x.v[e] * up;
+        kbar.v[e] = x.v[e] * down;
+        if constexpr (kDelta) bk.v[e] = sBeta[t] * x.v[e] * up;
       }
-      Kh[idx] = k[idx] * up;
-      Kbar[idx] = k[idx] * down;
-      if constexpr (kDelta) Bk[idx] = sBeta[t] * k[idx] * up;
+      stq(Kh + i, kh);
+      stq(Kbar + i, kbar);
+      if constexpr (kDelta) stq(Bk + i, bk);
     }
     if constexpr (kDelta) {
-      for (int idx = tid; idx < C * Dv; idx += kThreads) Bv[idx] = sBeta[idx / Dv] * v[idx];
+      for (int i = 4 * tid; i < C * Dv; i += 4 * kThreads) {
+        Quad x = ldq(v + i);
+        const float beta = sBeta[i / Dv];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x.v[e] *= beta;
+        stq(Bv + i, x);
+      }
     }
     __syncthreads();
     // The scale; causal masks and the pairwise decay of a scalar gate (the
@@ -1247,15 +1303,18 @@ __global__ void __launch_bounds__(256, 1)
       const int t = idx / C, s = idx % C;
       sdA[idx] = s > t ? 0.f : sdA[idx] * scale * (kVector ? 1.f : decay(t, s, 0));
     }
-    for (int idx = tid; idx < C * Dk; idx += kThreads) {
-      const int t = idx / Dk, d = idx % Dk;
-      float up = 1.f, down = 1.f;
-      if constexpr (kDecay != Decay::none) {
-        up = __expf(gate_b(t, d));
-        down = __expf(gate_b(C - 1, d) - gate_b(t, d));
+    for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
+      const int t = i / Dk, d = i % Dk;
+      Quad x = ldq(gq + i), y = ldq(gk + i);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float up, down;
+        up_down(t, d + e, up, down);
+        x.v[e] *= scale * up;
+        y.v[e] *= down;  // the K_ path
       }
-      gq[idx] *= scale * up;
-      gk[idx] *= down;  // the K_ path
+      stq(gq + i, x);
+      stq(gk + i, y);
     }
     __syncthreads();
 
@@ -1278,7 +1337,13 @@ __global__ void __launch_bounds__(256, 1)
     }
     if constexpr (kDecay != Decay::none) {
       __syncthreads();
-      for (int idx = tid; idx < C * Dk; idx += kThreads) db[idx] = gq[idx] * q[idx] - gk[idx] * k[idx];
+      for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
+        const Quad x = ldq(gq + i), y = ldq(gk + i), xq = ldq(q + i), xk = ldq(k + i);
+        Quad r;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) r.v[e] = x.v[e] * xq.v[e] - y.v[e] * xk.v[e];
+        stq(db + i, r);
+      }
     }
     __syncthreads();
 
@@ -1299,9 +1364,12 @@ __global__ void __launch_bounds__(256, 1)
       __syncthreads();
       // tmp = dT T^T; dv = beta T^T dU; dbeta (direct part); gk += beta e^b T^T dW.
       block_mm<RowM, ColM, false, kSplit>(sTmp, C, sdT, C, sT, C, C, C, C, false);
-      for (int idx = tid; idx < L * Dv; idx += kThreads) {
-        const int t = idx / Dv, j = idx % Dv;
-        dv_out[row(t) * Dv + j] = from_float<T>(sBeta[t] * TdU[idx]);
+      for (int i = 4 * tid; i < L * Dv; i += 4 * kThreads) {
+        const int t = i / Dv, j = i % Dv;
+        Quad x = ldq(TdU + i);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x.v[e] *= sBeta[t];
+        stq(dv_out + row(t) * Dv + j, x);
       }
       for (int t = warp; t < C; t += kWarps) {
         float acc = 0.f;
@@ -1310,13 +1378,20 @@ __global__ void __launch_bounds__(256, 1)
         acc = warp_sum(acc);
         if (lane == 0) sDbeta[t] = acc;
       }
-      for (int idx = tid; idx < C * Dk; idx += kThreads) {
-        const int t = idx / Dk, d = idx % Dk;
-        float up = 1.f;
-        if constexpr (kDecay != Decay::none) up = __expf(gate_b(t, d));
-        const float gkh = sBeta[t] * up * TdW[idx];
-        gk[idx] += gkh;
-        db[idx] += gkh * k[idx];
+      for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
+        const int t = i / Dk, d = i % Dk;
+        const Quad tdw = ldq(TdW + i), xk = ldq(k + i);
+        Quad g = ldq(gk + i), dbq = ldq(db + i);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float up = 1.f;
+          if constexpr (kDecay != Decay::none) up = __expf(gate_b(t, d + e));
+          const float gkh = sBeta[t] * up * tdw.v[e];
+          g.v[e] += gkh;
+          dbq.v[e] += gkh * xk.v[e];
+        }
+        stq(gk + i, g);
+        stq(db + i, dbq);
       }
       __syncthreads();
       // dMm = -strict_lower(T^T tmp), into dT (its last reader was tmp above).
@@ -1347,16 +1422,22 @@ __global__ void __launch_bounds__(256, 1)
         block_mm<ColM, RowM, false, kSplit>(TdW, Dk, sA, C, k, Dk, C, Dk, C, false);
       }
       __syncthreads();
-      for (int idx = tid; idx < C * Dk; idx += kThreads) {
-        const float kh = dW[idx], kt = TdW[idx];
-        gk[idx] += kh + kt;
-        db[idx] += (kh - kt) * k[idx];
+      for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
+        const Quad kh = ldq(dW + i), kt = ldq(TdW + i), xk = ldq(k + i);
+        Quad g = ldq(gk + i), dbq = ldq(db + i);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          g.v[e] += kh.v[e] + kt.v[e];
+          dbq.v[e] += (kh.v[e] - kt.v[e]) * xk.v[e];
+        }
+        stq(gk + i, g);
+        stq(db + i, dbq);
       }
       __syncthreads();
     } else {
-      for (int idx = tid; idx < L * Dv; idx += kThreads) {
-        const int t = idx / Dv, j = idx % Dv;
-        dv_out[row(t) * Dv + j] = from_float<T>(dVp[idx]);
+      for (int i = 4 * tid; i < L * Dv; i += 4 * kThreads) {
+        const int t = i / Dv, j = i % Dv;
+        stq(dv_out + row(t) * Dv + j, ldq(dVp + i));
       }
     }
 
@@ -1369,10 +1450,16 @@ __global__ void __launch_bounds__(256, 1)
       __syncthreads();
       if constexpr (kVector) {
         if (tid < Dk) {  // dg_t = sum_{t' >= t} db_t' (reverse cumsum)
+          // The column is loaded first (all loads in flight at once), then
+          // summed: loads after stores to dg would each wait out L2.
+          float col[kMC];
+#pragma unroll
+          for (int t = 0; t < kMC; ++t) col[t] = t < L ? db[t * Dk + tid] : 0.f;
           float run = 0.f;
-          for (int t = L - 1; t >= 0; --t) {
-            run += db[t * Dk + tid];
-            a.dg[row(t) * Dk + tid] = run;
+#pragma unroll
+          for (int t = kMC - 1; t >= 0; --t) {
+            run += col[t];
+            if (t < L) a.dg[row(t) * Dk + tid] = run;
           }
         }
       } else {
@@ -1394,25 +1481,36 @@ __global__ void __launch_bounds__(256, 1)
     }
 
     // ---- dq, dk through the L2 norm: dx = r (dn - n (n . dn)); dbeta --------
+    // One warp per row, one lane per 4 dims.
     for (int t = warp; t < L; t += kWarps) {
-      float qg = 0.f, kg = 0.f;
+      const int d = 4 * lane;
+      const bool on = d < Dk;
+      Quad x = kZero4, y = kZero4, xq = kZero4, xk = kZero4;
+      if (on) {
+        x = ldq(gq + t * Dk + d);
+        y = ldq(gk + t * Dk + d);
+        xq = ldq(q + t * Dk + d);
+        xk = ldq(k + t * Dk + d);
+      }
       if constexpr (kL2Norm) {
-        for (int d = lane; d < Dk; d += 32) {
-          qg += q[t * Dk + d] * gq[t * Dk + d];
-          kg += k[t * Dk + d] * gk[t * Dk + d];
+        float qg = 0.f, kg = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          qg += xq.v[e] * x.v[e];
+          kg += xk.v[e] * y.v[e];
         }
         qg = warp_sum(qg);
         kg = warp_sum(kg);
-      }
-      const float rq = sRq[t], rk = sRk[t];
-      for (int d = lane; d < Dk; d += 32) {
-        float dqv = gq[t * Dk + d], dkv = gk[t * Dk + d];
-        if constexpr (kL2Norm) {
-          dqv = rq * (dqv - q[t * Dk + d] * qg);
-          dkv = rk * (dkv - k[t * Dk + d] * kg);
+        const float rq = sRq[t], rk = sRk[t];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          x.v[e] = rq * (x.v[e] - xq.v[e] * qg);
+          y.v[e] = rk * (y.v[e] - xk.v[e] * kg);
         }
-        dq_out[row(t) * Dk + d] = from_float<T>(dqv);
-        dk_out[row(t) * Dk + d] = from_float<T>(dkv);
+      }
+      if (on) {
+        stq(dq_out + row(t) * Dk + d, x);
+        stq(dk_out + row(t) * Dk + d, y);
       }
       if constexpr (kDelta)
         if (lane == 0) dbeta_out[row(t)] = from_float<T>(sDbeta[t]);
