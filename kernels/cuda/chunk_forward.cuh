@@ -637,13 +637,17 @@ __global__ void __launch_bounds__(256)
       cp_async_wait<0>();
     __syncthreads();  // this chunk's stage (and S) visible to every thread
 
-    // Save the state entering this chunk: exactly the values the products use.
-    T* out_state = static_cast<T*>(a.ws_states) + tile * Dk * Dv + col0;
-    constexpr int kVec = 16 / sizeof(T);
-    for (int idx = tid; idx < Dk * BV / kVec; idx += Tr::kThreads) {
-      const int d = idx / (BV / kVec), j = (idx % (BV / kVec)) * kVec;
-      *reinterpret_cast<uint4*>(out_state + d * Dv + j) =
-          *reinterpret_cast<const uint4*>(sSop + d * kLdB + j);
+    // Save the state entering this chunk: exactly the values the products use
+    // (for the output kernel; a plan without it, the backward's recompute,
+    // leaves ws_states null and keeps only the fp32 chunk_states).
+    if (a.ws_states != nullptr) {
+      T* out_state = static_cast<T*>(a.ws_states) + tile * Dk * Dv + col0;
+      constexpr int kVec = 16 / sizeof(T);
+      for (int idx = tid; idx < Dk * BV / kVec; idx += Tr::kThreads) {
+        const int d = idx / (BV / kVec), j = (idx % (BV / kVec)) * kVec;
+        *reinterpret_cast<uint4*>(out_state + d * Dv + j) =
+            *reinterpret_cast<const uint4*>(sSop + d * kLdB + j);
+      }
     }
     if constexpr (!Tr::kF32) {
       if (a.chunk_states != nullptr) {
@@ -673,15 +677,17 @@ __global__ void __launch_bounds__(256)
     const T* vnew = stage_u(st);  // additive rules: V' = U
     if constexpr (kDelta) {
       // V' = U - W S, rounded to T once: the update below and the output
-      // kernel read the same values.
-      T* out_vn = static_cast<T*>(a.ws_vnew) + tile * C * Dv + col0;
+      // kernel read the same values (saved only for the output kernel: null
+      // ws_vnew in the backward's recompute).
+      T* out_vn =
+          a.ws_vnew != nullptr ? static_cast<T*>(a.ws_vnew) + tile * C * Dv + col0 : nullptr;
       const T* u = stage_u(st);
       for (int idx = tid; idx < C * BV / 4; idx += Tr::kThreads) {
         const int i = idx / (BV / 4), j = (idx % (BV / 4)) * 4;
         const float4 x = load4(u + i * kLdB + j), p = load4(sProd + i * kLdF + j);
         const float4 vn = make_float4(x.x - p.x, x.y - p.y, x.z - p.z, x.w - p.w);
         store4(sVn + i * kLdB + j, vn);
-        store4(out_vn + i * Dv + j, vn);
+        if (out_vn != nullptr) store4(out_vn + i * Dv + j, vn);
       }
       vnew = sVn;
     }

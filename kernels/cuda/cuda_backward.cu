@@ -5,8 +5,8 @@
 //
 // Workspace, every piece 256-byte aligned:
 //   [prepare-stage workspace (detail::prepare_workspace_bytes)]  Q^, K_, W, U,
-//        A, gamma in T (with recompute_chunk_states the whole forward workspace:
-//        the scan stage also writes V' and the T-typed states)
+//        A, gamma in T (with recompute_chunk_states the scan stage runs on the
+//        same plan and writes only the fp32 chunk states at the end)
 //   [dS_{c+1} per chunk, fp32 [chunks, H, Dk, Dv]]
 //   [chunk_grad_kernel scratch, fp32, one slice per persistent block]
 //   [recompute_chunk_states only: the fp32 chunk states]
@@ -84,8 +84,9 @@ BackwardLayout layout_for(const MixerParams& p, bool recompute) {
   BackwardLayout l;
   const size_t states =
       align_up(static_cast<size_t>(max_chunks(p) * p.heads * p.dk * p.dv) * sizeof(float));
-  // Without recomputation only the prepare stage runs: no V' or T states.
-  size_t at = align_up(recompute ? forward_workspace_bytes(p) : detail::prepare_workspace_bytes(p));
+  // No V' or T-typed states: the output kernel never runs here (the
+  // recompute's scan writes only the fp32 chunk states, at the end).
+  size_t at = align_up(detail::prepare_workspace_bytes(p));
   l.forward = 0;
   l.ds = at;
   at += states;
@@ -185,7 +186,7 @@ Prepared prepare_backward(const MixerBwdParams& p, bool recompute, const Backwar
     stages |= detail::kStageScan;
   }
   Prepared prep;
-  prep.plan = detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream, !recompute);
+  prep.plan = detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream, true);
   prep.chunk_states = fwd.chunk_states;
   detail::launch_forward_stages(fwd, prep.plan.args, stages, stream);
   return prep;

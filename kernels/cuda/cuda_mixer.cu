@@ -206,6 +206,12 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
 
 void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stages,
                            cudaStream_t stream) {
+  // A prepare-only plan has no V' or T-typed states for the output kernel.
+  SS_CHECK_ARG(!(stages & kStageOutput) || a.ws_states != nullptr, "stages",
+               "the output stage needs a full forward plan (this one is prepare-only)");
+  SS_CHECK_ARG(!(stages & kStageScan) || a.ws_states != nullptr || a.chunk_states != nullptr ||
+                   a.final_state != nullptr,
+               "stages", "the scan stage has nothing to write (no states of any kind)");
   switch (p.variant) {
     case Variant::linear:
       launch_chunk_forward<Decay::none, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, stages,

@@ -24,9 +24,11 @@ struct ForwardPlan {
 // Validates `p` (cu_seqlens is a device array: copied to the host once, which
 // synchronises `stream`), lays the workspace out (at least
 // forward_workspace_bytes(p) bytes) and uploads the chunk tables on `stream`.
-// prepare_only: a plan for the prepare stage alone (no room for, and null
-// pointers to, V' and the T-typed chunk states that only the scan stage
-// writes); its workspace is prepare_workspace_bytes(p).
+// prepare_only: a plan without V' and the T-typed chunk states (no room for
+// them, null pointers), which only the output kernel reads: the prepare stage,
+// and the scan stage when it only has to produce p.chunk_states (the
+// backward's recompute); never the output stage. Its workspace is
+// prepare_workspace_bytes(p).
 ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream, bool prepare_only = false);
 size_t prepare_workspace_bytes(const MixerParams& p);

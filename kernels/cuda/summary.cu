@@ -244,6 +244,10 @@ ForwardArgs last_segment_args(const MixerParams& p, const ForwardPlan& plan) {
   a.o = nullptr;
   a.chunk_states = nullptr;
   a.final_state = nullptr;
+  // The summary keeps only final states: no per-chunk copies of S or V' for
+  // an output kernel that does not run (less traffic per chunk step).
+  a.ws_states = nullptr;
+  a.ws_vnew = nullptr;
   if (p.cu_seqlens != nullptr) {
     const int64_t last = p.num_segments - 1;
     a.segment_table += 2 * last;
