@@ -95,22 +95,22 @@ double cp_summary_bytes(const CpLayer& l) {
 }
 
 CpReferenceTimes cp_h200_reference_128k(Variant v) {
-  // README.md's Performance table: statescan-bench and statescan-bench
+  // README.md's Performance tables: statescan-bench and statescan-bench
   // --backward on one H200, B=1, T=131072, H=16, D=128, bf16, chunk 64,
-  // 2026-11-30 (forward ms, forward + backward ms).
+  // 2026-11-30 (forward ms; forward + backward ms with gradient kernel b7).
   switch (v) {
     case Variant::linear:
-      return {5.593, 66.17};
+      return {5.593, 44.47};
     case Variant::retention:
-      return {6.640, 76.67};
+      return {6.640, 48.68};
     case Variant::gla:
-      return {10.128, 87.93};
+      return {10.128, 69.62};
     case Variant::deltanet:
-      return {10.366, 148.58};
+      return {10.366, 101.96};
     case Variant::gated_deltanet:
-      return {11.554, 168.79};
+      return {11.554, 107.57};
     case Variant::kda:
-      return {14.911, 195.91};
+      return {14.911, 143.93};
   }
   SS_FAIL("variant", "no H200 reference times");
 }
