@@ -274,10 +274,7 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
   SS_CUDA_CHECK(cudaGetDevice(&device));
   // Workspaces stay in the stream-ordered pool between iterations (as the
   // GPU CpMixer arranges), so the medians time kernels, not page mapping.
-  cudaMemPool_t pool = nullptr;
-  SS_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
-  uint64_t keep = UINT64_MAX;
-  SS_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  retain_device_pool_memory();
   SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
 
   char line[1024];

@@ -24,6 +24,7 @@
 
 #include "comm/collective_check.h"
 #include "core/cuda_check.h"
+#include "core/device_buffer.h"
 #include "core/error.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
@@ -140,16 +141,8 @@ struct CpMixer::DeviceState {
     SS_CUDA_CHECK(cudaStreamCreate(&compute));
     SS_CUDA_CHECK(cudaStreamCreate(&exchange));
     // Every step takes its workspaces (GBs at long sequences) from the
-    // device's default stream-ordered pool. With the pool's default release
-    // threshold (0) each synchronisation hands that memory back to the
-    // driver and the next step maps it again; keep it in the pool instead
-    // (process-wide for this device, as caching allocators do).
-    int device = 0;
-    SS_CUDA_CHECK(cudaGetDevice(&device));
-    cudaMemPool_t pool = nullptr;
-    SS_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
-    uint64_t keep = UINT64_MAX;
-    SS_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    // device's default stream-ordered pool: keep them there between steps.
+    retain_device_pool_memory();
   }
   ~DeviceState() {
     // Buffers free on `compute`: finish everything first.
