@@ -103,7 +103,13 @@ struct Measured {
   Variant variant;
   double fwd_ms = 0, bwd_ms = std::numeric_limits<double>::quiet_NaN();
   double prepare_ms = 0, summary_ms = 0, finish_ms = 0;
+  // The pre-pass as CpMixer runs it: from the backward's prepared tiles
+  // (cuda::PreparedBackward), which the local backward then reuses, so only
+  // its reverse scan is CP's; prepass_alone_ms is a standalone one (prepare
+  // + scan), what it cost before the tiles were shared.
   double prepass_ms = std::numeric_limits<double>::quiet_NaN();
+  double prepass_alone_ms = std::numeric_limits<double>::quiet_NaN();
+  double bwd_prepare_ms = std::numeric_limits<double>::quiet_NaN();
   double merge_fwd_ms = 0, merge_bwd_ms = 0;
   double summary_other_ms = std::numeric_limits<double>::quiet_NaN();
   double summary_e_ms = 0;  // E only (no M), the default method
@@ -239,13 +245,38 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
   try {
     MixerBwdParams pre = bp;
     pre.state_grad_only = true;
-    m.prepass_ms = median_ms(o.warmup, o.iters, stream, [&] { cuda::mixer_backward(pre, stream); });
+    m.prepass_alone_ms =
+        median_ms(o.warmup, o.iters, stream, [&] { cuda::mixer_backward(pre, stream); });
     bp.dq = dq.data();
     bp.dk_out = dk.data();
     bp.dv_out = dv.data();
     bp.dg = has_gate(variant) ? dg.data() : nullptr;
     bp.dbeta = has_beta(variant) ? dbeta.data() : nullptr;
     m.bwd_ms = median_ms(o.warmup, o.iters, stream, [&] { cuda::mixer_backward(bp, stream); });
+    // A middle rank's backward: prepare once, the pre-pass, the local pass.
+    std::vector<double> bprep, prepass;
+    cudaEvent_t b[3];
+    for (auto& ev : b) SS_CUDA_CHECK(cudaEventCreate(&ev));
+    for (int i = 0; i < o.warmup + o.iters; ++i) {
+      SS_CUDA_CHECK(cudaEventRecord(b[0], stream));
+      {
+        cuda::PreparedBackward prepared(bp, stream);
+        SS_CUDA_CHECK(cudaEventRecord(b[1], stream));
+        prepared.run(pre, stream);
+        SS_CUDA_CHECK(cudaEventRecord(b[2], stream));
+        prepared.run(bp, stream);
+      }
+      SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (i < o.warmup) continue;
+      float x = 0, y = 0;
+      SS_CUDA_CHECK(cudaEventElapsedTime(&x, b[0], b[1]));
+      SS_CUDA_CHECK(cudaEventElapsedTime(&y, b[1], b[2]));
+      bprep.push_back(x);
+      prepass.push_back(y);
+    }
+    for (auto& ev : b) SS_CUDA_CHECK(cudaEventDestroy(ev));
+    m.bwd_prepare_ms = median(bprep);
+    m.prepass_ms = median(prepass);
   } catch (const Error& err) {
     m.bwd_note = err.what();
     SS_CUDA_CHECK(cudaDeviceSynchronize());
@@ -285,7 +316,8 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
       "median of %d after %d warm-up\n"
       "#  overhead = (summary + pre-pass + merge fwd + merge bwd) / (fwd + bwd); "
       "target < 5%% (issue 5)\n"
-      "#  a middle rank's work (the first and last ranks skip parts); summary M by %s\n#\n",
+      "#  a middle rank's work (the first and last ranks skip parts); summary M by %s;\n"
+      "#  pre-pass: its reverse scan on the prepared tiles the local backward reuses\n#\n",
       prop.name, static_cast<long long>(o.seq_len), static_cast<long long>(o.heads),
       static_cast<long long>(o.dim), static_cast<long long>(o.chunk), to_string(o.dtype), o.iters,
       o.warmup, cuda::summary_linear_part() == cuda::LinearPart::scan ? "scan" : "products");
@@ -313,6 +345,13 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
                   std::isfinite(overhead) ? (met ? "met" : "MISSED") : "N/A");
     out << line;
     if (!m.bwd_note.empty()) out << "#   bwd/pre-pass not measured: " << m.bwd_note << "\n";
+    if (std::isfinite(m.prepass_alone_ms)) {
+      std::snprintf(line, sizeof line,
+                    "#   pre-pass = its scan on the backward's prepared tiles (shared with the local "
+                    "backward, prepare %.3f ms); standalone (prepare + scan): %.3f ms\n",
+                    m.bwd_prepare_ms, m.prepass_alone_ms);
+      out << line;
+    }
     std::snprintf(line, sizeof line, "#   summary E only (first rank): %.3f ms\n", m.summary_e_ms);
     out << line;
     if (std::isfinite(m.summary_other_ms)) {
@@ -372,6 +411,8 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
         << ", \"bwd_ms\": " << num(m.bwd_ms) << ", \"prepare_ms\": " << num(m.prepare_ms)
         << ", \"summary_ms\": " << num(m.summary_ms) << ", \"scan_output_ms\": " << num(m.finish_ms)
         << ", \"prepass_ms\": " << num(m.prepass_ms)
+        << ", \"prepass_alone_ms\": " << num(m.prepass_alone_ms)
+        << ", \"bwd_prepare_ms\": " << num(m.bwd_prepare_ms)
         << ", \"merge_fwd_ms\": " << num(m.merge_fwd_ms)
         << ", \"merge_bwd_ms\": " << num(m.merge_bwd_ms) << ", \"overhead\": " << num(m.overhead())
         << "}";
