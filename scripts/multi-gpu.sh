@@ -13,6 +13,9 @@
 #   EXCHANGES   the exchanges of the weak study (default "auto"; e.g. "auto ring
 #               tree": one table each, all against the same P = 1 run)
 #   SKIP_TESTS=1 leave the test suites out (and their build)
+#   PROFILE_LACT=1 after the LaCT study, profile one P = 1 and one P = 2 LaCT run
+#               with nsys (where installed): per-kernel and per-API time tables in
+#               OUTDIR/nsys_lact_p*.txt, to see what the sharded forward does not halve
 set -uo pipefail
 
 OUT=${1:?usage: scripts/multi-gpu.sh OUTDIR}
@@ -85,11 +88,28 @@ for v in ${VARIANTS:-kda gated_deltanet}; do
       --dtype bf16 --exchange auto --no-check
   done
 done
+lact_args=(--variant lact --seq-len 1048576 --lact-chunk 1048576 --heads 4 --dk 256
+  --lact-hidden 512 --dtype bf16 --no-check)
 if [[ "$studies" == *" lact "* ]]; then
   for p in 1 "${ranks[@]}"; do
-    run lact "$p" --variant lact --seq-len 1048576 --lact-chunk 1048576 --heads 4 --dk 256 \
-      --lact-hidden 512 --dtype bf16 --no-check
+    run lact "$p" "${lact_args[@]}"
   done
+fi
+if [[ "${PROFILE_LACT:-0}" != 0 ]]; then
+  if command -v nsys >/dev/null; then
+    for p in 1 2; do
+      # One report per rank (%q{OMPI_COMM_WORLD_RANK}); the stats of rank 0.
+      timeout "${RUN_TIMEOUT:-300}" mpirun -np "$p" --oversubscribe --bind-to none \
+        nsys profile -t cuda,nvtx,osrt -o "$OUT/nsys_lact_p${p}_r%q{OMPI_COMM_WORLD_RANK}" -f true \
+        "$BUILD/launch/statescan-run" --device cuda --iters 3 --warmup 1 "${lact_args[@]}" \
+        >"$OUT/nsys_lact_p$p.log" 2>&1 || echo "multi-gpu: nsys LaCT P=$p failed, see $OUT/nsys_lact_p$p.log"
+      nsys stats -r cuda_gpu_kern_sum,cuda_api_sum -f csv "$OUT/nsys_lact_p${p}_r0.nsys-rep" \
+        >"$OUT/nsys_lact_p$p.txt" 2>&1 || true
+      echo "multi-gpu: nsys LaCT P=$p: $(grep -c . "$OUT/nsys_lact_p$p.txt") lines in nsys_lact_p$p.txt"
+    done
+  else
+    echo "multi-gpu: PROFILE_LACT=1 but nsys is not installed"
+  fi
 fi
 
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"

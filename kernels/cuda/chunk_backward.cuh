@@ -949,9 +949,10 @@ __device__ __forceinline__ void vector_decay_gram(float* a, float* a2, const flo
   // Off-diagonal blocks, one source block J at a time: rows r0.. of x (and
   // x2) scaled by e^{b - b_rho}, block J of y by e^{b_rho - b}, then one
   // product each into the (rows > rho, block J) part of a (and a2).
+  constexpr int kRows = 64 - 16;  // rows below the first block at the largest chunk (64)
   float* xr = tmp;
-  float* x2r = xr + 48 * Dk;
-  float* yj = x2r + 48 * Dk;
+  float* x2r = xr + kRows * Dk;
+  float* yj = x2r + kRows * Dk;
   for (int J = 0; J + 1 < C / 16; ++J) {
     const int r0 = 16 * J + 16, rows = C - r0, rho = 16 * J + 15;
     for (int idx = tid; idx < rows * Dk; idx += threads) {
@@ -998,9 +999,10 @@ __device__ __forceinline__ void vector_decay_path(float* out_f, float* out_b, co
   // Off-diagonal blocks, one source block J at a time:
   //   out_f[rows > rho] += e^{b - b_rho} o (M[rows > rho, J] (xf_J o e^{b_rho - b_J}))
   //   out_b[J]          += e^{b_rho - b_J} o (M[rows > rho, J]^T (xb o e^{b - b_rho}))
-  float* e_rows = tmp;               // e^{b - b_rho}, rows > rho
-  float* xb_rows = e_rows + 48 * Dk;  // xb o e_rows
-  float* p_rows = xb_rows + 48 * Dk;  // the out_f product
+  constexpr int kRows = 64 - 16;        // rows below the first block at the largest chunk (64)
+  float* e_rows = tmp;                  // e^{b - b_rho}, rows > rho
+  float* xb_rows = e_rows + kRows * Dk;  // xb o e_rows
+  float* p_rows = xb_rows + kRows * Dk;  // the out_f product
   float* f_j = p_rows + 48 * Dk;      // e^{b_rho - b_J}
   float* xf_j = f_j + 16 * Dk;        // xf_J o f_j
   float* p_j = xf_j + 16 * Dk;        // the out_b product
