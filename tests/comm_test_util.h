@@ -11,6 +11,7 @@
 
 #include "comm/communicator.h"
 #include "core/error.h"
+#include "tests/expect_error.h"
 
 namespace statescan::test {
 
@@ -92,17 +93,6 @@ std::size_t mismatches(const Bytes& got, std::size_t offset_elements, std::size_
 template <typename Expected>
 std::size_t mismatches(const Bytes& got, std::size_t count, CommType type, Expected expected) {
   return mismatches(got, 0, count, type, expected);
-}
-
-// Expects `call` to throw statescan::Error naming `argument`.
-template <typename F>
-void expect_error(F&& call, const std::string& argument) {
-  try {
-    call();
-    ADD_FAILURE() << "expected statescan::Error naming '" << argument << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), argument) << e.what();
-  }
 }
 
 }  // namespace statescan::test

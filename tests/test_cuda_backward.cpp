@@ -22,6 +22,7 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
+#include "tests/expect_error.h"
 #include "tests/test_util.h"
 
 namespace statescan::test {
@@ -283,6 +284,13 @@ TEST_P(CudaBackward, MatchesReferenceWithChunk32) {
   expect_matches_reference(s, 6, 32, true);
 }
 
+// Every output bitwise equal to the expected run's (raw_outputs order).
+void expect_same_outputs(const std::vector<std::vector<unsigned char>>& got,
+                         const std::vector<std::vector<unsigned char>>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == want[i]) << "output " << i;
+}
+
 // The caller-owned workspace entry point: at least backward_workspace_bytes
 // works (and gives the allocating entry point's results), one byte less is
 // refused naming "workspace".
@@ -300,13 +308,8 @@ TEST_P(CudaBackward, UsesCallerWorkspace) {
   cuda::mixer_backward(m, workspace.data(), bytes, nullptr);
   GpuBackward::check_sync();
   const auto got = gpu.raw_outputs();
-  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == expected[i]) << "output " << i;
-  try {
-    cuda::mixer_backward(m, workspace.data(), bytes - 1, nullptr);
-    FAIL() << "expected statescan::Error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "workspace");
-  }
+  expect_same_outputs(got, expected);
+  expect_error([&] { cuda::mixer_backward(m, workspace.data(), bytes - 1, nullptr); }, "workspace");
 }
 
 // No float atomics: two runs give bitwise-identical gradients.
@@ -320,8 +323,7 @@ TEST_P(CudaBackward, IsDeterministic) {
   const auto first = gpu.raw_outputs();
   gpu.run_backward();
   const auto second = gpu.raw_outputs();
-  ASSERT_EQ(first.size(), second.size());
-  for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(first[i] == second[i]) << "output " << i;
+  expect_same_outputs(first, second);
 }
 
 // recompute_chunk_states: backward re-derives the chunk states with the
@@ -345,8 +347,7 @@ TEST_P(CudaBackward, RecomputedChunkStatesGiveTheSavedStatesGradients) {
   cuda::mixer_backward(m, nullptr);
   GpuBackward::check_sync();
   const auto got = gpu.raw_outputs();
-  ASSERT_EQ(got.size(), expected.size());
-  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == expected[i]) << "output " << i;
+  expect_same_outputs(got, expected);
 
   m = gpu.backward_params();
   m.chunk_states = nullptr;
@@ -357,13 +358,12 @@ TEST_P(CudaBackward, RecomputedChunkStatesGiveTheSavedStatesGradients) {
   cuda::mixer_backward(m, workspace.data(), bytes, nullptr);
   GpuBackward::check_sync();
   const auto again = gpu.raw_outputs();
-  for (size_t i = 0; i < again.size(); ++i) EXPECT_TRUE(again[i] == expected[i]) << "output " << i;
-  try {
-    cuda::mixer_backward(m, workspace.data(), cuda::backward_workspace_bytes(m), nullptr);
-    FAIL() << "expected statescan::Error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "workspace");
-  }
+  expect_same_outputs(again, expected);
+  expect_error(
+      [&] {
+        cuda::mixer_backward(m, workspace.data(), cuda::backward_workspace_bytes(m), nullptr);
+      },
+      "workspace");
 }
 
 // cuda::PreparedBackward (the CP path): one prepared set of tiles serves the
@@ -393,23 +393,12 @@ TEST_P(CudaBackward, PreparedBackwardServesThePrePassAndTheBackward) {
     prepared.run(m, stream);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     const auto got = gpu.raw_outputs();
-    ASSERT_EQ(got.size(), expected.size());
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == expected[i]) << "output " << i;
+    expect_same_outputs(got, expected);
 
     MixerBwdParams other = m;
     other.scale *= 2;
-    try {
-      prepared.run(other, stream);
-      FAIL() << "expected statescan::Error";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.argument(), "p");
-    }
-    try {
-      prepared.run(m, nullptr);
-      FAIL() << "expected statescan::Error";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.argument(), "stream");
-    }
+    expect_error([&] { prepared.run(other, stream); }, "p");
+    expect_error([&] { prepared.run(m, nullptr); }, "stream");
   }
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
@@ -442,12 +431,7 @@ TEST_P(CudaBackward, RejectsMissingChunkStates) {
   GpuBackward gpu(p, dtype(), 64, false, seed(9) + 1);
   MixerBwdParams m = gpu.backward_params();
   m.chunk_states = nullptr;
-  try {
-    cuda::mixer_backward(m, nullptr);
-    FAIL() << "expected statescan::Error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "chunk_states");
-  }
+  expect_error([&] { cuda::mixer_backward(m, nullptr); }, "chunk_states");
 }
 
 TEST_P(CudaBackward, RejectsMissingGateOrBetaGradient) {
@@ -461,12 +445,7 @@ TEST_P(CudaBackward, RejectsMissingGateOrBetaGradient) {
     m.dg = nullptr;
   else
     m.dbeta = nullptr;
-  try {
-    cuda::mixer_backward(m, nullptr);
-    FAIL() << "expected statescan::Error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), expected);
-  }
+  expect_error([&] { cuda::mixer_backward(m, nullptr); }, expected);
 }
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
