@@ -76,27 +76,49 @@ void fill(void* out, int64_t n, DType t, uint64_t seed, Fill f) {
   SS_LAUNCH_CHECK("fill_kernel");
 }
 
-// Median over `iters` timed runs (after `warmup` untimed ones) of the events
-// fn records: fn(start, stop) queues its work between them on `stream`.
+// Median ms of each of `stages` consecutive stages over `iters` runs (after
+// `warmup` untimed ones): run(mark) queues one iteration on `stream` and calls
+// mark() stages + 1 times, before its first stage, between stages and after
+// the last (what it queues after the last mark is untimed).
+template <typename F>
+std::vector<double> median_stage_ms(int warmup, int iters, cudaStream_t stream, int stages,
+                                    F&& run) {
+  std::vector<cudaEvent_t> marks(static_cast<std::size_t>(stages) + 1);
+  for (auto& e : marks) SS_CUDA_CHECK(cudaEventCreate(&e));
+  std::vector<std::vector<double>> ms(static_cast<std::size_t>(stages));
+  for (int i = 0; i < warmup + iters; ++i) {
+    std::size_t at = 0;
+    run([&] {
+      SS_CHECK_ARG(at < marks.size(), "stages", "more than stages + 1 marks");
+      SS_CUDA_CHECK(cudaEventRecord(marks[at++], stream));
+    });
+    SS_CHECK_ARG(at == marks.size(), "stages", at, " marks, expected ", marks.size());
+    SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (i < warmup) continue;
+    for (std::size_t k = 0; k < ms.size(); ++k) {
+      float t = 0.f;
+      SS_CUDA_CHECK(cudaEventElapsedTime(&t, marks[k], marks[k + 1]));
+      ms[k].push_back(t);
+    }
+  }
+  for (auto& e : marks) SS_CUDA_CHECK(cudaEventDestroy(e));
+  std::vector<double> medians;
+  for (auto& x : ms) {
+    std::sort(x.begin(), x.end());
+    medians.push_back(x[x.size() / 2]);
+  }
+  return medians;
+}
+
+// Median over `iters` timed runs (after `warmup` untimed ones) of the work
+// fn() queues on `stream`.
 template <typename F>
 double median_ms(int warmup, int iters, cudaStream_t stream, F&& fn) {
-  cudaEvent_t start, stop;
-  SS_CUDA_CHECK(cudaEventCreate(&start));
-  SS_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int i = 0; i < warmup + iters; ++i) {
-    SS_CUDA_CHECK(cudaEventRecord(start, stream));
+  return median_stage_ms(warmup, iters, stream, 1, [&](auto&& mark) {
+    mark();
     fn();
-    SS_CUDA_CHECK(cudaEventRecord(stop, stream));
-    SS_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0.f;
-    SS_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    if (i >= warmup) ms.push_back(t);
-  }
-  SS_CUDA_CHECK(cudaEventDestroy(start));
-  SS_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+    mark();
+  })[0];
 }
 
 struct Measured {
@@ -169,37 +191,19 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
                        [&] { cuda::mixer_forward(p, ws.data(), ws_bytes, stream); });
 
   // The CP forward's pieces: prepare once, summary, then scan + output.
-  cudaEvent_t e[4];
-  for (auto& ev : e) SS_CUDA_CHECK(cudaEventCreate(&ev));
-  std::vector<double> prep, summ, fin;
-  for (int i = 0; i < o.warmup + o.iters; ++i) {
-    SS_CUDA_CHECK(cudaEventRecord(e[0], stream));
-    {
-      cuda::PreparedForward prepared(p, stream);
-      SS_CUDA_CHECK(cudaEventRecord(e[1], stream));
-      prepared.summary(M.data(), E.data(), stream);
-      SS_CUDA_CHECK(cudaEventRecord(e[2], stream));
-      prepared.finish(stream);
-      SS_CUDA_CHECK(cudaEventRecord(e[3], stream));
-    }
-    SS_CUDA_CHECK(cudaEventSynchronize(e[3]));
-    if (i < o.warmup) continue;
-    float a = 0, b = 0, c = 0;
-    SS_CUDA_CHECK(cudaEventElapsedTime(&a, e[0], e[1]));
-    SS_CUDA_CHECK(cudaEventElapsedTime(&b, e[1], e[2]));
-    SS_CUDA_CHECK(cudaEventElapsedTime(&c, e[2], e[3]));
-    prep.push_back(a);
-    summ.push_back(b);
-    fin.push_back(c);
-  }
-  for (auto& ev : e) SS_CUDA_CHECK(cudaEventDestroy(ev));
-  auto median = [](std::vector<double> x) {
-    std::sort(x.begin(), x.end());
-    return x[x.size() / 2];
-  };
-  m.prepare_ms = median(prep);
-  m.summary_ms = median(summ);
-  m.finish_ms = median(fin);
+  const std::vector<double> fwd_pieces =
+      median_stage_ms(o.warmup, o.iters, stream, 3, [&](auto&& mark) {
+        mark();
+        cuda::PreparedForward prepared(p, stream);
+        mark();
+        prepared.summary(M.data(), E.data(), stream);
+        mark();
+        prepared.finish(stream);
+        mark();
+      });
+  m.prepare_ms = fwd_pieces[0];
+  m.summary_ms = fwd_pieces[1];
+  m.finish_ms = fwd_pieces[2];
 
   // E alone (what the first rank computes), by the default method.
   {
@@ -253,30 +257,19 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
     bp.dg = has_gate(variant) ? dg.data() : nullptr;
     bp.dbeta = has_beta(variant) ? dbeta.data() : nullptr;
     m.bwd_ms = median_ms(o.warmup, o.iters, stream, [&] { cuda::mixer_backward(bp, stream); });
-    // A middle rank's backward: prepare once, the pre-pass, the local pass.
-    std::vector<double> bprep, prepass;
-    cudaEvent_t b[3];
-    for (auto& ev : b) SS_CUDA_CHECK(cudaEventCreate(&ev));
-    for (int i = 0; i < o.warmup + o.iters; ++i) {
-      SS_CUDA_CHECK(cudaEventRecord(b[0], stream));
-      {
-        cuda::PreparedBackward prepared(bp, stream);
-        SS_CUDA_CHECK(cudaEventRecord(b[1], stream));
-        prepared.run(pre, stream);
-        SS_CUDA_CHECK(cudaEventRecord(b[2], stream));
-        prepared.run(bp, stream);
-      }
-      SS_CUDA_CHECK(cudaStreamSynchronize(stream));
-      if (i < o.warmup) continue;
-      float x = 0, y = 0;
-      SS_CUDA_CHECK(cudaEventElapsedTime(&x, b[0], b[1]));
-      SS_CUDA_CHECK(cudaEventElapsedTime(&y, b[1], b[2]));
-      bprep.push_back(x);
-      prepass.push_back(y);
-    }
-    for (auto& ev : b) SS_CUDA_CHECK(cudaEventDestroy(ev));
-    m.bwd_prepare_ms = median(bprep);
-    m.prepass_ms = median(prepass);
+    // A middle rank's backward: prepare once, the pre-pass, the local pass
+    // (untimed here: bwd_ms is the whole local backward).
+    const std::vector<double> bwd_pieces =
+        median_stage_ms(o.warmup, o.iters, stream, 2, [&](auto&& mark) {
+          mark();
+          cuda::PreparedBackward prepared(bp, stream);
+          mark();
+          prepared.run(pre, stream);
+          mark();
+          prepared.run(bp, stream);
+        });
+    m.bwd_prepare_ms = bwd_pieces[0];
+    m.prepass_ms = bwd_pieces[1];
   } catch (const Error& err) {
     m.bwd_note = err.what();
     SS_CUDA_CHECK(cudaDeviceSynchronize());
