@@ -1386,8 +1386,8 @@ __global__ void __launch_bounds__(256, 1)
         Quad g = ldq(gk + i), dbq = ldq(db + i);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float up = 1.f;
-          if constexpr (kDecay != Decay::none) up = __expf(gate_b(t, d + e));
+          float up, down;  // down unused here
+          up_down(t, d + e, up, down);
           const float gkh = sBeta[t] * up * tdw.v[e];
           g.v[e] += gkh;
           dbq.v[e] += gkh * xk.v[e];
