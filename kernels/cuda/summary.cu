@@ -14,6 +14,7 @@
 // segment), summed in fp64 as the CPU path does.
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -237,6 +238,43 @@ void summary_by_products(const MixerParams& p, const ForwardArgs& a, int64_t fir
     SS_CUDA_CHECK(cudaFreeAsync(ptr, stream));
 }
 
+// A stream forked from `origin` (it starts after everything queued there so
+// far) and joined back by join(): `origin` then waits for its work. Created
+// per use (microseconds; a summary is milliseconds); destroying it with work
+// pending is fine, CUDA releases it when that work completes.
+class SideStream {
+ public:
+  explicit SideStream(cudaStream_t origin) : origin_(origin) {
+    SS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    try {
+      SS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+      SS_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+      SS_CUDA_CHECK(cudaEventRecord(fork_, origin_));
+      SS_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~SideStream() { release(); }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  cudaStream_t stream() const { return side_; }
+  void join() {
+    SS_CUDA_CHECK(cudaEventRecord(join_, side_));
+    SS_CUDA_CHECK(cudaStreamWaitEvent(origin_, join_, 0));
+  }
+
+ private:
+  void release() noexcept {
+    if (join_ != nullptr) (void)cudaEventDestroy(join_);
+    if (fork_ != nullptr) (void)cudaEventDestroy(fork_);
+    if (side_ != nullptr) (void)cudaStreamDestroy(side_);
+  }
+  cudaStream_t origin_ = nullptr, side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+};
+
 // The scan arguments that cover only the last segment of every batch row:
 // all rows without cu_seqlens, the last segment (as segment 0) with it.
 ForwardArgs last_segment_args(const MixerParams& p, const ForwardPlan& plan) {
@@ -284,11 +322,18 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   }
   ForwardArgs a = last_segment_args(p, plan);
   a.final_state = E;
-  detail::launch_forward_stages(p, a, detail::kStageScan, stream);
-  if (!with_linear_part) return;
+  if (!with_linear_part || !has_beta(p.variant)) {
+    detail::launch_forward_stages(p, a, detail::kStageScan, stream);
+    if (!with_linear_part) return;
+  }
 
   if (has_beta(p.variant)) {
-    // Linear part: scan the identity with U = 0.
+    // Linear part: scan the identity with U = 0. E's scan and this one are
+    // independent sequential chains over the same tiles, each about one
+    // wave of 16-column blocks on its own: run them side by side (M on a
+    // side stream), each planned on half of the multiprocessors, so the
+    // block width follows (32 columns where 16-column blocks of both would
+    // not fit one wave) and the pair costs about one chain instead of two.
     const size_t u_bytes =
         static_cast<size_t>(plan.num_chunks) * p.heads * p.chunk * p.dv * size_of(p.dtype);
     const size_t ident_floats = static_cast<size_t>(rows * p.heads * p.dk * p.dv);
@@ -303,7 +348,13 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
     m.ws_u = zero_u;
     m.initial_state = ident;
     m.final_state = M;
-    detail::launch_forward_stages(p, m, detail::kStageScan, stream);
+    const int half = std::max(1, a.num_sms / 2);
+    a.num_sms = half;
+    m.num_sms = half;
+    SideStream side(stream);  // forks from `stream` here
+    detail::launch_forward_stages(p, a, detail::kStageScan, stream);
+    detail::launch_forward_stages(p, m, detail::kStageScan, side.stream());
+    side.join();  // `stream` waits for M's scan
     SS_CUDA_CHECK(cudaFreeAsync(zero_u, stream));
     SS_CUDA_CHECK(cudaFreeAsync(ident, stream));
   } else {
