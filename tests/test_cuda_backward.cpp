@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -324,6 +325,34 @@ TEST_P(CudaBackward, IsDeterministic) {
   gpu.run_backward();
   const auto second = gpu.raw_outputs();
   expect_same_outputs(first, second);
+}
+
+// 16-bit inputs run the per-chunk gradients in batches of (chunk, head) items
+// (the state products of one batch held in the workspace): 18 items in
+// batches of 7 (the last one short, each smaller than the persistent grid)
+// give bitwise the gradients of one batch, and the workspace shrinks with
+// the batch.
+TEST_P(CudaBackward, BatchedGradientsEqualOneBatch) {
+  ProblemSpec s = spec();
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(13));
+  GpuBackward gpu(p, dtype(), 64, true, seed(13) + 1);
+  gpu.run_forward();
+  gpu.run_backward();
+  const auto whole = gpu.raw_outputs();
+  const size_t whole_bytes = cuda::backward_workspace_bytes(gpu.backward_params());
+  ASSERT_EQ(setenv("STATESCAN_BWD_BATCH", "7", 1), 0);
+  const size_t batched_bytes = cuda::backward_workspace_bytes(gpu.backward_params());
+  gpu.run_backward();
+  const auto batched = gpu.raw_outputs();
+  if (dtype() != DType::f32) {  // fp32 inputs do not batch (nor read the variable)
+    ASSERT_EQ(setenv("STATESCAN_BWD_BATCH", "0", 1), 0);
+    expect_error([&] { cuda::mixer_backward(gpu.backward_params(), nullptr); },
+                 "STATESCAN_BWD_BATCH");
+  }
+  ASSERT_EQ(unsetenv("STATESCAN_BWD_BATCH"), 0);
+  expect_same_outputs(batched, whole);
+  if (dtype() != DType::f32) EXPECT_LT(batched_bytes, whole_bytes);
 }
 
 // recompute_chunk_states: backward re-derives the chunk states with the

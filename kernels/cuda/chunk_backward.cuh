@@ -16,6 +16,10 @@
 //   2. chunk_grad_kernel  (persistent; one (chunk, head) item at a time per block)
 //      recomputes every intra-chunk quantity in fp32 from the raw inputs,
 //      S_c (chunk_states) and dS_{c+1}, and writes dq, dk, dv, dg, dbeta.
+//      For 16-bit inputs on the tensor cores, a batch of items at a time, each
+//      batch preceded by chunk_state_products_kernel, which computes the
+//      products with S_c and dS_{c+1} (V', dV', dW and the state parts of gq,
+//      gk) from the prepared 16-bit tiles with operands in shared memory.
 // Every exponential is an exponent difference that is <= 0 (gradients are
 // taken "in k-space": w.r.t. the normalised q, k, never through e^{-b}), so
 // strong gates do not overflow. No atomics: every output element is written by
@@ -23,6 +27,7 @@
 // The derivation is checked in fp64 by tests/chunk_bwd_model.h.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -30,6 +35,7 @@
 #include "core/options.h"
 #include "kernels/cuda/chunk_forward.cuh"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/warp_mma.cuh"
 
 namespace statescan::cuda::detail {
 
@@ -48,7 +54,13 @@ struct BackwardArgs {
   float* d_initial_state = nullptr;      // [N,H,Dk,Dv] or null
   float* ws_ds = nullptr;                // dS_{c+1} per chunk [chunks,H,Dk,Dv] fp32, or null
   float* ws_scratch = nullptr;           // per-block fp32 scratch of chunk_grad_kernel
-  int64_t num_items = 0;                 // chunks * H
+  // chunk_state_products_kernel's outputs for items [item_begin, num_items)
+  // (StateProductTraits::kOutFloats per item), or null where the gradient
+  // kernel computes them itself (fp32 inputs, the CUDA-core kernel).
+  float* ws_sp = nullptr;
+  int64_t sp_batch = 0;    // items ws_sp holds: the gradient kernel runs in batches of this many
+  int64_t item_begin = 0;  // the gradient kernels take items [item_begin, num_items)
+  int64_t num_items = 0;   // chunks * H, or the end of this batch
 };
 
 template <int Dk, int Dv>
@@ -421,7 +433,7 @@ __global__ void __launch_bounds__(256, 2)
     return __expf(gate_b(t, d) - gate_b(s, d));
   };
 
-  for (int64_t item = blockIdx.x; item < a.num_items; item += gridDim.x) {
+  for (int64_t item = a.item_begin + blockIdx.x; item < a.num_items; item += gridDim.x) {
     const int64_t c = item / H, h = item % H, tile = c * H + h;
     int64_t token0;
     int L;
@@ -1043,6 +1055,208 @@ __device__ __forceinline__ void vector_decay_path(float* out_f, float* out_b, co
   }
 }
 
+// chunk_state_products_kernel: the products of one (chunk, head) tile with
+// the Dk x Dv states, taken out of the gradient kernel for 16-bit inputs.
+// They are most of its arithmetic (five C x D x D products against ten
+// C x C x D ones) and, streamed from global scratch in fp32 there, most of its
+// waiting; here every operand sits in shared memory in the input's 16-bit
+// type and the fp32 accumulators stay in registers (warp_mm_16x32).
+//   V'  = U - W S_c            (delta rules; additive: V' = V, not written)
+//   dV' = A^T dO + K_ dS_{c+1}
+//   gq  = dO S_c^T             (d/dq of the state path before scale e^{b})
+//   gk  = V' dS_{c+1}^T        (d/dk of the K_ path before e^{b_{C-1} - b})
+//   dW  = -dV' S_c^T           (delta rules)
+//   dgamma_d = sum_j dS_{c+1,dj} S_c,dj  (fp32, exact inputs)
+// The operands are those the forward and the reverse scan use: the prepare
+// stage's W, U, K_, A tiles and S, dS rounded to T (as the forward rounds S
+// and the scan dS for their own products). Outputs are fp32, per item at
+// ws_sp + (item - item_begin) * kOutFloats; chunk_grad_kernel_tc reads them.
+//   grid (items in the batch), 256 threads, kBytes of dynamic shared memory
+//   (162 KB at D = 128: one block per multiprocessor).
+template <typename T, int Dk, int Dv>
+struct StateProductTraits {
+  static constexpr int kMaxChunk = 64;
+  static constexpr int kThreads = 256, kWarps = 8;
+  // Row pitches in elements: 16-byte aligned rows whose eight-row ldmatrix
+  // groups fall on distinct banks (pitch = 8 mod 64 elements).
+  static constexpr int kLdK = Dk + 8, kLdV = Dv + 8, kLdC = kMaxChunk + 8;
+  static constexpr int kStateElems = Dk * kLdV;  // S, dS
+  static constexpr int kKElems = kMaxChunk * kLdK;
+  static constexpr int kVElems = kMaxChunk * kLdV;
+  static constexpr int kAElems = kMaxChunk * kLdC;
+  static constexpr size_t kBytes =
+      sizeof(T) * (2 * kStateElems + 2 * kKElems + 3 * kVElems + kAElems);
+  static_assert(kBytes <= 227 * 1024, "chunk_state_products_kernel exceeds Hopper shared memory");
+  static_assert(Dk % 32 == 0 && Dv % 32 == 0, "16 x 32 output slabs");
+  // Output layout per item (fp32, rows of the chunk's C, pitch Dk or Dv).
+  static constexpr int64_t kOffVp = 0;
+  static constexpr int64_t kOffDVp = kOffVp + kMaxChunk * Dv;
+  static constexpr int64_t kOffGq = kOffDVp + kMaxChunk * Dv;
+  static constexpr int64_t kOffGk = kOffGq + kMaxChunk * Dk;
+  static constexpr int64_t kOffDW = kOffGk + kMaxChunk * Dk;
+  static constexpr int64_t kOffDgamma = kOffDW + kMaxChunk * Dk;
+  static constexpr int64_t kOutFloats = kOffDgamma + Dk;
+};
+
+template <Rule kRule, typename T, int Dk, int Dv>
+__global__ void __launch_bounds__(256, 1)
+    chunk_state_products_kernel(const __grid_constant__ BackwardArgs a) {
+  using Tr = StateProductTraits<T, Dk, Dv>;
+  constexpr bool kDelta = kRule == Rule::delta;
+  constexpr int kLdK = Tr::kLdK, kLdV = Tr::kLdV, kLdC = Tr::kLdC;
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  T* sS = reinterpret_cast<T*>(smem_bytes);
+  T* sdS = sS + Tr::kStateElems;
+  T* sW = sdS + Tr::kStateElems;
+  T* sK = sW + Tr::kKElems;  // K_
+  T* sU = sK + Tr::kKElems;  // U, then V' (delta); V (additive)
+  T* sO = sU + Tr::kVElems;  // dO
+  T* sdV = sO + Tr::kVElems;  // dV'
+  T* sA = sdV + Tr::kVElems;
+
+  const ForwardArgs& f = a.f;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t H = f.heads, item = a.item_begin + blockIdx.x, c = item / H, h = item % H;
+  const int64_t tile = item;  // = c * H + h, the workspace's tile index
+  int64_t token0;
+  int L;
+  chunk_geometry(f, c, token0, L);
+  const int C = f.chunk;
+  float* out = a.ws_sp + static_cast<int64_t>(blockIdx.x) * Tr::kOutFloats;
+
+  // ---- 16-bit tiles by cp.async (the workspace's rows past L are zeros) ----
+  copy_tile_async<Tr::kThreads>(sK, kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk, C,
+                                Dk);
+  copy_tile_async<Tr::kThreads>(sU, kLdV, static_cast<const T*>(f.ws_u) + tile * C * Dv, Dv, C,
+                                Dv);
+  copy_tile_async<Tr::kThreads>(sA, kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C, C);
+  if constexpr (kDelta)
+    copy_tile_async<Tr::kThreads>(sW, kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk, C,
+                                  Dk);
+  {
+    const T* d_o = static_cast<const T*>(a.d_o);
+    constexpr int kVec = 8;  // 16-bit elements per 16-byte copy
+    for (int idx = tid; idx < C * Dv / kVec; idx += Tr::kThreads) {
+      const int i = idx / (Dv / kVec), j = (idx % (Dv / kVec)) * kVec;
+      if (i < L)
+        cp_async16(sO + i * kLdV + j, d_o + ((token0 + i) * H + h) * Dv + j);
+      else
+        *reinterpret_cast<uint4*>(sO + i * kLdV + j) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  cp_async_commit();
+
+  // ---- S and dS: fp32 -> T, and dgamma from the exact fp32 values ---------
+  // Half the loads of each matrix are in flight at once (registers between),
+  // then stored; a warp covers whole rows, so dgamma is a segmented shuffle sum.
+  {
+    const float* S = a.chunk_states + tile * Dk * Dv;
+    const float* dS = a.ws_ds + tile * Dk * Dv;
+    constexpr int kRowVecs = Dv / 4;  // float4 per row
+    constexpr int kIters = Dk * Dv / 4 / Tr::kThreads, kHalf = kIters / 2;
+    static_assert(kHalf * 2 * Tr::kThreads * 4 == Dk * Dv, "whole load rounds");
+    static_assert(kRowVecs % 32 == 0 || 32 % kRowVecs == 0, "rows tile warps");
+    constexpr int kGroup = kRowVecs < 32 ? kRowVecs : 32;  // lanes per row segment
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+      float4 xs[kHalf], xd[kHalf];
+#pragma unroll
+      for (int it = 0; it < kHalf; ++it) {
+        const int idx = tid + (part * kHalf + it) * Tr::kThreads;
+        xs[it] = load4(S + 4 * idx);
+        xd[it] = load4(dS + 4 * idx);
+      }
+#pragma unroll
+      for (int it = 0; it < kHalf; ++it) {
+        const int idx = tid + (part * kHalf + it) * Tr::kThreads;
+        const int d = idx / kRowVecs, j = (idx % kRowVecs) * 4;
+        *reinterpret_cast<uint2*>(sS + d * kLdV + j) =
+            make_uint2(pack2<T>(xs[it].x, xs[it].y), pack2<T>(xs[it].z, xs[it].w));
+        *reinterpret_cast<uint2*>(sdS + d * kLdV + j) =
+            make_uint2(pack2<T>(xd[it].x, xd[it].y), pack2<T>(xd[it].z, xd[it].w));
+        float p = xs[it].x * xd[it].x + xs[it].y * xd[it].y + xs[it].z * xd[it].z +
+                  xs[it].w * xd[it].w;
+#pragma unroll
+        for (int off = kGroup / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
+        if constexpr (kRowVecs <= 32) {
+          if (lane % kRowVecs == 0) out[Tr::kOffDgamma + d] = p;
+        } else {
+          static_assert(kRowVecs <= 32, "Dv <= 128");
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Each warp takes 16 x 32 output slabs in turn; lane (g, i) holds rows
+  // m0 + g (+ 8) and column pairs n0 + 8 j + 2 i of each slab's four tiles.
+  const int g = lane >> 2, i2 = 2 * (lane & 3), row_tiles = C / 16;
+  auto for_slabs = [&](int cols, auto&& body) {
+    for (int s = warp; s < row_tiles * (cols / 32); s += Tr::kWarps)
+      body((s % row_tiles) * 16, (s / row_tiles) * 32);
+  };
+  // Writes a slab (times `sign`) to out[off] (pitch `ld`), and with `copy`
+  // also as T into shared memory (pitch ldc).
+  auto store_slab = [&](const float (&acc)[4][4], int m0, int n0, int64_t off, int ld, float sign,
+                        T* copy, int ldc) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = m0 + g + 8 * half, col = n0 + 8 * j + i2;
+        const float x = sign * acc[j][2 * half], y = sign * acc[j][2 * half + 1];
+        *reinterpret_cast<float2*>(out + off + r * ld + col) = make_float2(x, y);
+        if (copy != nullptr) *reinterpret_cast<uint32_t*>(copy + r * ldc + col) = pack2<T>(x, y);
+      }
+  };
+
+  // ---- V' = U - W S (into sU, in place: each slab reads only its own U) ----
+  if constexpr (kDelta) {
+    for_slabs(Dv, [&](int m0, int n0) {
+      float acc[4][4] = {};
+      warp_mm_16x32<T, false, true>(acc, sW, kLdK, sS, kLdV, m0, n0, Dk);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = m0 + g + 8 * half, col = n0 + 8 * j + i2;
+          const float2 u = unpack2<T>(*reinterpret_cast<const uint32_t*>(sU + r * kLdV + col));
+          acc[j][2 * half] = u.x - acc[j][2 * half];
+          acc[j][2 * half + 1] = u.y - acc[j][2 * half + 1];
+        }
+      store_slab(acc, m0, n0, Tr::kOffVp, Dv, 1.f, sU, kLdV);
+    });
+  }
+  // ---- dV' = A^T dO + K_ dS ------------------------------------------------
+  for_slabs(Dv, [&](int m0, int n0) {
+    float acc[4][4] = {};
+    warp_mm_16x32<T, true, true>(acc, sA, kLdC, sO, kLdV, m0, n0, C);
+    warp_mm_16x32<T, false, true>(acc, sK, kLdK, sdS, kLdV, m0, n0, Dk);
+    store_slab(acc, m0, n0, Tr::kOffDVp, Dv, 1.f, kDelta ? sdV : nullptr, kLdV);
+  });
+  // ---- gq = dO S^T ---------------------------------------------------------
+  for_slabs(Dk, [&](int m0, int n0) {
+    float acc[4][4] = {};
+    warp_mm_16x32<T, false, false>(acc, sO, kLdV, sS, kLdV, m0, n0, Dv);
+    store_slab(acc, m0, n0, Tr::kOffGq, Dk, 1.f, nullptr, 0);
+  });
+  __syncthreads();  // V' and dV' complete in shared memory
+  // ---- gk = V' dS^T; dW = -dV' S^T ------------------------------------------
+  for_slabs(Dk, [&](int m0, int n0) {
+    float acc[4][4] = {};
+    warp_mm_16x32<T, false, false>(acc, sU, kLdV, sdS, kLdV, m0, n0, Dv);
+    store_slab(acc, m0, n0, Tr::kOffGk, Dk, 1.f, nullptr, 0);
+  });
+  if constexpr (kDelta) {
+    for_slabs(Dk, [&](int m0, int n0) {
+      float acc[4][4] = {};
+      warp_mm_16x32<T, false, false>(acc, sdV, kLdV, sS, kLdV, m0, n0, Dv);
+      store_slab(acc, m0, n0, Tr::kOffDW, Dk, -1.f, nullptr, 0);
+    });
+  }
+}
+
 // chunk_grad_kernel_tc: chunk_grad_kernel with every plain matrix product on
 // the tensor cores (block_mm, split tf32); the products with a per-dimension
 // pairwise decay (A, KK and their gradients) stay on the CUDA cores and read
@@ -1060,6 +1274,11 @@ __global__ void __launch_bounds__(256, 1)
   constexpr bool kVector = kDecay == Decay::vector;
   // Split tf32 (about fp32) only where the inputs are fp32; see block_mm.
   constexpr bool kSplit = std::is_same_v<T, float>;
+  // 16-bit inputs: chunk_state_products_kernel has already computed V', dV',
+  // the state parts of gq and gk, dW and dgamma (a.ws_sp); fp32 inputs keep
+  // computing them here in split tf32 (its fp32 accuracy).
+  constexpr bool kSP = !std::is_same_v<T, float>;
+  using SpTr = StateProductTraits<std::conditional_t<kSP, T, __nv_bfloat16>, Dk, Dv>;
   constexpr int kThreads = Tr::kThreads, kWarps = Tr::kWarps, kMC = Tr::kMaxChunk;
   extern __shared__ __align__(128) float smem[];
   float* q = smem;          // normalised q (no scale)
@@ -1096,6 +1315,7 @@ __global__ void __launch_bounds__(256, 1)
   float* TdU = dVp + kMC * Dv;  // first diag(beta) V
   float* Bk = gq;
   float* Bv = TdU;
+  const float* dgamma = sDgamma;
 
   const ForwardArgs& f = a.f;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -1133,7 +1353,7 @@ __global__ void __launch_bounds__(256, 1)
   const Quad kZero4{{0.f, 0.f, 0.f, 0.f}};
   static_assert(Dk % 4 == 0 && Dv % 4 == 0 && Dk <= 128, "4-wide passes, a lane per 4 dims");
 
-  for (int64_t item = blockIdx.x; item < a.num_items; item += gridDim.x) {
+  for (int64_t item = a.item_begin + blockIdx.x; item < a.num_items; item += gridDim.x) {
     const int64_t c = item / H, h = item % H, tile = c * H + h;
     int64_t token0;
     int L;
@@ -1141,6 +1361,15 @@ __global__ void __launch_bounds__(256, 1)
     auto row = [&](int t) { return (token0 + t) * H + h; };
     const float* S = a.chunk_states + tile * Dk * Dv;
     const float* dS = a.ws_ds + tile * Dk * Dv;
+    if constexpr (kSP) {
+      float* sp = a.ws_sp + (item - a.item_begin) * SpTr::kOutFloats;
+      Vp = sp + SpTr::kOffVp;
+      dVp = sp + SpTr::kOffDVp;
+      gq = sp + SpTr::kOffGq;
+      gk = sp + SpTr::kOffGk;
+      dW = sp + SpTr::kOffDW;
+      dgamma = sp + SpTr::kOffDgamma;
+    }
     const float* vp = kDelta ? Vp : v;
 
     // ---- load; rows past the chunk's end are zeros with g = 0 --------------
@@ -1213,11 +1442,14 @@ __global__ void __launch_bounds__(256, 1)
     // A scalar (or no) decay factors out of the sum over dimensions: A and KK
     // are plain products on the tensor cores, masked and decayed below. A
     // per-dimension decay does not: vector_decay_gram (16-row blocks).
+    // (With kSP, A only fed dV', which is computed: KK alone.)
     if constexpr (!kVector) {
-      block_mm<RowM, ColM, false, kSplit>(sA, C, q, Dk, k, Dk, C, C, Dk, false);
+      if constexpr (!kSP) block_mm<RowM, ColM, false, kSplit>(sA, C, q, Dk, k, Dk, C, C, Dk, false);
       if constexpr (kDelta) block_mm<RowM, ColM, false, kSplit>(sKK, C, k, Dk, k, Dk, C, C, Dk, false);
-    } else {
+    } else if constexpr (!kSP) {
       vector_decay_gram<Dk, kSplit, kDelta>(sA, sKK, q, k, k, b, C, scratch);
+    } else if constexpr (kDelta) {
+      vector_decay_gram<Dk, kSplit, false>(sKK, nullptr, k, nullptr, k, b, C, scratch);
     }
     for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
       const int t = i / Dk, d = i % Dk;
@@ -1231,11 +1463,11 @@ __global__ void __launch_bounds__(256, 1)
         kbar.v[e] = x.v[e] * down;
         if constexpr (kDelta) bk.v[e] = sBeta[t] * x.v[e] * up;
       }
-      stq(Kh + i, kh);
-      stq(Kbar + i, kbar);
-      if constexpr (kDelta) stq(Bk + i, bk);
+      if constexpr (kDelta) stq(Kh + i, kh);
+      if constexpr (!kSP) stq(Kbar + i, kbar);
+      if constexpr (kDelta && !kSP) stq(Bk + i, bk);
     }
-    if constexpr (kDelta) {
+    if constexpr (kDelta && !kSP) {
       for (int i = 4 * tid; i < C * Dv; i += 4 * kThreads) {
         Quad x = ldq(v + i);
         const float beta = sBeta[i / Dv];
@@ -1250,7 +1482,7 @@ __global__ void __launch_bounds__(256, 1)
     for (int idx = tid; idx < C * C; idx += kThreads) {
       const int t = idx / C, s = idx % C;
       const float f = s <= t ? (kVector ? 1.f : decay(t, s, 0)) : 0.f;
-      sA[idx] *= scale * f;
+      if constexpr (!kSP) sA[idx] *= scale * f;
       if constexpr (kDelta) sKK[idx] = s < t ? sKK[idx] * f : 0.f;
     }
     __syncthreads();
@@ -1276,28 +1508,33 @@ __global__ void __launch_bounds__(256, 1)
         }
       }
       __syncthreads();
-      // ---- W = T diag(beta) K^, U = T diag(beta) V (into V') ---------------
-      block_mm<RowM, RowM, false, kSplit>(W, Dk, sT, C, Bk, Dk, C, Dk, C, false);
-      block_mm<RowM, RowM, false, kSplit>(Vp, Dv, sT, C, Bv, Dv, C, Dv, C, false);
-      __syncthreads();
-      // ---- V' = U - W S_c -------------------------------------------------
-      block_mm<RowM, RowM, true, kSplit>(Vp, Dv, W, Dk, S, Dv, C, Dv, Dk, true);
-      __syncthreads();
+      if constexpr (!kSP) {
+        // ---- W = T diag(beta) K^, U = T diag(beta) V (into V') -------------
+        block_mm<RowM, RowM, false, kSplit>(W, Dk, sT, C, Bk, Dk, C, Dk, C, false);
+        block_mm<RowM, RowM, false, kSplit>(Vp, Dv, sT, C, Bv, Dv, C, Dv, C, false);
+        __syncthreads();
+        // ---- V' = U - W S_c -----------------------------------------------
+        block_mm<RowM, RowM, true, kSplit>(Vp, Dv, W, Dk, S, Dv, C, Dv, Dk, true);
+        __syncthreads();
+      }
     }
 
     // ---- dV' = K_ dS (+ A^T dO below), dA = dO V'^T, dO S^T, V' dS^T, dgamma
-    block_mm<RowM, RowM, false, kSplit>(dVp, Dv, Kbar, Dk, dS, Dv, C, Dv, Dk, false);
+    // (kSP: all but dA came from chunk_state_products_kernel.)
+    if constexpr (!kSP) block_mm<RowM, RowM, false, kSplit>(dVp, Dv, Kbar, Dk, dS, Dv, C, Dv, Dk, false);
     block_mm<RowM, ColM, false, kSplit>(sdA, C, dO, Dv, vp, Dv, C, C, Dv, false);
-    block_mm<RowM, ColM, false, kSplit>(gq, Dk, dO, Dv, S, Dv, C, Dk, Dv, false);
-    block_mm<RowM, ColM, false, kSplit>(gk, Dk, vp, Dv, dS, Dv, C, Dk, Dv, false);
-    for (int d = warp; d < Dk; d += kWarps) {  // dgamma_d = dS_d . S_d (warp per row)
-      float acc = 0.f;
-      for (int j = lane; j < Dv; j += 32) acc += dS[d * Dv + j] * S[d * Dv + j];
-      acc = warp_sum(acc);
-      if (lane == 0) sDgamma[d] = acc;
+    if constexpr (!kSP) {
+      block_mm<RowM, ColM, false, kSplit>(gq, Dk, dO, Dv, S, Dv, C, Dk, Dv, false);
+      block_mm<RowM, ColM, false, kSplit>(gk, Dk, vp, Dv, dS, Dv, C, Dk, Dv, false);
+      for (int d = warp; d < Dk; d += kWarps) {  // dgamma_d = dS_d . S_d (warp per row)
+        float acc = 0.f;
+        for (int j = lane; j < Dv; j += 32) acc += dS[d * Dv + j] * S[d * Dv + j];
+        acc = warp_sum(acc);
+        if (lane == 0) sDgamma[d] = acc;
+      }
     }
     __syncthreads();
-    block_mm<ColM, RowM, false, kSplit>(dVp, Dv, sA, C, dO, Dv, C, Dv, C, true);
+    if constexpr (!kSP) block_mm<ColM, RowM, false, kSplit>(dVp, Dv, sA, C, dO, Dv, C, Dv, C, true);
     // Causal mask and scale of dA (a scalar gate's pairwise decay too: the A
     // path below is then two plain products); gate factors of the state parts
     // of gq and gk.
@@ -1321,7 +1558,8 @@ __global__ void __launch_bounds__(256, 1)
     __syncthreads();
 
     // ---- dW = -dV' S_c^T; column sums of the K_ path (they land on b_{L-1}) -
-    if constexpr (kDelta) block_mm<RowM, ColM, true, kSplit>(dW, Dk, dVp, Dv, S, Dv, C, Dk, Dv, false);
+    if constexpr (kDelta && !kSP)
+      block_mm<RowM, ColM, true, kSplit>(dW, Dk, dVp, Dv, S, Dv, C, Dk, Dv, false);
     if (tid < Dk) {
       float acc = 0.f;
       for (int t = 0; t < C; ++t) acc += gk[t * Dk + tid] * k[t * Dk + tid];
@@ -1447,7 +1685,7 @@ __global__ void __launch_bounds__(256, 1)
     if constexpr (kDecay != Decay::none) {
       if (tid < Dk) {
         const float gamma = __expf(gate_b(C - 1, tid));
-        db[(L - 1) * Dk + tid] += sColsum[tid] + sDgamma[tid] * gamma;
+        db[(L - 1) * Dk + tid] += sColsum[tid] + dgamma[tid] * gamma;
       }
       __syncthreads();
       if constexpr (kVector) {
@@ -1556,6 +1794,31 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
   const size_t smem = grad_tc ? Tr::kSmemBytesTc : Tr::kSmemBytes;
   SS_CUDA_CHECK(cudaFuncSetAttribute(grad, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(smem)));
+  if constexpr (!std::is_same_v<Elem, float>) {
+    if (grad_tc) {
+      // 16-bit inputs: the state products first, then the gradient kernel,
+      // one batch of sp_batch items at a time (their fp32 outputs stay
+      // bounded whatever T is).
+      SS_CHECK_ARG(a.ws_sp != nullptr && a.sp_batch > 0, "workspace",
+                   "has no room for the state products (backward_workspace_bytes)");
+      using SpTr = StateProductTraits<Elem, Dk, Dv>;
+      auto products = chunk_state_products_kernel<kRule, Elem, Dk, Dv>;
+      SS_CUDA_CHECK(cudaFuncSetAttribute(products, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(SpTr::kBytes)));
+      BackwardArgs batch = a;
+      for (int64_t begin = 0; begin < a.num_items; begin += a.sp_batch) {
+        batch.item_begin = begin;
+        batch.num_items = std::min(a.num_items, begin + a.sp_batch);
+        const int64_t items = batch.num_items - begin;
+        products<<<static_cast<unsigned>(items), SpTr::kThreads, SpTr::kBytes, stream>>>(batch);
+        SS_LAUNCH_CHECK("chunk_state_products_kernel");
+        grad<<<static_cast<unsigned>(std::min<int64_t>(grad_blocks, items)), Tr::kThreads, smem,
+               stream>>>(batch);
+        SS_LAUNCH_CHECK("chunk_grad_kernel_tc");
+      }
+      return;
+    }
+  }
   grad<<<grad_blocks, Tr::kThreads, smem, stream>>>(a);
   SS_LAUNCH_CHECK(grad_tc ? "chunk_grad_kernel_tc" : "chunk_grad_kernel");
 }

@@ -9,6 +9,8 @@
 //        same plan and writes only the fp32 chunk states at the end)
 //   [dS_{c+1} per chunk, fp32 [chunks, H, Dk, Dv]]
 //   [chunk_grad_kernel scratch, fp32, one slice per persistent block]
+//   [16-bit inputs: chunk_state_products_kernel's outputs for one batch of
+//    (chunk, head) items, fp32 (StateProductTraits::kOutFloats per item)]
 //   [recompute_chunk_states only: the fp32 chunk states]
 #include <algorithm>
 #include <cstdint>
@@ -75,8 +77,38 @@ int grad_blocks(const MixerParams& p) {
       std::min<int64_t>(items, static_cast<int64_t>(grad_blocks_per_sm()) * multiprocessors()));
 }
 
+// 16-bit inputs on the tensor-core gradient kernel take the state products
+// from their own kernel (chunk_state_products_kernel), in batches of this many
+// items per persistent block: 32 keep the launch tails small and bound the
+// batch's fp32 outputs at ~0.7 GB (D = 128, 132 SMs) whatever T is.
+constexpr int64_t kStateProductItemsPerBlock = 32;
+
+bool uses_state_products(const MixerParams& p) {
+  return (tensor_core_paths() & detail::kTensorCoreGrad) != 0 && p.dtype != DType::f32;
+}
+
+// STATESCAN_BWD_BATCH=<items> overrides the batch (less memory, more launches;
+// the gradients do not depend on it, which a test checks). Read on every call.
+int64_t state_product_batch(const MixerParams& p) {
+  if (!uses_state_products(p)) return 0;
+  int64_t batch = grad_blocks(p) * kStateProductItemsPerBlock;
+  if (const char* text = std::getenv("STATESCAN_BWD_BATCH")) {
+    const long long forced = std::atoll(text);
+    SS_CHECK_ARG(forced > 0, "STATESCAN_BWD_BATCH", "must be a positive item count, got '", text,
+                 "'");
+    batch = forced;
+  }
+  return std::min<int64_t>(max_chunks(p) * p.heads, batch);
+}
+
+int64_t state_product_floats_per_item(const MixerParams& p) {
+  return p.dk == 64 ? detail::StateProductTraits<__nv_bfloat16, 64, 64>::kOutFloats
+                    : detail::StateProductTraits<__nv_bfloat16, 128, 128>::kOutFloats;
+}
+
 struct BackwardLayout {
-  size_t forward = 0, ds = 0, scratch = 0, states = 0, total = 0;
+  size_t forward = 0, ds = 0, scratch = 0, sp = 0, states = 0, total = 0;
+  int64_t sp_batch = 0;  // items the state-product region holds (0: none)
 };
 
 // `recompute`: room for the fp32 chunk states the backward re-derives.
@@ -92,6 +124,9 @@ BackwardLayout layout_for(const MixerParams& p, bool recompute) {
   at += states;
   l.scratch = at;
   at += align_up(static_cast<size_t>(grad_blocks(p) * scratch_floats_per_block(p)) * sizeof(float));
+  l.sp = at;
+  l.sp_batch = state_product_batch(p);
+  at += align_up(static_cast<size_t>(l.sp_batch * state_product_floats_per_item(p)) * sizeof(float));
   l.states = at;
   if (recompute) at += states;
   l.total = at;
@@ -209,6 +244,10 @@ void run_backward(const MixerBwdParams& p, const Prepared& prep, const BackwardL
   a.d_initial_state = p.d_initial_state;
   a.ws_ds = p.state_grad_only ? nullptr : reinterpret_cast<float*>(base + l.ds);
   a.ws_scratch = reinterpret_cast<float*>(base + l.scratch);
+  if (l.sp_batch > 0) {
+    a.ws_sp = reinterpret_cast<float*>(base + l.sp);
+    a.sp_batch = l.sp_batch;
+  }
   a.num_items = prep.plan.num_chunks * p.heads;
   const int blocks =
       static_cast<int>(std::min<int64_t>(a.num_items, static_cast<int64_t>(grad_blocks(p))));

@@ -1,0 +1,121 @@
+// Warp-level 16-bit tensor-core products from shared memory: ldmatrix
+// fragment loads and mma.sync m16n8k16 with fp32 accumulation, for bf16 and
+// f16 operands. wmma hides the fragment layout, so it cannot load a
+// transposed operand from a row-major tile or keep accumulators across
+// products without a round trip through memory; these helpers do both, which
+// is what chunk_state_products_kernel (and any kernel that keeps its
+// accumulators in registers) needs.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16/.f16): lane = 4 g + i
+// (g = groupID 0..7, i = thread in group 0..3) holds accumulator elements
+//   c[0], c[1] at (row g,     columns 2i, 2i + 1) and
+//   c[2], c[3] at (row g + 8, columns 2i, 2i + 1)
+// of its 16 x 8 tile.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace statescan::cuda::detail {
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8 x 8 matrices of 16-bit elements; lane l gives the address of row
+// (l % 8) of matrix l / 8. kTrans transposes each matrix on the way.
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+  }
+}
+
+// c += a b for one 16 x 8 x 16 step (a: 16 x 16 row fragment, b: 16 x 8 column fragment).
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
+                "mma_m16n8k16 takes bf16 or f16 operands");
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// One warp: acc (a 16 x 32 slab: four 16 x 8 tiles) += X[m0 .. m0+16, 0 .. K)
+// * Y[0 .. K, n0 .. n0+32), operands 16-bit in shared memory, K a multiple of 16.
+//   kXKM = false: X stored row-major as [M][K] (x[m * ldx + k]);
+//          true:  X stored as [K][M] (x[k * ldx + m]: X^T of a row-major array).
+//   kYKN = false: Y stored as [N][K] (y[n * ldy + k]: Y^T of a row-major array);
+//          true:  Y stored row-major as [K][N] (y[k * ldy + n]).
+// Row addresses must be 16-byte aligned (ld a multiple of 8 elements); an ld of
+// 8 (mod 64) elements keeps the eight rows of each 8 x 8 load on distinct banks.
+template <typename T, bool kXKM, bool kYKN>
+__device__ __forceinline__ void warp_mm_16x32(float (&acc)[4][4], const T* x, int ldx, const T* y,
+                                              int ldy, int m0, int n0, int K) {
+  const int lane = threadIdx.x & 31;
+  const int r8 = lane & 7, m1 = (lane >> 3) & 1, m2 = lane >> 4;
+#pragma unroll 4
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    uint32_t a[4];
+    // a[0..3] = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+    if constexpr (!kXKM)
+      ldmatrix_x4<false>(a, x + (m0 + r8 + 8 * m1) * ldx + k0 + 8 * m2);
+    else
+      ldmatrix_x4<true>(a, x + (k0 + r8 + 8 * m2) * ldx + m0 + 8 * m1);
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int nb = n0 + 16 * p;
+      uint32_t b[4];
+      // b[0], b[1] = tile nb (k 0-7, k 8-15); b[2], b[3] = tile nb + 8
+      if constexpr (!kYKN)
+        ldmatrix_x4<false>(b, y + (nb + r8 + 8 * m2) * ldy + k0 + 8 * m1);
+      else
+        ldmatrix_x4<true>(b, y + (k0 + r8 + 8 * m1) * ldy + nb + 8 * m2);
+      mma_m16n8k16<T>(acc[2 * p], a, b[0], b[1]);
+      mma_m16n8k16<T>(acc[2 * p + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Two floats as one 32-bit pair of T (element 0 in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&x));
+  }
+}
+
+}  // namespace statescan::cuda::detail
