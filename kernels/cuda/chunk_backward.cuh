@@ -195,6 +195,9 @@ struct GradScanTraits {
   static constexpr int kLdF = BV + 4;             // dS and dV' (fp32)
   static_assert(!kF32 || kLdB == kLdF, "fp32 products read dS in place");
   static_assert(Dv % BV == 0 && BV % 16 == 0, "Dv block must be whole 16-column tiles");
+  // Buffers of the per-chunk tiles: 16-bit T loads chunk c - 1's while chunk c
+  // computes (cp.async); fp32 tiles are twice the size and take one.
+  static constexpr int kStages = kF32 ? 1 : 2;
   static constexpr size_t kABytes = align_smem(sizeof(T) * kMaxChunk * kLdC);
   static constexpr size_t kKBytes = align_smem(sizeof(T) * kMaxChunk * kLdK);
   static constexpr size_t kDOBytes = align_smem(sizeof(T) * kMaxChunk * kLdB);
@@ -203,32 +206,21 @@ struct GradScanTraits {
   static constexpr size_t kDVBytes = align_smem(sizeof(float) * kMaxChunk * kLdF);
   static constexpr size_t kDVNegBytes = align_smem(sizeof(T) * kMaxChunk * kLdB);
   static constexpr size_t kGammaBytes = align_smem(sizeof(float) * Dk);
-  static constexpr size_t kBytes = kABytes + 3 * kKBytes + kDOBytes + kDSBytes + kDSCopyBytes +
-                                   kDVBytes + kDVNegBytes + kGammaBytes;
+  static constexpr size_t kStageBytes = kABytes + 3 * kKBytes + kDOBytes + kGammaBytes;
+  static constexpr size_t kBytes =
+      kStages * kStageBytes + kDSBytes + kDSCopyBytes + kDVBytes + kDVNegBytes;
   static_assert(kBytes <= 227 * 1024, "chunk_grad_scan_kernel_tc exceeds Hopper shared memory");
 };
-
-// Copies a rows x cols tile of T (global row stride ld_src) to shared memory
-// (row stride ld_dst) with 16-byte loads; rows >= rows_valid become zeros.
-template <int kThreads, typename T>
-__device__ __forceinline__ void load_tile(T* dst, int ld_dst, const T* src, int64_t ld_src,
-                                          int rows, int cols) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  const int vec_per_row = cols / kVec;
-  for (int idx = threadIdx.x; idx < rows * vec_per_row; idx += kThreads) {
-    const int i = idx / vec_per_row, j = (idx % vec_per_row) * kVec;
-    *reinterpret_cast<uint4*>(dst + i * ld_dst + j) =
-        *reinterpret_cast<const uint4*>(src + i * ld_src + j);
-  }
-}
 
 // chunk_grad_scan_kernel_tc: chunk_grad_scan_kernel with the products on the
 // tensor cores (16-bit T: native 16x16x16 steps on a T-rounded copy of dS, as
 // the forward scan rounds S; fp32: split-tf32 steps on dS itself). Same grid
-// and outputs; dS itself stays fp32. Per chunk: load A, K_, Q^, W, gamma and
-// the dO columns into shared memory; dV' = A^T dO + K_ dS (one 16x16 tile per
-// warp); dS <- diag(gamma) dS + Q^^T dO + W^T (-dV').
-//   Shared memory: GradScanTraits::kBytes (bf16, D=128, BV=16: ~100 KB).
+// and outputs; dS itself stays fp32. Per chunk: A, K_, Q^, W, gamma and the
+// dO columns in shared memory (16-bit T: copied asynchronously one chunk
+// ahead, so the copy's latency hides behind the previous chunk's products);
+// dV' = A^T dO + K_ dS (one 16x16 tile per warp);
+// dS <- diag(gamma) dS + Q^^T dO + W^T (-dV').
+//   Shared memory: GradScanTraits::kBytes (bf16, D=128, BV=16: ~155 KB).
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV>
 __global__ void __launch_bounds__(256)
     chunk_grad_scan_kernel_tc(const __grid_constant__ BackwardArgs a) {
@@ -245,16 +237,24 @@ __global__ void __launch_bounds__(256)
     at += bytes;
     return here;
   };
-  T* sA = reinterpret_cast<T*>(take(Tr::kABytes));
-  T* sKbar = reinterpret_cast<T*>(take(Tr::kKBytes));
-  T* sQh = reinterpret_cast<T*>(take(Tr::kKBytes));
-  T* sW = reinterpret_cast<T*>(take(Tr::kKBytes));
-  T* sdO = reinterpret_cast<T*>(take(Tr::kDOBytes));
+  constexpr int kStages = Tr::kStages;
+  // Tile buffer st: A, K_, Q^, W, dO columns, gamma at fixed offsets from
+  // stage0 + st * kStageBytes (arithmetic, not an array of pointers, which
+  // would live in local memory).
+  unsigned char* const stage0 = take(kStages * Tr::kStageBytes);
+  auto stage_tile = [&](int st, size_t offset) { return stage0 + st * Tr::kStageBytes + offset; };
+  constexpr size_t kOffK = Tr::kABytes, kOffQ = kOffK + Tr::kKBytes, kOffW = kOffQ + Tr::kKBytes,
+                   kOffO = kOffW + Tr::kKBytes, kOffG = kOffO + Tr::kDOBytes;
+  auto stA = [&](int st) { return reinterpret_cast<T*>(stage_tile(st, 0)); };
+  auto stKbar = [&](int st) { return reinterpret_cast<T*>(stage_tile(st, kOffK)); };
+  auto stQh = [&](int st) { return reinterpret_cast<T*>(stage_tile(st, kOffQ)); };
+  auto stW = [&](int st) { return reinterpret_cast<T*>(stage_tile(st, kOffW)); };
+  auto stdO = [&](int st) { return reinterpret_cast<T*>(stage_tile(st, kOffO)); };
+  auto stGamma = [&](int st) { return reinterpret_cast<float*>(stage_tile(st, kOffG)); };
   float* sdS = reinterpret_cast<float*>(take(Tr::kDSBytes));
   T* sdSop = Tr::kF32 ? reinterpret_cast<T*>(sdS) : reinterpret_cast<T*>(take(Tr::kDSCopyBytes));
   float* sdV = reinterpret_cast<float*>(take(Tr::kDVBytes));
   T* sdVneg = reinterpret_cast<T*>(take(Tr::kDVNegBytes));
-  float* sGamma = reinterpret_cast<float*>(take(Tr::kGammaBytes));
 
   const ForwardArgs& f = a.f;
   const int col0 = blockIdx.x * BV;
@@ -279,12 +279,50 @@ __global__ void __launch_bounds__(256)
     sdS[d * kLdF + j] = x;
     if constexpr (!Tr::kF32) sdSop[d * kLdB + j] = from_float<T>(x);
   }
-  for (int64_t cl = num_chunks - 1; cl >= 0; --cl) {
+  // Queues the copies of chunk cl's tiles into buffer st (one cp.async group
+  // with the caller's commit); dO rows past the chunk's end are zeros.
+  auto issue_tiles = [&](int st, int64_t cl) {
     const int64_t c = first_chunk + cl, tile = c * H + h;
     int64_t token0;
     int length;
     chunk_geometry(f, c, token0, length);
-    __syncthreads();  // dS of the previous iteration complete; tiles free
+    copy_tile_async<kThreads>(stA(st), kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C,
+                              C);
+    copy_tile_async<kThreads>(stKbar(st), kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk,
+                              C, Dk);
+    copy_tile_async<kThreads>(stQh(st), kLdK, static_cast<const T*>(f.ws_q) + tile * C * Dk, Dk, C,
+                              Dk);
+    if constexpr (kDelta)
+      copy_tile_async<kThreads>(stW(st), kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk,
+                                C, Dk);
+    constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kRowVecs = BV / kVec;
+    for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
+      const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
+      T* dst = stdO(st) + t * kLdB + j;
+      if (t < length)
+        cp_async16(dst, d_o + ((token0 + t) * H + h) * Dv + col0 + j);
+      else
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    copy_tile_async<kThreads>(stGamma(st), Dk, f.ws_decay + tile * Dk, Dk, 1, Dk);
+  };
+  if constexpr (kStages == 2) {
+    if (num_chunks > 0) issue_tiles(0, num_chunks - 1);
+    cp_async_commit();
+  }
+  for (int64_t cl = num_chunks - 1; cl >= 0; --cl) {
+    const int64_t c = first_chunk + cl, tile = c * H + h;
+    const int st = kStages == 2 ? static_cast<int>((num_chunks - 1 - cl) & 1) : 0;
+    __syncthreads();  // dS of the previous iteration complete; its tile buffer free
+    if constexpr (kStages == 2) {
+      if (cl > 0) issue_tiles(st ^ 1, cl - 1);
+      cp_async_commit();
+      cp_async_wait<1>();  // this chunk's group landed; the next one may still fly
+    } else {
+      issue_tiles(0, cl);
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
     if (a.ws_ds != nullptr) {
       float* out = a.ws_ds + tile * Dk * Dv + col0;
       for (int idx = tid; idx < Dk * BV; idx += kThreads) {
@@ -292,18 +330,13 @@ __global__ void __launch_bounds__(256)
         out[d * Dv + j] = sdS[d * kLdF + j];
       }
     }
-    load_tile<kThreads>(sA, kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C, C);
-    load_tile<kThreads>(sKbar, kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk, C, Dk);
-    load_tile<kThreads>(sQh, kLdK, static_cast<const T*>(f.ws_q) + tile * C * Dk, Dk, C, Dk);
-    if constexpr (kDelta)
-      load_tile<kThreads>(sW, kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk, C, Dk);
-    for (int idx = tid; idx < C * BV; idx += kThreads) {
-      const int t = idx / BV, j = idx % BV;
-      sdO[t * kLdB + j] =
-          t < length ? d_o[((token0 + t) * H + h) * Dv + col0 + j] : from_float<T>(0.f);
-    }
-    if (tid < Dk) sGamma[tid] = f.ws_decay[tile * Dk + tid];
     __syncthreads();
+    const T* sA = stA(st);
+    const T* sKbar = stKbar(st);
+    const T* sQh = stQh(st);
+    const T* sW = stW(st);
+    const T* sdO = stdO(st);
+    const float* sGamma = stGamma(st);
 
     // dV' = A^T dO + K_ dS, one 16x16 tile per warp.
     for (int w = warp; w < nb * kColTiles; w += kWarps) {
