@@ -62,23 +62,32 @@ double cp_summary_first_flops(const CpLayer& layer);
 // HBM bytes the summary reads: k, v (dtype), gates (fp32), beta (dtype).
 double cp_summary_bytes(const CpLayer& layer);
 
-// Effective summary rates, calibrated 2026-11-30 on one H200 (141 GB HBM3e)
-// from `statescan-bench --cp-measure`, KDA, B=1, T=131072, H=16, D=128, bf16,
-// chunk 64, a middle rank: summary fwd (E+M) 11.49 ms, summary bwd (pre-pass)
-// 23.53 ms. Rate = cp_summary_flops of that layer / measured time:
-//   fwd: 2048 chunks x 16 heads x 12,582,912 FLOP = 412,316,860,416 FLOP
-//   bwd: 2048 chunks x 16 heads x  8,388,608 FLOP = 274,877,906,944 FLOP
+// Effective summary rates, calibrated on one H200 (141 GB HBM3e) from
+// `statescan-bench --cp-measure`, KDA, B=1, T=131072, H=16, D=128, bf16,
+// chunk 64 (2026-11-30, fifth session: the E and M scans side by side, the
+// pipelined reverse scan): a middle rank's summary fwd (E+M) 8.07 ms, the
+// first rank's E alone 5.53 ms, summary bwd (pre-pass) 8.21 ms.
+// Rate = counted FLOPs of that layer / measured time:
+//   fwd:   2048 chunks x 16 heads x 12,582,912 FLOP = 412,316,860,416 FLOP
+//   first: 2048 chunks x 16 heads x  6,291,456 FLOP = 206,158,430,208 FLOP
+//   bwd:   2048 chunks x 16 heads x  8,388,608 FLOP = 274,877,906,944 FLOP
 // The summary is a sequential scan over chunks (each chunk's composition waits
-// for the previous one), far from throughput-bound: 35.9 and 11.7 TFLOP/s
-// against 989 TF32 dense peak. The check against a second measurement
-// (Gated DeltaNet: 11.49 / 20.19 ms) is in tests/test_cp_model.cpp.
-inline constexpr double kSummaryFwdFlopsPerS = 412316860416.0 / 11.49e-3;  // 35.9 TFLOP/s
-inline constexpr double kSummaryBwdFlopsPerS = 274877906944.0 / 23.53e-3;  // 11.7 TFLOP/s
+// for the previous one), far from throughput-bound: 51.1, 37.3 and 33.5
+// TFLOP/s against 989 TF32 dense peak. E and M run side by side on halves of
+// the GPU, so E+M costs less than twice E alone: the first rank has its own
+// rate. The check against a second measurement (Gated DeltaNet: 8.07 / 5.53 /
+// 8.21 ms) is in tests/test_cp_model.cpp. (Before, 2026-11-30 fourth session:
+// E+M one after the other 11.49 ms, E 5.71, a prepare + scan pre-pass 23.53:
+// 35.9 and 11.7 TFLOP/s; tests that replay runs of that day use those.)
+inline constexpr double kSummaryFwdFlopsPerS = 412316860416.0 / 8.07e-3;    // 51.1 TFLOP/s
+inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 5.53e-3;  // 37.3 TFLOP/s
+inline constexpr double kSummaryBwdFlopsPerS = 274877906944.0 / 8.21e-3;    // 33.5 TFLOP/s
 
 // The GPU the summary and merge run on. Defaults: one H200, 4.8 TB/s HBM3e;
 // the calibrated summary rates above; 5 us per kernel launch.
 struct CpGpuModel {
   double summary_fwd_flops_per_s = kSummaryFwdFlopsPerS;
+  double summary_first_flops_per_s = kSummaryFirstFlopsPerS;  // the first rank's E alone
   double summary_bwd_flops_per_s = kSummaryBwdFlopsPerS;
   double hbm_Bps = 4.8e12;
   double launch_s = 5e-6;
