@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -238,6 +239,27 @@ class CudaBackward : public ::testing::TestWithParam<Param> {
            101ull * static_cast<uint64_t>(dtype()) + static_cast<uint64_t>(dim());
   }
 
+  // A problem with an initial state and a final-state gradient, run forward
+  // and backward once: what the workspace, determinism and batching checks
+  // compare their other runs against. (GpuBackward keeps a reference to the
+  // problem, so both live together on the heap.)
+  struct RanOnce {
+    ref::Problem problem;
+    std::unique_ptr<GpuBackward> gpu;
+    std::vector<std::vector<unsigned char>> outputs;  // raw_outputs() of that run
+  };
+  std::unique_ptr<RanOnce> run_once(uint64_t salt, int64_t chunk) const {
+    auto r = std::make_unique<RanOnce>();
+    ProblemSpec s = spec();
+    s.with_h0 = true;
+    r->problem = random_problem(s, seed(salt));
+    r->gpu = std::make_unique<GpuBackward>(r->problem, dtype(), chunk, true, seed(salt) + 1);
+    r->gpu->run_forward();
+    r->gpu->run_backward();
+    r->outputs = r->gpu->raw_outputs();
+    return r;
+  }
+
   void expect_matches_reference(const ProblemSpec& s, uint64_t salt, int64_t chunk, bool with_dht) {
     ref::Problem p = random_problem(s, seed(salt));
     GpuBackward gpu(p, dtype(), chunk, with_dht, seed(salt) + 1);
@@ -296,13 +318,9 @@ void expect_same_outputs(const std::vector<std::vector<unsigned char>>& got,
 // works (and gives the allocating entry point's results), one byte less is
 // refused naming "workspace".
 TEST_P(CudaBackward, UsesCallerWorkspace) {
-  ProblemSpec s = spec();
-  s.with_h0 = true;
-  ref::Problem p = random_problem(s, seed(11));
-  GpuBackward gpu(p, dtype(), 32, true, seed(11) + 1);
-  gpu.run_forward();
-  gpu.run_backward();
-  const auto expected = gpu.raw_outputs();
+  const auto ran = run_once(11, 32);
+  GpuBackward& gpu = *ran->gpu;
+  const auto& expected = ran->outputs;
   MixerBwdParams m = gpu.backward_params();
   const size_t bytes = cuda::backward_workspace_bytes(m);
   DeviceBuffer<unsigned char> workspace(bytes);
@@ -315,16 +333,9 @@ TEST_P(CudaBackward, UsesCallerWorkspace) {
 
 // No float atomics: two runs give bitwise-identical gradients.
 TEST_P(CudaBackward, IsDeterministic) {
-  ProblemSpec s = spec();
-  s.with_h0 = true;
-  ref::Problem p = random_problem(s, seed(7));
-  GpuBackward gpu(p, dtype(), 64, true, seed(7) + 1);
-  gpu.run_forward();
-  gpu.run_backward();
-  const auto first = gpu.raw_outputs();
-  gpu.run_backward();
-  const auto second = gpu.raw_outputs();
-  expect_same_outputs(first, second);
+  const auto ran = run_once(7, 64);
+  ran->gpu->run_backward();
+  expect_same_outputs(ran->gpu->raw_outputs(), ran->outputs);
 }
 
 // 16-bit inputs run the per-chunk gradients in batches of (chunk, head) items
@@ -333,13 +344,9 @@ TEST_P(CudaBackward, IsDeterministic) {
 // give bitwise the gradients of one batch, and the workspace shrinks with
 // the batch.
 TEST_P(CudaBackward, BatchedGradientsEqualOneBatch) {
-  ProblemSpec s = spec();
-  s.with_h0 = true;
-  ref::Problem p = random_problem(s, seed(13));
-  GpuBackward gpu(p, dtype(), 64, true, seed(13) + 1);
-  gpu.run_forward();
-  gpu.run_backward();
-  const auto whole = gpu.raw_outputs();
+  const auto ran = run_once(13, 64);
+  GpuBackward& gpu = *ran->gpu;
+  const auto& whole = ran->outputs;
   const size_t whole_bytes = cuda::backward_workspace_bytes(gpu.backward_params());
   ASSERT_EQ(setenv("STATESCAN_BWD_BATCH", "7", 1), 0);
   const size_t batched_bytes = cuda::backward_workspace_bytes(gpu.backward_params());

@@ -1031,15 +1031,39 @@ __device__ __forceinline__ void vector_decay_path(float* out_f, float* out_b, co
   using RowM = wmma::row_major;
   using ColM = wmma::col_major;
   const int tid = threadIdx.x, threads = blockDim.x;
-  // Diagonal blocks on the CUDA cores.
-  for (int idx = tid; idx < C * Dk; idx += threads) {
-    const int t = idx / Dk, d = idx % Dk, s0 = t & ~15;
-    const float bt = b[idx];
-    float fa = 0.f, ba = 0.f;
-    for (int s = s0; s <= t; ++s) fa += M[t * C + s] * xf[s * Dk + d] * __expf(bt - b[s * Dk + d]);
-    for (int r = t; r < s0 + 16; ++r) ba += M[r * C + t] * xb[r * Dk + d] * __expf(b[r * Dk + d] - bt);
-    out_f[idx] = (accumulate ? out_f[idx] : 0.f) + fa;
-    out_b[idx] = (accumulate ? out_b[idx] : 0.f) + ba;
+  // Diagonal blocks on the CUDA cores, one thread per (16-row block, dim d):
+  // it walks the block's lower triangle once with the block's b, xf (and the
+  // sums) in registers, so each pair's e^{b_t - b_s} serves both the forward
+  // sum of row t and the backward sum of row s (half the exponentials and a
+  // third of the shared loads of one thread per (t, d) walking both).
+  for (int task = tid; task < (C / 16) * Dk; task += threads) {
+    const int s0 = (task / Dk) * 16, d = task % Dk;
+    float bb[16], xs[16], fa[16], ba[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      bb[r] = b[(s0 + r) * Dk + d];
+      xs[r] = xf[(s0 + r) * Dk + d];
+      ba[r] = 0.f;
+    }
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      const float xbt = xb[(s0 + t) * Dk + d];
+      const float* m = M + (s0 + t) * C + s0;  // the same address across the warp: a broadcast
+      float ft = 0.f;
+#pragma unroll
+      for (int s2 = 0; s2 <= t; ++s2) {
+        const float me = m[s2] * __expf(bb[t] - bb[s2]);
+        ft += me * xs[s2];
+        ba[s2] += me * xbt;
+      }
+      fa[t] = ft;
+    }
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      const int idx = (s0 + r) * Dk + d;
+      out_f[idx] = (accumulate ? out_f[idx] : 0.f) + fa[r];
+      out_b[idx] = (accumulate ? out_b[idx] : 0.f) + ba[r];
+    }
   }
   // Off-diagonal blocks, one source block J at a time:
   //   out_f[rows > rho] += e^{b - b_rho} o (M[rows > rho, J] (xf_J o e^{b_rho - b_J}))
