@@ -220,8 +220,11 @@ Prepared prepare_backward(const MixerBwdParams& p, bool recompute, const Backwar
     fwd.final_state = nullptr;
     stages |= detail::kStageScan;
   }
+  // Prepare-only: the backward never runs the output stage, so its workspace
+  // has no room for V' or the T-typed states (see BackwardLayout).
+  constexpr bool kPrepareOnly = true;
   Prepared prep;
-  prep.plan = detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream, true);
+  prep.plan = detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream, kPrepareOnly);
   prep.chunk_states = fwd.chunk_states;
   detail::launch_forward_stages(fwd, prep.plan.args, stages, stream);
   return prep;
