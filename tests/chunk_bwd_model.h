@@ -6,11 +6,14 @@
 //   3. per chunk, the intra-chunk gradients with every exponential written as
 //      a difference b_t - b_s <= 0 (never e^{-b} alone).
 // It exists to check the derivation against ref::backward before the GPU;
-// tests/test_chunk_bwd_model.cpp runs it on tiny shapes.
+// tests/test_chunk_bwd_model.cpp runs it on tiny shapes. With a ModelRounding
+// it also rounds to bf16 where the 16-bit GPU kernels round (or would), so
+// their precision can be studied on the CPU.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "core/options.h"
@@ -18,9 +21,37 @@
 
 namespace statescan::test {
 
+// x rounded to bf16 (8-bit mantissa, round to nearest even; finite x).
+inline double round_bf16(double x) {
+  float f = static_cast<float>(x);
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  u &= 0xFFFF0000u;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Where the model rounds a value to bf16 as a tensor-core operand (the fp64
+// value is kept everywhere else). All false: the exact chunkwise algorithm.
+struct ModelRounding {
+  // What the 16-bit kernels do (2026-11-30, backward b10):
+  bool prepared = false;        // the prepare stage's W, U, K_, Q^, A tiles (bf16 workspace)
+  bool states = false;          // S, dS, V' and -dV' as operands of the forward and reverse scans
+  bool state_products = false;  // V', dV' as operands of gk = V' dS^T, dW = -dV' S^T (b8)
+  // The planned intra-chunk kernel (PERF_NOTES, b11): operands of its products.
+  bool intra_cc = false;  // T, dA, dT, tmp = dT T^T and dMm (C x C)
+  bool intra_cd = false;  // q, k, v, dO, V', dV', dW, K^ (C x D)
+};
+
 inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<double>& d_o,
-                                       const std::vector<double>& dht, int64_t C) {
+                                       const std::vector<double>& dht, int64_t C,
+                                       const ModelRounding& rounding = {}) {
   using Vec = std::vector<double>;
+  auto rnd_if = [](bool on) { return [on](double x) { return on ? round_bf16(x) : x; }; };
+  const auto r_prep = rnd_if(rounding.prepared), r_state = rnd_if(rounding.states),
+             r_sp = rnd_if(rounding.state_products), r_cc = rnd_if(rounding.intra_cc),
+             r_cd = rnd_if(rounding.intra_cd);
   const VariantSpec spec = spec_of(p.variant);
   const bool delta = spec.rule == Rule::delta;
   const bool vec_gate = spec.decay == Decay::vector, scalar_gate = spec.decay == Decay::scalar;
@@ -102,7 +133,7 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
               a += x.q[t * Dk + d] * x.k[s * Dk + d] * e(x, t, s, d);
               m += x.k[t * Dk + d] * x.k[s * Dk + d] * e(x, t, s, d);
             }
-            A[t * C + s] = p.scale * a;
+            A[t * C + s] = r_prep(p.scale * a);
             if (s < t) KK[t * C + s] = m;
           }
         Tm.assign(C * C, 0);
@@ -120,12 +151,12 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
             double acc = 0;
             for (int64_t s = 0; s <= t; ++s)
               acc += Tm[t * C + s] * x.beta[s] * x.k[s * Dk + d] * std::exp(x.b[s * Dk + d]);
-            W[t * Dk + d] = acc;
+            W[t * Dk + d] = r_prep(acc);
           }
           for (int64_t j = 0; j < Dv; ++j) {
             double acc = 0;
             for (int64_t s = 0; s <= t; ++s) acc += Tm[t * C + s] * x.beta[s] * x.v[s * Dv + j];
-            U[t * Dv + j] = acc;
+            U[t * Dv + j] = r_prep(acc);
           }
         }
       };
@@ -141,13 +172,14 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
         Vp[c] = U;
         for (int64_t t = 0; t < C; ++t)
           for (int64_t j = 0; j < Dv; ++j)
-            for (int64_t d = 0; d < Dk; ++d) Vp[c][t * Dv + j] -= W[t * Dk + d] * S[c][d * Dv + j];
+            for (int64_t d = 0; d < Dk; ++d)
+              Vp[c][t * Dv + j] -= W[t * Dk + d] * r_state(S[c][d * Dv + j]);
         for (int64_t d = 0; d < Dk; ++d)
           for (int64_t j = 0; j < Dv; ++j) {
             double s = std::exp(x.b[(C - 1) * Dk + d]) * S[c][d * Dv + j];
             for (int64_t t = 0; t < C; ++t)
-              s += x.k[t * Dk + d] * std::exp(x.b[(C - 1) * Dk + d] - x.b[t * Dk + d]) *
-                   Vp[c][t * Dv + j];
+              s += r_prep(x.k[t * Dk + d] * std::exp(x.b[(C - 1) * Dk + d] - x.b[t * Dk + d])) *
+                   r_state(Vp[c][t * Dv + j]);
             S[c + 1][d * Dv + j] = s;
           }
       }
@@ -167,16 +199,16 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
             double acc = 0;
             for (int64_t r = t; r < C; ++r) acc += A[r * C + t] * x.dO[r * Dv + j];
             for (int64_t d = 0; d < Dk; ++d)
-              acc += x.k[t * Dk + d] * std::exp(x.b[(C - 1) * Dk + d] - x.b[t * Dk + d]) *
-                     dS[c + 1][d * Dv + j];
+              acc += r_prep(x.k[t * Dk + d] * std::exp(x.b[(C - 1) * Dk + d] - x.b[t * Dk + d])) *
+                     r_state(dS[c + 1][d * Dv + j]);
             dv[t * Dv + j] = acc;
           }
         for (int64_t d = 0; d < Dk; ++d)
           for (int64_t j = 0; j < Dv; ++j) {
             double acc = std::exp(x.b[(C - 1) * Dk + d]) * dS[c + 1][d * Dv + j];
             for (int64_t t = 0; t < C; ++t) {
-              acc += p.scale * x.q[t * Dk + d] * std::exp(x.b[t * Dk + d]) * x.dO[t * Dv + j];
-              acc -= W[t * Dk + d] * dv[t * Dv + j];
+              acc += r_prep(p.scale * x.q[t * Dk + d] * std::exp(x.b[t * Dk + d])) * x.dO[t * Dv + j];
+              acc -= W[t * Dk + d] * r_state(dv[t * Dv + j]);
             }
             dS[c][d * Dv + j] = acc;
           }
@@ -196,7 +228,7 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
         for (int64_t t = 0; t < C; ++t)
           for (int64_t s = 0; s <= t; ++s) {
             double acc = 0;
-            for (int64_t j = 0; j < Dv; ++j) acc += x.dO[t * Dv + j] * vp[s * Dv + j];
+            for (int64_t j = 0; j < Dv; ++j) acc += x.dO[t * Dv + j] * r_cd(vp[s * Dv + j]);
             dA[t * C + s] = acc;
           }
         for (int64_t t = 0; t < C; ++t)
@@ -205,13 +237,15 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
             const double ebar = std::exp(x.b[(C - 1) * Dk + d] - x.b[t * Dk + d]);
             double os = 0, vs = 0, ws = 0;
             for (int64_t j = 0; j < Dv; ++j) {
-              os += x.dO[t * Dv + j] * Sc[d * Dv + j];
-              vs += vp[t * Dv + j] * dSn[d * Dv + j];
-              ws += dvp[t * Dv + j] * Sc[d * Dv + j];
+              os += x.dO[t * Dv + j] * r_state(Sc[d * Dv + j]);
+              vs += r_sp(vp[t * Dv + j]) * r_state(dSn[d * Dv + j]);
+              ws += r_sp(dvp[t * Dv + j]) * r_state(Sc[d * Dv + j]);
             }
             double qa = 0, ka = 0;
-            for (int64_t s = 0; s <= t; ++s) qa += dA[t * C + s] * x.k[s * Dk + d] * e(x, t, s, d);
-            for (int64_t r = t; r < C; ++r) ka += dA[r * C + t] * x.q[r * Dk + d] * e(x, r, t, d);
+            for (int64_t s = 0; s <= t; ++s)
+              qa += r_cc(dA[t * C + s]) * r_cd(x.k[s * Dk + d]) * e(x, t, s, d);
+            for (int64_t r = t; r < C; ++r)
+              ka += r_cc(dA[r * C + t]) * r_cd(x.q[r * Dk + d]) * e(x, r, t, d);
             gq[t * Dk + d] = p.scale * (eb * os + qa);
             const double gkbar = ebar * vs, gkt = p.scale * ka;
             gk[t * Dk + d] = gkbar + gkt;
@@ -226,12 +260,12 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
           for (int64_t s = 0; s < C; ++s) {
             for (int64_t j = 0; j < Dv; ++j) {
               double acc = 0;
-              for (int64_t t = s; t < C; ++t) acc += Tm[t * C + s] * dvp[t * Dv + j];
+              for (int64_t t = s; t < C; ++t) acc += r_cc(Tm[t * C + s]) * r_cd(dvp[t * Dv + j]);
               TdU[s * Dv + j] = acc;
             }
             for (int64_t d = 0; d < Dk; ++d) {
               double acc = 0;
-              for (int64_t t = s; t < C; ++t) acc += Tm[t * C + s] * dW[t * Dk + d];
+              for (int64_t t = s; t < C; ++t) acc += r_cc(Tm[t * C + s]) * r_cd(dW[t * Dk + d]);
               TdW[s * Dk + d] = acc;
             }
           }
@@ -253,30 +287,31 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
           for (int64_t t = 0; t < C; ++t)
             for (int64_t s = 0; s < t; ++s) {
               double acc = 0;
-              for (int64_t j = 0; j < Dv; ++j) acc += dvp[t * Dv + j] * x.v[s * Dv + j];
+              for (int64_t j = 0; j < Dv; ++j) acc += r_cd(dvp[t * Dv + j]) * x.v[s * Dv + j];
               for (int64_t d = 0; d < Dk; ++d)
-                acc += dW[t * Dk + d] * x.k[s * Dk + d] * std::exp(x.b[s * Dk + d]);
+                acc += r_cd(dW[t * Dk + d]) * r_cd(x.k[s * Dk + d] * std::exp(x.b[s * Dk + d]));
               dT[t * C + s] = x.beta[s] * acc;
             }
           for (int64_t t = 0; t < C; ++t)
             for (int64_t s = 0; s < C; ++s) {
               double acc = 0;
-              for (int64_t r = 0; r < C; ++r) acc += dT[t * C + r] * Tm[s * C + r];
+              for (int64_t r = 0; r < C; ++r) acc += r_cc(dT[t * C + r]) * r_cc(Tm[s * C + r]);
               tmp[t * C + s] = acc;
             }
           for (int64_t t = 0; t < C; ++t)
             for (int64_t s = 0; s < t; ++s) {
               double acc = 0;
-              for (int64_t r = 0; r < C; ++r) acc += Tm[r * C + t] * tmp[r * C + s];
+              for (int64_t r = 0; r < C; ++r) acc += r_cc(Tm[r * C + t]) * r_cc(tmp[r * C + s]);
               dM[t * C + s] = -acc;
             }
           for (int64_t t = 0; t < C; ++t) {
             for (int64_t s = 0; s < t; ++s) dbeta[t] += dM[t * C + s] * KK[t * C + s];
             for (int64_t d = 0; d < Dk; ++d) {
               double kh = 0, kt = 0;
-              for (int64_t s = 0; s < t; ++s) kh += dM[t * C + s] * x.k[s * Dk + d] * e(x, t, s, d);
+              for (int64_t s = 0; s < t; ++s)
+                kh += r_cc(dM[t * C + s]) * r_cd(x.k[s * Dk + d]) * e(x, t, s, d);
               for (int64_t r = t + 1; r < C; ++r)
-                kt += x.beta[r] * dM[r * C + t] * x.k[r * Dk + d] * e(x, r, t, d);
+                kt += r_cc(x.beta[r] * dM[r * C + t]) * r_cd(x.k[r * Dk + d]) * e(x, r, t, d);
               kh *= x.beta[t];
               gk[t * Dk + d] += kh + kt;
               db[t * Dk + d] += (kh - kt) * x.k[t * Dk + d];
