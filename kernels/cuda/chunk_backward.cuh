@@ -9,14 +9,14 @@
 // Three stages on the caller's stream:
 //   0. the forward's chunk_prepare_kernel (re-run) writes Q^, K_, W, A and
 //      gamma into the forward workspace (element type T);
-//   1. chunk_grad_scan_kernel  (one block per (segment, head, Dv block))
+//   1. chunk_grad_scan_kernel_tc  (one block per (segment, head, Dv block))
 //      the sequential reverse scan over chunks, fp32:
 //        dV' = A^T dO + K_ dS_{c+1},  dS_c = diag(gamma) dS_{c+1} + Q^^T dO - W^T dV'
 //      saving dS_{c+1} per chunk (fp32) and writing dS_0 = d_initial_state;
-//   2. chunk_grad_kernel  (persistent; one (chunk, head) item at a time per block)
+//   2. chunk_grad_kernel_tc  (persistent; one (chunk, head) item at a time per block)
 //      recomputes every intra-chunk quantity in fp32 from the raw inputs,
 //      S_c (chunk_states) and dS_{c+1}, and writes dq, dk, dv, dg, dbeta.
-//      For 16-bit inputs on the tensor cores, a batch of items at a time, each
+//      For 16-bit inputs, a batch of items at a time, each
 //      batch preceded by chunk_state_products_kernel, which computes the
 //      products with S_c and dS_{c+1} (V', dV', dW and the state parts of gq,
 //      gk) from the prepared 16-bit tiles with operands in shared memory.
@@ -53,10 +53,10 @@ struct BackwardArgs {
   void* dbeta = nullptr;                 // [B,T,H] (T)
   float* d_initial_state = nullptr;      // [N,H,Dk,Dv] or null
   float* ws_ds = nullptr;                // dS_{c+1} per chunk [chunks,H,Dk,Dv] fp32, or null
-  float* ws_scratch = nullptr;           // per-block fp32 scratch of chunk_grad_kernel
+  float* ws_scratch = nullptr;           // per-block fp32 scratch of chunk_grad_kernel_tc
   // chunk_state_products_kernel's outputs for items [item_begin, num_items)
   // (StateProductTraits::kOutFloats per item), or null where the gradient
-  // kernel computes them itself (fp32 inputs, the CUDA-core kernel).
+  // kernel computes them itself (fp32 inputs).
   float* ws_sp = nullptr;
   int64_t sp_batch = 0;    // items ws_sp holds: the gradient kernel runs in batches of this many
   int64_t item_begin = 0;  // the gradient kernels take items [item_begin, num_items)
@@ -74,110 +74,16 @@ struct GradTraits {
   static constexpr int kScratchV = 5;
   static constexpr int64_t kScratchFloats =
       static_cast<int64_t>(kMaxChunk) * (kScratchK * Dk + kScratchV * Dv);
-  // Shared memory (fp32): six [C, C] arrays A, KK, T, dA, dT, tmp and the
-  // per-row / per-dim vectors.
+  // Shared memory (fp32): the normalised q, k and the gate cumsums b ([C, Dk]
+  // each: the pairwise-decay loops read them O(C) times per element), six
+  // [C, C] arrays A, KK, T, dA, dT, tmp and the per-row / per-dim vectors.
   static constexpr int kCC = kMaxChunk * kMaxChunk;
   static constexpr int kSmallRows = 6;  // beta, rq, rk, cumsum of a scalar gate, dbeta, row sums
   static constexpr int kSmallDims = 2;  // dgamma, column sums
   static constexpr size_t kSmemBytes =
-      sizeof(float) * (6 * kCC + kSmallRows * kMaxChunk + kSmallDims * Dk);
-  static_assert(kSmemBytes <= 113 * 1024, "two chunk_grad_kernel blocks per multiprocessor");
-  // chunk_grad_kernel_tc (one block per multiprocessor) also keeps the
-  // normalised q, k and the gate cumsums b, [C, Dk] each, in shared memory:
-  // the CUDA-core loops with pairwise decay read them O(C) times per element.
-  static constexpr size_t kSmemBytesTc = kSmemBytes + sizeof(float) * 3 * kMaxChunk * Dk;
-  static_assert(kSmemBytesTc <= 227 * 1024, "chunk_grad_kernel_tc exceeds Hopper shared memory");
+      sizeof(float) * (3 * kMaxChunk * Dk + 6 * kCC + kSmallRows * kMaxChunk + kSmallDims * Dk);
+  static_assert(kSmemBytes <= 227 * 1024, "chunk_grad_kernel_tc exceeds Hopper shared memory");
 };
-
-// chunk_grad_scan_kernel: the reverse scan over a segment's chunks.
-//   grid (Dv / BV, H, N), 256 threads; block (vb, h, n) carries dS columns
-//   [vb*BV, vb*BV + BV) of head h in fp32 shared memory from d_final_state
-//   (or 0) back through segment n's chunks. Per chunk (last to first): save
-//   dS (= dS_{c+1}) to ws_ds when given, dV' = A^T dO + K_ dS, then
-//   dS <- diag(gamma) dS + Q^^T dO - W^T dV' (additive: no W term). The tiles
-//   Q^, K_, W, A (type T) and gamma come from the prepare stage. At the
-//   segment's start dS is the gradient of its initial state.
-//   Shared memory: (Dk + 2 * 64) * BV floats (static).
-template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV>
-__global__ void __launch_bounds__(256)
-    chunk_grad_scan_kernel(const __grid_constant__ BackwardArgs a) {
-  constexpr bool kDelta = kRule == Rule::delta;
-  constexpr int kThreads = 256, kMaxChunk = 64;
-  __shared__ float sdS[Dk * BV];
-  __shared__ float sdO[kMaxChunk * BV];
-  __shared__ float sdVp[kMaxChunk * BV];
-  const ForwardArgs& f = a.f;
-  const int col0 = blockIdx.x * BV;
-  const int64_t h = blockIdx.y, n = blockIdx.z, H = f.heads;
-  const int tid = threadIdx.x, C = f.chunk;
-  const T* d_o = static_cast<const T*>(a.d_o);
-  const T* ws_q = static_cast<const T*>(f.ws_q);
-  const T* ws_k = static_cast<const T*>(f.ws_k);
-  const T* ws_w = static_cast<const T*>(f.ws_w);
-  const T* ws_a = static_cast<const T*>(f.ws_a);
-
-  int64_t first_chunk, num_chunks;
-  if (f.segment_table != nullptr) {
-    first_chunk = f.segment_table[2 * n];
-    num_chunks = f.segment_table[2 * n + 1];
-  } else {
-    first_chunk = n * f.chunks_per_row;
-    num_chunks = f.chunks_per_row;
-  }
-  const int64_t state_base = (n * H + h) * Dk * Dv;
-  for (int idx = tid; idx < Dk * BV; idx += kThreads) {
-    const int d = idx / BV, j = idx % BV;
-    sdS[idx] = a.d_final_state != nullptr ? a.d_final_state[state_base + d * Dv + col0 + j] : 0.f;
-  }
-  for (int64_t cl = num_chunks - 1; cl >= 0; --cl) {
-    const int64_t c = first_chunk + cl, tile = c * H + h;
-    int64_t token0;
-    int length;
-    chunk_geometry(f, c, token0, length);
-    __syncthreads();  // dS of the previous iteration complete
-    if (a.ws_ds != nullptr) {
-      float* out = a.ws_ds + tile * Dk * Dv + col0;
-      for (int idx = tid; idx < Dk * BV; idx += kThreads) {
-        const int d = idx / BV, j = idx % BV;
-        out[d * Dv + j] = sdS[idx];
-      }
-    }
-    for (int idx = tid; idx < C * BV; idx += kThreads) {
-      const int t = idx / BV, j = idx % BV;
-      sdO[idx] = t < length ? to_float(d_o[((token0 + t) * H + h) * Dv + col0 + j]) : 0.f;
-    }
-    __syncthreads();
-    const T* A = ws_a + tile * C * C;
-    const T* Kbar = ws_k + tile * C * Dk;
-    for (int idx = tid; idx < C * BV; idx += kThreads) {
-      const int t = idx / BV, j = idx % BV;
-      float acc = 0.f;
-      for (int r = t; r < C; ++r) acc += to_float(A[r * C + t]) * sdO[r * BV + j];
-      for (int d = 0; d < Dk; ++d) acc += to_float(Kbar[t * Dk + d]) * sdS[d * BV + j];
-      sdVp[idx] = acc;
-    }
-    __syncthreads();
-    const T* Qh = ws_q + tile * C * Dk;
-    const T* W = kDelta ? ws_w + tile * C * Dk : nullptr;
-    const float* gamma = f.ws_decay + tile * Dk;
-    for (int idx = tid; idx < Dk * BV; idx += kThreads) {
-      const int d = idx / BV, j = idx % BV;
-      float acc = kDecay == Decay::none ? sdS[idx] : gamma[d] * sdS[idx];
-      for (int t = 0; t < C; ++t) {
-        acc += to_float(Qh[t * Dk + d]) * sdO[t * BV + j];
-        if constexpr (kDelta) acc -= to_float(W[t * Dk + d]) * sdVp[t * BV + j];
-      }
-      sdS[idx] = acc;  // only this thread reads or writes element idx in this pass
-    }
-  }
-  __syncthreads();
-  if (a.d_initial_state != nullptr) {
-    for (int idx = tid; idx < Dk * BV; idx += kThreads) {
-      const int d = idx / BV, j = idx % BV;
-      a.d_initial_state[state_base + d * Dv + col0 + j] = sdS[idx];
-    }
-  }
-}
 
 // Shared-memory plan of chunk_grad_scan_kernel_tc (bytes, each piece
 // 128-byte aligned). Tiles in T are padded by 16 bytes per row (as the
@@ -212,10 +118,15 @@ struct GradScanTraits {
   static_assert(kBytes <= 227 * 1024, "chunk_grad_scan_kernel_tc exceeds Hopper shared memory");
 };
 
-// chunk_grad_scan_kernel_tc: chunk_grad_scan_kernel with the products on the
-// tensor cores (16-bit T: native 16x16x16 steps on a T-rounded copy of dS, as
-// the forward scan rounds S; fp32: split-tf32 steps on dS itself). Same grid
-// and outputs; dS itself stays fp32. Per chunk: A, K_, Q^, W, gamma and the
+// chunk_grad_scan_kernel_tc: the reverse scan over a segment's chunks, its
+// products on the tensor cores (16-bit T: native 16x16x16 steps on a T-rounded
+// copy of dS, as the forward scan rounds S; fp32: split-tf32 steps on dS
+// itself; dS itself stays fp32).
+//   grid (Dv / BV, H, N), 256 threads; block (vb, h, n) carries dS columns
+//   [vb*BV, vb*BV + BV) of head h from d_final_state (or 0) back through
+//   segment n's chunks, saving dS (= dS_{c+1}) per chunk to ws_ds when given;
+//   at the segment's start dS is the gradient of its initial state
+//   (d_initial_state). Per chunk: A, K_, Q^, W, gamma and the
 // dO columns in shared memory (16-bit T: copied asynchronously one chunk
 // ahead, so the copy's latency hides behind the previous chunk's products);
 // dV' = A^T dO + K_ dS (one 16x16 tile per warp);
@@ -391,435 +302,6 @@ __global__ void __launch_bounds__(256)
       const int d = idx / BV, j = idx % BV;
       a.d_initial_state[state_base + d * Dv + col0 + j] = sdS[d * kLdF + j];
     }
-  }
-}
-
-// chunk_grad_kernel: all gradients of one chunk from S_c and dS_{c+1}.
-//   grid min(items, 2 * SMs), 256 threads, persistent: block i handles items
-//   (chunk c, head h) = i, i + gridDim.x, ... in turn. Everything is fp32 and
-//   on the CUDA cores; [C, C] matrices and per-row vectors live in shared
-//   memory (GradTraits::kSmemBytes, 100 KB at D = 128), [C, D] matrices in the
-//   block's slice of ws_scratch (GradTraits::kScratchFloats, L2-resident).
-//   Phases (barriers between them) follow tests/chunk_bwd_model.h.
-template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm>
-__global__ void __launch_bounds__(256, 2)
-    chunk_grad_kernel(const __grid_constant__ BackwardArgs a) {
-  using Tr = GradTraits<Dk, Dv>;
-  constexpr bool kDelta = kRule == Rule::delta;
-  constexpr bool kVector = kDecay == Decay::vector;
-  constexpr int kThreads = Tr::kThreads, kWarps = Tr::kWarps, kMC = Tr::kMaxChunk;
-  extern __shared__ __align__(128) float smem[];
-  float* sA = smem;
-  float* sKK = sA + Tr::kCC;
-  float* sT = sKK + Tr::kCC;
-  float* sdA = sT + Tr::kCC;
-  float* sdT = sdA + Tr::kCC;
-  float* sTmp = sdT + Tr::kCC;
-  float* sBeta = sTmp + Tr::kCC;
-  float* sRq = sBeta + kMC;
-  float* sRk = sRq + kMC;
-  float* sGs = sRk + kMC;  // cumsum of a scalar gate
-  float* sDbeta = sGs + kMC;
-  float* sRow = sDbeta + kMC;
-  float* sDgamma = sRow + kMC;
-  float* sColsum = sDgamma + Dk;
-
-  float* scratch = a.ws_scratch + static_cast<int64_t>(blockIdx.x) * Tr::kScratchFloats;
-  float* q = scratch;  // normalised q (no scale)
-  float* k = q + kMC * Dk;
-  float* b = k + kMC * Dk;  // vector gates: cumsum per dim
-  float* W = b + kMC * Dk;
-  float* gq = W + kMC * Dk;  // d loss / d (normalised q)
-  float* gk = gq + kMC * Dk;
-  float* db = gk + kMC * Dk;  // d loss / d b
-  float* dW = db + kMC * Dk;
-  float* TdW = dW + kMC * Dk;
-  float* v = TdW + kMC * Dk;
-  float* dO = v + kMC * Dv;
-  float* Vp = dO + kMC * Dv;
-  float* dVp = Vp + kMC * Dv;
-  float* TdU = dVp + kMC * Dv;
-
-  const ForwardArgs& f = a.f;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int C = f.chunk;
-  const int64_t H = f.heads;
-  const float scale = f.scale;
-  const T* q_in = static_cast<const T*>(f.q);
-  const T* k_in = static_cast<const T*>(f.k);
-  const T* v_in = static_cast<const T*>(f.v);
-  const T* beta_in = static_cast<const T*>(f.beta);
-  const T* do_in = static_cast<const T*>(a.d_o);
-  T* dq_out = static_cast<T*>(a.dq);
-  T* dk_out = static_cast<T*>(a.dk);
-  T* dv_out = static_cast<T*>(a.dv);
-  T* dbeta_out = static_cast<T*>(a.dbeta);
-
-  // Cumulative log gate b_{t,d} and e^{b_t - b_s} (1 without decay).
-  auto gate_b = [&](int t, int d) -> float {
-    if constexpr (kVector) return b[t * Dk + d];
-    if constexpr (kDecay == Decay::scalar) return sGs[t];
-    return 0.f;
-  };
-  auto decay = [&](int t, int s, int d) -> float {
-    if constexpr (kDecay == Decay::none) return 1.f;
-    return __expf(gate_b(t, d) - gate_b(s, d));
-  };
-
-  for (int64_t item = a.item_begin + blockIdx.x; item < a.num_items; item += gridDim.x) {
-    const int64_t c = item / H, h = item % H, tile = c * H + h;
-    int64_t token0;
-    int L;
-    chunk_geometry(f, c, token0, L);
-    auto row = [&](int t) { return (token0 + t) * H + h; };
-
-    // ---- load; rows past the chunk's end are zeros with g = 0 --------------
-    for (int idx = tid; idx < C * Dk; idx += kThreads) {
-      const int t = idx / Dk, d = idx % Dk;
-      const bool valid = t < L;
-      q[idx] = valid ? to_float(q_in[row(t) * Dk + d]) : 0.f;
-      k[idx] = valid ? to_float(k_in[row(t) * Dk + d]) : 0.f;
-      if constexpr (kVector) b[idx] = valid ? f.g[row(t) * Dk + d] : 0.f;
-    }
-    for (int idx = tid; idx < C * Dv; idx += kThreads) {
-      const int t = idx / Dv, j = idx % Dv;
-      const bool valid = t < L;
-      v[idx] = valid ? to_float(v_in[row(t) * Dv + j]) : 0.f;
-      dO[idx] = valid ? to_float(do_in[row(t) * Dv + j]) : 0.f;
-    }
-    if (tid < C) {
-      const bool valid = tid < L;
-      if constexpr (kDelta) sBeta[tid] = valid ? to_float(beta_in[row(tid)]) : 0.f;
-      if constexpr (kDecay == Decay::scalar) sGs[tid] = valid ? f.g[row(tid)] : 0.f;
-      sRq[tid] = 1.f;
-      sRk[tid] = 1.f;
-    }
-    __syncthreads();
-
-    // ---- L2 norm (as the forward: x / sqrt(|x|^2 + 1e-6)); gate cumsums ----
-    if constexpr (kL2Norm) {
-      for (int t = warp; t < C; t += kWarps) {
-        float qq = 0.f, kk = 0.f;
-        for (int d = lane; d < Dk; d += 32) {
-          qq += q[t * Dk + d] * q[t * Dk + d];
-          kk += k[t * Dk + d] * k[t * Dk + d];
-        }
-        qq = warp_sum(qq);
-        kk = warp_sum(kk);
-        const float rq = 1.f / sqrtf(qq + 1e-6f), rk = 1.f / sqrtf(kk + 1e-6f);
-        for (int d = lane; d < Dk; d += 32) {
-          q[t * Dk + d] *= rq;
-          k[t * Dk + d] *= rk;
-        }
-        if (lane == 0) {
-          sRq[t] = rq;
-          sRk[t] = rk;
-        }
-      }
-    }
-    if constexpr (kVector) {
-      if (tid < Dk) {
-        float run = 0.f;
-        for (int t = 0; t < C; ++t) {
-          run += b[t * Dk + tid];
-          b[t * Dk + tid] = run;
-        }
-      }
-    } else if constexpr (kDecay == Decay::scalar) {
-      if (tid == 0) {
-        float run = 0.f;
-        for (int t = 0; t < C; ++t) {
-          run += sGs[t];
-          sGs[t] = run;
-        }
-      }
-    }
-    __syncthreads();
-
-    // ---- A = scale lower_incl(q k^T * decay), KK = strict_lower(k k^T * decay)
-    for (int idx = tid; idx < C * C; idx += kThreads) {
-      const int t = idx / C, s = idx % C;
-      float aq = 0.f, am = 0.f;
-      if (s <= t) {
-        for (int d = 0; d < Dk; ++d) {
-          const float ks = k[s * Dk + d] * decay(t, s, d);
-          aq += q[t * Dk + d] * ks;
-          if constexpr (kDelta) am += k[t * Dk + d] * ks;
-        }
-      }
-      sA[idx] = scale * aq;
-      sKK[idx] = s < t ? am : 0.f;
-    }
-    __syncthreads();
-
-    // ---- UT transform: T = (I + diag(beta) KK)^{-1}, one thread per column -
-    if constexpr (kDelta) {
-      if (tid < C) {
-        const int s = tid;
-        for (int t = 0; t < C; ++t) {
-          float acc = t == s ? 1.f : 0.f;
-          for (int r = s; r < t; ++r) acc -= sBeta[t] * sKK[t * C + r] * sT[r * C + s];
-          sT[t * C + s] = t < s ? 0.f : acc;
-        }
-      }
-      __syncthreads();
-      // W = T diag(beta) K^, U = T diag(beta) V (into V').
-      for (int idx = tid; idx < C * Dk; idx += kThreads) {
-        const int t = idx / Dk, d = idx % Dk;
-        float acc = 0.f;
-        for (int s = 0; s <= t; ++s) {
-          float kh = k[s * Dk + d];
-          if constexpr (kDecay != Decay::none) kh *= __expf(gate_b(s, d));
-          acc += sT[t * C + s] * sBeta[s] * kh;
-        }
-        W[idx] = acc;
-      }
-      for (int idx = tid; idx < C * Dv; idx += kThreads) {
-        const int t = idx / Dv, j = idx % Dv;
-        float acc = 0.f;
-        for (int s = 0; s <= t; ++s) acc += sT[t * C + s] * sBeta[s] * v[s * Dv + j];
-        Vp[idx] = acc;
-      }
-      __syncthreads();
-    }
-
-    // ---- V' = U - W S_c (delta); additive V' = V ----------------------------
-    const float* S = a.chunk_states + tile * Dk * Dv;
-    const float* dS = a.ws_ds + tile * Dk * Dv;
-    const float* vp = kDelta ? Vp : v;
-    if constexpr (kDelta) {
-      for (int idx = tid; idx < C * Dv; idx += kThreads) {
-        const int t = idx / Dv, j = idx % Dv;
-        float acc = Vp[idx];
-        for (int d = 0; d < Dk; ++d) acc -= W[t * Dk + d] * S[d * Dv + j];
-        Vp[idx] = acc;  // each element read and written by this thread only
-      }
-      __syncthreads();
-    }
-
-    // ---- dV', dA, state parts of gq and gk, dgamma --------------------------
-    for (int idx = tid; idx < C * Dv; idx += kThreads) {
-      const int t = idx / Dv, j = idx % Dv;
-      float acc = 0.f;
-      for (int r = t; r < C; ++r) acc += sA[r * C + t] * dO[r * Dv + j];
-      for (int d = 0; d < Dk; ++d) {
-        float kbar = k[t * Dk + d];
-        if constexpr (kDecay != Decay::none) kbar *= __expf(gate_b(C - 1, d) - gate_b(t, d));
-        acc += kbar * dS[d * Dv + j];
-      }
-      dVp[idx] = acc;
-    }
-    for (int idx = tid; idx < C * C; idx += kThreads) {
-      const int t = idx / C, s = idx % C;
-      float acc = 0.f;
-      if (s <= t)
-        for (int j = 0; j < Dv; ++j) acc += dO[t * Dv + j] * vp[s * Dv + j];
-      sdA[idx] = acc;
-    }
-    for (int idx = tid; idx < C * Dk; idx += kThreads) {
-      const int t = idx / Dk, d = idx % Dk;
-      float os = 0.f, vs = 0.f;
-      for (int j = 0; j < Dv; ++j) {
-        os += dO[t * Dv + j] * S[d * Dv + j];
-        vs += vp[t * Dv + j] * dS[d * Dv + j];
-      }
-      float up = 1.f, down = 1.f;  // e^{b_t}, e^{b_{C-1} - b_t}
-      if constexpr (kDecay != Decay::none) {
-        up = __expf(gate_b(t, d));
-        down = __expf(gate_b(C - 1, d) - gate_b(t, d));
-      }
-      gq[idx] = scale * up * os;
-      gk[idx] = down * vs;  // the K_ path
-    }
-    if (tid < Dk) {
-      float acc = 0.f;
-      for (int j = 0; j < Dv; ++j) acc += dS[tid * Dv + j] * S[tid * Dv + j];
-      sDgamma[tid] = acc;
-    }
-    __syncthreads();
-
-    // ---- dW = -dV' S_c^T; column sums of the K_ path (they land on b_{L-1}) -
-    if constexpr (kDelta) {
-      for (int idx = tid; idx < C * Dk; idx += kThreads) {
-        const int t = idx / Dk, d = idx % Dk;
-        float acc = 0.f;
-        for (int j = 0; j < Dv; ++j) acc += dVp[t * Dv + j] * S[d * Dv + j];
-        dW[idx] = -acc;
-      }
-    }
-    if (tid < Dk) {
-      float acc = 0.f;
-      for (int t = 0; t < C; ++t) acc += gk[t * Dk + tid] * k[t * Dk + tid];
-      sColsum[tid] = acc;
-    }
-    __syncthreads();
-
-    // ---- A path: gq += scale dA (k decay), gk += scale dA^T (q decay); db ---
-    for (int idx = tid; idx < C * Dk; idx += kThreads) {
-      const int t = idx / Dk, d = idx % Dk;
-      float qa = 0.f, ka = 0.f;
-      for (int s = 0; s <= t; ++s) qa += sdA[t * C + s] * k[s * Dk + d] * decay(t, s, d);
-      for (int r = t; r < C; ++r) ka += sdA[r * C + t] * q[r * Dk + d] * decay(r, t, d);
-      const float gqv = gq[idx] + scale * qa;
-      const float gkbar = gk[idx], gkt = scale * ka;
-      gq[idx] = gqv;
-      gk[idx] = gkbar + gkt;
-      db[idx] = gqv * q[idx] - (gkbar + gkt) * k[idx];
-    }
-    __syncthreads();
-
-    if constexpr (kDelta) {
-      // ---- through the UT transform: T^T dU, T^T dW, dT (strictly lower) --
-      for (int idx = tid; idx < C * Dv; idx += kThreads) {
-        const int s = idx / Dv, j = idx % Dv;
-        float acc = 0.f;
-        for (int t = s; t < C; ++t) acc += sT[t * C + s] * dVp[t * Dv + j];
-        TdU[idx] = acc;
-      }
-      for (int idx = tid; idx < C * Dk; idx += kThreads) {
-        const int s = idx / Dk, d = idx % Dk;
-        float acc = 0.f;
-        for (int t = s; t < C; ++t) acc += sT[t * C + s] * dW[t * Dk + d];
-        TdW[idx] = acc;
-      }
-      for (int idx = tid; idx < C * C; idx += kThreads) {
-        const int t = idx / C, s = idx % C;
-        float acc = 0.f;
-        if (s < t) {
-          for (int j = 0; j < Dv; ++j) acc += dVp[t * Dv + j] * v[s * Dv + j];
-          for (int d = 0; d < Dk; ++d) {
-            float kh = k[s * Dk + d];
-            if constexpr (kDecay != Decay::none) kh *= __expf(gate_b(s, d));
-            acc += dW[t * Dk + d] * kh;
-          }
-          acc *= sBeta[s];
-        }
-        sdT[idx] = acc;
-      }
-      __syncthreads();
-      // tmp = dT T^T; dv = beta T^T dU; dbeta (direct part); gk += beta e^b T^T dW.
-      for (int idx = tid; idx < C * C; idx += kThreads) {
-        const int t = idx / C, s = idx % C;
-        float acc = 0.f;
-        const int r_end = t < s + 1 ? t : s + 1;  // dT_tr = 0 for r >= t, T_sr = 0 for r > s
-        for (int r = 0; r < r_end; ++r) acc += sdT[t * C + r] * sT[s * C + r];
-        sTmp[idx] = acc;
-      }
-      for (int idx = tid; idx < L * Dv; idx += kThreads) {
-        const int t = idx / Dv, j = idx % Dv;
-        dv_out[row(t) * Dv + j] = from_float<T>(sBeta[t] * TdU[idx]);
-      }
-      for (int t = warp; t < C; t += kWarps) {
-        float acc = 0.f;
-        for (int j = lane; j < Dv; j += 32) acc += TdU[t * Dv + j] * v[t * Dv + j];
-        for (int d = lane; d < Dk; d += 32) {
-          float kh = k[t * Dk + d];
-          if constexpr (kDecay != Decay::none) kh *= __expf(gate_b(t, d));
-          acc += TdW[t * Dk + d] * kh;
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) sDbeta[t] = acc;
-      }
-      for (int idx = tid; idx < C * Dk; idx += kThreads) {
-        const int t = idx / Dk, d = idx % Dk;
-        float up = 1.f;
-        if constexpr (kDecay != Decay::none) up = __expf(gate_b(t, d));
-        const float gkh = sBeta[t] * up * TdW[idx];
-        gk[idx] += gkh;
-        db[idx] += gkh * k[idx];
-      }
-      __syncthreads();
-      // dMm = -strict_lower(T^T tmp), into dT (its last reader was tmp above).
-      for (int idx = tid; idx < C * C; idx += kThreads) {
-        const int t = idx / C, s = idx % C;
-        float acc = 0.f;
-        if (s < t)
-          for (int r = t; r < C; ++r) acc += sT[r * C + t] * sTmp[r * C + s];
-        sdT[idx] = -acc;
-      }
-      __syncthreads();
-      // Mm_ts = beta_t KK_ts: dbeta += dMm . KK; k-space gradients of K^ and K~.
-      if (tid < C) {
-        float acc = 0.f;
-        for (int s = 0; s < tid; ++s) acc += sdT[tid * C + s] * sKK[tid * C + s];
-        sDbeta[tid] += acc;
-      }
-      for (int idx = tid; idx < C * Dk; idx += kThreads) {
-        const int t = idx / Dk, d = idx % Dk;
-        float kh = 0.f, kt = 0.f;
-        for (int s = 0; s < t; ++s) kh += sdT[t * C + s] * k[s * Dk + d] * decay(t, s, d);
-        for (int r = t + 1; r < C; ++r)
-          kt += sBeta[r] * sdT[r * C + t] * k[r * Dk + d] * decay(r, t, d);
-        kh *= sBeta[t];
-        gk[idx] += kh + kt;
-        db[idx] += (kh - kt) * k[idx];
-      }
-      __syncthreads();
-    } else {
-      for (int idx = tid; idx < L * Dv; idx += kThreads) {
-        const int t = idx / Dv, j = idx % Dv;
-        dv_out[row(t) * Dv + j] = from_float<T>(dVp[idx]);
-      }
-    }
-
-    // ---- gate gradients: b_{L-1} collects the K_ column sums and dgamma ----
-    if constexpr (kDecay != Decay::none) {
-      if (tid < Dk) {
-        const float gamma = __expf(gate_b(C - 1, tid));
-        db[(L - 1) * Dk + tid] += sColsum[tid] + sDgamma[tid] * gamma;
-      }
-      __syncthreads();
-      if constexpr (kVector) {
-        if (tid < Dk) {  // dg_t = sum_{t' >= t} db_t' (reverse cumsum)
-          float run = 0.f;
-          for (int t = L - 1; t >= 0; --t) {
-            run += db[t * Dk + tid];
-            a.dg[row(t) * Dk + tid] = run;
-          }
-        }
-      } else {
-        for (int t = warp; t < L; t += kWarps) {
-          float acc = 0.f;
-          for (int d = lane; d < Dk; d += 32) acc += db[t * Dk + d];
-          acc = warp_sum(acc);
-          if (lane == 0) sRow[t] = acc;
-        }
-        __syncthreads();
-        if (tid == 0) {
-          float run = 0.f;
-          for (int t = L - 1; t >= 0; --t) {
-            run += sRow[t];
-            a.dg[row(t)] = run;
-          }
-        }
-      }
-    }
-
-    // ---- dq, dk through the L2 norm: dx = r (dn - n (n . dn)); dbeta --------
-    for (int t = warp; t < L; t += kWarps) {
-      float qg = 0.f, kg = 0.f;
-      if constexpr (kL2Norm) {
-        for (int d = lane; d < Dk; d += 32) {
-          qg += q[t * Dk + d] * gq[t * Dk + d];
-          kg += k[t * Dk + d] * gk[t * Dk + d];
-        }
-        qg = warp_sum(qg);
-        kg = warp_sum(kg);
-      }
-      const float rq = sRq[t], rk = sRk[t];
-      for (int d = lane; d < Dk; d += 32) {
-        float dqv = gq[t * Dk + d], dkv = gk[t * Dk + d];
-        if constexpr (kL2Norm) {
-          dqv = rq * (dqv - q[t * Dk + d] * qg);
-          dkv = rk * (dkv - k[t * Dk + d] * kg);
-        }
-        dq_out[row(t) * Dk + d] = from_float<T>(dqv);
-        dk_out[row(t) * Dk + d] = from_float<T>(dkv);
-      }
-      if constexpr (kDelta)
-        if (lane == 0) dbeta_out[row(t)] = from_float<T>(sDbeta[t]);
-    }
-    __syncthreads();  // scratch and shared memory are reused by the next item
   }
 }
 
@@ -1314,13 +796,18 @@ __global__ void __launch_bounds__(256, 1)
   }
 }
 
-// chunk_grad_kernel_tc: chunk_grad_kernel with every plain matrix product on
-// the tensor cores (block_mm, split tf32); the products with a per-dimension
-// pairwise decay (A, KK and their gradients) stay on the CUDA cores and read
-// q, k, b from shared memory. One block per multiprocessor (grid = SMs,
-// persistent); shared memory GradTraits::kSmemBytesTc (195 KB at D = 128);
-// the same scratch slices (its q, k, b slots unused); same phases
-// (tests/chunk_bwd_model.h).
+// chunk_grad_kernel_tc: all gradients of one chunk from S_c and dS_{c+1}.
+//   grid min(items, SMs), 256 threads, persistent: block i handles items
+//   (chunk c, head h) = item_begin + i, + gridDim.x, ... in turn. Every plain
+//   matrix product on the tensor cores (block_mm: split tf32 for fp32 inputs,
+//   plain tf32 for 16-bit ones); the pairwise-decay products of a vector gate
+//   in 16-row blocks (vector_decay_gram/path). q, k, b and the [C, C]
+//   matrices in shared memory (GradTraits::kSmemBytes, 195 KB at D = 128),
+//   the [C, D] intermediates in the block's slice of ws_scratch
+//   (GradTraits::kScratchFloats; its q, k, b slots unused). Phases (barriers
+//   between them) follow tests/chunk_bwd_model.h. (`_tc`: the CUDA-core
+//   reference versions of both backward kernels were removed on 2026-11-30,
+//   once these had passed every GPU test; the fp64 reference is the check.)
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm>
 __global__ void __launch_bounds__(256, 1)
     chunk_grad_kernel_tc(const __grid_constant__ BackwardArgs a) {
@@ -1816,90 +1303,71 @@ __global__ void __launch_bounds__(256, 1)
   }
 }
 
-// Which backward kernels use their tensor-core versions (a bit mask).
-enum TensorCorePaths : int {
-  kTensorCoreGrad = 1,  // chunk_grad_kernel_tc
-  kTensorCoreScan = 2,  // chunk_grad_scan_kernel_tc
-};
-
 // Host launch of the backward kernels for one (variant, dtype, head dims,
 // l2norm); the prepare stage has already run. grad_blocks: the persistent
-// grid of chunk_grad_kernel (the scratch holds that many slices);
-// tensor_cores: TensorCorePaths bits, which kernels run on the tensor cores.
+// grid of chunk_grad_kernel_tc (the scratch holds that many slices).
 template <Decay kDecay, Rule kRule, typename Elem, int Dk, int Dv, bool kL2Norm>
 void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int grad_blocks,
-                             int tensor_cores, cudaStream_t stream) {
+                             cudaStream_t stream) {
   constexpr int kBV = 16;
   const dim3 scan_grid(Dv / kBV, static_cast<unsigned>(a.f.heads),
                        static_cast<unsigned>(a.f.num_segments));
-  if (tensor_cores & kTensorCoreScan) {
-    using ScanTr = GradScanTraits<Elem, Dk, Dv, kBV>;
-    auto scan = chunk_grad_scan_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kBV>;
-    SS_CUDA_CHECK(cudaFuncSetAttribute(scan, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(ScanTr::kBytes)));
-    scan<<<scan_grid, ScanTr::kThreads, ScanTr::kBytes, stream>>>(a);
-    SS_LAUNCH_CHECK("chunk_grad_scan_kernel_tc");
-  } else {
-    chunk_grad_scan_kernel<kDecay, kRule, Elem, Dk, Dv, kBV><<<scan_grid, 256, 0, stream>>>(a);
-    SS_LAUNCH_CHECK("chunk_grad_scan_kernel");
-  }
+  using ScanTr = GradScanTraits<Elem, Dk, Dv, kBV>;
+  auto scan = chunk_grad_scan_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kBV>;
+  SS_CUDA_CHECK(cudaFuncSetAttribute(scan, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(ScanTr::kBytes)));
+  scan<<<scan_grid, ScanTr::kThreads, ScanTr::kBytes, stream>>>(a);
+  SS_LAUNCH_CHECK("chunk_grad_scan_kernel_tc");
   if (state_grad_only) return;
   using Tr = GradTraits<Dk, Dv>;
-  const bool grad_tc = (tensor_cores & kTensorCoreGrad) != 0;
-  auto grad = grad_tc ? chunk_grad_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kL2Norm>
-                      : chunk_grad_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
-  const size_t smem = grad_tc ? Tr::kSmemBytesTc : Tr::kSmemBytes;
+  auto grad = chunk_grad_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
   SS_CUDA_CHECK(cudaFuncSetAttribute(grad, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(smem)));
+                                     static_cast<int>(Tr::kSmemBytes)));
   if constexpr (!std::is_same_v<Elem, float>) {
-    if (grad_tc) {
-      // 16-bit inputs: the state products first, then the gradient kernel,
-      // one batch of sp_batch items at a time (their fp32 outputs stay
-      // bounded whatever T is).
-      SS_CHECK_ARG(a.ws_sp != nullptr && a.sp_batch > 0, "workspace",
-                   "has no room for the state products (backward_workspace_bytes)");
-      using SpTr = StateProductTraits<Elem, Dk, Dv>;
-      auto products = chunk_state_products_kernel<kRule, Elem, Dk, Dv>;
-      SS_CUDA_CHECK(cudaFuncSetAttribute(products, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(SpTr::kBytes)));
-      BackwardArgs batch = a;
-      for (int64_t begin = 0; begin < a.num_items; begin += a.sp_batch) {
-        batch.item_begin = begin;
-        batch.num_items = std::min(a.num_items, begin + a.sp_batch);
-        const int64_t items = batch.num_items - begin;
-        products<<<static_cast<unsigned>(items), SpTr::kThreads, SpTr::kBytes, stream>>>(batch);
-        SS_LAUNCH_CHECK("chunk_state_products_kernel");
-        grad<<<static_cast<unsigned>(std::min<int64_t>(grad_blocks, items)), Tr::kThreads, smem,
-               stream>>>(batch);
-        SS_LAUNCH_CHECK("chunk_grad_kernel_tc");
-      }
-      return;
+    // 16-bit inputs: the state products first, then the gradient kernel, one
+    // batch of sp_batch items at a time (their fp32 outputs stay bounded
+    // whatever T is).
+    SS_CHECK_ARG(a.ws_sp != nullptr && a.sp_batch > 0, "workspace",
+                 "has no room for the state products (backward_workspace_bytes)");
+    using SpTr = StateProductTraits<Elem, Dk, Dv>;
+    auto products = chunk_state_products_kernel<kRule, Elem, Dk, Dv>;
+    SS_CUDA_CHECK(cudaFuncSetAttribute(products, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(SpTr::kBytes)));
+    BackwardArgs batch = a;
+    for (int64_t begin = 0; begin < a.num_items; begin += a.sp_batch) {
+      batch.item_begin = begin;
+      batch.num_items = std::min(a.num_items, begin + a.sp_batch);
+      const int64_t items = batch.num_items - begin;
+      products<<<static_cast<unsigned>(items), SpTr::kThreads, SpTr::kBytes, stream>>>(batch);
+      SS_LAUNCH_CHECK("chunk_state_products_kernel");
+      grad<<<static_cast<unsigned>(std::min<int64_t>(grad_blocks, items)), Tr::kThreads,
+             Tr::kSmemBytes, stream>>>(batch);
+      SS_LAUNCH_CHECK("chunk_grad_kernel_tc");
     }
+    return;
   }
-  grad<<<grad_blocks, Tr::kThreads, smem, stream>>>(a);
-  SS_LAUNCH_CHECK(grad_tc ? "chunk_grad_kernel_tc" : "chunk_grad_kernel");
+  grad<<<grad_blocks, Tr::kThreads, Tr::kSmemBytes, stream>>>(a);
+  SS_LAUNCH_CHECK("chunk_grad_kernel_tc");
 }
 
 // Dispatch of one variant over dtype x head dim x l2norm; defined once per
 // variant in chunk_backward_<variant>.cu so the instantiations compile in parallel.
 template <Decay kDecay, Rule kRule>
 void launch_chunk_backward(const BackwardArgs& a, DType dtype, int64_t head_dim, bool l2norm,
-                           bool state_grad_only, int grad_blocks, int tensor_cores,
-                           cudaStream_t stream);
+                           bool state_grad_only, int grad_blocks, cudaStream_t stream);
 
 template <Decay kDecay, Rule kRule>
 void launch_chunk_backward_impl(const BackwardArgs& a, DType dtype, int64_t head_dim, bool l2norm,
-                                bool state_grad_only, int grad_blocks, int tensor_cores,
-                                cudaStream_t stream) {
+                                bool state_grad_only, int grad_blocks, cudaStream_t stream) {
   auto with_dim = [&](auto elem_tag) {
     using Elem = decltype(elem_tag);
     SS_DISPATCH_BOOL(l2norm, kL2Norm, [&] {
       if (head_dim == 64) {
         launch_backward_kernels<kDecay, kRule, Elem, 64, 64, kL2Norm>(
-            a, state_grad_only, grad_blocks, tensor_cores, stream);
+            a, state_grad_only, grad_blocks, stream);
       } else if (head_dim == 128) {
         launch_backward_kernels<kDecay, kRule, Elem, 128, 128, kL2Norm>(
-            a, state_grad_only, grad_blocks, tensor_cores, stream);
+            a, state_grad_only, grad_blocks, stream);
       } else {
         SS_FAIL("dk", "CUDA backward supports Dk == Dv in {64, 128}, got ", head_dim);
       }
@@ -1922,9 +1390,9 @@ void launch_chunk_backward_impl(const BackwardArgs& a, DType dtype, int64_t head
   template <>                                                                                     \
   void launch_chunk_backward<kDecay, kRule>(const BackwardArgs& a, DType dtype, int64_t head_dim, \
                                             bool l2norm, bool state_grad_only, int grad_blocks,   \
-                                            int tensor_cores, cudaStream_t stream) {              \
+                                            cudaStream_t stream) {                                \
     launch_chunk_backward_impl<kDecay, kRule>(a, dtype, head_dim, l2norm, state_grad_only,        \
-                                              grad_blocks, tensor_cores, stream);                 \
+                                              grad_blocks, stream);                               \
   }
 
 }  // namespace statescan::cuda::detail

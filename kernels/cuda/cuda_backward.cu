@@ -8,7 +8,7 @@
 //        A, gamma in T (with recompute_chunk_states the scan stage runs on the
 //        same plan and writes only the fp32 chunk states at the end)
 //   [dS_{c+1} per chunk, fp32 [chunks, H, Dk, Dv]]
-//   [chunk_grad_kernel scratch, fp32, one slice per persistent block]
+//   [chunk_grad_kernel_tc scratch, fp32, one slice per persistent block]
 //   [16-bit inputs: chunk_state_products_kernel's outputs for one batch of
 //    (chunk, head) items, fp32 (StateProductTraits::kOutFloats per item)]
 //   [recompute_chunk_states only: the fp32 chunk states]
@@ -52,39 +52,21 @@ int64_t scratch_floats_per_block(const MixerParams& p) {
   return p.dk == 64 ? GradTraits<64, 64>::kScratchFloats : GradTraits<128, 128>::kScratchFloats;
 }
 
-// Which backward kernels run their tensor-core versions
-// (detail::TensorCorePaths: 1 = gradient kernel, 2 = reverse scan): both by
-// default; STATESCAN_BWD_TC=<bits> overrides (0 = the CUDA-core reference
-// kernels, about 5x slower). Read once.
-int tensor_core_paths() {
-  static const int value = [] {
-    const char* text = std::getenv("STATESCAN_BWD_TC");
-    return text != nullptr ? (std::atoi(text) & 3) : 3;
-  }();
-  return value;
-}
-
-// Blocks per multiprocessor of the persistent gradient kernel: its shared
-// memory allows one for the tensor-core version, two for the CUDA-core one.
-int grad_blocks_per_sm() {
-  return (tensor_core_paths() & detail::kTensorCoreGrad) != 0 ? 1 : 2;
-}
-
-// Persistent grid of chunk_grad_kernel, never more blocks than (chunk, head) items.
+// Persistent grid of chunk_grad_kernel_tc (one block per multiprocessor: its
+// shared memory allows no more), never more blocks than (chunk, head) items.
 int grad_blocks(const MixerParams& p) {
   const int64_t items = max_chunks(p) * p.heads;
-  return static_cast<int>(
-      std::min<int64_t>(items, static_cast<int64_t>(grad_blocks_per_sm()) * multiprocessors()));
+  return static_cast<int>(std::min<int64_t>(items, multiprocessors()));
 }
 
-// 16-bit inputs on the tensor-core gradient kernel take the state products
-// from their own kernel (chunk_state_products_kernel), in batches of this many
+// 16-bit inputs take the state products from their own kernel
+// (chunk_state_products_kernel), in batches of this many
 // items per persistent block: 32 keep the launch tails small and bound the
 // batch's fp32 outputs at ~0.7 GB (D = 128, 132 SMs) whatever T is.
 constexpr int64_t kStateProductItemsPerBlock = 32;
 
 bool uses_state_products(const MixerParams& p) {
-  return (tensor_core_paths() & detail::kTensorCoreGrad) != 0 && p.dtype != DType::f32;
+  return p.dtype != DType::f32;
 }
 
 // STATESCAN_BWD_BATCH=<items> overrides the batch (less memory, more launches;
@@ -159,31 +141,30 @@ void launch_variant(const MixerBwdParams& p, const BackwardArgs& a, int blocks,
                     cudaStream_t stream) {
   using detail::launch_chunk_backward;
   const bool sgo = p.state_grad_only;
-  const int tc = tensor_core_paths();
   switch (p.variant) {
     case Variant::linear:
       launch_chunk_backward<Decay::none, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, sgo, blocks,
-                                                         tc, stream);
+                                                         stream);
       break;
     case Variant::retention:
       launch_chunk_backward<Decay::scalar, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, sgo,
-                                                           blocks, tc, stream);
+                                                           blocks, stream);
       break;
     case Variant::gla:
       launch_chunk_backward<Decay::vector, Rule::additive>(a, p.dtype, p.dk, p.l2norm_qk, sgo,
-                                                           blocks, tc, stream);
+                                                           blocks, stream);
       break;
     case Variant::deltanet:
       launch_chunk_backward<Decay::none, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, sgo, blocks,
-                                                      tc, stream);
+                                                      stream);
       break;
     case Variant::gated_deltanet:
       launch_chunk_backward<Decay::scalar, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, sgo, blocks,
-                                                        tc, stream);
+                                                        stream);
       break;
     case Variant::kda:
       launch_chunk_backward<Decay::vector, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, sgo, blocks,
-                                                        tc, stream);
+                                                        stream);
       break;
   }
 }
