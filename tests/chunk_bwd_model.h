@@ -13,23 +13,17 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/options.h"
 #include "kernels/cpu/reference.h"
 
 namespace statescan::test {
 
-// x rounded to bf16 (8-bit mantissa, round to nearest even; finite x).
+// x rounded to bf16 as the kernels' operands are (core's round_to).
 inline double round_bf16(double x) {
-  float f = static_cast<float>(x);
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  u &= 0xFFFF0000u;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+  return round_to(DType::bf16, static_cast<float>(x));
 }
 
 // Where the model rounds a value to bf16 as a tensor-core operand (the fp64
