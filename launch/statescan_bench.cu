@@ -736,7 +736,7 @@ int run_cp_model(const Options& opt) {
   std::snprintf(first_source, sizeof first_source, "%s",
                 opt.summary_fwd_first_ms > 0 ? "given" : "MODELLED");
   if (opt.summary_fwd_first_ms < 0 && opt.summary_fwd_ms > 0)
-    std::snprintf(first_source, sizeof first_source, "the counted E share (%.3f) of the given",
+    std::snprintf(first_source, sizeof first_source, "the modelled E share (%.3f) of the given",
                   first_share);
   std::snprintf(line, sizeof line,
                 "summary fwd: %s, summary fwd first rank: %s, summary bwd: %s, merge: %s",

@@ -56,8 +56,10 @@ int64_t cp_apply_flops(const CpLayer& layer);
 double cp_summary_flops(const CpLayer& layer, bool backward);
 // Counted work of the first rank's forward summary: E alone (chunk carry and
 // composing E; delta rules skip the chunk transition's M and composing M).
-// For Dk = Dv this is half of the delta rules' forward count, which matches
-// the measurement (KDA, H200: E alone 5.71 ms of E+M 11.49 ms, 49.7 %).
+// For Dk = Dv this is half of the delta rules' forward count, which matched
+// the measurement while E and M ran one after the other (KDA, H200: E alone
+// 5.71 ms of E+M 11.49 ms, 49.7 %); side by side (8.07 ms) E's own rate
+// (CpGpuModel::summary_first_flops_per_s) carries the difference.
 double cp_summary_first_flops(const CpLayer& layer);
 // HBM bytes the summary reads: k, v (dtype), gates (fp32), beta (dtype).
 double cp_summary_bytes(const CpLayer& layer);
