@@ -796,6 +796,12 @@ __global__ void __launch_bounds__(256, 1)
   }
 }
 
+}  // namespace statescan::cuda::detail
+
+#include "kernels/cuda/chunk_intra_grad.cuh"
+
+namespace statescan::cuda::detail {
+
 // chunk_grad_kernel_tc: all gradients of one chunk from S_c and dS_{c+1}.
 //   grid min(items, SMs), 256 threads, persistent: block i handles items
 //   (chunk c, head h) = item_begin + i, + gridDim.x, ... in turn. Every plain
@@ -1340,9 +1346,19 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
       const int64_t items = batch.num_items - begin;
       products<<<static_cast<unsigned>(items), SpTr::kThreads, SpTr::kBytes, stream>>>(batch);
       SS_LAUNCH_CHECK("chunk_state_products_kernel");
-      grad<<<static_cast<unsigned>(std::min<int64_t>(grad_blocks, items)), Tr::kThreads,
-             Tr::kSmemBytes, stream>>>(batch);
-      SS_LAUNCH_CHECK("chunk_grad_kernel_tc");
+      if constexpr (kDecay != Decay::vector) {
+        // Scalar or no gate: the intra-chunk products in the same form (b11).
+        using InTr = IntraTraits<Elem, Dk, Dv>;
+        auto intra = chunk_intra_grad_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
+        SS_CUDA_CHECK(cudaFuncSetAttribute(intra, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(InTr::kBytes)));
+        intra<<<static_cast<unsigned>(items), InTr::kThreads, InTr::kBytes, stream>>>(batch);
+        SS_LAUNCH_CHECK("chunk_intra_grad_kernel");
+      } else {
+        grad<<<static_cast<unsigned>(std::min<int64_t>(grad_blocks, items)), Tr::kThreads,
+               Tr::kSmemBytes, stream>>>(batch);
+        SS_LAUNCH_CHECK("chunk_grad_kernel_tc");
+      }
     }
     return;
   }

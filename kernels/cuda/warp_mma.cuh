@@ -61,17 +61,19 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[
   }
 }
 
-// One warp: acc (a 16 x 32 slab: four 16 x 8 tiles) += X[m0 .. m0+16, 0 .. K)
-// * Y[0 .. K, n0 .. n0+32), operands 16-bit in shared memory, K a multiple of 16.
+// One warp: acc (a 16 x 8*kNT slab: kNT 16 x 8 tiles, kNT even) +=
+// X[m0 .. m0+16, 0 .. K) * Y[0 .. K, n0 .. n0+8*kNT), operands 16-bit in
+// shared memory, K a multiple of 16.
 //   kXKM = false: X stored row-major as [M][K] (x[m * ldx + k]);
 //          true:  X stored as [K][M] (x[k * ldx + m]: X^T of a row-major array).
 //   kYKN = false: Y stored as [N][K] (y[n * ldy + k]: Y^T of a row-major array);
 //          true:  Y stored row-major as [K][N] (y[k * ldy + n]).
 // Row addresses must be 16-byte aligned (ld a multiple of 8 elements); an ld of
 // 8 (mod 64) elements keeps the eight rows of each 8 x 8 load on distinct banks.
-template <typename T, bool kXKM, bool kYKN>
-__device__ __forceinline__ void warp_mm_16x32(float (&acc)[4][4], const T* x, int ldx, const T* y,
-                                              int ldy, int m0, int n0, int K) {
+template <typename T, bool kXKM, bool kYKN, int kNT>
+__device__ __forceinline__ void warp_mm_16xn(float (&acc)[kNT][4], const T* x, int ldx, const T* y,
+                                             int ldy, int m0, int n0, int K) {
+  static_assert(kNT % 2 == 0, "n8 tiles come in pairs (one x4 load)");
   const int lane = threadIdx.x & 31;
   const int r8 = lane & 7, m1 = (lane >> 3) & 1, m2 = lane >> 4;
 #pragma unroll 4
@@ -83,7 +85,7 @@ __device__ __forceinline__ void warp_mm_16x32(float (&acc)[4][4], const T* x, in
     else
       ldmatrix_x4<true>(a, x + (k0 + r8 + 8 * m2) * ldx + m0 + 8 * m1);
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
+    for (int p = 0; p < kNT / 2; ++p) {
       const int nb = n0 + 16 * p;
       uint32_t b[4];
       // b[0], b[1] = tile nb (k 0-7, k 8-15); b[2], b[3] = tile nb + 8
@@ -95,6 +97,13 @@ __device__ __forceinline__ void warp_mm_16x32(float (&acc)[4][4], const T* x, in
       mma_m16n8k16<T>(acc[2 * p + 1], a, b[2], b[3]);
     }
   }
+}
+
+// The 16 x 32 slab (four tiles) chunk_state_products_kernel takes.
+template <typename T, bool kXKM, bool kYKN>
+__device__ __forceinline__ void warp_mm_16x32(float (&acc)[4][4], const T* x, int ldx, const T* y,
+                                              int ldy, int m0, int n0, int K) {
+  warp_mm_16xn<T, kXKM, kYKN, 4>(acc, x, ldx, y, ldy, m0, n0, K);
 }
 
 // Two floats as one 32-bit pair of T (element 0 in the low half).

@@ -1,0 +1,521 @@
+// chunk_intra_grad_kernel (backward b11, branch bwd-intra-b11; NOT yet run on a
+// GPU): the per-chunk gradients after chunk_state_products_kernel, for 16-bit
+// inputs with a scalar gate or none (linear, retention, deltanet,
+// gated_deltanet; vector gates keep chunk_grad_kernel_tc). It replaces
+// chunk_grad_kernel_tc's per-block global scratch by the b8 form
+// (kernels/cuda/PERF_NOTES.md, "Plan for the intra-chunk kernel"): every
+// operand in shared memory in the input's 16-bit type, the [C, Dk]
+// accumulators gq, gk (and gx, below) in registers, each warp owning one
+// 16-row x Dk/2-column slab of all of them for the whole item, so the
+// products add into them without a memory round trip. The math is
+// chunk_grad_kernel_tc's phase for phase (tests/chunk_bwd_model.h); its
+// precision with these bf16 operands is bounded on the CPU by
+// test_chunk_bwd_model's ChunkBwdModelBf16 ("b11_plan").
+//
+// Scalar gate: G_t = inclusive cumsum of the chunk's log gates; the pairwise
+// decay e^{G_t - G_s} (s <= t) multiplies C x C matrices elementwise, so every
+// product is a plain tensor-core product.
+//
+// db (the gradient w.r.t. the gate cumsum) is not kept per element: with
+// gk = gk_A + gkh + kh + kt (the A path, the T^T dW term and the two dMm
+// paths), the current kernel's db = gq q - gk_A k + gkh k + (kh - kt) k equals
+// gq q - gk k + 2 (gkh + kh) k, so a third accumulator gx = gkh + kh suffices
+// and db's row sums are taken at the end.
+//   grid (items in the batch), 256 threads, IntraTraits::kBytes of dynamic
+//   shared memory (201 KB at D = 128), one block per multiprocessor.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/warp_mma.cuh"
+
+namespace statescan::cuda::detail {
+
+template <typename T, int Dk, int Dv>
+struct IntraTraits {
+  static constexpr int kMaxChunk = 64, kThreads = 256, kWarps = 8;
+  static constexpr int kLdK = Dk + 8, kLdV = Dv + 8, kLdC = kMaxChunk + 8;  // 16-bit pitches
+  static constexpr int kLdF = kMaxChunk + 4;                                 // fp32 C x C pitch
+  static constexpr size_t kKTile = sizeof(T) * kMaxChunk * kLdK;
+  static constexpr size_t kVTile = sizeof(T) * kMaxChunk * kLdV;
+  static constexpr size_t kCTile = sizeof(T) * kMaxChunk * kLdC;
+  static constexpr size_t kFTile = sizeof(float) * kMaxChunk * kLdF;
+  // q, k, dW ([C, Dk]); v, dO, V', dV' ([C, Dv]); T, dA, dT, tmp, M' (16-bit
+  // C x C); KK, dMm (fp32 C x C); per-row vectors.
+  static constexpr size_t kOffQ = 0, kOffK = kOffQ + kKTile, kOffDW = kOffK + kKTile;
+  static constexpr size_t kOffV = kOffDW + kKTile, kOffDO = kOffV + kVTile;
+  static constexpr size_t kOffVp = kOffDO + kVTile, kOffDVp = kOffVp + kVTile;
+  static constexpr size_t kOffHT = kOffDVp + kVTile, kOffHDA = kOffHT + kCTile;
+  static constexpr size_t kOffHDT = kOffHDA + kCTile, kOffHTmp = kOffHDT + kCTile;
+  static constexpr size_t kOffHM = kOffHTmp + kCTile;
+  static constexpr size_t kOffFKK = kOffHM + kCTile, kOffFDM = kOffFKK + kFTile;
+  static constexpr size_t kOffRows = kOffFDM + kFTile;
+  // Row vectors (floats): G, beta, rq, rk, dbeta from dMm; [2][C] halves of
+  // the row sums dbeta, q.gq, k.gk, db; 8 warp partials.
+  static constexpr int kRowFloats = 5 * kMaxChunk + 4 * 2 * kMaxChunk + kWarps;
+  static constexpr size_t kBytes = kOffRows + sizeof(float) * kRowFloats;
+  static_assert(kBytes <= 227 * 1024, "chunk_intra_grad_kernel exceeds Hopper shared memory");
+  static_assert(Dk % 32 == 0 && Dv % 32 == 0, "each warp takes half the columns in n8 pairs");
+};
+
+// Sum over the four lanes of a quad (the lanes holding one accumulator row).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm>
+__global__ void __launch_bounds__(256, 1)
+    chunk_intra_grad_kernel(const __grid_constant__ BackwardArgs a) {
+  static_assert(kDecay != Decay::vector, "vector gates keep chunk_grad_kernel_tc");
+  static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
+  using Tr = IntraTraits<T, Dk, Dv>;
+  using SpTr = StateProductTraits<T, Dk, Dv>;
+  constexpr bool kDelta = kRule == Rule::delta;
+  constexpr bool kScalar = kDecay == Decay::scalar;
+  constexpr int kLdK = Tr::kLdK, kLdV = Tr::kLdV, kLdC = Tr::kLdC, kLdF = Tr::kLdF;
+  constexpr int kMC = Tr::kMaxChunk, kWarps = Tr::kWarps, kThreads = Tr::kThreads;
+  constexpr int kNTk = Dk / 16, kNTv = Dv / 16;  // n8 tiles in a warp's half of the columns
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  auto at = [&](size_t off) { return smem_bytes + off; };
+  T* sQ = reinterpret_cast<T*>(at(Tr::kOffQ));  // normalised q, operand copy
+  T* sK = reinterpret_cast<T*>(at(Tr::kOffK));  // normalised k, operand copy
+  T* sDW = reinterpret_cast<T*>(at(Tr::kOffDW));
+  T* sV = reinterpret_cast<T*>(at(Tr::kOffV));
+  T* sDO = reinterpret_cast<T*>(at(Tr::kOffDO));
+  T* sVp = reinterpret_cast<T*>(at(Tr::kOffVp));
+  T* sDVp = reinterpret_cast<T*>(at(Tr::kOffDVp));
+  T* hT = reinterpret_cast<T*>(at(Tr::kOffHT));
+  T* hDA = reinterpret_cast<T*>(at(Tr::kOffHDA));
+  T* hDT = reinterpret_cast<T*>(at(Tr::kOffHDT));
+  T* hTmp = reinterpret_cast<T*>(at(Tr::kOffHTmp));
+  T* hM = reinterpret_cast<T*>(at(Tr::kOffHM));  // diag(beta) dMm with the decay
+  float* fKK = reinterpret_cast<float*>(at(Tr::kOffFKK));
+  float* fDM = reinterpret_cast<float*>(at(Tr::kOffFDM));
+  float* sG = reinterpret_cast<float*>(at(Tr::kOffRows));
+  float* sBeta = sG + kMC;
+  float* sRq = sBeta + kMC;
+  float* sRk = sRq + kMC;
+  float* sDbM = sRk + kMC;            // dbeta from dMm . KK
+  float* sDbA = sDbM + kMC;           // [2][C] dbeta from T^T dU . v and T^T dW . K^
+  float* sQG = sDbA + 2 * kMC;        // [2][C] q . gq
+  float* sKG = sQG + 2 * kMC;         // [2][C] k . gk
+  float* sDb = sKG + 2 * kMC;         // [2][C] row sums of db
+  float* sWarpPart = sDb + 2 * kMC;   // [8] column-sum partials
+
+  const ForwardArgs& f = a.f;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, i2 = 2 * (lane & 3);
+  const int64_t H = f.heads, item = a.item_begin + blockIdx.x, c = item / H, h = item % H;
+  int64_t token0;
+  int L;
+  chunk_geometry(f, c, token0, L);
+  const int C = f.chunk, nb = C / 16;
+  const float scale = f.scale;
+  const float* sp = a.ws_sp + static_cast<int64_t>(blockIdx.x) * SpTr::kOutFloats;
+  auto row = [&](int t) { return (token0 + t) * H + h; };
+  const T* q_in = static_cast<const T*>(f.q);
+  const T* k_in = static_cast<const T*>(f.k);
+  const T* v_in = static_cast<const T*>(f.v);
+  const T* do_in = static_cast<const T*>(a.d_o);
+  const T* beta_in = static_cast<const T*>(f.beta);
+  // e^{G_t - G_s} (1 without a gate).
+  auto decay = [&](int t, int s) -> float {
+    if constexpr (kScalar) return __expf(sG[t] - sG[s]);
+    return 1.f;
+  };
+  auto up = [&](int t) -> float {  // e^{G_t}
+    if constexpr (kScalar) return __expf(sG[t]);
+    return 1.f;
+  };
+
+  // ---- load --------------------------------------------------------------
+  // v and dO rows (asynchronous; rows past the chunk's end are zeros).
+  {
+    constexpr int kVec = 8, kRowVecs = Dv / kVec;
+    for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
+      const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
+      if (t < L) {
+        cp_async16(sV + t * kLdV + j, v_in + row(t) * Dv + j);
+        cp_async16(sDO + t * kLdV + j, do_in + row(t) * Dv + j);
+      } else {
+        *reinterpret_cast<uint4*>(sV + t * kLdV + j) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(sDO + t * kLdV + j) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    cp_async_commit();
+  }
+  // q, k normalised (x / sqrt(|x|^2 + 1e-6), as the forward) into the operand
+  // copies, one warp per row.
+  {
+    constexpr int kPer = Dk / 32;
+    for (int t = warp; t < C; t += kWarps) {
+      const bool valid = t < L;
+      float xq[kPer], xk[kPer], qq = 0.f, kk = 0.f;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) {
+        const int d = lane * kPer + e;
+        xq[e] = valid ? to_float(q_in[row(t) * Dk + d]) : 0.f;
+        xk[e] = valid ? to_float(k_in[row(t) * Dk + d]) : 0.f;
+        qq += xq[e] * xq[e];
+        kk += xk[e] * xk[e];
+      }
+      float rq = 1.f, rk = 1.f;
+      if constexpr (kL2Norm) {
+        rq = 1.f / sqrtf(warp_sum(qq) + 1e-6f);
+        rk = 1.f / sqrtf(warp_sum(kk) + 1e-6f);
+      }
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) {
+        const int d = lane * kPer + e;
+        sQ[t * kLdK + d] = from_float<T>(xq[e] * rq);
+        sK[t * kLdK + d] = from_float<T>(xk[e] * rk);
+      }
+      if (lane == 0) {
+        sRq[t] = rq;
+        sRk[t] = rk;
+      }
+    }
+  }
+  if (tid < C) {
+    const bool valid = tid < L;
+    sBeta[tid] = kDelta && valid ? to_float(beta_in[row(tid)]) : 0.f;
+    sG[tid] = kScalar && valid ? f.g[row(tid)] : 0.f;
+  }
+  // V', dV', dW from the state products as operand copies.
+  if constexpr (kDelta) {
+    for (int idx = tid; idx < C * Dv / 4; idx += kThreads) {
+      const int t = idx / (Dv / 4), j = (idx % (Dv / 4)) * 4;
+      const float4 x = load4(sp + SpTr::kOffVp + t * Dv + j);
+      const float4 y = load4(sp + SpTr::kOffDVp + t * Dv + j);
+      *reinterpret_cast<uint2*>(sVp + t * kLdV + j) = make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
+      *reinterpret_cast<uint2*>(sDVp + t * kLdV + j) =
+          make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+    }
+    for (int idx = tid; idx < C * Dk / 4; idx += kThreads) {
+      const int t = idx / (Dk / 4), d = (idx % (Dk / 4)) * 4;
+      const float4 x = load4(sp + SpTr::kOffDW + t * Dk + d);
+      *reinterpret_cast<uint2*>(sDW + t * kLdK + d) = make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
+    }
+  }
+  __syncthreads();
+  if constexpr (kScalar) {
+    if (tid == 0) {
+      float run = 0.f;
+      for (int t = 0; t < C; ++t) {
+        run += sG[t];
+        sG[t] = run;
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Each warp's slab of the [C, D] arrays: rows m0 .. m0+16, half the columns.
+  const int rt = warp & 3, half = warp >> 2;
+  const bool active = rt < nb;
+  const int m0 = 16 * rt, n0k = half * (Dk / 2), n0v = half * (Dv / 2);
+  // Element (j, e) of a slab: row m0 + g + 8 (e >> 1), column n0 + 8 j + i2 + (e & 1).
+  auto erow = [&](int e) { return m0 + g + 8 * (e >> 1); };
+
+  // ---- accumulators from the state products --------------------------------
+  float gq[kNTk][4], gk[kNTk][4], gx[kNTk][4];
+  {
+    float part = 0.f;  // sum of the K_ path's gk . k (it lands on the last row's db)
+#pragma unroll
+    for (int j = 0; j < kNTk; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        gq[j][e] = gk[j][e] = gx[j][e] = 0.f;
+        if (active) {
+          const int r = erow(e), col = n0k + 8 * j + i2 + (e & 1);
+          const float down = kScalar ? __expf(sG[C - 1] - sG[r]) : 1.f;
+          gq[j][e] = sp[SpTr::kOffGq + r * Dk + col] * scale * up(r);
+          gk[j][e] = sp[SpTr::kOffGk + r * Dk + col] * down;
+          part += gk[j][e] * to_float(sK[r * kLdK + col]);
+        }
+      }
+    part = warp_sum(part);
+    if (lane == 0) sWarpPart[warp] = part;
+  }
+
+  // 16 x 16 slabs (I, J) of the C x C products, J <= I (the lower triangle).
+  auto for_lower_slabs = [&](auto&& body) {
+    for (int sl = warp; sl < nb * (nb + 1) / 2; sl += kWarps) {
+      int I = 0, rest = sl;
+      while (rest > I) rest -= ++I;
+      body(I, rest);
+    }
+  };
+  auto for_all_slabs = [&](auto&& body) {
+    for (int sl = warp; sl < nb * nb; sl += kWarps) body(sl / nb, sl % nb);
+  };
+  // Element (j, e) of a 16 x 16 slab at (16 I, 16 J): row 16 I + g + 8 (e >> 1),
+  // column 16 J + 8 j + i2 + (e & 1).
+
+  if constexpr (kDelta) {
+    // ---- KK = strict_lower(K K^T) with the decay (fp32) --------------------
+    for_lower_slabs([&](int I, int J) {
+      float acc[2][4] = {};
+      warp_mm_16xn<T, false, false, 2>(acc, sK, kLdK, sK, kLdK, 16 * I, 16 * J, Dk);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = 16 * I + g + 8 * (e >> 1), s = 16 * J + 8 * j + i2 + (e & 1);
+          fKK[t * kLdF + s] = s < t ? acc[j][e] * decay(t, s) : 0.f;
+        }
+    });
+    __syncthreads();
+    // ---- T = (I + diag(beta) KK)^{-1}, one thread per column (registers) ----
+    if (tid < C) {
+      const int s = tid;
+      float x[kMC];
+#pragma unroll
+      for (int t = 0; t < kMC; ++t) {
+        if (t < C) {
+          float part = 0.f;
+#pragma unroll
+          for (int r = 0; r < t; ++r) part += fKK[t * kLdF + r] * x[r];
+          x[t] = (t == s ? 1.f : 0.f) - sBeta[t] * part;
+          hT[t * kLdC + s] = from_float<T>(x[t]);
+        }
+      }
+    }
+  }
+
+  // ---- dA = dO V'^T (lower, scaled, decayed; zeros above) -------------------
+  {
+    const T* vp = kDelta ? sVp : sV;
+    for_all_slabs([&](int I, int J) {
+      float acc[2][4] = {};
+      if (J <= I) warp_mm_16xn<T, false, false, 2>(acc, sDO, kLdV, vp, kLdV, 16 * I, 16 * J, Dv);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int t = 16 * I + g + 8 * (e >> 1), s = 16 * J + 8 * j + i2;
+          const float x = s <= t ? acc[j][e] * scale * decay(t, s) : 0.f;
+          const float y = s + 1 <= t ? acc[j][e + 1] * scale * decay(t, s + 1) : 0.f;
+          *reinterpret_cast<uint32_t*>(hDA + t * kLdC + s) = pack2<T>(x, y);
+        }
+    });
+  }
+  __syncthreads();
+
+  // ---- A path: gq += dA K, gk += dA^T Q ------------------------------------
+  if (active) {
+    warp_mm_16xn<T, false, true, kNTk>(gq, hDA, kLdC, sK, kLdK, m0, n0k, C);
+    warp_mm_16xn<T, true, true, kNTk>(gk, hDA, kLdC, sQ, kLdK, m0, n0k, C);
+  }
+
+  if constexpr (kDelta) {
+    // ---- T^T dU: dv = beta T^T dU; dbeta's T^T dU . v ----------------------
+    if (active) {
+      float tu[kNTv][4] = {};
+      warp_mm_16xn<T, true, true, kNTv>(tu, hT, kLdC, sDVp, kLdV, m0, n0v, C);
+      float dbp[2] = {0.f, 0.f};
+      T* dv_out = static_cast<T*>(a.dv);
+#pragma unroll
+      for (int j = 0; j < kNTv; ++j)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = m0 + g + 8 * hr, col = n0v + 8 * j + i2;
+          const float x = tu[j][2 * hr], y = tu[j][2 * hr + 1];
+          const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(sV + r * kLdV + col));
+          dbp[hr] += x * v2.x + y * v2.y;
+          if (r < L)
+            *reinterpret_cast<uint32_t*>(dv_out + row(r) * Dv + col) =
+                pack2<T>(sBeta[r] * x, sBeta[r] * y);
+        }
+      // ---- T^T dW: gk += beta e^{G} T^T dW (into gx too); dbeta's . K^ ------
+      float tw[kNTk][4] = {};
+      warp_mm_16xn<T, true, true, kNTk>(tw, hT, kLdC, sDW, kLdK, m0, n0k, C);
+#pragma unroll
+      for (int j = 0; j < kNTk; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = erow(e), col = n0k + 8 * j + i2 + (e & 1);
+          const float eb = up(r);
+          const float gkh = sBeta[r] * eb * tw[j][e];
+          gk[j][e] += gkh;
+          gx[j][e] += gkh;
+          dbp[e >> 1] += tw[j][e] * to_float(sK[r * kLdK + col]) * eb;
+        }
+      dbp[0] = quad_sum(dbp[0]);
+      dbp[1] = quad_sum(dbp[1]);
+      if ((lane & 3) == 0) {
+        sDbA[half * kMC + m0 + g] = dbp[0];
+        sDbA[half * kMC + m0 + g + 8] = dbp[1];
+      }
+    }
+    // ---- dT = beta_s (dV' V^T + dW K^T e^{G_s}), strictly lower ------------
+    for_all_slabs([&](int I, int J) {
+      float p1[2][4] = {}, p2[2][4] = {};
+      if (J <= I) {
+        warp_mm_16xn<T, false, false, 2>(p1, sDVp, kLdV, sV, kLdV, 16 * I, 16 * J, Dv);
+        warp_mm_16xn<T, false, false, 2>(p2, sDW, kLdK, sK, kLdK, 16 * I, 16 * J, Dk);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int t = 16 * I + g + 8 * (e >> 1), s = 16 * J + 8 * j + i2;
+          const float x = s < t ? sBeta[s] * (p1[j][e] + p2[j][e] * up(s)) : 0.f;
+          const float y = s + 1 < t ? sBeta[s + 1] * (p1[j][e + 1] + p2[j][e + 1] * up(s + 1)) : 0.f;
+          *reinterpret_cast<uint32_t*>(hDT + t * kLdC + s) = pack2<T>(x, y);
+        }
+    });
+    __syncthreads();
+    // ---- tmp = dT T^T ------------------------------------------------------
+    for_all_slabs([&](int I, int J) {
+      float acc[2][4] = {};
+      warp_mm_16xn<T, false, false, 2>(acc, hDT, kLdC, hT, kLdC, 16 * I, 16 * J, C);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int t = 16 * I + g + 8 * (e >> 1), s = 16 * J + 8 * j + i2;
+          *reinterpret_cast<uint32_t*>(hTmp + t * kLdC + s) = pack2<T>(acc[j][e], acc[j][e + 1]);
+        }
+    });
+    __syncthreads();
+    // ---- dMm = -strict_lower(T^T tmp); M' = diag(beta) dMm with the decay ----
+    for_all_slabs([&](int I, int J) {
+      float acc[2][4] = {};
+      if (J <= I) warp_mm_16xn<T, true, true, 2>(acc, hT, kLdC, hTmp, kLdC, 16 * I, 16 * J, C);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int t = 16 * I + g + 8 * (e >> 1), s = 16 * J + 8 * j + i2;
+          const float m0v = s < t ? -acc[j][e] : 0.f, m1v = s + 1 < t ? -acc[j][e + 1] : 0.f;
+          fDM[t * kLdF + s] = m0v;
+          fDM[t * kLdF + s + 1] = m1v;
+          *reinterpret_cast<uint32_t*>(hM + t * kLdC + s) =
+              pack2<T>(sBeta[t] * m0v * decay(t, s), sBeta[t] * m1v * decay(t, s + 1));
+        }
+    });
+    __syncthreads();
+    // dbeta's dMm . KK (a warp per row).
+    for (int t = warp; t < C; t += kWarps) {
+      float acc = 0.f;
+      for (int s = lane; s < t; s += 32) acc += fDM[t * kLdF + s] * fKK[t * kLdF + s];
+      acc = warp_sum(acc);
+      if (lane == 0) sDbM[t] = acc;
+    }
+    // ---- kh = M' K (gk and gx), kt = M'^T K (gk) ----------------------------
+    if (active) {
+      float kh[kNTk][4] = {};
+      warp_mm_16xn<T, false, true, kNTk>(kh, hM, kLdC, sK, kLdK, m0, n0k, C);
+#pragma unroll
+      for (int j = 0; j < kNTk; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          gk[j][e] += kh[j][e];
+          gx[j][e] += kh[j][e];
+        }
+      warp_mm_16xn<T, true, true, kNTk>(gk, hM, kLdC, sK, kLdK, m0, n0k, C);
+    }
+  } else {
+    // Additive rules: dv = dV'.
+    T* dv_out = static_cast<T*>(a.dv);
+    for (int idx = tid; idx < L * Dv / 4; idx += kThreads) {
+      const int t = idx / (Dv / 4), j = (idx % (Dv / 4)) * 4;
+      store4(dv_out + row(t) * Dv + j, load4(sp + SpTr::kOffDVp + t * Dv + j));
+    }
+  }
+
+  // ---- row sums: q . gq, k . gk, db (exact normalised q, k from the input) ---
+  if (active) {
+    float qg[2] = {0.f, 0.f}, kg[2] = {0.f, 0.f}, db[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kNTk; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = m0 + g + 8 * hr, col = n0k + 8 * j + i2;
+        if (r < L) {
+          const float2 q2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(q_in + row(r) * Dk + col));
+          const float2 k2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(k_in + row(r) * Dk + col));
+          const float qa = q2.x * sRq[r], qb = q2.y * sRq[r];
+          const float ka = k2.x * sRk[r], kb = k2.y * sRk[r];
+          qg[hr] += qa * gq[j][2 * hr] + qb * gq[j][2 * hr + 1];
+          kg[hr] += ka * gk[j][2 * hr] + kb * gk[j][2 * hr + 1];
+          db[hr] += qa * gq[j][2 * hr] + qb * gq[j][2 * hr + 1] -
+                    ka * (gk[j][2 * hr] - 2.f * gx[j][2 * hr]) -
+                    kb * (gk[j][2 * hr + 1] - 2.f * gx[j][2 * hr + 1]);
+        }
+      }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      qg[hr] = quad_sum(qg[hr]);
+      kg[hr] = quad_sum(kg[hr]);
+      db[hr] = quad_sum(db[hr]);
+    }
+    if ((lane & 3) == 0) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = m0 + g + 8 * hr;
+        sQG[half * kMC + r] = qg[hr];
+        sKG[half * kMC + r] = kg[hr];
+        sDb[half * kMC + r] = db[hr];
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- dq, dk through the L2 norm: dx = r (dn - n (n . dn)) ------------------
+  if (active) {
+    T* dq_out = static_cast<T*>(a.dq);
+    T* dk_out = static_cast<T*>(a.dk);
+#pragma unroll
+    for (int j = 0; j < kNTk; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = m0 + g + 8 * hr, col = n0k + 8 * j + i2;
+        if (r >= L) continue;
+        float x0 = gq[j][2 * hr], x1 = gq[j][2 * hr + 1];
+        float y0 = gk[j][2 * hr], y1 = gk[j][2 * hr + 1];
+        if constexpr (kL2Norm) {
+          const float2 q2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(q_in + row(r) * Dk + col));
+          const float2 k2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(k_in + row(r) * Dk + col));
+          const float rq = sRq[r], rk = sRk[r];
+          const float qgr = sQG[r] + sQG[kMC + r], kgr = sKG[r] + sKG[kMC + r];
+          x0 = rq * (x0 - q2.x * rq * qgr);
+          x1 = rq * (x1 - q2.y * rq * qgr);
+          y0 = rk * (y0 - k2.x * rk * kgr);
+          y1 = rk * (y1 - k2.y * rk * kgr);
+        }
+        *reinterpret_cast<uint32_t*>(dq_out + row(r) * Dk + col) = pack2<T>(x0, x1);
+        *reinterpret_cast<uint32_t*>(dk_out + row(r) * Dk + col) = pack2<T>(y0, y1);
+      }
+  }
+  if constexpr (kDelta) {
+    if (tid < L)
+      static_cast<T*>(a.dbeta)[row(tid)] =
+          from_float<T>(sDbA[tid] + sDbA[kMC + tid] + sDbM[tid]);
+  }
+  // ---- dg: the rows' db, the last row also the K_ path's column sums and
+  // dgamma . gamma, reverse-cumulated -------------------------------------
+  if constexpr (kScalar) {
+    if (warp == 0) {
+      const float* dgamma = sp + SpTr::kOffDgamma;
+      float dgs = 0.f;
+      for (int d = lane; d < Dk; d += 32) dgs += dgamma[d];
+      dgs = warp_sum(dgs);
+      if (lane == 0) {
+        float last = dgs * __expf(sG[C - 1]);
+        for (int w = 0; w < kWarps; ++w) last += sWarpPart[w];
+        float run = 0.f;
+        for (int t = L - 1; t >= 0; --t) {
+          run += sDb[t] + sDb[kMC + t] + (t == L - 1 ? last : 0.f);
+          a.dg[row(t)] = run;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace statescan::cuda::detail
