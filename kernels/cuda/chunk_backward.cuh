@@ -799,6 +799,7 @@ __global__ void __launch_bounds__(256, 1)
 }  // namespace statescan::cuda::detail
 
 #include "kernels/cuda/chunk_intra_grad.cuh"
+#include "kernels/cuda/chunk_intra_grad_vector.cuh"
 
 namespace statescan::cuda::detail {
 
@@ -1325,10 +1326,6 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
   scan<<<scan_grid, ScanTr::kThreads, ScanTr::kBytes, stream>>>(a);
   SS_LAUNCH_CHECK("chunk_grad_scan_kernel_tc");
   if (state_grad_only) return;
-  using Tr = GradTraits<Dk, Dv>;
-  auto grad = chunk_grad_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
-  SS_CUDA_CHECK(cudaFuncSetAttribute(grad, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(Tr::kSmemBytes)));
   if constexpr (!std::is_same_v<Elem, float>) {
     // 16-bit inputs: the state products first, then the gradient kernel, one
     // batch of sp_batch items at a time (their fp32 outputs stay bounded
@@ -1346,8 +1343,8 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
       const int64_t items = batch.num_items - begin;
       products<<<static_cast<unsigned>(items), SpTr::kThreads, SpTr::kBytes, stream>>>(batch);
       SS_LAUNCH_CHECK("chunk_state_products_kernel");
+      // The intra-chunk gradients in the same form (b11): one block per item.
       if constexpr (kDecay != Decay::vector) {
-        // Scalar or no gate: the intra-chunk products in the same form (b11).
         using InTr = IntraTraits<Elem, Dk, Dv>;
         auto intra = chunk_intra_grad_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
         SS_CUDA_CHECK(cudaFuncSetAttribute(intra, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1355,15 +1352,23 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
         intra<<<static_cast<unsigned>(items), InTr::kThreads, InTr::kBytes, stream>>>(batch);
         SS_LAUNCH_CHECK("chunk_intra_grad_kernel");
       } else {
-        grad<<<static_cast<unsigned>(std::min<int64_t>(grad_blocks, items)), Tr::kThreads,
-               Tr::kSmemBytes, stream>>>(batch);
-        SS_LAUNCH_CHECK("chunk_grad_kernel_tc");
+        using InTr = IntraVecTraits<Elem, Dk, Dv>;
+        auto intra = chunk_intra_grad_vector_kernel<kRule, Elem, Dk, Dv, kL2Norm>;
+        SS_CUDA_CHECK(cudaFuncSetAttribute(intra, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(InTr::kBytes)));
+        intra<<<static_cast<unsigned>(items), InTr::kThreads, InTr::kBytes, stream>>>(batch);
+        SS_LAUNCH_CHECK("chunk_intra_grad_vector_kernel");
       }
     }
-    return;
+  } else {
+    // fp32 inputs: one persistent kernel in split tf32 (fp32 accuracy).
+    using Tr = GradTraits<Dk, Dv>;
+    auto grad = chunk_grad_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
+    SS_CUDA_CHECK(cudaFuncSetAttribute(grad, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(Tr::kSmemBytes)));
+    grad<<<grad_blocks, Tr::kThreads, Tr::kSmemBytes, stream>>>(a);
+    SS_LAUNCH_CHECK("chunk_grad_kernel_tc");
   }
-  grad<<<grad_blocks, Tr::kThreads, Tr::kSmemBytes, stream>>>(a);
-  SS_LAUNCH_CHECK("chunk_grad_kernel_tc");
 }
 
 // Dispatch of one variant over dtype x head dim x l2norm; defined once per

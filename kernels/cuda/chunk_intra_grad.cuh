@@ -1,7 +1,7 @@
-// chunk_intra_grad_kernel (backward b11, branch bwd-intra-b11; NOT yet run on a
-// GPU): the per-chunk gradients after chunk_state_products_kernel, for 16-bit
-// inputs with a scalar gate or none (linear, retention, deltanet,
-// gated_deltanet; vector gates keep chunk_grad_kernel_tc). It replaces
+// chunk_intra_grad_kernel (backward b11): the per-chunk gradients after
+// chunk_state_products_kernel, for 16-bit inputs with a scalar gate or none
+// (linear, retention, deltanet, gated_deltanet; vector gates:
+// chunk_intra_grad_vector.cuh, with the helpers below). It replaces
 // chunk_grad_kernel_tc's per-block global scratch by the b8 form
 // (kernels/cuda/PERF_NOTES.md, "Plan for the intra-chunk kernel"): every
 // operand in shared memory in the input's 16-bit type, the [C, Dk]
@@ -64,6 +64,188 @@ __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   x += __shfl_xor_sync(0xffffffffu, x, 2);
   return x;
+}
+
+// ---- helpers shared with chunk_intra_grad_vector_kernel -------------------
+// `row(t)`: the global row (token * H + head) of the chunk's row t.
+
+// v and dO rows into 16-bit tiles by cp.async (committed, not waited); rows
+// past the chunk's end are zeros.
+template <int kThreads, int Dv, typename T, typename Row>
+__device__ __forceinline__ void intra_load_v_do(T* sV, T* sDO, int ld, const T* v_in,
+                                                const T* do_in, Row row, int C, int L) {
+  constexpr int kVec = 8, kRowVecs = Dv / kVec;  // 16-byte copies per row
+  for (int idx = threadIdx.x; idx < C * kRowVecs; idx += kThreads) {
+    const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
+    if (t < L) {
+      cp_async16(sV + t * ld + j, v_in + row(t) * Dv + j);
+      cp_async16(sDO + t * ld + j, do_in + row(t) * Dv + j);
+    } else {
+      *reinterpret_cast<uint4*>(sV + t * ld + j) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(sDO + t * ld + j) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  cp_async_commit();
+}
+
+// q, k normalised (x / sqrt(|x|^2 + 1e-6), as the forward) into 16-bit
+// operand copies, one warp per row; the row factors into sRq, sRk (1 without
+// the norm). Rows past the chunk's end are zeros.
+template <int kWarps, int Dk, bool kL2Norm, typename T, typename Row>
+__device__ __forceinline__ void intra_load_qk(T* sQ, T* sK, int ld, float* sRq, float* sRk,
+                                              const T* q_in, const T* k_in, Row row, int C, int L) {
+  constexpr int kPer = Dk / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int t = warp; t < C; t += kWarps) {
+    const bool valid = t < L;
+    float xq[kPer], xk[kPer], qq = 0.f, kk = 0.f;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int d = lane * kPer + e;
+      xq[e] = valid ? to_float(q_in[row(t) * Dk + d]) : 0.f;
+      xk[e] = valid ? to_float(k_in[row(t) * Dk + d]) : 0.f;
+      qq += xq[e] * xq[e];
+      kk += xk[e] * xk[e];
+    }
+    float rq = 1.f, rk = 1.f;
+    if constexpr (kL2Norm) {
+      rq = 1.f / sqrtf(warp_sum(qq) + 1e-6f);
+      rk = 1.f / sqrtf(warp_sum(kk) + 1e-6f);
+    }
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int d = lane * kPer + e;
+      sQ[t * ld + d] = from_float<T>(xq[e] * rq);
+      sK[t * ld + d] = from_float<T>(xk[e] * rk);
+    }
+    if (lane == 0) {
+      sRq[t] = rq;
+      sRk[t] = rk;
+    }
+  }
+}
+
+// V', dV' and dW (fp32, chunk_state_products_kernel's item outputs) as 16-bit
+// operand copies.
+template <int kThreads, int Dk, int Dv, typename T>
+__device__ __forceinline__ void intra_load_state_products(T* sVp, T* sDVp, T* sDW, int ldk,
+                                                          int ldv, const float* sp, int C) {
+  using SpTr = StateProductTraits<T, Dk, Dv>;
+  for (int idx = threadIdx.x; idx < C * Dv / 4; idx += kThreads) {
+    const int t = idx / (Dv / 4), j = (idx % (Dv / 4)) * 4;
+    const float4 x = load4(sp + SpTr::kOffVp + t * Dv + j);
+    const float4 y = load4(sp + SpTr::kOffDVp + t * Dv + j);
+    *reinterpret_cast<uint2*>(sVp + t * ldv + j) = make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
+    *reinterpret_cast<uint2*>(sDVp + t * ldv + j) = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+  }
+  for (int idx = threadIdx.x; idx < C * Dk / 4; idx += kThreads) {
+    const int t = idx / (Dk / 4), d = (idx % (Dk / 4)) * 4;
+    const float4 x = load4(sp + SpTr::kOffDW + t * Dk + d);
+    *reinterpret_cast<uint2*>(sDW + t * ldk + d) = make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
+  }
+}
+
+// Row r's normalised input at columns col, col + 1 (exact: the 16-bit input
+// times the fp32 row factor, not the rounded operand copy).
+template <int Dk, typename T, typename Row>
+__device__ __forceinline__ float2 exact_pair(const T* x_in, const float* sR, Row row, int r,
+                                             int col) {
+  const float2 x = unpack2<T>(*reinterpret_cast<const uint32_t*>(x_in + row(r) * Dk + col));
+  return make_float2(x.x * sR[r], x.y * sR[r]);
+}
+
+// A warp's slab accumulator (rows m0 .. m0+16, columns n0 .. n0+8 kNT, the
+// warp_mm_16xn layout) dotted with the exact normalised rows of x_in over the
+// slab's columns: out[hr] for row m0 + g + 8 hr, complete in every lane of the
+// quad (rows past L give 0).
+template <int Dk, int kNT, typename T, typename Row>
+__device__ __forceinline__ void slab_row_dots(float (&out)[2], const float (&acc)[kNT][4],
+                                              const T* x_in, const float* sR, Row row, int m0,
+                                              int n0, int L) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = m0 + g + 8 * hr;
+    float sum = 0.f;
+    if (r < L) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const float2 x = exact_pair<Dk>(x_in, sR, row, r, n0 + 8 * j + i2);
+        sum += x.x * acc[j][2 * hr] + x.y * acc[j][2 * hr + 1];
+      }
+    }
+    out[hr] = quad_sum(sum);
+  }
+}
+
+// dq, dk from the slab accumulators gq, gk (gradients w.r.t. the normalised
+// q, k) through the L2 norm, dx = r (dn - n (n . dn)), with the full row dots
+// n . dn = sQG[r] + sQG[kMC + r] (the two column halves).
+template <int Dk, int kNT, int kMC, bool kL2Norm, typename T, typename Row>
+__device__ __forceinline__ void slab_store_dq_dk(const float (&gq)[kNT][4],
+                                                 const float (&gk)[kNT][4], T* dq_out, T* dk_out,
+                                                 const T* q_in, const T* k_in, const float* sRq,
+                                                 const float* sRk, const float* sQG,
+                                                 const float* sKG, Row row, int m0, int n0,
+                                                 int L) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < kNT; ++j)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = m0 + g + 8 * hr, col = n0 + 8 * j + i2;
+      if (r >= L) continue;
+      float x0 = gq[j][2 * hr], x1 = gq[j][2 * hr + 1];
+      float y0 = gk[j][2 * hr], y1 = gk[j][2 * hr + 1];
+      if constexpr (kL2Norm) {
+        const float2 q2 = exact_pair<Dk>(q_in, sRq, row, r, col);
+        const float2 k2 = exact_pair<Dk>(k_in, sRk, row, r, col);
+        const float rq = sRq[r], rk = sRk[r];
+        const float qgr = sQG[r] + sQG[kMC + r], kgr = sKG[r] + sKG[kMC + r];
+        x0 = rq * (x0 - q2.x * qgr);
+        x1 = rq * (x1 - q2.y * qgr);
+        y0 = rk * (y0 - k2.x * kgr);
+        y1 = rk * (y1 - k2.y * kgr);
+      }
+      *reinterpret_cast<uint32_t*>(dq_out + row(r) * Dk + col) = pack2<T>(x0, x1);
+      *reinterpret_cast<uint32_t*>(dk_out + row(r) * Dk + col) = pack2<T>(y0, y1);
+    }
+}
+
+// T = (I + diag(beta) KK)^{-1} (KK strictly lower, fp32) into a 16-bit copy,
+// one thread per column s (threads 0 .. C-1): forward substitution
+// x_t = [t == s] - beta_t sum_{r<t} KK_tr x_r with the column in registers.
+template <int kMC, typename T>
+__device__ __forceinline__ void intra_solve_t(T* hT, int ldc, const float* fKK, int ldf,
+                                              const float* sBeta, int C) {
+  const int s = threadIdx.x;
+  if (s >= C) return;
+  float x[kMC];
+#pragma unroll
+  for (int t = 0; t < kMC; ++t) {
+    if (t < C) {
+      float part = 0.f;
+#pragma unroll
+      for (int r = 0; r < t; ++r) part += fKK[t * ldf + r] * x[r];
+      x[t] = (t == s ? 1.f : 0.f) - sBeta[t] * part;
+      hT[t * ldc + s] = from_float<T>(x[t]);
+    }
+  }
+}
+
+// The 16 x 16 slabs (I, J) of a C x C product over the block's warps: the
+// lower triangle J <= I, or all of them.
+template <int kWarps, typename Body>
+__device__ __forceinline__ void for_lower_slabs(int nb, Body&& body) {
+  for (int sl = threadIdx.x / 32; sl < nb * (nb + 1) / 2; sl += kWarps) {
+    int I = 0, rest = sl;
+    while (rest > I) rest -= ++I;
+    body(I, rest);
+  }
+}
+template <int kWarps, typename Body>
+__device__ __forceinline__ void for_all_slabs(int nb, Body&& body) {
+  for (int sl = threadIdx.x / 32; sl < nb * nb; sl += kWarps) body(sl / nb, sl % nb);
 }
 
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm>
@@ -132,74 +314,14 @@ __global__ void __launch_bounds__(256, 1)
   };
 
   // ---- load --------------------------------------------------------------
-  // v and dO rows (asynchronous; rows past the chunk's end are zeros).
-  {
-    constexpr int kVec = 8, kRowVecs = Dv / kVec;
-    for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
-      const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
-      if (t < L) {
-        cp_async16(sV + t * kLdV + j, v_in + row(t) * Dv + j);
-        cp_async16(sDO + t * kLdV + j, do_in + row(t) * Dv + j);
-      } else {
-        *reinterpret_cast<uint4*>(sV + t * kLdV + j) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(sDO + t * kLdV + j) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-    cp_async_commit();
-  }
-  // q, k normalised (x / sqrt(|x|^2 + 1e-6), as the forward) into the operand
-  // copies, one warp per row.
-  {
-    constexpr int kPer = Dk / 32;
-    for (int t = warp; t < C; t += kWarps) {
-      const bool valid = t < L;
-      float xq[kPer], xk[kPer], qq = 0.f, kk = 0.f;
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        const int d = lane * kPer + e;
-        xq[e] = valid ? to_float(q_in[row(t) * Dk + d]) : 0.f;
-        xk[e] = valid ? to_float(k_in[row(t) * Dk + d]) : 0.f;
-        qq += xq[e] * xq[e];
-        kk += xk[e] * xk[e];
-      }
-      float rq = 1.f, rk = 1.f;
-      if constexpr (kL2Norm) {
-        rq = 1.f / sqrtf(warp_sum(qq) + 1e-6f);
-        rk = 1.f / sqrtf(warp_sum(kk) + 1e-6f);
-      }
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        const int d = lane * kPer + e;
-        sQ[t * kLdK + d] = from_float<T>(xq[e] * rq);
-        sK[t * kLdK + d] = from_float<T>(xk[e] * rk);
-      }
-      if (lane == 0) {
-        sRq[t] = rq;
-        sRk[t] = rk;
-      }
-    }
-  }
+  intra_load_v_do<kThreads, Dv>(sV, sDO, kLdV, v_in, do_in, row, C, L);
+  intra_load_qk<kWarps, Dk, kL2Norm>(sQ, sK, kLdK, sRq, sRk, q_in, k_in, row, C, L);
   if (tid < C) {
     const bool valid = tid < L;
     sBeta[tid] = kDelta && valid ? to_float(beta_in[row(tid)]) : 0.f;
     sG[tid] = kScalar && valid ? f.g[row(tid)] : 0.f;
   }
-  // V', dV', dW from the state products as operand copies.
-  if constexpr (kDelta) {
-    for (int idx = tid; idx < C * Dv / 4; idx += kThreads) {
-      const int t = idx / (Dv / 4), j = (idx % (Dv / 4)) * 4;
-      const float4 x = load4(sp + SpTr::kOffVp + t * Dv + j);
-      const float4 y = load4(sp + SpTr::kOffDVp + t * Dv + j);
-      *reinterpret_cast<uint2*>(sVp + t * kLdV + j) = make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
-      *reinterpret_cast<uint2*>(sDVp + t * kLdV + j) =
-          make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
-    }
-    for (int idx = tid; idx < C * Dk / 4; idx += kThreads) {
-      const int t = idx / (Dk / 4), d = (idx % (Dk / 4)) * 4;
-      const float4 x = load4(sp + SpTr::kOffDW + t * Dk + d);
-      *reinterpret_cast<uint2*>(sDW + t * kLdK + d) = make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
-    }
-  }
+  if constexpr (kDelta) intra_load_state_products<kThreads, Dk, Dv>(sVp, sDVp, sDW, kLdK, kLdV, sp, C);
   __syncthreads();
   if constexpr (kScalar) {
     if (tid == 0) {
@@ -234,30 +356,23 @@ __global__ void __launch_bounds__(256, 1)
           const float down = kScalar ? __expf(sG[C - 1] - sG[r]) : 1.f;
           gq[j][e] = sp[SpTr::kOffGq + r * Dk + col] * scale * up(r);
           gk[j][e] = sp[SpTr::kOffGk + r * Dk + col] * down;
-          part += gk[j][e] * to_float(sK[r * kLdK + col]);
+          // Exact k, as db's row sums below use: the two cancel in the
+          // reverse cumsum, and a rounded copy here would leave its rounding.
+          if (r < L) part += gk[j][e] * to_float(k_in[row(r) * Dk + col]) * sRk[r];
         }
       }
     part = warp_sum(part);
     if (lane == 0) sWarpPart[warp] = part;
   }
 
-  // 16 x 16 slabs (I, J) of the C x C products, J <= I (the lower triangle).
-  auto for_lower_slabs = [&](auto&& body) {
-    for (int sl = warp; sl < nb * (nb + 1) / 2; sl += kWarps) {
-      int I = 0, rest = sl;
-      while (rest > I) rest -= ++I;
-      body(I, rest);
-    }
-  };
-  auto for_all_slabs = [&](auto&& body) {
-    for (int sl = warp; sl < nb * nb; sl += kWarps) body(sl / nb, sl % nb);
-  };
+  auto lower_slabs = [&](auto&& body) { for_lower_slabs<kWarps>(nb, body); };
+  auto all_slabs = [&](auto&& body) { for_all_slabs<kWarps>(nb, body); };
   // Element (j, e) of a 16 x 16 slab at (16 I, 16 J): row 16 I + g + 8 (e >> 1),
   // column 16 J + 8 j + i2 + (e & 1).
 
   if constexpr (kDelta) {
     // ---- KK = strict_lower(K K^T) with the decay (fp32) --------------------
-    for_lower_slabs([&](int I, int J) {
+    lower_slabs([&](int I, int J) {
       float acc[2][4] = {};
       warp_mm_16xn<T, false, false, 2>(acc, sK, kLdK, sK, kLdK, 16 * I, 16 * J, Dk);
 #pragma unroll
@@ -270,26 +385,13 @@ __global__ void __launch_bounds__(256, 1)
     });
     __syncthreads();
     // ---- T = (I + diag(beta) KK)^{-1}, one thread per column (registers) ----
-    if (tid < C) {
-      const int s = tid;
-      float x[kMC];
-#pragma unroll
-      for (int t = 0; t < kMC; ++t) {
-        if (t < C) {
-          float part = 0.f;
-#pragma unroll
-          for (int r = 0; r < t; ++r) part += fKK[t * kLdF + r] * x[r];
-          x[t] = (t == s ? 1.f : 0.f) - sBeta[t] * part;
-          hT[t * kLdC + s] = from_float<T>(x[t]);
-        }
-      }
-    }
+    intra_solve_t<kMC>(hT, kLdC, fKK, kLdF, sBeta, C);
   }
 
   // ---- dA = dO V'^T (lower, scaled, decayed; zeros above) -------------------
   {
     const T* vp = kDelta ? sVp : sV;
-    for_all_slabs([&](int I, int J) {
+    all_slabs([&](int I, int J) {
       float acc[2][4] = {};
       if (J <= I) warp_mm_16xn<T, false, false, 2>(acc, sDO, kLdV, vp, kLdV, 16 * I, 16 * J, Dv);
 #pragma unroll
@@ -352,7 +454,7 @@ __global__ void __launch_bounds__(256, 1)
       }
     }
     // ---- dT = beta_s (dV' V^T + dW K^T e^{G_s}), strictly lower ------------
-    for_all_slabs([&](int I, int J) {
+    all_slabs([&](int I, int J) {
       float p1[2][4] = {}, p2[2][4] = {};
       if (J <= I) {
         warp_mm_16xn<T, false, false, 2>(p1, sDVp, kLdV, sV, kLdV, 16 * I, 16 * J, Dv);
@@ -370,7 +472,7 @@ __global__ void __launch_bounds__(256, 1)
     });
     __syncthreads();
     // ---- tmp = dT T^T ------------------------------------------------------
-    for_all_slabs([&](int I, int J) {
+    all_slabs([&](int I, int J) {
       float acc[2][4] = {};
       warp_mm_16xn<T, false, false, 2>(acc, hDT, kLdC, hT, kLdC, 16 * I, 16 * J, C);
 #pragma unroll
@@ -383,7 +485,7 @@ __global__ void __launch_bounds__(256, 1)
     });
     __syncthreads();
     // ---- dMm = -strict_lower(T^T tmp); M' = diag(beta) dMm with the decay ----
-    for_all_slabs([&](int I, int J) {
+    all_slabs([&](int I, int J) {
       float acc[2][4] = {};
       if (J <= I) warp_mm_16xn<T, true, true, 2>(acc, hT, kLdC, hTmp, kLdC, 16 * I, 16 * J, C);
 #pragma unroll
@@ -428,70 +530,28 @@ __global__ void __launch_bounds__(256, 1)
     }
   }
 
-  // ---- row sums: q . gq, k . gk, db (exact normalised q, k from the input) ---
+  // ---- row sums: q . gq, k . gk and db = q . gq - k . gk + 2 k . gx ---------
   if (active) {
-    float qg[2] = {0.f, 0.f}, kg[2] = {0.f, 0.f}, db[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < kNTk; ++j)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = m0 + g + 8 * hr, col = n0k + 8 * j + i2;
-        if (r < L) {
-          const float2 q2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(q_in + row(r) * Dk + col));
-          const float2 k2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(k_in + row(r) * Dk + col));
-          const float qa = q2.x * sRq[r], qb = q2.y * sRq[r];
-          const float ka = k2.x * sRk[r], kb = k2.y * sRk[r];
-          qg[hr] += qa * gq[j][2 * hr] + qb * gq[j][2 * hr + 1];
-          kg[hr] += ka * gk[j][2 * hr] + kb * gk[j][2 * hr + 1];
-          db[hr] += qa * gq[j][2 * hr] + qb * gq[j][2 * hr + 1] -
-                    ka * (gk[j][2 * hr] - 2.f * gx[j][2 * hr]) -
-                    kb * (gk[j][2 * hr + 1] - 2.f * gx[j][2 * hr + 1]);
-        }
-      }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      qg[hr] = quad_sum(qg[hr]);
-      kg[hr] = quad_sum(kg[hr]);
-      db[hr] = quad_sum(db[hr]);
-    }
+    float qg[2], kg[2], kx[2];
+    slab_row_dots<Dk>(qg, gq, q_in, sRq, row, m0, n0k, L);
+    slab_row_dots<Dk>(kg, gk, k_in, sRk, row, m0, n0k, L);
+    slab_row_dots<Dk>(kx, gx, k_in, sRk, row, m0, n0k, L);
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int r = m0 + g + 8 * hr;
         sQG[half * kMC + r] = qg[hr];
         sKG[half * kMC + r] = kg[hr];
-        sDb[half * kMC + r] = db[hr];
+        sDb[half * kMC + r] = qg[hr] - kg[hr] + 2.f * kx[hr];
       }
     }
   }
   __syncthreads();
 
-  // ---- dq, dk through the L2 norm: dx = r (dn - n (n . dn)) ------------------
-  if (active) {
-    T* dq_out = static_cast<T*>(a.dq);
-    T* dk_out = static_cast<T*>(a.dk);
-#pragma unroll
-    for (int j = 0; j < kNTk; ++j)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = m0 + g + 8 * hr, col = n0k + 8 * j + i2;
-        if (r >= L) continue;
-        float x0 = gq[j][2 * hr], x1 = gq[j][2 * hr + 1];
-        float y0 = gk[j][2 * hr], y1 = gk[j][2 * hr + 1];
-        if constexpr (kL2Norm) {
-          const float2 q2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(q_in + row(r) * Dk + col));
-          const float2 k2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(k_in + row(r) * Dk + col));
-          const float rq = sRq[r], rk = sRk[r];
-          const float qgr = sQG[r] + sQG[kMC + r], kgr = sKG[r] + sKG[kMC + r];
-          x0 = rq * (x0 - q2.x * rq * qgr);
-          x1 = rq * (x1 - q2.y * rq * qgr);
-          y0 = rk * (y0 - k2.x * rk * kgr);
-          y1 = rk * (y1 - k2.y * rk * kgr);
-        }
-        *reinterpret_cast<uint32_t*>(dq_out + row(r) * Dk + col) = pack2<T>(x0, x1);
-        *reinterpret_cast<uint32_t*>(dk_out + row(r) * Dk + col) = pack2<T>(y0, y1);
-      }
-  }
+  // ---- dq, dk through the L2 norm --------------------------------------------
+  if (active)
+    slab_store_dq_dk<Dk, kNTk, kMC, kL2Norm>(gq, gk, static_cast<T*>(a.dq), static_cast<T*>(a.dk),
+                                             q_in, k_in, sRq, sRk, sQG, sKG, row, m0, n0k, L);
   if constexpr (kDelta) {
     if (tid < L)
       static_cast<T*>(a.dbeta)[row(tid)] =

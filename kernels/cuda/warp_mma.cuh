@@ -61,6 +61,27 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[
   }
 }
 
+// Two floats as one 32-bit pair of T (element 0 in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&x));
+  }
+}
+
 // One warp: acc (a 16 x 8*kNT slab: kNT 16 x 8 tiles, kNT even) +=
 // X[m0 .. m0+16, 0 .. K) * Y[0 .. K, n0 .. n0+8*kNT), operands 16-bit in
 // shared memory, K a multiple of 16.
@@ -99,32 +120,47 @@ __device__ __forceinline__ void warp_mm_16xn(float (&acc)[kNT][4], const T* x, i
   }
 }
 
+// As warp_mm_16xn with X row-major ([M][K]), X's column k multiplied by
+// xscale(k) on the way in (fp32, rounded back to T): a per-dimension factor
+// inside the contraction (chunk_intra_grad_vector_kernel's gram of keys with
+// the decay between two reference rows).
+template <typename T, bool kYKN, int kNT, typename Scale>
+__device__ __forceinline__ void warp_mm_16xn_xscaled(float (&acc)[kNT][4], const T* x, int ldx,
+                                                     const T* y, int ldy, int m0, int n0, int K,
+                                                     Scale&& xscale) {
+  static_assert(kNT % 2 == 0, "n8 tiles come in pairs (one x4 load)");
+  const int lane = threadIdx.x & 31;
+  const int r8 = lane & 7, m1 = (lane >> 3) & 1, m2 = lane >> 4, i2 = 2 * (lane & 3);
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    uint32_t a[4];
+    ldmatrix_x4<false>(a, x + (m0 + r8 + 8 * m1) * ldx + k0 + 8 * m2);
+    // a[0], a[1] hold columns k0 + i2, + 1; a[2], a[3] columns k0 + 8 + i2, + 1.
+    const float s0 = xscale(k0 + i2), s1 = xscale(k0 + i2 + 1);
+    const float s2 = xscale(k0 + 8 + i2), s3 = xscale(k0 + 9 + i2);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float2 v = unpack2<T>(a[r]);
+      a[r] = r < 2 ? pack2<T>(v.x * s0, v.y * s1) : pack2<T>(v.x * s2, v.y * s3);
+    }
+#pragma unroll
+    for (int p = 0; p < kNT / 2; ++p) {
+      const int nb = n0 + 16 * p;
+      uint32_t b[4];
+      if constexpr (!kYKN)
+        ldmatrix_x4<false>(b, y + (nb + r8 + 8 * m2) * ldy + k0 + 8 * m1);
+      else
+        ldmatrix_x4<true>(b, y + (k0 + r8 + 8 * m1) * ldy + nb + 8 * m2);
+      mma_m16n8k16<T>(acc[2 * p], a, b[0], b[1]);
+      mma_m16n8k16<T>(acc[2 * p + 1], a, b[2], b[3]);
+    }
+  }
+}
+
 // The 16 x 32 slab (four tiles) chunk_state_products_kernel takes.
 template <typename T, bool kXKM, bool kYKN>
 __device__ __forceinline__ void warp_mm_16x32(float (&acc)[4][4], const T* x, int ldx, const T* y,
                                               int ldy, int m0, int n0, int K) {
   warp_mm_16xn<T, kXKM, kYKN, 4>(acc, x, ldx, y, ldy, m0, n0, K);
-}
-
-// Two floats as one 32-bit pair of T (element 0 in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
-  } else {
-    return __half22float2(*reinterpret_cast<const __half2*>(&x));
-  }
 }
 
 }  // namespace statescan::cuda::detail
