@@ -1195,7 +1195,9 @@ __global__ void __launch_bounds__(256, 1)
         const int t = idx / C, s = idx % C;
         const float m = s < t ? sdT[idx] : 0.f;
         sdT[idx] = m;
-        sA[idx] = sBeta[t] * m * (kVector ? 1.f : decay(t, s, 0));
+        // Above the diagonal the decay e^{b_t - b_s} may overflow (strong
+        // gates): masked by selection, never by multiplying with 0.
+        sA[idx] = s < t ? sBeta[t] * m * (kVector ? 1.f : decay(t, s, 0)) : 0.f;
       }
       __syncthreads();
       // Mm_ts = beta_t KK_ts: dbeta += dMm . KK; k-space gradients of K^ and K~.

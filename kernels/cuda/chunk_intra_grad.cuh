@@ -484,7 +484,8 @@ __global__ void __launch_bounds__(256, 1)
         }
     });
     __syncthreads();
-    // ---- dMm = -strict_lower(T^T tmp); M' = diag(beta) dMm with the decay ----
+    // ---- dMm = -strict_lower(T^T tmp); M' = diag(beta) dMm with the decay
+    // (masked by selection: above the diagonal e^{G_t - G_s} may overflow) ---
     all_slabs([&](int I, int J) {
       float acc[2][4] = {};
       if (J <= I) warp_mm_16xn<T, true, true, 2>(acc, hT, kLdC, hTmp, kLdC, 16 * I, 16 * J, C);
@@ -497,7 +498,8 @@ __global__ void __launch_bounds__(256, 1)
           fDM[t * kLdF + s] = m0v;
           fDM[t * kLdF + s + 1] = m1v;
           *reinterpret_cast<uint32_t*>(hM + t * kLdC + s) =
-              pack2<T>(sBeta[t] * m0v * decay(t, s), sBeta[t] * m1v * decay(t, s + 1));
+              pack2<T>(s < t ? sBeta[t] * m0v * decay(t, s) : 0.f,
+                       s + 1 < t ? sBeta[t] * m1v * decay(t, s + 1) : 0.f);
         }
     });
     __syncthreads();
