@@ -6,7 +6,7 @@
 // (kernels/cuda/PERF_NOTES.md, "Plan for the intra-chunk kernel"): every
 // operand in shared memory in the input's 16-bit type, the [C, Dk]
 // accumulators gq, gk (and gx, below) in registers, each warp owning one
-// 16-row x Dk/2-column slab of all of them for the whole item, so the
+// 16-row x Dk/4-column slab of all of them for the whole item, so the
 // products add into them without a memory round trip. The math is
 // chunk_grad_kernel_tc's phase for phase (tests/chunk_bwd_model.h); its
 // precision with these bf16 operands is bounded on the CPU by
@@ -21,7 +21,7 @@
 // paths), the current kernel's db = gq q - gk_A k + gkh k + (kh - kt) k equals
 // gq q - gk k + 2 (gkh + kh) k, so a third accumulator gx = gkh + kh suffices
 // and db's row sums are taken at the end.
-//   grid (items in the batch), 256 threads, IntraTraits::kBytes of dynamic
+//   grid (items in the batch), 512 threads, IntraTraits::kBytes of dynamic
 //   shared memory (201 KB at D = 128), one block per multiprocessor.
 #pragma once
 
@@ -34,7 +34,10 @@ namespace statescan::cuda::detail {
 
 template <typename T, int Dk, int Dv>
 struct IntraTraits {
-  static constexpr int kMaxChunk = 64, kThreads = 256, kWarps = 8;
+  // 16 warps: four row slabs x four column quarters of the [C, D] arrays
+  // (more warps to hide the latency of each phase's short dependent chains
+  // than 8, at 128 registers a thread).
+  static constexpr int kMaxChunk = 64, kThreads = 512, kWarps = 16, kParts = kWarps / 4;
   static constexpr int kLdK = Dk + 8, kLdV = Dv + 8, kLdC = kMaxChunk + 8;  // 16-bit pitches
   static constexpr int kLdF = kMaxChunk + 4;                                 // fp32 C x C pitch
   static constexpr size_t kKTile = sizeof(T) * kMaxChunk * kLdK;
@@ -51,12 +54,13 @@ struct IntraTraits {
   static constexpr size_t kOffHM = kOffHTmp + kCTile;
   static constexpr size_t kOffFKK = kOffHM + kCTile, kOffFDM = kOffFKK + kFTile;
   static constexpr size_t kOffRows = kOffFDM + kFTile;
-  // Row vectors (floats): G, beta, rq, rk, dbeta from dMm; [2][C] halves of
-  // the row sums dbeta, q.gq, k.gk, db; 8 warp partials.
-  static constexpr int kRowFloats = 5 * kMaxChunk + 4 * 2 * kMaxChunk + kWarps;
+  // Row vectors (floats): G, beta, rq, rk, dbeta from dMm; [kParts][C]
+  // column-quarter parts of the row sums dbeta, q.gq, k.gk, db; warp partials.
+  static constexpr int kRowFloats = 5 * kMaxChunk + 4 * kParts * kMaxChunk + kWarps;
   static constexpr size_t kBytes = kOffRows + sizeof(float) * kRowFloats;
   static_assert(kBytes <= 227 * 1024, "chunk_intra_grad_kernel exceeds Hopper shared memory");
-  static_assert(Dk % 32 == 0 && Dv % 32 == 0, "each warp takes half the columns in n8 pairs");
+  static_assert(Dk % (16 * kParts) == 0 && Dv % (16 * kParts) == 0,
+                "each warp takes a column quarter in n8 pairs");
 };
 
 // Sum over the four lanes of a quad (the lanes holding one accumulator row).
@@ -180,8 +184,8 @@ __device__ __forceinline__ void slab_row_dots(float (&out)[2], const float (&acc
 
 // dq, dk from the slab accumulators gq, gk (gradients w.r.t. the normalised
 // q, k) through the L2 norm, dx = r (dn - n (n . dn)), with the full row dots
-// n . dn = sQG[r] + sQG[kMC + r] (the two column halves).
-template <int Dk, int kNT, int kMC, bool kL2Norm, typename T, typename Row>
+// n . dn = sum over the kParts column parts p of sQG[p kMC + r].
+template <int Dk, int kNT, int kMC, int kParts, bool kL2Norm, typename T, typename Row>
 __device__ __forceinline__ void slab_store_dq_dk(const float (&gq)[kNT][4],
                                                  const float (&gk)[kNT][4], T* dq_out, T* dk_out,
                                                  const T* q_in, const T* k_in, const float* sRq,
@@ -201,7 +205,12 @@ __device__ __forceinline__ void slab_store_dq_dk(const float (&gq)[kNT][4],
         const float2 q2 = exact_pair<Dk>(q_in, sRq, row, r, col);
         const float2 k2 = exact_pair<Dk>(k_in, sRk, row, r, col);
         const float rq = sRq[r], rk = sRk[r];
-        const float qgr = sQG[r] + sQG[kMC + r], kgr = sKG[r] + sKG[kMC + r];
+        float qgr = 0.f, kgr = 0.f;
+#pragma unroll
+        for (int p = 0; p < kParts; ++p) {
+          qgr += sQG[p * kMC + r];
+          kgr += sKG[p * kMC + r];
+        }
         x0 = rq * (x0 - q2.x * qgr);
         x1 = rq * (x1 - q2.y * qgr);
         y0 = rk * (y0 - k2.x * kgr);
@@ -249,7 +258,7 @@ __device__ __forceinline__ void for_all_slabs(int nb, Body&& body) {
 }
 
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(512, 1)
     chunk_intra_grad_kernel(const __grid_constant__ BackwardArgs a) {
   static_assert(kDecay != Decay::vector, "vector gates keep chunk_grad_kernel_tc");
   static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
@@ -259,7 +268,8 @@ __global__ void __launch_bounds__(256, 1)
   constexpr bool kScalar = kDecay == Decay::scalar;
   constexpr int kLdK = Tr::kLdK, kLdV = Tr::kLdV, kLdC = Tr::kLdC, kLdF = Tr::kLdF;
   constexpr int kMC = Tr::kMaxChunk, kWarps = Tr::kWarps, kThreads = Tr::kThreads;
-  constexpr int kNTk = Dk / 16, kNTv = Dv / 16;  // n8 tiles in a warp's half of the columns
+  constexpr int kParts = Tr::kParts;
+  constexpr int kNTk = Dk / (8 * kParts), kNTv = Dv / (8 * kParts);  // n8 tiles of a warp's slab
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   auto at = [&](size_t off) { return smem_bytes + off; };
   T* sQ = reinterpret_cast<T*>(at(Tr::kOffQ));  // normalised q, operand copy
@@ -281,11 +291,11 @@ __global__ void __launch_bounds__(256, 1)
   float* sRq = sBeta + kMC;
   float* sRk = sRq + kMC;
   float* sDbM = sRk + kMC;            // dbeta from dMm . KK
-  float* sDbA = sDbM + kMC;           // [2][C] dbeta from T^T dU . v and T^T dW . K^
-  float* sQG = sDbA + 2 * kMC;        // [2][C] q . gq
-  float* sKG = sQG + 2 * kMC;         // [2][C] k . gk
-  float* sDb = sKG + 2 * kMC;         // [2][C] row sums of db
-  float* sWarpPart = sDb + 2 * kMC;   // [8] column-sum partials
+  float* sDbA = sDbM + kMC;             // [kParts][C] dbeta from T^T dU . v and T^T dW . K^
+  float* sQG = sDbA + kParts * kMC;     // [kParts][C] q . gq
+  float* sKG = sQG + kParts * kMC;      // [kParts][C] k . gk
+  float* sDb = sKG + kParts * kMC;      // [kParts][C] row sums of db
+  float* sWarpPart = sDb + kParts * kMC;  // [kWarps] column-sum partials
 
   const ForwardArgs& f = a.f;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -335,10 +345,10 @@ __global__ void __launch_bounds__(256, 1)
   cp_async_wait<0>();
   __syncthreads();
 
-  // Each warp's slab of the [C, D] arrays: rows m0 .. m0+16, half the columns.
-  const int rt = warp & 3, half = warp >> 2;
+  // Each warp's slab of the [C, D] arrays: rows m0 .. m0+16, a column quarter.
+  const int rt = warp & 3, part = warp >> 2;
   const bool active = rt < nb;
-  const int m0 = 16 * rt, n0k = half * (Dk / 2), n0v = half * (Dv / 2);
+  const int m0 = 16 * rt, n0k = part * (Dk / kParts), n0v = part * (Dv / kParts);
   // Element (j, e) of a slab: row m0 + g + 8 (e >> 1), column n0 + 8 j + i2 + (e & 1).
   auto erow = [&](int e) { return m0 + g + 8 * (e >> 1); };
 
@@ -449,8 +459,8 @@ __global__ void __launch_bounds__(256, 1)
       dbp[0] = quad_sum(dbp[0]);
       dbp[1] = quad_sum(dbp[1]);
       if ((lane & 3) == 0) {
-        sDbA[half * kMC + m0 + g] = dbp[0];
-        sDbA[half * kMC + m0 + g + 8] = dbp[1];
+        sDbA[part * kMC + m0 + g] = dbp[0];
+        sDbA[part * kMC + m0 + g + 8] = dbp[1];
       }
     }
     // ---- dT = beta_s (dV' V^T + dW K^T e^{G_s}), strictly lower ------------
@@ -542,9 +552,9 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int r = m0 + g + 8 * hr;
-        sQG[half * kMC + r] = qg[hr];
-        sKG[half * kMC + r] = kg[hr];
-        sDb[half * kMC + r] = qg[hr] - kg[hr] + 2.f * kx[hr];
+        sQG[part * kMC + r] = qg[hr];
+        sKG[part * kMC + r] = kg[hr];
+        sDb[part * kMC + r] = qg[hr] - kg[hr] + 2.f * kx[hr];
       }
     }
   }
@@ -552,12 +562,14 @@ __global__ void __launch_bounds__(256, 1)
 
   // ---- dq, dk through the L2 norm --------------------------------------------
   if (active)
-    slab_store_dq_dk<Dk, kNTk, kMC, kL2Norm>(gq, gk, static_cast<T*>(a.dq), static_cast<T*>(a.dk),
+    slab_store_dq_dk<Dk, kNTk, kMC, kParts, kL2Norm>(gq, gk, static_cast<T*>(a.dq), static_cast<T*>(a.dk),
                                              q_in, k_in, sRq, sRk, sQG, sKG, row, m0, n0k, L);
   if constexpr (kDelta) {
-    if (tid < L)
-      static_cast<T*>(a.dbeta)[row(tid)] =
-          from_float<T>(sDbA[tid] + sDbA[kMC + tid] + sDbM[tid]);
+    if (tid < L) {
+      float dbeta = sDbM[tid];
+      for (int p = 0; p < kParts; ++p) dbeta += sDbA[p * kMC + tid];
+      static_cast<T*>(a.dbeta)[row(tid)] = from_float<T>(dbeta);
+    }
   }
   // ---- dg: the rows' db, the last row also the K_ path's column sums and
   // dgamma . gamma, reverse-cumulated -------------------------------------
@@ -572,7 +584,8 @@ __global__ void __launch_bounds__(256, 1)
         for (int w = 0; w < kWarps; ++w) last += sWarpPart[w];
         float run = 0.f;
         for (int t = L - 1; t >= 0; --t) {
-          run += sDb[t] + sDb[kMC + t] + (t == L - 1 ? last : 0.f);
+          for (int p = 0; p < kParts; ++p) run += sDb[p * kMC + t];
+          if (t == L - 1) run += last;
           a.dg[row(t)] = run;
         }
       }

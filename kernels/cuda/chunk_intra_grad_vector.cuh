@@ -2,7 +2,7 @@
 // after chunk_state_products_kernel for 16-bit inputs with a vector
 // (per-dimension) gate: GLA and KDA. The form of chunk_intra_grad_kernel
 // (16-bit operands in shared memory, the [C, Dk] accumulators gq, gk, gx in
-// registers, one 16-row x Dk/2-column slab per warp for the whole item);
+// registers, one 16-row x Dk/4-column slab per warp for the whole item);
 // what the vector gate adds is the pairwise decay Gamma_tsd = e^{b_td - b_sd},
 // which does not factor out of a sum over d.
 //
@@ -30,7 +30,7 @@
 // Shared memory is the scalar kernel's less two fp32 C x C arrays plus b:
 // the dead operands take the scaled copies (dO, V' after dA; q after the A
 // path) and the fp32 db (q, dW). 202 KB at D = 128, one block per SM.
-//   grid (items in the batch), 256 threads.
+//   grid (items in the batch), 512 threads.
 #pragma once
 
 #include <cstdint>
@@ -44,7 +44,7 @@ namespace statescan::cuda::detail {
 template <typename T, int Dk, int Dv>
 struct IntraVecTraits {
   static_assert(Dk == Dv, "slots are reused across the [C, Dk] and [C, Dv] roles");
-  static constexpr int kMaxChunk = 64, kThreads = 256, kWarps = 8;
+  static constexpr int kMaxChunk = 64, kThreads = 512, kWarps = 16, kParts = kWarps / 4;
   static constexpr int kLd = Dk + 8, kLdC = kMaxChunk + 8;  // 16-bit pitches
   static constexpr int kLdB = Dk + 4, kLdF = kMaxChunk + 4;  // fp32 pitches
   static constexpr size_t kTile = sizeof(T) * kMaxChunk * kLd;
@@ -58,18 +58,19 @@ struct IntraVecTraits {
   static constexpr size_t kOffB = kOffVp + kTile, kOffHT = kOffB + kBTile;
   static constexpr size_t kOffHA = kOffHT + kCTile, kOffHD = kOffHA + kCTile;
   static constexpr size_t kOffFKK = kOffHD + kCTile, kOffRows = kOffFKK + kFTile;
-  // beta, rq, rk; [2][C] dbeta (T^T dU . v + T^T dW . K^); [4][C] dbeta
-  // (dMm . KK per column block); [2][C] q . gq, k . gk; [4][Dk] K_ column sums.
-  static constexpr int kRowFloats = 3 * kMaxChunk + 2 * kMaxChunk + 4 * kMaxChunk +
-                                    4 * kMaxChunk + 4 * Dk;
+  // beta, rq, rk; [kParts][C] dbeta (T^T dU . v + T^T dW . K^); [4][C] dbeta
+  // (dMm . KK per column block); [kParts][C] q . gq, k . gk; [4][Dk] K_
+  // column sums.
+  static constexpr int kRowFloats = 3 * kMaxChunk + kParts * kMaxChunk + 4 * kMaxChunk +
+                                    2 * kParts * kMaxChunk + 4 * Dk;
   static constexpr size_t kBytes = kOffRows + sizeof(float) * kRowFloats;
   static_assert(2 * kTile >= kBTile, "q and dW hold the fp32 db");
   static_assert(kBytes <= 227 * 1024, "chunk_intra_grad_vector_kernel exceeds Hopper shared memory");
-  static_assert(Dk % 32 == 0, "each warp takes half the columns in n8 pairs");
+  static_assert(Dk % (16 * kParts) == 0, "each warp takes a column quarter in n8 pairs");
 };
 
 template <Rule kRule, typename T, int Dk, int Dv, bool kL2Norm>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(512, 1)
     chunk_intra_grad_vector_kernel(const __grid_constant__ BackwardArgs a) {
   static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
   using Tr = IntraVecTraits<T, Dk, Dv>;
@@ -77,7 +78,7 @@ __global__ void __launch_bounds__(256, 1)
   constexpr bool kDelta = kRule == Rule::delta;
   constexpr int kLd = Tr::kLd, kLdC = Tr::kLdC, kLdB = Tr::kLdB, kLdF = Tr::kLdF;
   constexpr int kMC = Tr::kMaxChunk, kWarps = Tr::kWarps, kThreads = Tr::kThreads;
-  constexpr int kNT = Dk / 16;  // n8 tiles in a warp's half of the columns
+  constexpr int kParts = Tr::kParts, kNT = Dk / (8 * kParts);  // n8 tiles of a warp's slab
   // The largest per-block decay (in e-folds) the diagonal products take.
   constexpr float kMaxDrop = std::is_same_v<T, __half> ? 4.f : 60.f;
   extern __shared__ __align__(128) unsigned char smem_bytes[];
@@ -98,11 +99,11 @@ __global__ void __launch_bounds__(256, 1)
   float* sBeta = reinterpret_cast<float*>(at(Tr::kOffRows));
   float* sRq = sBeta + kMC;
   float* sRk = sRq + kMC;
-  float* sDbA = sRk + kMC;      // [2][C]
-  float* sDbM = sDbA + 2 * kMC;  // [4][C]
-  float* sQG = sDbM + 4 * kMC;   // [2][C]
-  float* sKG = sQG + 2 * kMC;    // [2][C]
-  float* sColK = sKG + 2 * kMC;  // [4][Dk]
+  float* sDbA = sRk + kMC;            // [kParts][C]
+  float* sDbM = sDbA + kParts * kMC;  // [4][C]
+  float* sQG = sDbM + 4 * kMC;        // [kParts][C]
+  float* sKG = sQG + kParts * kMC;    // [kParts][C]
+  float* sColK = sKG + kParts * kMC;  // [4][Dk]
   T* sXk = sDO;
   T* sYk = sVp;
   T* sYq = sQ;
@@ -155,9 +156,9 @@ __global__ void __launch_bounds__(256, 1)
   }
   const bool fast = __syncthreads_and(within);  // every block's diagonal on the tensor cores
 
-  const int rt = warp & 3, half = warp >> 2;
+  const int rt = warp & 3, part = warp >> 2;
   const bool active = rt < nb;
-  const int m0 = 16 * rt, n0 = half * (Dk / 2);
+  const int m0 = 16 * rt, n0 = part * (Dk / kParts);
   // Element (j, e) of a slab: row m0 + g + 8 (e >> 1), column n0 + 8 j + i2 + (e & 1).
   auto erow = [&](int e) { return m0 + g + 8 * (e >> 1); };
   auto ecol = [&](int j, int e) { return n0 + 8 * j + i2 + (e & 1); };
@@ -389,8 +390,8 @@ __global__ void __launch_bounds__(256, 1)
       dbp[0] = quad_sum(dbp[0]);
       dbp[1] = quad_sum(dbp[1]);
       if ((lane & 3) == 0) {
-        sDbA[half * kMC + m0 + g] = dbp[0];
-        sDbA[half * kMC + m0 + g + 8] = dbp[1];
+        sDbA[part * kMC + m0 + g] = dbp[0];
+        sDbA[part * kMC + m0 + g + 8] = dbp[1];
       }
     }
   } else {
@@ -503,8 +504,8 @@ __global__ void __launch_bounds__(256, 1)
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        sQG[half * kMC + m0 + g + 8 * hr] = qg[hr];
-        sKG[half * kMC + m0 + g + 8 * hr] = kg[hr];
+        sQG[part * kMC + m0 + g + 8 * hr] = qg[hr];
+        sKG[part * kMC + m0 + g + 8 * hr] = kg[hr];
       }
     }
   }
@@ -513,11 +514,12 @@ __global__ void __launch_bounds__(256, 1)
   // ---- P12: dq, dk; dbeta; dg = reverse cumsum of db per column, row L-1
   // also taking the K_ column sums and dgamma e^{b_{C-1}} -------------------
   if (active)
-    slab_store_dq_dk<Dk, kNT, kMC, kL2Norm>(gq, gk, static_cast<T*>(a.dq), static_cast<T*>(a.dk),
+    slab_store_dq_dk<Dk, kNT, kMC, kParts, kL2Norm>(gq, gk, static_cast<T*>(a.dq), static_cast<T*>(a.dk),
                                             q_in, k_in, sRq, sRk, sQG, sKG, row, m0, n0, L);
   if constexpr (kDelta) {
     if (tid < L) {
-      float dbeta = sDbA[tid] + sDbA[kMC + tid];
+      float dbeta = 0.f;
+      for (int p = 0; p < kParts; ++p) dbeta += sDbA[p * kMC + tid];
       for (int J = 0; J < nb; ++J) dbeta += sDbM[J * kMC + tid];
       static_cast<T*>(a.dbeta)[row(tid)] = from_float<T>(dbeta);
     }
