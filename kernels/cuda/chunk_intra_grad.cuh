@@ -221,25 +221,81 @@ __device__ __forceinline__ void slab_store_dq_dk(const float (&gq)[kNT][4],
     }
 }
 
-// T = (I + diag(beta) KK)^{-1} (KK strictly lower, fp32) into a 16-bit copy,
-// one thread per column s (threads 0 .. C-1): forward substitution
-// x_t = [t == s] - beta_t sum_{r<t} KK_tr x_r with the column in registers.
-template <int kMC, typename T>
-__device__ __forceinline__ void intra_solve_t(T* hT, int ldc, const float* fKK, int ldf,
-                                              const float* sBeta, int C) {
+// T = (I + B)^{-1}, B = diag(beta) KK (KK strictly lower, fp32, in fKK's
+// lower triangle), blockwise over 16-row blocks in two calls:
+//  1. intra_solve_t_diagonal: the diagonal blocks T_II by forward
+//     substitution, one thread per column (threads 0 .. C-1; a chain of at
+//     most 15 steps where the whole-chunk substitution had 63);
+//  2. intra_solve_t_blocks: block rows I = 1 .. nb-1 in turn,
+//     T_IJ = -T_II sum_{K=J}^{I-1} B_IK T_KJ for J < I, every thread, fp32 on
+//     the CUDA cores (about 40 K multiply-adds at C = 64); then the 16-bit copy
+//     hT and a barrier.
+// T's strictly lower part lives transposed in fKK's unused upper triangle
+// (fKK[s * ldf + t] = T_ts for t > s; T's diagonal is 1), so KK stays for
+// its later readers and no more shared memory is needed. Every thread of the
+// block calls both (with a barrier between them: stage 2 reads stage 1).
+template <int kMC>
+__device__ __forceinline__ void intra_solve_t_diagonal(float* fKK, int ldf, const float* sBeta,
+                                                       int C) {
   const int s = threadIdx.x;
   if (s >= C) return;
-  float x[kMC];
+  const int b0 = s & ~15;  // column s of the block starting at row b0
+  float x[16];
 #pragma unroll
-  for (int t = 0; t < kMC; ++t) {
-    if (t < C) {
-      float part = 0.f;
+  for (int u = 0; u < 16; ++u) {
+    const int t = b0 + u;
+    float part = 0.f;
 #pragma unroll
-      for (int r = 0; r < t; ++r) part += fKK[t * ldf + r] * x[r];
-      x[t] = (t == s ? 1.f : 0.f) - sBeta[t] * part;
-      hT[t * ldc + s] = from_float<T>(x[t]);
-    }
+    for (int r = 0; r < u; ++r) part += fKK[t * ldf + b0 + r] * x[r];
+    x[u] = (t == s ? 1.f : 0.f) - sBeta[t] * part;  // 0 above the diagonal (t < s)
+    if (t > s) fKK[s * ldf + t] = x[u];
   }
+}
+
+template <int kThreads, typename T>
+__device__ __forceinline__ void intra_solve_t_blocks(T* hT, int ldc, float* fKK, int ldf,
+                                                     const float* sBeta, int nb) {
+  constexpr int kMaxOut = (3 * 256 + kThreads - 1) / kThreads;  // outputs per thread, I <= 3
+  auto tv = [&](int t, int c) -> float {  // T_tc (T_tc for t > c: fKK[c][t])
+    return t == c ? 1.f : (t > c ? fKK[c * ldf + t] : 0.f);
+  };
+  for (int I = 1; I < nb; ++I) {
+    const int n = I * 256, t0 = 16 * I;
+    // (a) Y_IJ = diag(beta) sum_{K=J}^{I-1} KK_IK T_KJ into T_IJ's (unread) slots.
+    for (int idx = threadIdx.x; idx < n; idx += kThreads) {
+      const int t = t0 + (idx % 256) / 16, c = 16 * (idx / 256) + idx % 16;
+      float y = 0.f;
+      for (int r = c; r < t0; ++r) y += fKK[t * ldf + r] * tv(r, c);
+      fKK[c * ldf + t] = sBeta[t] * y;
+    }
+    __syncthreads();
+    // (b) T_IJ = -T_II Y_IJ (all of Y read before any slot is overwritten).
+    float out[kMaxOut];
+#pragma unroll
+    for (int k = 0; k < kMaxOut; ++k) {
+      const int idx = threadIdx.x + k * kThreads;
+      out[k] = 0.f;
+      if (idx < n) {
+        const int m = (idx % 256) / 16, c = 16 * (idx / 256) + idx % 16;
+        float x = 0.f;
+        for (int m2 = 0; m2 <= m; ++m2) x += tv(t0 + m, t0 + m2) * fKK[c * ldf + t0 + m2];
+        out[k] = -x;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kMaxOut; ++k) {
+      const int idx = threadIdx.x + k * kThreads;
+      if (idx < n) fKK[(16 * (idx / 256) + idx % 16) * ldf + t0 + (idx % 256) / 16] = out[k];
+    }
+    __syncthreads();
+  }
+  const int C = 16 * nb;
+  for (int idx = threadIdx.x; idx < C * C; idx += kThreads) {
+    const int t = idx / C, c = idx % C;
+    hT[t * ldc + c] = from_float<T>(tv(t, c));
+  }
+  __syncthreads();
 }
 
 // The 16 x 16 slabs (I, J) of a C x C product over the block's warps: the
@@ -394,8 +450,8 @@ __global__ void __launch_bounds__(512, 1)
         }
     });
     __syncthreads();
-    // ---- T = (I + diag(beta) KK)^{-1}, one thread per column (registers) ----
-    intra_solve_t<kMC>(hT, kLdC, fKK, kLdF, sBeta, C);
+    // ---- T = (I + diag(beta) KK)^{-1}: its diagonal blocks beside dA -------
+    intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
   }
 
   // ---- dA = dO V'^T (lower, scaled, decayed; zeros above) -------------------
@@ -416,6 +472,7 @@ __global__ void __launch_bounds__(512, 1)
     });
   }
   __syncthreads();
+  if constexpr (kDelta) intra_solve_t_blocks<kThreads>(hT, kLdC, fKK, kLdF, sBeta, nb);
 
   // ---- A path: gq += dA K, gk += dA^T Q ------------------------------------
   if (active) {

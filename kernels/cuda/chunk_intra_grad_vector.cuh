@@ -24,8 +24,8 @@
 // exactly on the CUDA cores instead (one exponential per term), decided once
 // per item. The key gram KK (delta rule) contracts over d, so there the
 // factor e^{b_rho(I-1) - b_rho(J)} (<= 1, J < I) scales the A operand per
-// dimension (warp_mm_16xn_xscaled); its diagonal blocks are always exact on
-// the CUDA cores (both operand factors would be >= 1 there).
+// dimension (warp_mm_16xn_xscaled), on the diagonal too within the same
+// bound (the factor is then e^{drop} >= 1: A operand k_t e^{b_t - b_rho(I)}).
 //
 // Shared memory is the scalar kernel's less two fp32 C x C arrays plus b:
 // the dead operands take the scaled copies (dO, V' after dA; q after the A
@@ -221,26 +221,22 @@ __global__ void __launch_bounds__(512, 1)
         }
     });
   }
-  if constexpr (kDelta) {
-    // KK's diagonal blocks exactly: a warp per row t, lanes over d.
+  if (kDelta && !fast) {
+    // KK's diagonal blocks exactly (gates too strong for the tensor-core
+    // form): a warp per pair (t, s), s < t in one block, lanes over d.
     constexpr int kPer = Dk / 32;
-    for (int t = warp; t < C; t += kWarps) {
-      float kt[kPer], bt[kPer];
+    for (int pidx = warp; pidx < nb * 120; pidx += kWarps) {
+      int u = 1, v = pidx % 120;
+      while (v >= u) v -= u++;
+      const int t = 16 * (pidx / 120) + u, s = t - u + v;
+      float acc = 0.f;
 #pragma unroll
       for (int e = 0; e < kPer; ++e) {
-        kt[e] = to_float(sK[t * kLd + lane + 32 * e]);
-        bt[e] = bv(t, lane + 32 * e);
+        const int d = lane + 32 * e;
+        acc += to_float(sK[t * kLd + d]) * to_float(sK[s * kLd + d]) * __expf(bv(t, d) - bv(s, d));
       }
-      for (int s = t & ~15; s < t; ++s) {
-        float acc = 0.f;
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) {
-          const int d = lane + 32 * e;
-          acc += kt[e] * to_float(sK[s * kLd + d]) * __expf(bt[e] - bv(s, d));
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) fKK[t * kLdF + s] = acc;
-      }
+      acc = warp_sum(acc);
+      if (lane == 0) fKK[t * kLdF + s] = acc;
     }
   }
   __syncthreads();
@@ -321,11 +317,22 @@ __global__ void __launch_bounds__(512, 1)
     gx[j][e] += x;
   };
 
-  // ---- P3: KK's blocks left of the diagonal; the A path's exact diagonal ---
+  // ---- P3: KK's blocks on the tensor cores (the diagonal ones when `fast`:
+  // there the factor e^{b_rho(I-1) - b_rho(I)} >= 1 makes the A operand
+  // k_t e^{b_t - b_rho(I)}, within the drop bound); the A path's exact diagonal
   if constexpr (kDelta) {
-    for (int sl = warp; sl < nb * (nb - 1) / 2; sl += kWarps) {
-      int I = 1, J = sl;
-      while (J >= I) J -= I++;
+    const int slabs = fast ? nb * (nb + 1) / 2 : nb * (nb - 1) / 2;
+    for (int sl = warp; sl < slabs; sl += kWarps) {
+      int I, J;
+      if (fast) {  // J <= I
+        I = 0;
+        J = sl;
+        while (J > I) J -= ++I;
+      } else {  // J < I
+        I = 1;
+        J = sl;
+        while (J >= I) J -= I++;
+      }
       float acc[2][4] = {};
       warp_mm_16xn_xscaled<T, false, 2>(acc, sYk, kLd, sXk, kLd, 16 * I, 16 * J, Dk, [&](int d) {
         return __expf(bref(I - 1, d) - bref(J, d));
@@ -333,15 +340,18 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          fKK[(16 * I + g + 8 * (e >> 1)) * kLdF + 16 * J + 8 * j + i2 + (e & 1)] = acc[j][e];
+        for (int e = 0; e < 4; ++e) {
+          const int t = 16 * I + g + 8 * (e >> 1), s = 16 * J + 8 * j + i2 + (e & 1);
+          if (s < t) fKK[t * kLdF + s] = acc[j][e];
+        }
     }
   }
   if (!fast && active) exact_diagonal(hA, sK, sQ, add_gq, add_gk);
   __syncthreads();
 
-  // ---- P4: T (threads 0 .. C-1) beside Y~(q) in place of q (the rest) ------
-  if constexpr (kDelta) intra_solve_t<kMC>(hT, kLdC, fKK, kLdF, sBeta, C);
+  // ---- P4: T's diagonal blocks (threads 0 .. C-1) beside Y~(q) in place of q
+  // (the rest); then T's other blocks (all threads) ------------------------
+  if constexpr (kDelta) intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
   {
     const int first = kDelta ? kMC : 0;
     if (tid >= first)
@@ -354,6 +364,7 @@ __global__ void __launch_bounds__(512, 1)
       }
   }
   __syncthreads();
+  if constexpr (kDelta) intra_solve_t_blocks<kThreads>(hT, kLdC, fKK, kLdF, sBeta, nb);
 
   // ---- P5: the A path; T^T dU and T^T dW (delta) -----------------------------
   if (active) pair_products(hA, sXk, sYq, add_gq, add_gk);
