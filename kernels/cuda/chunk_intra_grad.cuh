@@ -261,11 +261,14 @@ __device__ __forceinline__ void intra_solve_t_blocks(T* hT, int ldc, float* fKK,
   };
   for (int I = 1; I < nb; ++I) {
     const int n = I * 256, t0 = 16 * I;
-    // (a) Y_IJ = diag(beta) sum_{K=J}^{I-1} KK_IK T_KJ into T_IJ's (unread) slots.
+    // (a) Y_IJ = diag(beta) sum_{K=J}^{I-1} KK_IK T_KJ into T_IJ's (unread)
+    // slots: T_rc is 1 at r = c, 0 above, fKK[c][r] below (no branch per term).
     for (int idx = threadIdx.x; idx < n; idx += kThreads) {
       const int t = t0 + (idx % 256) / 16, c = 16 * (idx / 256) + idx % 16;
-      float y = 0.f;
-      for (int r = c; r < t0; ++r) y += fKK[t * ldf + r] * tv(r, c);
+      const float* kk = fKK + t * ldf;
+      const float* tc = fKK + c * ldf;
+      float y = kk[c];
+      for (int r = c + 1; r < t0; ++r) y += kk[r] * tc[r];
       fKK[c * ldf + t] = sBeta[t] * y;
     }
     __syncthreads();
@@ -277,8 +280,9 @@ __device__ __forceinline__ void intra_solve_t_blocks(T* hT, int ldc, float* fKK,
       out[k] = 0.f;
       if (idx < n) {
         const int m = (idx % 256) / 16, c = 16 * (idx / 256) + idx % 16;
-        float x = 0.f;
-        for (int m2 = 0; m2 <= m; ++m2) x += tv(t0 + m, t0 + m2) * fKK[c * ldf + t0 + m2];
+        const float* y = fKK + c * ldf + t0;  // Y_IJ's column c
+        float x = y[m];                       // T_II's diagonal is 1
+        for (int m2 = 0; m2 < m; ++m2) x += fKK[(t0 + m2) * ldf + t0 + m] * y[m2];
         out[k] = -x;
       }
     }
