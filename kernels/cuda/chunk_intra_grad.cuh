@@ -100,14 +100,34 @@ __device__ __forceinline__ void intra_load_qk(T* sQ, T* sK, int ld, float* sRq, 
                                               const T* q_in, const T* k_in, Row row, int C, int L) {
   constexpr int kPer = Dk / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  static_assert(kPer % 2 == 0, "16-bit pairs per lane");
   for (int t = warp; t < C; t += kWarps) {
     const bool valid = t < L;
+    // A lane's kPer consecutive elements as one vector load each of q and k.
+    uint32_t wq[kPer / 2], wk[kPer / 2];
+#pragma unroll
+    for (int e = 0; e < kPer / 2; ++e) wq[e] = wk[e] = 0u;
+    if (valid) {
+      if constexpr (kPer == 4) {
+        const uint2 a = *reinterpret_cast<const uint2*>(q_in + row(t) * Dk + lane * kPer);
+        const uint2 b = *reinterpret_cast<const uint2*>(k_in + row(t) * Dk + lane * kPer);
+        wq[0] = a.x, wq[1] = a.y, wk[0] = b.x, wk[1] = b.y;
+      } else {
+#pragma unroll
+        for (int e = 0; e < kPer / 2; ++e) {
+          wq[e] = reinterpret_cast<const uint32_t*>(q_in + row(t) * Dk + lane * kPer)[e];
+          wk[e] = reinterpret_cast<const uint32_t*>(k_in + row(t) * Dk + lane * kPer)[e];
+        }
+      }
+    }
     float xq[kPer], xk[kPer], qq = 0.f, kk = 0.f;
 #pragma unroll
+    for (int e = 0; e < kPer / 2; ++e) {
+      const float2 a = unpack2<T>(wq[e]), b = unpack2<T>(wk[e]);
+      xq[2 * e] = a.x, xq[2 * e + 1] = a.y, xk[2 * e] = b.x, xk[2 * e + 1] = b.y;
+    }
+#pragma unroll
     for (int e = 0; e < kPer; ++e) {
-      const int d = lane * kPer + e;
-      xq[e] = valid ? to_float(q_in[row(t) * Dk + d]) : 0.f;
-      xk[e] = valid ? to_float(k_in[row(t) * Dk + d]) : 0.f;
       qq += xq[e] * xq[e];
       kk += xk[e] * xk[e];
     }
@@ -147,6 +167,11 @@ __device__ __forceinline__ void intra_load_state_products(T* sVp, T* sDVp, T* sD
     const float4 x = load4(sp + SpTr::kOffDW + t * Dk + d);
     *reinterpret_cast<uint2*>(sDW + t * ldk + d) = make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
   }
+}
+
+// Two adjacent fp32 values (8-byte aligned) as one load.
+__device__ __forceinline__ float2 load_pair(const float* p) {
+  return *reinterpret_cast<const float2*>(p);
 }
 
 // Row r's normalised input at columns col, col + 1 (exact: the 16-bit input
@@ -419,16 +444,24 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
     for (int j = 0; j < kNTk; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        gq[j][e] = gk[j][e] = gx[j][e] = 0.f;
+      for (int hr = 0; hr < 2; ++hr) {  // elements 2 hr, 2 hr + 1: one row, adjacent columns
+        const int e = 2 * hr, r = m0 + g + 8 * hr, col = n0k + 8 * j + i2;
+        gq[j][e] = gq[j][e + 1] = gk[j][e] = gk[j][e + 1] = 0.f;
+        gx[j][e] = gx[j][e + 1] = 0.f;
         if (active) {
-          const int r = erow(e), col = n0k + 8 * j + i2 + (e & 1);
-          const float down = kScalar ? __expf(sG[C - 1] - sG[r]) : 1.f;
-          gq[j][e] = sp[SpTr::kOffGq + r * Dk + col] * scale * up(r);
-          gk[j][e] = sp[SpTr::kOffGk + r * Dk + col] * down;
+          const float down = kScalar ? __expf(sG[C - 1] - sG[r]) : 1.f, u = scale * up(r);
+          const float2 q2 = load_pair(sp + SpTr::kOffGq + r * Dk + col);
+          const float2 k2 = load_pair(sp + SpTr::kOffGk + r * Dk + col);
+          gq[j][e] = q2.x * u;
+          gq[j][e + 1] = q2.y * u;
+          gk[j][e] = k2.x * down;
+          gk[j][e + 1] = k2.y * down;
           // Exact k, as db's row sums below use: the two cancel in the
           // reverse cumsum, and a rounded copy here would leave its rounding.
-          if (r < L) part += gk[j][e] * to_float(k_in[row(r) * Dk + col]) * sRk[r];
+          if (r < L) {
+            const float2 kx = exact_pair<Dk>(k_in, sRk, row, r, col);
+            part += gk[j][e] * kx.x + gk[j][e + 1] * kx.y;
+          }
         }
       }
     part = warp_sum(part);

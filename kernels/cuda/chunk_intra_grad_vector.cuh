@@ -168,13 +168,18 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
   for (int j = 0; j < kNT; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      gq[j][e] = gk[j][e] = gx[j][e] = 0.f;
+    for (int hr = 0; hr < 2; ++hr) {  // elements 2 hr, 2 hr + 1: one row, adjacent columns
+      const int e = 2 * hr, r = m0 + g + 8 * hr, col = n0 + 8 * j + i2;
+      gq[j][e] = gq[j][e + 1] = gk[j][e] = gk[j][e + 1] = 0.f;
+      gx[j][e] = gx[j][e + 1] = 0.f;
       if (active) {
-        const int r = erow(e), col = ecol(j, e);
-        const float br = bv(r, col);
-        gq[j][e] = sp[SpTr::kOffGq + r * Dk + col] * scale * __expf(br);
-        gk[j][e] = sp[SpTr::kOffGk + r * Dk + col] * __expf(bv(C - 1, col) - br);
+        const float2 q2 = load_pair(sp + SpTr::kOffGq + r * Dk + col);
+        const float2 k2 = load_pair(sp + SpTr::kOffGk + r * Dk + col);
+        const float b0 = bv(r, col), b1 = bv(r, col + 1);
+        gq[j][e] = q2.x * scale * __expf(b0);
+        gq[j][e + 1] = q2.y * scale * __expf(b1);
+        gk[j][e] = k2.x * __expf(bv(C - 1, col) - b0);
+        gk[j][e + 1] = k2.y * __expf(bv(C - 1, col + 1) - b1);
       }
     }
   if (active) {
