@@ -96,21 +96,21 @@ double cp_summary_bytes(const CpLayer& l) {
 
 CpReferenceTimes cp_h200_reference_128k(Variant v) {
   // README.md's Performance tables: statescan-bench --backward on one H200,
-  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-11-30 (fifth session:
-  // backward b9), forward ms and forward + backward ms of the same run.
+  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-01 (backward b11:
+  // the intra-chunk kernels), forward ms and forward + backward ms of the same run.
   switch (v) {
     case Variant::linear:
-      return {6.061, 28.24};
+      return {6.013, 21.765};
     case Variant::retention:
-      return {7.069, 32.06};
+      return {7.047, 24.582};
     case Variant::gla:
-      return {10.576, 47.50};
+      return {10.546, 32.893};
     case Variant::deltanet:
-      return {11.228, 74.20};
+      return {11.096, 36.490};
     case Variant::gated_deltanet:
-      return {12.040, 79.65};
+      return {11.942, 39.853};
     case Variant::kda:
-      return {15.435, 113.74};
+      return {15.275, 48.698};
   }
   SS_FAIL("variant", "no H200 reference times");
 }
