@@ -33,9 +33,19 @@ struct ModelRounding {
   bool prepared = false;        // the prepare stage's W, U, K_, Q^, A tiles (bf16 workspace)
   bool states = false;          // S, dS, V' and -dV' as operands of the forward and reverse scans
   bool state_products = false;  // V', dV' as operands of gk = V' dS^T, dW = -dV' S^T (b8)
-  // The planned intra-chunk kernel (PERF_NOTES, b11): operands of its products.
+  // The intra-chunk kernels (PERF_NOTES, b11): operands of their products.
   bool intra_cc = false;  // T, dA, dT, tmp = dT T^T and dMm (C x C)
   bool intra_cd = false;  // q, k, v, dO, V', dV', dW, K^ (C x D)
+  // Vector gates (chunk_intra_grad_vector_kernel; with intra_cd): the decayed
+  // path products round the operand scaled to a 16-row reference row,
+  // x_s e^{b_rho - b_s} (rho the last row of s's block) or y_r e^{b_r - b_rho'}
+  // (rho' the last row of the block before r's; 0 before the chunk), and
+  // apply the rest of the decay in full precision, as the kernel's
+  // tensor-core form does: in the blocks below the diagonal always, in the
+  // diagonal blocks only with reference_rows_diagonal (the kernel's fast path;
+  // otherwise they round the plain operand, as its exact CUDA-core path).
+  bool reference_rows = false;
+  bool reference_rows_diagonal = false;
 };
 
 inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<double>& d_o,
@@ -115,6 +125,22 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
       }
       auto e = [&](const Chunk& x, int64_t t, int64_t s, int64_t d) {
         return std::exp(x.b[t * Dk + d] - x.b[s * Dk + d]);
+      };
+      // One term of a decayed path product: operand xv of source row s (the
+      // row the sum runs over), target row t, dimension d: xv e^{b_t - b_s}
+      // (fwd: s <= t) or xv e^{b_s - b_t} (!fwd: s >= t), with the operand
+      // rounded as ModelRounding says.
+      auto path_term = [&](const Chunk& x, double xv, int64_t t, int64_t s, int64_t d, bool fwd) {
+        const bool diagonal = s / 16 == t / 16;
+        if (!vec_gate || !rounding.reference_rows ||
+            (diagonal && !rounding.reference_rows_diagonal))
+          return r_cd(xv) * (fwd ? e(x, t, s, d) : e(x, s, t, d));
+        const int64_t blk = s / 16;
+        const double bref = fwd ? x.b[(16 * blk + 15) * Dk + d]
+                                : (blk == 0 ? 0.0 : x.b[(16 * blk - 1) * Dk + d]);
+        const double bs = x.b[s * Dk + d], bt = x.b[t * Dk + d];
+        return fwd ? r_cd(xv * std::exp(bref - bs)) * std::exp(bt - bref)
+                   : r_cd(xv * std::exp(bs - bref)) * std::exp(bref - bt);
       };
       // Per chunk: A, KK (raw k k~ products), T, W, U.
       auto intra = [&](const Chunk& x, Vec& A, Vec& KK, Vec& Tm, Vec& W, Vec& U) {
@@ -237,9 +263,9 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
             }
             double qa = 0, ka = 0;
             for (int64_t s = 0; s <= t; ++s)
-              qa += r_cc(dA[t * C + s]) * r_cd(x.k[s * Dk + d]) * e(x, t, s, d);
+              qa += r_cc(dA[t * C + s]) * path_term(x, x.k[s * Dk + d], t, s, d, true);
             for (int64_t r = t; r < C; ++r)
-              ka += r_cc(dA[r * C + t]) * r_cd(x.q[r * Dk + d]) * e(x, r, t, d);
+              ka += r_cc(dA[r * C + t]) * path_term(x, x.q[r * Dk + d], t, r, d, false);
             gq[t * Dk + d] = p.scale * (eb * os + qa);
             const double gkbar = ebar * vs, gkt = p.scale * ka;
             gk[t * Dk + d] = gkbar + gkt;
@@ -303,9 +329,9 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
             for (int64_t d = 0; d < Dk; ++d) {
               double kh = 0, kt = 0;
               for (int64_t s = 0; s < t; ++s)
-                kh += r_cc(dM[t * C + s]) * r_cd(x.k[s * Dk + d]) * e(x, t, s, d);
+                kh += r_cc(dM[t * C + s]) * path_term(x, x.k[s * Dk + d], t, s, d, true);
               for (int64_t r = t + 1; r < C; ++r)
-                kt += r_cc(x.beta[r] * dM[r * C + t]) * r_cd(x.k[r * Dk + d]) * e(x, r, t, d);
+                kt += r_cc(x.beta[r] * dM[r * C + t]) * path_term(x, x.k[r * Dk + d], t, r, d, false);
               kh *= x.beta[t];
               gk[t * Dk + d] += kh + kt;
               db[t * Dk + d] += (kh - kt) * x.k[t * Dk + d];

@@ -62,19 +62,47 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkBwdModel,
 // fp64 reference on bf16-representable inputs, D = 64, chunk 64, two full
 // chunks and a partial one, dq/dk/dv/dbeta stored as bf16 like the kernels'
 // outputs. The bounds are test_cuda_backward's for bf16
-// (dq, dk, dv, dh0 8e-3; dg, dbeta 2e-2). "b10": the points the kernels round
-// at today; "b11 plan": also every operand of the intra-chunk products
-// (PERF_NOTES), which the planned kernel needs to keep in shared memory.
+// (dq, dk, dv, dh0 8e-3; dg, dbeta 2e-2). "b10": the points the kernels
+// rounded at before the intra-chunk kernels; "b11": also every operand of the
+// intra-chunk products, a vector gate's operands scaled to 16-row reference
+// rows, the diagonal blocks too (chunk_intra_grad_vector_kernel's fast path);
+// "b11_exact_diagonal": its path for items whose gates decay by more than
+// kMaxDrop = 4 e-folds over a 16-token block (diagonal blocks from the plain
+// operands). Gates: random_problem's (mild, ~0.3 e-folds per block), "bound"
+// (3.5 per block, at most ~3.9 here: the fast path's largest factors) and
+// "strong" (45 per block: the exact-diagonal path; the fast path is not run
+// there, as the kernel does not).
+//
+// Why the bound is 4 (2026-12-01, this model): the gate gradient db takes each
+// pair (t, s) of a chunk twice, + at t through gq and - at s through gk, and
+// the reverse cumsum cancels the two; operands rounded differently on the two
+// sides leave their rounding, while the true dg shrinks as the gates
+// strengthen. Scaled diagonal operands (not bf16-exact even where q, k are)
+// gave GLA dg errors of 6.5e-3 (2 e-folds per block), 9.9e-3 (5), 1.9e-2 (10),
+// 3.5e-2 (20) and 1.7e-1 (45); the plain operands 1e-3 to 2e-3. (With the L2
+// norm on, the normalised q, k are not bf16-exact either, and strong gates take
+// dg past 2e-2 on either path: GLA 3.1e-2, KDA 4.6e-2 at 45 e-folds per block,
+// a limit of 16-bit operands in these products; PERF_NOTES.)
 struct RoundingCase {
   const char* name;
   ModelRounding rounding;
+  bool fast_diagonal;  // the kernel's fast path: only within its drop bound
 };
 
 void PrintTo(const RoundingCase& c, std::ostream* os) {
   *os << c.name;
 }
 
-using Bf16Param = std::tuple<Variant, RoundingCase>;
+struct GateCase {
+  const char* name;
+  double per_block;  // e-folds of decay per 16 tokens; 0: random_problem's gates
+};
+
+void PrintTo(const GateCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+using Bf16Param = std::tuple<Variant, RoundingCase, GateCase>;
 
 class ChunkBwdModelBf16 : public ::testing::TestWithParam<Bf16Param> {};
 
@@ -86,6 +114,16 @@ TEST_P(ChunkBwdModelBf16, StaysUnderTheBf16Bounds) {
   s.seq_len = 150;
   s.with_h0 = true;
   ref::Problem p = random_problem(s, 29 + static_cast<uint64_t>(s.variant));
+  const RoundingCase& rounding = std::get<1>(GetParam());
+  const GateCase& gates = std::get<2>(GetParam());
+  if (gates.per_block > 0) {
+    if (p.g.empty()) GTEST_SKIP() << "no gate";
+    if (rounding.fast_diagonal && gates.per_block > 4)
+      GTEST_SKIP() << "the kernel takes its exact diagonal there";
+    std::mt19937_64 grng(5);
+    std::uniform_real_distribution<double> jitter(0.75, 1.25);
+    for (double& e : p.g) e = -gates.per_block / 16 * jitter(grng);
+  }
   for (auto* x : {&p.q, &p.k, &p.v, &p.beta})
     for (double& e : *x) e = round_bf16(e);
   for (auto* x : {&p.g, &p.h0})
@@ -96,15 +134,15 @@ TEST_P(ChunkBwdModelBf16, StaysUnderTheBf16Bounds) {
   for (double& e : d_o) e = round_bf16(e);
   for (double& e : dht) e = static_cast<float>(e);
   const ref::Grads want = ref::backward(p, d_o, dht);
-  ref::Grads got = chunk_backward_model(p, d_o, dht, 64, std::get<1>(GetParam()).rounding);
+  ref::Grads got = chunk_backward_model(p, d_o, dht, 64, rounding.rounding);
   // The kernels store dq, dk, dv and dbeta in the input's type.
   for (auto* x : {&got.dq, &got.dk, &got.dv, &got.dbeta})
     for (double& e : *x) e = round_bf16(e);
   const double errs[6] = {rel_rms(got.dq, want.dq),     rel_rms(got.dk, want.dk),
                           rel_rms(got.dv, want.dv),     rel_rms(got.dg, want.dg),
                           rel_rms(got.dbeta, want.dbeta), rel_rms(got.dh0, want.dh0)};
-  std::printf("  %-15s %-9s dq %.2e dk %.2e dv %.2e dg %.2e dbeta %.2e dh0 %.2e\n",
-              variant_name(s.variant).c_str(), std::get<1>(GetParam()).name, errs[0], errs[1],
+  std::printf("  %-15s %-18s %-6s dq %.2e dk %.2e dv %.2e dg %.2e dbeta %.2e dh0 %.2e\n",
+              variant_name(s.variant).c_str(), rounding.name, gates.name, errs[0], errs[1],
               errs[2], errs[3], errs[4], errs[5]);
   EXPECT_LE(errs[0], 8e-3) << "dq";
   EXPECT_LE(errs[1], 8e-3) << "dk";
@@ -118,16 +156,20 @@ TEST_P(ChunkBwdModelBf16, StaysUnderTheBf16Bounds) {
 }
 
 const RoundingCase kRoundings[] = {
-    {"b10", ModelRounding{true, true, true, false, false}},
-    {"b11_plan", ModelRounding{true, true, true, true, true}},
+    {"b10", ModelRounding{true, true, true, false, false, false, false}, false},
+    {"b11", ModelRounding{true, true, true, true, true, true, true}, true},
+    {"b11_exact_diagonal", ModelRounding{true, true, true, true, true, true, false}, false},
 };
+const GateCase kGates[] = {{"mild", 0.0}, {"bound", 3.5}, {"strong", 45.0}};
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkBwdModelBf16,
                          ::testing::Combine(::testing::ValuesIn(kAllVariants),
-                                            ::testing::ValuesIn(kRoundings)),
+                                            ::testing::ValuesIn(kRoundings),
+                                            ::testing::ValuesIn(kGates)),
                          [](const ::testing::TestParamInfo<Bf16Param>& info) {
                            return variant_name(std::get<0>(info.param)) + "_" +
-                                  std::get<1>(info.param).name;
+                                  std::get<1>(info.param).name + "_" +
+                                  std::get<2>(info.param).name;
                          });
 
 }  // namespace
