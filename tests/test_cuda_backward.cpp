@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -316,8 +317,8 @@ TEST_P(CudaBackward, MatchesReferenceWithChunk32) {
 }
 
 // Gates that decay by ~5 e-folds per token in every other 64-token chunk:
-// past the 16-bit kernels' bound on one 16-row block's decay (60 e-folds for
-// bf16, 4 for f16), so those chunks take the exact diagonal blocks of
+// past the vector kernel's bound on one 16-row block's decay (4 e-folds), so
+// those chunks take the exact diagonal blocks of
 // chunk_intra_grad_vector_kernel while the mild ones keep the tensor-core
 // form, in the same launch. (The scalar-gate variants get the same gates.)
 TEST_P(CudaBackward, MatchesReferenceWithStrongGatesInSomeChunks) {
@@ -332,6 +333,27 @@ TEST_P(CudaBackward, MatchesReferenceWithStrongGatesInSomeChunks) {
     if ((token / 64) % 2 == 1) p.g[i] *= 300.0;  // log_sigmoid(x + 4) ~ -0.02 -> ~ -5
   }
   GpuBackward gpu(p, dtype(), 64, true, seed(7) + 1);
+  gpu.run_forward();
+  gpu.run_backward();
+  expect_grads_match(gpu.got(), gpu.want(), tolerances(dtype()));
+}
+
+// Gates whose decay over one 16-token block sits just under the vector
+// kernel's bound for its tensor-core diagonal blocks (kMaxDrop = 4 e-folds,
+// chunk_intra_grad_vector.cuh): ~3 per block, at most ~3.4 over every block
+// and dimension here, so the diagonal products run with their largest output
+// factors. (The CPU model bounds this case: test_chunk_bwd_model's "bound".
+// fp32 inputs take the split-tf32 kernel and get the same gates.)
+TEST_P(CudaBackward, MatchesReferenceWithGatesNearTheDiagonalBound) {
+  ProblemSpec s = spec();
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(8));
+  if (p.g.empty()) GTEST_SKIP() << "no gate";
+  const double per_block = 3.0;
+  std::mt19937_64 rng(seed(8) + 2);
+  std::uniform_real_distribution<double> jitter(0.75, 1.25);
+  for (double& g : p.g) g = -per_block / 16 * jitter(rng);
+  GpuBackward gpu(p, dtype(), 64, true, seed(8) + 1);
   gpu.run_forward();
   gpu.run_backward();
   expect_grads_match(gpu.got(), gpu.want(), tolerances(dtype()));
