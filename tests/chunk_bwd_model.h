@@ -46,6 +46,12 @@ struct ModelRounding {
   // otherwise they round the plain operand, as its exact CUDA-core path).
   bool reference_rows = false;
   bool reference_rows_diagonal = false;
+  // The gate gradient db = gq q - gk k (+ the delta rule's terms) and the K_
+  // path's column sums from the rounded operand copies of q and k (the values
+  // the products used) instead of the exact normalised q, k: each in-chunk
+  // pair then cancels in dg's reverse cumsum as it does in exact arithmetic
+  // (planned for the kernels; test_chunk_bwd_model says why).
+  bool db_from_operands = false;
 };
 
 inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<double>& d_o,
@@ -125,6 +131,13 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
       }
       auto e = [&](const Chunk& x, int64_t t, int64_t s, int64_t d) {
         return std::exp(x.b[t * Dk + d] - x.b[s * Dk + d]);
+      };
+      // q and k as the gate gradient takes them (ModelRounding::db_from_operands).
+      auto q_db = [&](const Chunk& x, int64_t t, int64_t d) {
+        return rounding.db_from_operands ? r_cd(x.q[t * Dk + d]) : x.q[t * Dk + d];
+      };
+      auto k_db = [&](const Chunk& x, int64_t t, int64_t d) {
+        return rounding.db_from_operands ? r_cd(x.k[t * Dk + d]) : x.k[t * Dk + d];
       };
       // One term of a decayed path product: operand xv of source row s (the
       // row the sum runs over), target row t, dimension d: xv e^{b_t - b_s}
@@ -269,8 +282,8 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
             gq[t * Dk + d] = p.scale * (eb * os + qa);
             const double gkbar = ebar * vs, gkt = p.scale * ka;
             gk[t * Dk + d] = gkbar + gkt;
-            db[t * Dk + d] = gq[t * Dk + d] * x.q[t * Dk + d] - (gkbar + gkt) * x.k[t * Dk + d];
-            colsum[d] += gkbar * x.k[t * Dk + d];
+            db[t * Dk + d] = gq[t * Dk + d] * q_db(x, t, d) - (gkbar + gkt) * k_db(x, t, d);
+            colsum[d] += gkbar * k_db(x, t, d);
             dW[t * Dk + d] = -ws;
           }
         for (int64_t d = 0; d < Dk; ++d)
@@ -299,7 +312,7 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
               dbeta[t] += TdW[t * Dk + d] * x.k[t * Dk + d] * eb;
               const double gkh = x.beta[t] * eb * TdW[t * Dk + d];
               gk[t * Dk + d] += gkh;
-              db[t * Dk + d] += gkh * x.k[t * Dk + d];
+              db[t * Dk + d] += gkh * k_db(x, t, d);
             }
           }
           // dT only matters strictly below the diagonal: T's perturbations
@@ -334,7 +347,7 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
                 kt += r_cc(x.beta[r] * dM[r * C + t]) * path_term(x, x.k[r * Dk + d], t, r, d, false);
               kh *= x.beta[t];
               gk[t * Dk + d] += kh + kt;
-              db[t * Dk + d] += (kh - kt) * x.k[t * Dk + d];
+              db[t * Dk + d] += (kh - kt) * k_db(x, t, d);
             }
           }
         } else {
