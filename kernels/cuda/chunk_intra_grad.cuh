@@ -2,15 +2,15 @@
 // chunk_state_products_kernel, for 16-bit inputs with a scalar gate or none
 // (linear, retention, deltanet, gated_deltanet; vector gates:
 // chunk_intra_grad_vector.cuh, with the helpers below). It replaces
-// chunk_grad_kernel_tc's per-block global scratch by the b8 form
-// (kernels/cuda/PERF_NOTES.md, "Plan for the intra-chunk kernel"): every
+// chunk_grad_kernel_tc's per-block global scratch (which fp32 inputs keep) by
+// the b8 form (kernels/cuda/PERF_NOTES.md, backward b11): every
 // operand in shared memory in the input's 16-bit type, the [C, Dk]
 // accumulators gq, gk (and gx, below) in registers, each warp owning one
 // 16-row x Dk/4-column slab of all of them for the whole item, so the
 // products add into them without a memory round trip. The math is
 // chunk_grad_kernel_tc's phase for phase (tests/chunk_bwd_model.h); its
 // precision with these bf16 operands is bounded on the CPU by
-// test_chunk_bwd_model's ChunkBwdModelBf16 ("b11_plan").
+// test_chunk_bwd_model's ChunkBwdModelBf16 ("b11").
 //
 // Scalar gate: G_t = inclusive cumsum of the chunk's log gates; the pairwise
 // decay e^{G_t - G_s} (s <= t) multiplies C x C matrices elementwise, so every
@@ -18,7 +18,7 @@
 //
 // db (the gradient w.r.t. the gate cumsum) is not kept per element: with
 // gk = gk_A + gkh + kh + kt (the A path, the T^T dW term and the two dMm
-// paths), the current kernel's db = gq q - gk_A k + gkh k + (kh - kt) k equals
+// paths), chunk_grad_kernel_tc's db = gq q - gk_A k + gkh k + (kh - kt) k equals
 // gq q - gk k + 2 (gkh + kh) k, so a third accumulator gx = gkh + kh suffices
 // and db's row sums are taken at the end.
 //   grid (items in the batch), 512 threads, IntraTraits::kBytes of dynamic
