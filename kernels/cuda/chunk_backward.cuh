@@ -306,10 +306,8 @@ __global__ void __launch_bounds__(256)
 }
 
 // out (M x N, row-major, ld ldo) = [out +] (kNeg ? -1 : 1) * X Y on the tensor
-// cores: with kSplit in split tf32 (as mma_tf32: about fp32 accuracy, three
-// mma per step), else one tf32 mma per step on operands rounded to tf32
-// (10-bit mantissa: finer than the bf16/f16 inputs and outputs of the
-// 16-bit paths, which take it; fp32 inputs keep the split). Each warp owns a 2x2
+// cores in split tf32 (as mma_tf32: about fp32 accuracy, three mma per step;
+// only chunk_grad_kernel_tc, fp32 inputs, calls it). Each warp owns a 2x2
 // group of 16x16 output tiles (1 wide where M/16 or N/16 is odd), so every
 // fragment it loads from X and Y feeds two tiles: the operands come from
 // global scratch or shared memory, and loads, not the mma, bound this.
@@ -318,7 +316,7 @@ __global__ void __launch_bounds__(256)
 // col_major reads y[j * ldy + k] (Y^T of a row-major [N, K] array). M, N are
 // multiples of 16, K of 8; every pointer is 32-byte aligned, ld's multiples
 // of 4; out must not overlap X or Y. No barrier inside: the caller syncs.
-template <typename LayoutX, typename LayoutY, bool kNeg = false, bool kSplit = true>
+template <typename LayoutX, typename LayoutY, bool kNeg = false>
 __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, int ldx,
                                          const float* y, int ldy, int M, int N, int K,
                                          bool accumulate) {
@@ -361,7 +359,7 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
             const float v = kNeg ? -a_hi[i].x[e] : a_hi[i].x[e];
             const float hi = wmma::__float_to_tf32(v);
             a_hi[i].x[e] = hi;
-            if constexpr (kSplit) a_lo[i].x[e] = wmma::__float_to_tf32(v - hi);
+            a_lo[i].x[e] = wmma::__float_to_tf32(v - hi);
           }
         }
 #pragma unroll
@@ -374,7 +372,7 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
             const float v = b_hi[j].x[e];
             const float hi = wmma::__float_to_tf32(v);
             b_hi[j].x[e] = hi;
-            if constexpr (kSplit) b_lo[j].x[e] = wmma::__float_to_tf32(v - hi);
+            b_lo[j].x[e] = wmma::__float_to_tf32(v - hi);
           }
         }
         // Same order per tile as mma_tf32: lo*hi, hi*lo, hi*hi.
@@ -383,10 +381,8 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
 #pragma unroll
         for (int j = 0; j < 2; ++j)
           if (i < ri && j < rj) {
-            if constexpr (kSplit) {
-              wmma::mma_sync(acc[i][j], a_lo[i], b_hi[j], acc[i][j]);
-              wmma::mma_sync(acc[i][j], a_hi[i], b_lo[j], acc[i][j]);
-            }
+            wmma::mma_sync(acc[i][j], a_lo[i], b_hi[j], acc[i][j]);
+            wmma::mma_sync(acc[i][j], a_hi[i], b_lo[j], acc[i][j]);
             wmma::mma_sync(acc[i][j], a_hi[i], b_hi[j], acc[i][j]);
           }
     }
@@ -433,7 +429,7 @@ __device__ __forceinline__ void stq(P* p, const Quad& x) {
 
 // gram: a[t,s] = sum_d x_td y_sd Gamma_tsd for s <= t, 0 above; with kTwo also
 // a2[t,s] = sum_d x2_td y_sd Gamma_tsd for s < t, 0 on and above the diagonal.
-template <int Dk, bool kSplit, bool kTwo>
+template <int Dk, bool kTwo>
 __device__ __forceinline__ void vector_decay_gram(float* a, float* a2, const float* x,
                                                   const float* x2, const float* y,
                                                   const float* b, int C, float* tmp) {
@@ -493,10 +489,10 @@ __device__ __forceinline__ void vector_decay_gram(float* a, float* a2, const flo
       yj[idx] = y[s * Dk + d] * __expf(b[rho * Dk + d] - b[s * Dk + d]);
     }
     __syncthreads();
-    block_mm<RowM, ColM, false, kSplit>(a + r0 * C + 16 * J, C, xr, Dk, yj, Dk, rows, 16, Dk,
+    block_mm<RowM, ColM, false>(a + r0 * C + 16 * J, C, xr, Dk, yj, Dk, rows, 16, Dk,
                                         false);
     if constexpr (kTwo)
-      block_mm<RowM, ColM, false, kSplit>(a2 + r0 * C + 16 * J, C, x2r, Dk, yj, Dk, rows, 16, Dk,
+      block_mm<RowM, ColM, false>(a2 + r0 * C + 16 * J, C, x2r, Dk, yj, Dk, rows, 16, Dk,
                                           false);
     __syncthreads();  // the next J rewrites the scaled copies
   }
@@ -505,7 +501,7 @@ __device__ __forceinline__ void vector_decay_gram(float* a, float* a2, const flo
 // path: out_f[t,d] (+)= sum_{s <= t} M[t,s] Gamma_tsd xf[s,d] and
 //       out_b[t,d] (+)= sum_{r >= t} M[r,t] Gamma_rtd xb[r,d];
 // M is zero above its diagonal (its diagonal is used).
-template <int Dk, bool kSplit>
+template <int Dk>
 __device__ __forceinline__ void vector_decay_path(float* out_f, float* out_b, const float* M,
                                                   const float* xf, const float* xb,
                                                   const float* b, int C, float* tmp,
@@ -574,8 +570,8 @@ __device__ __forceinline__ void vector_decay_path(float* out_f, float* out_b, co
     }
     __syncthreads();
     const float* m = M + r0 * C + 16 * J;
-    block_mm<RowM, RowM, false, kSplit>(p_rows, Dk, m, C, xf_j, Dk, rows, Dk, 16, false);
-    block_mm<ColM, RowM, false, kSplit>(p_j, Dk, m, C, xb_rows, Dk, 16, Dk, rows, false);
+    block_mm<RowM, RowM, false>(p_rows, Dk, m, C, xf_j, Dk, rows, Dk, 16, false);
+    block_mm<ColM, RowM, false>(p_j, Dk, m, C, xb_rows, Dk, 16, Dk, rows, false);
     __syncthreads();
     for (int i = 4 * tid; i < rows * Dk; i += 4 * threads) {
       Quad o = ldq(out_f + r0 * Dk + i);
@@ -609,7 +605,8 @@ __device__ __forceinline__ void vector_decay_path(float* out_f, float* out_b, co
 // The operands are those the forward and the reverse scan use: the prepare
 // stage's W, U, K_, A tiles and S, dS rounded to T (as the forward rounds S
 // and the scan dS for their own products). Outputs are fp32, per item at
-// ws_sp + (item - item_begin) * kOutFloats; chunk_grad_kernel_tc reads them.
+// ws_sp + (item - item_begin) * kOutFloats; the intra-chunk kernels
+// (chunk_intra_grad*.cuh) read them.
 //   grid (items in the batch), 256 threads, kBytes of dynamic shared memory
 //   (162 KB at D = 128: one block per multiprocessor).
 template <typename T, int Dk, int Dv>
@@ -803,11 +800,13 @@ __global__ void __launch_bounds__(256, 1)
 
 namespace statescan::cuda::detail {
 
-// chunk_grad_kernel_tc: all gradients of one chunk from S_c and dS_{c+1}.
+// chunk_grad_kernel_tc: all gradients of one chunk from S_c and dS_{c+1}, for
+// fp32 inputs (16-bit inputs take chunk_state_products_kernel and the
+// intra-chunk kernels of chunk_intra_grad*.cuh).
 //   grid min(items, SMs), 256 threads, persistent: block i handles items
 //   (chunk c, head h) = item_begin + i, + gridDim.x, ... in turn. Every plain
-//   matrix product on the tensor cores (block_mm: split tf32 for fp32 inputs,
-//   plain tf32 for 16-bit ones); the pairwise-decay products of a vector gate
+//   matrix product on the tensor cores in split tf32 (block_mm: about fp32's
+//   accuracy); the pairwise-decay products of a vector gate
 //   in 16-row blocks (vector_decay_gram/path). q, k, b and the [C, C]
 //   matrices in shared memory (GradTraits::kSmemBytes, 195 KB at D = 128),
 //   the [C, D] intermediates in the block's slice of ws_scratch
@@ -823,13 +822,7 @@ __global__ void __launch_bounds__(256, 1)
   using ColM = wmma::col_major;
   constexpr bool kDelta = kRule == Rule::delta;
   constexpr bool kVector = kDecay == Decay::vector;
-  // Split tf32 (about fp32) only where the inputs are fp32; see block_mm.
-  constexpr bool kSplit = std::is_same_v<T, float>;
-  // 16-bit inputs: chunk_state_products_kernel has already computed V', dV',
-  // the state parts of gq and gk, dW and dgamma (a.ws_sp); fp32 inputs keep
-  // computing them here in split tf32 (its fp32 accuracy).
-  constexpr bool kSP = !std::is_same_v<T, float>;
-  using SpTr = StateProductTraits<std::conditional_t<kSP, T, __nv_bfloat16>, Dk, Dv>;
+  static_assert(std::is_same_v<T, float>, "16-bit inputs take the intra-chunk kernels");
   constexpr int kThreads = Tr::kThreads, kWarps = Tr::kWarps, kMC = Tr::kMaxChunk;
   extern __shared__ __align__(128) float smem[];
   float* q = smem;          // normalised q (no scale)
@@ -866,7 +859,6 @@ __global__ void __launch_bounds__(256, 1)
   float* TdU = dVp + kMC * Dv;  // first diag(beta) V
   float* Bk = gq;
   float* Bv = TdU;
-  const float* dgamma = sDgamma;
 
   const ForwardArgs& f = a.f;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -912,15 +904,6 @@ __global__ void __launch_bounds__(256, 1)
     auto row = [&](int t) { return (token0 + t) * H + h; };
     const float* S = a.chunk_states + tile * Dk * Dv;
     const float* dS = a.ws_ds + tile * Dk * Dv;
-    if constexpr (kSP) {
-      float* sp = a.ws_sp + (item - a.item_begin) * SpTr::kOutFloats;
-      Vp = sp + SpTr::kOffVp;
-      dVp = sp + SpTr::kOffDVp;
-      gq = sp + SpTr::kOffGq;
-      gk = sp + SpTr::kOffGk;
-      dW = sp + SpTr::kOffDW;
-      dgamma = sp + SpTr::kOffDgamma;
-    }
     const float* vp = kDelta ? Vp : v;
 
     // ---- load; rows past the chunk's end are zeros with g = 0 --------------
@@ -993,14 +976,11 @@ __global__ void __launch_bounds__(256, 1)
     // A scalar (or no) decay factors out of the sum over dimensions: A and KK
     // are plain products on the tensor cores, masked and decayed below. A
     // per-dimension decay does not: vector_decay_gram (16-row blocks).
-    // (With kSP, A only fed dV', which is computed: KK alone.)
     if constexpr (!kVector) {
-      if constexpr (!kSP) block_mm<RowM, ColM, false, kSplit>(sA, C, q, Dk, k, Dk, C, C, Dk, false);
-      if constexpr (kDelta) block_mm<RowM, ColM, false, kSplit>(sKK, C, k, Dk, k, Dk, C, C, Dk, false);
-    } else if constexpr (!kSP) {
-      vector_decay_gram<Dk, kSplit, kDelta>(sA, sKK, q, k, k, b, C, scratch);
-    } else if constexpr (kDelta) {
-      vector_decay_gram<Dk, kSplit, false>(sKK, nullptr, k, nullptr, k, b, C, scratch);
+      block_mm<RowM, ColM, false>(sA, C, q, Dk, k, Dk, C, C, Dk, false);
+      if constexpr (kDelta) block_mm<RowM, ColM, false>(sKK, C, k, Dk, k, Dk, C, C, Dk, false);
+    } else {
+      vector_decay_gram<Dk, kDelta>(sA, sKK, q, k, k, b, C, scratch);
     }
     for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
       const int t = i / Dk, d = i % Dk;
@@ -1015,10 +995,10 @@ __global__ void __launch_bounds__(256, 1)
         if constexpr (kDelta) bk.v[e] = sBeta[t] * x.v[e] * up;
       }
       if constexpr (kDelta) stq(Kh + i, kh);
-      if constexpr (!kSP) stq(Kbar + i, kbar);
-      if constexpr (kDelta && !kSP) stq(Bk + i, bk);
+      stq(Kbar + i, kbar);
+      if constexpr (kDelta) stq(Bk + i, bk);
     }
-    if constexpr (kDelta && !kSP) {
+    if constexpr (kDelta) {
       for (int i = 4 * tid; i < C * Dv; i += 4 * kThreads) {
         Quad x = ldq(v + i);
         const float beta = sBeta[i / Dv];
@@ -1033,7 +1013,7 @@ __global__ void __launch_bounds__(256, 1)
     for (int idx = tid; idx < C * C; idx += kThreads) {
       const int t = idx / C, s = idx % C;
       const float f = s <= t ? (kVector ? 1.f : decay(t, s, 0)) : 0.f;
-      if constexpr (!kSP) sA[idx] *= scale * f;
+      sA[idx] *= scale * f;
       if constexpr (kDelta) sKK[idx] = s < t ? sKK[idx] * f : 0.f;
     }
     __syncthreads();
@@ -1059,33 +1039,28 @@ __global__ void __launch_bounds__(256, 1)
         }
       }
       __syncthreads();
-      if constexpr (!kSP) {
-        // ---- W = T diag(beta) K^, U = T diag(beta) V (into V') -------------
-        block_mm<RowM, RowM, false, kSplit>(W, Dk, sT, C, Bk, Dk, C, Dk, C, false);
-        block_mm<RowM, RowM, false, kSplit>(Vp, Dv, sT, C, Bv, Dv, C, Dv, C, false);
-        __syncthreads();
-        // ---- V' = U - W S_c -----------------------------------------------
-        block_mm<RowM, RowM, true, kSplit>(Vp, Dv, W, Dk, S, Dv, C, Dv, Dk, true);
-        __syncthreads();
-      }
+      // ---- W = T diag(beta) K^, U = T diag(beta) V (into V') ---------------
+      block_mm<RowM, RowM, false>(W, Dk, sT, C, Bk, Dk, C, Dk, C, false);
+      block_mm<RowM, RowM, false>(Vp, Dv, sT, C, Bv, Dv, C, Dv, C, false);
+      __syncthreads();
+      // ---- V' = U - W S_c -------------------------------------------------
+      block_mm<RowM, RowM, true>(Vp, Dv, W, Dk, S, Dv, C, Dv, Dk, true);
+      __syncthreads();
     }
 
     // ---- dV' = K_ dS (+ A^T dO below), dA = dO V'^T, dO S^T, V' dS^T, dgamma
-    // (kSP: all but dA came from chunk_state_products_kernel.)
-    if constexpr (!kSP) block_mm<RowM, RowM, false, kSplit>(dVp, Dv, Kbar, Dk, dS, Dv, C, Dv, Dk, false);
-    block_mm<RowM, ColM, false, kSplit>(sdA, C, dO, Dv, vp, Dv, C, C, Dv, false);
-    if constexpr (!kSP) {
-      block_mm<RowM, ColM, false, kSplit>(gq, Dk, dO, Dv, S, Dv, C, Dk, Dv, false);
-      block_mm<RowM, ColM, false, kSplit>(gk, Dk, vp, Dv, dS, Dv, C, Dk, Dv, false);
-      for (int d = warp; d < Dk; d += kWarps) {  // dgamma_d = dS_d . S_d (warp per row)
-        float acc = 0.f;
-        for (int j = lane; j < Dv; j += 32) acc += dS[d * Dv + j] * S[d * Dv + j];
-        acc = warp_sum(acc);
-        if (lane == 0) sDgamma[d] = acc;
-      }
+    block_mm<RowM, RowM, false>(dVp, Dv, Kbar, Dk, dS, Dv, C, Dv, Dk, false);
+    block_mm<RowM, ColM, false>(sdA, C, dO, Dv, vp, Dv, C, C, Dv, false);
+    block_mm<RowM, ColM, false>(gq, Dk, dO, Dv, S, Dv, C, Dk, Dv, false);
+    block_mm<RowM, ColM, false>(gk, Dk, vp, Dv, dS, Dv, C, Dk, Dv, false);
+    for (int d = warp; d < Dk; d += kWarps) {  // dgamma_d = dS_d . S_d (warp per row)
+      float acc = 0.f;
+      for (int j = lane; j < Dv; j += 32) acc += dS[d * Dv + j] * S[d * Dv + j];
+      acc = warp_sum(acc);
+      if (lane == 0) sDgamma[d] = acc;
     }
     __syncthreads();
-    if constexpr (!kSP) block_mm<ColM, RowM, false, kSplit>(dVp, Dv, sA, C, dO, Dv, C, Dv, C, true);
+    block_mm<ColM, RowM, false>(dVp, Dv, sA, C, dO, Dv, C, Dv, C, true);
     // Causal mask and scale of dA (a scalar gate's pairwise decay too: the A
     // path below is then two plain products); gate factors of the state parts
     // of gq and gk.
@@ -1109,8 +1084,7 @@ __global__ void __launch_bounds__(256, 1)
     __syncthreads();
 
     // ---- dW = -dV' S_c^T; column sums of the K_ path (they land on b_{L-1}) -
-    if constexpr (kDelta && !kSP)
-      block_mm<RowM, ColM, true, kSplit>(dW, Dk, dVp, Dv, S, Dv, C, Dk, Dv, false);
+    if constexpr (kDelta) block_mm<RowM, ColM, true>(dW, Dk, dVp, Dv, S, Dv, C, Dk, Dv, false);
     if (tid < Dk) {
       float acc = 0.f;
       for (int t = 0; t < C; ++t) acc += gk[t * Dk + tid] * k[t * Dk + tid];
@@ -1121,10 +1095,10 @@ __global__ void __launch_bounds__(256, 1)
     // ---- A path: gq += scale dA (k decay), gk += scale dA^T (q decay); db ---
     // dA already holds the scale (and a scalar gate's decay).
     if constexpr (kVector) {
-      vector_decay_path<Dk, kSplit>(gq, gk, sdA, k, q, b, C, scratch, true);
+      vector_decay_path<Dk>(gq, gk, sdA, k, q, b, C, scratch, true);
     } else {
-      block_mm<RowM, RowM, false, kSplit>(gq, Dk, sdA, C, k, Dk, C, Dk, C, true);
-      block_mm<ColM, RowM, false, kSplit>(gk, Dk, sdA, C, q, Dk, C, Dk, C, true);
+      block_mm<RowM, RowM, false>(gq, Dk, sdA, C, k, Dk, C, Dk, C, true);
+      block_mm<ColM, RowM, false>(gk, Dk, sdA, C, q, Dk, C, Dk, C, true);
     }
     if constexpr (kDecay != Decay::none) {
       __syncthreads();
@@ -1140,11 +1114,11 @@ __global__ void __launch_bounds__(256, 1)
 
     if constexpr (kDelta) {
       // ---- through the UT transform: T^T dU, T^T dW, dT -------------------
-      block_mm<ColM, RowM, false, kSplit>(TdU, Dv, sT, C, dVp, Dv, C, Dv, C, false);
-      block_mm<ColM, RowM, false, kSplit>(TdW, Dk, sT, C, dW, Dk, C, Dk, C, false);
-      block_mm<RowM, ColM, false, kSplit>(sdT, C, dVp, Dv, v, Dv, C, C, Dv, false);
+      block_mm<ColM, RowM, false>(TdU, Dv, sT, C, dVp, Dv, C, Dv, C, false);
+      block_mm<ColM, RowM, false>(TdW, Dk, sT, C, dW, Dk, C, Dk, C, false);
+      block_mm<RowM, ColM, false>(sdT, C, dVp, Dv, v, Dv, C, C, Dv, false);
       __syncthreads();
-      block_mm<RowM, ColM, false, kSplit>(sdT, C, dW, Dk, Kh, Dk, C, C, Dk, true);
+      block_mm<RowM, ColM, false>(sdT, C, dW, Dk, Kh, Dk, C, C, Dk, true);
       __syncthreads();
       // dT_ts = beta_s (dV' V^T + dW K^^T)_ts, strictly lower (T's
       // perturbations -T dMm T are strictly lower triangular).
@@ -1154,7 +1128,7 @@ __global__ void __launch_bounds__(256, 1)
       }
       __syncthreads();
       // tmp = dT T^T; dv = beta T^T dU; dbeta (direct part); gk += beta e^b T^T dW.
-      block_mm<RowM, ColM, false, kSplit>(sTmp, C, sdT, C, sT, C, C, C, C, false);
+      block_mm<RowM, ColM, false>(sTmp, C, sdT, C, sT, C, C, C, C, false);
       for (int i = 4 * tid; i < L * Dv; i += 4 * kThreads) {
         const int t = i / Dv, j = i % Dv;
         Quad x = ldq(TdU + i);
@@ -1186,7 +1160,7 @@ __global__ void __launch_bounds__(256, 1)
       }
       __syncthreads();
       // dMm = -strict_lower(T^T tmp), into dT (its last reader was tmp above).
-      block_mm<ColM, RowM, true, kSplit>(sdT, C, sT, C, sTmp, C, C, C, C, false);
+      block_mm<ColM, RowM, true>(sdT, C, sT, C, sTmp, C, C, C, C, false);
       __syncthreads();
       // sA (free since the A path) takes diag(beta) dMm (with a scalar gate's
       // pairwise decay): the K^ and K~ gradients below are then sA K and
@@ -1209,10 +1183,10 @@ __global__ void __launch_bounds__(256, 1)
       }
       // kh = sA K, kt = sA^T K into the free dW, TdW
       if constexpr (kVector) {
-        vector_decay_path<Dk, kSplit>(dW, TdW, sA, k, k, b, C, scratch, false);
+        vector_decay_path<Dk>(dW, TdW, sA, k, k, b, C, scratch, false);
       } else {
-        block_mm<RowM, RowM, false, kSplit>(dW, Dk, sA, C, k, Dk, C, Dk, C, false);
-        block_mm<ColM, RowM, false, kSplit>(TdW, Dk, sA, C, k, Dk, C, Dk, C, false);
+        block_mm<RowM, RowM, false>(dW, Dk, sA, C, k, Dk, C, Dk, C, false);
+        block_mm<ColM, RowM, false>(TdW, Dk, sA, C, k, Dk, C, Dk, C, false);
       }
       __syncthreads();
       for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
@@ -1238,7 +1212,7 @@ __global__ void __launch_bounds__(256, 1)
     if constexpr (kDecay != Decay::none) {
       if (tid < Dk) {
         const float gamma = __expf(gate_b(C - 1, tid));
-        db[(L - 1) * Dk + tid] += sColsum[tid] + dgamma[tid] * gamma;
+        db[(L - 1) * Dk + tid] += sColsum[tid] + sDgamma[tid] * gamma;
       }
       __syncthreads();
       if constexpr (kVector) {
