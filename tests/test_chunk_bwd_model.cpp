@@ -135,9 +135,7 @@ TEST_P(ChunkBwdModelBf16, StaysUnderTheBf16Bounds) {
         rounding.rounding.intra_cd)
       GTEST_SKIP() << "known gap: dg 3e-2 to 7e-2 with the L2 norm and strong gates until the "
                       "kernels take db from the operand copies (the db_operands cases)";
-    std::mt19937_64 grng(5);
-    std::uniform_real_distribution<double> jitter(0.75, 1.25);
-    for (double& e : p.g) e = -gates.per_block / 16 * jitter(grng);
+    set_block_decay(p.g, gates.per_block, 5);
   }
   for (auto* x : {&p.q, &p.k, &p.v, &p.beta})
     for (double& e : *x) e = round_bf16(e);

@@ -271,6 +271,11 @@ class CudaBackward : public ::testing::TestWithParam<Param> {
 
   void expect_matches_reference(const ProblemSpec& s, uint64_t salt, int64_t chunk, bool with_dht) {
     ref::Problem p = random_problem(s, seed(salt));
+    expect_problem_matches_reference(p, salt, chunk, with_dht);
+  }
+  // The same for a problem the test has changed (its gates, say).
+  void expect_problem_matches_reference(ref::Problem& p, uint64_t salt, int64_t chunk,
+                                        bool with_dht) {
     GpuBackward gpu(p, dtype(), chunk, with_dht, seed(salt) + 1);
     gpu.run_forward();
     gpu.run_backward();
@@ -332,10 +337,7 @@ TEST_P(CudaBackward, MatchesReferenceWithStrongGatesInSomeChunks) {
     const int64_t token = static_cast<int64_t>(i) / (s.heads * gw) % s.seq_len;
     if ((token / 64) % 2 == 1) p.g[i] *= 300.0;  // log_sigmoid(x + 4) ~ -0.02 -> ~ -5
   }
-  GpuBackward gpu(p, dtype(), 64, true, seed(7) + 1);
-  gpu.run_forward();
-  gpu.run_backward();
-  expect_grads_match(gpu.got(), gpu.want(), tolerances(dtype()));
+  expect_problem_matches_reference(p, 7, 64, true);
 }
 
 // Gates whose decay over one 16-token block sits just under the vector
@@ -349,14 +351,8 @@ TEST_P(CudaBackward, MatchesReferenceWithGatesNearTheDiagonalBound) {
   s.with_h0 = true;
   ref::Problem p = random_problem(s, seed(8));
   if (p.g.empty()) GTEST_SKIP() << "no gate";
-  const double per_block = 3.0;
-  std::mt19937_64 rng(seed(8) + 2);
-  std::uniform_real_distribution<double> jitter(0.75, 1.25);
-  for (double& g : p.g) g = -per_block / 16 * jitter(rng);
-  GpuBackward gpu(p, dtype(), 64, true, seed(8) + 1);
-  gpu.run_forward();
-  gpu.run_backward();
-  expect_grads_match(gpu.got(), gpu.want(), tolerances(dtype()));
+  set_block_decay(p.g, 3.0, seed(8) + 2);
+  expect_problem_matches_reference(p, 8, 64, true);
 }
 
 // Every output bitwise equal to the expected run's (raw_outputs order).

@@ -100,6 +100,16 @@ std::vector<T> cast(const std::vector<double>& x) {
   return std::vector<T>(x.begin(), x.end());
 }
 
+// Log gates that decay by about `per_block` e-folds over every 16 tokens: each
+// entry -per_block / 16 times a factor drawn uniformly from [0.75, 1.25], so
+// one 16-token block's decay stays within ~11% of per_block (the 16-bit
+// backward's vector kernel switches paths at a bound on it).
+inline void set_block_decay(std::vector<double>& g, double per_block, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> jitter(0.75, 1.25);
+  for (double& e : g) e = -per_block / 16 * jitter(rng);
+}
+
 // x with every element rounded to the nearest float (inputs an fp32 path sees
 // exactly, kept in double for the reference).
 inline std::vector<double> round_f32(std::vector<double> x) {
