@@ -355,6 +355,26 @@ TEST_P(CudaBackward, MatchesReferenceWithGatesNearTheDiagonalBound) {
   expect_problem_matches_reference(p, 8, 64, true);
 }
 
+// The L2 norm with strong gates (20 e-folds per 16-token block, every
+// chunk): the case where the gate gradient needs db taken from the 16-bit
+// operand copies of q and k (the CPU model, test_chunk_bwd_model: from the
+// exact normalised q, k dg reached 2.1e-2 for Gated DeltaNet, 1.9e-2 for
+// retention; from the copies at most 8.7e-3).
+TEST_P(CudaBackward, MatchesReferenceWithL2NormAndStrongGates) {
+  ProblemSpec s = spec();
+  s.l2norm_qk = true;
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(9));
+  if (p.g.empty()) GTEST_SKIP() << "no gate";
+  std::mt19937_64 rng(seed(9) + 2);
+  std::uniform_real_distribution<double> jitter(0.75, 1.25);
+  for (double& g : p.g) g = -20.0 / 16 * jitter(rng);
+  GpuBackward gpu(p, dtype(), 64, true, seed(9) + 1);
+  gpu.run_forward();
+  gpu.run_backward();
+  expect_grads_match(gpu.got(), gpu.want(), tolerances(dtype()));
+}
+
 // Every output bitwise equal to the expected run's (raw_outputs order).
 void expect_same_outputs(const std::vector<std::vector<unsigned char>>& got,
                          const std::vector<std::vector<unsigned char>>& want) {

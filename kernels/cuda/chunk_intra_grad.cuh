@@ -183,14 +183,19 @@ __device__ __forceinline__ float2 exact_pair(const T* x_in, const float* sR, Row
   return make_float2(x.x * sR[r], x.y * sR[r]);
 }
 
+// A 16-bit operand copy's elements (r, col), (r, col + 1) in shared memory.
+template <typename T>
+__device__ __forceinline__ float2 operand_pair(const T* x, int ld, int r, int col) {
+  return unpack2<T>(*reinterpret_cast<const uint32_t*>(x + r * ld + col));
+}
+
 // A warp's slab accumulator (rows m0 .. m0+16, columns n0 .. n0+8 kNT, the
-// warp_mm_16xn layout) dotted with the exact normalised rows of x_in over the
-// slab's columns: out[hr] for row m0 + g + 8 hr, complete in every lane of the
-// quad (rows past L give 0).
-template <int Dk, int kNT, typename T, typename Row>
-__device__ __forceinline__ void slab_row_dots(float (&out)[2], const float (&acc)[kNT][4],
-                                              const T* x_in, const float* sR, Row row, int m0,
-                                              int n0, int L) {
+// warp_mm_16xn layout) dotted with rows given by pair(r, col) (elements col,
+// col + 1 of row r) over the slab's columns: out[hr] for row m0 + g + 8 hr,
+// complete in every lane of the quad (rows past L give 0).
+template <int kNT, typename Pair>
+__device__ __forceinline__ void slab_row_dots_by(float (&out)[2], const float (&acc)[kNT][4],
+                                                 int m0, int n0, int L, Pair&& pair) {
   const int lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -199,12 +204,21 @@ __device__ __forceinline__ void slab_row_dots(float (&out)[2], const float (&acc
     if (r < L) {
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
-        const float2 x = exact_pair<Dk>(x_in, sR, row, r, n0 + 8 * j + i2);
+        const float2 x = pair(r, n0 + 8 * j + i2);
         sum += x.x * acc[j][2 * hr] + x.y * acc[j][2 * hr + 1];
       }
     }
     out[hr] = quad_sum(sum);
   }
+}
+
+// ... with the exact normalised rows of x_in (the L2 norm's backward).
+template <int Dk, int kNT, typename T, typename Row>
+__device__ __forceinline__ void slab_row_dots(float (&out)[2], const float (&acc)[kNT][4],
+                                              const T* x_in, const float* sR, Row row, int m0,
+                                              int n0, int L) {
+  slab_row_dots_by(out, acc, m0, n0, L,
+                   [&](int r, int col) { return exact_pair<Dk>(x_in, sR, row, r, col); });
 }
 
 // dq, dk from the slab accumulators gq, gk (gradients w.r.t. the normalised
@@ -456,10 +470,10 @@ __global__ void __launch_bounds__(512, 1)
           gq[j][e + 1] = q2.y * u;
           gk[j][e] = k2.x * down;
           gk[j][e + 1] = k2.y * down;
-          // Exact k, as db's row sums below use: the two cancel in the
-          // reverse cumsum, and a rounded copy here would leave its rounding.
+          // k as db's row sums below take it (the operand copy): the two
+          // cancel in the reverse cumsum.
           if (r < L) {
-            const float2 kx = exact_pair<Dk>(k_in, sRk, row, r, col);
+            const float2 kx = operand_pair(sK, kLdK, r, col);
             part += gk[j][e] * kx.x + gk[j][e + 1] * kx.y;
           }
         }
@@ -636,19 +650,27 @@ __global__ void __launch_bounds__(512, 1)
     }
   }
 
-  // ---- row sums: q . gq, k . gk and db = q . gq - k . gk + 2 k . gx ---------
+  // ---- row sums: q . gq, k . gk (exact q, k: the L2 norm's backward) and
+  // db = q . gq - k . gk + 2 k . gx from the operand copies of q and k, the
+  // values the products used: each in-chunk pair's two entries then cancel in
+  // the reverse cumsum as in exact arithmetic (test_chunk_bwd_model,
+  // db_from_operands; exact q, k left their rounding in dg) ----------------
   if (active) {
-    float qg[2], kg[2], kx[2];
+    float qg[2], kg[2], qo[2], ko[2], kx[2];
     slab_row_dots<Dk>(qg, gq, q_in, sRq, row, m0, n0k, L);
     slab_row_dots<Dk>(kg, gk, k_in, sRk, row, m0, n0k, L);
-    slab_row_dots<Dk>(kx, gx, k_in, sRk, row, m0, n0k, L);
+    auto q_copy = [&](int r, int col) { return operand_pair(sQ, kLdK, r, col); };
+    auto k_copy = [&](int r, int col) { return operand_pair(sK, kLdK, r, col); };
+    slab_row_dots_by(qo, gq, m0, n0k, L, q_copy);
+    slab_row_dots_by(ko, gk, m0, n0k, L, k_copy);
+    slab_row_dots_by(kx, gx, m0, n0k, L, k_copy);
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int r = m0 + g + 8 * hr;
         sQG[part * kMC + r] = qg[hr];
         sKG[part * kMC + r] = kg[hr];
-        sDb[part * kMC + r] = qg[hr] - kg[hr] + 2.f * kx[hr];
+        sDb[part * kMC + r] = qo[hr] - ko[hr] + 2.f * kx[hr];
       }
     }
   }

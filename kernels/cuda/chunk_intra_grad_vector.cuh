@@ -187,8 +187,9 @@ __global__ void __launch_bounds__(512, 1)
       }
     }
   if (active) {
-    // Column sums of the K_ path's gk . k over the slab's rows (exact k, as
-    // db uses: the two cancel in the reverse cumsum); they land on row L-1.
+    // Column sums of the K_ path's gk . k over the slab's rows (k's operand
+    // copy, as db takes it: the two cancel in the reverse cumsum); they land
+    // on row L-1.
 #pragma unroll
     for (int j = 0; j < kNT; ++j) {
       float s0 = 0.f, s1 = 0.f;
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(512, 1)
       for (int hr = 0; hr < 2; ++hr) {
         const int r = m0 + g + 8 * hr;
         if (r < L) {
-          const float2 k2 = exact_pair<Dk>(k_in, sRk, row, r, n0 + 8 * j + i2);
+          const float2 k2 = operand_pair(sK, kLd, r, n0 + 8 * j + i2);
           s0 += gk[j][2 * hr] * k2.x;
           s1 += gk[j][2 * hr + 1] * k2.y;
         }
@@ -500,8 +501,11 @@ __global__ void __launch_bounds__(512, 1)
     __syncthreads();  // Y~(q) (P5's operand) is read; db takes its place below
   }
 
-  // ---- P11: db = gq q - gk k + 2 gx k per element (fp32, over q and dW);
-  // row dots for the L2 norm --------------------------------------------------
+  // ---- P11: db = gq q - gk k + 2 gx k per element (fp32, over q and dW),
+  // with q and k as their 16-bit operand copies (each in-chunk pair's two
+  // entries then cancel in the reverse cumsum; q's copy, overwritten since P4,
+  // is re-rounded from the exact value as P0 rounded it); the exact rows'
+  // dots for the L2 norm ------------------------------------------------------
   if (active) {
 #pragma unroll
     for (int j = 0; j < kNT; ++j)
@@ -509,8 +513,9 @@ __global__ void __launch_bounds__(512, 1)
       for (int hr = 0; hr < 2; ++hr) {
         const int r = m0 + g + 8 * hr, col = n0 + 8 * j + i2;
         if (r < L) {
-          const float2 q2 = exact_pair<Dk>(q_in, sRq, row, r, col);
-          const float2 k2 = exact_pair<Dk>(k_in, sRk, row, r, col);
+          const float2 qe = exact_pair<Dk>(q_in, sRq, row, r, col);
+          const float2 q2 = unpack2<T>(pack2<T>(qe.x, qe.y));
+          const float2 k2 = operand_pair(sK, kLd, r, col);
           const int e = 2 * hr;
           sDbuf[r * kLdB + col] =
               gq[j][e] * q2.x - gk[j][e] * k2.x + 2.f * gx[j][e] * k2.x;
