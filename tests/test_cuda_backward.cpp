@@ -366,13 +366,8 @@ TEST_P(CudaBackward, MatchesReferenceWithL2NormAndStrongGates) {
   s.with_h0 = true;
   ref::Problem p = random_problem(s, seed(9));
   if (p.g.empty()) GTEST_SKIP() << "no gate";
-  std::mt19937_64 rng(seed(9) + 2);
-  std::uniform_real_distribution<double> jitter(0.75, 1.25);
-  for (double& g : p.g) g = -20.0 / 16 * jitter(rng);
-  GpuBackward gpu(p, dtype(), 64, true, seed(9) + 1);
-  gpu.run_forward();
-  gpu.run_backward();
-  expect_grads_match(gpu.got(), gpu.want(), tolerances(dtype()));
+  set_block_decay(p.g, 20.0, seed(9) + 2);
+  expect_problem_matches_reference(p, 9, 64, true);
 }
 
 // Every output bitwise equal to the expected run's (raw_outputs order).
