@@ -84,15 +84,16 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkBwdModel,
 //
 // The same mechanism with the L2 norm on: normalised q, k are not
 // bf16-exact, and the kernels take db from the exact normalised q, k while
-// the products take their rounded copies. Today's kernels (the
+// the products take their rounded copies. The b11 kernels (the
 // "b11_exact_diagonal" rounding) then give dg errors, at 20 / 45 e-folds per
 // block, of retention 1.9e-2 / 1.8e-1, GLA 6.9e-3 / 3.1e-2, GDN 2.1e-2 /
 // 7.0e-2, KDA 9.1e-3 / 4.6e-2. "db_operands" takes db (and the K_ column
 // sums) from the copies too (ModelRounding::db_from_operands), so every
 // in-chunk pair cancels as in exact arithmetic: 8.7e-3 / 2.0e-2, 2.0e-3 /
-// 2.1e-3, 6.1e-3 / 3.4e-3, 3.8e-3 / 3.9e-3. The kernels do not do that yet
-// (PERF_NOTES: the next step, to validate on a GPU), so today's rounding
-// cases skip the L2 norm with strong gates, naming the gap.
+// 2.1e-3, 6.1e-3 / 3.4e-3, 3.8e-3 / 3.9e-3. The kernels do that since
+// 2026-12-01 (the GPU test MatchesReferenceWithL2NormAndStrongGates: worst
+// dg 3.8e-3), so "db_operands" models today's kernels; the b11 cases model
+// the kernels before and skip the L2 norm with strong gates, naming the gap.
 struct RoundingCase {
   const char* name;
   ModelRounding rounding;
@@ -133,8 +134,8 @@ TEST_P(ChunkBwdModelBf16, StaysUnderTheBf16Bounds) {
       GTEST_SKIP() << "the kernel takes its exact diagonal there";
     if (s.l2norm_qk && gates.per_block > 4 && !rounding.rounding.db_from_operands &&
         rounding.rounding.intra_cd)
-      GTEST_SKIP() << "known gap: dg 3e-2 to 7e-2 with the L2 norm and strong gates until the "
-                      "kernels take db from the operand copies (the db_operands cases)";
+      GTEST_SKIP() << "the b11 kernels' gap: dg 3e-2 to 7e-2 with the L2 norm and strong gates, "
+                      "closed by taking db from the operand copies (the db_operands cases)";
     set_block_decay(p.g, gates.per_block, 5);
   }
   for (auto* x : {&p.q, &p.k, &p.v, &p.beta})
