@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -167,14 +168,19 @@ class CudaForward : public ::testing::TestWithParam<Param> {
            101ull * static_cast<uint64_t>(dtype()) + static_cast<uint64_t>(dim());
   }
 
-  // Chunkwise forward vs the reference: o and final state.
-  void expect_matches_reference(ProblemSpec s, uint64_t salt, int64_t chunk = 64) {
-    ref::Problem p = random_problem(s, seed(salt));
+  // Chunkwise forward vs the reference: o and final state (errors printed,
+  // so a run shows the margins, not only pass/fail).
+  void expect_problem_matches_reference(ref::Problem p, int64_t chunk = 64) {
     GpuProblem gpu(p, dtype(), chunk);
     gpu.run_chunkwise();
     const ref::Outputs want = ref::forward(p);
-    EXPECT_LE(rel_rms(gpu.o(), want.o), tol()) << "o";
-    EXPECT_LE(rel_rms(gpu.final_state(), want.ht), tol()) << "final state";
+    const double err_o = rel_rms(gpu.o(), want.o), err_s = rel_rms(gpu.final_state(), want.ht);
+    std::printf("  rel RMS: o %.2e final state %.2e\n", err_o, err_s);
+    EXPECT_LE(err_o, tol()) << "o";
+    EXPECT_LE(err_s, tol()) << "final state";
+  }
+  void expect_matches_reference(ProblemSpec s, uint64_t salt, int64_t chunk = 64) {
+    expect_problem_matches_reference(random_problem(s, seed(salt)), chunk);
   }
 };
 
@@ -209,6 +215,50 @@ TEST_P(CudaForward, MatchesReferenceWithSmallChunks) {
   s.with_h0 = true;
   expect_matches_reference(s, 5, 16);
   expect_matches_reference(s, 6, 32);
+}
+
+// Gates decaying ~5 e-folds per token in every other chunk: the 16-bit
+// prepare kernel (chunk_prepare16.cuh) then sums the vector gates' diagonal
+// blocks exactly on the CUDA cores (a block's decay is far above its
+// tensor-core bound of 4 e-folds) and the scalar gate's pairwise factors
+// underflow to 0 (and overflow above the diagonal, where they are selected
+// away, not multiplied).
+TEST_P(CudaForward, MatchesReferenceWithStrongGatesInSomeChunks) {
+  ProblemSpec s = spec();
+  s.seq_len = 200;
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(12));
+  if (p.g.empty()) GTEST_SKIP() << "no gate";
+  const int64_t gw = vector_gate(s.variant) ? s.dk : 1;
+  for (size_t i = 0; i < p.g.size(); ++i) {
+    const int64_t token = static_cast<int64_t>(i) / (s.heads * gw) % s.seq_len;
+    if ((token / 64) % 2 == 1) p.g[i] *= 300.0;  // log_sigmoid(x + 4) ~ -0.02 -> ~ -5
+  }
+  expect_problem_matches_reference(p);
+}
+
+// ~3 e-folds of decay per 16-token block: under the tensor-core diagonal's
+// bound, with its largest factors (e^{drop} on the diagonal products).
+TEST_P(CudaForward, MatchesReferenceWithGatesNearTheDiagonalBound) {
+  ProblemSpec s = spec();
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(13));
+  if (p.g.empty()) GTEST_SKIP() << "no gate";
+  set_block_decay(p.g, 3.0, seed(13) + 2);
+  expect_problem_matches_reference(p);
+}
+
+// The L2 norm (q, k not 16-bit-exact, so the operand copies round) with 20
+// e-folds per block (the exact diagonal path) and with small chunks.
+TEST_P(CudaForward, MatchesReferenceWithL2NormAndStrongGates) {
+  ProblemSpec s = spec();
+  s.l2norm_qk = true;
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(14));
+  if (p.g.empty()) GTEST_SKIP() << "no gate";
+  set_block_decay(p.g, 20.0, seed(14) + 2);
+  expect_problem_matches_reference(p);
+  expect_problem_matches_reference(p, 32);
 }
 
 // Enough heads that the state scan switches from 16- to 32-column blocks

@@ -4,7 +4,8 @@
 // element type T (bf16/f16 tiles halve the traffic and feed 16x16x16
 // tensor-core steps; fp32 inputs keep fp32 tiles and split-tf32 products):
 //
-//   1. chunk_prepare_kernel  (one block per (chunk, head); all chunks in parallel)
+//   1. chunk_prepare_kernel  (one block per (chunk, head); all chunks in parallel;
+//      16-bit inputs: chunk_prepare16_kernel, chunk_prepare16.cuh, same outputs)
 //      everything that does not depend on the state entering the chunk:
 //      gate cumsums, decayed queries/keys, the masked intra-chunk attention A,
 //      and for delta rules the UT transform W = T diag(beta) K^, U = T diag(beta) V.
@@ -60,6 +61,7 @@ struct ForwardArgs : MixerTensors {
                               // caller's chunk_states when given)
   int num_sms = 132;
   int scan_block_cols = 0;  // 16 or 32 to force the scan's Dv block; 0 = by occupancy
+  bool prepare_fp32_tiles = false;  // 16-bit inputs through chunk_prepare_kernel (A/B knob)
 
   int64_t heads = 0;
   int64_t seq_len = 0;
@@ -189,18 +191,6 @@ struct OutputTraits {
   static constexpr size_t kBytes = kQBytes + kABytes + kSBytes + kVBytes + kOBytes;
   static_assert(kBytes <= 227 * 1024, "chunk_output_kernel exceeds Hopper shared memory");
 };
-
-__device__ __forceinline__ void cp_async16(void* smem_dst, const void* global_src) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
 
 // Copies a rows x cols tile (global row stride ld_src, in elements) into
 // shared memory (row stride ld_dst) with 16-byte asynchronous copies.
@@ -802,6 +792,12 @@ __global__ void __launch_bounds__(256) chunk_output_kernel(const __grid_constant
   }
 }
 
+}  // namespace statescan::cuda::detail
+
+#include "kernels/cuda/chunk_prepare16.cuh"
+
+namespace statescan::cuda::detail {
+
 // Which of the three kernels a launch runs (a bit mask). The full forward runs
 // all three; context parallelism runs prepare + scan from a zero state for its
 // summary, and the backward re-runs prepare alone to recompute the tiles.
@@ -818,18 +814,27 @@ enum ForwardStage : int {
 // wave of a sequential scan would double its time.
 template <Decay kDecay, Rule kRule, typename Elem, int Dk, int Dv, bool kL2Norm>
 void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream) {
-  using PrepTr = ChunkTraits<kDecay, kRule, Dk, Dv>;
   using OutTr = OutputTraits<Elem, Dk, Dv>;
-  auto prepare = chunk_prepare_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
   auto output = chunk_output_kernel<kRule, Elem, Dk, Dv>;
-  SS_CUDA_CHECK(cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(PrepTr::kPrepBytes)));
   SS_CUDA_CHECK(cudaFuncSetAttribute(output, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(OutTr::kBytes)));
   if (stages & kStagePrepare) {
-    prepare<<<dim3(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.heads)),
-              PrepTr::kThreads, PrepTr::kPrepBytes, stream>>>(a);
-    SS_LAUNCH_CHECK("chunk_prepare_kernel");
+    const dim3 grid(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.heads));
+    if (std::is_same_v<Elem, float> || a.prepare_fp32_tiles) {
+      using PrepTr = ChunkTraits<kDecay, kRule, Dk, Dv>;
+      auto prepare = chunk_prepare_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
+      SS_CUDA_CHECK(cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(PrepTr::kPrepBytes)));
+      prepare<<<grid, PrepTr::kThreads, PrepTr::kPrepBytes, stream>>>(a);
+      SS_LAUNCH_CHECK("chunk_prepare_kernel");
+    } else if constexpr (!std::is_same_v<Elem, float>) {
+      using PrepTr = Prepare16Traits<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
+      auto prepare = chunk_prepare16_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
+      SS_CUDA_CHECK(cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(PrepTr::kBytes)));
+      prepare<<<grid, PrepTr::kThreads, PrepTr::kBytes, stream>>>(a);
+      SS_LAUNCH_CHECK("chunk_prepare16_kernel");
+    }
   }
 
   auto launch_scan = [&](auto bv_tag) {

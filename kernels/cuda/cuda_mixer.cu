@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -99,6 +100,17 @@ int scan_block_cols_override() {
   return value;
 }
 
+// STATESCAN_PREPARE=fp32 runs 16-bit inputs through the fp32-tile prepare
+// kernel (chunk_prepare_kernel) instead of chunk_prepare16_kernel: an A/B
+// knob for speed and precision comparisons, read once.
+bool prepare_fp32_tiles_override() {
+  static const bool value = [] {
+    const char* text = std::getenv("STATESCAN_PREPARE");
+    return text != nullptr && std::strcmp(text, "fp32") == 0;
+  }();
+  return value;
+}
+
 bool aligned16(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
@@ -167,6 +179,7 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
                     : prepare_only ? nullptr : static_cast<void*>(base + l.states);
   a.num_sms = multiprocessor_count();
   a.scan_block_cols = scan_block_cols_override();
+  a.prepare_fp32_tiles = prepare_fp32_tiles_override();
   a.heads = p.heads;
   a.seq_len = p.seq_len;
   a.chunk = static_cast<int>(p.chunk);

@@ -94,6 +94,20 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// 16-byte asynchronous global -> shared copies (sm_80+), committed and
+// waited for in groups.
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* global_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
 namespace wmma = nvcuda::wmma;
 using AccFragment = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
 

@@ -122,25 +122,40 @@ __device__ __forceinline__ void warp_mm_16xn(float (&acc)[kNT][4], const T* x, i
 
 // As warp_mm_16xn with X row-major ([M][K]), X's column k multiplied by
 // xscale(k) on the way in (fp32, rounded back to T): a per-dimension factor
-// inside the contraction (chunk_intra_grad_vector_kernel's gram of keys with
-// the decay between two reference rows).
-template <typename T, bool kYKN, int kNT, typename Scale>
+// inside the contraction (the vector-gate kernels' products between two
+// reference rows). With kSplitX, X is given as two 16-bit parts x + x_lo
+// (~16 bits) and the scaled value enters as two operands again (hi + the
+// rest: two products), so X keeps ~16 bits through the scaling instead of
+// two roundings to 16-bit.
+template <typename T, bool kYKN, int kNT, bool kSplitX = false, typename Scale>
 __device__ __forceinline__ void warp_mm_16xn_xscaled(float (&acc)[kNT][4], const T* x, int ldx,
                                                      const T* y, int ldy, int m0, int n0, int K,
-                                                     Scale&& xscale) {
+                                                     Scale&& xscale, const T* x_lo = nullptr) {
   static_assert(kNT % 2 == 0, "n8 tiles come in pairs (one x4 load)");
   const int lane = threadIdx.x & 31;
   const int r8 = lane & 7, m1 = (lane >> 3) & 1, m2 = lane >> 4, i2 = 2 * (lane & 3);
   for (int k0 = 0; k0 < K; k0 += 16) {
-    uint32_t a[4];
-    ldmatrix_x4<false>(a, x + (m0 + r8 + 8 * m1) * ldx + k0 + 8 * m2);
+    uint32_t a[4], a_lo[4];
+    const int offset = (m0 + r8 + 8 * m1) * ldx + k0 + 8 * m2;
+    ldmatrix_x4<false>(a, x + offset);
+    if constexpr (kSplitX) ldmatrix_x4<false>(a_lo, x_lo + offset);
     // a[0], a[1] hold columns k0 + i2, + 1; a[2], a[3] columns k0 + 8 + i2, + 1.
     const float s0 = xscale(k0 + i2), s1 = xscale(k0 + i2 + 1);
     const float s2 = xscale(k0 + 8 + i2), s3 = xscale(k0 + 9 + i2);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const float2 v = unpack2<T>(a[r]);
-      a[r] = r < 2 ? pack2<T>(v.x * s0, v.y * s1) : pack2<T>(v.x * s2, v.y * s3);
+      float2 v = unpack2<T>(a[r]);
+      if constexpr (kSplitX) {
+        const float2 w = unpack2<T>(a_lo[r]);
+        v.x += w.x;
+        v.y += w.y;
+      }
+      v = r < 2 ? make_float2(v.x * s0, v.y * s1) : make_float2(v.x * s2, v.y * s3);
+      a[r] = pack2<T>(v.x, v.y);
+      if constexpr (kSplitX) {
+        const float2 h = unpack2<T>(a[r]);
+        a_lo[r] = pack2<T>(v.x - h.x, v.y - h.y);
+      }
     }
 #pragma unroll
     for (int p = 0; p < kNT / 2; ++p) {
@@ -152,6 +167,10 @@ __device__ __forceinline__ void warp_mm_16xn_xscaled(float (&acc)[kNT][4], const
         ldmatrix_x4<true>(b, y + (k0 + r8 + 8 * m1) * ldy + nb + 8 * m2);
       mma_m16n8k16<T>(acc[2 * p], a, b[0], b[1]);
       mma_m16n8k16<T>(acc[2 * p + 1], a, b[2], b[3]);
+      if constexpr (kSplitX) {
+        mma_m16n8k16<T>(acc[2 * p], a_lo, b[0], b[1]);
+        mma_m16n8k16<T>(acc[2 * p + 1], a_lo, b[2], b[3]);
+      }
     }
   }
 }
