@@ -8,7 +8,7 @@
 //        A, gamma in T (with recompute_chunk_states the scan stage runs on the
 //        same plan and writes only the fp32 chunk states at the end)
 //   [dS_{c+1} per chunk, fp32 [chunks, H, Dk, Dv]]
-//   [chunk_grad_kernel_tc scratch, fp32, one slice per persistent block]
+//   [fp32 inputs: chunk_grad_kernel_tc scratch, fp32, one slice per persistent block]
 //   [16-bit inputs: chunk_state_products_kernel's outputs for one batch of
 //    (chunk, head) items, fp32 (StateProductTraits::kOutFloats per item)]
 //   [recompute_chunk_states only: the fp32 chunk states]
@@ -105,10 +105,15 @@ BackwardLayout layout_for(const MixerParams& p, bool recompute) {
   l.ds = at;
   at += states;
   l.scratch = at;
-  at += align_up(static_cast<size_t>(grad_blocks(p) * scratch_floats_per_block(p)) * sizeof(float));
+  // chunk_grad_kernel_tc's per-block scratch: fp32 inputs only (16-bit inputs
+  // take the state-product and intra-chunk kernels, which need none).
+  if (!uses_state_products(p))
+    at +=
+        align_up(static_cast<size_t>(grad_blocks(p) * scratch_floats_per_block(p)) * sizeof(float));
   l.sp = at;
   l.sp_batch = state_product_batch(p);
-  at += align_up(static_cast<size_t>(l.sp_batch * state_product_floats_per_item(p)) * sizeof(float));
+  at +=
+      align_up(static_cast<size_t>(l.sp_batch * state_product_floats_per_item(p)) * sizeof(float));
   l.states = at;
   if (recompute) at += states;
   l.total = at;
@@ -227,7 +232,7 @@ void run_backward(const MixerBwdParams& p, const Prepared& prep, const BackwardL
   a.dbeta = p.dbeta;
   a.d_initial_state = p.d_initial_state;
   a.ws_ds = p.state_grad_only ? nullptr : reinterpret_cast<float*>(base + l.ds);
-  a.ws_scratch = reinterpret_cast<float*>(base + l.scratch);
+  a.ws_scratch = uses_state_products(p) ? nullptr : reinterpret_cast<float*>(base + l.scratch);
   if (l.sp_batch > 0) {
     a.ws_sp = reinterpret_cast<float*>(base + l.sp);
     a.sp_batch = l.sp_batch;

@@ -82,6 +82,27 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   }
 }
 
+// acc's kNT tiles += the A fragment `a` (16 x 16, k0 .. k0+16) times Y's
+// rows k0 .. k0+16, columns n0 .. n0+8 kNT (the layouts of warp_mm_16xn).
+template <typename T, bool kYKN, int kNT>
+__device__ __forceinline__ void warp_mm_b_tiles(float (&acc)[kNT][4], const uint32_t (&a)[4],
+                                                const T* y, int ldy, int n0, int k0) {
+  const int lane = threadIdx.x & 31;
+  const int r8 = lane & 7, m1 = (lane >> 3) & 1, m2 = lane >> 4;
+#pragma unroll
+  for (int p = 0; p < kNT / 2; ++p) {
+    const int nb = n0 + 16 * p;
+    uint32_t b[4];
+    // b[0], b[1] = tile nb (k 0-7, k 8-15); b[2], b[3] = tile nb + 8
+    if constexpr (!kYKN)
+      ldmatrix_x4<false>(b, y + (nb + r8 + 8 * m2) * ldy + k0 + 8 * m1);
+    else
+      ldmatrix_x4<true>(b, y + (k0 + r8 + 8 * m1) * ldy + nb + 8 * m2);
+    mma_m16n8k16<T>(acc[2 * p], a, b[0], b[1]);
+    mma_m16n8k16<T>(acc[2 * p + 1], a, b[2], b[3]);
+  }
+}
+
 // One warp: acc (a 16 x 8*kNT slab: kNT 16 x 8 tiles, kNT even) +=
 // X[m0 .. m0+16, 0 .. K) * Y[0 .. K, n0 .. n0+8*kNT), operands 16-bit in
 // shared memory, K a multiple of 16.
@@ -105,18 +126,7 @@ __device__ __forceinline__ void warp_mm_16xn(float (&acc)[kNT][4], const T* x, i
       ldmatrix_x4<false>(a, x + (m0 + r8 + 8 * m1) * ldx + k0 + 8 * m2);
     else
       ldmatrix_x4<true>(a, x + (k0 + r8 + 8 * m2) * ldx + m0 + 8 * m1);
-#pragma unroll
-    for (int p = 0; p < kNT / 2; ++p) {
-      const int nb = n0 + 16 * p;
-      uint32_t b[4];
-      // b[0], b[1] = tile nb (k 0-7, k 8-15); b[2], b[3] = tile nb + 8
-      if constexpr (!kYKN)
-        ldmatrix_x4<false>(b, y + (nb + r8 + 8 * m2) * ldy + k0 + 8 * m1);
-      else
-        ldmatrix_x4<true>(b, y + (k0 + r8 + 8 * m1) * ldy + nb + 8 * m2);
-      mma_m16n8k16<T>(acc[2 * p], a, b[0], b[1]);
-      mma_m16n8k16<T>(acc[2 * p + 1], a, b[2], b[3]);
-    }
+    warp_mm_b_tiles<T, kYKN, kNT>(acc, a, y, ldy, n0, k0);
   }
 }
 
@@ -157,21 +167,8 @@ __device__ __forceinline__ void warp_mm_16xn_xscaled(float (&acc)[kNT][4], const
         a_lo[r] = pack2<T>(v.x - h.x, v.y - h.y);
       }
     }
-#pragma unroll
-    for (int p = 0; p < kNT / 2; ++p) {
-      const int nb = n0 + 16 * p;
-      uint32_t b[4];
-      if constexpr (!kYKN)
-        ldmatrix_x4<false>(b, y + (nb + r8 + 8 * m2) * ldy + k0 + 8 * m1);
-      else
-        ldmatrix_x4<true>(b, y + (k0 + r8 + 8 * m1) * ldy + nb + 8 * m2);
-      mma_m16n8k16<T>(acc[2 * p], a, b[0], b[1]);
-      mma_m16n8k16<T>(acc[2 * p + 1], a, b[2], b[3]);
-      if constexpr (kSplitX) {
-        mma_m16n8k16<T>(acc[2 * p], a_lo, b[0], b[1]);
-        mma_m16n8k16<T>(acc[2 * p + 1], a_lo, b[2], b[3]);
-      }
-    }
+    warp_mm_b_tiles<T, kYKN, kNT>(acc, a, y, ldy, n0, k0);
+    if constexpr (kSplitX) warp_mm_b_tiles<T, kYKN, kNT>(acc, a_lo, y, ldy, n0, k0);
   }
 }
 
