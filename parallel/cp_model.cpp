@@ -96,21 +96,21 @@ double cp_summary_bytes(const CpLayer& l) {
 
 CpReferenceTimes cp_h200_reference_128k(Variant v) {
   // README.md's Performance tables: statescan-bench --backward on one H200,
-  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-01 (backward b11:
-  // the intra-chunk kernels), forward ms and forward + backward ms of the same run.
+  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-01 (backward b11 with
+  // forward v3's prepare kernel), forward ms and forward + backward ms of the same run.
   switch (v) {
     case Variant::linear:
-      return {6.013, 21.765};
+      return {6.073, 21.529};
     case Variant::retention:
-      return {7.047, 24.582};
+      return {6.849, 23.883};
     case Variant::gla:
-      return {10.546, 32.893};
+      return {7.672, 26.993};
     case Variant::deltanet:
-      return {11.096, 36.490};
+      return {11.477, 36.844};
     case Variant::gated_deltanet:
-      return {11.942, 39.853};
+      return {12.131, 39.827};
     case Variant::kda:
-      return {15.275, 48.698};
+      return {13.441, 44.923};
   }
   SS_FAIL("variant", "no H200 reference times");
 }
