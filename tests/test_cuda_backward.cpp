@@ -332,11 +332,7 @@ TEST_P(CudaBackward, MatchesReferenceWithStrongGatesInSomeChunks) {
   s.with_h0 = true;
   ref::Problem p = random_problem(s, seed(7));
   if (p.g.empty()) GTEST_SKIP() << "no gate";
-  const int64_t gw = vector_gate(s.variant) ? s.dk : 1;
-  for (size_t i = 0; i < p.g.size(); ++i) {
-    const int64_t token = static_cast<int64_t>(i) / (s.heads * gw) % s.seq_len;
-    if ((token / 64) % 2 == 1) p.g[i] *= 300.0;  // log_sigmoid(x + 4) ~ -0.02 -> ~ -5
-  }
+  strengthen_gates_in_odd_chunks(p, 300.0);
   expect_problem_matches_reference(p, 7, 64, true);
 }
 
