@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(512, 2)
   // ---- P0: load (rows past the chunk's end are zeros: exact no-ops) --------
   if constexpr (!kDelta) {  // additive rules: U = V, straight to the workspace
     constexpr int kVec = 8, kRowVecs = Dv / kVec;  // 16-byte pieces of a v row
-#pragma unroll 4                                   // independent loads in flight together
+#pragma unroll 4  // independent loads in flight together
     for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
       const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
       *reinterpret_cast<uint4*>(out_u + t * Dv + j) =
