@@ -26,12 +26,13 @@
 // Precision: Q^ and K_ come from the exact normalised inputs (rounded once,
 // on the store); W and U = T X are products of two-part (hi + lo, ~16-bit)
 // copies of T and X = diag(beta) [K^ | V]; q and k enter A and KK as two
-// parts too where the L2 norm makes them inexact (kSplitQK). What stays
-// 16-bit is the vector gates' reference-row copies (their rounding is what
-// FLA's kernels have as well).
+// parts too where the L2 norm makes them inexact (kSplitQK), and so does the
+// vector gates' query side through its per-dimension scaling. Only the
+// vector gates' key side X~(k) is one 16-bit rounding (PERF_NOTES, v3: what
+// each two-part operand is worth, measured and in tests/chunk_fwd_model.h).
 //   grid (chunks, H), 512 threads, Prepare16Traits::kBytes of dynamic shared
-//   memory (D = 128: kda 111 KB, deltanet 61 KB (with the L2 norm 95 KB),
-//   linear 35 KB (69 KB)), two blocks per multiprocessor.
+//   memory (D = 128: kda 111 KB, gla 85 KB, deltanet 104 KB, linear 35 KB or
+//   69 KB with the L2 norm), two blocks per multiprocessor.
 // Included by chunk_forward.cuh after ForwardArgs and chunk_geometry.
 #pragma once
 
@@ -51,8 +52,9 @@ struct Prepare16Traits {
   // Without vector gates q and k are the products' operands; with the L2
   // norm they are not 16-bit exact, so each product takes them as two 16-bit
   // parts (x = hi + lo, three products hi hi + hi lo + lo hi: ~16 bits, as
-  // the tf32 split of the fp32 kernel) instead of one rounding (8 bits, which
-  // cost deltanet's output ~2e-3 of relative error, measured).
+  // the tf32 split of the fp32 kernel) instead of one rounding (8 bits: in
+  // the host model deltanet's o 4.53e-3 -> 4.73e-3, Gated DeltaNet's 3.73e-3
+  // -> 4.33e-3; PERF_NOTES, v3).
   static constexpr bool kSplitQK = !kVector && kL2Norm;
   static constexpr int kLdK = Dk + 8, kLdC = kMaxChunk + 8;  // 16-bit pitches
   static constexpr int kLdB = Dk + 4, kLdF = kMaxChunk + 4;  // fp32 pitches
@@ -397,8 +399,9 @@ __global__ void __launch_bounds__(512, 2)
     intra_solve_t_blocks<kThreads, true>(hT, kLdC, fKK, kLdF, sBeta, nb, hTlo);
 
     // ---- P4: [W | U] = T X, as T_hi X_hi + T_hi X_lo + T_lo X_hi ------------
-    // (~16 bits, as the fp32 kernel's tf32 split; one 16-bit product cost
-    // deltanet's output ~2e-3 of relative error, measured). Warp (rt, part):
+    // (~16 bits, as the fp32 kernel's tf32 split; one 16-bit product: the
+    // host model's deltanet o 4.53e-3 -> 4.95e-3, KDA 3.96e-3 -> 4.36e-3;
+    // on the H200 deltanet's err_ref 4.75e-3 -> 4.68e-3). Warp (rt, part):
     // rows 16 rt .. 16 rt + 16, column quarter `part`; T is lower triangular,
     // so the contraction stops at the slab's last row.
     const int rt = warp & 3, part = warp >> 2, m0 = 16 * rt;
