@@ -18,13 +18,9 @@
 #include "core/dtype.h"
 #include "core/options.h"
 #include "kernels/cpu/reference.h"
+#include "tests/chunk_model.h"
 
 namespace statescan::test {
-
-// x rounded to bf16 as the kernels' operands are (core's round_to).
-inline double round_bf16(double x) {
-  return round_to(DType::bf16, static_cast<float>(x));
-}
 
 // Where the model rounds a value to bf16 as a tensor-core operand (the fp64
 // value is kept everywhere else). All false: the exact chunkwise algorithm.
@@ -82,52 +78,17 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
     const int64_t nchunks = (end - begin + C - 1) / C;
     for (int64_t h = 0; h < H; ++h) {
       auto tok = [&](int64_t t) { return (row * T + t) * H + h; };
-      // Per-chunk prepared values (padded rows zero, g = 0).
-      struct Chunk {
-        int64_t t0, L;
-        Vec q, k, b, v, dO, beta, rq, rk;  // q, k normalised (q without scale)
+      // Per-chunk inputs (tests/chunk_model.h) and dO (padded rows zero).
+      struct Chunk : ModelChunk {
+        Vec dO;
       };
       std::vector<Chunk> ch(static_cast<size_t>(nchunks));
       for (int64_t c = 0; c < nchunks; ++c) {
         Chunk& x = ch[c];
-        x.t0 = begin + c * C;
-        x.L = std::min(C, end - x.t0);
-        x.q.assign(C * Dk, 0);
-        x.k.assign(C * Dk, 0);
-        x.b.assign(C * Dk, 0);
-        x.v.assign(C * Dv, 0);
+        static_cast<ModelChunk&>(x) = model_chunk(p, row, h, begin + c * C, end, C);
         x.dO.assign(C * Dv, 0);
-        x.beta.assign(C, 0);
-        x.rq.assign(C, 1);
-        x.rk.assign(C, 1);
-        for (int64_t t = 0; t < x.L; ++t) {
-          const int64_t i = tok(x.t0 + t);
-          double qq = 0, kk = 0;
-          for (int64_t d = 0; d < Dk; ++d) {
-            qq += p.q[i * Dk + d] * p.q[i * Dk + d];
-            kk += p.k[i * Dk + d] * p.k[i * Dk + d];
-          }
-          if (p.l2norm_qk) {
-            x.rq[t] = 1 / std::sqrt(qq + ref::kL2NormEps);
-            x.rk[t] = 1 / std::sqrt(kk + ref::kL2NormEps);
-          }
-          for (int64_t d = 0; d < Dk; ++d) {
-            x.q[t * Dk + d] = p.q[i * Dk + d] * x.rq[t];
-            x.k[t * Dk + d] = p.k[i * Dk + d] * x.rk[t];
-          }
-          for (int64_t j = 0; j < Dv; ++j) {
-            x.v[t * Dv + j] = p.v[i * Dv + j];
-            x.dO[t * Dv + j] = d_o[i * Dv + j];
-          }
-          if (delta) x.beta[t] = p.beta[i];
-        }
-        for (int64_t t = 0; t < C; ++t)
-          for (int64_t d = 0; d < Dk; ++d) {
-            double g = 0;
-            if (t < x.L && vec_gate) g = p.g[tok(x.t0 + t) * Dk + d];
-            if (t < x.L && scalar_gate) g = p.g[tok(x.t0 + t)];
-            x.b[t * Dk + d] = (t > 0 ? x.b[(t - 1) * Dk + d] : 0) + g;
-          }
+        for (int64_t t = 0; t < x.L; ++t)
+          for (int64_t j = 0; j < Dv; ++j) x.dO[t * Dv + j] = d_o[tok(x.t0 + t) * Dv + j];
       }
       auto e = [&](const Chunk& x, int64_t t, int64_t s, int64_t d) {
         return std::exp(x.b[t * Dk + d] - x.b[s * Dk + d]);
@@ -149,8 +110,8 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
             (diagonal && !rounding.reference_rows_diagonal))
           return r_cd(xv) * (fwd ? e(x, t, s, d) : e(x, s, t, d));
         const int64_t blk = s / 16;
-        const double bref = fwd ? x.b[(16 * blk + 15) * Dk + d]
-                                : (blk == 0 ? 0.0 : x.b[(16 * blk - 1) * Dk + d]);
+        const double bref =
+            fwd ? x.b[(16 * blk + 15) * Dk + d] : (blk == 0 ? 0.0 : x.b[(16 * blk - 1) * Dk + d]);
         const double bs = x.b[s * Dk + d], bt = x.b[t * Dk + d];
         return fwd ? r_cd(xv * std::exp(bref - bs)) * std::exp(bt - bref)
                    : r_cd(xv * std::exp(bs - bref)) * std::exp(bref - bt);
@@ -240,7 +201,8 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
           for (int64_t j = 0; j < Dv; ++j) {
             double acc = std::exp(x.b[(C - 1) * Dk + d]) * dS[c + 1][d * Dv + j];
             for (int64_t t = 0; t < C; ++t) {
-              acc += r_prep(p.scale * x.q[t * Dk + d] * std::exp(x.b[t * Dk + d])) * x.dO[t * Dv + j];
+              acc +=
+                  r_prep(p.scale * x.q[t * Dk + d] * std::exp(x.b[t * Dk + d])) * x.dO[t * Dv + j];
               acc -= W[t * Dk + d] * r_state(dv[t * Dv + j]);
             }
             dS[c][d * Dv + j] = acc;
@@ -344,7 +306,8 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
               for (int64_t s = 0; s < t; ++s)
                 kh += r_cc(dM[t * C + s]) * path_term(x, x.k[s * Dk + d], t, s, d, true);
               for (int64_t r = t + 1; r < C; ++r)
-                kt += r_cc(x.beta[r] * dM[r * C + t]) * path_term(x, x.k[r * Dk + d], t, r, d, false);
+                kt +=
+                    r_cc(x.beta[r] * dM[r * C + t]) * path_term(x, x.k[r * Dk + d], t, r, d, false);
               kh *= x.beta[t];
               gk[t * Dk + d] += kh + kt;
               db[t * Dk + d] += (kh - kt) * k_db(x, t, d);

@@ -21,12 +21,9 @@
 #include "core/dtype.h"
 #include "core/options.h"
 #include "kernels/cpu/reference.h"
+#include "tests/chunk_model.h"
 
 namespace statescan::test {
-
-inline double round_bf16_fwd(double x) {
-  return round_to(DType::bf16, static_cast<float>(x));
-}
 
 // Where the model rounds to bf16. All false: the exact chunkwise algorithm.
 struct FwdRounding {
@@ -51,10 +48,10 @@ inline ref::Outputs chunk_forward_model(const ref::Problem& p, int64_t C,
                                         const FwdRounding& r = {}) {
   constexpr double kMaxDrop = 4.0;
   using Vec = std::vector<double>;
-  auto rnd = [](bool on, double x) { return on ? round_bf16_fwd(x) : x; };
+  auto rnd = [](bool on, double x) { return on ? round_bf16(x) : x; };
   const VariantSpec spec = spec_of(p.variant);
   const bool delta = spec.rule == Rule::delta;
-  const bool vec_gate = spec.decay == Decay::vector, scalar_gate = spec.decay == Decay::scalar;
+  const bool vec_gate = spec.decay == Decay::vector;
   const int64_t H = p.heads, Dk = p.dk, Dv = p.dv, T = p.seq_len, N = p.num_sequences();
   ref::Outputs out;
   out.o.assign(p.v.size(), 0);
@@ -69,32 +66,9 @@ inline ref::Outputs chunk_forward_model(const ref::Problem& p, int64_t C,
       if (!p.h0.empty())
         for (int64_t e = 0; e < Dk * Dv; ++e) S[e] = p.h0[(n * H + h) * Dk * Dv + e];
       for (int64_t t0 = begin; t0 < end; t0 += C) {
-        const int64_t L = std::min(C, end - t0);
-        // Normalised inputs, padded rows zero with g = 0.
-        Vec q(C * Dk, 0), k(C * Dk, 0), v(C * Dv, 0), beta(C, 0), b(C * Dk, 0);
-        for (int64_t t = 0; t < L; ++t) {
-          const int64_t i = tok(t0 + t);
-          double qq = 0, kk = 0;
-          for (int64_t d = 0; d < Dk; ++d) {
-            qq += p.q[i * Dk + d] * p.q[i * Dk + d];
-            kk += p.k[i * Dk + d] * p.k[i * Dk + d];
-          }
-          const double rq = p.l2norm_qk ? 1 / std::sqrt(qq + ref::kL2NormEps) : 1;
-          const double rk = p.l2norm_qk ? 1 / std::sqrt(kk + ref::kL2NormEps) : 1;
-          for (int64_t d = 0; d < Dk; ++d) {
-            q[t * Dk + d] = p.q[i * Dk + d] * rq;
-            k[t * Dk + d] = p.k[i * Dk + d] * rk;
-          }
-          for (int64_t j = 0; j < Dv; ++j) v[t * Dv + j] = p.v[i * Dv + j];
-          if (delta) beta[t] = p.beta[i];
-        }
-        for (int64_t t = 0; t < C; ++t)
-          for (int64_t d = 0; d < Dk; ++d) {
-            double g = 0;
-            if (t < L && vec_gate) g = p.g[tok(t0 + t) * Dk + d];
-            if (t < L && scalar_gate) g = p.g[tok(t0 + t)];
-            b[t * Dk + d] = (t > 0 ? b[(t - 1) * Dk + d] : 0) + g;
-          }
+        const ModelChunk in = model_chunk(p, row, h, t0, end, C);
+        const int64_t L = in.L;
+        const Vec &q = in.q, &k = in.k, &v = in.v, &beta = in.beta, &b = in.b;
         auto bref = [&](int64_t I, int64_t d) { return I >= 0 ? b[(16 * I + 15) * Dk + d] : 0.0; };
         bool fast = true;
         for (int64_t I = 0; I < C / 16; ++I)
@@ -113,8 +87,8 @@ inline ref::Outputs chunk_forward_model(const ref::Problem& p, int64_t C,
             } else {
               const double yq = xt * std::exp(b[t * Dk + d] - bref(I - 1, d));
               const double f = std::exp(bref(I - 1, d) - bref(J, d));
-              const double a_op = r.query_single ? round_bf16_fwd(round_bf16_fwd(yq) * f) : yq * f;
-              sum += a_op * round_bf16_fwd(ys * std::exp(bref(J, d) - b[s * Dk + d]));
+              const double a_op = r.query_single ? round_bf16(round_bf16(yq) * f) : yq * f;
+              sum += a_op * round_bf16(ys * std::exp(bref(J, d) - b[s * Dk + d]));
             }
           }
           if (!vec_gate) sum *= std::exp(b[t * Dk] - b[s * Dk]);

@@ -11,6 +11,7 @@
 
 #include "kernels/cpu/reference.h"
 #include "tests/chunk_bwd_model.h"
+#include "tests/chunk_model.h"
 #include "tests/test_util.h"
 
 namespace statescan::test {
@@ -104,15 +105,6 @@ void PrintTo(const RoundingCase& c, std::ostream* os) {
   *os << c.name;
 }
 
-struct GateCase {
-  const char* name;
-  double per_block;  // e-folds of decay per 16 tokens; 0: random_problem's gates
-};
-
-void PrintTo(const GateCase& c, std::ostream* os) {
-  *os << c.name;
-}
-
 using Bf16Param = std::tuple<Variant, RoundingCase, GateCase, bool>;
 
 class ChunkBwdModelBf16 : public ::testing::TestWithParam<Bf16Param> {};
@@ -138,11 +130,7 @@ TEST_P(ChunkBwdModelBf16, StaysUnderTheBf16Bounds) {
                       "closed by taking db from the operand copies (the db_operands cases)";
     set_block_decay(p.g, gates.per_block, 5);
   }
-  for (auto* x : {&p.q, &p.k, &p.v, &p.beta})
-    for (double& e : *x) e = round_bf16(e);
-  for (auto* x : {&p.g, &p.h0})
-    for (double& e : *x) e = static_cast<float>(e);
-  p.scale = static_cast<float>(p.scale);
+  round_inputs_to_bf16(p);
   std::mt19937_64 rng(11);
   std::vector<double> d_o = randn(p.v.size(), rng), dht = randn(p.h0.size(), rng);
   for (double& e : d_o) e = round_bf16(e);
@@ -152,12 +140,12 @@ TEST_P(ChunkBwdModelBf16, StaysUnderTheBf16Bounds) {
   // The kernels store dq, dk, dv and dbeta in the input's type.
   for (auto* x : {&got.dq, &got.dk, &got.dv, &got.dbeta})
     for (double& e : *x) e = round_bf16(e);
-  const double errs[6] = {rel_rms(got.dq, want.dq),     rel_rms(got.dk, want.dk),
-                          rel_rms(got.dv, want.dv),     rel_rms(got.dg, want.dg),
+  const double errs[6] = {rel_rms(got.dq, want.dq),       rel_rms(got.dk, want.dk),
+                          rel_rms(got.dv, want.dv),       rel_rms(got.dg, want.dg),
                           rel_rms(got.dbeta, want.dbeta), rel_rms(got.dh0, want.dh0)};
   std::printf("  %-15s %-30s %-6s %-4s dq %.2e dk %.2e dv %.2e dg %.2e dbeta %.2e dh0 %.2e\n",
-              variant_name(s.variant).c_str(), rounding.name, gates.name,
-              s.l2norm_qk ? "l2" : "-", errs[0], errs[1], errs[2], errs[3], errs[4], errs[5]);
+              variant_name(s.variant).c_str(), rounding.name, gates.name, s.l2norm_qk ? "l2" : "-",
+              errs[0], errs[1], errs[2], errs[3], errs[4], errs[5]);
   EXPECT_LE(errs[0], 8e-3) << "dq";
   EXPECT_LE(errs[1], 8e-3) << "dk";
   EXPECT_LE(errs[2], 8e-3) << "dv";
@@ -177,17 +165,13 @@ const RoundingCase kRoundings[] = {
     {"db_operands_exact_diagonal", ModelRounding{true, true, true, true, true, true, false, true},
      false},
 };
-const GateCase kGates[] = {{"mild", 0.0}, {"bound", 3.5}, {"strong", 20.0}};
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkBwdModelBf16,
                          ::testing::Combine(::testing::ValuesIn(kAllVariants),
                                             ::testing::ValuesIn(kRoundings),
-                                            ::testing::ValuesIn(kGates), ::testing::Bool()),
+                                            ::testing::ValuesIn(kGateCases), ::testing::Bool()),
                          [](const ::testing::TestParamInfo<Bf16Param>& info) {
-                           return variant_name(std::get<0>(info.param)) + "_" +
-                                  std::get<1>(info.param).name + "_" +
-                                  std::get<2>(info.param).name +
-                                  (std::get<3>(info.param) ? "_l2norm" : "");
+                           return model_case_name(info.param);
                          });
 
 }  // namespace

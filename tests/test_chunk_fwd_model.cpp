@@ -23,6 +23,7 @@
 
 #include "kernels/cpu/reference.h"
 #include "tests/chunk_fwd_model.h"
+#include "tests/chunk_model.h"
 #include "tests/test_util.h"
 
 namespace statescan::test {
@@ -32,14 +33,7 @@ struct SchemeCase {
   const char* name;
   FwdRounding rounding;
 };
-struct GateCase {
-  const char* name;
-  double per_block;  // e-folds of decay per 16 tokens; 0: random_problem's gates
-};
 void PrintTo(const SchemeCase& c, std::ostream* os) {
-  *os << c.name;
-}
-void PrintTo(const GateCase& c, std::ostream* os) {
   *os << c.name;
 }
 
@@ -55,15 +49,9 @@ ref::Problem bf16_problem(Variant v, bool l2norm, const GateCase& gates, int64_t
   s.l2norm_qk = l2norm;
   ref::Problem p = random_problem(s, 41 + static_cast<uint64_t>(v) + (l2norm ? 100 : 0));
   if (gates.per_block > 0 && !p.g.empty()) set_block_decay(p.g, gates.per_block, 7);
-  for (auto* x : {&p.q, &p.k, &p.v, &p.beta})
-    for (double& e : *x) e = round_bf16_fwd(e);
-  for (auto* x : {&p.g, &p.h0})
-    for (double& e : *x) e = static_cast<float>(e);
-  p.scale = static_cast<float>(p.scale);
+  round_inputs_to_bf16(p);
   return p;
 }
-
-const GateCase kGates[] = {{"mild", 0.0}, {"bound", 3.5}, {"strong", 20.0}};
 
 // Exact, the model is the chunkwise algorithm: the reference's o and final
 // state to fp64 round-off, for every variant, gate strength and l2norm.
@@ -83,7 +71,7 @@ TEST_P(ChunkFwdModel, ExactMatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkFwdModel,
                          ::testing::Combine(::testing::ValuesIn(kAllVariants),
-                                            ::testing::ValuesIn(kGates), ::testing::Bool()),
+                                            ::testing::ValuesIn(kGateCases), ::testing::Bool()),
                          [](const ::testing::TestParamInfo<ExactParam>& info) {
                            return variant_name(std::get<0>(info.param)) + "_" +
                                   std::get<1>(info.param).name +
@@ -118,12 +106,9 @@ const SchemeCase kSchemes[] = {
 INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkFwdModelBf16,
                          ::testing::Combine(::testing::ValuesIn(kAllVariants),
                                             ::testing::ValuesIn(kSchemes),
-                                            ::testing::ValuesIn(kGates), ::testing::Bool()),
+                                            ::testing::ValuesIn(kGateCases), ::testing::Bool()),
                          [](const ::testing::TestParamInfo<Bf16Param>& info) {
-                           return variant_name(std::get<0>(info.param)) + "_" +
-                                  std::get<1>(info.param).name + "_" +
-                                  std::get<2>(info.param).name +
-                                  (std::get<3>(info.param) ? "_l2norm" : "");
+                           return model_case_name(info.param);
                          });
 
 }  // namespace
