@@ -1296,11 +1296,8 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
   const dim3 scan_grid(Dv / kBV, static_cast<unsigned>(a.f.heads),
                        static_cast<unsigned>(a.f.num_segments));
   using ScanTr = GradScanTraits<Elem, Dk, Dv, kBV>;
-  auto scan = chunk_grad_scan_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kBV>;
-  SS_CUDA_CHECK(cudaFuncSetAttribute(scan, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(ScanTr::kBytes)));
-  scan<<<scan_grid, ScanTr::kThreads, ScanTr::kBytes, stream>>>(a);
-  SS_LAUNCH_CHECK("chunk_grad_scan_kernel_tc");
+  launch_kernel(chunk_grad_scan_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kBV>, scan_grid,
+                ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_grad_scan_kernel_tc", a);
   if (state_grad_only) return;
   if constexpr (!std::is_same_v<Elem, float>) {
     // 16-bit inputs: the state products first, then the gradient kernel, one
@@ -1309,41 +1306,31 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
     SS_CHECK_ARG(a.ws_sp != nullptr && a.sp_batch > 0, "workspace",
                  "has no room for the state products (backward_workspace_bytes)");
     using SpTr = StateProductTraits<Elem, Dk, Dv>;
-    auto products = chunk_state_products_kernel<kRule, Elem, Dk, Dv>;
-    SS_CUDA_CHECK(cudaFuncSetAttribute(products, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(SpTr::kBytes)));
     BackwardArgs batch = a;
     for (int64_t begin = 0; begin < a.num_items; begin += a.sp_batch) {
       batch.item_begin = begin;
       batch.num_items = std::min(a.num_items, begin + a.sp_batch);
       const int64_t items = batch.num_items - begin;
-      products<<<static_cast<unsigned>(items), SpTr::kThreads, SpTr::kBytes, stream>>>(batch);
-      SS_LAUNCH_CHECK("chunk_state_products_kernel");
+      const dim3 grid(static_cast<unsigned>(items));
+      launch_kernel(chunk_state_products_kernel<kRule, Elem, Dk, Dv>, grid, SpTr::kThreads,
+                    SpTr::kBytes, stream, "chunk_state_products_kernel", batch);
       // The intra-chunk gradients in the same form (b11): one block per item.
       if constexpr (kDecay != Decay::vector) {
         using InTr = IntraTraits<Elem, Dk, Dv>;
-        auto intra = chunk_intra_grad_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
-        SS_CUDA_CHECK(cudaFuncSetAttribute(intra, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(InTr::kBytes)));
-        intra<<<static_cast<unsigned>(items), InTr::kThreads, InTr::kBytes, stream>>>(batch);
-        SS_LAUNCH_CHECK("chunk_intra_grad_kernel");
+        launch_kernel(chunk_intra_grad_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>, grid,
+                      InTr::kThreads, InTr::kBytes, stream, "chunk_intra_grad_kernel", batch);
       } else {
         using InTr = IntraVecTraits<Elem, Dk, Dv>;
-        auto intra = chunk_intra_grad_vector_kernel<kRule, Elem, Dk, Dv, kL2Norm>;
-        SS_CUDA_CHECK(cudaFuncSetAttribute(intra, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(InTr::kBytes)));
-        intra<<<static_cast<unsigned>(items), InTr::kThreads, InTr::kBytes, stream>>>(batch);
-        SS_LAUNCH_CHECK("chunk_intra_grad_vector_kernel");
+        launch_kernel(chunk_intra_grad_vector_kernel<kRule, Elem, Dk, Dv, kL2Norm>, grid,
+                      InTr::kThreads, InTr::kBytes, stream, "chunk_intra_grad_vector_kernel",
+                      batch);
       }
     }
   } else {
     // fp32 inputs: one persistent kernel in split tf32 (fp32 accuracy).
     using Tr = GradTraits<Dk, Dv>;
-    auto grad = chunk_grad_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
-    SS_CUDA_CHECK(cudaFuncSetAttribute(grad, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(Tr::kSmemBytes)));
-    grad<<<grad_blocks, Tr::kThreads, Tr::kSmemBytes, stream>>>(a);
-    SS_LAUNCH_CHECK("chunk_grad_kernel_tc");
+    launch_kernel(chunk_grad_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kL2Norm>, dim3(grad_blocks),
+                  Tr::kThreads, Tr::kSmemBytes, stream, "chunk_grad_kernel_tc", a);
   }
 }
 

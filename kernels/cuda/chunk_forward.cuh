@@ -60,7 +60,7 @@ struct ForwardArgs : MixerTensors {
                               // read by the output kernel (fp32 inputs: the
                               // caller's chunk_states when given)
   int num_sms = 132;
-  int scan_block_cols = 0;  // 16 or 32 to force the scan's Dv block; 0 = by occupancy
+  int scan_block_cols = 0;          // 16 or 32 to force the scan's Dv block; 0 = by occupancy
   bool prepare_fp32_tiles = false;  // 16-bit inputs through chunk_prepare_kernel (A/B knob)
 
   int64_t heads = 0;
@@ -73,6 +73,18 @@ struct ForwardArgs : MixerTensors {
   const int64_t* chunk_table = nullptr;    // packed: [chunks][2] = first token, token count
   const int64_t* segment_table = nullptr;  // packed: [N][2] = first chunk, chunk count
 };
+
+// Launches `kernel` on `stream` with `smem` bytes of dynamic shared memory
+// (raising the kernel's limit to that first: above 48 KB it must be asked
+// for) and checks the launch, naming `name` in the error.
+template <typename Kernel, typename Args>
+void launch_kernel(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                   const char* name, const Args& args) {
+  SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+  kernel<<<grid, threads, smem, stream>>>(args);
+  SS_LAUNCH_CHECK(name);
+}
 
 // First flattened token (b*T + t) and valid length of global chunk c.
 __device__ __forceinline__ void chunk_geometry(const ForwardArgs& a, int64_t c, int64_t& token0,
@@ -815,37 +827,26 @@ enum ForwardStage : int {
 template <Decay kDecay, Rule kRule, typename Elem, int Dk, int Dv, bool kL2Norm>
 void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream) {
   using OutTr = OutputTraits<Elem, Dk, Dv>;
-  auto output = chunk_output_kernel<kRule, Elem, Dk, Dv>;
-  SS_CUDA_CHECK(cudaFuncSetAttribute(output, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(OutTr::kBytes)));
   if (stages & kStagePrepare) {
     const dim3 grid(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.heads));
     if (std::is_same_v<Elem, float> || a.prepare_fp32_tiles) {
       using PrepTr = ChunkTraits<kDecay, kRule, Dk, Dv>;
-      auto prepare = chunk_prepare_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
-      SS_CUDA_CHECK(cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(PrepTr::kPrepBytes)));
-      prepare<<<grid, PrepTr::kThreads, PrepTr::kPrepBytes, stream>>>(a);
-      SS_LAUNCH_CHECK("chunk_prepare_kernel");
+      launch_kernel(chunk_prepare_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>, grid,
+                    PrepTr::kThreads, PrepTr::kPrepBytes, stream, "chunk_prepare_kernel", a);
     } else if constexpr (!std::is_same_v<Elem, float>) {
       using PrepTr = Prepare16Traits<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
-      auto prepare = chunk_prepare16_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
-      SS_CUDA_CHECK(cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(PrepTr::kBytes)));
-      prepare<<<grid, PrepTr::kThreads, PrepTr::kBytes, stream>>>(a);
-      SS_LAUNCH_CHECK("chunk_prepare16_kernel");
+      launch_kernel(chunk_prepare16_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>, grid,
+                    PrepTr::kThreads, PrepTr::kBytes, stream, "chunk_prepare16_kernel", a);
     }
   }
 
   auto launch_scan = [&](auto bv_tag) {
     constexpr int kBV = decltype(bv_tag)::value;
     using ScanTr = ScanTraits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
-    auto scan = chunk_state_scan_kernel<kDecay, kRule, Elem, Dk, Dv, kBV>;
-    SS_CUDA_CHECK(cudaFuncSetAttribute(scan, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(ScanTr::kBytes)));
-    scan<<<dim3(Dv / kBV, static_cast<unsigned>(a.heads), static_cast<unsigned>(a.num_segments)),
-           ScanTr::kThreads, ScanTr::kBytes, stream>>>(a);
-    SS_LAUNCH_CHECK("chunk_state_scan_kernel");
+    launch_kernel(
+        chunk_state_scan_kernel<kDecay, kRule, Elem, Dk, Dv, kBV>,
+        dim3(Dv / kBV, static_cast<unsigned>(a.heads), static_cast<unsigned>(a.num_segments)),
+        ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan_kernel", a);
   };
   const int scan_bv = a.scan_block_cols != 0                              ? a.scan_block_cols
                       : a.heads * a.num_segments * (Dv / 16) <= a.num_sms ? 16
@@ -856,11 +857,10 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
     else
       launch_scan(std::integral_constant<int, 32>{});
   }
-  if (stages & kStageOutput) {
-    output<<<dim3(static_cast<unsigned>(2 * a.num_chunks), static_cast<unsigned>(a.heads)),
-             OutTr::kThreads, OutTr::kBytes, stream>>>(a);
-    SS_LAUNCH_CHECK("chunk_output_kernel");
-  }
+  if (stages & kStageOutput)
+    launch_kernel(chunk_output_kernel<kRule, Elem, Dk, Dv>,
+                  dim3(static_cast<unsigned>(2 * a.num_chunks), static_cast<unsigned>(a.heads)),
+                  OutTr::kThreads, OutTr::kBytes, stream, "chunk_output_kernel", a);
 }
 
 // Dispatch of one variant over dtype x head dim x l2norm; defined once per
