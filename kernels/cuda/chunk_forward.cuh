@@ -9,7 +9,8 @@
 //      everything that does not depend on the state entering the chunk:
 //      gate cumsums, decayed queries/keys, the masked intra-chunk attention A,
 //      and for delta rules the UT transform W = T diag(beta) K^, U = T diag(beta) V.
-//   2. chunk_state_scan_kernel  (one block per (segment, head, Dv block))
+//   2. chunk_state_scan_kernel  (one block per (segment, head, Dv block);
+//      16-bit inputs: chunk_state_scan16_kernel, chunk_scan16.cuh, same outputs)
 //      the only sequential part, kept minimal: walks the segment's chunks
 //      carrying the fp32 state S, saving S_c, V' = U - W S_c and
 //      S <- diag(decay) S + K_^T V'.
@@ -62,6 +63,7 @@ struct ForwardArgs : MixerTensors {
   int num_sms = 132;
   int scan_block_cols = 0;          // 16 or 32 to force the scan's Dv block; 0 = by occupancy
   bool prepare_fp32_tiles = false;  // 16-bit inputs through chunk_prepare_kernel (A/B knob)
+  bool scan_wmma = false;  // 16-bit inputs through chunk_state_scan_kernel (A/B knob)
 
   int64_t heads = 0;
   int64_t seq_len = 0;
@@ -807,6 +809,7 @@ __global__ void __launch_bounds__(256) chunk_output_kernel(const __grid_constant
 }  // namespace statescan::cuda::detail
 
 #include "kernels/cuda/chunk_prepare16.cuh"
+#include "kernels/cuda/chunk_scan16.cuh"
 
 namespace statescan::cuda::detail {
 
@@ -842,11 +845,17 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
 
   auto launch_scan = [&](auto bv_tag) {
     constexpr int kBV = decltype(bv_tag)::value;
-    using ScanTr = ScanTraits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
-    launch_kernel(
-        chunk_state_scan_kernel<kDecay, kRule, Elem, Dk, Dv, kBV>,
-        dim3(Dv / kBV, static_cast<unsigned>(a.heads), static_cast<unsigned>(a.num_segments)),
-        ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan_kernel", a);
+    const dim3 grid(Dv / kBV, static_cast<unsigned>(a.heads),
+                    static_cast<unsigned>(a.num_segments));
+    if (std::is_same_v<Elem, float> || a.scan_wmma) {
+      using ScanTr = ScanTraits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
+      launch_kernel(chunk_state_scan_kernel<kDecay, kRule, Elem, Dk, Dv, kBV>, grid,
+                    ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan_kernel", a);
+    } else if constexpr (!std::is_same_v<Elem, float>) {
+      using ScanTr = Scan16Traits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
+      launch_kernel(chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV>, grid,
+                    ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan16_kernel", a);
+    }
   };
   const int scan_bv = a.scan_block_cols != 0                              ? a.scan_block_cols
                       : a.heads * a.num_segments * (Dv / 16) <= a.num_sms ? 16

@@ -88,27 +88,32 @@ int multiprocessor_count() {
   return cached[device];
 }
 
-// STATESCAN_SCAN_BV=16|32 forces the state scan's Dv block (tuning knob),
-// read once.
-int scan_block_cols_override() {
-  static const int value = [] {
-    const char* text = std::getenv("STATESCAN_SCAN_BV");
-    if (text == nullptr) return 0;
-    const int v = std::atoi(text);
-    return v == 16 || v == 32 ? v : 0;
-  }();
-  return value;
-}
+// Tuning and A/B knobs from the environment, read once per process (speed
+// and precision comparisons of two kernels in one run):
+//   STATESCAN_SCAN_BV=16|32  forces the state scan's Dv block;
+//   STATESCAN_PREPARE=fp32   16-bit inputs through chunk_prepare_kernel
+//                            (fp32 tiles) instead of chunk_prepare16_kernel;
+//   STATESCAN_SCAN=wmma      16-bit inputs through chunk_state_scan_kernel
+//                            instead of chunk_state_scan16_kernel.
+struct KernelKnobs {
+  int scan_block_cols = 0;
+  bool prepare_fp32_tiles = false;
+  bool scan_wmma = false;
+};
 
-// STATESCAN_PREPARE=fp32 runs 16-bit inputs through the fp32-tile prepare
-// kernel (chunk_prepare_kernel) instead of chunk_prepare16_kernel: an A/B
-// knob for speed and precision comparisons, read once.
-bool prepare_fp32_tiles_override() {
-  static const bool value = [] {
-    const char* text = std::getenv("STATESCAN_PREPARE");
-    return text != nullptr && std::strcmp(text, "fp32") == 0;
+const KernelKnobs& kernel_knobs() {
+  static const KernelKnobs knobs = [] {
+    auto is = [](const char* name, const char* value) {
+      const char* text = std::getenv(name);
+      return text != nullptr && std::strcmp(text, value) == 0;
+    };
+    KernelKnobs k;
+    k.scan_block_cols = is("STATESCAN_SCAN_BV", "16") ? 16 : is("STATESCAN_SCAN_BV", "32") ? 32 : 0;
+    k.prepare_fp32_tiles = is("STATESCAN_PREPARE", "fp32");
+    k.scan_wmma = is("STATESCAN_SCAN", "wmma");
+    return k;
   }();
-  return value;
+  return knobs;
 }
 
 bool aligned16(const void* ptr) {
@@ -178,8 +183,9 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
                     ? static_cast<void*>(p.chunk_states)
                     : prepare_only ? nullptr : static_cast<void*>(base + l.states);
   a.num_sms = multiprocessor_count();
-  a.scan_block_cols = scan_block_cols_override();
-  a.prepare_fp32_tiles = prepare_fp32_tiles_override();
+  a.scan_block_cols = kernel_knobs().scan_block_cols;
+  a.prepare_fp32_tiles = kernel_knobs().prepare_fp32_tiles;
+  a.scan_wmma = kernel_knobs().scan_wmma;
   a.heads = p.heads;
   a.seq_len = p.seq_len;
   a.chunk = static_cast<int>(p.chunk);
