@@ -853,8 +853,17 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
                     ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan_kernel", a);
     } else if constexpr (!std::is_same_v<Elem, float>) {
       using ScanTr = Scan16Traits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
-      launch_kernel(chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV>, grid,
-                    ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan16_kernel", a);
+      auto launch16 = [&](auto chunk_tag) {
+        launch_kernel(
+            chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, decltype(chunk_tag)::value>,
+            grid, ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan16_kernel", a);
+      };
+      if (a.chunk == 64)
+        launch16(std::integral_constant<int, 64>{});
+      else if (a.chunk == 32)
+        launch16(std::integral_constant<int, 32>{});
+      else
+        launch16(std::integral_constant<int, 16>{});
     }
   };
   const int scan_bv = a.scan_block_cols != 0                              ? a.scan_block_cols

@@ -16,8 +16,8 @@
 // The arithmetic is chunk_state_scan_kernel's: S stays fp32; the products read
 // a copy of S rounded to T; V' = U - W S is rounded to T once and both the
 // update and the output kernel read that value; S <- diag(e^{b_C}) S + K_^T V'.
-//   grid (Dv / BV, H, N segments), Dk / 16 warps (each warp: state rows
-//   [16 w, 16 w + 16), all BV columns); shared memory Scan16Traits::kBytes
+//   grid (Dv / BV, H, N segments), Scan16Traits::kWarps warps (16 at
+//   Dk = 128: each warp one or two 16 x 8 tiles of the state); shared memory Scan16Traits::kBytes
 //   (Dk = 128, bf16, delta: 122 KB at BV = 16, 134 KB at BV = 32), three
 //   cp.async stages (the next two chunks' K_, W, U and decay load during a
 //   step).
@@ -35,16 +35,20 @@ template <typename T, int Dk, int Dv, int BV, bool kDelta>
 struct Scan16Traits {
   static_assert(!std::is_same_v<T, float>, "fp32 tiles keep chunk_state_scan_kernel");
   static constexpr int kMaxChunk = 64;
-  static constexpr int kWarps = Dk / 16;  // one 16-row slab of S per warp
+  // The state block is (Dk / 16) x (BV / 8) accumulator tiles of 16 x 8,
+  // spread over up to 16 warps: latency, not arithmetic, bounds a step, and
+  // each warp's chain of dependent steps shrinks with its share.
+  static constexpr int kTiles = (Dk / 16) * (BV / 8);
+  static constexpr int kWarps = kTiles < 16 ? kTiles : 16;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kSNT = BV / 8;  // 16 x 8 accumulator tiles per warp
-  // W S: (chunk / 16) row tiles x kSNT column tiles, kWNT column tiles per
-  // warp at chunk 64 (smaller chunks leave warps idle in this product).
-  static constexpr int kWNT = (kMaxChunk / 16) * kSNT / kWarps;
+  static constexpr int kOwnNT = kTiles / kWarps;     // column tiles per warp (1 or 2)
+  static constexpr int kWarpsPerRow = (BV / 8) / kOwnNT;  // warps sharing a 16-row slab
   static constexpr int kLdK = Dk + 8;  // K_, W tiles (16 bytes of padding per row)
   static constexpr int kLdB = BV + 8;  // U, V', the copy of S
-  static_assert(Dv % BV == 0 && kSNT % 2 == 0, "Dv block: whole pairs of 8-column tiles");
-  static_assert(kWNT >= 1 && kSNT % kWNT == 0, "W S tiles split evenly over the warps");
+  static_assert(Dv % BV == 0 && BV % 16 == 0, "Dv block: whole pairs of 8-column tiles");
+  static_assert(kOwnNT == 1 || kOwnNT == 2, "one or two column tiles per warp");
+  // W S: (chunk / 16) x (BV / 8) tiles, one per warp (the rest wait).
+  static_assert((kMaxChunk / 16) * (BV / 8) <= kWarps, "one W S tile per warp");
   static constexpr size_t kSCopyBytes = align_smem(sizeof(T) * Dk * kLdB);
   static constexpr size_t kTileKBytes = align_smem(sizeof(T) * kMaxChunk * kLdK);
   static constexpr size_t kTileBBytes = align_smem(sizeof(T) * kMaxChunk * kLdB);
@@ -57,38 +61,78 @@ struct Scan16Traits {
   static_assert(kBytes <= 227 * 1024, "chunk_state_scan16_kernel exceeds Hopper shared memory");
 };
 
-// acc (one 16 x 8 tile) += X[m0 .. m0+16, 0 .. K) Y[0 .. K, n0 .. n0+8) with
-// X row-major [M][K] and Y row-major [K][N], 16-bit in shared memory, K a
-// multiple of 32: one transposed x4 load gives Y's fragments for two k steps
-// (warp_mm_16xn needs column tiles in pairs). Two accumulators halve the
-// dependent chain of mma steps; acc0 returns their sum.
-template <typename T>
-__device__ __forceinline__ void warp_mm_16x8(float (&acc0)[4], const T* x, int ldx, const T* y,
+// Copies rows x kCols 16-bit or fp32 elements (rows <= kMaxRows) with
+// 16-byte cp.async, thread t of kThreads: the trip count is a constant, so
+// each thread's offsets are loop-invariant across a kernel's chunks. Offsets
+// are 32-bit (a tile is far below 2^31 elements): only the base pointer is
+// 64-bit arithmetic.
+template <int kThreads, int kCols, int kMaxRows, typename T>
+__device__ __forceinline__ void copy_rows_async(T* dst, int ld_dst, const T* src, int ld_src,
+                                                int rows, int t) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  constexpr int kPerRow = kCols / kVec;
+  constexpr int kIters = (kMaxRows * kPerRow + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = t + it * kThreads;
+    const int i = idx / kPerRow, j = (idx % kPerRow) * kVec;
+    if (i < rows) cp_async16(dst + (i * ld_dst + j), src + (i * ld_src + j));
+  }
+}
+
+// acc (one 16 x 8 tile) += X[m0 .. m0+16, 0 .. K) Y[0 .. K, n0 .. n0+8), Y
+// row-major [K][N] and X stored as warp_mm_16xn's kXKM says, 16-bit in shared
+// memory, K a multiple of 16: one transposed x4 load gives Y's fragments for
+// two k steps (warp_mm_16xn takes column tiles in pairs). Two accumulators
+// halve the chain of dependent mma steps; acc returns their sum. With K an
+// odd multiple of 16 the last load reads 16 rows past K (unused; Y must have
+// them allocated).
+template <typename T, bool kXKM>
+__device__ __forceinline__ void warp_mm_16x8(float (&acc)[4], const T* x, int ldx, const T* y,
                                              int ldy, int m0, int n0, int K) {
   const int lane = threadIdx.x & 31;
   const int r8 = lane & 7, m1 = (lane >> 3) & 1, m2 = lane >> 4;
+  auto load_a = [&](uint32_t(&a)[4], int k0) {
+    if constexpr (!kXKM)
+      ldmatrix_x4<false>(a, x + (m0 + r8 + 8 * m1) * ldx + k0 + 8 * m2);
+    else
+      ldmatrix_x4<true>(a, x + (k0 + r8 + 8 * m2) * ldx + m0 + 8 * m1);
+  };
   float acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
   for (int k0 = 0; k0 < K; k0 += 32) {
-    uint32_t a0[4], a1[4], b[4];
-    ldmatrix_x4<false>(a0, x + (m0 + r8 + 8 * m1) * ldx + k0 + 8 * m2);
-    ldmatrix_x4<false>(a1, x + (m0 + r8 + 8 * m1) * ldx + k0 + 16 + 8 * m2);
-    // matrices: rows k0 + 8 q .. k0 + 8 q + 8 for q = lane / 8
+    uint32_t a0[4], b[4];
+    load_a(a0, k0);
+    // matrices: Y rows k0 + 8 q .. k0 + 8 q + 8 for q = lane / 8
     ldmatrix_x4<true>(b, y + (k0 + r8 + 8 * (lane >> 3)) * ldy + n0);
-    mma_m16n8k16<T>(acc0, a0, b[0], b[1]);
-    mma_m16n8k16<T>(acc1, a1, b[2], b[3]);
+    mma_m16n8k16<T>(acc, a0, b[0], b[1]);
+    if (k0 + 16 < K) {
+      uint32_t a1[4];
+      load_a(a1, k0 + 16);
+      mma_m16n8k16<T>(acc1, a1, b[2], b[3]);
+    }
   }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) acc0[e] += acc1[e];
+  for (int e = 0; e < 4; ++e) acc[e] += acc1[e];
 }
 
-template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV>
-__global__ void __launch_bounds__(Dk * 2)
+template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk>
+__global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::delta>::kThreads))
     chunk_state_scan16_kernel(const __grid_constant__ ForwardArgs a) {
   constexpr bool kDelta = kRule == Rule::delta;
   using Tr = Scan16Traits<T, Dk, Dv, BV, kDelta>;
-  constexpr int kLdK = Tr::kLdK, kLdB = Tr::kLdB, kSNT = Tr::kSNT, kWNT = Tr::kWNT;
-  constexpr int kStages = Tr::kStages;
+  constexpr int kLdK = Tr::kLdK, kLdB = Tr::kLdB, kOwnNT = Tr::kOwnNT;
+  constexpr int kStages = Tr::kStages, kWarps = Tr::kWarps;
+  static_assert(kChunk == 16 || kChunk == 32 || kChunk == 64, "chunk in {16, 32, 64}");
+  // Roles within a step. Delta rules: warps [0, kProdWarps) compute W S and
+  // V' (one 16 x 8 tile each) while the others ("copy" warps) prefetch the
+  // chunk after next, save their part of the entering state and apply the
+  // decay; the product warps do those after the barrier, so the path to it
+  // is the product alone. When every warp has a product tile (or for
+  // additive rules, which have none) every warp does everything.
+  constexpr int kProdWarps = kDelta ? (kChunk / 16) * (BV / 8) : 0;
+  constexpr int kCopyWarp0 = kProdWarps < kWarps ? kProdWarps : 0;
+  constexpr int kCopyThreads = 32 * (kWarps - kCopyWarp0);
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   // The products' 16-bit copy of S (delta rules only: W S reads every row).
   T* sSop = reinterpret_cast<T*>(smem_bytes);
@@ -106,12 +150,15 @@ __global__ void __launch_bounds__(Dk * 2)
   const int64_t h = blockIdx.y, n = blockIdx.z, H = a.heads;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, i2 = 2 * (lane % 4);  // accumulator row, column pair
-  const int C = a.chunk, nb = C / 16;
   const int col0 = vb * BV;
-  const int r0 = 16 * warp;  // this warp's state rows r0 + g, r0 + g + 8
-  const T* ws_k = static_cast<const T*>(a.ws_k);
-  const T* ws_w = static_cast<const T*>(a.ws_w);
-  const T* ws_u = static_cast<const T*>(a.ws_u);
+  const bool prod_warp = warp < kProdWarps;
+  const bool copy_warp = warp >= kCopyWarp0;
+  const int copy_tid = tid - 32 * kCopyWarp0;
+  // This warp's part of the state block: rows r0 + g, r0 + g + 8, column
+  // tiles c0 / 8 .. c0 / 8 + kOwnNT.
+  const int r0 = 16 * (warp / Tr::kWarpsPerRow), c0 = 8 * kOwnNT * (warp % Tr::kWarpsPerRow);
+  // Its W S tile (product warps).
+  const int wi = warp / (BV / 8), wc = 8 * (warp % (BV / 8));
 
   int64_t first_chunk, num_chunks;
   if (a.segment_table != nullptr) {
@@ -121,131 +168,156 @@ __global__ void __launch_bounds__(Dk * 2)
     first_chunk = n * a.chunks_per_row;
     num_chunks = a.chunks_per_row;
   }
+  const int chunks = static_cast<int>(num_chunks);
 
-  auto prefetch = [&](int64_t c, int st) {
-    const int64_t tile = c * H + h;
-    copy_tile_async<Tr::kThreads>(stage_k(st), kLdK, ws_k + tile * C * Dk, Dk, C, Dk);
+  // Chunk c's tiles are tile (c H + h) of each workspace array: the loop
+  // only advances element offsets by one chunk's stride.
+  const int64_t first_tile = first_chunk * H + h;
+  const T* ws_k = static_cast<const T*>(a.ws_k) + first_tile * kChunk * Dk;
+  const T* ws_w = kDelta ? static_cast<const T*>(a.ws_w) + first_tile * kChunk * Dk : nullptr;
+  const T* ws_u = static_cast<const T*>(a.ws_u) + first_tile * kChunk * Dv + col0;
+  const float* ws_decay = a.ws_decay + first_tile * Dk;
+  auto prefetch = [&](int cl, int st) {
+    const int64_t step = cl * H;
+    copy_rows_async<kCopyThreads, Dk, kChunk>(stage_k(st), kLdK, ws_k + step * kChunk * Dk, Dk,
+                                              kChunk, copy_tid);
     if constexpr (kDelta)
-      copy_tile_async<Tr::kThreads>(stage_w(st), kLdK, ws_w + tile * C * Dk, Dk, C, Dk);
-    copy_tile_async<Tr::kThreads>(stage_u(st), kLdB, ws_u + tile * C * Dv + col0, Dv, C, BV);
+      copy_rows_async<kCopyThreads, Dk, kChunk>(stage_w(st), kLdK, ws_w + step * kChunk * Dk, Dk,
+                                                kChunk, copy_tid);
+    copy_rows_async<kCopyThreads, BV, kChunk>(stage_u(st), kLdB, ws_u + step * kChunk * Dv, Dv,
+                                              kChunk, copy_tid);
     if constexpr (kDecay != Decay::none)
-      copy_tile_async<Tr::kThreads>(stage_decay(st), Dk, a.ws_decay + tile * Dk, Dk, 1, Dk);
-    cp_async_commit();
+      copy_rows_async<kCopyThreads, Dk, 1>(stage_decay(st), Dk, ws_decay + step * Dk, Dk, 1,
+                                           copy_tid);
   };
-  for (int p = 0; p < kStages - 1; ++p)
-    if (p < num_chunks) prefetch(first_chunk + p, p);
+  // Every thread commits one group per chunk (empty for threads that copy
+  // nothing), so the wait counts below hold for all.
+  for (int p = 0; p < kStages - 1; ++p) {
+    if (p < chunks && copy_warp) prefetch(p, p);
+    cp_async_commit();
+  }
 
   // s[j]: rows r0 + g (elements 0, 1) and r0 + g + 8 (2, 3), columns
-  // 8 j + i2, 8 j + i2 + 1 of the block.
-  float s[kSNT][4];
-  const int64_t state_base = (n * H + h) * Dk * Dv + col0;
-  auto state_at = [&](int j, int e) { return (r0 + g + 8 * (e / 2)) * Dv + 8 * j + i2; };
+  // c0 + 8 j + i2, c0 + 8 j + i2 + 1 of the block.
+  float s[kOwnNT][4];
+  constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
+  auto state_at = [&](int j, int e) { return (r0 + g + 4 * (e & 2)) * Dv + c0 + 8 * j + i2; };
+  const int64_t state_base = (n * H + h) * kStateElems + col0;
 #pragma unroll
-  for (int j = 0; j < kSNT; ++j)
+  for (int j = 0; j < kOwnNT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)  // element-wise: the caller's state may be only 4-byte aligned
       s[j][e] = a.initial_state != nullptr
-                    ? a.initial_state[state_base + state_at(j, e & 2) + (e & 1)]
+                    ? a.initial_state[state_base + state_at(j, e) + (e & 1)]
                     : 0.f;
-  // The rounded copy of this warp's rows (read by every warp's W S).
+  // The rounded copy of this warp's part (read by every warp's W S).
   auto store_copy = [&] {
     if constexpr (kDelta) {
 #pragma unroll
-      for (int j = 0; j < kSNT; ++j)
+      for (int j = 0; j < kOwnNT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; e += 2)
-          *reinterpret_cast<uint32_t*>(sSop + (r0 + g + 4 * e) * kLdB + 8 * j + i2) =
+          *reinterpret_cast<uint32_t*>(sSop + (r0 + g + 4 * e) * kLdB + c0 + 8 * j + i2) =
               pack2<T>(s[j][e], s[j][e + 1]);
     }
   };
   store_copy();
 
-  // W S tiles of this warp: row tile wi, column tiles wj .. wj + kWNT.
-  const int wi = warp / (kSNT / kWNT), wj = (warp % (kSNT / kWNT)) * kWNT;
-
-  for (int64_t cl = 0; cl < num_chunks; ++cl) {
-    const int64_t c = first_chunk + cl;
-    const int64_t tile = c * H + h;
-    const int st = static_cast<int>(cl % kStages);
-    // One cp.async group per chunk, committed in order: chunk cl's group is
-    // complete once at most `ahead` younger groups are pending.
-    const int64_t later = num_chunks - 1 - cl;
-    if (later >= kStages - 2)
-      cp_async_wait<kStages - 2>();
-    else
-      cp_async_wait<0>();
-    // This chunk's stage and the copy of S visible to every warp; every warp
-    // is done with the previous chunk, so its stage can be refilled.
-    __syncthreads();
-    if (cl + kStages - 1 < num_chunks)
-      prefetch(c + kStages - 1, static_cast<int>((cl + kStages - 1) % kStages));
-
-    // The state entering the chunk: fp32 for the backward, rounded to T for
-    // the output kernel (the values the products read).
-    if (a.chunk_states != nullptr || a.ws_states != nullptr) {
-      float* out_f32 = a.chunk_states != nullptr ? a.chunk_states + tile * Dk * Dv + col0 : nullptr;
-      T* out_t = a.ws_states != nullptr ? static_cast<T*>(a.ws_states) + tile * Dk * Dv + col0
-                                        : nullptr;
+  // Saves the state entering chunk `tile` (fp32 for the backward, rounded to
+  // T for the output kernel: the values the products read), then applies
+  // the chunk's decay: S <- diag(e^{b_C}) S.
+  float* chunk_states = a.chunk_states != nullptr ? a.chunk_states + first_tile * kStateElems + col0
+                                                  : nullptr;
+  T* ws_states = a.ws_states != nullptr
+                     ? static_cast<T*>(a.ws_states) + first_tile * kStateElems + col0
+                     : nullptr;
+  auto save_and_decay = [&](int64_t state_off, int st) {
+    if (chunk_states != nullptr) {
 #pragma unroll
-      for (int j = 0; j < kSNT; ++j)
+      for (int j = 0; j < kOwnNT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          if (out_f32 != nullptr)
-            *reinterpret_cast<float2*>(out_f32 + state_at(j, e)) = make_float2(s[j][e], s[j][e + 1]);
-          if (out_t != nullptr)
-            *reinterpret_cast<uint32_t*>(out_t + state_at(j, e)) = pack2<T>(s[j][e], s[j][e + 1]);
-        }
+        for (int e = 0; e < 4; e += 2)
+          *reinterpret_cast<float2*>(chunk_states + state_off + state_at(j, e)) =
+              make_float2(s[j][e], s[j][e + 1]);
     }
-
-    const T* vnew = stage_u(st);  // additive rules: V' = U
-    if constexpr (kDelta) {
-      // V' = U - W S, rounded to T once (the update below and the output
-      // kernel read the same values).
-      if (wi < nb) {
-        float p[kWNT][4] = {};
-        if constexpr (kWNT == 1) {
-          warp_mm_16x8<T>(p[0], stage_w(st), kLdK, sSop, kLdB, 16 * wi, 8 * wj, Dk);
-        } else {
-          warp_mm_16xn<T, false, true, kWNT>(p, stage_w(st), kLdK, sSop, kLdB, 16 * wi, 8 * wj,
-                                             Dk);
-        }
-        const T* u = stage_u(st);
+    if (ws_states != nullptr) {
 #pragma unroll
-        for (int j = 0; j < kWNT; ++j)
+      for (int j = 0; j < kOwnNT; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; e += 2) {
-            const int off = (16 * wi + g + 4 * e) * kLdB + 8 * (wj + j) + i2;
-            const float2 x = unpack2<T>(*reinterpret_cast<const uint32_t*>(u + off));
-            *reinterpret_cast<uint32_t*>(sVn + off) = pack2<T>(x.x - p[j][e], x.y - p[j][e + 1]);
-          }
-      }
-      vnew = sVn;
+        for (int e = 0; e < 4; e += 2)
+          *reinterpret_cast<uint32_t*>(ws_states + state_off + state_at(j, e)) =
+              pack2<T>(s[j][e], s[j][e + 1]);
     }
     if constexpr (kDecay != Decay::none) {
       const float* decay = stage_decay(st);
       const float d0 = decay[r0 + g], d1 = decay[r0 + g + 8];
 #pragma unroll
-      for (int j = 0; j < kSNT; ++j) {
+      for (int j = 0; j < kOwnNT; ++j) {
         s[j][0] *= d0;
         s[j][1] *= d0;
         s[j][2] *= d1;
         s[j][3] *= d1;
       }
     }
-    if constexpr (kDelta) __syncthreads();  // V' complete; every read of the copy of S done
+  };
+  T* ws_vnew = a.ws_vnew != nullptr
+                   ? static_cast<T*>(a.ws_vnew) + first_tile * kChunk * Dv + col0
+                   : nullptr;
+
+  for (int cl = 0, st = 0; cl < chunks; ++cl, st = st + 1 == kStages ? 0 : st + 1) {
+    const int64_t state_off = cl * H * kStateElems;
+    // One group per chunk, committed in order: chunk cl's is complete once
+    // at most kStages - 2 younger ones are pending.
+    cp_async_wait<kStages - 2>();
+    // This chunk's stage and the copy of S visible to every warp; every warp
+    // is done with the previous chunk, so its stage can be refilled.
+    __syncthreads();
+    if (copy_warp && cl + kStages - 1 < chunks)
+      prefetch(cl + kStages - 1, st == 0 ? kStages - 1 : st - 1);
+    cp_async_commit();
+
+    const T* vnew = stage_u(st);  // additive rules: V' = U
+    if constexpr (kDelta) {
+      if (!prod_warp) save_and_decay(state_off, st);
+      // V' = U - W S, rounded to T once (the update below and the output
+      // kernel read the same values).
+      if (prod_warp) {
+        float p[4] = {0.f, 0.f, 0.f, 0.f};
+        warp_mm_16x8<T, false>(p, stage_w(st), kLdK, sSop, kLdB, 16 * wi, wc, Dk);
+        const T* u = stage_u(st);
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int off = (16 * wi + g + 4 * e) * kLdB + wc + i2;
+          const float2 x = unpack2<T>(*reinterpret_cast<const uint32_t*>(u + off));
+          *reinterpret_cast<uint32_t*>(sVn + off) = pack2<T>(x.x - p[e], x.y - p[e + 1]);
+        }
+      }
+      __syncthreads();  // V' complete; every read of the copy of S done
+      if (prod_warp) save_and_decay(state_off, st);
+      vnew = sVn;
+    } else {
+      save_and_decay(state_off, st);
+    }
 
     // S <- S + K_^T V' (K_ stored [t][d]: the transposed operand).
-    warp_mm_16xn<T, true, true, kSNT>(s, stage_k(st), kLdK, vnew, kLdB, r0, 0, C);
+    if constexpr (kOwnNT == 1)
+      warp_mm_16x8<T, true>(s[0], stage_k(st), kLdK, vnew, kLdB, r0, c0, kChunk);
+    else
+      warp_mm_16xn<T, true, true, kOwnNT>(s, stage_k(st), kLdK, vnew, kLdB, r0, c0, kChunk);
     store_copy();
     if constexpr (kDelta) {
-      if (a.ws_vnew != nullptr) {
+      if (ws_vnew != nullptr && copy_warp) {
         // V' for the output kernel, 16 bytes per thread per step.
-        T* out_vn = static_cast<T*>(a.ws_vnew) + tile * C * Dv + col0;
-        constexpr int kVec = 16 / sizeof(T);
-        for (int idx = tid; idx < C * BV / kVec; idx += Tr::kThreads) {
-          const int i = idx / (BV / kVec), j = (idx % (BV / kVec)) * kVec;
-          *reinterpret_cast<uint4*>(out_vn + i * Dv + j) =
-              *reinterpret_cast<const uint4*>(sVn + i * kLdB + j);
+        constexpr int kVec = 16 / sizeof(T), kPerRow = BV / kVec;
+        constexpr int kIters = (kChunk * kPerRow + kCopyThreads - 1) / kCopyThreads;
+        T* out = ws_vnew + cl * H * kChunk * Dv;
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+          const int idx = copy_tid + it * kCopyThreads;
+          const int i = idx / kPerRow, j = (idx % kPerRow) * kVec;
+          if (i < kChunk)
+            *reinterpret_cast<uint4*>(out + (i * Dv + j)) =
+                *reinterpret_cast<const uint4*>(sVn + i * kLdB + j);
         }
       }
     }
@@ -253,10 +325,9 @@ __global__ void __launch_bounds__(Dk * 2)
   cp_async_wait<0>();
   if (a.final_state != nullptr) {
 #pragma unroll
-    for (int j = 0; j < kSNT; ++j)
+    for (int j = 0; j < kOwnNT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        a.final_state[state_base + state_at(j, e & 2) + (e & 1)] = s[j][e];
+      for (int e = 0; e < 4; ++e) a.final_state[state_base + state_at(j, e) + (e & 1)] = s[j][e];
   }
 }
 
