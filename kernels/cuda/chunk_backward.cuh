@@ -12,7 +12,9 @@
 //   1. chunk_grad_scan_kernel_tc  (one block per (segment, head, Dv block))
 //      the sequential reverse scan over chunks, fp32:
 //        dV' = A^T dO + K_ dS_{c+1},  dS_c = diag(gamma) dS_{c+1} + Q^^T dO - W^T dV'
-//      saving dS_{c+1} per chunk (fp32) and writing dS_0 = d_initial_state;
+//      saving dS_{c+1} per chunk (fp32) and writing dS_0 = d_initial_state
+//      (16-bit inputs: chunk_grad_scan16_kernel, chunk_grad_scan16.cuh, dS in
+//      registers; STATESCAN_SCAN=wmma keeps this kernel for A/B);
 //   2. chunk_grad_kernel_tc  (persistent; one (chunk, head) item at a time per block)
 //      recomputes every intra-chunk quantity in fp32 from the raw inputs,
 //      S_c (chunk_states) and dS_{c+1}, and writes dq, dk, dv, dg, dbeta.
@@ -795,6 +797,7 @@ __global__ void __launch_bounds__(256, 1)
 
 }  // namespace statescan::cuda::detail
 
+#include "kernels/cuda/chunk_grad_scan16.cuh"
 #include "kernels/cuda/chunk_intra_grad.cuh"
 #include "kernels/cuda/chunk_intra_grad_vector.cuh"
 
@@ -1295,9 +1298,25 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
   constexpr int kBV = 16;
   const dim3 scan_grid(Dv / kBV, static_cast<unsigned>(a.f.heads),
                        static_cast<unsigned>(a.f.num_segments));
-  using ScanTr = GradScanTraits<Elem, Dk, Dv, kBV>;
-  launch_kernel(chunk_grad_scan_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kBV>, scan_grid,
-                ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_grad_scan_kernel_tc", a);
+  if (std::is_same_v<Elem, float> || a.f.scan_wmma) {
+    using ScanTr = GradScanTraits<Elem, Dk, Dv, kBV>;
+    launch_kernel(chunk_grad_scan_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kBV>, scan_grid,
+                  ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_grad_scan_kernel_tc", a);
+  } else if constexpr (!std::is_same_v<Elem, float>) {
+    using ScanTr = GradScan16Traits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
+    auto launch16 = [&](auto chunk_tag) {
+      launch_kernel(
+          chunk_grad_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, decltype(chunk_tag)::value>,
+          scan_grid, ScanTr::Warps::kThreads, ScanTr::kBytes, stream, "chunk_grad_scan16_kernel",
+          a);
+    };
+    if (a.f.chunk == 64)
+      launch16(std::integral_constant<int, 64>{});
+    else if (a.f.chunk == 32)
+      launch16(std::integral_constant<int, 32>{});
+    else
+      launch16(std::integral_constant<int, 16>{});
+  }
   if (state_grad_only) return;
   if constexpr (!std::is_same_v<Elem, float>) {
     // 16-bit inputs: the state products first, then the gradient kernel, one

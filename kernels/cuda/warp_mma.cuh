@@ -40,6 +40,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
   }
 }
 
+// Two transposed 8 x 8 matrices: lanes 0-7 give the rows of the first,
+// lanes 8-15 of the second (the other lanes' addresses are not read).
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(shared_address(row)));
+}
+
 // c += a b for one 16 x 8 x 16 step (a: 16 x 16 row fragment, b: 16 x 8 column fragment).
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
@@ -128,6 +136,45 @@ __device__ __forceinline__ void warp_mm_16xn(float (&acc)[kNT][4], const T* x, i
       ldmatrix_x4<true>(a, x + (k0 + r8 + 8 * m2) * ldx + m0 + 8 * m1);
     warp_mm_b_tiles<T, kYKN, kNT>(acc, a, y, ldy, n0, k0);
   }
+}
+
+// acc (one 16 x 8 tile) += X[m0 .. m0+16, 0 .. K) Y[0 .. K, n0 .. n0+8), Y
+// row-major [K][N] and X stored as warp_mm_16xn's kXKM says, 16-bit in shared
+// memory, K a multiple of 16: one transposed x4 load gives Y's fragments for
+// two k steps (warp_mm_16xn takes column tiles in pairs), an x2 load the last
+// step of an odd count. Two accumulators halve the chain of dependent mma
+// steps; acc returns their sum.
+template <typename T, bool kXKM>
+__device__ __forceinline__ void warp_mm_16x8(float (&acc)[4], const T* x, int ldx, const T* y,
+                                             int ldy, int m0, int n0, int K) {
+  const int lane = threadIdx.x & 31;
+  const int r8 = lane & 7, m1 = (lane >> 3) & 1, m2 = lane >> 4;
+  auto load_a = [&](uint32_t(&a)[4], int k0) {
+    if constexpr (!kXKM)
+      ldmatrix_x4<false>(a, x + (m0 + r8 + 8 * m1) * ldx + k0 + 8 * m2);
+    else
+      ldmatrix_x4<true>(a, x + (k0 + r8 + 8 * m2) * ldx + m0 + 8 * m1);
+  };
+  float acc1[4] = {0.f, 0.f, 0.f, 0.f};
+  int k0 = 0;
+#pragma unroll 4
+  for (; k0 + 32 <= K; k0 += 32) {
+    uint32_t a0[4], a1[4], b[4];
+    load_a(a0, k0);
+    load_a(a1, k0 + 16);
+    // matrices: Y rows k0 + 8 q .. k0 + 8 q + 8 for q = lane / 8
+    ldmatrix_x4<true>(b, y + (k0 + r8 + 8 * (lane >> 3)) * ldy + n0);
+    mma_m16n8k16<T>(acc, a0, b[0], b[1]);
+    mma_m16n8k16<T>(acc1, a1, b[2], b[3]);
+  }
+  if (k0 < K) {
+    uint32_t a0[4], b[2];
+    load_a(a0, k0);
+    ldmatrix_x2_trans(b, y + (k0 + r8 + 8 * m1) * ldy + n0);
+    mma_m16n8k16<T>(acc, a0, b[0], b[1]);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] += acc1[e];
 }
 
 // As warp_mm_16xn with X row-major ([M][K]), X's column k multiplied by

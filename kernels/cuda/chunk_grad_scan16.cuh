@@ -1,0 +1,240 @@
+// chunk_grad_scan16_kernel (backward v4): chunk_grad_scan_kernel_tc for
+// 16-bit tiles in the form of the forward's chunk_state_scan16_kernel
+// (chunk_scan16.cuh): the fp32 dS block lives in registers as mma.sync
+// accumulators (one or two 16 x 8 tiles per warp, up to 16 warps), operands
+// come in with ldmatrix, the chunk is a template parameter, and within a
+// step the dV' warps go straight to the barrier while the others prefetch
+// the next chunk's tiles, save their part of dS and apply the decay.
+//
+// The arithmetic is chunk_grad_scan_kernel_tc's, walking a segment's chunks
+// backwards from d_final_state (or 0):
+//   ws_ds[c] = dS (= dS_{c+1}, fp32),
+//   dV' = A^T dO + K_ dS            (delta rules; dS read as its T copy),
+//   dS <- diag(gamma) dS + Q^^T dO - W^T dV'   (-dV' rounded to T once),
+// and dS at the segment's start is d_initial_state. Additive rules have no
+// dV' term, and so one barrier per step.
+//   grid (Dv / BV, H, N segments), Scan16Traits::kThreads threads, shared
+//   memory GradScan16Traits::kBytes (D = 128, bf16, BV = 16, delta: 136 KB);
+//   two tile buffers (the next chunk's tiles load during a step).
+// Included by chunk_backward.cuh after BackwardArgs.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/chunk_scan16.cuh"
+#include "kernels/cuda/warp_mma.cuh"
+
+namespace statescan::cuda::detail {
+
+template <typename T, int Dk, int Dv, int BV, bool kDelta>
+struct GradScan16Traits {
+  using Warps = Scan16Traits<T, Dk, Dv, BV, kDelta>;  // the same split of the state block
+  static constexpr int kMaxChunk = 64;
+  static constexpr int kLdK = Dk + 8;         // Q^, K_, W (16-bit, 16 bytes of padding)
+  static constexpr int kLdC = kMaxChunk + 8;  // A
+  static constexpr int kLdB = BV + 8;         // dO, -dV', the copy of dS
+  static constexpr int kStages = 2;
+  static constexpr size_t kABytes = kDelta ? align_smem(sizeof(T) * kMaxChunk * kLdC) : 0;
+  static constexpr size_t kKBytes = align_smem(sizeof(T) * kMaxChunk * kLdK);
+  static constexpr size_t kDOBytes = align_smem(sizeof(T) * kMaxChunk * kLdB);
+  static constexpr size_t kGammaBytes = align_smem(sizeof(float) * Dk);
+  // A, K_, W (delta rules) and Q^, dO, gamma per stage.
+  static constexpr size_t kOffQ = kDelta ? kABytes + 2 * kKBytes : 0;
+  static constexpr size_t kOffO = kOffQ + kKBytes, kOffG = kOffO + kDOBytes;
+  static constexpr size_t kStageBytes = kOffG + kGammaBytes;
+  static constexpr size_t kCopyBytes = kDelta ? align_smem(sizeof(T) * Dk * kLdB) : 0;
+  static constexpr size_t kDVBytes = kDelta ? align_smem(sizeof(T) * kMaxChunk * kLdB) : 0;
+  static constexpr size_t kBytes = kStages * kStageBytes + kCopyBytes + kDVBytes;
+  static_assert(kBytes <= 227 * 1024, "chunk_grad_scan16_kernel exceeds Hopper shared memory");
+};
+
+template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk>
+__global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::delta>::kThreads))
+    chunk_grad_scan16_kernel(const __grid_constant__ BackwardArgs a) {
+  constexpr bool kDelta = kRule == Rule::delta;
+  using Tr = GradScan16Traits<T, Dk, Dv, BV, kDelta>;
+  using Wr = typename Tr::Warps;
+  constexpr int kLdK = Tr::kLdK, kLdC = Tr::kLdC, kLdB = Tr::kLdB, kOwnNT = Wr::kOwnNT;
+  constexpr int kStages = Tr::kStages, kWarps = Wr::kWarps;
+  static_assert(kChunk == 16 || kChunk == 32 || kChunk == 64, "chunk in {16, 32, 64}");
+  // Roles as in chunk_state_scan16_kernel: product warps compute one dV'
+  // tile each; copy warps prefetch, save and decay before the barrier.
+  constexpr int kProdWarps = kDelta ? (kChunk / 16) * (BV / 8) : 0;
+  constexpr int kCopyWarp0 = kProdWarps < kWarps ? kProdWarps : 0;
+  constexpr int kCopyThreads = 32 * (kWarps - kCopyWarp0);
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  unsigned char* stages = smem_bytes;
+  auto stage = [&](int st, size_t offset) { return stages + st * Tr::kStageBytes + offset; };
+  auto stA = [&](int st) { return reinterpret_cast<T*>(stage(st, 0)); };
+  auto stK = [&](int st) { return reinterpret_cast<T*>(stage(st, Tr::kABytes)); };
+  auto stW = [&](int st) { return reinterpret_cast<T*>(stage(st, Tr::kABytes + Tr::kKBytes)); };
+  auto stQ = [&](int st) { return reinterpret_cast<T*>(stage(st, Tr::kOffQ)); };
+  auto stO = [&](int st) { return reinterpret_cast<T*>(stage(st, Tr::kOffO)); };
+  auto stGamma = [&](int st) { return reinterpret_cast<float*>(stage(st, Tr::kOffG)); };
+  T* sdSop = reinterpret_cast<T*>(smem_bytes + kStages * Tr::kStageBytes);
+  T* sdVneg = reinterpret_cast<T*>(smem_bytes + kStages * Tr::kStageBytes + Tr::kCopyBytes);
+
+  const ForwardArgs& f = a.f;
+  const int vb = blockIdx.x;
+  const int64_t h = blockIdx.y, n = blockIdx.z, H = f.heads;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, i2 = 2 * (lane % 4);
+  const int col0 = vb * BV;
+  const bool prod_warp = warp < kProdWarps;
+  const bool copy_warp = warp >= kCopyWarp0;
+  const int copy_tid = tid - 32 * kCopyWarp0;
+  const int r0 = 16 * (warp / Wr::kWarpsPerRow), c0 = 8 * kOwnNT * (warp % Wr::kWarpsPerRow);
+  const int wi = warp / (BV / 8), wc = 8 * (warp % (BV / 8));  // dV' tile (product warps)
+  const T* d_o = static_cast<const T*>(a.d_o);
+
+  int64_t first_chunk, num_chunks;
+  if (f.segment_table != nullptr) {
+    first_chunk = f.segment_table[2 * n];
+    num_chunks = f.segment_table[2 * n + 1];
+  } else {
+    first_chunk = n * f.chunks_per_row;
+    num_chunks = f.chunks_per_row;
+  }
+  const int chunks = static_cast<int>(num_chunks);
+  const int64_t first_tile = first_chunk * H + h;
+
+  // Queues chunk cl's tiles into buffer st (copy warps; the caller commits).
+  // dO rows past the chunk's end are zeros.
+  auto prefetch = [&](int cl, int st) {
+    const int64_t tile = first_tile + cl * H;
+    int64_t token0;
+    int length;
+    chunk_geometry(f, first_chunk + cl, token0, length);
+    if constexpr (kDelta) {
+      copy_rows_async<kCopyThreads, kChunk, kChunk>(
+          stA(st), kLdC, static_cast<const T*>(f.ws_a) + tile * kChunk * kChunk, kChunk, kChunk,
+          copy_tid);
+      copy_rows_async<kCopyThreads, Dk, kChunk>(
+          stK(st), kLdK, static_cast<const T*>(f.ws_k) + tile * kChunk * Dk, Dk, kChunk, copy_tid);
+      copy_rows_async<kCopyThreads, Dk, kChunk>(
+          stW(st), kLdK, static_cast<const T*>(f.ws_w) + tile * kChunk * Dk, Dk, kChunk, copy_tid);
+    }
+    copy_rows_async<kCopyThreads, Dk, kChunk>(
+        stQ(st), kLdK, static_cast<const T*>(f.ws_q) + tile * kChunk * Dk, Dk, kChunk, copy_tid);
+    constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = BV / kVec;
+    constexpr int kIters = (kChunk * kPerRow + kCopyThreads - 1) / kCopyThreads;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = copy_tid + it * kCopyThreads;
+      const int t = idx / kPerRow, j = (idx % kPerRow) * kVec;
+      if (t < kChunk) {
+        T* dst = stO(st) + t * kLdB + j;
+        if (t < length)
+          cp_async16(dst, d_o + ((token0 + t) * H + h) * Dv + col0 + j);
+        else
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    if constexpr (kDecay != Decay::none)
+      copy_rows_async<kCopyThreads, Dk, 1>(stGamma(st), Dk, f.ws_decay + tile * Dk, Dk, 1,
+                                           copy_tid);
+  };
+  if (chunks > 0 && copy_warp) prefetch(chunks - 1, 0);
+  cp_async_commit();
+
+  // ds[j]: rows r0 + g (elements 0, 1) and r0 + g + 8 (2, 3), columns
+  // c0 + 8 j + i2, + 1 of the block.
+  float ds[kOwnNT][4];
+  constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
+  auto state_at = [&](int j, int e) { return (r0 + g + 4 * (e & 2)) * Dv + c0 + 8 * j + i2; };
+  const int64_t state_base = (n * H + h) * kStateElems + col0;
+#pragma unroll
+  for (int j = 0; j < kOwnNT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)  // element-wise: the caller's state may be only 4-byte aligned
+      ds[j][e] = a.d_final_state != nullptr
+                     ? a.d_final_state[state_base + state_at(j, e) + (e & 1)]
+                     : 0.f;
+  auto store_copy = [&] {
+    if constexpr (kDelta) {
+#pragma unroll
+      for (int j = 0; j < kOwnNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          *reinterpret_cast<uint32_t*>(sdSop + (r0 + g + 4 * e) * kLdB + c0 + 8 * j + i2) =
+              pack2<T>(ds[j][e], ds[j][e + 1]);
+    }
+  };
+  store_copy();
+
+  float* ws_ds = a.ws_ds != nullptr ? a.ws_ds + first_tile * kStateElems + col0 : nullptr;
+  // Saves dS (= dS_{c+1}) for chunk cl, then dS <- diag(gamma) dS.
+  auto save_and_decay = [&](int cl, int st) {
+    if (ws_ds != nullptr) {
+      float* out = ws_ds + cl * H * kStateElems;
+#pragma unroll
+      for (int j = 0; j < kOwnNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          *reinterpret_cast<float2*>(out + state_at(j, e)) = make_float2(ds[j][e], ds[j][e + 1]);
+    }
+    if constexpr (kDecay != Decay::none) {
+      const float* gamma = stGamma(st);
+      const float d0 = gamma[r0 + g], d1 = gamma[r0 + g + 8];
+#pragma unroll
+      for (int j = 0; j < kOwnNT; ++j) {
+        ds[j][0] *= d0;
+        ds[j][1] *= d0;
+        ds[j][2] *= d1;
+        ds[j][3] *= d1;
+      }
+    }
+  };
+
+  for (int cl = chunks - 1, st = 0; cl >= 0; --cl, st ^= 1) {
+    cp_async_wait<0>();  // this chunk's tiles (the only group in flight)
+    // Its tiles and the copy of dS visible to every warp; every warp is done
+    // with the previous (later) chunk, so that buffer can be refilled.
+    __syncthreads();
+    if (copy_warp && cl > 0) prefetch(cl - 1, st ^ 1);
+    cp_async_commit();
+
+    if constexpr (kDelta) {
+      if (!prod_warp) save_and_decay(cl, st);
+      if (prod_warp) {
+        // dV' = A^T dO + K_ dS (A^T is zero above its diagonal block: k from
+        // 16 wi), stored as -dV' rounded to T.
+        float dv[4] = {0.f, 0.f, 0.f, 0.f};
+        warp_mm_16x8<T, true>(dv, stA(st) + 16 * wi * kLdC, kLdC, stO(st) + 16 * wi * kLdB, kLdB,
+                              16 * wi, wc, kChunk - 16 * wi);
+        warp_mm_16x8<T, false>(dv, stK(st), kLdK, sdSop, kLdB, 16 * wi, wc, Dk);
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          *reinterpret_cast<uint32_t*>(sdVneg + (16 * wi + g + 4 * e) * kLdB + wc + i2) =
+              pack2<T>(-dv[e], -dv[e + 1]);
+      }
+      __syncthreads();  // -dV' complete; every read of the copy of dS done
+      if (prod_warp) save_and_decay(cl, st);
+    } else {
+      save_and_decay(cl, st);
+    }
+
+    // dS += Q^^T dO (+ W^T (-dV')): Q^, W stored [t][d], the transposed operands.
+    if constexpr (kOwnNT == 1) {
+      warp_mm_16x8<T, true>(ds[0], stQ(st), kLdK, stO(st), kLdB, r0, c0, kChunk);
+      if constexpr (kDelta)
+        warp_mm_16x8<T, true>(ds[0], stW(st), kLdK, sdVneg, kLdB, r0, c0, kChunk);
+    } else {
+      warp_mm_16xn<T, true, true, kOwnNT>(ds, stQ(st), kLdK, stO(st), kLdB, r0, c0, kChunk);
+      if constexpr (kDelta)
+        warp_mm_16xn<T, true, true, kOwnNT>(ds, stW(st), kLdK, sdVneg, kLdB, r0, c0, kChunk);
+    }
+    store_copy();
+  }
+  cp_async_wait<0>();
+  if (a.d_initial_state != nullptr) {
+#pragma unroll
+    for (int j = 0; j < kOwnNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        a.d_initial_state[state_base + state_at(j, e) + (e & 1)] = ds[j][e];
+  }
+}
+
+}  // namespace statescan::cuda::detail
