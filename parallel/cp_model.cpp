@@ -96,21 +96,22 @@ double cp_summary_bytes(const CpLayer& l) {
 
 CpReferenceTimes cp_h200_reference_128k(Variant v) {
   // README.md's Performance tables: statescan-bench --backward on one H200,
-  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-01 (backward b11 with
-  // forward v3's prepare kernel), forward ms and forward + backward ms of the same run.
+  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-01 (forward v4 and
+  // backward v4: the register-resident scans), forward ms and forward +
+  // backward ms of the same run.
   switch (v) {
     case Variant::linear:
-      return {6.073, 21.529};
+      return {4.896, 17.082};
     case Variant::retention:
-      return {6.849, 23.883};
+      return {5.033, 17.735};
     case Variant::gla:
-      return {7.672, 26.993};
+      return {5.848, 20.796};
     case Variant::deltanet:
-      return {11.477, 36.844};
+      return {8.972, 30.706};
     case Variant::gated_deltanet:
-      return {12.131, 39.827};
+      return {9.150, 31.882};
     case Variant::kda:
-      return {13.441, 44.923};
+      return {10.452, 37.132};
   }
   SS_FAIL("variant", "no H200 reference times");
 }
