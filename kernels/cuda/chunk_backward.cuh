@@ -177,13 +177,7 @@ __global__ void __launch_bounds__(256)
   const T* d_o = static_cast<const T*>(a.d_o);
 
   int64_t first_chunk, num_chunks;
-  if (f.segment_table != nullptr) {
-    first_chunk = f.segment_table[2 * n];
-    num_chunks = f.segment_table[2 * n + 1];
-  } else {
-    first_chunk = n * f.chunks_per_row;
-    num_chunks = f.chunks_per_row;
-  }
+  segment_chunks(f, n, first_chunk, num_chunks);
   const int64_t state_base = (n * H + h) * Dk * Dv;
   for (int idx = tid; idx < Dk * BV; idx += kThreads) {
     const int d = idx / BV, j = idx % BV;
@@ -1304,18 +1298,12 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
                   ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_grad_scan_kernel_tc", a);
   } else if constexpr (!std::is_same_v<Elem, float>) {
     using ScanTr = GradScan16Traits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
-    auto launch16 = [&](auto chunk_tag) {
+    with_chunk_size(a.f.chunk, [&](auto chunk_tag) {
       launch_kernel(
           chunk_grad_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, decltype(chunk_tag)::value>,
           scan_grid, ScanTr::Warps::kThreads, ScanTr::kBytes, stream, "chunk_grad_scan16_kernel",
           a);
-    };
-    if (a.f.chunk == 64)
-      launch16(std::integral_constant<int, 64>{});
-    else if (a.f.chunk == 32)
-      launch16(std::integral_constant<int, 32>{});
-    else
-      launch16(std::integral_constant<int, 16>{});
+    });
   }
   if (state_grad_only) return;
   if constexpr (!std::is_same_v<Elem, float>) {

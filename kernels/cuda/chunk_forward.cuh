@@ -102,6 +102,30 @@ __device__ __forceinline__ void chunk_geometry(const ForwardArgs& a, int64_t c, 
   }
 }
 
+// Segment n's chunks: global chunks [first, first + count).
+__device__ __forceinline__ void segment_chunks(const ForwardArgs& a, int64_t n, int64_t& first,
+                                               int64_t& count) {
+  if (a.segment_table != nullptr) {
+    first = a.segment_table[2 * n];
+    count = a.segment_table[2 * n + 1];
+  } else {
+    first = n * a.chunks_per_row;
+    count = a.chunks_per_row;
+  }
+}
+
+// Calls f(std::integral_constant<int, C>{}) for the chunk size C in
+// {16, 32, 64} (kernels that take the chunk as a template parameter).
+template <typename F>
+void with_chunk_size(int chunk, F&& f) {
+  if (chunk == 64)
+    f(std::integral_constant<int, 64>{});
+  else if (chunk == 32)
+    f(std::integral_constant<int, 32>{});
+  else
+    f(std::integral_constant<int, 16>{});
+}
+
 // Compile-time tile shapes. Rows of shared tiles are padded by 4 floats so
 // that wmma's column walks do not hit one bank and every 8-row offset stays
 // 32-byte aligned (wmma needs 256-bit aligned tile pointers).
@@ -590,13 +614,7 @@ __global__ void __launch_bounds__(256)
   const T* ws_u = static_cast<const T*>(a.ws_u);
 
   int64_t first_chunk, num_chunks;
-  if (a.segment_table != nullptr) {
-    first_chunk = a.segment_table[2 * n];
-    num_chunks = a.segment_table[2 * n + 1];
-  } else {
-    first_chunk = n * a.chunks_per_row;
-    num_chunks = a.chunks_per_row;
-  }
+  segment_chunks(a, n, first_chunk, num_chunks);
 
   auto prefetch = [&](int64_t c, int st) {
     const int64_t tile = c * H + h;
@@ -853,17 +871,11 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
                     ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan_kernel", a);
     } else if constexpr (!std::is_same_v<Elem, float>) {
       using ScanTr = Scan16Traits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
-      auto launch16 = [&](auto chunk_tag) {
+      with_chunk_size(a.chunk, [&](auto chunk_tag) {
         launch_kernel(
             chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, decltype(chunk_tag)::value>,
             grid, ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan16_kernel", a);
-      };
-      if (a.chunk == 64)
-        launch16(std::integral_constant<int, 64>{});
-      else if (a.chunk == 32)
-        launch16(std::integral_constant<int, 32>{});
-      else
-        launch16(std::integral_constant<int, 16>{});
+      });
     }
   };
   const int scan_bv = a.scan_block_cols != 0                              ? a.scan_block_cols

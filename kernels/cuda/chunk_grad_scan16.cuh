@@ -89,13 +89,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const T* d_o = static_cast<const T*>(a.d_o);
 
   int64_t first_chunk, num_chunks;
-  if (f.segment_table != nullptr) {
-    first_chunk = f.segment_table[2 * n];
-    num_chunks = f.segment_table[2 * n + 1];
-  } else {
-    first_chunk = n * f.chunks_per_row;
-    num_chunks = f.chunks_per_row;
-  }
+  segment_chunks(f, n, first_chunk, num_chunks);
   const int chunks = static_cast<int>(num_chunks);
   const int64_t first_tile = first_chunk * H + h;
 
@@ -138,53 +132,20 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   if (chunks > 0 && copy_warp) prefetch(chunks - 1, 0);
   cp_async_commit();
 
-  // ds[j]: rows r0 + g (elements 0, 1) and r0 + g + 8 (2, 3), columns
-  // c0 + 8 j + i2, + 1 of the block.
-  float ds[kOwnNT][4];
+  WarpStateTiles<Dv, kOwnNT> ds(r0, c0);
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
-  auto state_at = [&](int j, int e) { return (r0 + g + 4 * (e & 2)) * Dv + c0 + 8 * j + i2; };
   const int64_t state_base = (n * H + h) * kStateElems + col0;
-#pragma unroll
-  for (int j = 0; j < kOwnNT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)  // element-wise: the caller's state may be only 4-byte aligned
-      ds[j][e] = a.d_final_state != nullptr
-                     ? a.d_final_state[state_base + state_at(j, e) + (e & 1)]
-                     : 0.f;
+  ds.load(a.d_final_state != nullptr ? a.d_final_state + state_base : nullptr);
   auto store_copy = [&] {
-    if constexpr (kDelta) {
-#pragma unroll
-      for (int j = 0; j < kOwnNT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2)
-          *reinterpret_cast<uint32_t*>(sdSop + (r0 + g + 4 * e) * kLdB + c0 + 8 * j + i2) =
-              pack2<T>(ds[j][e], ds[j][e + 1]);
-    }
+    if constexpr (kDelta) ds.store_copy(sdSop, kLdB);
   };
   store_copy();
 
   float* ws_ds = a.ws_ds != nullptr ? a.ws_ds + first_tile * kStateElems + col0 : nullptr;
   // Saves dS (= dS_{c+1}) for chunk cl, then dS <- diag(gamma) dS.
   auto save_and_decay = [&](int cl, int st) {
-    if (ws_ds != nullptr) {
-      float* out = ws_ds + cl * H * kStateElems;
-#pragma unroll
-      for (int j = 0; j < kOwnNT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2)
-          *reinterpret_cast<float2*>(out + state_at(j, e)) = make_float2(ds[j][e], ds[j][e + 1]);
-    }
-    if constexpr (kDecay != Decay::none) {
-      const float* gamma = stGamma(st);
-      const float d0 = gamma[r0 + g], d1 = gamma[r0 + g + 8];
-#pragma unroll
-      for (int j = 0; j < kOwnNT; ++j) {
-        ds[j][0] *= d0;
-        ds[j][1] *= d0;
-        ds[j][2] *= d1;
-        ds[j][3] *= d1;
-      }
-    }
+    if (ws_ds != nullptr) ds.store_pairs(ws_ds + cl * H * kStateElems);
+    if constexpr (kDecay != Decay::none) ds.scale_rows(stGamma(st));
   };
 
   for (int cl = chunks - 1, st = 0; cl >= 0; --cl, st ^= 1) {
@@ -217,24 +178,18 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
 
     // dS += Q^^T dO (+ W^T (-dV')): Q^, W stored [t][d], the transposed operands.
     if constexpr (kOwnNT == 1) {
-      warp_mm_16x8<T, true>(ds[0], stQ(st), kLdK, stO(st), kLdB, r0, c0, kChunk);
+      warp_mm_16x8<T, true>(ds.v[0], stQ(st), kLdK, stO(st), kLdB, r0, c0, kChunk);
       if constexpr (kDelta)
-        warp_mm_16x8<T, true>(ds[0], stW(st), kLdK, sdVneg, kLdB, r0, c0, kChunk);
+        warp_mm_16x8<T, true>(ds.v[0], stW(st), kLdK, sdVneg, kLdB, r0, c0, kChunk);
     } else {
-      warp_mm_16xn<T, true, true, kOwnNT>(ds, stQ(st), kLdK, stO(st), kLdB, r0, c0, kChunk);
+      warp_mm_16xn<T, true, true, kOwnNT>(ds.v, stQ(st), kLdK, stO(st), kLdB, r0, c0, kChunk);
       if constexpr (kDelta)
-        warp_mm_16xn<T, true, true, kOwnNT>(ds, stW(st), kLdK, sdVneg, kLdB, r0, c0, kChunk);
+        warp_mm_16xn<T, true, true, kOwnNT>(ds.v, stW(st), kLdK, sdVneg, kLdB, r0, c0, kChunk);
     }
     store_copy();
   }
   cp_async_wait<0>();
-  if (a.d_initial_state != nullptr) {
-#pragma unroll
-    for (int j = 0; j < kOwnNT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        a.d_initial_state[state_base + state_at(j, e) + (e & 1)] = ds[j][e];
-  }
+  if (a.d_initial_state != nullptr) ds.store(a.d_initial_state + state_base);
 }
 
 }  // namespace statescan::cuda::detail

@@ -66,6 +66,70 @@ struct Scan16Traits {
   static_assert(kBytes <= 227 * 1024, "chunk_state_scan16_kernel exceeds Hopper shared memory");
 };
 
+// One warp's part of a scan's fp32 state block, held as kOwnNT mma.sync
+// accumulator tiles (16 x 8) for a whole segment: v[j][0], v[j][1] at row
+// r0 + g, v[j][2], v[j][3] at row r0 + g + 8, columns c0 + 8 j + i2 and + 1
+// of the block (g = lane / 4, i2 = 2 (lane % 4)). Pointers passed in point at
+// the block's first column of a row-major [Dk][Dv] state. Shared by the
+// forward scan (S) and the reverse scan (dS).
+template <int Dv, int kOwnNT>
+struct WarpStateTiles {
+  float v[kOwnNT][4];
+  int r0, c0, g, i2;
+
+  __device__ WarpStateTiles(int row0, int col0)
+      : r0(row0), c0(col0), g((threadIdx.x & 31) / 4), i2(2 * (threadIdx.x & 3)) {}
+  // Offset of the pair (j, e & ~1) in the state.
+  __device__ int at(int j, int e) const { return (r0 + g + 4 * (e & 2)) * Dv + c0 + 8 * j + i2; }
+  // Element-wise: a caller's state may be only 4-byte aligned. Null = zeros.
+  __device__ void load(const float* state) {
+#pragma unroll
+    for (int j = 0; j < kOwnNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[j][e] = state != nullptr ? state[at(j, e) + (e & 1)] : 0.f;
+  }
+  __device__ void store(float* state) const {
+#pragma unroll
+    for (int j = 0; j < kOwnNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) state[at(j, e) + (e & 1)] = v[j][e];
+  }
+  // Pairs (8 bytes fp32, 4 bytes rounded to T): workspace arrays.
+  template <typename T>
+  __device__ void store_pairs(T* state) const {
+#pragma unroll
+    for (int j = 0; j < kOwnNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        if constexpr (std::is_same_v<T, float>)
+          *reinterpret_cast<float2*>(state + at(j, e)) = make_float2(v[j][e], v[j][e + 1]);
+        else
+          *reinterpret_cast<uint32_t*>(state + at(j, e)) = pack2<T>(v[j][e], v[j][e + 1]);
+      }
+  }
+  // The copy rounded to T in shared memory, block row r at copy + r * ld.
+  template <typename T>
+  __device__ void store_copy(T* copy, int ld) const {
+#pragma unroll
+    for (int j = 0; j < kOwnNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2)
+        *reinterpret_cast<uint32_t*>(copy + (r0 + g + 4 * e) * ld + c0 + 8 * j + i2) =
+            pack2<T>(v[j][e], v[j][e + 1]);
+  }
+  // v <- diag(factor) v (factor indexed by the block's rows).
+  __device__ void scale_rows(const float* factor) {
+    const float f0 = factor[r0 + g], f1 = factor[r0 + g + 8];
+#pragma unroll
+    for (int j = 0; j < kOwnNT; ++j) {
+      v[j][0] *= f0;
+      v[j][1] *= f0;
+      v[j][2] *= f1;
+      v[j][3] *= f1;
+    }
+  }
+};
+
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk>
 __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::delta>::kThreads))
     chunk_state_scan16_kernel(const __grid_constant__ ForwardArgs a) {
@@ -99,7 +163,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const int vb = blockIdx.x;
   const int64_t h = blockIdx.y, n = blockIdx.z, H = a.heads;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, i2 = 2 * (lane % 4);  // accumulator row, column pair
+  const int g = lane / 4, i2 = 2 * (lane % 4);  // accumulator row, column pair (V')
   const int col0 = vb * BV;
   const bool prod_warp = warp < kProdWarps;
   const bool copy_warp = warp >= kCopyWarp0;
@@ -111,13 +175,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const int wi = warp / (BV / 8), wc = 8 * (warp % (BV / 8));
 
   int64_t first_chunk, num_chunks;
-  if (a.segment_table != nullptr) {
-    first_chunk = a.segment_table[2 * n];
-    num_chunks = a.segment_table[2 * n + 1];
-  } else {
-    first_chunk = n * a.chunks_per_row;
-    num_chunks = a.chunks_per_row;
-  }
+  segment_chunks(a, n, first_chunk, num_chunks);
   const int chunks = static_cast<int>(num_chunks);
 
   // Chunk c's tiles are tile (c H + h) of each workspace array: the loop
@@ -147,68 +205,28 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     cp_async_commit();
   }
 
-  // s[j]: rows r0 + g (elements 0, 1) and r0 + g + 8 (2, 3), columns
-  // c0 + 8 j + i2, c0 + 8 j + i2 + 1 of the block.
-  float s[kOwnNT][4];
+  WarpStateTiles<Dv, kOwnNT> s(r0, c0);
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
-  auto state_at = [&](int j, int e) { return (r0 + g + 4 * (e & 2)) * Dv + c0 + 8 * j + i2; };
   const int64_t state_base = (n * H + h) * kStateElems + col0;
-#pragma unroll
-  for (int j = 0; j < kOwnNT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)  // element-wise: the caller's state may be only 4-byte aligned
-      s[j][e] = a.initial_state != nullptr
-                    ? a.initial_state[state_base + state_at(j, e) + (e & 1)]
-                    : 0.f;
+  s.load(a.initial_state != nullptr ? a.initial_state + state_base : nullptr);
   // The rounded copy of this warp's part (read by every warp's W S).
   auto store_copy = [&] {
-    if constexpr (kDelta) {
-#pragma unroll
-      for (int j = 0; j < kOwnNT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2)
-          *reinterpret_cast<uint32_t*>(sSop + (r0 + g + 4 * e) * kLdB + c0 + 8 * j + i2) =
-              pack2<T>(s[j][e], s[j][e + 1]);
-    }
+    if constexpr (kDelta) s.store_copy(sSop, kLdB);
   };
   store_copy();
 
-  // Saves the state entering chunk `tile` (fp32 for the backward, rounded to
-  // T for the output kernel: the values the products read), then applies
-  // the chunk's decay: S <- diag(e^{b_C}) S.
+  // Saves the state entering chunk cl (fp32 for the backward, rounded to T
+  // for the output kernel: the values the products read), then applies the
+  // chunk's decay: S <- diag(e^{b_C}) S.
   float* chunk_states = a.chunk_states != nullptr ? a.chunk_states + first_tile * kStateElems + col0
                                                   : nullptr;
   T* ws_states = a.ws_states != nullptr
                      ? static_cast<T*>(a.ws_states) + first_tile * kStateElems + col0
                      : nullptr;
   auto save_and_decay = [&](int64_t state_off, int st) {
-    if (chunk_states != nullptr) {
-#pragma unroll
-      for (int j = 0; j < kOwnNT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2)
-          *reinterpret_cast<float2*>(chunk_states + state_off + state_at(j, e)) =
-              make_float2(s[j][e], s[j][e + 1]);
-    }
-    if (ws_states != nullptr) {
-#pragma unroll
-      for (int j = 0; j < kOwnNT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2)
-          *reinterpret_cast<uint32_t*>(ws_states + state_off + state_at(j, e)) =
-              pack2<T>(s[j][e], s[j][e + 1]);
-    }
-    if constexpr (kDecay != Decay::none) {
-      const float* decay = stage_decay(st);
-      const float d0 = decay[r0 + g], d1 = decay[r0 + g + 8];
-#pragma unroll
-      for (int j = 0; j < kOwnNT; ++j) {
-        s[j][0] *= d0;
-        s[j][1] *= d0;
-        s[j][2] *= d1;
-        s[j][3] *= d1;
-      }
-    }
+    if (chunk_states != nullptr) s.store_pairs(chunk_states + state_off);
+    if (ws_states != nullptr) s.store_pairs(ws_states + state_off);
+    if constexpr (kDecay != Decay::none) s.scale_rows(stage_decay(st));
   };
   T* ws_vnew = a.ws_vnew != nullptr
                    ? static_cast<T*>(a.ws_vnew) + first_tile * kChunk * Dv + col0
@@ -251,9 +269,9 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
 
     // S <- S + K_^T V' (K_ stored [t][d]: the transposed operand).
     if constexpr (kOwnNT == 1)
-      warp_mm_16x8<T, true>(s[0], stage_k(st), kLdK, vnew, kLdB, r0, c0, kChunk);
+      warp_mm_16x8<T, true>(s.v[0], stage_k(st), kLdK, vnew, kLdB, r0, c0, kChunk);
     else
-      warp_mm_16xn<T, true, true, kOwnNT>(s, stage_k(st), kLdK, vnew, kLdB, r0, c0, kChunk);
+      warp_mm_16xn<T, true, true, kOwnNT>(s.v, stage_k(st), kLdK, vnew, kLdB, r0, c0, kChunk);
     store_copy();
     if constexpr (kDelta) {
       if (ws_vnew != nullptr && copy_warp) {
@@ -273,12 +291,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     }
   }
   cp_async_wait<0>();
-  if (a.final_state != nullptr) {
-#pragma unroll
-    for (int j = 0; j < kOwnNT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) a.final_state[state_base + state_at(j, e) + (e & 1)] = s[j][e];
-  }
+  if (a.final_state != nullptr) s.store(a.final_state + state_base);
 }
 
 }  // namespace statescan::cuda::detail
