@@ -115,15 +115,18 @@ __device__ __forceinline__ void segment_chunks(const ForwardArgs& a, int64_t n, 
 }
 
 // Calls f(std::integral_constant<int, C>{}) for the chunk size C in
-// {16, 32, 64} (kernels that take the chunk as a template parameter).
+// {16, 32, 64} (kernels that take the chunk as a template parameter); any
+// other size is an error, never a silent substitute.
 template <typename F>
 void with_chunk_size(int chunk, F&& f) {
   if (chunk == 64)
     f(std::integral_constant<int, 64>{});
   else if (chunk == 32)
     f(std::integral_constant<int, 32>{});
-  else
+  else if (chunk == 16)
     f(std::integral_constant<int, 16>{});
+  else
+    SS_FAIL("chunk", "CUDA kernels take chunk sizes 16, 32 or 64, got ", chunk);
 }
 
 // Compile-time tile shapes. Rows of shared tiles are padded by 4 floats so
