@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -291,6 +292,10 @@ struct NsShape {
   int64_t chunk;
   std::size_t max_matrices;  // the first ones (chunk 0 first): the model is slow
 };
+
+void PrintTo(const NsShape& s, std::ostream* os) {
+  *os << "D" << s.sizes.dim << "_M" << s.sizes.hidden << "_chunk" << s.chunk;
+}
 
 class LactNsModel : public ::testing::TestWithParam<NsShape> {};
 
