@@ -46,7 +46,7 @@ struct Scan16Traits {
   static constexpr int kTiles = (Dk / 16) * (BV / 8);
   static constexpr int kWarps = kTiles < 16 ? kTiles : 16;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kOwnNT = kTiles / kWarps;     // column tiles per warp (1 or 2)
+  static constexpr int kOwnNT = kTiles / kWarps;          // column tiles per warp (1 or 2)
   static constexpr int kWarpsPerRow = (BV / 8) / kOwnNT;  // warps sharing a 16-row slab
   static constexpr int kLdK = Dk + 8;  // K_, W tiles (16 bytes of padding per row)
   static constexpr int kLdB = BV + 8;  // U, V', the copy of S
@@ -61,8 +61,7 @@ struct Scan16Traits {
   static constexpr size_t kStageBytes = kUOffset + kTileBBytes + align_smem(sizeof(float) * Dk);
   static constexpr int kStages = 3;
   static constexpr size_t kVnBytes = kDelta ? kTileBBytes : 0;
-  static constexpr size_t kBytes =
-      (kDelta ? kSCopyBytes : 0) + kVnBytes + kStages * kStageBytes;
+  static constexpr size_t kBytes = (kDelta ? kSCopyBytes : 0) + kVnBytes + kStages * kStageBytes;
   static_assert(kBytes <= 227 * 1024, "chunk_state_scan16_kernel exceeds Hopper shared memory");
 };
 
@@ -218,8 +217,8 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   // Saves the state entering chunk cl (fp32 for the backward, rounded to T
   // for the output kernel: the values the products read), then applies the
   // chunk's decay: S <- diag(e^{b_C}) S.
-  float* chunk_states = a.chunk_states != nullptr ? a.chunk_states + first_tile * kStateElems + col0
-                                                  : nullptr;
+  float* chunk_states =
+      a.chunk_states != nullptr ? a.chunk_states + first_tile * kStateElems + col0 : nullptr;
   T* ws_states = a.ws_states != nullptr
                      ? static_cast<T*>(a.ws_states) + first_tile * kStateElems + col0
                      : nullptr;
@@ -228,9 +227,8 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     if (ws_states != nullptr) s.store_pairs(ws_states + state_off);
     if constexpr (kDecay != Decay::none) s.scale_rows(stage_decay(st));
   };
-  T* ws_vnew = a.ws_vnew != nullptr
-                   ? static_cast<T*>(a.ws_vnew) + first_tile * kChunk * Dv + col0
-                   : nullptr;
+  T* ws_vnew =
+      a.ws_vnew != nullptr ? static_cast<T*>(a.ws_vnew) + first_tile * kChunk * Dv + col0 : nullptr;
 
   for (int cl = 0, st = 0; cl < chunks; ++cl, st = st + 1 == kStages ? 0 : st + 1) {
     const int64_t state_off = cl * H * kStateElems;
