@@ -88,6 +88,22 @@ struct Model {
       }
     return c;
   }
+  // op(X) op(Y) of row-major X, Y: op(X) m x k, op(Y) k x n, transposed
+  // where tx / ty say (X stored [k][m], Y stored [n][k]).
+  std::vector<double> mul(const std::vector<double>& x, bool tx, const std::vector<double>& y,
+                          bool ty, int64_t m, int64_t n, int64_t k) const {
+    return gemm(
+        m, n, k, [&](int64_t i, int64_t l) { return tx ? x[l * m + i] : x[i * k + l]; },
+        [&](int64_t l, int64_t j) { return ty ? y[j * k + l] : y[l * n + j]; });
+  }
+  // A = X X^T and B = b A + c A A of an m x n iterate (both steps' start).
+  void gram_poly(const std::vector<double>& X, int64_t m, int64_t n, std::vector<double>& A,
+                 std::vector<double>& B) const {
+    A = mul(X, false, X, true, m, m, n);
+    const auto AA = mul(A, false, A, false, m, m, m);
+    B.resize(A.size());
+    for (std::size_t i = 0; i < B.size(); ++i) B[i] = store(kMuonB * A[i] + kMuonC * AA[i]);
+  }
   double product(double a, double b) const {
     switch (mode) {
       case NsMode::exact:
@@ -133,19 +149,11 @@ std::vector<double> ns_forward(const Model& md, const Oriented& p, int steps,
   const double scale = 1.0 / (std::sqrt(f) + kLactEps);
   std::vector<double> X(p.x.size());
   for (std::size_t i = 0; i < X.size(); ++i) X[i] = md.store(p.x[i] * scale);
+  std::vector<double> A, B;
   for (int s = 0; s < steps; ++s) {
     if (iterates) iterates->push_back(X);
-    const auto A = md.gemm(
-        m, m, n, [&](int64_t i, int64_t k) { return X[i * n + k]; },
-        [&](int64_t k, int64_t j) { return X[j * n + k]; });
-    const auto AA = md.gemm(
-        m, m, m, [&](int64_t i, int64_t k) { return A[i * m + k]; },
-        [&](int64_t k, int64_t j) { return A[k * m + j]; });
-    std::vector<double> B(A.size());
-    for (std::size_t i = 0; i < B.size(); ++i) B[i] = md.store(kMuonB * A[i] + kMuonC * AA[i]);
-    const auto BX = md.gemm(
-        m, n, m, [&](int64_t i, int64_t k) { return B[i * m + k]; },
-        [&](int64_t k, int64_t j) { return X[k * n + j]; });
+    md.gram_poly(X, m, n, A, B);
+    const auto BX = md.mul(B, false, X, false, m, n, m);
     for (std::size_t i = 0; i < X.size(); ++i) X[i] = md.store(kMuonA * X[i] + BX[i]);
   }
   return X;
@@ -159,30 +167,16 @@ std::vector<double> ns_backward(const Model& md, const Oriented& p, int steps,
   std::vector<std::vector<double>> its;
   ns_forward(md, p, steps, &its);
   std::vector<double> dX = dY;
+  std::vector<double> A, B;
   for (int s = steps - 1; s >= 0; --s) {
     const auto& X = its[static_cast<std::size_t>(s)];
-    const auto A = md.gemm(
-        m, m, n, [&](int64_t i, int64_t k) { return X[i * n + k]; },
-        [&](int64_t k, int64_t j) { return X[j * n + k]; });
-    const auto AA = md.gemm(
-        m, m, m, [&](int64_t i, int64_t k) { return A[i * m + k]; },
-        [&](int64_t k, int64_t j) { return A[k * m + j]; });
-    std::vector<double> B(A.size());
-    for (std::size_t i = 0; i < B.size(); ++i) B[i] = md.store(kMuonB * A[i] + kMuonC * AA[i]);
+    md.gram_poly(X, m, n, A, B);
     // Y = a X + B X: dX' = a dY + B dY, dB = dY X^T.
-    const auto BdX = md.gemm(
-        m, n, m, [&](int64_t i, int64_t k) { return B[i * m + k]; },
-        [&](int64_t k, int64_t j) { return dX[k * n + j]; });
-    const auto dB = md.gemm(
-        m, m, n, [&](int64_t i, int64_t k) { return dX[i * n + k]; },
-        [&](int64_t k, int64_t j) { return X[j * n + k]; });
+    const auto BdX = md.mul(B, false, dX, false, m, n, m);
+    const auto dB = md.mul(dX, false, X, true, m, m, n);
     // B = b A + c A A: dA = b dB + c (dB A + A dB); dX' += (dA + dA^T) X.
-    const auto dBA = md.gemm(
-        m, m, m, [&](int64_t i, int64_t k) { return dB[i * m + k]; },
-        [&](int64_t k, int64_t j) { return A[k * m + j]; });
-    const auto AdB = md.gemm(
-        m, m, m, [&](int64_t i, int64_t k) { return A[i * m + k]; },
-        [&](int64_t k, int64_t j) { return dB[k * m + j]; });
+    const auto dBA = md.mul(dB, false, A, false, m, m, m);
+    const auto AdB = md.mul(A, false, dB, false, m, m, m);
     std::vector<double> S(A.size());
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < m; ++j) {
@@ -190,9 +184,7 @@ std::vector<double> ns_backward(const Model& md, const Oriented& p, int steps,
         const double dji = kMuonB * dB[j * m + i] + kMuonC * (dBA[j * m + i] + AdB[j * m + i]);
         S[i * m + j] = md.store(dij + dji);
       }
-    const auto SX = md.gemm(
-        m, n, m, [&](int64_t i, int64_t k) { return S[i * m + k]; },
-        [&](int64_t k, int64_t j) { return X[k * n + j]; });
+    const auto SX = md.mul(S, false, X, false, m, n, m);
     std::vector<double> next(dX.size());
     for (std::size_t i = 0; i < next.size(); ++i)
       next[i] = md.store(kMuonA * dX[i] + BdX[i] + SX[i]);
