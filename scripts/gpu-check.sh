@@ -8,7 +8,13 @@
 #   BUILD_DIR        build folder (default <repo>/build-gpu)
 #   BENCH_ARGS       extra statescan-bench arguments (default: its defaults)
 #   GTEST_FILTER     restrict the GPU tests
-#   FLA=0            skip the FLA comparison; FLA_ARGS extra fla_bench.py args
+#   FLA=0            skip the FLA comparison; FLA_ARGS extra fla_bench.py args.
+#                    FLA's autotuning (minutes per op on a fresh machine) is
+#                    cached in TRITON_CACHE_DIR (default <repo>/.fla/triton-cache,
+#                    FLA_CACHE_RESULTS=1); the tuned configs are also packed
+#                    into OUTDIR/fla_autotune.tgz (small: the *.autotune.json
+#                    files), to unpack into .fla/triton-cache where the next
+#                    machine starts fresh (the GPU lending tool carries .fla)
 #   BWD=0            skip the backward: test_cuda_backward, `statescan-bench
 #                    --backward` (BWD_ARGS, default "-t 32768") and its 1M-token
 #                    KDA row with peak memory (BWD_1M=0 skips that row), once
@@ -91,11 +97,15 @@ if [[ "${NCU:-0}" != 0 ]] && command -v ncu >/dev/null; then
 fi
 
 if [[ "${FLA:-1}" != 0 && -d "$ROOT/.fla/fla" ]] && python3 -c "import torch, triton" 2>/dev/null; then
-  # shellcheck disable=SC2086
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/.fla/triton-cache} FLA_CACHE_RESULTS=1
+  mkdir -p "$TRITON_CACHE_DIR"
+  # shellcheck disable=SC2086,SC2046
   PYTHONPATH="$ROOT/.fla${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
     python3 "$ROOT/scripts/fla_bench.py" --json "$OUT/fla.json" \
     $([[ "${BWD:-1}" != 0 ]] && echo --backward) ${FLA_ARGS:-} \
     >"$OUT/fla.log" 2>&1 || echo "gpu-check: FLA comparison failed, see $OUT/fla.log"
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
+    tar czf "$OUT/fla_autotune.tgz" --null -T -) 2>/dev/null || true
 fi
 
 echo
