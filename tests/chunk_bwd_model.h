@@ -72,9 +72,8 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
   out.dh0.assign(static_cast<size_t>(N * H * Dk * Dv), 0);
 
   for (int64_t n = 0; n < N; ++n) {
-    const int64_t row = p.cu_seqlens.empty() ? n : 0;
-    const int64_t begin = p.cu_seqlens.empty() ? 0 : p.cu_seqlens[n];
-    const int64_t end = p.cu_seqlens.empty() ? T : p.cu_seqlens[n + 1];
+    const ref::Sequence seq = p.sequence(n);
+    const int64_t row = seq.row, begin = seq.begin, end = seq.end;
     const int64_t nchunks = (end - begin + C - 1) / C;
     for (int64_t h = 0; h < H; ++h) {
       auto tok = [&](int64_t t) { return (row * T + t) * H + h; };

@@ -57,9 +57,8 @@ inline ref::Outputs chunk_forward_model(const ref::Problem& p, int64_t C,
   out.o.assign(p.v.size(), 0);
   out.ht.assign(static_cast<size_t>(N * H * Dk * Dv), 0);
   for (int64_t n = 0; n < N; ++n) {
-    const int64_t row = p.cu_seqlens.empty() ? n : 0;
-    const int64_t begin = p.cu_seqlens.empty() ? 0 : p.cu_seqlens[n];
-    const int64_t end = p.cu_seqlens.empty() ? T : p.cu_seqlens[n + 1];
+    const ref::Sequence seq = p.sequence(n);
+    const int64_t row = seq.row, begin = seq.begin, end = seq.end;
     for (int64_t h = 0; h < H; ++h) {
       auto tok = [&](int64_t t) { return (row * T + t) * H + h; };
       Vec S(Dk * Dv, 0);

@@ -146,8 +146,8 @@ Cotangents random_cotangents(const Fp32Problem& fp, bool with_dht, uint64_t seed
 // that segment's initial state: the reference on it gives the state after
 // `len` tokens.
 ref::Problem segment_prefix(const ref::Problem& p, int64_t n, int64_t len) {
-  const int64_t row = p.cu_seqlens.empty() ? n : 0;
-  const int64_t begin = p.cu_seqlens.empty() ? 0 : p.cu_seqlens[n];
+  const ref::Sequence seq = p.sequence(n);
+  const int64_t row = seq.row, begin = seq.begin;
   const int64_t H = p.heads;
   auto slice = [&](const std::vector<double>& x, int64_t inner) {
     std::vector<double> out;

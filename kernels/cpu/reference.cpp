@@ -37,11 +37,6 @@ struct Dims {
   }
 };
 
-// One sequence: its batch row and token range [begin, end) within that row.
-struct Sequence {
-  int64_t row, begin, end;
-};
-
 Dims dims_of(const Problem& p) {
   const VariantSpec spec = spec_of(p.variant);
   return Dims{p.batch, p.seq_len, p.heads, p.dk, p.dv, p.num_sequences(), spec.decay, spec.rule};
@@ -49,12 +44,7 @@ Dims dims_of(const Problem& p) {
 
 std::vector<Sequence> sequences_of(const Problem& p) {
   std::vector<Sequence> seqs;
-  if (p.cu_seqlens.empty()) {
-    for (int64_t b = 0; b < p.batch; ++b) seqs.push_back({b, 0, p.seq_len});
-  } else {
-    for (std::size_t n = 0; n + 1 < p.cu_seqlens.size(); ++n)
-      seqs.push_back({0, p.cu_seqlens[n], p.cu_seqlens[n + 1]});
-  }
+  for (int64_t n = 0; n < p.num_sequences(); ++n) seqs.push_back(p.sequence(n));
   return seqs;
 }
 

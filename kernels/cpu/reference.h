@@ -8,12 +8,18 @@
 // cu_seqlens (B == 1) the tokens are packed sequences.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "core/options.h"
 
 namespace statescan::ref {
+
+// One sequence: its batch row and token range [begin, end) within that row.
+struct Sequence {
+  int64_t row, begin, end;
+};
 
 struct Problem {
   Variant variant = Variant::kda;
@@ -28,6 +34,12 @@ struct Problem {
 
   int64_t num_sequences() const {
     return cu_seqlens.empty() ? batch : static_cast<int64_t>(cu_seqlens.size()) - 1;
+  }
+  // Sequence n (0 <= n < num_sequences()): batch row n, or packed sequence n of row 0.
+  Sequence sequence(int64_t n) const {
+    if (cu_seqlens.empty()) return {n, 0, seq_len};
+    return {0, cu_seqlens[static_cast<std::size_t>(n)],
+            cu_seqlens[static_cast<std::size_t>(n + 1)]};
   }
 };
 
