@@ -102,15 +102,14 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     chunk_geometry(f, first_chunk + cl, token0, length);
     if constexpr (kDelta) {
       copy_rows_async<kCopyThreads, kChunk, kChunk>(
-          stA(st), kLdC, static_cast<const T*>(f.ws_a) + tile * kChunk * kChunk, kChunk, kChunk,
-          copy_tid);
-      copy_rows_async<kCopyThreads, Dk, kChunk>(
-          stK(st), kLdK, static_cast<const T*>(f.ws_k) + tile * kChunk * Dk, Dk, kChunk, copy_tid);
-      copy_rows_async<kCopyThreads, Dk, kChunk>(
-          stW(st), kLdK, static_cast<const T*>(f.ws_w) + tile * kChunk * Dk, Dk, kChunk, copy_tid);
+          stA(st), kLdC, static_cast<const T*>(f.ws_a) + tile * kChunk * kChunk, kChunk, copy_tid);
+      copy_rows_async<kCopyThreads, kChunk, Dk>(
+          stK(st), kLdK, static_cast<const T*>(f.ws_k) + tile * kChunk * Dk, Dk, copy_tid);
+      copy_rows_async<kCopyThreads, kChunk, Dk>(
+          stW(st), kLdK, static_cast<const T*>(f.ws_w) + tile * kChunk * Dk, Dk, copy_tid);
     }
-    copy_rows_async<kCopyThreads, Dk, kChunk>(
-        stQ(st), kLdK, static_cast<const T*>(f.ws_q) + tile * kChunk * Dk, Dk, kChunk, copy_tid);
+    copy_rows_async<kCopyThreads, kChunk, Dk>(
+        stQ(st), kLdK, static_cast<const T*>(f.ws_q) + tile * kChunk * Dk, Dk, copy_tid);
     constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = BV / kVec;
     constexpr int kIters = (kChunk * kPerRow + kCopyThreads - 1) / kCopyThreads;
 #pragma unroll
@@ -126,8 +125,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
       }
     }
     if constexpr (kDecay != Decay::none)
-      copy_rows_async<kCopyThreads, Dk, 1>(stGamma(st), Dk, f.ws_decay + tile * Dk, Dk, 1,
-                                           copy_tid);
+      copy_rows_async<kCopyThreads, 1, Dk>(stGamma(st), Dk, f.ws_decay + tile * Dk, Dk, copy_tid);
   };
   if (chunks > 0 && copy_warp) prefetch(chunks - 1, 0);
   cp_async_commit();
@@ -177,15 +175,8 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     }
 
     // dS += Q^^T dO (+ W^T (-dV')): Q^, W stored [t][d], the transposed operands.
-    if constexpr (kOwnNT == 1) {
-      warp_mm_16x8<T, true>(ds.v[0], stQ(st), kLdK, stO(st), kLdB, r0, c0, kChunk);
-      if constexpr (kDelta)
-        warp_mm_16x8<T, true>(ds.v[0], stW(st), kLdK, sdVneg, kLdB, r0, c0, kChunk);
-    } else {
-      warp_mm_16xn<T, true, true, kOwnNT>(ds.v, stQ(st), kLdK, stO(st), kLdB, r0, c0, kChunk);
-      if constexpr (kDelta)
-        warp_mm_16xn<T, true, true, kOwnNT>(ds.v, stW(st), kLdK, sdVneg, kLdB, r0, c0, kChunk);
-    }
+    ds.add_xt_y(stQ(st), kLdK, stO(st), kLdB, kChunk);
+    if constexpr (kDelta) ds.add_xt_y(stW(st), kLdK, sdVneg, kLdB, kChunk);
     store_copy();
   }
   cp_async_wait<0>();

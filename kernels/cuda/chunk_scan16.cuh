@@ -116,6 +116,16 @@ struct WarpStateTiles {
         *reinterpret_cast<uint32_t*>(copy + (r0 + g + 4 * e) * ld + c0 + 8 * j + i2) =
             pack2<T>(v[j][e], v[j][e + 1]);
   }
+  // v += X^T Y over K rows of X (stored [K][Dk]: the transposed operand, the
+  // warp's rows r0..) and Y (stored [K][BV]: the warp's columns c0..), 16-bit
+  // in shared memory: the scans' state updates S += K_^T V', dS += Q^^T dO.
+  template <typename T>
+  __device__ void add_xt_y(const T* x, int ldx, const T* y, int ldy, int K) {
+    if constexpr (kOwnNT == 1)
+      warp_mm_16x8<T, true>(v[0], x, ldx, y, ldy, r0, c0, K);
+    else
+      warp_mm_16xn<T, true, true, kOwnNT>(v, x, ldx, y, ldy, r0, c0, K);
+  }
   // v <- diag(factor) v (factor indexed by the block's rows).
   __device__ void scale_rows(const float* factor) {
     const float f0 = factor[r0 + g], f1 = factor[r0 + g + 8];
@@ -186,16 +196,15 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const float* ws_decay = a.ws_decay + first_tile * Dk;
   auto prefetch = [&](int cl, int st) {
     const int64_t step = cl * H;
-    copy_rows_async<kCopyThreads, Dk, kChunk>(stage_k(st), kLdK, ws_k + step * kChunk * Dk, Dk,
-                                              kChunk, copy_tid);
+    copy_rows_async<kCopyThreads, kChunk, Dk>(stage_k(st), kLdK, ws_k + step * kChunk * Dk, Dk,
+                                              copy_tid);
     if constexpr (kDelta)
-      copy_rows_async<kCopyThreads, Dk, kChunk>(stage_w(st), kLdK, ws_w + step * kChunk * Dk, Dk,
-                                                kChunk, copy_tid);
-    copy_rows_async<kCopyThreads, BV, kChunk>(stage_u(st), kLdB, ws_u + step * kChunk * Dv, Dv,
-                                              kChunk, copy_tid);
+      copy_rows_async<kCopyThreads, kChunk, Dk>(stage_w(st), kLdK, ws_w + step * kChunk * Dk, Dk,
+                                                copy_tid);
+    copy_rows_async<kCopyThreads, kChunk, BV>(stage_u(st), kLdB, ws_u + step * kChunk * Dv, Dv,
+                                              copy_tid);
     if constexpr (kDecay != Decay::none)
-      copy_rows_async<kCopyThreads, Dk, 1>(stage_decay(st), Dk, ws_decay + step * Dk, Dk, 1,
-                                           copy_tid);
+      copy_rows_async<kCopyThreads, 1, Dk>(stage_decay(st), Dk, ws_decay + step * Dk, Dk, copy_tid);
   };
   // Every thread commits one group per chunk (empty for threads that copy
   // nothing), so the wait counts below hold for all.
@@ -266,10 +275,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     }
 
     // S <- S + K_^T V' (K_ stored [t][d]: the transposed operand).
-    if constexpr (kOwnNT == 1)
-      warp_mm_16x8<T, true>(s.v[0], stage_k(st), kLdK, vnew, kLdB, r0, c0, kChunk);
-    else
-      warp_mm_16xn<T, true, true, kOwnNT>(s.v, stage_k(st), kLdK, vnew, kLdB, r0, c0, kChunk);
+    s.add_xt_y(stage_k(st), kLdK, vnew, kLdB, kChunk);
     store_copy();
     if constexpr (kDelta) {
       if (ws_vnew != nullptr && copy_warp) {

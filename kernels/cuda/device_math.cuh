@@ -108,22 +108,22 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-// Copies rows x kCols 16-bit or fp32 elements (rows <= kMaxRows) with
-// 16-byte cp.async, thread t of kThreads: the trip count is a constant, so
-// each thread's offsets are loop-invariant across a kernel's chunks. Offsets
-// are 32-bit (a tile is far below 2^31 elements): only the base pointer is
-// 64-bit arithmetic.
-template <int kThreads, int kCols, int kMaxRows, typename T>
+// Copies a kRows x kCols tile of 16-bit or fp32 elements with 16-byte
+// cp.async, thread t of kThreads: the shape is a constant, so each thread's
+// offsets are loop-invariant across a kernel's chunks. Offsets are 32-bit (a
+// tile is far below 2^31 elements): only the base pointer is 64-bit
+// arithmetic.
+template <int kThreads, int kRows, int kCols, typename T>
 __device__ __forceinline__ void copy_rows_async(T* dst, int ld_dst, const T* src, int ld_src,
-                                                int rows, int t) {
+                                                int t) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   constexpr int kPerRow = kCols / kVec;
-  constexpr int kIters = (kMaxRows * kPerRow + kThreads - 1) / kThreads;
+  constexpr int kIters = (kRows * kPerRow + kThreads - 1) / kThreads;
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int idx = t + it * kThreads;
     const int i = idx / kPerRow, j = (idx % kPerRow) * kVec;
-    if (i < rows) cp_async16(dst + (i * ld_dst + j), src + (i * ld_src + j));
+    if (i < kRows) cp_async16(dst + (i * ld_dst + j), src + (i * ld_src + j));
   }
 }
 
