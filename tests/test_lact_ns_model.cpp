@@ -159,13 +159,14 @@ std::vector<double> ns_forward(const Model& md, const Oriented& p, int steps,
   return X;
 }
 
-// dX0 of <NS_s(X0), dY> (the normalisation's own backward is elementwise and
-// left out: it is the same in every mode).
-std::vector<double> ns_backward(const Model& md, const Oriented& p, int steps,
+// dX0 of <NS_s(X0), dY> from the iterates ns_forward kept in the same mode
+// (the normalisation's own backward is elementwise and left out: it is the
+// same in every mode).
+std::vector<double> ns_backward(const Model& md, const Oriented& p,
+                                const std::vector<std::vector<double>>& its,
                                 const std::vector<double>& dY) {
   const int64_t m = p.m, n = p.n;
-  std::vector<std::vector<double>> its;
-  ns_forward(md, p, steps, &its);
+  const int steps = static_cast<int>(its.size());
   std::vector<double> dX = dY;
   std::vector<double> A, B;
   for (int s = steps - 1; s >= 0; --s) {
@@ -262,15 +263,16 @@ std::vector<ModeErrors> ns_errors(const std::vector<UpdateMatrix>& updates, uint
   const Model exact{NsMode::exact};
   for (const UpdateMatrix& u : updates) {
     const Oriented p = orient(u.p.data(), u.rows, u.cols);
-    const auto ref = ns_forward(exact, p, kDefaultMuonSteps, nullptr);
+    std::vector<std::vector<double>> its;
+    const auto ref = ns_forward(exact, p, kDefaultMuonSteps, &its);
     const auto dY = randn(ref.size(), rng);
-    const auto dref = ns_backward(exact, p, kDefaultMuonSteps, dY);
+    const auto dref = ns_backward(exact, p, its, dY);
     for (int i = 0; i < kNumModes; ++i) {
       const Model md{kModes[i]};
+      its.clear();
       e[i].forward =
-          std::max(e[i].forward, rel_rms(ns_forward(md, p, kDefaultMuonSteps, nullptr), ref));
-      e[i].backward =
-          std::max(e[i].backward, rel_rms(ns_backward(md, p, kDefaultMuonSteps, dY), dref));
+          std::max(e[i].forward, rel_rms(ns_forward(md, p, kDefaultMuonSteps, &its), ref));
+      e[i].backward = std::max(e[i].backward, rel_rms(ns_backward(md, p, its, dY), dref));
     }
   }
   return e;
