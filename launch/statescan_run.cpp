@@ -243,6 +243,8 @@ int Job::run(int argc, char** argv) {
 int Job::run_steps() {
   stage_ = Stage::steps;
   CpMixer mixer(*cp_comm_, config_, options_.exchange, metrics_.get());
+  // Over NCCL the mixer's argument agreement goes over MPI (host, same ranks).
+  if (cp_comm_ != &comm_) mixer.set_control(&comm_);
   Outputs out;
   allocate(out, dims_, local_.length());
   Report report;

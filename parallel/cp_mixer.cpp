@@ -199,6 +199,15 @@ CpMixer::CpMixer(Communicator& comm, MixerConfig config, Exchange exchange, CpOb
 
 CpMixer::~CpMixer() = default;
 
+void CpMixer::set_control(Communicator* control) {
+  if (control != nullptr)
+    SS_CHECK_ARG(control->size() == comm_.size() && control->rank() == comm_.rank(), "control",
+                 "is rank ", control->rank(), " of ", control->size(), " where the mixer's ",
+                 "communicator is rank ", comm_.rank(), " of ", comm_.size(),
+                 " (it must span the same ranks in the same order)");
+  control_ = control;
+}
+
 void CpMixer::report_to_observer(const CpStepStats& s, Phase total) const {
   if (observer_ == nullptr) return;
   observer_->on_exchange_strategy(s.exchange);
@@ -428,8 +437,8 @@ void CpMixer::backward(const CpBackwardArgs& a) {
 
   MixerBwdParams bp;
   static_cast<MixerParams&>(bp) = sv.params;
-  bp.chunk_states = config_.recompute_chunk_states ? nullptr
-                                                   : const_cast<float*>(sv.chunk_states.data());
+  bp.chunk_states =
+      config_.recompute_chunk_states ? nullptr : const_cast<float*>(sv.chunk_states.data());
   bp.recompute_chunk_states = config_.recompute_chunk_states;
   bp.d_o = a.d_o.data;
   // Gradient entering each local segment's final state: the user's dht where

@@ -92,6 +92,14 @@ class CpMixer {
   // Collective. Needs a preceding forward on this mixer.
   void backward(const CpBackwardArgs& args);
 
+  // The GPU path over NCCL agrees on arguments and errors (a few host bytes,
+  // several times a call) through a device buffer on the NCCL communicator
+  // by default, ~0.2 ms a collective on NVLink. `control` (e.g. the
+  // MpiCommunicator the NCCL one was created from: microseconds within a node)
+  // carries that traffic instead; it must span the same ranks in the same
+  // order and outlive the mixer. Not collective; null restores the default.
+  void set_control(Communicator* control);
+
   const CpStepStats& last_forward_stats() const { return fwd_stats_; }
   const CpStepStats& last_backward_stats() const { return bwd_stats_; }
   // The link `auto` resolved the exchange with, measured at the first forward
@@ -116,6 +124,7 @@ class CpMixer {
   void report_to_observer(const CpStepStats& s, Phase total) const;
 
   Communicator& comm_;
+  Communicator* control_ = nullptr;  // set_control; null: comm_ or its staged view
   MixerConfig config_;
   Exchange exchange_;
   CpObserver* observer_;

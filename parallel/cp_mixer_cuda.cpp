@@ -92,7 +92,6 @@ void copy_floats(float* dst, const float* src, int64_t count, cudaStream_t strea
                                   cudaMemcpyDeviceToDevice, stream));
 }
 
-
 using Clock = std::chrono::steady_clock;
 
 // Event timing of one call's phases on the mixer's streams.
@@ -221,24 +220,27 @@ void check_device(const TensorView& t, const char* name) {
 // on all of them.
 void check_finite_device(const std::vector<std::pair<const TensorView*, const char*>>& inputs,
                          cudaStream_t stream) {
-  StreamBuffer counts(inputs.size() * sizeof(int), stream);
-  SS_CUDA_CHECK(cudaMemsetAsync(counts.get<int>(), 0, inputs.size() * sizeof(int), stream));
+  StreamBuffer counts(inputs.size() * sizeof(int64_t), stream);
+  SS_CUDA_CHECK(cudaMemsetAsync(counts.get<int64_t>(), 0, inputs.size() * sizeof(int64_t), stream));
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const TensorView& t = *inputs[i].first;
     if (t.defined())
-      cuda::count_nonfinite(t.data, t.numel(), t.dtype, counts.get<int>() + i, stream);
+      cuda::count_nonfinite(t.data, t.numel(), t.dtype, counts.get<int64_t>() + i, stream);
   }
-  std::vector<int> host(inputs.size());
-  SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), counts.get<int>(), host.size() * sizeof(int),
+  std::vector<int64_t> host(inputs.size());
+  SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), counts.get<int64_t>(), host.size() * sizeof(int64_t),
                                 cudaMemcpyDeviceToHost, stream));
   SS_CUDA_CHECK(cudaStreamSynchronize(stream));
   for (std::size_t i = 0; i < inputs.size(); ++i)
     SS_CHECK_ARG(host[i] == 0, inputs[i].second, "has ", host[i], " non-finite (NaN/Inf) elements");
 }
 
-// The communicator the mixer's host-side agreement uses: `comm` itself, or
-// over NCCL a staged view of it (created once in `slot`).
-Communicator& control_comm(Communicator& comm, std::unique_ptr<Communicator>& slot) {
+// The communicator the mixer's host-side agreement uses: the one given to
+// set_control, else `comm` itself, or over NCCL a staged view of it (created
+// once in `slot`).
+Communicator& control_comm(Communicator& comm, Communicator* control,
+                           std::unique_ptr<Communicator>& slot) {
+  if (control != nullptr) return *control;
 #ifdef STATESCAN_HAS_NCCL
   if (is_nccl(comm)) {
     if (!slot) slot = std::make_unique<NcclHostStaged>(static_cast<NcclCommunicator&>(comm));
@@ -264,7 +266,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   DeviceState& ds = *device_;
   ds.valid = false;
   saved_on_device_ = true;
-  Communicator& ctl = control_comm(comm_, ds.control);
+  Communicator& ctl = control_comm(comm_, control_, ds.control);
   const cudaStream_t cs = ds.compute;
 
   // ---- local checks, then agreement ------------------------------------------
@@ -488,7 +490,7 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
   bwd_stats_.on_device = true;
   if (!device_) device_.reset(new DeviceState());
   DeviceState& ds = *device_;
-  Communicator& ctl = control_comm(comm_, ds.control);
+  Communicator& ctl = control_comm(comm_, control_, ds.control);
   const cudaStream_t cs = ds.compute;
   collective_check(ctl, [&] {
     SS_CHECK_ARG(ds.valid && saved_on_device_, "backward",

@@ -99,8 +99,8 @@ CaseProblem make_problem(const Case& c, int P) {
   round_to_float(cp.p);
   std::mt19937_64 rng(seed + 1);
   cp.d_o = round_f32(randn(cp.p.v.size(), rng));
-  cp.dht = round_f32(
-      randn(static_cast<std::size_t>(cp.p.num_sequences() * s.heads * s.dk * s.dv), rng));
+  cp.dht =
+      round_f32(randn(static_cast<std::size_t>(cp.p.num_sequences() * s.heads * s.dk * s.dv), rng));
   cp.cfg.variant = c.variant;
   cp.cfg.chunk = 16;
   cp.cfg.l2norm_qk = s.l2norm_qk;
@@ -209,6 +209,30 @@ std::vector<Case> recompute_cases() {
 INSTANTIATE_TEST_SUITE_P(AllVariants, CpRecompute, ::testing::ValuesIn(recompute_cases()),
                          case_name);
 
+// ---- the control communicator -----------------------------------------------------------
+
+// set_control takes only a communicator of the same ranks in the same order;
+// a refusal leaves the mixer as it was, and null restores the default.
+TEST(CpControl, TakesOnlyTheSameRanks) {
+  Communicator& comm = world();
+  MixerConfig cfg;
+  cfg.variant = Variant::kda;
+  CpMixer mixer(comm, cfg, Exchange::ring);
+  mixer.set_control(&comm);
+  mixer.set_control(nullptr);
+  SingleRankCommunicator self;
+  if (comm.size() == 1) {
+    mixer.set_control(&self);  // rank 0 of 1 on both
+    return;
+  }
+  try {
+    mixer.set_control(&self);
+    FAIL() << "a 1-rank control was accepted by a " << comm.size() << "-rank mixer";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "control") << e.what();
+  }
+}
+
 // ---- `auto` on a measured link -------------------------------------------------------
 
 // measure_link: finite positive figures, the same on every rank (so that every
@@ -244,8 +268,8 @@ TEST(MeasureLink, EveryRankGetsTheSamePositiveFigures) {
 // an explicit exchange measures nothing.
 TEST(MeasureLink, AutoMixerReportsTheLinkItResolvedWith) {
   Communicator& comm = world();
-  const CaseProblem cpp = make_problem({Variant::gla, Exchange::automatic, Layout::batch_rows},
-                                       comm.size());
+  const CaseProblem cpp =
+      make_problem({Variant::gla, Exchange::automatic, Layout::batch_rows}, comm.size());
   const int r = comm.rank();
   CpMixer automatic(comm, cpp.cfg, Exchange::automatic);
   EXPECT_EQ(automatic.auto_link(), nullptr);

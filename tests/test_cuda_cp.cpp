@@ -263,18 +263,37 @@ TEST(AffineMapKernels, TransposeMatchesHost) {
   EXPECT_EQ(rel_rms(dMt.to_host(), want), 0.0);
 }
 
+// The count runs on 16-byte vectors between an unaligned head and tail:
+// non-finite values in all three parts, starts off the 16-byte boundary,
+// lengths that leave a tail, and the largest finite values (not counted).
 TEST(AffineMapKernels, CountsNonFiniteElements) {
   if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
   for (DType t : {DType::f32, DType::bf16, DType::f16}) {
-    std::vector<float> x(100000, 0.5f);
-    x[7] = std::numeric_limits<float>::quiet_NaN();
-    x[99999] = std::numeric_limits<float>::infinity();
-    x[50000] = -std::numeric_limits<float>::infinity();
-    const DeviceTensor d(x, t, {static_cast<int64_t>(x.size())});
-    DeviceBuffer<int> count(std::vector<int>{0});
-    cuda::count_nonfinite(d.view().data, static_cast<int64_t>(x.size()), t, count.data(), nullptr);
-    sync_or_fail();
-    EXPECT_EQ(count.to_host()[0], 3) << to_string(t);
+    const float largest = t == DType::f16 ? 65504.f : t == DType::bf16 ? 3.3895314e38f : 3.4e38f;
+    std::vector<float> x(100013, 0.5f);
+    for (std::size_t i = 0; i < x.size(); i += 1000) x[i] = i % 2000 ? largest : -largest;
+    for (int64_t offset : {0, 1, 3, 8}) {
+      for (int64_t n : {int64_t{5}, int64_t{100000} - offset, int64_t{100013} - offset}) {
+        std::vector<float> y(x.begin() + offset, x.begin() + offset + n);
+        std::vector<int64_t> where{0, n - 1, n / 2, n / 2 + 1};
+        for (int64_t w : where) y[static_cast<std::size_t>(w)] = w % 2 ? inf : nan;
+        y[static_cast<std::size_t>(n / 3)] = -inf;
+        int64_t want = 0;
+        for (float v : y) want += std::isfinite(v) ? 0 : 1;
+        // The same bytes at `offset` elements into an allocation.
+        std::vector<float> padded(x.begin(), x.begin() + offset);
+        padded.insert(padded.end(), y.begin(), y.end());
+        const DeviceTensor p(padded, t, {static_cast<int64_t>(padded.size())});
+        const auto* start =
+            static_cast<const char*>(p.view().data) + offset * static_cast<int64_t>(size_of(t));
+        DeviceBuffer<int64_t> count(std::vector<int64_t>{0});
+        cuda::count_nonfinite(start, n, t, count.data(), nullptr);
+        sync_or_fail();
+        EXPECT_EQ(count.to_host()[0], want) << to_string(t) << " offset " << offset << " n " << n;
+      }
+    }
   }
 }
 

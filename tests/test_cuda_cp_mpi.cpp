@@ -170,6 +170,9 @@ class CudaCpInvariance : public ::testing::TestWithParam<Case> {
     CpMixer single(self, cfg_, Exchange::ring);
     CpOutputs full = run_cp_device(single, p_, c.dtype, 0, p_.seq_len, d_o_, dht_, backward);
     CpMixer cp(*comm_, cfg_, c.exchange);
+    // Over NCCL the tree cases agree over MPI (set_control), the others
+    // through the staged view of the NCCL communicator.
+    if (std::string(c.backend) == "nccl" && c.exchange == Exchange::tree) cp.set_control(&mpi());
     CpOutputs mine =
         run_cp_device(cp, p_, c.dtype, bounds_[r_], bounds_[r_ + 1], d_o_, dht_, backward);
     if (P_ > 1) {
@@ -246,8 +249,10 @@ INSTANTIATE_TEST_SUITE_P(AllVariantsExchanges, CudaCpInvariance, ::testing::Valu
 
 class CudaCpErrors : public ::testing::TestWithParam<const char*> {};
 
+// "nccl_mpi_control": NCCL data plane, agreement over MPI (set_control).
 TEST_P(CudaCpErrors, NanInGateOnOneRankFailsEveryRank) {
-  const std::string backend = GetParam();
+  const bool mpi_control = std::string(GetParam()) == "nccl_mpi_control";
+  const std::string backend = mpi_control ? "nccl" : GetParam();
   const std::string skip = why_skip(backend);
   if (!skip.empty()) GTEST_SKIP() << skip;
   int devices = 1;
@@ -290,6 +295,7 @@ TEST_P(CudaCpErrors, NanInGateOnOneRankFailsEveryRank) {
   MixerConfig cfg;
   cfg.variant = s.variant;
   CpMixer mixer(comm, cfg, Exchange::ring);
+  if (mpi_control) mixer.set_control(&mpi());
   bool threw = false;
   try {
     mixer.forward(a);
@@ -305,7 +311,8 @@ TEST_P(CudaCpErrors, NanInGateOnOneRankFailsEveryRank) {
   mpi().barrier();  // reaching this on every rank is the no-hang check
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, CudaCpErrors, ::testing::Values("nccl", "mpi"),
+INSTANTIATE_TEST_SUITE_P(Backends, CudaCpErrors,
+                         ::testing::Values("nccl", "mpi", "nccl_mpi_control"),
                          [](const ::testing::TestParamInfo<const char*>& i) {
                            return std::string(i.param);
                          });

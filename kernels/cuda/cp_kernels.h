@@ -113,9 +113,10 @@ void compose_affine_maps(int64_t maps, int64_t dk, int64_t dv, bool diagonal, fl
 // Mt[m] = M[m]^T for [maps, Dk, Dk]; Mt must not alias M.
 void transpose_maps(const float* M, float* Mt, int64_t maps, int64_t dk, cudaStream_t stream);
 
-// Queues a count of the NaN/Inf elements of `data` (n elements of dtype) into
-// *count (device int, added to; zero it first).
-void count_nonfinite(const void* data, int64_t n, DType dtype, int* count, cudaStream_t stream);
+// Queues a count of the NaN/Inf elements of `data` (n elements of dtype f32,
+// bf16 or f16, element-aligned) into *count (a device int64, added to: zero
+// it first). Bandwidth-bound: one read of the array.
+void count_nonfinite(const void* data, int64_t n, DType dtype, int64_t* count, cudaStream_t stream);
 
 // out[m] = identity (Dk x Dv, ones where i == j) for `maps` states.
 void fill_identity(float* out, int64_t maps, int64_t dk, int64_t dv, cudaStream_t stream);
