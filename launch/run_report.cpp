@@ -126,6 +126,28 @@ std::string format_row(const StepRow& r) {
                        wrong.c_str());
 }
 
+namespace {
+
+// "local 9.12  summary 1.90  exchange 0.21  merge 0.01  other 0.30  wall 11.54"
+std::string format_phases(const PassPhases& p, const char* summary_name) {
+  double other = p.s[4];
+  for (int i = 0; i < 4; ++i) other -= p.s[i];
+  return printf_string("local %.2f  %s %.2f  exchange %.2f  merge %.2f  other %.2f  wall %.2f",
+                       1e3 * p.s[0], summary_name, 1e3 * p.s[1], 1e3 * p.s[2], 1e3 * p.s[3],
+                       1e3 * other, 1e3 * p.s[4]);
+}
+
+std::string json_phases(const PassPhases& p) {
+  static const char* const names[PassPhases::kFields] = {"local_ms", "summary_ms", "exchange_ms",
+                                                         "merge_ms", "wall_ms"};
+  std::string out = "{";
+  for (int i = 0; i < PassPhases::kFields; ++i)
+    out += std::string(i ? ", " : "") + "\"" + names[i] + "\": " + json_number(1e3 * p.s[i]);
+  return out + "}";
+}
+
+}  // namespace
+
 std::string format_footer(const Report& report) {
   const Averages a = averages(report.rows);
   std::string out = printf_string("# Avg fwd %.2f ms", a.fwd_ms);
@@ -137,6 +159,17 @@ std::string format_footer(const Report& report) {
     const RankExchange& x = report.ranks[r];
     out += printf_string("# rank %zu (last step): exchange %.3f ms  %lld B sent  %.1f%% hidden\n",
                          r, x.exchange_ms, static_cast<long long>(x.exchange_bytes), x.hidden_pct);
+  }
+  for (std::size_t r = 0; r < report.ranks.size(); ++r) {
+    const RankExchange& x = report.ranks[r];
+    if (!x.has_phases) continue;
+    if (r == 0)
+      out +=
+          "# phases (mean ms per step; other = wall - the four: host checks, agreement, "
+          "launches)\n";
+    out += printf_string("# rank %zu  fwd %s\n", r, format_phases(x.fwd, "summary").c_str());
+    if (x.bwd.s[4] > 0)
+      out += printf_string("# rank %zu  bwd %s\n", r, format_phases(x.bwd, "pre-pass").c_str());
   }
   if (report.check.enabled) {
     out += printf_string("# check: rel RMS vs a single-rank run (tolerance %.0e):",
@@ -181,7 +214,11 @@ std::string to_json(const Report& report) {
     for (std::size_t r = 0; r < report.ranks.size(); ++r)
       os << (r ? ", " : "") << "{\"exchange_ms\": " << json_number(report.ranks[r].exchange_ms)
          << ", \"exchange_bytes\": " << report.ranks[r].exchange_bytes
-         << ", \"hidden_pct\": " << json_number(report.ranks[r].hidden_pct) << "}";
+         << ", \"hidden_pct\": " << json_number(report.ranks[r].hidden_pct)
+         << (report.ranks[r].has_phases ? ", \"fwd\": " + json_phases(report.ranks[r].fwd) +
+                                              ", \"bwd\": " + json_phases(report.ranks[r].bwd)
+                                        : std::string())
+         << "}";
     os << "],\n";
   }
   os << "  \"check\": ";
@@ -306,15 +343,28 @@ StepRow reduce_step(Communicator& comm, const StepTimes& mine, int64_t step, boo
   return row;
 }
 
-std::vector<RankExchange> gather_rank_exchange(Communicator& comm, const StepTimes& mine) {
-  const double fields[3] = {mine.exchange_s, mine.exchange_bytes, mine.hidden_s};
-  std::vector<double> all(static_cast<std::size_t>(3 * comm.size()));
-  comm.all_gather(fields, all.data(), 3, CommType::f64);
+std::vector<RankExchange> gather_rank_exchange(Communicator& comm, const StepTimes& mine,
+                                               const StepTimes* phases) {
+  constexpr int kPhase = 2 * PassPhases::kFields, kFields = 3 + kPhase;
+  double fields[kFields] = {mine.exchange_s, mine.exchange_bytes, mine.hidden_s};
+  if (phases != nullptr)
+    for (int i = 0; i < PassPhases::kFields; ++i) {
+      fields[3 + i] = phases->fwd.s[i];
+      fields[3 + PassPhases::kFields + i] = phases->bwd.s[i];
+    }
+  std::vector<double> all(static_cast<std::size_t>(kFields * comm.size()));
+  comm.all_gather(fields, all.data(), kFields, CommType::f64);
   std::vector<RankExchange> ranks(static_cast<std::size_t>(comm.size()));
   for (std::size_t r = 0; r < ranks.size(); ++r) {
-    ranks[r].exchange_ms = all[3 * r] * 1e3;
-    ranks[r].exchange_bytes = static_cast<int64_t>(all[3 * r + 1]);
-    ranks[r].hidden_pct = all[3 * r] > 0 ? 100.0 * all[3 * r + 2] / all[3 * r] : 0.0;
+    const double* f = all.data() + kFields * r;
+    ranks[r].exchange_ms = f[0] * 1e3;
+    ranks[r].exchange_bytes = static_cast<int64_t>(f[1]);
+    ranks[r].hidden_pct = f[0] > 0 ? 100.0 * f[2] / f[0] : 0.0;
+    ranks[r].has_phases = phases != nullptr;
+    for (int i = 0; i < PassPhases::kFields; ++i) {
+      ranks[r].fwd.s[i] = f[3 + i];
+      ranks[r].bwd.s[i] = f[3 + PassPhases::kFields + i];
+    }
   }
   return ranks;
 }

@@ -28,11 +28,27 @@ struct StepRow {
                                // over all ranks; < 0: no exchange (N/A)
 };
 
-// One rank's exchange in the last timed step (forward + backward).
+// Where one rank's pass went, in seconds (CpMixer's CpStepStats): the local
+// kernels, the CP summary (forward) or pre-pass (backward), the exchange
+// (waiting for the other ranks included), the merge, and the wall time of the
+// call; wall minus the four is host work (checks, agreement, launches).
+struct PassPhases {
+  static constexpr int kFields = 5;
+  double s[kFields] = {};  // local, summary, exchange, merge, wall
+  PassPhases& operator+=(const PassPhases& o) {
+    for (int i = 0; i < kFields; ++i) s[i] += o.s[i];
+    return *this;
+  }
+};
+
+// One rank's exchange in the last timed step (forward + backward), and its
+// phases' means over the timed steps.
 struct RankExchange {
   double exchange_ms = 0;
   int64_t exchange_bytes = 0;
-  double hidden_pct = 0;  // of this rank's exchange time
+  double hidden_pct = 0;    // of this rank's exchange time
+  bool has_phases = false;  // fwd/bwd below were measured
+  PassPhases fwd, bwd;      // mean seconds per step
 };
 
 // Relative RMS error of each output/gradient against the single-rank run.
@@ -118,11 +134,14 @@ void write_report_json(const std::string& path, const Report& report);
 struct StepTimes {
   double fwd_s = 0, bwd_s = 0, exchange_s = 0, exchange_bytes = 0;
   double hidden_s = 0;  // of exchange_s, the part that overlapped compute
+  PassPhases fwd, bwd;  // zeros where the job does not split its passes
 };
 
-// Every rank's exchange of `mine` (all-gather, collective), for the per-rank
-// lines of the footer.
-std::vector<RankExchange> gather_rank_exchange(Communicator& comm, const StepTimes& mine);
+// Every rank's exchange of `mine` (the last step) and, when `phases` is
+// given, its phase means over the timed steps (all-gather, collective), for
+// the per-rank lines of the footer.
+std::vector<RankExchange> gather_rank_exchange(Communicator& comm, const StepTimes& mine,
+                                               const StepTimes* phases = nullptr);
 
 // The table row of a step: maxima over the ranks of `comm` (collective).
 // `backward` says whether the run has a backward pass; `tokens` is B*T.

@@ -255,6 +255,7 @@ int Job::run_steps() {
   ProgressLine progress(root() ? options_.progress : RunOptions::Progress::never, steps,
                         options_.warmup);
   const double tokens = static_cast<double>(dims_.batch * dims_.seq_len);
+  StepTimes phase_sum;  // the timed steps' phases, summed, then their mean
   for (int64_t s = 0; s < steps; ++s) {
     if (s == options_.warmup && options_.check) run_reference();
     const bool last = s + 1 == steps;
@@ -273,6 +274,8 @@ int Job::run_steps() {
     }
 
     StepRow row = reduce_step(comm_, t, s - options_.warmup + 1, backward_, tokens);
+    phase_sum.fwd += t.fwd;
+    phase_sum.bwd += t.bwd;
 
     if (wanted) {
       Outputs full = gather(out);
@@ -289,7 +292,12 @@ int Job::run_steps() {
     print_row(report, row, root(),
               header_fields(mixer.last_forward_stats().exchange, mixer.auto_link()));
     progress.update(s + 1, row.tokens_per_s);
-    if (last) report.ranks = gather_rank_exchange(comm_, t);
+    if (last) {
+      const double n = static_cast<double>(options_.iters);
+      for (double* f : {phase_sum.fwd.s, phase_sum.bwd.s})
+        for (int i = 0; i < PassPhases::kFields; ++i) f[i] /= n;
+      report.ranks = gather_rank_exchange(comm_, t, &phase_sum);
+    }
   }
   progress.clear();
 
@@ -509,6 +517,21 @@ StepTimes Job::step(CpMixer& mixer, const TokenRange& in, Outputs& out, bool cop
   return run_step(mixer, fa, ba);
 }
 
+namespace {
+
+// The footer's phase split of one CpMixer call.
+PassPhases phases_of(const CpStepStats& st) {
+  PassPhases p;
+  p.s[0] = st.local_s;
+  p.s[1] = st.summary_s;
+  p.s[2] = st.exchange_s;
+  p.s[3] = st.merge_s;
+  p.s[4] = st.total_s;
+  return p;
+}
+
+}  // namespace
+
 // Forward (+ backward when the run has one) with their wall times (CpMixer
 // returns once its outputs are complete, on either device).
 StepTimes Job::run_step(CpMixer& mixer, const CpForwardArgs& fa, const CpBackwardArgs& ba) {
@@ -517,6 +540,7 @@ StepTimes Job::run_step(CpMixer& mixer, const CpForwardArgs& fa, const CpBackwar
   mixer.forward(fa);
   t.fwd_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const CpStepStats& fs = mixer.last_forward_stats();
+  t.fwd = phases_of(fs);
   t.exchange_s = fs.exchange_s;
   t.exchange_bytes = static_cast<double>(fs.exchange_bytes);
   t.hidden_s = fs.hidden_s;
@@ -525,6 +549,7 @@ StepTimes Job::run_step(CpMixer& mixer, const CpForwardArgs& fa, const CpBackwar
   mixer.backward(ba);
   t.bwd_s = std::chrono::duration<double>(Clock::now() - t1).count();
   const CpStepStats& bs = mixer.last_backward_stats();
+  t.bwd = phases_of(bs);
   t.exchange_s += bs.exchange_s;
   t.exchange_bytes += static_cast<double>(bs.exchange_bytes);
   t.hidden_s += bs.hidden_s;
@@ -613,7 +638,7 @@ std::vector<NamedArray> Job::named(const Outputs& o) const {
 
 // `link`: what `auto` resolved the exchange with (null: none).
 std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange resolved,
-                                                                   const LinkModel* link) const {
+                                                                    const LinkModel* link) const {
   const Dims& d = dims_;
   std::string shards;
   for (std::size_t r = 0; r + 1 < offsets_.size(); ++r)

@@ -69,6 +69,7 @@ run() {
     { echo "multi-gpu: $name P=$p failed, see $OUT/${name}_p$p.log"; tail -5 "$OUT/${name}_p$p.log"; status=1; }
   # One line per run as it ends, so a cut-off session still shows progress.
   echo "multi-gpu: $name P=$p $((SECONDS - t0)) s: $(grep -a '^# Avg' "$OUT/${name}_p$p.log")"
+  grep -aE '^# rank [0-9]+  (fwd|bwd) ' "$OUT/${name}_p$p.log" | sed "s/^/multi-gpu: $name P=$p /"
 }
 studies=" ${STUDIES:-weak strong lact} "
 

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -326,6 +327,44 @@ TEST(RunCli, RecomputedChunkStatesMatchReference) {
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("chunk states recomputed"), std::string::npos) << r.out;
   expect_outputs_match_reference(dir, in);
+}
+
+// The footer splits every rank's passes into phases (mean over the timed
+// steps): each phase is a part of the pass's wall time, and the JSON carries
+// the same numbers.
+TEST(RunCli, FooterSplitsEveryRanksPassesIntoPhases) {
+  TempDir dir;
+  const Inputs in = make_inputs(Variant::kda, {}, 11);
+  write_inputs(in, dir.in());
+  const fs::path json = dir.file("run.json");
+  const RunResult r = run_cli(dir, "--variant kda --exchange ring --load " + dir.in().string() +
+                                       " --iters 2 --warmup 1 --json " + json.string());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  for (int rank = 0; rank < kRanks; ++rank)
+    for (const char* pass : {"fwd local ", "bwd local "})
+      EXPECT_NE(r.out.find("# rank " + std::to_string(rank) + "  " + pass), std::string::npos)
+          << "rank " << rank << " " << pass << "\n"
+          << r.out;
+  // One "fwd" and one "bwd" object per rank, each phase within its wall time.
+  const std::string text = slurp(json);
+  int passes = 0;
+  for (std::size_t pos = text.find("\"local_ms\": "); pos != std::string::npos;
+       pos = text.find("\"local_ms\": ", pos + 1)) {
+    double v[5] = {};
+    ASSERT_EQ(std::sscanf(text.c_str() + pos,
+                          "\"local_ms\": %lf, \"summary_ms\": %lf, \"exchange_ms\": %lf, "
+                          "\"merge_ms\": %lf, \"wall_ms\": %lf",
+                          &v[0], &v[1], &v[2], &v[3], &v[4]),
+              5)
+        << text.substr(pos, 160);
+    EXPECT_GT(v[4], 0.0) << text.substr(pos, 160);
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_GE(v[i], 0.0) << text.substr(pos, 160);
+      EXPECT_LE(v[i], v[4]) << text.substr(pos, 160);
+    }
+    ++passes;
+  }
+  EXPECT_EQ(passes, 2 * kRanks) << text;
 }
 
 // ---- bad input: every rank reports it, nothing is written ------------------------------
