@@ -128,18 +128,20 @@ std::string format_row(const StepRow& r) {
 
 namespace {
 
-// "local 9.12  summary 1.90  exchange 0.21  merge 0.01  other 0.30  wall 11.54"
+// "local 9.12  summary 1.90  exchange 0.21  merge 0.01  other 0.30  wall 11.54
+// (prepare 7.50)"
 std::string format_phases(const PassPhases& p, const char* summary_name) {
   double other = p.s[4];
   for (int i = 0; i < 4; ++i) other -= p.s[i];
-  return printf_string("local %.2f  %s %.2f  exchange %.2f  merge %.2f  other %.2f  wall %.2f",
-                       1e3 * p.s[0], summary_name, 1e3 * p.s[1], 1e3 * p.s[2], 1e3 * p.s[3],
-                       1e3 * other, 1e3 * p.s[4]);
+  return printf_string(
+      "local %.2f  %s %.2f  exchange %.2f  merge %.2f  other %.2f  wall %.2f  (prepare %.2f)",
+      1e3 * p.s[0], summary_name, 1e3 * p.s[1], 1e3 * p.s[2], 1e3 * p.s[3], 1e3 * other,
+      1e3 * p.s[4], 1e3 * p.s[5]);
 }
 
 std::string json_phases(const PassPhases& p) {
   static const char* const names[PassPhases::kFields] = {"local_ms", "summary_ms", "exchange_ms",
-                                                         "merge_ms", "wall_ms"};
+                                                         "merge_ms", "wall_ms", "prepare_ms"};
   std::string out = "{";
   for (int i = 0; i < PassPhases::kFields; ++i)
     out += std::string(i ? ", " : "") + "\"" + names[i] + "\": " + json_number(1e3 * p.s[i]);

@@ -31,10 +31,11 @@ struct StepRow {
 // Where one rank's pass went, in seconds (CpMixer's CpStepStats): the local
 // kernels, the CP summary (forward) or pre-pass (backward), the exchange
 // (waiting for the other ranks included), the merge, and the wall time of the
-// call; wall minus the four is host work (checks, agreement, launches).
+// call; wall minus those four is host work (checks, agreement, launches). The
+// sixth, the prepare stage, is a part of one of the first three (GPU path).
 struct PassPhases {
-  static constexpr int kFields = 5;
-  double s[kFields] = {};  // local, summary, exchange, merge, wall
+  static constexpr int kFields = 6;
+  double s[kFields] = {};  // local, summary, exchange, merge, wall, prepare
   PassPhases& operator+=(const PassPhases& o) {
     for (int i = 0; i < kFields; ++i) s[i] += o.s[i];
     return *this;

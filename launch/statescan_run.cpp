@@ -527,6 +527,7 @@ PassPhases phases_of(const CpStepStats& st) {
   p.s[2] = st.exchange_s;
   p.s[3] = st.merge_s;
   p.s[4] = st.total_s;
+  p.s[5] = st.prepare_s;
   return p;
 }
 

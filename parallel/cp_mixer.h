@@ -67,6 +67,11 @@ struct CpBackwardArgs {
 // What the last forward/backward call spent, on this rank.
 struct CpStepStats {
   double summary_s = 0, exchange_s = 0, merge_s = 0, local_s = 0, total_s = 0;
+  // GPU path: the state-independent prepare stage's share of the above (in
+  // forward part of local_s; in backward part of summary_s, the pre-pass, or
+  // on the rank without one run while it waits for the exchange). 0 on the
+  // host path.
+  double prepare_s = 0;
   int64_t exchange_bytes = 0;               // bytes this rank sent in the exchange
   Exchange exchange = Exchange::allgather;  // the strategy used (auto resolved)
   // GPU path: how much of exchange_s other work on this rank's GPU ran

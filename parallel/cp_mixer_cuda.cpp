@@ -477,6 +477,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   fwd_stats_.exchange_s = P > 1 ? ev.seconds(3, 4) : 0.0;
   fwd_stats_.merge_s = ev.seconds(4, 5) + ev.seconds(6, 7);
   fwd_stats_.local_s = prepare_s + ev.seconds(5, 6);
+  fwd_stats_.prepare_s = ev.seconds(1, 8);
   // Exchange work before the maps were ready ran under the summary.
   fwd_stats_.hidden_s = std::clamp(ev.seconds(3, 2), 0.0, fwd_stats_.exchange_s);
   ds.valid = true;
@@ -568,12 +569,18 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
   // backward. Rank 0 has no pre-pass: it queues them after handing its maps
   // to the exchange, so that they are computed while it waits.
   std::optional<cuda::PreparedBackward> prepared;
+  // Queues the prepare stage between events 8 and 9 (its GPU time).
+  const auto prepare = [&] {
+    SS_CUDA_CHECK(cudaEventRecord(ev.e[8], cs));
+    prepared.emplace(bp, cs);
+    SS_CUDA_CHECK(cudaEventRecord(ev.e[9], cs));
+  };
   if (P > 1) {
     // 1. pre-pass: D_r = dS_in with zero gradient from the next rank. Rank 0
     // is last in reverse order: its (M^T, D) reach no one, and none of its
     // segments continues from a previous rank, so it skips the pre-pass.
     if (comm_.rank() != 0) {
-      prepared.emplace(bp, cs);
+      prepare();
       bp.state_grad_only = true;
       prepared->run(bp, cs);
       bp.state_grad_only = false;
@@ -588,7 +595,7 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
       m_for_back = back_M.get();
     }
     SS_CUDA_CHECK(cudaEventRecord(ev.e[2], cs));  // pre-pass done: maps ready
-    if (!prepared) prepared.emplace(bp, cs);
+    if (!prepared) prepare();
 
     // 2. reverse exchange: dS_out of this rank = dS_in of the next.
     SS_CUDA_CHECK(cudaStreamWaitEvent(ds.exchange, ev.e[1], 0));
@@ -623,7 +630,7 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
   bp.dv_out = a.dv.data;
   bp.dg = a.dg.defined() ? a.dg.as<float>() : nullptr;
   bp.dbeta = a.dbeta.defined() ? a.dbeta.data : nullptr;
-  if (!prepared) prepared.emplace(bp, cs);
+  if (!prepared) prepare();
   prepared->run(bp, cs);
   SS_CUDA_CHECK(cudaEventRecord(ev.e[6], cs));
 
@@ -644,6 +651,7 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
   bwd_stats_.exchange_s = P > 1 ? ev.seconds(3, 4) : 0.0;
   bwd_stats_.merge_s = ev.seconds(4, 5) + ev.seconds(6, 7);
   bwd_stats_.local_s = ev.seconds(5, 6);
+  bwd_stats_.prepare_s = ev.seconds(8, 9);
   bwd_stats_.hidden_s = std::clamp(ev.seconds(3, 2), 0.0, bwd_stats_.exchange_s);
   bwd_stats_.total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   report_to_observer(bwd_stats_, Phase::bwd);

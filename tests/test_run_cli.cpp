@@ -350,14 +350,15 @@ TEST(RunCli, FooterSplitsEveryRanksPassesIntoPhases) {
   int passes = 0;
   for (std::size_t pos = text.find("\"local_ms\": "); pos != std::string::npos;
        pos = text.find("\"local_ms\": ", pos + 1)) {
-    double v[5] = {};
+    double v[6] = {};
     ASSERT_EQ(std::sscanf(text.c_str() + pos,
                           "\"local_ms\": %lf, \"summary_ms\": %lf, \"exchange_ms\": %lf, "
-                          "\"merge_ms\": %lf, \"wall_ms\": %lf",
-                          &v[0], &v[1], &v[2], &v[3], &v[4]),
-              5)
+                          "\"merge_ms\": %lf, \"wall_ms\": %lf, \"prepare_ms\": %lf",
+                          &v[0], &v[1], &v[2], &v[3], &v[4], &v[5]),
+              6)
         << text.substr(pos, 160);
     EXPECT_GT(v[4], 0.0) << text.substr(pos, 160);
+    EXPECT_EQ(v[5], 0.0) << "the host path has no prepare stage: " << text.substr(pos, 160);
     for (int i = 0; i < 4; ++i) {
       EXPECT_GE(v[i], 0.0) << text.substr(pos, 160);
       EXPECT_LE(v[i], v[4]) << text.substr(pos, 160);
