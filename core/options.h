@@ -54,6 +54,14 @@ struct MixerConfig {
   // Keep no fp32 chunk states from forward to backward (4*Dk*Dv/chunk bytes
   // per token and head); backward recomputes them with one more state scan.
   bool recompute_chunk_states = false;
+  // GPU path: keep the forward's prepare-stage workspace (the state-independent
+  // tiles Q^, K_, W, U, A and decays, with the forward's V' and 16-bit chunk
+  // states beside them: ~1.9 KB per token and head at D = 128 in bf16) until
+  // backward, which then skips its prepare stage (a quarter of a KDA backward).
+  // Under context parallelism the first rank keeps nothing: its backward
+  // prepares while it waits for the exchange anyway. Needs saved chunk states
+  // (not recompute_chunk_states). The host path has no such stage.
+  bool keep_prepared = false;
 
   double scale_for(int64_t dk) const;
 };

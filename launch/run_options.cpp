@@ -158,6 +158,8 @@ const std::vector<OptionSpec>& option_specs() {
        [](RunOptions& o, const std::string&, const std::string&) { o.l2norm = true; }},
       {"--recompute-states", false, false,
        [](RunOptions& o, const std::string&, const std::string&) { o.recompute_states = true; }},
+      {"--keep-prepared", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) { o.keep_prepared = true; }},
       {"--scale", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
          o.scale = parse_positive_double(f, v);
@@ -204,9 +206,8 @@ const std::vector<OptionSpec>& option_specs() {
          o.lact_config.muon_steps = static_cast<int>(parse_int(f, v, 0, 100));
        }},
       {"--momentum", true, false,
-       [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.lact_config.momentum = parse_unit_interval(f, v);
-       }},
+       [](RunOptions& o, const std::string& f,
+          const std::string& v) { o.lact_config.momentum = parse_unit_interval(f, v); }},
       {"--no-renorm", false, false,
        [](RunOptions& o, const std::string&, const std::string&) { o.lact_config.renorm = false; }},
       {"--help", false, false,
@@ -243,6 +244,7 @@ void check_variant_flags(const RunOptions& o, int argc, const char* const* argv)
       {"--scale", "LaCT has no q scale"},
       {"--l2norm", "LaCT takes q and k as given"},
       {"--recompute-states", "LaCT recomputes its per-chunk fast weights always"},
+      {"--keep-prepared", "LaCT has no prepare stage"},
   };
   for (const auto& [flag, why] : refused)
     SS_CHECK_ARG(find_flag(argc, argv, flag) == nullptr, flag, "does not apply to --variant lact (",
@@ -294,6 +296,8 @@ RunOptions parse_run_options(int argc, const char* const* argv) {
     }
   }
   check_variant_flags(options, argc, argv);
+  SS_CHECK_ARG(!(options.keep_prepared && options.recompute_states), "--keep-prepared",
+               "cannot be combined with --recompute-states (it reads the saved chunk states)");
   return options;
 }
 
@@ -319,6 +323,10 @@ Problem
   --recompute-states keep no fp32 chunk states from forward to backward; backward
                      recomputes them (one more state scan, 4*Dk*Dv/chunk bytes per
                      token and head less memory between the passes)
+  --keep-prepared    --device cuda: keep the forward's prepared tiles for backward,
+                     which then skips its prepare stage (~1.9 KB per token and head
+                     more memory between the passes at D = 128, bf16; under CP every
+                     rank but the first keeps them)
   --seed N           seed of the synthetic inputs                                 [0]
 
 LaCT (--variant lact; q, k, v share D = --dk; --dv may only repeat it)
@@ -330,8 +338,8 @@ LaCT (--variant lact; q, k, v share D = --dk; --dv may only repeat it)
   --momentum MU      momentum of the fast-weight updates in [0, 1); 0 = off       [0]
   --no-renorm        keep the updated rows' norms (default: rescale every row to its
                      initial norm)
-  --chunk, --exchange, --shards, --scale, --l2norm and --recompute-states are
-  refused with --variant lact.
+  --chunk, --exchange, --shards, --scale, --l2norm, --recompute-states and
+  --keep-prepared are refused with --variant lact.
 
 Parallelism and device
   --exchange NAME    allgather | ring | tree | auto (cost model)                  [auto]

@@ -43,8 +43,9 @@ struct RunOptions {
   uint64_t seed = 0;
   bool l2norm = false;
   bool recompute_states = false;  // --recompute-states: backward recomputes chunk states
-  double scale = -1.0;          // < 0: Dk^-1/2
-  std::vector<int64_t> shards;  // empty: even contiguous split
+  bool keep_prepared = false;     // --keep-prepared: forward's prepared tiles kept for backward
+  double scale = -1.0;            // < 0: Dk^-1/2
+  std::vector<int64_t> shards;    // empty: even contiguous split
   // Prometheus exporter of each rank on metrics_port + node-local rank (< 0:
   // off), bound to metrics_bind, kept up metrics_hold seconds after the run.
   int metrics_port = -1;

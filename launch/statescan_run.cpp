@@ -203,6 +203,9 @@ int Job::run(int argc, char** argv) {
   config_.scale = options_.scale;
   config_.l2norm_qk = options_.l2norm;
   config_.recompute_chunk_states = options_.recompute_states;
+  SS_CHECK_ARG(!options_.keep_prepared || device_ == DeviceKind::cuda, "--keep-prepared",
+               "applies to --device cuda only (the CPU path has no prepare stage)");
+  config_.keep_prepared = options_.keep_prepared;
   metrics_ = start_metrics(comm_, mpi != nullptr ? mpi->local_rank() : 0, options_);
   if (metrics_ && root()) {
     std::fprintf(stderr,
@@ -669,7 +672,9 @@ std::vector<std::pair<std::string, std::string>> Job::header_fields(Exchange res
       {"dtype", to_string(options_.dtype)},
       {"scale", scale},
       {"l2norm", options_.l2norm ? "on" : "off"},
-      {"chunk states", options_.recompute_states ? "recomputed" : "saved"},
+      {"chunk states", options_.recompute_states ? "recomputed"
+                       : options_.keep_prepared  ? "saved, prepared tiles kept"
+                                                 : "saved"},
       {"sequences", std::to_string(d.sequences) + (source_->packed() ? " (packed)" : "")},
       {"ranks", std::to_string(comm_.size())},
       {"exchange", exchange},

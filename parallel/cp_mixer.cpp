@@ -194,6 +194,9 @@ struct CpMixer::Saved {
 CpMixer::CpMixer(Communicator& comm, MixerConfig config, Exchange exchange, CpObserver* observer)
     : comm_(comm), config_(config), exchange_(exchange), observer_(observer) {
   check_chunk(config_.chunk);
+  SS_CHECK_ARG(!(config_.keep_prepared && config_.recompute_chunk_states), "keep_prepared",
+               "needs the chunk states saved by forward; it cannot be combined with "
+               "recompute_chunk_states");
   SS_CHECK_ARG(config_.scale != 0, "scale", "must be > 0 (or < 0 for Dk^-1/2)");
 }
 

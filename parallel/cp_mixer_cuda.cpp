@@ -130,6 +130,9 @@ struct CpMixer::DeviceState {
   StreamBuffer init;              // [nseg, H, Dk, Dv] states entering the local segments
   StreamBuffer chunk_states;      // [chunks, H, Dk, Dv]
   StreamBuffer maps_M;            // this rank's M [rows, H, m_size]
+  // MixerConfig::keep_prepared: the forward's prepared workspace, handed to
+  // the backward's PreparedBackward (null when not kept).
+  std::unique_ptr<cuda::PreparedForward> kept;
   int64_t rows = 0;
   bool diagonal = false;
   Exchange exchange_used = Exchange::ring;
@@ -147,6 +150,7 @@ struct CpMixer::DeviceState {
     // Buffers free on `compute`: finish everything first.
     (void)cudaStreamSynchronize(exchange);
     (void)cudaStreamSynchronize(compute);
+    kept.reset();
     local_cu_dev = StreamBuffer();
     init = StreamBuffer();
     chunk_states = StreamBuffer();
@@ -265,6 +269,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   if (!device_) device_.reset(new DeviceState());
   DeviceState& ds = *device_;
   ds.valid = false;
+  ds.kept.reset();  // a previous forward's tiles, never used by a backward
   saved_on_device_ = true;
   Communicator& ctl = control_comm(comm_, control_, ds.control);
   const cudaStream_t cs = ds.compute;
@@ -393,7 +398,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     incoming = StreamBuffer(static_cast<std::size_t>(rows * H * state) * sizeof(float), cs);
   }
   SS_CUDA_CHECK(cudaEventRecord(ev.e[1], cs));  // buffers allocated
-  cuda::PreparedForward prepared(p, cs);
+  auto prepared = std::make_unique<cuda::PreparedForward>(p, cs);
   SS_CUDA_CHECK(cudaEventRecord(ev.e[8], cs));  // prepare done
   if (P > 1) {
     // 1. summary from the prepared tiles. The last rank's map reaches no one
@@ -405,7 +410,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     const bool need_M = need_E && rank != 0;
     const std::size_t m_bytes = static_cast<std::size_t>(rows * H * m_size) * sizeof(float);
     if (need_E)
-      prepared.summary(ds.maps_M.get(), maps_E.get(), cs, need_M);
+      prepared->summary(ds.maps_M.get(), maps_E.get(), cs, need_M);
     else
       SS_CUDA_CHECK(cudaMemsetAsync(
           maps_E.get(), 0, static_cast<std::size_t>(rows * H * state) * sizeof(float), cs));
@@ -454,7 +459,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   fwd_stats_.exchange = ds.exchange_used;
 
   // 4. local scan + output from the true incoming states.
-  prepared.finish(cs);
+  prepared->finish(cs);
   SS_CUDA_CHECK(cudaEventRecord(ev.e[6], cs));
 
   // The final state of each sequence leaves the rank on which it ends.
@@ -470,6 +475,9 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   SS_CUDA_CHECK(cudaEventRecord(ev.e[7], cs));
   wait_stream(comm_, cs);
   p.final_state = nullptr;  // `finals` dies here; backward reads the chunk states
+  // The first rank of several prepares its backward while it waits for the
+  // exchange: keeping its tiles would save no time.
+  if (config_.keep_prepared && (P == 1 || comm_.rank() != 0)) ds.kept = std::move(prepared);
 
   // Phase times from the events.
   const double prepare_s = ev.seconds(0, 8);
@@ -570,9 +578,16 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
   // to the exchange, so that they are computed while it waits.
   std::optional<cuda::PreparedBackward> prepared;
   // Queues the prepare stage between events 8 and 9 (its GPU time).
+  // With the forward's kept tiles (MixerConfig::keep_prepared) no prepare
+  // stage runs: the events then time nothing.
   const auto prepare = [&] {
     SS_CUDA_CHECK(cudaEventRecord(ev.e[8], cs));
-    prepared.emplace(bp, cs);
+    if (ds.kept) {
+      std::unique_ptr<cuda::PreparedForward> kept = std::move(ds.kept);
+      prepared.emplace(bp, *kept, cs);
+    } else {
+      prepared.emplace(bp, cs);
+    }
     SS_CUDA_CHECK(cudaEventRecord(ev.e[9], cs));
   };
   if (P > 1) {

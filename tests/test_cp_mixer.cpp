@@ -180,6 +180,23 @@ TEST_F(BadInputFixture, CuSeqlensDisagreeingWithLength) {
   expect_error("cu_seqlens");
 }
 
+// keep_prepared hands the forward's tiles to a backward that reads saved
+// chunk states: with recompute_chunk_states the mixer is refused at once.
+TEST(CpMixerConfig, KeepPreparedWithRecomputedStatesIsRefused) {
+  SingleRankCommunicator comm;
+  MixerConfig cfg;
+  cfg.keep_prepared = true;
+  cfg.recompute_chunk_states = true;
+  try {
+    CpMixer mixer(comm, cfg, Exchange::ring);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "keep_prepared") << e.what();
+  }
+  cfg.recompute_chunk_states = false;
+  EXPECT_NO_THROW(CpMixer(comm, cfg, Exchange::ring));
+}
+
 TEST_F(BadInputFixture, BackwardWithoutForward) {
   MixerConfig cfg;
   CpMixer mixer(comm, cfg, Exchange::ring);

@@ -380,17 +380,8 @@ TEST_P(CpGpuSingleRank, BackwardMatchesReference) {
   EXPECT_LE(rel_rms(out.dh0, want.dh0), state_tol(dtype())) << "dh0";
 }
 
-// recompute_chunk_states on the GPU path: backward re-runs the local scan from
-// the kept incoming states, so outputs and gradients are bitwise those of a
-// mixer that kept the chunk states.
-TEST_P(CpGpuSingleRank, RecomputedChunkStatesGiveTheSavedStatesResults) {
-  SingleRankCommunicator comm;
-  CpMixer kept(comm, cfg_, Exchange::automatic);
-  const CpOutputs want = run_cp_device(kept, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
-  MixerConfig cfg = cfg_;
-  cfg.recompute_chunk_states = true;
-  CpMixer recomputing(comm, cfg, Exchange::automatic);
-  const CpOutputs got = run_cp_device(recomputing, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
+// Every output and gradient of `got` bitwise equal to `want`'s.
+void expect_bitwise_equal(const CpOutputs& got, const CpOutputs& want) {
   auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
     return a.size() == b.size() &&
            (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
@@ -403,6 +394,39 @@ TEST_P(CpGpuSingleRank, RecomputedChunkStatesGiveTheSavedStatesResults) {
   EXPECT_TRUE(same(got.dg, want.dg)) << "dg";
   EXPECT_TRUE(same(got.dbeta, want.dbeta)) << "dbeta";
   EXPECT_TRUE(same(got.dh0, want.dh0)) << "dh0";
+}
+
+// recompute_chunk_states on the GPU path: backward re-runs the local scan from
+// the kept incoming states, so outputs and gradients are bitwise those of a
+// mixer that kept the chunk states.
+TEST_P(CpGpuSingleRank, RecomputedChunkStatesGiveTheSavedStatesResults) {
+  SingleRankCommunicator comm;
+  CpMixer kept(comm, cfg_, Exchange::automatic);
+  const CpOutputs want = run_cp_device(kept, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
+  MixerConfig cfg = cfg_;
+  cfg.recompute_chunk_states = true;
+  CpMixer recomputing(comm, cfg, Exchange::automatic);
+  const CpOutputs got = run_cp_device(recomputing, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
+  expect_bitwise_equal(got, want);
+}
+
+// keep_prepared: the backward reads the forward's prepared tiles instead of
+// re-running the prepare stage, which would compute the same tiles from the
+// same inputs: bitwise the same gradients. Two steps, so that the second
+// forward replaces nothing stale and the first backward's hand-over left the
+// mixer ready for another.
+TEST_P(CpGpuSingleRank, KeptPreparedTilesGiveTheRecomputedResults) {
+  SingleRankCommunicator comm;
+  CpMixer preparing(comm, cfg_, Exchange::automatic);
+  const CpOutputs want = run_cp_device(preparing, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
+  MixerConfig cfg = cfg_;
+  cfg.keep_prepared = true;
+  CpMixer keeping(comm, cfg, Exchange::automatic);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const CpOutputs got = run_cp_device(keeping, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
+    expect_bitwise_equal(got, want);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CpGpuSingleRank,

@@ -169,7 +169,11 @@ class CudaCpInvariance : public ::testing::TestWithParam<Case> {
     SingleRankCommunicator self;
     CpMixer single(self, cfg_, Exchange::ring);
     CpOutputs full = run_cp_device(single, p_, c.dtype, 0, p_.seq_len, d_o_, dht_, backward);
-    CpMixer cp(*comm_, cfg_, c.exchange);
+    // The allgather cases keep the forward's prepared tiles (every rank but
+    // the first then skips the backward's prepare stage).
+    MixerConfig cfg = cfg_;
+    cfg.keep_prepared = c.exchange == Exchange::allgather;
+    CpMixer cp(*comm_, cfg, c.exchange);
     // Over NCCL the tree cases agree over MPI (set_control), the others
     // through the staged view of the NCCL communicator.
     if (std::string(c.backend) == "nccl" && c.exchange == Exchange::tree) cp.set_control(&mpi());

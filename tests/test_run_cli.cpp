@@ -421,6 +421,18 @@ TEST(RunCli, CudaDeviceWithoutGpuIsRefusedOnEveryRank) {
   EXPECT_EQ(r.out.find("# Wrong"), std::string::npos) << "ran anyway:\n" << r.out;
 }
 
+// --keep-prepared is a CUDA-path option: refused (not ignored) on the CPU path
+// and next to --recompute-states, on every rank, before anything runs.
+TEST(RunCli, KeepPreparedIsRefusedWhereItCannotApply) {
+  TempDir dir;
+  for (const std::string extra : {"", " --device cuda --recompute-states"}) {
+    const RunResult r = run_cli(dir, "--keep-prepared --seq-len 45 --iters 1 --warmup 0" + extra);
+    EXPECT_EQ(r.exit_code, 2) << extra << "\n" << r.out << r.err;
+    expect_every_rank_reports(r, "argument '--keep-prepared'");
+    EXPECT_EQ(r.out.find("# Avg"), std::string::npos) << "ran anyway:\n" << r.out;
+  }
+}
+
 // ---- --variant lact: LactLayer, every chunk split over the ranks ----------------------
 
 constexpr int64_t kLactSeqLen = 48, kLactChunk = 12, kLactHeads = 2, kLactDim = 8, kLactHidden = 16;

@@ -32,6 +32,12 @@ namespace statescan::cuda {
 // Process-wide; the default comes from STATESCAN_CP_LINEAR=scan|products
 // (unset: scan).
 enum class LinearPart { scan, products };
+
+class PreparedForward;
+namespace detail {
+struct AdoptedForward;                           // forward_plan.cuh
+AdoptedForward adopt(PreparedForward& forward);  // summary.cu
+}  // namespace detail
 LinearPart summary_linear_part();
 void set_summary_linear_part(LinearPart part);
 
@@ -59,6 +65,7 @@ class PreparedForward {
   void finish(cudaStream_t stream);
 
  private:
+  friend detail::AdoptedForward detail::adopt(PreparedForward& forward);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -75,6 +82,13 @@ class PreparedForward {
 class PreparedBackward {
  public:
   PreparedBackward(const MixerBwdParams& p, cudaStream_t stream);
+  // The same without a prepare stage: takes over `forward`'s workspace, whose
+  // prepare-stage tiles are what that stage would recompute (the same kernel
+  // on the same inputs: bitwise the same gradients), and frees it with its
+  // own. `forward` must have been built on `stream` for the problem of `p`
+  // (its inputs unchanged since), `p` must read saved chunk states (not
+  // recompute_chunk_states); `forward` is empty afterwards.
+  PreparedBackward(const MixerBwdParams& p, PreparedForward& forward, cudaStream_t stream);
   ~PreparedBackward();
   PreparedBackward(const PreparedBackward&) = delete;
   PreparedBackward& operator=(const PreparedBackward&) = delete;

@@ -218,8 +218,10 @@ Prepared prepare_backward(const MixerBwdParams& p, bool recompute, const Backwar
 
 // The reverse scan and the per-chunk gradients of `p` (or, with
 // p.state_grad_only, only the scan's d_initial_state) from prepared tiles.
+// `rest`: the layout's backward-only part (from l.ds on), wherever the
+// prepared tiles are.
 void run_backward(const MixerBwdParams& p, const Prepared& prep, const BackwardLayout& l,
-                  char* base, cudaStream_t stream) {
+                  char* rest, cudaStream_t stream) {
   BackwardArgs a;
   a.f = prep.plan.args;
   a.d_o = p.d_o;
@@ -231,10 +233,11 @@ void run_backward(const MixerBwdParams& p, const Prepared& prep, const BackwardL
   a.dg = p.dg;
   a.dbeta = p.dbeta;
   a.d_initial_state = p.d_initial_state;
-  a.ws_ds = p.state_grad_only ? nullptr : reinterpret_cast<float*>(base + l.ds);
-  a.ws_scratch = uses_state_products(p) ? nullptr : reinterpret_cast<float*>(base + l.scratch);
+  a.ws_ds = p.state_grad_only ? nullptr : reinterpret_cast<float*>(rest);
+  a.ws_scratch =
+      uses_state_products(p) ? nullptr : reinterpret_cast<float*>(rest + (l.scratch - l.ds));
   if (l.sp_batch > 0) {
-    a.ws_sp = reinterpret_cast<float*>(base + l.sp);
+    a.ws_sp = reinterpret_cast<float*>(rest + (l.sp - l.ds));
     a.sp_batch = l.sp_batch;
   }
   a.num_items = prep.plan.num_chunks * p.heads;
@@ -264,14 +267,16 @@ void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_b
                " bytes, got ", workspace_bytes);
   char* base = static_cast<char*>(workspace);
   const Prepared prep = prepare_backward(p, recompute, l, base, stream);
-  run_backward(p, prep, l, base, stream);
+  run_backward(p, prep, l, base + l.ds, stream);
 }
 
 struct PreparedBackward::Impl {
   MixerBwdParams problem;
   BackwardLayout layout;
   Prepared prep;
-  void* workspace = nullptr;
+  void* workspace = nullptr;          // the layout from l.ds on, or all of it
+  void* forward_workspace = nullptr;  // adopted from a PreparedForward
+  char* rest = nullptr;               // where the layout's l.ds part lies
   cudaStream_t stream = nullptr;
 };
 
@@ -295,10 +300,50 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, cudaStream_t stream)
     (void)cudaFreeAsync(m.workspace, stream);
     throw;
   }
+  m.rest = static_cast<char*>(m.workspace) + m.layout.ds;
+}
+
+PreparedBackward::PreparedBackward(const MixerBwdParams& p, PreparedForward& forward,
+                                   cudaStream_t stream)
+    : impl_(std::make_unique<Impl>()) {
+  SS_CHECK_ARG(!p.recompute_chunk_states, "recompute_chunk_states",
+               "a backward from the forward's prepared tiles reads saved chunk states");
+  SS_CHECK_ARG(p.chunk_states != nullptr, "chunk_states",
+               "backward needs the chunk states saved by forward");
+  SS_CHECK_ARG(reinterpret_cast<uintptr_t>(p.chunk_states) % 32 == 0, "chunk_states",
+               "must be 32-byte aligned");
+  detail::AdoptedForward f = detail::adopt(forward);
+  Impl& m = *impl_;
+  m.forward_workspace = f.workspace;
+  m.stream = stream;
+  try {
+    SS_CHECK_ARG(stream == f.stream, "stream", "must be the stream the forward was prepared on");
+    SS_CHECK_ARG(same_problem(p, f.params), "p", "is not the problem the forward was prepared for");
+    m.problem = p;
+    m.layout = layout_for(p, /*recompute=*/false);
+    // Only the backward's own part: the tiles are the forward's.
+    SS_CUDA_CHECK(cudaMallocAsync(&m.workspace, m.layout.total - m.layout.ds, stream));
+    m.rest = static_cast<char*>(m.workspace);
+    m.prep.plan = std::move(f.plan);
+    // As the backward's own prepare-only plan: the forward's V' and 16-bit
+    // states are not the backward's to read.
+    detail::ForwardArgs& a = m.prep.plan.args;
+    a.ws_vnew = nullptr;
+    if (p.dtype != DType::f32) a.ws_states = nullptr;
+    m.prep.chunk_states = p.chunk_states;
+  } catch (...) {
+    if (m.workspace != nullptr) (void)cudaFreeAsync(m.workspace, stream);
+    (void)cudaFreeAsync(m.forward_workspace, f.stream);
+    impl_.reset();
+    throw;
+  }
 }
 
 PreparedBackward::~PreparedBackward() {
-  if (impl_ && impl_->workspace != nullptr) (void)cudaFreeAsync(impl_->workspace, impl_->stream);
+  if (!impl_) return;
+  if (impl_->workspace != nullptr) (void)cudaFreeAsync(impl_->workspace, impl_->stream);
+  if (impl_->forward_workspace != nullptr)
+    (void)cudaFreeAsync(impl_->forward_workspace, impl_->stream);
 }
 
 void PreparedBackward::run(const MixerBwdParams& p, cudaStream_t stream) {
@@ -312,7 +357,7 @@ void PreparedBackward::run(const MixerBwdParams& p, cudaStream_t stream) {
                      (p.recompute_chunk_states || p.chunk_states == m.problem.chunk_states),
                  "chunk_states", "must be those PreparedBackward was built with");
   }
-  run_backward(p, m.prep, m.layout, static_cast<char*>(m.workspace), stream);
+  run_backward(p, m.prep, m.layout, m.rest, stream);
 }
 
 void mixer_backward(const MixerBwdParams& p, cudaStream_t stream) {

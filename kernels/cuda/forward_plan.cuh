@@ -29,6 +29,16 @@ struct ForwardPlan {
 // and the scan stage when it only has to produce p.chunk_states (the
 // backward's recompute); never the output stage. Its workspace is
 // prepare_workspace_bytes(p).
+// A PreparedForward's workspace and plan, handed to a PreparedBackward
+// (detail::adopt, summary.cu): the caller owns `workspace` afterwards and
+// frees it on `stream`.
+struct AdoptedForward {
+  MixerParams params;
+  void* workspace = nullptr;
+  cudaStream_t stream = nullptr;
+  ForwardPlan plan;
+};
+
 ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream, bool prepare_only = false);
 size_t prepare_workspace_bytes(const MixerParams& p);

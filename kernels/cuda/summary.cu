@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -416,6 +417,22 @@ void PreparedForward::finish(cudaStream_t stream) {
   detail::launch_forward_stages(impl_->params, impl_->plan.args,
                                 detail::kStageScan | detail::kStageOutput, stream);
 }
+
+namespace detail {
+
+AdoptedForward adopt(PreparedForward& forward) {
+  SS_CHECK_ARG(forward.impl_ && forward.impl_->workspace != nullptr, "forward",
+               "holds no prepared workspace (already handed over)");
+  PreparedForward::Impl& s = *forward.impl_;
+  AdoptedForward a;
+  a.params = s.params;
+  a.workspace = std::exchange(s.workspace, nullptr);
+  a.stream = s.stream;
+  a.plan = std::move(s.plan);
+  return a;
+}
+
+}  // namespace detail
 
 void mixer_summary(const MixerParams& p, float* M, float* E, cudaStream_t stream) {
   SS_CHECK_ARG(M != nullptr, "M", "summary output must not be null");
