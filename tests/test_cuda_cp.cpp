@@ -349,6 +349,8 @@ class CpGpuSingleRank : public ::testing::TestWithParam<MixerParam> {
     cfg_.chunk = 64;
     cfg_.l2norm_qk = s.l2norm_qk;
   }
+
+ public:
   DType dtype() const { return std::get<1>(GetParam()); }
 
   ref::Problem p_;
@@ -396,36 +398,38 @@ void expect_bitwise_equal(const CpOutputs& got, const CpOutputs& want) {
   EXPECT_TRUE(same(got.dh0, want.dh0)) << "dh0";
 }
 
+// `steps` forward + backward steps of one mixer configured by `cfg`.
+std::vector<CpOutputs> run_steps(const CpGpuSingleRank& t, const MixerConfig& cfg, int steps) {
+  SingleRankCommunicator comm;
+  CpMixer mixer(comm, cfg, Exchange::automatic);
+  std::vector<CpOutputs> out;
+  for (int s = 0; s < steps; ++s)
+    out.push_back(run_cp_device(mixer, t.p_, t.dtype(), 0, t.p_.seq_len, t.d_o_, t.dht_, true));
+  return out;
+}
+
 // recompute_chunk_states on the GPU path: backward re-runs the local scan from
 // the kept incoming states, so outputs and gradients are bitwise those of a
 // mixer that kept the chunk states.
 TEST_P(CpGpuSingleRank, RecomputedChunkStatesGiveTheSavedStatesResults) {
-  SingleRankCommunicator comm;
-  CpMixer kept(comm, cfg_, Exchange::automatic);
-  const CpOutputs want = run_cp_device(kept, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
+  const CpOutputs want = run_steps(*this, cfg_, 1)[0];
   MixerConfig cfg = cfg_;
   cfg.recompute_chunk_states = true;
-  CpMixer recomputing(comm, cfg, Exchange::automatic);
-  const CpOutputs got = run_cp_device(recomputing, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
-  expect_bitwise_equal(got, want);
+  expect_bitwise_equal(run_steps(*this, cfg, 1)[0], want);
 }
 
 // keep_prepared: the backward reads the forward's prepared tiles instead of
 // re-running the prepare stage, which would compute the same tiles from the
-// same inputs: bitwise the same gradients. Two steps, so that the second
-// forward replaces nothing stale and the first backward's hand-over left the
-// mixer ready for another.
+// same inputs: bitwise the same gradients. Two steps: the first backward's
+// hand-over must leave the mixer ready for the next forward.
 TEST_P(CpGpuSingleRank, KeptPreparedTilesGiveTheRecomputedResults) {
-  SingleRankCommunicator comm;
-  CpMixer preparing(comm, cfg_, Exchange::automatic);
-  const CpOutputs want = run_cp_device(preparing, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
+  const CpOutputs want = run_steps(*this, cfg_, 1)[0];
   MixerConfig cfg = cfg_;
   cfg.keep_prepared = true;
-  CpMixer keeping(comm, cfg, Exchange::automatic);
-  for (int step = 0; step < 2; ++step) {
+  const std::vector<CpOutputs> got = run_steps(*this, cfg, 2);
+  for (std::size_t step = 0; step < got.size(); ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
-    const CpOutputs got = run_cp_device(keeping, p_, dtype(), 0, p_.seq_len, d_o_, dht_, true);
-    expect_bitwise_equal(got, want);
+    expect_bitwise_equal(got[step], want);
   }
 }
 
