@@ -73,6 +73,11 @@ struct Outputs {
   std::vector<float> o, ht, dq, dk, dv, dg, dbeta, dh0;
 };
 
+// Element counts of the outputs of one token range (0: not produced).
+struct OutputSizes {
+  std::size_t o = 0, ht = 0, dq = 0, dk = 0, dv = 0, dg = 0, dbeta = 0, dh0 = 0;
+};
+
 TensorView view(const std::vector<float>& x, Shape shape) {
   // CpMixer reads inputs through non-const views; it never writes them.
   return TensorView(const_cast<float*>(x.data()), DType::f32, std::move(shape));
@@ -143,10 +148,11 @@ class Job {
   bool root() const { return comm_.rank() == 0; }
   void configure_threads(const MpiCommunicator* mpi) const;
   void setup_inputs();
+  OutputSizes output_sizes(const Dims& d, int64_t length) const;
   void allocate(Outputs& out, const Dims& d, int64_t length) const;
   StepTimes step(CpMixer& mixer, const TokenRange& in, Outputs& out, bool copy_back);
 #ifdef STATESCAN_HAS_CUDA
-  std::unique_ptr<DeviceStep> upload(const TokenRange& in, const Outputs& out) const;
+  std::unique_ptr<DeviceStep> upload(const TokenRange& in, const OutputSizes& out) const;
 #endif
   StepTimes run_step(CpMixer& mixer, const CpForwardArgs& fa, const CpBackwardArgs& ba);
   void setup_device(const MpiCommunicator* mpi);
@@ -248,8 +254,12 @@ int Job::run_steps() {
   CpMixer mixer(*cp_comm_, config_, options_.exchange, metrics_.get());
   // Over NCCL the mixer's argument agreement goes over MPI (host, same ranks).
   if (cp_comm_ != &comm_) mixer.set_control(&comm_);
+  // Host outputs only where they are written: the CPU path, or GPU steps
+  // that copy back (--check, --save). At 1M tokens they are tens of GB whose
+  // zero-fill would take longer than the run's timed steps.
   Outputs out;
-  allocate(out, dims_, local_.length());
+  if (device_ != DeviceKind::cuda || options_.check || !options_.save_dir.empty())
+    allocate(out, dims_, local_.length());
   Report report;
   report.check.enabled = options_.check;
   report.check.tolerance = check_tolerance();
@@ -386,25 +396,38 @@ void Job::setup_inputs() {
   local_ = source_->tokens(offsets_[comm_.rank()], offsets_[comm_.rank() + 1]);
 }
 
-void Job::allocate(Outputs& out, const Dims& d, int64_t length) const {
+OutputSizes Job::output_sizes(const Dims& d, int64_t length) const {
   const auto tokens = static_cast<std::size_t>(d.batch * length * d.heads);
-  const auto states = static_cast<std::size_t>(d.sequences * d.heads * d.dk * d.dv);
   const Variant v = options_.variant;
-  out.o.assign(tokens * d.dv, 0.f);
-  out.ht.assign(states, 0.f);
-  if (!backward_) return;
-  out.dq.assign(tokens * d.dk, 0.f);
-  out.dk.assign(tokens * d.dk, 0.f);
-  out.dv.assign(tokens * d.dv, 0.f);
-  if (has_gate(v)) out.dg.assign(tokens * (vector_gate(v) ? d.dk : 1), 0.f);
-  if (has_beta(v)) out.dbeta.assign(tokens, 0.f);
-  if (source_->has_h0()) out.dh0.assign(states, 0.f);
+  OutputSizes n;
+  n.o = tokens * d.dv;
+  n.ht = static_cast<std::size_t>(d.sequences * d.heads * d.dk * d.dv);
+  if (!backward_) return n;
+  n.dq = n.dk = tokens * d.dk;
+  n.dv = tokens * d.dv;
+  n.dg = has_gate(v) ? tokens * (vector_gate(v) ? d.dk : 1) : 0;
+  n.dbeta = has_beta(v) ? tokens : 0;
+  n.dh0 = source_->has_h0() ? n.ht : 0;
+  return n;
+}
+
+void Job::allocate(Outputs& out, const Dims& d, int64_t length) const {
+  const OutputSizes n = output_sizes(d, length);
+  for (auto [vec, count] : {std::pair{&out.o, n.o},
+                            {&out.ht, n.ht},
+                            {&out.dq, n.dq},
+                            {&out.dk, n.dk},
+                            {&out.dv, n.dv},
+                            {&out.dg, n.dg},
+                            {&out.dbeta, n.dbeta},
+                            {&out.dh0, n.dh0}})
+    vec->assign(count, 0.f);
 }
 
 #ifdef STATESCAN_HAS_CUDA
 // `in` on the GPU in the run's dtype (g and states fp32), with zeroed outputs
-// sized like `out`. Not timed.
-std::unique_ptr<DeviceStep> Job::upload(const TokenRange& in, const Outputs& out) const {
+// of the sizes `out`. Not timed.
+std::unique_ptr<DeviceStep> Job::upload(const TokenRange& in, const OutputSizes& out) const {
   const DType x = options_.dtype;
   auto dev = std::make_unique<DeviceStep>();
   dev->q = DeviceArray(in.q, x);
@@ -413,18 +436,18 @@ std::unique_ptr<DeviceStep> Job::upload(const TokenRange& in, const Outputs& out
   dev->g = DeviceArray(in.g, DType::f32);
   dev->beta = DeviceArray(in.beta, x);
   dev->h0 = DeviceArray(in.h0, DType::f32);
-  dev->o = DeviceArray::zeros(out.o.size(), x);
-  dev->ht = DeviceArray::zeros(out.ht.size(), DType::f32);
+  dev->o = DeviceArray::zeros(out.o, x);
+  dev->ht = DeviceArray::zeros(out.ht, DType::f32);
   if (!in.cu_seqlens.empty()) dev->cu = std::make_unique<DeviceBuffer<int64_t>>(in.cu_seqlens);
   if (!backward_) return dev;
   dev->d_o = DeviceArray(in.d_o, x);
   dev->dht = DeviceArray(in.dht, DType::f32);
-  dev->dq = DeviceArray::zeros(out.dq.size(), x);
-  dev->dk = DeviceArray::zeros(out.dk.size(), x);
-  dev->dv = DeviceArray::zeros(out.dv.size(), x);
-  dev->dg = DeviceArray::zeros(out.dg.size(), DType::f32);
-  dev->dbeta = DeviceArray::zeros(out.dbeta.size(), x);
-  dev->dh0 = DeviceArray::zeros(out.dh0.size(), DType::f32);
+  dev->dq = DeviceArray::zeros(out.dq, x);
+  dev->dk = DeviceArray::zeros(out.dk, x);
+  dev->dv = DeviceArray::zeros(out.dv, x);
+  dev->dg = DeviceArray::zeros(out.dg, DType::f32);
+  dev->dbeta = DeviceArray::zeros(out.dbeta, x);
+  dev->dh0 = DeviceArray::zeros(out.dh0, DType::f32);
   return dev;
 }
 #endif
@@ -452,10 +475,10 @@ StepTimes Job::step(CpMixer& mixer, const TokenRange& in, Outputs& out, bool cop
     std::unique_ptr<DeviceStep> transient;
     DeviceStep* dev = nullptr;
     if (&in == &local_) {
-      if (!device_local_) device_local_ = upload(in, out);
+      if (!device_local_) device_local_ = upload(in, output_sizes(d, L));
       dev = device_local_.get();
     } else {
-      transient = upload(in, out);
+      transient = upload(in, output_sizes(d, L));
       dev = transient.get();
     }
     fa.q = dev->q.view(qk);
