@@ -12,6 +12,8 @@
 #   STUDIES     which scaling studies (default "weak strong lact")
 #   EXCHANGES   the exchanges of the weak study (default "auto"; e.g. "auto ring
 #               tree": one table each, all against the same P = 1 run)
+#   RUN_ARGS    extra statescan-run arguments for every CP run of the weak and
+#               strong studies (e.g. "--keep-prepared")
 #   SKIP_TESTS=1 leave the test suites out (and their build)
 #   PROFILE_LACT=1 after the LaCT study, profile one P = 1 and one P = 2 LaCT run
 #               with nsys (where installed): per-kernel and per-API time tables in
@@ -81,12 +83,14 @@ for v in ${VARIANTS:-kda gated_deltanet}; do
         name="weak_$v"
         [[ "$x" == auto ]] || name="weak_${v}_$x"
         [[ $p -eq 1 && "$x" != auto ]] && continue
+        # shellcheck disable=SC2086
         run "$name" "$p" --variant "$v" --seq-len $((131072 * p)) --heads 16 --dk 128 \
-          --dv 128 --dtype bf16 --exchange "$x" --no-check
+          --dv 128 --dtype bf16 --exchange "$x" --no-check ${RUN_ARGS:-}
       done
     fi
+    # shellcheck disable=SC2086
     [[ "$studies" == *" strong "* ]] && run "strong_$v" "$p" --variant "$v" --seq-len 1048576 --heads 16 --dk 128 --dv 128 \
-      --dtype bf16 --exchange auto --no-check
+      --dtype bf16 --exchange auto --no-check ${RUN_ARGS:-}
   done
 done
 lact_args=(--variant lact --seq-len 1048576 --lact-chunk 1048576 --heads 4 --dk 256
