@@ -141,7 +141,7 @@ std::string format_phases(const PassPhases& p, const char* summary_name) {
 
 std::string json_phases(const PassPhases& p) {
   static const char* const names[PassPhases::kFields] = {"local_ms", "summary_ms", "exchange_ms",
-                                                         "merge_ms", "wall_ms", "prepare_ms"};
+                                                         "merge_ms", "wall_ms",    "prepare_ms"};
   std::string out = "{";
   for (int i = 0; i < PassPhases::kFields; ++i)
     out += std::string(i ? ", " : "") + "\"" + names[i] + "\": " + json_number(1e3 * p.s[i]);
@@ -172,6 +172,14 @@ std::string format_footer(const Report& report) {
     out += printf_string("# rank %zu  fwd %s\n", r, format_phases(x.fwd, "summary").c_str());
     if (x.bwd.s[4] > 0)
       out += printf_string("# rank %zu  bwd %s\n", r, format_phases(x.bwd, "pre-pass").c_str());
+  }
+  for (std::size_t r = 0; r < report.ranks.size(); ++r) {
+    const RankExchange& x = report.ranks[r];
+    if (x.mem_last_bytes > 0)
+      out += printf_string(
+          "# rank %zu  device memory in use: %.2f GB after the first timed step, %.2f GB after "
+          "the last\n",
+          r, x.mem_first_bytes * 1e-9, x.mem_last_bytes * 1e-9);
   }
   if (report.check.enabled) {
     out += printf_string("# check: rel RMS vs a single-rank run (tolerance %.0e):",
@@ -220,6 +228,10 @@ std::string to_json(const Report& report) {
          << (report.ranks[r].has_phases ? ", \"fwd\": " + json_phases(report.ranks[r].fwd) +
                                               ", \"bwd\": " + json_phases(report.ranks[r].bwd)
                                         : std::string())
+         << (report.ranks[r].mem_last_bytes > 0
+                 ? ", \"mem_first_gb\": " + json_number(report.ranks[r].mem_first_bytes * 1e-9) +
+                       ", \"mem_last_gb\": " + json_number(report.ranks[r].mem_last_bytes * 1e-9)
+                 : std::string())
          << "}";
     os << "],\n";
   }
@@ -346,14 +358,18 @@ StepRow reduce_step(Communicator& comm, const StepTimes& mine, int64_t step, boo
 }
 
 std::vector<RankExchange> gather_rank_exchange(Communicator& comm, const StepTimes& mine,
-                                               const StepTimes* phases) {
-  constexpr int kPhase = 2 * PassPhases::kFields, kFields = 3 + kPhase;
+                                               const StepTimes* phases, const double* memory) {
+  constexpr int kPhase = 2 * PassPhases::kFields, kMemory = 3 + kPhase, kFields = kMemory + 2;
   double fields[kFields] = {mine.exchange_s, mine.exchange_bytes, mine.hidden_s};
   if (phases != nullptr)
     for (int i = 0; i < PassPhases::kFields; ++i) {
       fields[3 + i] = phases->fwd.s[i];
       fields[3 + PassPhases::kFields + i] = phases->bwd.s[i];
     }
+  if (memory != nullptr) {
+    fields[kMemory] = memory[0];
+    fields[kMemory + 1] = memory[1];
+  }
   std::vector<double> all(static_cast<std::size_t>(kFields * comm.size()));
   comm.all_gather(fields, all.data(), kFields, CommType::f64);
   std::vector<RankExchange> ranks(static_cast<std::size_t>(comm.size()));
@@ -367,6 +383,8 @@ std::vector<RankExchange> gather_rank_exchange(Communicator& comm, const StepTim
       ranks[r].fwd.s[i] = f[3 + i];
       ranks[r].bwd.s[i] = f[3 + PassPhases::kFields + i];
     }
+    ranks[r].mem_first_bytes = f[kMemory];
+    ranks[r].mem_last_bytes = f[kMemory + 1];
   }
   return ranks;
 }

@@ -50,6 +50,11 @@ struct RankExchange {
   double hidden_pct = 0;    // of this rank's exchange time
   bool has_phases = false;  // fwd/bwd below were measured
   PassPhases fwd, bwd;      // mean seconds per step
+  // GPU path: device memory in use (every allocation, the stream-ordered
+  // pool's reserve included) after the first and after the last timed step;
+  // 0 = not measured. Growth between the two means the pool could not reuse
+  // what earlier steps freed.
+  double mem_first_bytes = 0, mem_last_bytes = 0;
 };
 
 // Relative RMS error of each output/gradient against the single-rank run.
@@ -139,10 +144,12 @@ struct StepTimes {
 };
 
 // Every rank's exchange of `mine` (the last step) and, when `phases` is
-// given, its phase means over the timed steps (all-gather, collective), for
+// given, its phase means over the timed steps, and when `memory` is, its two
+// device-memory samples (RankExchange::mem_*; all-gather, collective), for
 // the per-rank lines of the footer.
 std::vector<RankExchange> gather_rank_exchange(Communicator& comm, const StepTimes& mine,
-                                               const StepTimes* phases = nullptr);
+                                               const StepTimes* phases = nullptr,
+                                               const double* memory = nullptr);
 
 // The table row of a step: maxima over the ranks of `comm` (collective).
 // `backward` says whether the run has a backward pass; `tokens` is B*T.

@@ -149,6 +149,7 @@ class Job {
   void configure_threads(const MpiCommunicator* mpi) const;
   void setup_inputs();
   OutputSizes output_sizes(const Dims& d, int64_t length) const;
+  double device_memory_in_use() const;
   void allocate(Outputs& out, const Dims& d, int64_t length) const;
   StepTimes step(CpMixer& mixer, const TokenRange& in, Outputs& out, bool copy_back);
 #ifdef STATESCAN_HAS_CUDA
@@ -268,7 +269,8 @@ int Job::run_steps() {
   ProgressLine progress(root() ? options_.progress : RunOptions::Progress::never, steps,
                         options_.warmup);
   const double tokens = static_cast<double>(dims_.batch * dims_.seq_len);
-  StepTimes phase_sum;  // the timed steps' phases, summed, then their mean
+  StepTimes phase_sum;    // the timed steps' phases, summed, then their mean
+  double memory[2] = {};  // device memory in use after the first and the last timed step
   for (int64_t s = 0; s < steps; ++s) {
     if (s == options_.warmup && options_.check) run_reference();
     const bool last = s + 1 == steps;
@@ -289,6 +291,8 @@ int Job::run_steps() {
     StepRow row = reduce_step(comm_, t, s - options_.warmup + 1, backward_, tokens);
     phase_sum.fwd += t.fwd;
     phase_sum.bwd += t.bwd;
+    if (s == options_.warmup) memory[0] = device_memory_in_use();
+    if (last) memory[1] = device_memory_in_use();
 
     if (wanted) {
       Outputs full = gather(out);
@@ -309,7 +313,7 @@ int Job::run_steps() {
       const double n = static_cast<double>(options_.iters);
       for (double* f : {phase_sum.fwd.s, phase_sum.bwd.s})
         for (int i = 0; i < PassPhases::kFields; ++i) f[i] /= n;
-      report.ranks = gather_rank_exchange(comm_, t, &phase_sum);
+      report.ranks = gather_rank_exchange(comm_, t, &phase_sum, memory);
     }
   }
   progress.clear();
@@ -394,6 +398,20 @@ void Job::setup_inputs() {
   });
   backward_ = source_->has_backward();
   local_ = source_->tokens(offsets_[comm_.rank()], offsets_[comm_.rank() + 1]);
+}
+
+// GPU path: bytes in use on this rank's GPU (every allocation, the
+// stream-ordered pool's reserve included; CpMixer returns once its work is
+// done, so nothing is in flight); 0 on the CPU path.
+double Job::device_memory_in_use() const {
+#ifdef STATESCAN_HAS_CUDA
+  if (device_ == DeviceKind::cuda) {
+    std::size_t free = 0, total = 0;
+    SS_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return static_cast<double>(total - free);
+  }
+#endif
+  return 0.0;
 }
 
 OutputSizes Job::output_sizes(const Dims& d, int64_t length) const {
