@@ -3,6 +3,7 @@
 #include <cmath>
 #include <filesystem>
 #include <sstream>
+#include <utility>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -32,12 +33,38 @@ double unit_uniform(uint64_t bits) {
 
 enum class Stream : uint64_t { q = 1, k, v, g, beta, d_o, lr0, lr1, lr2, w0, w1, w2 };
 
-// N(0, 1) for element `index` of tensor `stream` (Box-Muller on two draws).
+// N(0, 1) for elements 2m and 2m + 1 of tensor `stream`: Box-Muller's two
+// outputs from the two draws of pair m (one log and one sqrt per pair; at 1M
+// tokens the inputs are ~10^10 values, generated before the first step).
+std::pair<double, double> normal_pair(uint64_t key, uint64_t m) {
+  const double u1 = unit_uniform(splitmix64(key + 2 * m));
+  const double u2 = unit_uniform(splitmix64(key + 2 * m + 1));
+  const double r = std::sqrt(-2.0 * std::log(u1)), theta = 6.283185307179586 * u2;
+  return {r * std::cos(theta), r * std::sin(theta)};
+}
+
+uint64_t stream_key(uint64_t seed, Stream stream) {
+  return splitmix64(seed ^ splitmix64(static_cast<uint64_t>(stream)));
+}
+
+// N(0, 1) for element `index` of tensor `stream`.
 double normal_at(uint64_t seed, Stream stream, uint64_t index) {
-  const uint64_t key = splitmix64(seed ^ splitmix64(static_cast<uint64_t>(stream)));
-  const double u1 = unit_uniform(splitmix64(key + 2 * index));
-  const double u2 = unit_uniform(splitmix64(key + 2 * index + 1));
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  const auto [c, s] = normal_pair(stream_key(seed, stream), index / 2);
+  return index % 2 == 0 ? c : s;
+}
+
+// Elements [first, first + count) of tensor `stream` into out: the same
+// values as normal_at, a pair at a time where both halves are wanted.
+void normals(uint64_t seed, Stream stream, uint64_t first, int64_t count, double* out) {
+  const uint64_t key = stream_key(seed, stream);
+  int64_t j = 0;
+  if (count > 0 && first % 2 == 1) out[j++] = normal_pair(key, first / 2).second;
+  for (; j + 1 < count; j += 2) {
+    const auto [c, s] = normal_pair(key, (first + static_cast<uint64_t>(j)) / 2);
+    out[j] = c;
+    out[j + 1] = s;
+  }
+  if (j < count) out[j] = normal_pair(key, (first + static_cast<uint64_t>(j)) / 2).first;
 }
 
 double log_sigmoid(double x) {
@@ -242,11 +269,9 @@ TokenRange InputSource::synthesize(int64_t t_begin, int64_t t_end) const {
   auto fill_normal = [&](Stream stream, int64_t global_row, int64_t width, float* dst,
                          bool normalise) {
     double values[256];
+    normals(seed, stream, static_cast<uint64_t>(global_row * width), width, values);
     double sum_sq = 0;
-    for (int64_t j = 0; j < width; ++j) {
-      values[j] = normal_at(seed, stream, static_cast<uint64_t>(global_row * width + j));
-      sum_sq += values[j] * values[j];
-    }
+    for (int64_t j = 0; j < width; ++j) sum_sq += values[j] * values[j];
     const double inv = normalise ? 1.0 / std::sqrt(sum_sq + 1e-12) : 1.0;
     for (int64_t j = 0; j < width; ++j) dst[j] = round_to(dt, static_cast<float>(values[j] * inv));
   };
@@ -263,12 +288,11 @@ TokenRange InputSource::synthesize(int64_t t_begin, int64_t t_end) const {
       fill_normal(Stream::d_o, global_row, Dv, r.d_o.data() + local_row * Dv, false);
       if (!r.g.empty()) {
         const int64_t width = vec_gate ? Dk : 1;
-        for (int64_t j = 0; j < width; ++j) {
-          const double x =
-              normal_at(seed, Stream::g, static_cast<uint64_t>(global_row * width + j));
+        double x[256];
+        normals(seed, Stream::g, static_cast<uint64_t>(global_row * width), width, x);
+        for (int64_t j = 0; j < width; ++j)
           r.g[static_cast<std::size_t>(local_row * width + j)] =
-              static_cast<float>(log_sigmoid(x + 4.0));
-        }
+              static_cast<float>(log_sigmoid(x[j] + 4.0));
       }
       if (!r.beta.empty()) {
         const double x = normal_at(seed, Stream::beta, static_cast<uint64_t>(global_row));
@@ -316,11 +340,9 @@ LactData lact_synthetic(const RunOptions& options) {
   // Row `row` (width D) of a token tensor, unit-normalised or not.
   auto fill_row = [&](Stream stream, int64_t row, float* dst, bool normalise) {
     std::vector<double> values(static_cast<std::size_t>(d.dim));
+    normals(seed, stream, static_cast<uint64_t>(row * d.dim), d.dim, values.data());
     double sum_sq = 0;
-    for (int64_t j = 0; j < d.dim; ++j) {
-      values[j] = normal_at(seed, stream, static_cast<uint64_t>(row * d.dim + j));
-      sum_sq += values[j] * values[j];
-    }
+    for (int64_t j = 0; j < d.dim; ++j) sum_sq += values[j] * values[j];
     const double inv = normalise ? 1.0 / std::sqrt(sum_sq + 1e-12) : 1.0;
     for (int64_t j = 0; j < d.dim; ++j) dst[j] = round_to(dt, static_cast<float>(values[j] * inv));
   };
