@@ -10,6 +10,7 @@
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/cp_kernels.h"
+#include "kernels/cuda/cuda_mixer.h"
 
 namespace statescan::cuda {
 namespace {
@@ -188,14 +189,12 @@ void count_nonfinite(const void* data, int64_t n, DType dtype, int64_t* count,
   // Elements before the first 16-byte boundary, then whole 16-byte vectors.
   const int64_t head = std::min<int64_t>(n, static_cast<int64_t>((16 - address % 16) % 16) / bytes);
   const int64_t vectors = (n - head) * bytes / 16;
-  const int64_t tail = n - head - vectors * (16 / bytes);
   // Enough 256-thread blocks to keep HBM busy (8 per SM on an H200), fewer
-  // for small arrays; every thread also takes one head and one tail element.
-  int device = 0, sms = 0;
-  SS_CUDA_CHECK(cudaGetDevice(&device));
-  SS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t want = std::max<int64_t>({(vectors + kThreads - 1) / kThreads, head, tail, 1});
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(want, 8LL * sms));
+  // for small arrays; the head and the tail (< 8 elements each) go to the
+  // first threads, one element each.
+  const int64_t want = std::max<int64_t>((vectors + kThreads - 1) / kThreads, 1);
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>(want, 8LL * multiprocessor_count()));
   auto* out = reinterpret_cast<unsigned long long*>(count);
   const auto* base = static_cast<const unsigned char*>(data);
   switch (dtype) {

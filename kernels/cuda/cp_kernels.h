@@ -32,14 +32,16 @@ namespace statescan::cuda {
 // Process-wide; the default comes from STATESCAN_CP_LINEAR=scan|products
 // (unset: scan).
 enum class LinearPart { scan, products };
-
-class PreparedForward;
-namespace detail {
-struct AdoptedForward;                           // forward_plan.cuh
-AdoptedForward adopt(PreparedForward& forward);  // summary.cu
-}  // namespace detail
 LinearPart summary_linear_part();
 void set_summary_linear_part(LinearPart part);
+
+// PreparedBackward's adopting constructor takes a PreparedForward's
+// workspace through this (summary.cu; AdoptedForward in forward_plan.cuh).
+class PreparedForward;
+namespace detail {
+struct AdoptedForward;
+AdoptedForward adopt(PreparedForward& forward);
+}  // namespace detail
 
 class PreparedForward {
  public:

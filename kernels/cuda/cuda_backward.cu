@@ -41,13 +41,6 @@ int64_t max_chunks(const MixerParams& p) {
   return p.cu_seqlens == nullptr ? p.batch * per_row : per_row + p.num_segments;
 }
 
-int multiprocessors() {
-  int device = 0, count = 0;
-  SS_CUDA_CHECK(cudaGetDevice(&device));
-  SS_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
-
 int64_t scratch_floats_per_block(const MixerParams& p) {
   return p.dk == 64 ? GradTraits<64, 64>::kScratchFloats : GradTraits<128, 128>::kScratchFloats;
 }
@@ -56,7 +49,7 @@ int64_t scratch_floats_per_block(const MixerParams& p) {
 // shared memory allows no more), never more blocks than (chunk, head) items.
 int grad_blocks(const MixerParams& p) {
   const int64_t items = max_chunks(p) * p.heads;
-  return static_cast<int>(std::min<int64_t>(items, multiprocessors()));
+  return static_cast<int>(std::min<int64_t>(items, multiprocessor_count()));
 }
 
 // 16-bit inputs take the state products from their own kernel
@@ -120,6 +113,16 @@ BackwardLayout layout_for(const MixerParams& p, bool recompute) {
   return l;
 }
 
+// The chunk states a backward reads: saved by forward (32-byte aligned: the
+// tensor-core gradient kernel reads 16x16 tiles of them directly), or
+// recomputed.
+void check_chunk_states(const MixerBwdParams& p) {
+  SS_CHECK_ARG(p.chunk_states != nullptr || p.recompute_chunk_states, "chunk_states",
+               "backward needs the chunk states saved by forward (or recompute_chunk_states)");
+  SS_CHECK_ARG(p.recompute_chunk_states || reinterpret_cast<uintptr_t>(p.chunk_states) % 32 == 0,
+               "chunk_states", "must be 32-byte aligned");
+}
+
 // The backward-only arguments, before anything is launched or allocated (the
 // problem itself is validated by plan_forward).
 void check_backward_args(const MixerBwdParams& p) {
@@ -131,11 +134,7 @@ void check_backward_args(const MixerBwdParams& p) {
                  "state_grad_only needs an output for the state gradient");
     return;
   }
-  SS_CHECK_ARG(p.chunk_states != nullptr || p.recompute_chunk_states, "chunk_states",
-               "backward needs the chunk states saved by forward (or recompute_chunk_states)");
-  // The tensor-core gradient kernel reads 16x16 tiles of the states directly.
-  SS_CHECK_ARG(p.recompute_chunk_states || reinterpret_cast<uintptr_t>(p.chunk_states) % 32 == 0,
-               "chunk_states", "must be 32-byte aligned");
+  check_chunk_states(p);
   SS_CHECK_ARG(p.dq && p.dk_out && p.dv_out, "dq/dk/dv", "gradient pointers must not be null");
   SS_CHECK_ARG((p.dg != nullptr) == (p.g != nullptr), "dg", "must be given exactly when g is");
   SS_CHECK_ARG((p.dbeta != nullptr) == (p.beta != nullptr), "dbeta",
@@ -284,10 +283,7 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, cudaStream_t stream)
     : impl_(std::make_unique<Impl>()) {
   SS_CHECK_ARG(p.dk == p.dv && (p.dk == 64 || p.dk == 128), "dk",
                "CUDA backward supports Dk == Dv in {64, 128}, got Dk ", p.dk, ", Dv ", p.dv);
-  SS_CHECK_ARG(p.chunk_states != nullptr || p.recompute_chunk_states, "chunk_states",
-               "backward needs the chunk states saved by forward (or recompute_chunk_states)");
-  SS_CHECK_ARG(p.recompute_chunk_states || reinterpret_cast<uintptr_t>(p.chunk_states) % 32 == 0,
-               "chunk_states", "must be 32-byte aligned");
+  check_chunk_states(p);
   Impl& m = *impl_;
   m.problem = p;
   m.stream = stream;
@@ -308,10 +304,7 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, PreparedForward& for
     : impl_(std::make_unique<Impl>()) {
   SS_CHECK_ARG(!p.recompute_chunk_states, "recompute_chunk_states",
                "a backward from the forward's prepared tiles reads saved chunk states");
-  SS_CHECK_ARG(p.chunk_states != nullptr, "chunk_states",
-               "backward needs the chunk states saved by forward");
-  SS_CHECK_ARG(reinterpret_cast<uintptr_t>(p.chunk_states) % 32 == 0, "chunk_states",
-               "must be 32-byte aligned");
+  check_chunk_states(p);
   detail::AdoptedForward f = detail::adopt(forward);
   Impl& m = *impl_;
   m.forward_workspace = f.workspace;
@@ -334,7 +327,6 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, PreparedForward& for
   } catch (...) {
     if (m.workspace != nullptr) (void)cudaFreeAsync(m.workspace, stream);
     (void)cudaFreeAsync(m.forward_workspace, f.stream);
-    impl_.reset();
     throw;
   }
 }

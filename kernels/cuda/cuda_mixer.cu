@@ -60,32 +60,19 @@ WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
   l.u = take(chunks * H * C * static_cast<size_t>(p.dv) * elem);
   l.a = take(chunks * H * C * C * elem);
   l.decay = take(chunks * H * static_cast<size_t>(p.dk) * sizeof(float));
-  l.vnew = take(has_beta(p.variant) && !prepare_only
-                    ? chunks * H * C * static_cast<size_t>(p.dv) * elem
-                    : 0);
+  l.vnew = take(
+      has_beta(p.variant) && !prepare_only ? chunks * H * C * static_cast<size_t>(p.dv) * elem : 0);
   // The output kernel reads the chunk states in the element type; fp32
   // inputs read the caller's chunk_states when given.
   const bool states_in_caller = p.dtype == DType::f32 && p.chunk_states != nullptr;
-  l.states = take(states_in_caller || prepare_only
-                      ? 0
-                      : chunks * H * static_cast<size_t>(p.dk * p.dv) * elem);
+  l.states = take(
+      states_in_caller || prepare_only ? 0 : chunks * H * static_cast<size_t>(p.dk * p.dv) * elem);
   if (p.cu_seqlens != nullptr) {
     l.chunk_table = take(chunks * 2 * sizeof(int64_t));
     l.segment_table = take(static_cast<size_t>(p.num_segments) * 2 * sizeof(int64_t));
   }
   l.total = at;
   return l;
-}
-
-// Multiprocessors of the current device (cached per device).
-int multiprocessor_count() {
-  static int cached[64] = {};
-  int device = 0;
-  SS_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 64) return 132;
-  if (cached[device] == 0)
-    SS_CUDA_CHECK(cudaDeviceGetAttribute(&cached[device], cudaDevAttrMultiProcessorCount, device));
-  return cached[device];
 }
 
 // Tuning and A/B knobs from the environment, read once per process (speed
@@ -137,6 +124,17 @@ bool device_available() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
+int multiprocessor_count() {
+  static int cached[64] = {};
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  int local = 0;
+  int& count = device < 64 ? cached[device] : local;  // beyond 64 devices: asked every time
+  if (count == 0)
+    SS_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
 size_t forward_workspace_bytes(const MixerParams& p) {
   return layout_for(p).total;
 }
@@ -181,7 +179,8 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.ws_vnew = has_beta(p.variant) && !prepare_only ? base + l.vnew : nullptr;
   a.ws_states = p.dtype == DType::f32 && p.chunk_states != nullptr
                     ? static_cast<void*>(p.chunk_states)
-                    : prepare_only ? nullptr : static_cast<void*>(base + l.states);
+                : prepare_only ? nullptr
+                               : static_cast<void*>(base + l.states);
   a.num_sms = multiprocessor_count();
   a.scan_block_cols = kernel_knobs().scan_block_cols;
   a.prepare_fp32_tiles = kernel_knobs().prepare_fp32_tiles;
@@ -245,8 +244,7 @@ void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stage
                                                           stream);
       break;
     case Variant::deltanet:
-      launch_chunk_forward<Decay::none, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stages,
-                                                     stream);
+      launch_chunk_forward<Decay::none, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stages, stream);
       break;
     case Variant::gated_deltanet:
       launch_chunk_forward<Decay::scalar, Rule::delta>(a, p.dtype, p.dk, p.l2norm_qk, stages,

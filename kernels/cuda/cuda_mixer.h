@@ -57,4 +57,7 @@ void mixer_summary(const MixerParams& p, float* M, float* E, cudaStream_t stream
 // True when a CUDA device is visible (tests skip otherwise).
 bool device_available();
 
+// Multiprocessors of the current device (cached per device).
+int multiprocessor_count();
+
 }  // namespace statescan::cuda

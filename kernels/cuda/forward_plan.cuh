@@ -21,14 +21,6 @@ struct ForwardPlan {
   int64_t num_chunks = 0;        // chunks over all segments (count_chunks)
 };
 
-// Validates `p` (cu_seqlens is a device array: copied to the host once, which
-// synchronises `stream`), lays the workspace out (at least
-// forward_workspace_bytes(p) bytes) and uploads the chunk tables on `stream`.
-// prepare_only: a plan without V' and the T-typed chunk states (no room for
-// them, null pointers), which only the output kernel reads: the prepare stage,
-// and the scan stage when it only has to produce p.chunk_states (the
-// backward's recompute); never the output stage. Its workspace is
-// prepare_workspace_bytes(p).
 // A PreparedForward's workspace and plan, handed to a PreparedBackward
 // (detail::adopt, summary.cu): the caller owns `workspace` afterwards and
 // frees it on `stream`.
@@ -39,6 +31,14 @@ struct AdoptedForward {
   ForwardPlan plan;
 };
 
+// Validates `p` (cu_seqlens is a device array: copied to the host once, which
+// synchronises `stream`), lays the workspace out (at least
+// forward_workspace_bytes(p) bytes) and uploads the chunk tables on `stream`.
+// prepare_only: a plan without V' and the T-typed chunk states (no room for
+// them, null pointers), which only the output kernel reads: the prepare stage,
+// and the scan stage when it only has to produce p.chunk_states (the
+// backward's recompute); never the output stage. Its workspace is
+// prepare_workspace_bytes(p).
 ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream, bool prepare_only = false);
 size_t prepare_workspace_bytes(const MixerParams& p);
