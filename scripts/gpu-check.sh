@@ -86,11 +86,11 @@ fi
 if [[ "${NCU:-0}" != 0 ]] && command -v ncu >/dev/null; then
   for v in ${NCU_VARIANTS:-kda deltanet linear}; do
     timeout 180 ncu --clock-control none --metrics gpu__time_duration.sum \
-      --kernel-name regex:'chunk_(prepare|state_scan|output)_kernel' \
+      --kernel-name regex:'chunk_(prepare|state_scan|output)[a-z0-9_]*_kernel' \
       --launch-skip 3 --launch-count 3 \
       "$BUILD/launch/statescan-bench" -v "$v" -t 32768 -w 1 -n 1 >"$OUT/ncu_$v.log" 2>&1 ||
       echo "gpu-check: ncu $v failed, see $OUT/ncu_$v.log"
-    awk -v v="$v" '/chunk_(prepare|state_scan|output)_kernel/ { name = $0; sub(/<.*/, "", name); sub(/.*::/, "", name) }
+    awk -v v="$v" '/chunk_(prepare|state_scan|output)[a-z0-9_]*_kernel/ { name = $0; sub(/<.*/, "", name); sub(/.*::/, "", name) }
       /gpu__time_duration.sum/ { print "ncu " v ": " name " " $NF " " $(NF-1) }' "$OUT/ncu_$v.log" |
       tee -a "$OUT/ncu_summary.txt"
   done

@@ -63,7 +63,12 @@ struct ForwardArgs : MixerTensors {
   int num_sms = 132;
   int scan_block_cols = 0;          // 16 or 32 to force the scan's Dv block; 0 = by occupancy
   bool prepare_fp32_tiles = false;  // 16-bit inputs through chunk_prepare_kernel (A/B knob)
-  bool scan_wmma = false;  // 16-bit inputs through chunk_state_scan_kernel (A/B knob)
+  bool scan_wmma = false;           // 16-bit inputs through chunk_state_scan_kernel (A/B knob)
+  // Linear attention without the L2 norm, 16-bit: the scan and output stages
+  // read q, k, v themselves (chunk_output_raw16.cuh), so a forward needs no
+  // prepare stage; the prepare stage still writes the tiles when asked (the
+  // backward reads them).
+  bool raw_additive = false;
 
   int64_t heads = 0;
   int64_t seq_len = 0;
@@ -829,6 +834,7 @@ __global__ void __launch_bounds__(256) chunk_output_kernel(const __grid_constant
 
 }  // namespace statescan::cuda::detail
 
+#include "kernels/cuda/chunk_output_raw16.cuh"
 #include "kernels/cuda/chunk_prepare16.cuh"
 #include "kernels/cuda/chunk_scan16.cuh"
 
@@ -851,6 +857,14 @@ enum ForwardStage : int {
 template <Decay kDecay, Rule kRule, typename Elem, int Dk, int Dv, bool kL2Norm>
 void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream) {
   using OutTr = OutputTraits<Elem, Dk, Dv>;
+  // The instantiations that can read their tiles from the inputs; the host
+  // sets raw_additive only for them (plan_forward), and a mismatch is a bug.
+  constexpr bool kRawCapable =
+      kDecay == Decay::none && kRule == Rule::additive && !kL2Norm && !std::is_same_v<Elem, float>;
+  SS_CHECK_ARG(kRawCapable || !a.raw_additive, "raw_additive",
+               "set for a variant, dtype or L2 norm whose tiles need the prepare stage");
+  SS_CHECK_ARG(!a.raw_additive || !(a.scan_wmma || a.prepare_fp32_tiles), "raw_additive",
+               "cannot be combined with the STATESCAN_SCAN / STATESCAN_PREPARE A/B knobs");
   if (stages & kStagePrepare) {
     const dim3 grid(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.heads));
     if (std::is_same_v<Elem, float> || a.prepare_fp32_tiles) {
@@ -875,9 +889,17 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
     } else if constexpr (!std::is_same_v<Elem, float>) {
       using ScanTr = Scan16Traits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
       with_chunk_size(a.chunk, [&](auto chunk_tag) {
-        launch_kernel(
-            chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, decltype(chunk_tag)::value>,
-            grid, ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan16_kernel", a);
+        constexpr int kC = decltype(chunk_tag)::value;
+        if constexpr (kRawCapable) {
+          if (a.raw_additive) {
+            launch_kernel(chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, true>,
+                          grid, ScanTr::kThreads, ScanTr::kBytes, stream,
+                          "chunk_state_scan16_kernel (raw)", a);
+            return;
+          }
+        }
+        launch_kernel(chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC>, grid,
+                      ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan16_kernel", a);
       });
     }
   };
@@ -889,6 +911,17 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
       launch_scan(std::integral_constant<int, 16>{});
     else
       launch_scan(std::integral_constant<int, 32>{});
+  }
+  if constexpr (kRawCapable) {
+    if ((stages & kStageOutput) && a.raw_additive) {
+      using RawTr = OutputRaw16Traits<Elem, Dk, Dv>;
+      with_chunk_size(a.chunk, [&](auto chunk_tag) {
+        launch_kernel(chunk_output_raw16_kernel<Elem, Dk, Dv, decltype(chunk_tag)::value>,
+                      dim3(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.heads)),
+                      RawTr::kThreads, RawTr::kBytes, stream, "chunk_output_raw16_kernel", a);
+      });
+      return;
+    }
   }
   if (stages & kStageOutput)
     launch_kernel(chunk_output_kernel<kRule, Elem, Dk, Dv>,

@@ -24,8 +24,9 @@
 // update and the output kernel read that value; S <- diag(e^{b_C}) S + K_^T V'.
 //   grid (Dv / BV, H, N segments), Scan16Traits::kThreads threads (512 at
 //   Dk = 128); shared memory Scan16Traits::kBytes (Dk = 128, bf16, delta:
-//   122 KB at BV = 16, 134 KB at BV = 32), three cp.async stages (the next
-//   two chunks' K_, W, U and decay load during a step).
+//   122 KB at BV = 16, 134 KB at BV = 32), three cp.async stages for delta
+//   rules (the next two chunks' K_, W, U and decay load during a step), four
+//   for additive ones.
 // Included by chunk_forward.cuh after copy_tile_async.
 #pragma once
 
@@ -59,7 +60,9 @@ struct Scan16Traits {
   static constexpr size_t kTileBBytes = align_smem(sizeof(T) * kMaxChunk * kLdB);
   static constexpr size_t kUOffset = (kDelta ? 2 : 1) * kTileKBytes;
   static constexpr size_t kStageBytes = kUOffset + kTileBBytes + align_smem(sizeof(float) * Dk);
-  static constexpr int kStages = 3;
+  // Additive rules have no product on the path to a step's barrier, so a step
+  // is as short as its loads allow: one more chunk in flight.
+  static constexpr int kStages = kDelta ? 3 : 4;
   static constexpr size_t kVnBytes = kDelta ? kTileBBytes : 0;
   static constexpr size_t kBytes = (kDelta ? kSCopyBytes : 0) + kVnBytes + kStages * kStageBytes;
   static_assert(kBytes <= 227 * 1024, "chunk_state_scan16_kernel exceeds Hopper shared memory");
@@ -139,9 +142,15 @@ struct WarpStateTiles {
   }
 };
 
-template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk>
+// kRaw (linear attention without the L2 norm: ForwardArgs::raw_additive):
+// K_ = k and U = v exactly, so the chunks' tiles come straight from the
+// inputs (rows past a sequence's end zeroed) and no prepare stage runs.
+template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk,
+          bool kRaw = false>
 __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::delta>::kThreads))
     chunk_state_scan16_kernel(const __grid_constant__ ForwardArgs a) {
+  static_assert(!kRaw || (kDecay == Decay::none && kRule == Rule::additive),
+                "only ungated additive rules read their tiles from the inputs");
   constexpr bool kDelta = kRule == Rule::delta;
   using Tr = Scan16Traits<T, Dk, Dv, BV, kDelta>;
   constexpr int kLdK = Tr::kLdK, kLdB = Tr::kLdB, kOwnNT = Tr::kOwnNT;
@@ -195,6 +204,19 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const T* ws_u = static_cast<const T*>(a.ws_u) + first_tile * kChunk * Dv + col0;
   const float* ws_decay = a.ws_decay + first_tile * Dk;
   auto prefetch = [&](int cl, int st) {
+    if constexpr (kRaw) {
+      int64_t token0;
+      int length;
+      chunk_geometry(a, first_chunk + cl, token0, length);
+      const int64_t row0 = token0 * H + h;
+      copy_rows_async_masked<kCopyThreads, kChunk, Dk>(stage_k(st), kLdK,
+                                                       static_cast<const T*>(a.k) + row0 * Dk,
+                                                       static_cast<int>(H * Dk), copy_tid, length);
+      copy_rows_async_masked<kCopyThreads, kChunk, BV>(
+          stage_u(st), kLdB, static_cast<const T*>(a.v) + row0 * Dv + col0,
+          static_cast<int>(H * Dv), copy_tid, length);
+      return;
+    }
     const int64_t step = cl * H;
     copy_rows_async<kCopyThreads, kChunk, Dk>(stage_k(st), kLdK, ws_k + step * kChunk * Dk, Dk,
                                               copy_tid);

@@ -81,11 +81,15 @@ WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
 //   STATESCAN_PREPARE=fp32   16-bit inputs through chunk_prepare_kernel
 //                            (fp32 tiles) instead of chunk_prepare16_kernel;
 //   STATESCAN_SCAN=wmma      16-bit inputs through chunk_state_scan_kernel
-//                            instead of chunk_state_scan16_kernel.
+//                            instead of chunk_state_scan16_kernel;
+//   STATESCAN_LINEAR=tiles   linear attention through the prepared tiles
+//                            (prepare, scan, output) instead of the kernels
+//                            that read q, k, v themselves.
 struct KernelKnobs {
   int scan_block_cols = 0;
   bool prepare_fp32_tiles = false;
   bool scan_wmma = false;
+  bool linear_tiles = false;
 };
 
 const KernelKnobs& kernel_knobs() {
@@ -98,6 +102,7 @@ const KernelKnobs& kernel_knobs() {
     k.scan_block_cols = is("STATESCAN_SCAN_BV", "16") ? 16 : is("STATESCAN_SCAN_BV", "32") ? 32 : 0;
     k.prepare_fp32_tiles = is("STATESCAN_PREPARE", "fp32");
     k.scan_wmma = is("STATESCAN_SCAN", "wmma");
+    k.linear_tiles = is("STATESCAN_LINEAR", "tiles");
     return k;
   }();
   return knobs;
@@ -185,6 +190,10 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.scan_block_cols = kernel_knobs().scan_block_cols;
   a.prepare_fp32_tiles = kernel_knobs().prepare_fp32_tiles;
   a.scan_wmma = kernel_knobs().scan_wmma;
+  // Linear attention's tiles are copies of its inputs (K_ = k, U = v) or
+  // products the output kernel forms itself, unless the L2 norm rewrites q, k.
+  a.raw_additive = p.variant == Variant::linear && !p.l2norm_qk && p.dtype != DType::f32 &&
+                   !a.prepare_fp32_tiles && !a.scan_wmma && !kernel_knobs().linear_tiles;
   a.heads = p.heads;
   a.seq_len = p.seq_len;
   a.chunk = static_cast<int>(p.chunk);
@@ -262,7 +271,7 @@ void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stage
 void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
                    cudaStream_t stream) {
   const detail::ForwardPlan plan = detail::plan_forward(p, workspace, workspace_bytes, stream);
-  detail::launch_forward_stages(p, plan.args, detail::kAllStages, stream);
+  detail::launch_forward_stages(p, plan.args, detail::forward_stages(plan.args), stream);
 }
 
 void mixer_forward(const MixerParams& p, cudaStream_t stream) {

@@ -127,6 +127,30 @@ __device__ __forceinline__ void copy_rows_async(T* dst, int ld_dst, const T* src
   }
 }
 
+// As copy_rows_async from a tile whose rows past `valid_rows` do not exist
+// (the last chunk of a sequence): those rows of `dst` are zeroed instead, so
+// they add nothing to the products that read the tile. The zeros are plain
+// shared stores, visible to the block after the barrier that follows the
+// cp.async wait.
+template <int kThreads, int kRows, int kCols, typename T>
+__device__ __forceinline__ void copy_rows_async_masked(T* dst, int ld_dst, const T* src, int ld_src,
+                                                       int t, int valid_rows) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  constexpr int kPerRow = kCols / kVec;
+  constexpr int kIters = (kRows * kPerRow + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = t + it * kThreads;
+    const int i = idx / kPerRow, j = (idx % kPerRow) * kVec;
+    if (i < kRows) {
+      if (i < valid_rows)
+        cp_async16(dst + (i * ld_dst + j), src + (i * ld_src + j));
+      else
+        *reinterpret_cast<uint4*>(dst + (i * ld_dst + j)) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
 namespace wmma = nvcuda::wmma;
 using AccFragment = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
 

@@ -43,6 +43,12 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
                          cudaStream_t stream, bool prepare_only = false);
 size_t prepare_workspace_bytes(const MixerParams& p);
 
+// The stages a forward that produces o runs: all three, or only the scan and
+// the output when they read the inputs themselves (ForwardArgs::raw_additive).
+inline int forward_stages(const ForwardArgs& a) {
+  return a.raw_additive ? (kStageScan | kStageOutput) : kAllStages;
+}
+
 // Launches `stages` (ForwardStage bits) of the variant's kernels with `a`.
 void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stages,
                            cudaStream_t stream);

@@ -387,6 +387,7 @@ struct PreparedForward::Impl {
   size_t bytes = 0;
   cudaStream_t stream = nullptr;
   ForwardPlan plan;
+  bool tiles_ready = false;  // the prepare stage has been queued
 };
 
 PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
@@ -398,7 +399,12 @@ PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
   SS_CUDA_CHECK(cudaMallocAsync(&s.workspace, s.bytes, stream));
   try {
     s.plan = detail::plan_forward(p, s.workspace, s.bytes, stream);
-    detail::launch_forward_stages(p, s.plan.args, detail::kStagePrepare, stream);
+    // Kernels that read the inputs need no tiles for the summary or finish();
+    // adopt() queues the prepare stage if a backward takes the workspace.
+    if (detail::forward_stages(s.plan.args) & detail::kStagePrepare) {
+      detail::launch_forward_stages(p, s.plan.args, detail::kStagePrepare, stream);
+      s.tiles_ready = true;
+    }
   } catch (...) {
     (void)cudaFreeAsync(s.workspace, stream);
     throw;
@@ -424,6 +430,11 @@ AdoptedForward adopt(PreparedForward& forward) {
   SS_CHECK_ARG(forward.impl_ && forward.impl_->workspace != nullptr, "forward",
                "holds no prepared workspace (already handed over)");
   PreparedForward::Impl& s = *forward.impl_;
+  if (!s.tiles_ready) {
+    // The backward reads the prepared tiles, which this forward did not need.
+    launch_forward_stages(s.params, s.plan.args, kStagePrepare, s.stream);
+    s.tiles_ready = true;
+  }
   AdoptedForward a;
   a.params = s.params;
   a.workspace = std::exchange(s.workspace, nullptr);
