@@ -55,7 +55,10 @@ struct BackwardArgs {
   void* dbeta = nullptr;                 // [B,T,H] (T)
   float* d_initial_state = nullptr;      // [N,H,Dk,Dv] or null
   float* ws_ds = nullptr;                // dS_{c+1} per chunk [chunks,H,Dk,Dv] fp32, or null
-  float* ws_scratch = nullptr;           // per-block fp32 scratch of chunk_grad_kernel_tc
+  // The raw linear path (f.raw_additive): dS_{c+1} per chunk rounded to T, in
+  // ws_ds's room (ws_ds is then null), read by chunk_grad_raw16_kernel.
+  void* ws_ds_t = nullptr;
+  float* ws_scratch = nullptr;  // per-block fp32 scratch of chunk_grad_kernel_tc
   // chunk_state_products_kernel's outputs for items [item_begin, num_items)
   // (StateProductTraits::kOutFloats per item), or null where the gradient
   // kernel computes them itself (fp32 inputs).
@@ -193,15 +196,14 @@ __global__ void __launch_bounds__(256)
     int64_t token0;
     int length;
     chunk_geometry(f, c, token0, length);
-    copy_tile_async<kThreads>(stA(st), kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C,
-                              C);
+    copy_tile_async<kThreads>(stA(st), kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C, C);
     copy_tile_async<kThreads>(stKbar(st), kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk,
                               C, Dk);
     copy_tile_async<kThreads>(stQh(st), kLdK, static_cast<const T*>(f.ws_q) + tile * C * Dk, Dk, C,
                               Dk);
     if constexpr (kDelta)
-      copy_tile_async<kThreads>(stW(st), kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk,
-                                C, Dk);
+      copy_tile_async<kThreads>(stW(st), kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk, C,
+                                Dk);
     constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kRowVecs = BV / kVec;
     for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
       const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
@@ -338,9 +340,9 @@ __device__ __forceinline__ void block_mm(float* out, int ldo, const float* x, in
           else
             wmma::fill_fragment(acc[i][j], 0.f);
         }
-    // (Tried: unroll 4 without the split, and 1x2 groups where 2x2 idles
-    // warps: both slower on an H200, deltanet 32K gradient kernel 19.8 ->
-    // 21.4 ms, at 255 registers.)
+        // (Tried: unroll 4 without the split, and 1x2 groups where 2x2 idles
+        // warps: both slower on an H200, deltanet 32K gradient kernel 19.8 ->
+        // 21.4 ms, at 255 registers.)
 #pragma unroll 2
     for (int kk = 0; kk < K; kk += 8) {
       FragA a_hi[2], a_lo[2];
@@ -427,8 +429,8 @@ __device__ __forceinline__ void stq(P* p, const Quad& x) {
 // a2[t,s] = sum_d x2_td y_sd Gamma_tsd for s < t, 0 on and above the diagonal.
 template <int Dk, bool kTwo>
 __device__ __forceinline__ void vector_decay_gram(float* a, float* a2, const float* x,
-                                                  const float* x2, const float* y,
-                                                  const float* b, int C, float* tmp) {
+                                                  const float* x2, const float* y, const float* b,
+                                                  int C, float* tmp) {
   using RowM = wmma::row_major;
   using ColM = wmma::col_major;
   constexpr int kPerLane = Dk / 32;
@@ -485,11 +487,9 @@ __device__ __forceinline__ void vector_decay_gram(float* a, float* a2, const flo
       yj[idx] = y[s * Dk + d] * __expf(b[rho * Dk + d] - b[s * Dk + d]);
     }
     __syncthreads();
-    block_mm<RowM, ColM, false>(a + r0 * C + 16 * J, C, xr, Dk, yj, Dk, rows, 16, Dk,
-                                        false);
+    block_mm<RowM, ColM, false>(a + r0 * C + 16 * J, C, xr, Dk, yj, Dk, rows, 16, Dk, false);
     if constexpr (kTwo)
-      block_mm<RowM, ColM, false>(a2 + r0 * C + 16 * J, C, x2r, Dk, yj, Dk, rows, 16, Dk,
-                                          false);
+      block_mm<RowM, ColM, false>(a2 + r0 * C + 16 * J, C, x2r, Dk, yj, Dk, rows, 16, Dk, false);
     __syncthreads();  // the next J rewrites the scaled copies
   }
 }
@@ -499,9 +499,8 @@ __device__ __forceinline__ void vector_decay_gram(float* a, float* a2, const flo
 // M is zero above its diagonal (its diagonal is used).
 template <int Dk>
 __device__ __forceinline__ void vector_decay_path(float* out_f, float* out_b, const float* M,
-                                                  const float* xf, const float* xb,
-                                                  const float* b, int C, float* tmp,
-                                                  bool accumulate) {
+                                                  const float* xf, const float* xb, const float* b,
+                                                  int C, float* tmp, bool accumulate) {
   using RowM = wmma::row_major;
   using ColM = wmma::col_major;
   const int tid = threadIdx.x, threads = blockDim.x;
@@ -542,13 +541,13 @@ __device__ __forceinline__ void vector_decay_path(float* out_f, float* out_b, co
   // Off-diagonal blocks, one source block J at a time:
   //   out_f[rows > rho] += e^{b - b_rho} o (M[rows > rho, J] (xf_J o e^{b_rho - b_J}))
   //   out_b[J]          += e^{b_rho - b_J} o (M[rows > rho, J]^T (xb o e^{b - b_rho}))
-  constexpr int kRows = 64 - 16;        // rows below the first block at the largest chunk (64)
-  float* e_rows = tmp;                  // e^{b - b_rho}, rows > rho
+  constexpr int kRows = 64 - 16;         // rows below the first block at the largest chunk (64)
+  float* e_rows = tmp;                   // e^{b - b_rho}, rows > rho
   float* xb_rows = e_rows + kRows * Dk;  // xb o e_rows
   float* p_rows = xb_rows + kRows * Dk;  // the out_f product
-  float* f_j = p_rows + 48 * Dk;      // e^{b_rho - b_J}
-  float* xf_j = f_j + 16 * Dk;        // xf_J o f_j
-  float* p_j = xf_j + 16 * Dk;        // the out_b product
+  float* f_j = p_rows + 48 * Dk;         // e^{b_rho - b_J}
+  float* xf_j = f_j + 16 * Dk;           // xf_J o f_j
+  float* p_j = xf_j + 16 * Dk;           // the out_b product
   for (int J = 0; J + 1 < C / 16; ++J) {
     const int r0 = 16 * J + 16, rows = C - r0, rho = 16 * J + 15;
     __syncthreads();  // out_f/out_b (diagonal pass or the previous J) and tmp are settled
@@ -640,9 +639,9 @@ __global__ void __launch_bounds__(256, 1)
   T* sS = reinterpret_cast<T*>(smem_bytes);
   T* sdS = sS + Tr::kStateElems;
   T* sW = sdS + Tr::kStateElems;
-  T* sK = sW + Tr::kKElems;  // K_
-  T* sU = sK + Tr::kKElems;  // U, then V' (delta); V (additive)
-  T* sO = sU + Tr::kVElems;  // dO
+  T* sK = sW + Tr::kKElems;   // K_
+  T* sU = sK + Tr::kKElems;   // U, then V' (delta); V (additive)
+  T* sO = sU + Tr::kVElems;   // dO
   T* sdV = sO + Tr::kVElems;  // dV'
   T* sA = sdV + Tr::kVElems;
 
@@ -657,10 +656,8 @@ __global__ void __launch_bounds__(256, 1)
   float* out = a.ws_sp + static_cast<int64_t>(blockIdx.x) * Tr::kOutFloats;
 
   // ---- 16-bit tiles by cp.async (the workspace's rows past L are zeros) ----
-  copy_tile_async<Tr::kThreads>(sK, kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk, C,
-                                Dk);
-  copy_tile_async<Tr::kThreads>(sU, kLdV, static_cast<const T*>(f.ws_u) + tile * C * Dv, Dv, C,
-                                Dv);
+  copy_tile_async<Tr::kThreads>(sK, kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk, C, Dk);
+  copy_tile_async<Tr::kThreads>(sU, kLdV, static_cast<const T*>(f.ws_u) + tile * C * Dv, Dv, C, Dv);
   copy_tile_async<Tr::kThreads>(sA, kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C, C);
   if constexpr (kDelta)
     copy_tile_async<Tr::kThreads>(sW, kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk, C,
@@ -706,8 +703,8 @@ __global__ void __launch_bounds__(256, 1)
             make_uint2(pack2<T>(xs[it].x, xs[it].y), pack2<T>(xs[it].z, xs[it].w));
         *reinterpret_cast<uint2*>(sdS + d * kLdV + j) =
             make_uint2(pack2<T>(xd[it].x, xd[it].y), pack2<T>(xd[it].z, xd[it].w));
-        float p = xs[it].x * xd[it].x + xs[it].y * xd[it].y + xs[it].z * xd[it].z +
-                  xs[it].w * xd[it].w;
+        float p =
+            xs[it].x * xd[it].x + xs[it].y * xd[it].y + xs[it].z * xd[it].z + xs[it].w * xd[it].w;
 #pragma unroll
         for (int off = kGroup / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
         if constexpr (kRowVecs <= 32) {
@@ -730,7 +727,7 @@ __global__ void __launch_bounds__(256, 1)
   };
   // Writes a slab (times `sign`) to out[off] (pitch `ld`), and with `copy`
   // also as T into shared memory (pitch ldc).
-  auto store_slab = [&](const float (&acc)[4][4], int m0, int n0, int64_t off, int ld, float sign,
+  auto store_slab = [&](const float(&acc)[4][4], int m0, int n0, int64_t off, int ld, float sign,
                         T* copy, int ldc) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -791,6 +788,7 @@ __global__ void __launch_bounds__(256, 1)
 
 }  // namespace statescan::cuda::detail
 
+#include "kernels/cuda/chunk_grad_raw16.cuh"
 #include "kernels/cuda/chunk_grad_scan16.cuh"
 #include "kernels/cuda/chunk_intra_grad.cuh"
 #include "kernels/cuda/chunk_intra_grad_vector.cuh"
@@ -1292,6 +1290,31 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
   constexpr int kBV = 16;
   const dim3 scan_grid(Dv / kBV, static_cast<unsigned>(a.f.heads),
                        static_cast<unsigned>(a.f.num_segments));
+  // Linear attention's raw path (ForwardArgs::raw_additive): the scan reads q
+  // and one kernel forms every gradient from the inputs; no prepared tiles.
+  constexpr bool kRawCapable =
+      kDecay == Decay::none && kRule == Rule::additive && !kL2Norm && !std::is_same_v<Elem, float>;
+  SS_CHECK_ARG(kRawCapable || !a.f.raw_additive, "raw_additive",
+               "set for a variant, dtype or L2 norm whose backward needs the prepared tiles");
+  if constexpr (kRawCapable) {
+    if (a.f.raw_additive) {
+      SS_CHECK_ARG(state_grad_only || (a.ws_ds_t != nullptr && a.chunk_states != nullptr),
+                   "workspace", "the raw linear backward needs dS in T and the chunk states");
+      using ScanTr = GradScan16Traits<Elem, Dk, Dv, kBV, false>;
+      using RawTr = GradRaw16Traits<Elem, Dk, Dv>;
+      with_chunk_size(a.f.chunk, [&](auto chunk_tag) {
+        constexpr int kC = decltype(chunk_tag)::value;
+        launch_kernel(chunk_grad_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, true>,
+                      scan_grid, ScanTr::Warps::kThreads, ScanTr::kBytes, stream,
+                      "chunk_grad_scan16_kernel (raw)", a);
+        if (state_grad_only) return;
+        launch_kernel(chunk_grad_raw16_kernel<Elem, Dk, Dv, kC>,
+                      dim3(static_cast<unsigned>(a.f.num_chunks), static_cast<unsigned>(a.f.heads)),
+                      RawTr::kThreads, RawTr::kBytes, stream, "chunk_grad_raw16_kernel", a);
+      });
+      return;
+    }
+  }
   if (std::is_same_v<Elem, float> || a.f.scan_wmma) {
     using ScanTr = GradScanTraits<Elem, Dk, Dv, kBV>;
     launch_kernel(chunk_grad_scan_kernel_tc<kDecay, kRule, Elem, Dk, Dv, kBV>, scan_grid,
@@ -1354,11 +1377,11 @@ void launch_chunk_backward_impl(const BackwardArgs& a, DType dtype, int64_t head
     using Elem = decltype(elem_tag);
     SS_DISPATCH_BOOL(l2norm, kL2Norm, [&] {
       if (head_dim == 64) {
-        launch_backward_kernels<kDecay, kRule, Elem, 64, 64, kL2Norm>(
-            a, state_grad_only, grad_blocks, stream);
+        launch_backward_kernels<kDecay, kRule, Elem, 64, 64, kL2Norm>(a, state_grad_only,
+                                                                      grad_blocks, stream);
       } else if (head_dim == 128) {
-        launch_backward_kernels<kDecay, kRule, Elem, 128, 128, kL2Norm>(
-            a, state_grad_only, grad_blocks, stream);
+        launch_backward_kernels<kDecay, kRule, Elem, 128, 128, kL2Norm>(a, state_grad_only,
+                                                                        grad_blocks, stream);
       } else {
         SS_FAIL("dk", "CUDA backward supports Dk == Dv in {64, 128}, got ", head_dim);
       }

@@ -15,7 +15,8 @@
 // dV' term, and so one barrier per step.
 //   grid (Dv / BV, H, N segments), Scan16Traits::kThreads threads, shared
 //   memory GradScan16Traits::kBytes (D = 128, bf16, BV = 16, delta: 136 KB);
-//   two tile buffers (the next chunk's tiles load during a step).
+//   two tile buffers for delta rules (the next chunk's tiles load during a
+//   step), four for additive ones.
 // Included by chunk_backward.cuh after BackwardArgs.
 #pragma once
 
@@ -34,7 +35,10 @@ struct GradScan16Traits {
   static constexpr int kLdK = Dk + 8;         // Q^, K_, W (16-bit, 16 bytes of padding)
   static constexpr int kLdC = kMaxChunk + 8;  // A
   static constexpr int kLdB = BV + 8;         // dO, -dV', the copy of dS
-  static constexpr int kStages = 2;
+  // Tile buffers: additive rules have no product on the path to a step's
+  // barrier, so a step is as short as its loads allow and more chunks in
+  // flight pay (the raw linear scan at 32K on an H200: 2 -> 4 buffers, 0.70 -> 0.46 ms).
+  static constexpr int kStages = kDelta ? 2 : 4;
   static constexpr size_t kABytes = kDelta ? align_smem(sizeof(T) * kMaxChunk * kLdC) : 0;
   static constexpr size_t kKBytes = align_smem(sizeof(T) * kMaxChunk * kLdK);
   static constexpr size_t kDOBytes = align_smem(sizeof(T) * kMaxChunk * kLdB);
@@ -49,9 +53,17 @@ struct GradScan16Traits {
   static_assert(kBytes <= 227 * 1024, "chunk_grad_scan16_kernel exceeds Hopper shared memory");
 };
 
-template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk>
+// kRaw (linear attention without the L2 norm, ForwardArgs::raw_additive):
+// Q^ = scale q, so q comes straight from the inputs (rows past the sequence's
+// end zeroed), dS += scale (q^T dO) with the scale applied to the fp32
+// product, and dS_{c+1} is saved rounded to T (ws_ds_t) for
+// chunk_grad_raw16_kernel, whose products read it in T anyway.
+template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk,
+          bool kRaw = false>
 __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::delta>::kThreads))
     chunk_grad_scan16_kernel(const __grid_constant__ BackwardArgs a) {
+  static_assert(!kRaw || (kDecay == Decay::none && kRule == Rule::additive),
+                "only ungated additive rules read q from the inputs");
   constexpr bool kDelta = kRule == Rule::delta;
   using Tr = GradScan16Traits<T, Dk, Dv, BV, kDelta>;
   using Wr = typename Tr::Warps;
@@ -108,8 +120,13 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
       copy_rows_async<kCopyThreads, kChunk, Dk>(
           stW(st), kLdK, static_cast<const T*>(f.ws_w) + tile * kChunk * Dk, Dk, copy_tid);
     }
-    copy_rows_async<kCopyThreads, kChunk, Dk>(
-        stQ(st), kLdK, static_cast<const T*>(f.ws_q) + tile * kChunk * Dk, Dk, copy_tid);
+    if constexpr (kRaw)
+      copy_rows_async_masked<kCopyThreads, kChunk, Dk>(
+          stQ(st), kLdK, static_cast<const T*>(f.q) + (token0 * H + h) * Dk,
+          static_cast<int>(H * Dk), copy_tid, length);
+    else
+      copy_rows_async<kCopyThreads, kChunk, Dk>(
+          stQ(st), kLdK, static_cast<const T*>(f.ws_q) + tile * kChunk * Dk, Dk, copy_tid);
     constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = BV / kVec;
     constexpr int kIters = (kChunk * kPerRow + kCopyThreads - 1) / kCopyThreads;
 #pragma unroll
@@ -127,8 +144,12 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     if constexpr (kDecay != Decay::none)
       copy_rows_async<kCopyThreads, 1, Dk>(stGamma(st), Dk, f.ws_decay + tile * Dk, Dk, copy_tid);
   };
-  if (chunks > 0 && copy_warp) prefetch(chunks - 1, 0);
-  cp_async_commit();
+  // Step i takes chunk chunks - 1 - i from buffer i % kStages; every thread
+  // commits one group per chunk (empty for threads that copy nothing).
+  for (int p = 0; p < kStages - 1; ++p) {
+    if (p < chunks && copy_warp) prefetch(chunks - 1 - p, p);
+    cp_async_commit();
+  }
 
   WarpStateTiles<Dv, kOwnNT> ds(r0, c0);
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
@@ -140,18 +161,25 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   store_copy();
 
   float* ws_ds = a.ws_ds != nullptr ? a.ws_ds + first_tile * kStateElems + col0 : nullptr;
+  T* ws_ds_t = kRaw && a.ws_ds_t != nullptr
+                   ? static_cast<T*>(a.ws_ds_t) + first_tile * kStateElems + col0
+                   : nullptr;
   // Saves dS (= dS_{c+1}) for chunk cl, then dS <- diag(gamma) dS.
   auto save_and_decay = [&](int cl, int st) {
     if (ws_ds != nullptr) ds.store_pairs(ws_ds + cl * H * kStateElems);
+    if (ws_ds_t != nullptr) ds.store_pairs(ws_ds_t + cl * H * kStateElems);
     if constexpr (kDecay != Decay::none) ds.scale_rows(stGamma(st));
   };
 
-  for (int cl = chunks - 1, st = 0; cl >= 0; --cl, st ^= 1) {
-    cp_async_wait<0>();  // this chunk's tiles (the only group in flight)
+  for (int cl = chunks - 1, st = 0; cl >= 0; --cl, st = st + 1 == kStages ? 0 : st + 1) {
+    // This chunk's group is complete once at most kStages - 2 younger ones
+    // are pending.
+    cp_async_wait<kStages - 2>();
     // Its tiles and the copy of dS visible to every warp; every warp is done
     // with the previous (later) chunk, so that buffer can be refilled.
     __syncthreads();
-    if (copy_warp && cl > 0) prefetch(cl - 1, st ^ 1);
+    if (copy_warp && cl - (kStages - 1) >= 0)
+      prefetch(cl - (kStages - 1), st == 0 ? kStages - 1 : st - 1);
     cp_async_commit();
 
     if constexpr (kDelta) {
@@ -175,7 +203,10 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     }
 
     // dS += Q^^T dO (+ W^T (-dV')): Q^, W stored [t][d], the transposed operands.
-    ds.add_xt_y(stQ(st), kLdK, stO(st), kLdB, kChunk);
+    if constexpr (kRaw)
+      ds.add_scaled_xt_y(f.scale, stQ(st), kLdK, stO(st), kLdB, kChunk);
+    else
+      ds.add_xt_y(stQ(st), kLdK, stO(st), kLdB, kChunk);
     if constexpr (kDelta) ds.add_xt_y(stW(st), kLdK, sdVneg, kLdB, kChunk);
     store_copy();
   }

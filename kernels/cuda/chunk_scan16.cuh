@@ -124,10 +124,26 @@ struct WarpStateTiles {
   // in shared memory: the scans' state updates S += K_^T V', dS += Q^^T dO.
   template <typename T>
   __device__ void add_xt_y(const T* x, int ldx, const T* y, int ldy, int K) {
+    xt_y(v, x, ldx, y, ldy, K);
+  }
+  // v += scale X^T Y, the product formed in fp32 first: the raw linear
+  // backward scan's dS += scale q^T dO, with q entering the product as given.
+  template <typename T>
+  __device__ void add_scaled_xt_y(float scale, const T* x, int ldx, const T* y, int ldy, int K) {
+    float p[kOwnNT][4] = {};
+    xt_y(p, x, ldx, y, ldy, K);
+#pragma unroll
+    for (int j = 0; j < kOwnNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[j][e] += scale * p[j][e];
+  }
+  template <typename T>
+  __device__ void xt_y(float (&acc)[kOwnNT][4], const T* x, int ldx, const T* y, int ldy,
+                       int K) const {
     if constexpr (kOwnNT == 1)
-      warp_mm_16x8<T, true>(v[0], x, ldx, y, ldy, r0, c0, K);
+      warp_mm_16x8<T, true>(acc[0], x, ldx, y, ldy, r0, c0, K);
     else
-      warp_mm_16xn<T, true, true, kOwnNT>(v, x, ldx, y, ldy, r0, c0, K);
+      warp_mm_16xn<T, true, true, kOwnNT>(acc, x, ldx, y, ldy, r0, c0, K);
   }
   // v <- diag(factor) v (factor indexed by the block's rows).
   __device__ void scale_rows(const float* factor) {

@@ -199,7 +199,7 @@ Prepared prepare_backward(const MixerBwdParams& p, bool recompute, const Backwar
   // pointer stands in when the caller passed none.
   MixerParams fwd = p;
   if (fwd.o == nullptr) fwd.o = base;
-  int stages = detail::kStagePrepare;
+  int stages = 0;
   if (recompute) {
     fwd.chunk_states = reinterpret_cast<float*>(base + l.states);
     fwd.final_state = nullptr;
@@ -211,7 +211,8 @@ Prepared prepare_backward(const MixerBwdParams& p, bool recompute, const Backwar
   Prepared prep;
   prep.plan = detail::plan_forward(fwd, base + l.forward, l.ds - l.forward, stream, kPrepareOnly);
   prep.chunk_states = fwd.chunk_states;
-  detail::launch_forward_stages(fwd, prep.plan.args, stages, stream);
+  if (detail::backward_reads_tiles(prep.plan.args)) stages |= detail::kStagePrepare;
+  if (stages != 0) detail::launch_forward_stages(fwd, prep.plan.args, stages, stream);
   return prep;
 }
 
@@ -233,6 +234,11 @@ void run_backward(const MixerBwdParams& p, const Prepared& prep, const BackwardL
   a.dbeta = p.dbeta;
   a.d_initial_state = p.d_initial_state;
   a.ws_ds = p.state_grad_only ? nullptr : reinterpret_cast<float*>(rest);
+  if (a.f.raw_additive) {
+    // The raw linear path keeps dS_{c+1} in T (its products read it so).
+    a.ws_ds_t = a.ws_ds;
+    a.ws_ds = nullptr;
+  }
   a.ws_scratch =
       uses_state_products(p) ? nullptr : reinterpret_cast<float*>(rest + (l.scratch - l.ds));
   if (l.sp_batch > 0) {

@@ -49,6 +49,12 @@ inline int forward_stages(const ForwardArgs& a) {
   return a.raw_additive ? (kStageScan | kStageOutput) : kAllStages;
 }
 
+// Whether a backward of this forward reads the prepare stage's tiles: the raw
+// linear path's kernels read the inputs (chunk_grad_raw16.cuh).
+inline bool backward_reads_tiles(const ForwardArgs& a) {
+  return !a.raw_additive;
+}
+
 // Launches `stages` (ForwardStage bits) of the variant's kernels with `a`.
 void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stages,
                            cudaStream_t stream);

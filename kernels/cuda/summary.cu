@@ -430,7 +430,7 @@ AdoptedForward adopt(PreparedForward& forward) {
   SS_CHECK_ARG(forward.impl_ && forward.impl_->workspace != nullptr, "forward",
                "holds no prepared workspace (already handed over)");
   PreparedForward::Impl& s = *forward.impl_;
-  if (!s.tiles_ready) {
+  if (!s.tiles_ready && backward_reads_tiles(s.plan.args)) {
     // The backward reads the prepared tiles, which this forward did not need.
     launch_forward_stages(s.params, s.plan.args, kStagePrepare, s.stream);
     s.tiles_ready = true;
