@@ -12,8 +12,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -339,6 +339,29 @@ TEST_P(CudaForward, DecodeMatchesChunkwise) {
   gpu.run_decode();
   EXPECT_LE(rel_rms(gpu.o(), chunk_o), tol()) << "o";
   EXPECT_LE(rel_rms(gpu.final_state(), chunk_state), tol()) << "final state";
+}
+
+// Linear attention with 16-bit inputs and no L2 norm runs kernels that read
+// q, k, v themselves: its workspaces hold no tiles (the same problem with the
+// L2 norm, whose tiles the prepare stage writes, needs more), and no other
+// problem takes that path.
+TEST_P(CudaForward, WorkspaceHoldsTilesOnlyWhereKernelsReadThem) {
+  ref::Problem p = random_problem(spec(), seed(11));
+  GpuProblem gpu(p, dtype(), 64);
+  MixerParams plain = gpu.params();
+  plain.l2norm_qk = false;
+  MixerParams normed = plain;
+  normed.l2norm_qk = true;
+  const bool raw = variant() == Variant::linear && dtype() != DType::f32;
+  EXPECT_EQ(cuda::reads_inputs_directly(plain), raw);
+  EXPECT_FALSE(cuda::reads_inputs_directly(normed));
+  if (raw) {
+    EXPECT_LT(cuda::forward_workspace_bytes(plain), cuda::forward_workspace_bytes(normed));
+    EXPECT_LT(cuda::backward_workspace_bytes(plain), cuda::backward_workspace_bytes(normed));
+  } else {
+    EXPECT_EQ(cuda::forward_workspace_bytes(plain), cuda::forward_workspace_bytes(normed));
+    EXPECT_EQ(cuda::backward_workspace_bytes(plain), cuda::backward_workspace_bytes(normed));
+  }
 }
 
 TEST_P(CudaForward, RejectsUnsupportedHeadDim) {

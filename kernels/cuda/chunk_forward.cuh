@@ -865,6 +865,8 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
                "set for a variant, dtype or L2 norm whose tiles need the prepare stage");
   SS_CHECK_ARG(!a.raw_additive || !(a.scan_wmma || a.prepare_fp32_tiles), "raw_additive",
                "cannot be combined with the STATESCAN_SCAN / STATESCAN_PREPARE A/B knobs");
+  SS_CHECK_ARG(!a.raw_additive || !(stages & kStagePrepare), "stages",
+               "the raw linear path has no tile workspace for the prepare stage");
   if (stages & kStagePrepare) {
     const dim3 grid(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.heads));
     if (std::is_same_v<Elem, float> || a.prepare_fp32_tiles) {

@@ -14,9 +14,9 @@
 // and dS at the segment's start is d_initial_state. Additive rules have no
 // dV' term, and so one barrier per step.
 //   grid (Dv / BV, H, N segments), Scan16Traits::kThreads threads, shared
-//   memory GradScan16Traits::kBytes (D = 128, bf16, BV = 16, delta: 136 KB);
-//   two tile buffers for delta rules (the next chunk's tiles load during a
-//   step), four for additive ones.
+//   memory GradScan16Traits::kBytes (D = 128, bf16, BV = 16, delta: 200 KB);
+//   three tile buffers for delta rules (the next two chunks' tiles load
+//   during a step), four for additive ones.
 // Included by chunk_backward.cuh after BackwardArgs.
 #pragma once
 
@@ -37,8 +37,10 @@ struct GradScan16Traits {
   static constexpr int kLdB = BV + 8;         // dO, -dV', the copy of dS
   // Tile buffers: additive rules have no product on the path to a step's
   // barrier, so a step is as short as its loads allow and more chunks in
-  // flight pay (the raw linear scan at 32K on an H200: 2 -> 4 buffers, 0.70 -> 0.46 ms).
-  static constexpr int kStages = kDelta ? 2 : 4;
+  // flight pay (the raw linear scan at 32K on an H200: 2 -> 4 buffers,
+  // 0.70 -> 0.46 ms); delta rules fit three (D = 128: 2 -> 3 buffers,
+  // deltanet 1.00 -> 0.87 ms).
+  static constexpr int kStages = kDelta ? 3 : 4;
   static constexpr size_t kABytes = kDelta ? align_smem(sizeof(T) * kMaxChunk * kLdC) : 0;
   static constexpr size_t kKBytes = align_smem(sizeof(T) * kMaxChunk * kLdK);
   static constexpr size_t kDOBytes = align_smem(sizeof(T) * kMaxChunk * kLdB);

@@ -3,11 +3,12 @@
 // chunk_backward.cuh; the forward's prepare stage is re-run (forward_plan.cuh)
 // to recompute the tiles the reverse scan reads.
 //
-// Workspace, every piece 256-byte aligned:
+// Workspace, every piece 256-byte aligned (the raw linear path,
+// reads_inputs_directly, has no tiles and no state-product region):
 //   [prepare-stage workspace (detail::prepare_workspace_bytes)]  Q^, K_, W, U,
 //        A, gamma in T (with recompute_chunk_states the scan stage runs on the
 //        same plan and writes only the fp32 chunk states at the end)
-//   [dS_{c+1} per chunk, fp32 [chunks, H, Dk, Dv]]
+//   [dS_{c+1} per chunk, fp32 [chunks, H, Dk, Dv]; in T on the raw linear path]
 //   [fp32 inputs: chunk_grad_kernel_tc scratch, fp32, one slice per persistent block]
 //   [16-bit inputs: chunk_state_products_kernel's outputs for one batch of
 //    (chunk, head) items, fp32 (StateProductTraits::kOutFloats per item)]
@@ -59,7 +60,7 @@ int grad_blocks(const MixerParams& p) {
 constexpr int64_t kStateProductItemsPerBlock = 32;
 
 bool uses_state_products(const MixerParams& p) {
-  return p.dtype != DType::f32;
+  return p.dtype != DType::f32 && !reads_inputs_directly(p);
 }
 
 // STATESCAN_BWD_BATCH=<items> overrides the batch (less memory, more launches;
@@ -89,18 +90,20 @@ struct BackwardLayout {
 // `recompute`: room for the fp32 chunk states the backward re-derives.
 BackwardLayout layout_for(const MixerParams& p, bool recompute) {
   BackwardLayout l;
-  const size_t states =
-      align_up(static_cast<size_t>(max_chunks(p) * p.heads * p.dk * p.dv) * sizeof(float));
+  const size_t state_elems = static_cast<size_t>(max_chunks(p) * p.heads * p.dk * p.dv);
+  const size_t states = align_up(state_elems * sizeof(float));
   // No V' or T-typed states: the output kernel never runs here (the
   // recompute's scan writes only the fp32 chunk states, at the end).
   size_t at = align_up(detail::prepare_workspace_bytes(p));
   l.forward = 0;
   l.ds = at;
-  at += states;
+  // dS_{c+1} per chunk: fp32, or in T on the raw linear path (ws_ds_t).
+  at += reads_inputs_directly(p) ? align_up(state_elems * size_of(p.dtype)) : states;
   l.scratch = at;
   // chunk_grad_kernel_tc's per-block scratch: fp32 inputs only (16-bit inputs
-  // take the state-product and intra-chunk kernels, which need none).
-  if (!uses_state_products(p))
+  // take the state-product and intra-chunk kernels, or the raw linear
+  // gradient kernel, which need none).
+  if (p.dtype == DType::f32)
     at +=
         align_up(static_cast<size_t>(grad_blocks(p) * scratch_floats_per_block(p)) * sizeof(float));
   l.sp = at;
@@ -240,7 +243,7 @@ void run_backward(const MixerBwdParams& p, const Prepared& prep, const BackwardL
     a.ws_ds = nullptr;
   }
   a.ws_scratch =
-      uses_state_products(p) ? nullptr : reinterpret_cast<float*>(rest + (l.scratch - l.ds));
+      p.dtype == DType::f32 ? reinterpret_cast<float*>(rest + (l.scratch - l.ds)) : nullptr;
   if (l.sp_batch > 0) {
     a.ws_sp = reinterpret_cast<float*>(rest + (l.sp - l.ds));
     a.sp_batch = l.sp_batch;

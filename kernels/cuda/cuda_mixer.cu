@@ -42,11 +42,14 @@ size_t align_up(size_t x) {
 
 // prepare_only: without V' and the T-typed states, which only the scan stage
 // writes (the backward re-runs the prepare stage alone).
+// Kernels that read their inputs directly (reads_inputs_directly) take no
+// tiles: those pieces are empty.
 WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
   const size_t chunks = static_cast<size_t>(max_chunks(p));
   const size_t H = static_cast<size_t>(p.heads), C = static_cast<size_t>(p.chunk);
   const size_t elem = size_of(p.dtype);
-  const size_t tile_k = chunks * H * C * static_cast<size_t>(p.dk) * elem;
+  const bool tiles = !reads_inputs_directly(p);
+  const size_t tile_k = tiles ? chunks * H * C * static_cast<size_t>(p.dk) * elem : 0;
   WorkspaceLayout l;
   size_t at = 0;
   auto take = [&](size_t bytes) {
@@ -57,9 +60,9 @@ WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
   l.q = take(tile_k);
   l.k = take(tile_k);
   l.w = take(has_beta(p.variant) ? tile_k : 0);
-  l.u = take(chunks * H * C * static_cast<size_t>(p.dv) * elem);
-  l.a = take(chunks * H * C * C * elem);
-  l.decay = take(chunks * H * static_cast<size_t>(p.dk) * sizeof(float));
+  l.u = take(tiles ? chunks * H * C * static_cast<size_t>(p.dv) * elem : 0);
+  l.a = take(tiles ? chunks * H * C * C * elem : 0);
+  l.decay = take(tiles ? chunks * H * static_cast<size_t>(p.dk) * sizeof(float) : 0);
   l.vnew = take(
       has_beta(p.variant) && !prepare_only ? chunks * H * C * static_cast<size_t>(p.dv) * elem : 0);
   // The output kernel reads the chunk states in the element type; fp32
@@ -107,6 +110,19 @@ const KernelKnobs& kernel_knobs() {
   }();
   return knobs;
 }
+
+}  // namespace
+
+bool reads_inputs_directly(const MixerParams& p) {
+  // Linear attention's tiles are copies of its inputs (K_ = k, U = v) or
+  // products the output kernel forms itself, unless the L2 norm rewrites q,
+  // k; fp32 inputs and the A/B knobs keep the tile kernels.
+  const KernelKnobs& k = kernel_knobs();
+  return p.variant == Variant::linear && !p.l2norm_qk && p.dtype != DType::f32 &&
+         !k.prepare_fp32_tiles && !k.scan_wmma && !k.linear_tiles;
+}
+
+namespace {
 
 bool aligned16(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
@@ -175,12 +191,15 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   ForwardArgs& a = plan.args;
   static_cast<MixerTensors&>(a) = tensors_of(p);
   a.chunk_states = p.chunk_states;
-  a.ws_q = base + l.q;
-  a.ws_k = base + l.k;
-  a.ws_w = has_beta(p.variant) ? base + l.w : nullptr;
-  a.ws_u = base + l.u;
-  a.ws_a = base + l.a;
-  a.ws_decay = reinterpret_cast<float*>(base + l.decay);
+  a.raw_additive = reads_inputs_directly(p);
+  // The raw path's layout has no tiles: null pointers, never aliases.
+  auto tile = [&](size_t offset) { return a.raw_additive ? nullptr : base + offset; };
+  a.ws_q = tile(l.q);
+  a.ws_k = tile(l.k);
+  a.ws_w = has_beta(p.variant) ? tile(l.w) : nullptr;
+  a.ws_u = tile(l.u);
+  a.ws_a = tile(l.a);
+  a.ws_decay = reinterpret_cast<float*>(tile(l.decay));
   a.ws_vnew = has_beta(p.variant) && !prepare_only ? base + l.vnew : nullptr;
   a.ws_states = p.dtype == DType::f32 && p.chunk_states != nullptr
                     ? static_cast<void*>(p.chunk_states)
@@ -190,10 +209,6 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.scan_block_cols = kernel_knobs().scan_block_cols;
   a.prepare_fp32_tiles = kernel_knobs().prepare_fp32_tiles;
   a.scan_wmma = kernel_knobs().scan_wmma;
-  // Linear attention's tiles are copies of its inputs (K_ = k, U = v) or
-  // products the output kernel forms itself, unless the L2 norm rewrites q, k.
-  a.raw_additive = p.variant == Variant::linear && !p.l2norm_qk && p.dtype != DType::f32 &&
-                   !a.prepare_fp32_tiles && !a.scan_wmma && !kernel_knobs().linear_tiles;
   a.heads = p.heads;
   a.seq_len = p.seq_len;
   a.chunk = static_cast<int>(p.chunk);

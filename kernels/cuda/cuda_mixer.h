@@ -28,6 +28,12 @@ size_t forward_workspace_bytes(const MixerParams& p);
 void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
                    cudaStream_t stream);
 
+// Whether the chunkwise kernels of `p` read q, k, v themselves rather than
+// tiles a prepare stage writes (linear attention with 16-bit inputs and no L2
+// norm, unless STATESCAN_LINEAR=tiles): their forward and backward
+// workspaces hold no tiles, and the backward has no state-product batches.
+bool reads_inputs_directly(const MixerParams& p);
+
 // Token-by-token recurrent forward (serving, and a cross-check of the
 // chunkwise path): state in from initial_state (zeros if null), o for every
 // token, state out to final_state when given. chunk_states is ignored.
