@@ -22,6 +22,9 @@
 //      batch preceded by chunk_state_products_kernel, which computes the
 //      products with S_c and dS_{c+1} (V', dV', dW and the state parts of gq,
 //      gk) from the prepared 16-bit tiles with operands in shared memory.
+// Linear attention on its raw path (ForwardArgs::raw_additive: 16-bit, no L2
+// norm) skips stage 0 and runs the scan with q read from the inputs, then
+// chunk_grad_raw16_kernel (chunk_grad_raw16.cuh) for every gradient.
 // Every exponential is an exponent difference that is <= 0 (gradients are
 // taken "in k-space": w.r.t. the normalised q, k, never through e^{-b}), so
 // strong gates do not overflow. No atomics: every output element is written by
