@@ -109,24 +109,18 @@ __global__ void __launch_bounds__(256, 2)
 
   const ForwardArgs& f = a.f;
   const int64_t c = blockIdx.x, h = blockIdx.y, H = f.heads;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, i2 = 2 * (lane % 4);
+  const int tid = threadIdx.x, warp = tid / 32;
   int64_t token0;
   int length;
   chunk_geometry(f, c, token0, length);
   const int64_t row0 = token0 * H + h;
-  const int ldk = static_cast<int>(H * Dk), ldv = static_cast<int>(H * Dv);
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
   const int64_t state_off = (c * H + h) * kStateElems;
 
-  copy_rows_async_masked<kThreads, kChunk, Dk>(sQ, kLdK, static_cast<const T*>(f.q) + row0 * Dk,
-                                               ldk, tid, length);
-  copy_rows_async_masked<kThreads, kChunk, Dk>(sK, kLdK, static_cast<const T*>(f.k) + row0 * Dk,
-                                               ldk, tid, length);
-  copy_rows_async_masked<kThreads, kChunk, Dv>(sV, kLdV, static_cast<const T*>(f.v) + row0 * Dv,
-                                               ldv, tid, length);
-  copy_rows_async_masked<kThreads, kChunk, Dv>(sO, kLdV, static_cast<const T*>(a.d_o) + row0 * Dv,
-                                               ldv, tid, length);
+  copy_chunk_rows_async<kThreads, kChunk, Dk, Dk, T>(sQ, kLdK, f.q, token0, H, h, 0, tid, length);
+  copy_chunk_rows_async<kThreads, kChunk, Dk, Dk, T>(sK, kLdK, f.k, token0, H, h, 0, tid, length);
+  copy_chunk_rows_async<kThreads, kChunk, Dv, Dv, T>(sV, kLdV, f.v, token0, H, h, 0, tid, length);
+  copy_chunk_rows_async<kThreads, kChunk, Dv, Dv, T>(sO, kLdV, a.d_o, token0, H, h, 0, tid, length);
   cp_async_commit();
   // S_c is the forward's fp32 chunk state: rounded to T on the way in, while
   // the copies above are in flight.
@@ -155,17 +149,7 @@ __global__ void __launch_bounds__(256, 2)
   auto causal = [](int t, int s) { return s <= t; };      // P[t][s], s <= t
   auto anticausal = [](int s, int t) { return t >= s; };  // P^T[s][t], t >= s
   auto store = [&](void* out, const float(&acc)[kNT][4]) {
-    T* base = static_cast<T*>(out);
-#pragma unroll
-    for (int e = 0; e < 4; e += 2) {
-      const int t = r0 + g + 4 * e;
-      if (t < length) {
-        T* row = base + (row0 + static_cast<int64_t>(t) * H) * Dv + n0 + i2;
-#pragma unroll
-        for (int j = 0; j < kNT; ++j)
-          *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2<T>(acc[j][e], acc[j][e + 1]);
-      }
-    }
+    store_chunk_slab<T, Dv>(out, row0, H, r0, n0, length, acc, 1.f);
   };
 
   if (active) {

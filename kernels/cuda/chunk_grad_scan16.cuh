@@ -100,7 +100,6 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const int copy_tid = tid - 32 * kCopyWarp0;
   const int r0 = 16 * (warp / Wr::kWarpsPerRow), c0 = 8 * kOwnNT * (warp % Wr::kWarpsPerRow);
   const int wi = warp / (BV / 8), wc = 8 * (warp % (BV / 8));  // dV' tile (product warps)
-  const T* d_o = static_cast<const T*>(a.d_o);
 
   int64_t first_chunk, num_chunks;
   segment_chunks(f, n, first_chunk, num_chunks);
@@ -123,26 +122,13 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
           stW(st), kLdK, static_cast<const T*>(f.ws_w) + tile * kChunk * Dk, Dk, copy_tid);
     }
     if constexpr (kRaw)
-      copy_rows_async_masked<kCopyThreads, kChunk, Dk>(
-          stQ(st), kLdK, static_cast<const T*>(f.q) + (token0 * H + h) * Dk,
-          static_cast<int>(H * Dk), copy_tid, length);
+      copy_chunk_rows_async<kCopyThreads, kChunk, Dk, Dk, T>(stQ(st), kLdK, f.q, token0, H, h, 0,
+                                                             copy_tid, length);
     else
       copy_rows_async<kCopyThreads, kChunk, Dk>(
           stQ(st), kLdK, static_cast<const T*>(f.ws_q) + tile * kChunk * Dk, Dk, copy_tid);
-    constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kPerRow = BV / kVec;
-    constexpr int kIters = (kChunk * kPerRow + kCopyThreads - 1) / kCopyThreads;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int idx = copy_tid + it * kCopyThreads;
-      const int t = idx / kPerRow, j = (idx % kPerRow) * kVec;
-      if (t < kChunk) {
-        T* dst = stO(st) + t * kLdB + j;
-        if (t < length)
-          cp_async16(dst, d_o + ((token0 + t) * H + h) * Dv + col0 + j);
-        else
-          *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
+    copy_chunk_rows_async<kCopyThreads, kChunk, BV, Dv, T>(stO(st), kLdB, a.d_o, token0, H, h, col0,
+                                                           copy_tid, length);
     if constexpr (kDecay != Decay::none)
       copy_rows_async<kCopyThreads, 1, Dk>(stGamma(st), Dk, f.ws_decay + tile * Dk, Dk, copy_tid);
   };

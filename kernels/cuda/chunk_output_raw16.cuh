@@ -39,6 +39,27 @@ struct OutputRaw16Traits {
   static_assert(Dv % 32 == 0, "each warp takes a whole Dv half of 8-column tile pairs");
 };
 
+// A warp's 16 x 8 kNT accumulator slab (rows r0 + g, r0 + g + 8 of a chunk,
+// columns n0 + 8 j + i2, + 1) times `scale`, to the chunk's rows t < length of
+// head h in a [tokens, H, D] 16-bit tensor (row0 = token0 H + h).
+template <typename T, int D, int kNT>
+__device__ __forceinline__ void store_chunk_slab(void* out, int64_t row0, int64_t H, int r0, int n0,
+                                                 int length, const float (&acc)[kNT][4],
+                                                 float scale) {
+  const int lane = threadIdx.x & 31, g = lane / 4, i2 = 2 * (lane % 4);
+#pragma unroll
+  for (int e = 0; e < 4; e += 2) {
+    const int t = r0 + g + 4 * e;
+    if (t < length) {
+      T* row = static_cast<T*>(out) + (row0 + static_cast<int64_t>(t) * H) * D + n0 + i2;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+        *reinterpret_cast<uint32_t*>(row + 8 * j) =
+            pack2<T>(scale * acc[j][e], scale * acc[j][e + 1]);
+    }
+  }
+}
+
 template <typename T, int Dk, int Dv, int kChunk>
 __global__ void __launch_bounds__(256)
     chunk_output_raw16_kernel(const __grid_constant__ ForwardArgs a) {
@@ -59,13 +80,9 @@ __global__ void __launch_bounds__(256)
   int length;
   chunk_geometry(a, c, token0, length);
   const int64_t row0 = token0 * H + h;
-  const int ldq = static_cast<int>(H * Dk), ldv = static_cast<int>(H * Dv);
-  copy_rows_async_masked<kThreads, kChunk, Dk>(sQ, kLdK, static_cast<const T*>(a.q) + row0 * Dk,
-                                               ldq, tid, length);
-  copy_rows_async_masked<kThreads, kChunk, Dk>(sK, kLdK, static_cast<const T*>(a.k) + row0 * Dk,
-                                               ldq, tid, length);
-  copy_rows_async_masked<kThreads, kChunk, Dv>(sV, kLdV, static_cast<const T*>(a.v) + row0 * Dv,
-                                               ldv, tid, length);
+  copy_chunk_rows_async<kThreads, kChunk, Dk, Dk, T>(sQ, kLdK, a.q, token0, H, h, 0, tid, length);
+  copy_chunk_rows_async<kThreads, kChunk, Dk, Dk, T>(sK, kLdK, a.k, token0, H, h, 0, tid, length);
+  copy_chunk_rows_async<kThreads, kChunk, Dv, Dv, T>(sV, kLdV, a.v, token0, H, h, 0, tid, length);
   copy_rows_async<kThreads, Dk, Dv>(
       sS, kLdV, static_cast<const T*>(a.ws_states) + (c * H + h) * static_cast<int64_t>(Dk) * Dv,
       Dv, tid);
@@ -105,18 +122,7 @@ __global__ void __launch_bounds__(256)
     float acc[kNT][4] = {};
     warp_mm_16xn<T, false, true, kNT>(acc, sQ, kLdK, sS, kLdV, r0, n0, Dk);
     warp_mm_16xn<T, false, true, kNT>(acc, sA, kLdC, sV, kLdV, r0, n0, r0 + 16);
-    T* o = static_cast<T*>(a.o);
-#pragma unroll
-    for (int e = 0; e < 4; e += 2) {
-      const int t = r0 + g + 4 * e;
-      if (t < length) {
-        T* row = o + (row0 + static_cast<int64_t>(t) * H) * Dv + n0 + i2;
-#pragma unroll
-        for (int j = 0; j < kNT; ++j)
-          *reinterpret_cast<uint32_t*>(row + 8 * j) =
-              pack2<T>(a.scale * acc[j][e], a.scale * acc[j][e + 1]);
-      }
-    }
+    store_chunk_slab<T, Dv>(a.o, row0, H, r0, n0, length, acc, a.scale);
   }
 }
 

@@ -224,13 +224,10 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
       int64_t token0;
       int length;
       chunk_geometry(a, first_chunk + cl, token0, length);
-      const int64_t row0 = token0 * H + h;
-      copy_rows_async_masked<kCopyThreads, kChunk, Dk>(stage_k(st), kLdK,
-                                                       static_cast<const T*>(a.k) + row0 * Dk,
-                                                       static_cast<int>(H * Dk), copy_tid, length);
-      copy_rows_async_masked<kCopyThreads, kChunk, BV>(
-          stage_u(st), kLdB, static_cast<const T*>(a.v) + row0 * Dv + col0,
-          static_cast<int>(H * Dv), copy_tid, length);
+      copy_chunk_rows_async<kCopyThreads, kChunk, Dk, Dk, T>(stage_k(st), kLdK, a.k, token0, H, h,
+                                                             0, copy_tid, length);
+      copy_chunk_rows_async<kCopyThreads, kChunk, BV, Dv, T>(stage_u(st), kLdB, a.v, token0, H, h,
+                                                             col0, copy_tid, length);
       return;
     }
     const int64_t step = cl * H;

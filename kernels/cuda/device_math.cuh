@@ -113,25 +113,12 @@ __device__ __forceinline__ void cp_async_wait() {
 // offsets are loop-invariant across a kernel's chunks. Offsets are 32-bit (a
 // tile is far below 2^31 elements): only the base pointer is 64-bit
 // arithmetic.
-template <int kThreads, int kRows, int kCols, typename T>
-__device__ __forceinline__ void copy_rows_async(T* dst, int ld_dst, const T* src, int ld_src,
-                                                int t) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  constexpr int kPerRow = kCols / kVec;
-  constexpr int kIters = (kRows * kPerRow + kThreads - 1) / kThreads;
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int idx = t + it * kThreads;
-    const int i = idx / kPerRow, j = (idx % kPerRow) * kVec;
-    if (i < kRows) cp_async16(dst + (i * ld_dst + j), src + (i * ld_src + j));
-  }
-}
-
-// As copy_rows_async from a tile whose rows past `valid_rows` do not exist
-// (the last chunk of a sequence): those rows of `dst` are zeroed instead, so
-// they add nothing to the products that read the tile. The zeros are plain
-// shared stores, visible to the block after the barrier that follows the
-// cp.async wait.
+//
+// copy_rows_async_masked reads a tile whose rows past `valid_rows` do not
+// exist (the last chunk of a sequence): those rows of `dst` are zeroed
+// instead, so they add nothing to the products that read the tile. The zeros
+// are plain shared stores, visible to the block after the barrier that
+// follows the cp.async wait.
 template <int kThreads, int kRows, int kCols, typename T>
 __device__ __forceinline__ void copy_rows_async_masked(T* dst, int ld_dst, const T* src, int ld_src,
                                                        int t, int valid_rows) {
@@ -149,6 +136,25 @@ __device__ __forceinline__ void copy_rows_async_masked(T* dst, int ld_dst, const
         *reinterpret_cast<uint4*>(dst + (i * ld_dst + j)) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
+}
+
+// Every row valid: the row test folds away (kRows is a constant).
+template <int kThreads, int kRows, int kCols, typename T>
+__device__ __forceinline__ void copy_rows_async(T* dst, int ld_dst, const T* src, int ld_src,
+                                                int t) {
+  copy_rows_async_masked<kThreads, kRows, kCols>(dst, ld_dst, src, ld_src, t, kRows);
+}
+
+// One chunk of a [tokens, H, D] 16-bit input read in place: rows token0 ..
+// token0 + kChunk of head h, columns col0 .. col0 + kCols, rows past `length`
+// zeroed (the kernels that read q, k, v, dO without a prepare stage).
+template <int kThreads, int kChunk, int kCols, int D, typename T>
+__device__ __forceinline__ void copy_chunk_rows_async(T* dst, int ld_dst, const void* src,
+                                                      int64_t token0, int64_t H, int64_t h,
+                                                      int col0, int t, int length) {
+  copy_rows_async_masked<kThreads, kChunk, kCols>(
+      dst, ld_dst, static_cast<const T*>(src) + (token0 * H + h) * D + col0,
+      static_cast<int>(H * D), t, length);
 }
 
 namespace wmma = nvcuda::wmma;
