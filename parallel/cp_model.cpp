@@ -96,22 +96,22 @@ double cp_summary_bytes(const CpLayer& l) {
 
 CpReferenceTimes cp_h200_reference_128k(Variant v) {
   // README.md's Performance tables: statescan-bench --backward on one H200,
-  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-01 (forward v4 and
-  // backward v4: the register-resident scans), forward ms and forward +
-  // backward ms of the same run.
+  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-02 (forward v5 and
+  // backward b13: linear attention's raw path, three tile buffers in the delta
+  // rules' reverse scan), forward ms and forward + backward ms of the same run.
   switch (v) {
     case Variant::linear:
-      return {4.896, 17.082};
+      return {3.345, 7.270};
     case Variant::retention:
-      return {5.033, 17.735};
+      return {5.197, 16.771};
     case Variant::gla:
-      return {5.848, 20.796};
+      return {6.053, 20.013};
     case Variant::deltanet:
-      return {8.972, 30.706};
+      return {8.945, 30.248};
     case Variant::gated_deltanet:
-      return {9.150, 31.882};
+      return {9.176, 31.513};
     case Variant::kda:
-      return {10.452, 37.132};
+      return {10.427, 36.682};
   }
   SS_FAIL("variant", "no H200 reference times");
 }
