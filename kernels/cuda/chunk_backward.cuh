@@ -1295,11 +1295,10 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
                        static_cast<unsigned>(a.f.num_segments));
   // Linear attention's raw path (ForwardArgs::raw_additive): the scan reads q
   // and one kernel forms every gradient from the inputs; no prepared tiles.
-  constexpr bool kRawCapable =
-      kDecay == Decay::none && kRule == Rule::additive && !kL2Norm && !std::is_same_v<Elem, float>;
-  SS_CHECK_ARG(kRawCapable || !a.f.raw_additive, "raw_additive",
+  constexpr bool kRaw = kRawCapable<kDecay, kRule, Elem, kL2Norm>;
+  SS_CHECK_ARG(kRaw || !a.f.raw_additive, "raw_additive",
                "set for a variant, dtype or L2 norm whose backward needs the prepared tiles");
-  if constexpr (kRawCapable) {
+  if constexpr (kRaw) {
     if (a.f.raw_additive) {
       SS_CHECK_ARG(state_grad_only || (a.ws_ds_t != nullptr && a.chunk_states != nullptr),
                    "workspace", "the raw linear backward needs dS in T and the chunk states");

@@ -64,10 +64,10 @@ struct ForwardArgs : MixerTensors {
   int scan_block_cols = 0;          // 16 or 32 to force the scan's Dv block; 0 = by occupancy
   bool prepare_fp32_tiles = false;  // 16-bit inputs through chunk_prepare_kernel (A/B knob)
   bool scan_wmma = false;           // 16-bit inputs through chunk_state_scan_kernel (A/B knob)
-  // Linear attention without the L2 norm, 16-bit: the scan and output stages
-  // read q, k, v themselves (chunk_output_raw16.cuh), so a forward needs no
-  // prepare stage; the prepare stage still writes the tiles when asked (the
-  // backward reads them).
+  // Linear attention without the L2 norm, 16-bit (cuda::reads_inputs_directly):
+  // the scan and output kernels, and the backward's, read q, k, v themselves
+  // (chunk_output_raw16.cuh, chunk_grad_raw16.cuh); the workspace has no tiles
+  // and the prepare stage never runs.
   bool raw_additive = false;
 
   int64_t heads = 0;
@@ -850,6 +850,13 @@ enum ForwardStage : int {
   kAllStages = kStagePrepare | kStageScan | kStageOutput,
 };
 
+// The instantiations whose kernels can read their inputs in place
+// (ForwardArgs::raw_additive), forward and backward; the host sets
+// raw_additive only for them (plan_forward), and a mismatch is a bug.
+template <Decay kDecay, Rule kRule, typename Elem, bool kL2Norm>
+inline constexpr bool kRawCapable = (kDecay == Decay::none) && (kRule == Rule::additive) && !kL2Norm
+                                    && !std::is_same_v<Elem, float>;
+
 // Host launch of the three kernels for one (variant, dtype, head dims, l2norm).
 // The scan's Dv block is 16 columns when those blocks all fit in one wave
 // (one block per multiprocessor; few heads and sequences), else 32: a second
@@ -857,11 +864,8 @@ enum ForwardStage : int {
 template <Decay kDecay, Rule kRule, typename Elem, int Dk, int Dv, bool kL2Norm>
 void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream) {
   using OutTr = OutputTraits<Elem, Dk, Dv>;
-  // The instantiations that can read their tiles from the inputs; the host
-  // sets raw_additive only for them (plan_forward), and a mismatch is a bug.
-  constexpr bool kRawCapable =
-      kDecay == Decay::none && kRule == Rule::additive && !kL2Norm && !std::is_same_v<Elem, float>;
-  SS_CHECK_ARG(kRawCapable || !a.raw_additive, "raw_additive",
+  constexpr bool kRaw = kRawCapable<kDecay, kRule, Elem, kL2Norm>;
+  SS_CHECK_ARG(kRaw || !a.raw_additive, "raw_additive",
                "set for a variant, dtype or L2 norm whose tiles need the prepare stage");
   SS_CHECK_ARG(!a.raw_additive || !(a.scan_wmma || a.prepare_fp32_tiles), "raw_additive",
                "cannot be combined with the STATESCAN_SCAN / STATESCAN_PREPARE A/B knobs");
@@ -892,7 +896,7 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
       using ScanTr = Scan16Traits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
       with_chunk_size(a.chunk, [&](auto chunk_tag) {
         constexpr int kC = decltype(chunk_tag)::value;
-        if constexpr (kRawCapable) {
+        if constexpr (kRaw) {
           if (a.raw_additive) {
             launch_kernel(chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, true>,
                           grid, ScanTr::kThreads, ScanTr::kBytes, stream,
@@ -914,7 +918,7 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
     else
       launch_scan(std::integral_constant<int, 32>{});
   }
-  if constexpr (kRawCapable) {
+  if constexpr (kRaw) {
     if ((stages & kStageOutput) && a.raw_additive) {
       using RawTr = OutputRaw16Traits<Elem, Dk, Dv>;
       with_chunk_size(a.chunk, [&](auto chunk_tag) {

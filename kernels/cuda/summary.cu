@@ -387,7 +387,6 @@ struct PreparedForward::Impl {
   size_t bytes = 0;
   cudaStream_t stream = nullptr;
   ForwardPlan plan;
-  bool tiles_ready = false;  // the prepare stage has been queued
 };
 
 PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
@@ -399,12 +398,10 @@ PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
   SS_CUDA_CHECK(cudaMallocAsync(&s.workspace, s.bytes, stream));
   try {
     s.plan = detail::plan_forward(p, s.workspace, s.bytes, stream);
-    // Kernels that read the inputs need no tiles for the summary or finish();
-    // adopt() queues the prepare stage if a backward takes the workspace.
-    if (detail::forward_stages(s.plan.args) & detail::kStagePrepare) {
+    // Kernels that read the inputs need no tiles: not for the summary, not
+    // for finish(), not for a backward that adopts this workspace.
+    if (detail::forward_stages(s.plan.args) & detail::kStagePrepare)
       detail::launch_forward_stages(p, s.plan.args, detail::kStagePrepare, stream);
-      s.tiles_ready = true;
-    }
   } catch (...) {
     (void)cudaFreeAsync(s.workspace, stream);
     throw;
@@ -430,11 +427,6 @@ AdoptedForward adopt(PreparedForward& forward) {
   SS_CHECK_ARG(forward.impl_ && forward.impl_->workspace != nullptr, "forward",
                "holds no prepared workspace (already handed over)");
   PreparedForward::Impl& s = *forward.impl_;
-  if (!s.tiles_ready && backward_reads_tiles(s.plan.args)) {
-    // The backward reads the prepared tiles, which this forward did not need.
-    launch_forward_stages(s.params, s.plan.args, kStagePrepare, s.stream);
-    s.tiles_ready = true;
-  }
   AdoptedForward a;
   a.params = s.params;
   a.workspace = std::exchange(s.workspace, nullptr);
