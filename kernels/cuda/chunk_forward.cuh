@@ -119,6 +119,34 @@ __device__ __forceinline__ void segment_chunks(const ForwardArgs& a, int64_t n, 
   }
 }
 
+// The tokens of a segment's chunks [first, first + count): consecutive
+// pieces of one sequence (the host builds chunk_table so), chunk first + i
+// starting at begin + i C with min(C, end - start) valid rows. The sequential
+// scans take it once: chunk_geometry per step (a 64-bit division, or a
+// dependent table load) was a third of the raw scan's instructions per step.
+struct SegmentTokens {
+  int64_t begin = 0, end = 0;
+  __device__ __forceinline__ int64_t token0(int i, int chunk) const {
+    return begin + static_cast<int64_t>(i) * chunk;
+  }
+  __device__ __forceinline__ int length(int i, int chunk) const {
+    const int64_t left = end - token0(i, chunk);
+    return static_cast<int>(left < chunk ? left : chunk);
+  }
+};
+__device__ __forceinline__ SegmentTokens segment_tokens(const ForwardArgs& a, int64_t first,
+                                                        int64_t count) {
+  SegmentTokens s;
+  if (count > 0) {
+    int64_t last0;
+    int last_len;
+    chunk_geometry(a, first, s.begin, last_len);
+    chunk_geometry(a, first + count - 1, last0, last_len);
+    s.end = last0 + last_len;
+  }
+  return s;
+}
+
 // Calls f(std::integral_constant<int, C>{}) for the chunk size C in
 // {16, 32, 64} (kernels that take the chunk as a template parameter); any
 // other size is an error, never a silent substitute.
@@ -879,8 +907,11 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
                     PrepTr::kThreads, PrepTr::kPrepBytes, stream, "chunk_prepare_kernel", a);
     } else if constexpr (!std::is_same_v<Elem, float>) {
       using PrepTr = Prepare16Traits<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
-      launch_kernel(chunk_prepare16_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>, grid,
-                    PrepTr::kThreads, PrepTr::kBytes, stream, "chunk_prepare16_kernel", a);
+      with_chunk_size(a.chunk, [&](auto chunk_tag) {
+        launch_kernel(
+            chunk_prepare16_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm, decltype(chunk_tag)::value>,
+            grid, PrepTr::kThreads, PrepTr::kBytes, stream, "chunk_prepare16_kernel", a);
+      });
     }
   }
 

@@ -105,14 +105,14 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   segment_chunks(f, n, first_chunk, num_chunks);
   const int chunks = static_cast<int>(num_chunks);
   const int64_t first_tile = first_chunk * H + h;
+  const SegmentTokens seg = segment_tokens(f, first_chunk, num_chunks);
 
   // Queues chunk cl's tiles into buffer st (copy warps; the caller commits).
   // dO rows past the chunk's end are zeros.
   auto prefetch = [&](int cl, int st) {
     const int64_t tile = first_tile + cl * H;
-    int64_t token0;
-    int length;
-    chunk_geometry(f, first_chunk + cl, token0, length);
+    const int64_t token0 = seg.token0(cl, kChunk);
+    const int length = seg.length(cl, kChunk);
     if constexpr (kDelta) {
       copy_rows_async<kCopyThreads, kChunk, kChunk>(
           stA(st), kLdC, static_cast<const T*>(f.ws_a) + tile * kChunk * kChunk, kChunk, copy_tid);

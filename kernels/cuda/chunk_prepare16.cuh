@@ -98,9 +98,10 @@ __device__ __forceinline__ void split_store(T* p_hi, T* p_lo, float x0, float x1
   *reinterpret_cast<uint32_t*>(p_lo) = pack2<T>(x0 - h.x, x1 - h.y);
 }
 
-template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm>
+template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm, int kChunk>
 __global__ void __launch_bounds__(512, 2)
     chunk_prepare16_kernel(const __grid_constant__ ForwardArgs a) {
+  static_assert(kChunk == 16 || kChunk == 32 || kChunk == 64, "chunk in {16, 32, 64}");
   static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
   using Tr = Prepare16Traits<kDecay, kRule, T, Dk, Dv, kL2Norm>;
   constexpr bool kVector = Tr::kVector, kDelta = Tr::kDelta;
@@ -134,7 +135,10 @@ __global__ void __launch_bounds__(512, 2)
   int64_t token0;
   int L;
   chunk_geometry(a, c, token0, L);
-  const int C = a.chunk, nb = C / 16;
+  // The chunk is a compile-time constant: the loops over its rows and 16-row
+  // blocks unroll with constant trip counts and strides (a runtime chunk cost
+  // the T solve's 16-bit copy a division per element: ncu, 2026-12-02).
+  constexpr int C = kChunk, nb = kChunk / 16;
   const float scale = a.scale;
   auto row = [&](int t) { return (token0 + t) * H + h; };
   const T* q_in = static_cast<const T*>(a.q);
@@ -149,10 +153,7 @@ __global__ void __launch_bounds__(512, 2)
   // b at block I's last row; 0 before the chunk (I = -1).
   auto bref = [&](int I, int d) { return I >= 0 ? sB[(16 * I + 15) * kLdB + d] : 0.f; };
   // The exact normalised input (the 16-bit value times the fp32 row factor);
-  // 0 past the chunk's valid rows.
-  auto exact2 = [&](const T* x_in, const float* sR, int t, int d) {
-    return t < L ? exact_pair<Dk>(x_in, sR, row, t, d) : make_float2(0.f, 0.f);
-  };
+  // 0 past the chunk's valid rows (the diagonal blocks' exact sums).
   auto exact1 = [&](const T* x_in, const float* sR, int t, int d) {
     return t < L ? to_float(x_in[row(t) * Dk + d]) * sR[t] : 0.f;
   };
@@ -164,6 +165,22 @@ __global__ void __launch_bounds__(512, 2)
   };
 
   // ---- P0: load (rows past the chunk's end are zeros: exact no-ops) --------
+  // q and k stay in registers (QKRows: a warp per row) for every phase that
+  // reads them; their loads are issued first.
+  QKRows<kWarps, Dk, T> qk;
+  qk.load(q_in, k_in, row, C, L);
+  using Rows = decltype(qk);
+  // Calls f(t, i, e, d) for each of this thread's pairs of q and k (row t,
+  // columns d and d + 1; register row i, pair e).
+  auto for_own_pairs = [&](auto&& f) {
+#pragma unroll
+    for (int i = 0; i < Rows::kRows; ++i) {
+      const int t = Rows::row_of(i);
+      if (t >= C) break;
+#pragma unroll
+      for (int e = 0; e < Rows::kPairs; ++e) f(t, i, e, Rows::col_of(e));
+    }
+  };
   if constexpr (!kDelta) {  // additive rules: U = V, straight to the workspace
     constexpr int kVec = 8, kRowVecs = Dv / kVec;  // 16-byte pieces of a v row
 #pragma unroll 4  // independent loads in flight together
@@ -174,7 +191,6 @@ __global__ void __launch_bounds__(512, 2)
                 : make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  intra_load_qk<kWarps, Dk, kL2Norm>(s1, s2, kLdK, sRq, sRk, q_in, k_in, row, C, L);
   if constexpr (kVector) {
 #pragma unroll 4  // independent loads in flight together
     for (int idx = tid; idx < C * Dk / 4; idx += kThreads) {
@@ -188,6 +204,8 @@ __global__ void __launch_bounds__(512, 2)
     sBeta[tid] = kDelta && valid ? to_float(static_cast<const T*>(a.beta)[row(tid)]) : 0.f;
     sG[tid] = kScalar && valid ? a.g[row(tid)] : 0.f;
   }
+  qk.template normalise<kL2Norm>();
+  qk.store_factors(sRq, sRk, C);
   __syncthreads();
 
   // ---- inclusive cumsums of the log gates ------------------------------------
@@ -243,11 +261,10 @@ __global__ void __launch_bounds__(512, 2)
     __syncthreads();
   }
 
-// ---- P1: Q^, K_, the decay out; vector gates' reference-row copies --------
-#pragma unroll 4  // independent loads in flight together
-  for (int idx = tid; idx < C * Dk / 2; idx += kThreads) {
-    const int t = idx / (Dk / 2), d = 2 * (idx % (Dk / 2)), J = t / 16;
-    const float2 q2 = exact2(q_in, sRq, t, d), k2 = exact2(k_in, sRk, t, d);
+  // ---- P1: Q^, K_, the decay out; the operand copies of q and k ------------
+  for_own_pairs([&](int t, int i, int e, int d) {
+    const int J = t / 16;
+    const float2 q2 = qk.q(i, e), k2 = qk.k(i, e);
     const float2 up = up2(t, d);
     float2 down = make_float2(1.f, 1.f);  // e^{b_C - b_t}
     if constexpr (kVector) {
@@ -260,16 +277,18 @@ __global__ void __launch_bounds__(512, 2)
       *reinterpret_cast<uint32_t*>(s2 + t * kLdK + d) = pack2<T>(k2.x * x0, k2.y * x1);
     } else {
       if constexpr (kScalar) down.x = down.y = __expf(sG[C - 1] - sG[t]);
-      if constexpr (Tr::kSplitQK) {  // the low parts: what the copies' rounding lost
-        const float2 qh = operand_pair(s1, kLdK, t, d), kh = operand_pair(s2, kLdK, t, d);
-        *reinterpret_cast<uint32_t*>(s3 + t * kLdK + d) = pack2<T>(q2.x - qh.x, q2.y - qh.y);
-        *reinterpret_cast<uint32_t*>(s4 + t * kLdK + d) = pack2<T>(k2.x - kh.x, k2.y - kh.y);
+      if constexpr (Tr::kSplitQK) {  // with the low parts: what the copies' rounding lost
+        split_store(s1 + t * kLdK + d, s3 + t * kLdK + d, q2.x, q2.y);
+        split_store(s2 + t * kLdK + d, s4 + t * kLdK + d, k2.x, k2.y);
+      } else {
+        *reinterpret_cast<uint32_t*>(s1 + t * kLdK + d) = pack2<T>(q2.x, q2.y);
+        *reinterpret_cast<uint32_t*>(s2 + t * kLdK + d) = pack2<T>(k2.x, k2.y);
       }
     }
     *reinterpret_cast<uint32_t*>(out_q + t * Dk + d) =
         pack2<T>(scale * q2.x * up.x, scale * q2.y * up.y);
     *reinterpret_cast<uint32_t*>(out_k + t * Dk + d) = pack2<T>(k2.x * down.x, k2.y * down.y);
-  }
+  });
   if (tid < Dk) {
     float decay = 1.f;
     if constexpr (kVector) decay = __expf(bv(C - 1, tid));
@@ -329,13 +348,12 @@ __global__ void __launch_bounds__(512, 2)
     if constexpr (kVector && kDelta) {
       blocks(0, nlow);
       __syncthreads();
-#pragma unroll 4  // independent loads in flight together
-      for (int idx = tid; idx < C * Dk / 2; idx += kThreads) {
-        const int t = idx / (Dk / 2), d = 2 * (idx % (Dk / 2)), J = t / 16;
-        const float2 k2 = exact2(k_in, sRk, t, d);
+      for_own_pairs([&](int t, int i, int e, int d) {
+        const int J = t / 16;
+        const float2 k2 = qk.k(i, e);
         split_store(s1 + t * kLdK + d, s3 + t * kLdK + d, k2.x * __expf(bv(t, d) - bref(J - 1, d)),
                     k2.y * __expf(bv(t, d + 1) - bref(J - 1, d + 1)));  // Y~(k)
-      }
+      });
       __syncthreads();
       blocks(nlow, 2 * nlow);
     } else {
@@ -378,16 +396,14 @@ __global__ void __launch_bounds__(512, 2)
     // ---- P3: X = diag(beta) [K^ | V] as 16-bit hi + lo parts; T (hi + lo) ---
     // X_K first (it reads b, whose slot X_V's low part takes for vector
     // gates), then X_V after a barrier.
-#pragma unroll 4  // independent loads in flight together
-    for (int idx = tid; idx < C * Dk / 2; idx += kThreads) {
-      const int t = idx / (Dk / 2), d = 2 * (idx % (Dk / 2));
-      const float2 k2 = exact2(k_in, sRk, t, d), up = up2(t, d);
+    for_own_pairs([&](int t, int i, int e, int d) {
+      const float2 k2 = qk.k(i, e), up = up2(t, d);
       split_store(s1 + t * kLdK + d, sLoK + t * kLdK + d, sBeta[t] * k2.x * up.x,
                   sBeta[t] * k2.y * up.y);
-    }
+    });
     intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
     __syncthreads();
-#pragma unroll 4  // independent loads in flight together
+#pragma unroll  // every load in flight together
     for (int idx = tid; idx < C * Dv / 2; idx += kThreads) {
       const int t = idx / (Dv / 2), j = 2 * (idx % (Dv / 2));
       const float2 v2 = t < L

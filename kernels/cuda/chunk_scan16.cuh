@@ -211,6 +211,8 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   int64_t first_chunk, num_chunks;
   segment_chunks(a, n, first_chunk, num_chunks);
   const int chunks = static_cast<int>(num_chunks);
+  [[maybe_unused]] const SegmentTokens seg =
+      kRaw ? segment_tokens(a, first_chunk, num_chunks) : SegmentTokens{};
 
   // Chunk c's tiles are tile (c H + h) of each workspace array: the loop
   // only advances element offsets by one chunk's stride.
@@ -221,9 +223,8 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const float* ws_decay = a.ws_decay + first_tile * Dk;
   auto prefetch = [&](int cl, int st) {
     if constexpr (kRaw) {
-      int64_t token0;
-      int length;
-      chunk_geometry(a, first_chunk + cl, token0, length);
+      const int64_t token0 = seg.token0(cl, kChunk);
+      const int length = seg.length(cl, kChunk);
       copy_chunk_rows_async<kCopyThreads, kChunk, Dk, Dk, T>(stage_k(st), kLdK, a.k, token0, H, h,
                                                              0, copy_tid, length);
       copy_chunk_rows_async<kCopyThreads, kChunk, BV, Dv, T>(stage_u(st), kLdB, a.v, token0, H, h,

@@ -42,69 +42,108 @@ __device__ __forceinline__ void intra_load_v_do(T* sV, T* sDO, int ld, const T* 
   cp_async_commit();
 }
 
-// q, k normalised (x / sqrt(|x|^2 + 1e-6), as the forward) into 16-bit
-// operand copies, one warp per row; the row factors into sRq, sRk (1 without
-// the norm). Rows past the chunk's end are zeros. A warp's rows (at most
-// 64 / kWarps) are all loaded before the first is used, so their memory
-// latencies overlap instead of adding up.
-template <int kWarps, int Dk, bool kL2Norm, typename T, typename Row>
-__device__ __forceinline__ void intra_load_qk(T* sQ, T* sK, int ld, float* sRq, float* sRk,
-                                              const T* q_in, const T* k_in, Row row, int C, int L) {
-  constexpr int kPer = Dk / 32, kRows = 64 / kWarps;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+// q and k rows of a chunk held in registers: one warp per row (rows warp,
+// warp + kWarps, ...: at most 64 / kWarps), each lane kPer = Dk / 32
+// consecutive elements as 16-bit pairs, and the rows' L2-norm factors. Every
+// row is loaded before the first is used, so the memory latencies overlap
+// instead of adding up; rows past the chunk's valid end are zeros.
+// chunk_prepare16_kernel keeps them for all its phases (each used to re-read
+// q and k from global memory, a third of its instructions in index math);
+// intra_load_qk stores them as operand copies.
+template <int kWarps, int Dk, typename T>
+struct QKRows {
+  static constexpr int kPer = Dk / 32, kRows = 64 / kWarps, kPairs = kPer / 2;
   static_assert(kPer % 2 == 0, "16-bit pairs per lane");
-  // A lane's kPer consecutive elements of each row, as 32-bit words.
-  uint32_t wq[kRows][kPer / 2], wk[kRows][kPer / 2];
+  uint32_t wq[kRows][kPairs], wk[kRows][kPairs];
+  float rq[kRows], rk[kRows];
+
+  __device__ __forceinline__ static int row_of(int i) { return threadIdx.x / 32 + i * kWarps; }
+  __device__ __forceinline__ static int col_of(int e) { return (threadIdx.x % 32) * kPer + 2 * e; }
+
+  template <typename Row>
+  __device__ __forceinline__ void load(const T* q_in, const T* k_in, Row row, int C, int L) {
+    const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int t = warp + i * kWarps;
+    for (int i = 0; i < kRows; ++i) {
+      const int t = row_of(i);
 #pragma unroll
-    for (int e = 0; e < kPer / 2; ++e) wq[i][e] = wk[i][e] = 0u;
-    if (t < L && t < C) {
-      if constexpr (kPer == 4) {
-        const uint2 a = *reinterpret_cast<const uint2*>(q_in + row(t) * Dk + lane * kPer);
-        const uint2 b = *reinterpret_cast<const uint2*>(k_in + row(t) * Dk + lane * kPer);
-        wq[i][0] = a.x, wq[i][1] = a.y, wk[i][0] = b.x, wk[i][1] = b.y;
-      } else {
+      for (int e = 0; e < kPairs; ++e) wq[i][e] = wk[i][e] = 0u;
+      if (t < L && t < C) {
+        if constexpr (kPer == 4) {
+          const uint2 a = *reinterpret_cast<const uint2*>(q_in + row(t) * Dk + lane * kPer);
+          const uint2 b = *reinterpret_cast<const uint2*>(k_in + row(t) * Dk + lane * kPer);
+          wq[i][0] = a.x, wq[i][1] = a.y, wk[i][0] = b.x, wk[i][1] = b.y;
+        } else {
 #pragma unroll
-        for (int e = 0; e < kPer / 2; ++e) {
-          wq[i][e] = reinterpret_cast<const uint32_t*>(q_in + row(t) * Dk + lane * kPer)[e];
-          wk[i][e] = reinterpret_cast<const uint32_t*>(k_in + row(t) * Dk + lane * kPer)[e];
+          for (int e = 0; e < kPairs; ++e) {
+            wq[i][e] = reinterpret_cast<const uint32_t*>(q_in + row(t) * Dk + lane * kPer)[e];
+            wk[i][e] = reinterpret_cast<const uint32_t*>(k_in + row(t) * Dk + lane * kPer)[e];
+          }
         }
       }
     }
   }
+  // rq, rk = 1 / sqrt(|x|^2 + 1e-6) with the norm (as the forward), else 1.
+  template <bool kL2Norm>
+  __device__ __forceinline__ void normalise() {
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int t = warp + i * kWarps;
-    if (t >= C) break;
-    float xq[kPer], xk[kPer], qq = 0.f, kk = 0.f;
+    for (int i = 0; i < kRows; ++i) {
+      float qq = 0.f, kk = 0.f;
+      if constexpr (kL2Norm) {
 #pragma unroll
-    for (int e = 0; e < kPer / 2; ++e) {
-      const float2 a = unpack2<T>(wq[i][e]), b = unpack2<T>(wk[i][e]);
-      xq[2 * e] = a.x, xq[2 * e + 1] = a.y, xk[2 * e] = b.x, xk[2 * e + 1] = b.y;
-    }
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      qq += xq[e] * xq[e];
-      kk += xk[e] * xk[e];
-    }
-    float rq = 1.f, rk = 1.f;
-    if constexpr (kL2Norm) {
-      rq = 1.f / sqrtf(warp_sum(qq) + 1e-6f);
-      rk = 1.f / sqrtf(warp_sum(kk) + 1e-6f);
-    }
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      const int d = lane * kPer + e;
-      sQ[t * ld + d] = from_float<T>(xq[e] * rq);
-      sK[t * ld + d] = from_float<T>(xk[e] * rk);
-    }
-    if (lane == 0) {
-      sRq[t] = rq;
-      sRk[t] = rk;
+        for (int e = 0; e < kPairs; ++e) {
+          const float2 a = unpack2<T>(wq[i][e]), b = unpack2<T>(wk[i][e]);
+          qq += a.x * a.x;  // element by element, in order (as before: bitwise the same)
+          qq += a.y * a.y;
+          kk += b.x * b.x;
+          kk += b.y * b.y;
+        }
+        rq[i] = 1.f / sqrtf(warp_sum(qq) + 1e-6f);
+        rk[i] = 1.f / sqrtf(warp_sum(kk) + 1e-6f);
+      } else {
+        rq[i] = rk[i] = 1.f;
+      }
     }
   }
+  // The exact normalised pairs (the 16-bit input times the fp32 row factor).
+  __device__ __forceinline__ float2 q(int i, int e) const {
+    const float2 x = unpack2<T>(wq[i][e]);
+    return make_float2(x.x * rq[i], x.y * rq[i]);
+  }
+  __device__ __forceinline__ float2 k(int i, int e) const {
+    const float2 x = unpack2<T>(wk[i][e]);
+    return make_float2(x.x * rk[i], x.y * rk[i]);
+  }
+  // The row factors into sRq, sRk (lane 0 of each row's warp).
+  __device__ __forceinline__ void store_factors(float* sRq, float* sRk, int C) const {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+      if (threadIdx.x % 32 == 0 && row_of(i) < C) sRq[row_of(i)] = rq[i], sRk[row_of(i)] = rk[i];
+  }
+};
+
+// q, k normalised (x / sqrt(|x|^2 + 1e-6), as the forward) into 16-bit
+// operand copies, one warp per row; the row factors into sRq, sRk (1 without
+// the norm). Rows past the chunk's end are zeros.
+template <int kWarps, int Dk, bool kL2Norm, typename T, typename Row>
+__device__ __forceinline__ void intra_load_qk(T* sQ, T* sK, int ld, float* sRq, float* sRk,
+                                              const T* q_in, const T* k_in, Row row, int C, int L) {
+  QKRows<kWarps, Dk, T> x;
+  x.load(q_in, k_in, row, C, L);
+  x.template normalise<kL2Norm>();
+#pragma unroll
+  for (int i = 0; i < x.kRows; ++i) {
+    const int t = x.row_of(i);
+    if (t >= C) break;
+#pragma unroll
+    for (int e = 0; e < x.kPairs; ++e) {
+      const int d = x.col_of(e);
+      const float2 a = x.q(i, e), b = x.k(i, e);
+      *reinterpret_cast<uint32_t*>(sQ + t * ld + d) = pack2<T>(a.x, a.y);
+      *reinterpret_cast<uint32_t*>(sK + t * ld + d) = pack2<T>(b.x, b.y);
+    }
+  }
+  x.store_factors(sRq, sRk, C);
 }
 
 // Two adjacent fp32 values (8-byte aligned) as one load.
@@ -160,46 +199,63 @@ __device__ __forceinline__ void intra_solve_t_diagonal(float* fKK, int ldf, cons
 
 // With kLo, hT_lo receives T's rounding T - hT (16-bit): hT + hT_lo is T to
 // ~16 bits, for products that take T as two operands (chunk_prepare16_kernel).
+//
+// Block row I (t0 = 16 I) as tensor-core products, one warp per 8-column
+// group [n0, n0 + 8) of columns 0 .. t0 - 1 (2 I warps; the others wait at
+// the barrier):
+//   (a) Y = diag(beta_I) KK[I rows, n0 .. t0) T[n0 .. t0, n0 .. n0 + 8)
+//       (T is lower triangular with a unit diagonal: rows below n0 add 0);
+//   (b) T[I rows, group] = -T_II Y, with Y passed from the accumulator
+//       layout to the B operand through the group's own (not yet written) T
+//       slots, so (a) and (b) need no barrier between them, only one per row.
+// fp32 operands on tf32 tensor cores, three products each (~fp32: the
+// CUDA-core version's ~40 K shared-memory multiply-adds per chunk, their
+// loads and nine barriers were the prepare kernel's largest cost, ncu
+// 2026-12-02). Operands of T and T_II outside their lower triangle are
+// selected (0 above, 1 on the diagonal), never multiplied.
 template <int kThreads, bool kLo = false, typename T>
 __device__ __forceinline__ void intra_solve_t_blocks(T* hT, int ldc, float* fKK, int ldf,
                                                      const float* sBeta, int nb,
                                                      T* hT_lo = nullptr) {
-  constexpr int kMaxOut = (3 * 256 + kThreads - 1) / kThreads;  // outputs per thread, I <= 3
-  auto tv = [&](int t, int c) -> float {                        // T_tc (T_tc for t > c: fKK[c][t])
-    return t == c ? 1.f : (t > c ? fKK[c * ldf + t] : 0.f);
+  constexpr int kWarps = kThreads / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, i4 = lane & 3;
+  auto tv = [&](int t, int c) -> float {  // T_tc (T_tc for t > c: fKK[c][t])
+    const float x = fKK[c * ldf + t];
+    return t > c ? x : (t == c ? 1.f : 0.f);
   };
   for (int I = 1; I < nb; ++I) {
-    const int n = I * 256, t0 = 16 * I;
-    // (a) Y_IJ = diag(beta) sum_{K=J}^{I-1} KK_IK T_KJ into T_IJ's (unread)
-    // slots: T_rc is 1 at r = c, 0 above, fKK[c][r] below (no branch per term).
-    for (int idx = threadIdx.x; idx < n; idx += kThreads) {
-      const int t = t0 + (idx % 256) / 16, c = 16 * (idx / 256) + idx % 16;
-      const float* kk = fKK + t * ldf;
-      const float* tc = fKK + c * ldf;
-      float y = kk[c];
-      for (int r = c + 1; r < t0; ++r) y += kk[r] * tc[r];
-      fKK[c * ldf + t] = sBeta[t] * y;
-    }
-    __syncthreads();
-    // (b) T_IJ = -T_II Y_IJ (all of Y read before any slot is overwritten).
-    float out[kMaxOut];
-#pragma unroll
-    for (int k = 0; k < kMaxOut; ++k) {
-      const int idx = threadIdx.x + k * kThreads;
-      out[k] = 0.f;
-      if (idx < n) {
-        const int m = (idx % 256) / 16, c = 16 * (idx / 256) + idx % 16;
-        const float* y = fKK + c * ldf + t0;  // Y_IJ's column c
-        float x = y[m];                       // T_II's diagonal is 1
-        for (int m2 = 0; m2 < m; ++m2) x += fKK[(t0 + m2) * ldf + t0 + m] * y[m2];
-        out[k] = -x;
+    const int t0 = 16 * I;
+    for (int grp = warp; grp < 2 * I; grp += kWarps) {
+      const int n0 = 8 * grp;
+      float y[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int r0 = n0; r0 < t0; r0 += 8) {  // (a)
+        const float* kk = fKK + (t0 + g) * ldf + r0 + i4;
+        const float a[4] = {kk[0], kk[8 * ldf], kk[4], kk[8 * ldf + 4]};
+        const float b[2] = {tv(r0 + i4, n0 + g), tv(r0 + i4 + 4, n0 + g)};
+        mma_m16n8k8_tf32x3(y, a, b);
       }
-    }
-    __syncthreads();
+      const float b0 = sBeta[t0 + g], b8 = sBeta[t0 + g + 8];
+      // Y's element (m, c) into T's slot fKK[c][t0 + m].
+      float* slot = fKK + (n0 + 2 * i4) * ldf + t0 + g;
+      slot[0] = b0 * y[0];
+      slot[ldf] = b0 * y[1];
+      slot[8] = b8 * y[2];
+      slot[ldf + 8] = b8 * y[3];
+      __syncwarp();
+      float z[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int k = 0; k < kMaxOut; ++k) {
-      const int idx = threadIdx.x + k * kThreads;
-      if (idx < n) fKK[(16 * (idx / 256) + idx % 16) * ldf + t0 + (idx % 256) / 16] = out[k];
+      for (int k0 = 0; k0 < 16; k0 += 8) {  // (b)
+        const float a[4] = {tv(t0 + g, t0 + k0 + i4), tv(t0 + g + 8, t0 + k0 + i4),
+                            tv(t0 + g, t0 + k0 + i4 + 4), tv(t0 + g + 8, t0 + k0 + i4 + 4)};
+        const float* yc = fKK + (n0 + g) * ldf + t0 + k0 + i4;
+        const float b[2] = {yc[0], yc[4]};
+        mma_m16n8k8_tf32x3(z, a, b);
+      }
+      __syncwarp();  // every lane's Y read before its slots take T
+      slot[0] = -z[0];
+      slot[ldf] = -z[1];
+      slot[8] = -z[2];
+      slot[ldf + 8] = -z[3];
     }
     __syncthreads();
   }

@@ -69,6 +69,37 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[
   }
 }
 
+// c += a b for one 16 x 8 x 8 step in ~fp32 precision on the tf32 tensor
+// cores: each fp32 operand x is split into tf32 parts hi + lo (hi = x to 10
+// mantissa bits, lo = tf32(x - hi)) and three products are summed, small
+// terms first (a_lo b_hi + a_hi b_lo + a_hi b_hi; the a_lo b_lo term is below
+// fp32's rounding). Fragments (PTX ISA, mma.m16n8k8 .tf32), lane = 4 g + i:
+//   a[0] (row g, col i), a[1] (row g + 8, col i), a[2] (row g, col i + 4),
+//   a[3] (row g + 8, col i + 4); b[0] (row i, col g), b[1] (row i + 4, col g);
+// c as in mma_m16n8k16.
+__device__ __forceinline__ void mma_m16n8k8_tf32x3(float (&c)[4], const float (&a)[4],
+                                                   const float (&b)[2]) {
+  auto split = [](float x, uint32_t& hi, uint32_t& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+  };
+  uint32_t ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) split(a[r], ah[r], al[r]);
+  split(b[0], bh[0], bl[0]);
+  split(b[1], bh[1], bl[1]);
+  auto mma = [&](const uint32_t (&x)[4], const uint32_t (&y)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]), "r"(y[0]), "r"(y[1]));
+  };
+  mma(al, bh);
+  mma(ah, bl);
+  mma(ah, bh);
+}
+
 // Two floats as one 32-bit pair of T (element 0 in the low half).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
