@@ -395,7 +395,20 @@ __global__ void __launch_bounds__(512, 2)
 
     // ---- P3: X = diag(beta) [K^ | V] as 16-bit hi + lo parts; T (hi + lo) ---
     // X_K first (it reads b, whose slot X_V's low part takes for vector
-    // gates), then X_V after a barrier.
+    // gates), then X_V after a barrier. v's loads (a warp per row, as q and
+    // k) are issued first, so their latency passes under X_K and T's
+    // diagonal blocks (two warps' work) instead of after the barrier.
+    constexpr int kVPairs = Dv / 64;  // 32-bit pairs of a v row per lane
+    uint32_t wv[Rows::kRows][kVPairs];
+#pragma unroll
+    for (int i = 0; i < Rows::kRows; ++i) {
+      const int t = Rows::row_of(i);
+#pragma unroll
+      for (int e = 0; e < kVPairs; ++e)
+        wv[i][e] = t < L && t < C ? *reinterpret_cast<const uint32_t*>(
+                                        v_in + row(t) * Dv + 2 * (lane * kVPairs + e))
+                                  : 0u;
+    }
     for_own_pairs([&](int t, int i, int e, int d) {
       const float2 k2 = qk.k(i, e), up = up2(t, d);
       split_store(s1 + t * kLdK + d, sLoK + t * kLdK + d, sBeta[t] * k2.x * up.x,
@@ -403,13 +416,16 @@ __global__ void __launch_bounds__(512, 2)
     });
     intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
     __syncthreads();
-#pragma unroll  // every load in flight together
-    for (int idx = tid; idx < C * Dv / 2; idx += kThreads) {
-      const int t = idx / (Dv / 2), j = 2 * (idx % (Dv / 2));
-      const float2 v2 = t < L
-                            ? unpack2<T>(*reinterpret_cast<const uint32_t*>(v_in + row(t) * Dv + j))
-                            : make_float2(0.f, 0.f);
-      split_store(s2 + t * kLdK + j, sLoV + t * kLdK + j, sBeta[t] * v2.x, sBeta[t] * v2.y);
+#pragma unroll
+    for (int i = 0; i < Rows::kRows; ++i) {
+      const int t = Rows::row_of(i);
+      if (t >= C) break;
+#pragma unroll
+      for (int e = 0; e < kVPairs; ++e) {
+        const int j = 2 * (lane * kVPairs + e);
+        const float2 v2 = unpack2<T>(wv[i][e]);
+        split_store(s2 + t * kLdK + j, sLoV + t * kLdK + j, sBeta[t] * v2.x, sBeta[t] * v2.y);
+      }
     }
     // Ends with a barrier (after T's block rows, before P4).
     intra_solve_t_blocks<kThreads, true>(hT, kLdC, fKK, kLdF, sBeta, nb, hTlo);
