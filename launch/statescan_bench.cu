@@ -41,8 +41,14 @@
 // the per-chunk intermediates and states are not counted.
 //
 // --backward: forward + backward rows instead (kernels/cuda/chunk_backward.cuh):
-//   statescan-bench --backward [--recompute] [-v kda] [-t 32768,1048576] [-n 5] [--json F]
-// (--recompute: forward saves no chunk states; backward recomputes them)
+//   statescan-bench --backward [--recompute | --keep-prepared] [-v kda] [-t 32768,1048576]
+//                   [-n 5] [--json F]
+// (--recompute: forward saves no chunk states; backward recomputes them.
+// --keep-prepared: the step is cuda::PreparedForward -> PreparedBackward, the
+// backward adopting the forward's prepared tiles (Q^, K_, W, U, A, decay:
+// 72 KB per chunk and head at D = 128, bf16) instead of re-running the
+// prepare stage; its peak adds the stream-ordered pool's high watermark,
+// where those classes take their workspace)
 // Per variant and T: median forward time (saving chunk_states), median
 // forward+backward time, tokens/s of the pair, TFLOP/s and GB/s of the pair
 // against the counted models below, the peak device memory of the step
@@ -84,6 +90,7 @@
 #include "core/options.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cuda_mixer.h"
+#include "kernels/cuda/cp_kernels.h"
 #include "launch/bench_cp_cuda.h"
 #include "launch/bench_lact.h"
 #include "launch/bench_plot.h"
@@ -104,6 +111,7 @@ struct Options {
   bool help = false;
   bool backward = false;  // --backward: forward + backward rows
   bool recompute = false;  // --recompute: with --backward, chunk states recomputed
+  bool keep_prepared = false;  // --keep-prepared: with --backward, forward tiles kept
 
   // --cp-model (see the comment at the top); negative times mean "not given".
   bool cp_model = false, cp_measure = false;
@@ -166,6 +174,8 @@ Options parse(int argc, char** argv) {
       o.backward = true;
     } else if (arg == "--recompute") {
       o.recompute = true;
+    } else if (arg == "--keep-prepared") {
+      o.keep_prepared = true;
     } else if (arg == "--cp-model") {
       o.cp_model = true;
     } else if (arg == "--cp-measure") {
@@ -217,6 +227,9 @@ Options parse(int argc, char** argv) {
   }
   SS_CHECK_ARG(o.iters >= 1, "iters", "must be >= 1");
   SS_CHECK_ARG(!o.recompute || o.backward, "--recompute", "applies to --backward only");
+  SS_CHECK_ARG(!o.keep_prepared || o.backward, "--keep-prepared", "applies to --backward only");
+  SS_CHECK_ARG(!(o.keep_prepared && o.recompute), "--keep-prepared",
+               "cannot be combined with --recompute (the kept tiles go with saved chunk states)");
   return o;
 }
 
@@ -574,17 +587,21 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
   const int64_t num_chunks = count_chunks(shape);
 
   SS_CUDA_CHECK(cudaDeviceSynchronize());
-  size_t free_before = 0, free_after = 0, total = 0;
+  size_t free_before = 0, free_tensors = 0, free_after = 0, total = 0;
   SS_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   BwdRow r;
+  uint64_t pool_high = 0;  // --keep-prepared: the step's pool workspace
   {
     // --recompute: forward keeps no chunk states; backward re-derives them.
     StepTensors x(variant, B, T, H, D, t, opt.recompute ? 0 : num_chunks);
     MixerBwdParams p = x.params(variant, B, T, H, D, t, opt.chunk);
-    // One workspace serves both calls (they never overlap).
+    SS_CUDA_CHECK(cudaMemGetInfo(&free_tensors, &total));
+    // One workspace serves both calls (they never overlap); with
+    // --keep-prepared only the forward-only timing uses it.
     DeviceBuffer<unsigned char> workspace(
-        std::max(cuda::forward_workspace_bytes(p),
-                 cuda::backward_workspace_bytes(p, p.recompute_chunk_states)));
+        opt.keep_prepared ? cuda::forward_workspace_bytes(p)
+                          : std::max(cuda::forward_workspace_bytes(p),
+                                     cuda::backward_workspace_bytes(p, p.recompute_chunk_states)));
     SS_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
     x.fill(0);
 
@@ -592,14 +609,38 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
     SS_CUDA_CHECK(cudaStreamCreate(&stream));
     auto forward = [&] { cuda::mixer_forward(p, workspace.data(), workspace.size(), stream); };
     auto step = [&] {
+      if (opt.keep_prepared) {
+        cuda::PreparedForward fwd(p, stream);  // queues the prepare stage
+        fwd.finish(stream);                    // scan + output
+        cuda::PreparedBackward bwd(p, fwd, stream);  // adopts the tiles: no prepare
+        bwd.run(p, stream);
+        return;
+      }
       forward();
       cuda::mixer_backward(p, workspace.data(), workspace.size(), stream);
     };
     r.ms_fwd = median_ms(forward, opt.warmup, opt.iters, stream);
+    cudaMemPool_t pool = nullptr;
+    if (opt.keep_prepared) {
+      int device = 0;
+      SS_CUDA_CHECK(cudaGetDevice(&device));
+      SS_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+      SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      uint64_t zero = 0;  // the high watermark restarts from what is in use now
+      SS_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+    }
     r.ms_fwd_bwd = median_ms(step, opt.warmup, opt.iters, stream);
+    if (opt.keep_prepared) {
+      SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      SS_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &pool_high));
+    }
     SS_CUDA_CHECK(cudaStreamDestroy(stream));
   }
-  r.peak_gb = static_cast<double>(free_before - free_after) / 1e9;
+  // The step's device memory: tensors and its workspace (the separate
+  // forward-only workspace of --keep-prepared is not part of the step).
+  r.peak_gb = static_cast<double>(opt.keep_prepared ? (free_before - free_tensors) + pool_high
+                                                    : free_before - free_after) /
+              1e9;
   r.err_grad = gradient_error(variant, D, t, opt.chunk, opt.recompute, 100);
 
   const double C = static_cast<double>(opt.chunk), d = static_cast<double>(D);
@@ -632,6 +673,10 @@ int run_backward_table(const Options& opt, const cudaDeviceProp& prop) {
   std::printf("# chunk states: %s\n",
               opt.recompute ? "recomputed by backward (--recompute)"
                             : "saved by forward (fp32, 4 D^2 / chunk bytes per token-head)");
+  if (opt.keep_prepared)
+    std::printf(
+        "# prepared tiles: kept by forward for backward (--keep-prepared: PreparedForward ->\n"
+        "#   PreparedBackward, no prepare re-run; peak includes the pool's high watermark)\n");
   std::printf(
       "# tokens/s, TFLOP/s, GB/s: of forward+backward; peak: device memory of the step;\n"
       "# err_grad: worst rel RMS of dq,dk,dv,dg,dbeta,dh0 vs fp64 (512 tokens, 2 heads)\n#\n");
@@ -661,7 +706,8 @@ int run_backward_table(const Options& opt, const cudaDeviceProp& prop) {
           << ", \"D\": " << r.dim << ", \"dtype\": \"" << r.dtype << "\", \"ms_fwd\": " << r.ms_fwd
           << ", \"ms_fwd_bwd\": " << r.ms_fwd_bwd << ", \"tokens_per_s\": " << r.tokens_per_s
           << ", \"tflops\": " << r.tflops << ", \"gbps\": " << r.gbps
-          << ", \"peak_gb\": " << r.peak_gb << ", \"err_grad\": " << r.err_grad << "}"
+          << ", \"peak_gb\": " << r.peak_gb << ", \"err_grad\": " << r.err_grad
+          << ", \"keep_prepared\": " << (opt.keep_prepared ? "true" : "false") << "}"
           << (i + 1 < rows.size() ? "," : "") << "\n";
     }
     out << "]\n";
@@ -745,7 +791,7 @@ int run_cp_model(const Options& opt) {
   notes.push_back(line);
   std::snprintf(line, sizeof line,
                 "MODELLED = counted work at the summary rates calibrated on KDA's measured "
-                "summary (H200, 2026-12-01: fwd %.1f, first rank %.1f, bwd %.1f TFLOP/s "
+                "summary (H200, 2026-12-02: fwd %.1f, first rank %.1f, bwd %.1f TFLOP/s "
                 "effective), %.1f TB/s HBM floor, %.0f us launch; see parallel/cp_model.h",
                 gpu.summary_fwd_flops_per_s / 1e12, gpu.summary_first_flops_per_s / 1e12,
                 gpu.summary_bwd_flops_per_s / 1e12, gpu.hbm_Bps / 1e12, gpu.launch_s * 1e6);
@@ -788,7 +834,8 @@ int run(int argc, char** argv) {
     std::printf(
         "usage: statescan-bench [-v variants] [-t lengths] [-b B] [-H heads] [-d dim]\n"
         "                       [-c chunk] [--dtype bf16|f16|f32] [-w warmup] [-n iters]\n"
-        "                       [--json file] [--plot file.png] [--backward [--recompute]]\n"
+        "                       [--json file] [--plot file.png]\n"
+        "                       [--backward [--recompute | --keep-prepared]]\n"
         "       statescan-bench --cp-model [--variant kda] [--seq-len T] [-P 1024]\n"
         "                       [--link hierarchical|nvlink|ib] [--gpus-per-node 8]\n"
         "                       [--link-bw-GBps X] [--link-latency-us X] [--ib-bw-GBps X]\n"

@@ -96,22 +96,23 @@ double cp_summary_bytes(const CpLayer& l) {
 
 CpReferenceTimes cp_h200_reference_128k(Variant v) {
   // README.md's Performance tables: statescan-bench --backward on one H200,
-  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-02 (forward v5 and
-  // backward b13: linear attention's raw path, three tile buffers in the delta
-  // rules' reverse scan), forward ms and forward + backward ms of the same run.
+  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-02, eleventh session
+  // (forward v6 and backward b14: the prepare kernel with q, k in registers
+  // and T's block rows on the tensor cores), forward ms and forward +
+  // backward ms of the same run.
   switch (v) {
     case Variant::linear:
-      return {3.345, 7.270};
+      return {3.050, 6.882};
     case Variant::retention:
-      return {5.197, 16.771};
+      return {4.924, 15.848};
     case Variant::gla:
-      return {6.053, 20.013};
+      return {5.769, 19.266};
     case Variant::deltanet:
-      return {8.945, 30.248};
+      return {7.276, 26.109};
     case Variant::gated_deltanet:
-      return {9.176, 31.513};
+      return {7.451, 27.193};
     case Variant::kda:
-      return {10.427, 36.682};
+      return {8.497, 31.513};
   }
   SS_FAIL("variant", "no H200 reference times");
 }
