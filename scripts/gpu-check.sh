@@ -20,6 +20,9 @@
 #                    KDA row with peak memory (BWD_1M=0 skips that row), once
 #                    with the chunk states saved and once recomputed (--recompute;
 #                    RECOMPUTE=0 skips that one)
+#   KEEP=0           skip the forward+backward table with the forward's prepared
+#                    tiles kept for the backward (`--backward --keep-prepared`,
+#                    BWD_ARGS' lengths)
 #   NCU=1            also time the three forward kernels separately at 32K with
 #                    Nsight Compute (clocks left alone), for NCU_VARIANTS
 #                    (default "kda deltanet linear")
@@ -71,6 +74,11 @@ if [[ "${BWD:-1}" != 0 ]]; then
   # shellcheck disable=SC2086
   "$BUILD/launch/statescan-bench" --backward --json "$OUT/bench_bwd.json" ${BWD_ARGS:--t 32768} \
     >"$OUT/bench_bwd.log" 2>&1 || status=1
+  if [[ "${KEEP:-1}" != 0 ]]; then
+    # shellcheck disable=SC2086
+    "$BUILD/launch/statescan-bench" --backward --keep-prepared --json "$OUT/bench_bwd_keep.json" \
+      ${BWD_ARGS:--t 32768} >"$OUT/bench_bwd_keep.log" 2>&1 || status=1
+  fi
   if [[ "${BWD_1M:-1}" != 0 ]]; then
     timeout 600 "$BUILD/launch/statescan-bench" --backward -v kda -t 1048576 -H 16 -d 128 \
       --dtype bf16 -w 1 -n 3 --json "$OUT/bench_bwd_1m.json" >"$OUT/bench_bwd_1m.log" 2>&1 ||
@@ -110,7 +118,7 @@ fi
 
 echo
 cat "$OUT/bench.log"
-for f in bench_bwd.log bench_bwd_1m.log bench_bwd_1m_recompute.log; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
+for f in bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
 if [[ -f "$OUT/fla.json" ]]; then
   python3 - "$OUT/bench.json" "$OUT/fla.json" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
