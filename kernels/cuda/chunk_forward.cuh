@@ -69,6 +69,14 @@ struct ForwardArgs : MixerTensors {
   // (chunk_output_raw16.cuh, chunk_grad_raw16.cuh); the workspace has no tiles
   // and the prepare stage never runs.
   bool raw_additive = false;
+  // The raw path in chunk groups (chunk_linear_grouped16.cuh; opt-in,
+  // STATESCAN_LINEAR=grouped): G chunks per group (0 = off), fp32 group sums
+  // [slots, H, Dk, Dv], the largest group count of a segment (the grid), and
+  // packed: each segment's first slot (else n * max_segment_groups).
+  int group_chunks = 0;
+  float* ws_group_sums = nullptr;
+  int64_t max_segment_groups = 0;
+  const int64_t* group_table = nullptr;
 
   int64_t heads = 0;
   int64_t seq_len = 0;
@@ -865,6 +873,7 @@ __global__ void __launch_bounds__(256) chunk_output_kernel(const __grid_constant
 #include "kernels/cuda/chunk_output_raw16.cuh"
 #include "kernels/cuda/chunk_prepare16.cuh"
 #include "kernels/cuda/chunk_scan16.cuh"
+#include "kernels/cuda/chunk_linear_grouped16.cuh"
 
 namespace statescan::cuda::detail {
 
@@ -940,6 +949,28 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
       });
     }
   };
+  if constexpr (kRaw) {
+    // A full forward (scan and output) in chunk groups, opt-in.
+    if (a.raw_additive && a.group_chunks > 0 && (stages & kStageScan) && (stages & kStageOutput)) {
+      using GrTr = Grouped16Traits<Elem, Dk, Dv>;
+      SS_CHECK_ARG(a.ws_group_sums != nullptr && a.max_segment_groups > 0, "workspace",
+                   "has no group sums for the grouped linear forward");
+      const dim3 grid(static_cast<unsigned>(a.max_segment_groups), static_cast<unsigned>(a.heads),
+                      static_cast<unsigned>(a.num_segments));
+      with_chunk_size(a.chunk, [&](auto chunk_tag) {
+        constexpr int kC = decltype(chunk_tag)::value;
+        launch_kernel(chunk_group_sums16_kernel<Elem, Dk, Dv, kC>, grid, GrTr::kThreads,
+                      GrTr::kSumBytes, stream, "chunk_group_sums16_kernel", a);
+        launch_kernel(group_prefix_kernel<Dk, Dv>,
+                      dim3(static_cast<unsigned>((Dk * Dv + 255) / 256),
+                           static_cast<unsigned>(a.heads), static_cast<unsigned>(a.num_segments)),
+                      256, 0, stream, "group_prefix_kernel", a);
+        launch_kernel(chunk_forward_grouped16_kernel<Elem, Dk, Dv, kC>, grid, GrTr::kThreads,
+                      GrTr::kBytes, stream, "chunk_forward_grouped16_kernel", a);
+      });
+      return;
+    }
+  }
   const int scan_bv = a.scan_block_cols != 0                              ? a.scan_block_cols
                       : a.heads * a.num_segments * (Dv / 16) <= a.num_sms ? 16
                                                                           : 32;

@@ -32,12 +32,25 @@ int64_t max_chunks(const MixerParams& p) {
 // element type; the per-chunk decay is fp32.
 struct WorkspaceLayout {
   size_t q = 0, k = 0, w = 0, u = 0, a = 0, decay = 0, vnew = 0, states = 0;
+  size_t group_sums = 0, group_table = 0;
   size_t chunk_table = 0, segment_table = 0;
   size_t total = 0;
 };
 
 size_t align_up(size_t x) {
   return (x + 255) / 256 * 256;
+}
+
+// Whether the full forward of `p` runs in chunk groups (STATESCAN_LINEAR=grouped
+// on the raw linear path; below, after the knobs), and an upper bound on its
+// group slots that does not need cu_seqlens' contents: each of N segments adds
+// at most one partial group.
+bool grouped_linear(const MixerParams& p);
+int64_t group_chunks_of(const MixerParams& p);
+int64_t max_group_slots(const MixerParams& p) {
+  const int64_t G = group_chunks_of(p);
+  if (p.cu_seqlens == nullptr) return p.batch * ceil_div(ceil_div(p.seq_len, p.chunk), G);
+  return ceil_div(max_chunks(p), G) + p.num_segments;
 }
 
 // prepare_only: without V' and the T-typed states, which only the scan stage
@@ -70,6 +83,12 @@ WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
   const bool states_in_caller = p.dtype == DType::f32 && p.chunk_states != nullptr;
   l.states = take(
       states_in_caller || prepare_only ? 0 : chunks * H * static_cast<size_t>(p.dk * p.dv) * elem);
+  if (grouped_linear(p) && !prepare_only) {
+    l.group_sums = take(static_cast<size_t>(max_group_slots(p)) * H *
+                        static_cast<size_t>(p.dk * p.dv) * sizeof(float));
+    if (p.cu_seqlens != nullptr)
+      l.group_table = take(static_cast<size_t>(p.num_segments) * sizeof(int64_t));
+  }
   if (p.cu_seqlens != nullptr) {
     l.chunk_table = take(chunks * 2 * sizeof(int64_t));
     l.segment_table = take(static_cast<size_t>(p.num_segments) * 2 * sizeof(int64_t));
@@ -87,13 +106,24 @@ WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
 //                            instead of chunk_state_scan16_kernel;
 //   STATESCAN_LINEAR=tiles   linear attention through the prepared tiles
 //                            (prepare, scan, output) instead of the kernels
-//                            that read q, k, v themselves.
+//                            that read q, k, v themselves;
+//   STATESCAN_LINEAR=grouped those kernels' full forward in groups of
+//                            kGroupChunks chunks (chunk_linear_grouped16.cuh;
+//                            not yet run on a GPU, so opt-in);
+//                            STATESCAN_LINEAR_GROUP_CHUNKS=N sets the group
+//                            (the tests use 2 for many groups on short inputs).
 struct KernelKnobs {
   int scan_block_cols = 0;
   bool prepare_fp32_tiles = false;
   bool scan_wmma = false;
   bool linear_tiles = false;
+  bool linear_grouped = false;
+  int64_t group_chunks = 0;  // STATESCAN_LINEAR_GROUP_CHUNKS; 0 = kGroupChunks
 };
+// Chunks per group of the grouped linear forward: 16 (1,024 tokens at chunk
+// 64) makes 32 groups per head at 32K, ~4 waves of 512 blocks on an H200,
+// with chains of 16 steps.
+constexpr int64_t kGroupChunks = 16;
 
 const KernelKnobs& kernel_knobs() {
   static const KernelKnobs knobs = [] {
@@ -106,9 +136,30 @@ const KernelKnobs& kernel_knobs() {
     k.prepare_fp32_tiles = is("STATESCAN_PREPARE", "fp32");
     k.scan_wmma = is("STATESCAN_SCAN", "wmma");
     k.linear_tiles = is("STATESCAN_LINEAR", "tiles");
+    k.linear_grouped = is("STATESCAN_LINEAR", "grouped");
+    if (const char* text = std::getenv("STATESCAN_LINEAR_GROUP_CHUNKS")) {
+      char* end = nullptr;
+      const long long n = std::strtoll(text, &end, 10);
+      SS_CHECK_ARG(end != text && *end == '\0' && n >= 1 && n <= (1 << 20),
+                   "STATESCAN_LINEAR_GROUP_CHUNKS", "must be a whole number in [1, 1048576], got '",
+                   text, "'");
+      k.group_chunks = n;
+    }
     return k;
   }();
   return knobs;
+}
+
+}  // namespace
+
+namespace {
+
+bool grouped_linear(const MixerParams& p) {
+  return kernel_knobs().linear_grouped && reads_inputs_directly(p);
+}
+
+int64_t group_chunks_of(const MixerParams&) {
+  return kernel_knobs().group_chunks > 0 ? kernel_knobs().group_chunks : kGroupChunks;
 }
 
 }  // namespace
@@ -217,6 +268,13 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.chunks_per_row = ceil_div(p.seq_len, p.chunk);
   a.num_chunks = count_chunks(host_view);
   plan.num_chunks = a.num_chunks;
+  const bool grouped = grouped_linear(p) && !prepare_only;
+  const int64_t G = group_chunks_of(p);
+  if (grouped) {
+    a.group_chunks = static_cast<int>(G);
+    a.ws_group_sums = reinterpret_cast<float*>(base + l.group_sums);
+    a.max_segment_groups = ceil_div(a.chunks_per_row, G);
+  }
 
   if (p.cu_seqlens != nullptr) {
     // Chunks are aligned to segment starts (kernels/mixer_params.h).
@@ -232,6 +290,25 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
     }
     auto* chunk_dev = reinterpret_cast<int64_t*>(base + l.chunk_table);
     auto* segment_dev = reinterpret_cast<int64_t*>(base + l.segment_table);
+    if (grouped) {
+      // Each segment's first group slot, and the most groups of a segment.
+      std::vector<int64_t> group_table;
+      int64_t slots = 0, most = 0;
+      for (int64_t n = 0; n < p.num_segments; ++n) {
+        const int64_t groups = ceil_div(segment_table[2 * n + 1], G);
+        group_table.push_back(slots);
+        slots += groups;
+        most = std::max(most, groups);
+      }
+      SS_CHECK_ARG(slots <= max_group_slots(p), "cu_seqlens",
+                   "more chunk groups than the workspace was sized for");
+      a.max_segment_groups = std::max<int64_t>(most, 1);
+      auto* group_dev = reinterpret_cast<int64_t*>(base + l.group_table);
+      SS_CUDA_CHECK(cudaMemcpyAsync(group_dev, group_table.data(),
+                                    group_table.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                    stream));
+      a.group_table = group_dev;
+    }
     // Pageable host -> device copies return once the data is staged, so the
     // vectors may go out of scope afterwards.
     SS_CUDA_CHECK(cudaMemcpyAsync(chunk_dev, chunk_table.data(),

@@ -1,0 +1,251 @@
+// Linear attention's forward in chunk groups (raw path, 16-bit, no L2 norm;
+// opt-in: STATESCAN_LINEAR=grouped, ForwardArgs::group_chunks > 0).
+//
+// Why: without a gate the state update is a plain sum, S_c = S_0 + sum_{c' < c}
+// k_c'^T v_c', so the 512-step chain of the raw scan (chunk_scan16.cuh, ~0.7 us
+// a step on an H200) is not needed: the chunks split into groups of G, and
+//   1. chunk_group_sums16_kernel: each group's sum of k^T v (fp32, in
+//      registers; every group in parallel);
+//   2. group_prefix_kernel: per (segment, head) the exclusive prefix of those
+//      sums from the initial state (in place: group g's slot becomes the state
+//      entering it) and the final state;
+//   3. chunk_forward_grouped16_kernel: each group from its entering state
+//      runs its G chunks as the raw scan and output kernels would, fused: o =
+//      scale (q S_c + mask(q k^T) v) with S_c's 16-bit copy in shared memory,
+//      then S += k^T v in registers; the fp32 chunk states when the caller
+//      asks (the backward's).
+// The 16-bit states never reach global memory (the raw scan wrote them and
+// the output kernel read them back: 2 x 268 MB at 32K, H = 16, D = 128) and
+// the chains are G steps long. The arithmetic is the raw path's (S in fp32,
+// the products read its copy rounded to T, the scale on the fp32 result); only
+// the order of the fp32 sums that build S differs.
+// Not yet run on a GPU (written 2026-12-02 after that session's device time
+// was spent): the default stays the raw scan + output kernels.
+//   grids (max groups per segment, H, segments), 512 threads; shared memory
+//   Grouped16Traits::kSumBytes / kBytes (D = 128, bf16: 70 KB / 148 KB).
+// Included by chunk_forward.cuh after the scan and output kernels.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/warp_mma.cuh"
+
+namespace statescan::cuda::detail {
+
+template <typename T, int Dk, int Dv>
+struct Grouped16Traits {
+  static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
+  static constexpr int kMaxChunk = 64, kWarps = 16, kThreads = 32 * kWarps;
+  // The whole Dk x Dv state over the 16 warps as 16 x 8 accumulator tiles.
+  static constexpr int kTiles = (Dk / 16) * (Dv / 8);
+  static constexpr int kOwnNT = kTiles / kWarps;          // 8 at D = 128, 2 at D = 64
+  static constexpr int kWarpsPerRow = (Dv / 8) / kOwnNT;  // warps sharing a 16-row slab
+  static_assert(kOwnNT % 2 == 0 && kOwnNT * kWarps == kTiles, "whole n8 pairs per warp");
+  static constexpr int kLdK = Dk + 8, kLdV = Dv + 8, kLdC = kMaxChunk + 8;
+  static constexpr size_t kKBytes = align_smem(sizeof(T) * kMaxChunk * kLdK);  // q or k
+  static constexpr size_t kVBytes = align_smem(sizeof(T) * kMaxChunk * kLdV);
+  // Group sums: two stages of (k, v).
+  static constexpr size_t kSumStage = kKBytes + kVBytes;
+  static constexpr size_t kSumBytes = 2 * kSumStage;
+  // Fused forward: two stages of (q, k, v), the 16-bit copy of S, A.
+  static constexpr size_t kStage = 2 * kKBytes + kVBytes;
+  static constexpr size_t kSBytes = align_smem(sizeof(T) * Dk * kLdV);
+  static constexpr size_t kABytes = align_smem(sizeof(T) * kMaxChunk * kLdC);
+  static constexpr size_t kBytes = 2 * kStage + kSBytes + kABytes;
+  static_assert(kBytes <= 227 * 1024, "chunk_forward_grouped16_kernel exceeds shared memory");
+};
+
+// Segment n's groups: its chunks [gi G, min(count, (gi + 1) G)) form group gi,
+// whose fp32 Dk x Dv slot in ws_group_sums is group_first(n) + gi.
+struct SegmentGroups {
+  int64_t first_chunk = 0, count = 0, first_slot = 0;
+  int groups = 0;
+};
+__device__ __forceinline__ SegmentGroups segment_groups(const ForwardArgs& a, int64_t n) {
+  SegmentGroups s;
+  segment_chunks(a, n, s.first_chunk, s.count);
+  const int64_t G = a.group_chunks;
+  s.groups = static_cast<int>((s.count + G - 1) / G);
+  s.first_slot = a.group_table != nullptr ? a.group_table[n] : n * a.max_segment_groups;
+  return s;
+}
+
+template <typename T, int Dk, int Dv, int kChunk>
+__global__ void __launch_bounds__(512)
+    chunk_group_sums16_kernel(const __grid_constant__ ForwardArgs a) {
+  using Tr = Grouped16Traits<T, Dk, Dv>;
+  constexpr int kLdK = Tr::kLdK, kLdV = Tr::kLdV, kThreads = Tr::kThreads;
+  static_assert(kChunk == 16 || kChunk == 32 || kChunk == 64, "chunk in {16, 32, 64}");
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  auto stK = [&](int st) { return reinterpret_cast<T*>(smem_bytes + st * Tr::kSumStage); };
+  auto stV = [&](int st) {
+    return reinterpret_cast<T*>(smem_bytes + st * Tr::kSumStage + Tr::kKBytes);
+  };
+  const int64_t gi = blockIdx.x, h = blockIdx.y, n = blockIdx.z, H = a.heads;
+  const SegmentGroups sg = segment_groups(a, n);
+  if (gi >= sg.groups) return;  // the whole block: no barrier is skipped by a part of it
+  const SegmentTokens seg = segment_tokens(a, sg.first_chunk, sg.count);
+  const int G = a.group_chunks;
+  const int c_begin = static_cast<int>(gi) * G;
+  const int c_end = static_cast<int>(sg.count < c_begin + G ? sg.count : c_begin + G);
+  const int tid = threadIdx.x, warp = tid / 32;
+
+  auto prefetch = [&](int c, int st) {
+    const int64_t token0 = seg.token0(c, kChunk);
+    const int length = seg.length(c, kChunk);
+    copy_chunk_rows_async<kThreads, kChunk, Dk, Dk, T>(stK(st), kLdK, a.k, token0, H, h, 0, tid,
+                                                       length);
+    copy_chunk_rows_async<kThreads, kChunk, Dv, Dv, T>(stV(st), kLdV, a.v, token0, H, h, 0, tid,
+                                                       length);
+  };
+  WarpStateTiles<Dv, Tr::kOwnNT> s(16 * (warp / Tr::kWarpsPerRow),
+                                   8 * Tr::kOwnNT * (warp % Tr::kWarpsPerRow));
+  s.load(nullptr);  // zeros
+  prefetch(c_begin, 0);
+  cp_async_commit();
+  for (int c = c_begin, st = 0; c < c_end; ++c, st ^= 1) {
+    cp_async_wait<0>();
+    // Chunk c's stage visible to every warp; every warp is done with chunk
+    // c - 1's, which the next prefetch refills.
+    __syncthreads();
+    if (c + 1 < c_end) prefetch(c + 1, st ^ 1);
+    cp_async_commit();
+    s.add_xt_y(stK(st), kLdK, stV(st), kLdV, kChunk);
+  }
+  cp_async_wait<0>();
+  constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
+  s.store_pairs(a.ws_group_sums + (sg.first_slot + gi) * H * kStateElems + h * kStateElems);
+}
+
+// One thread per state element and (head, segment): the exclusive prefix over
+// the segment's groups, in place, from the initial state; the final state.
+template <int Dk, int Dv>
+__global__ void __launch_bounds__(256) group_prefix_kernel(const __grid_constant__ ForwardArgs a) {
+  constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t h = blockIdx.y, n = blockIdx.z, H = a.heads;
+  if (e >= kStateElems) return;
+  const SegmentGroups sg = segment_groups(a, n);
+  const int64_t state = (n * H + h) * kStateElems + e;
+  float run = a.initial_state != nullptr ? a.initial_state[state] : 0.f;
+  float* slot = a.ws_group_sums + sg.first_slot * H * kStateElems + h * kStateElems + e;
+  const int64_t stride = H * kStateElems;  // one group slot
+  // Each group's sum is loaded one group ahead of its store, so the loads
+  // are not serialised behind the stores to the same array.
+  float next = sg.groups > 0 ? slot[0] : 0.f;
+  for (int g = 0; g < sg.groups; ++g) {
+    const float sum = next;
+    if (g + 1 < sg.groups) next = slot[(g + 1) * stride];
+    slot[g * stride] = run;
+    run += sum;
+  }
+  if (a.final_state != nullptr) a.final_state[state] = run;
+}
+
+template <typename T, int Dk, int Dv, int kChunk>
+__global__ void __launch_bounds__(512)
+    chunk_forward_grouped16_kernel(const __grid_constant__ ForwardArgs a) {
+  using Tr = Grouped16Traits<T, Dk, Dv>;
+  constexpr int kLdK = Tr::kLdK, kLdV = Tr::kLdV, kLdC = Tr::kLdC, kThreads = Tr::kThreads;
+  static_assert(kChunk == 16 || kChunk == 32 || kChunk == 64, "chunk in {16, 32, 64}");
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  auto stQ = [&](int st) { return reinterpret_cast<T*>(smem_bytes + st * Tr::kStage); };
+  auto stK = [&](int st) {
+    return reinterpret_cast<T*>(smem_bytes + st * Tr::kStage + Tr::kKBytes);
+  };
+  auto stV = [&](int st) {
+    return reinterpret_cast<T*>(smem_bytes + st * Tr::kStage + 2 * Tr::kKBytes);
+  };
+  T* sS = reinterpret_cast<T*>(smem_bytes + 2 * Tr::kStage);
+  T* sA = reinterpret_cast<T*>(smem_bytes + 2 * Tr::kStage + Tr::kSBytes);
+
+  const int64_t gi = blockIdx.x, h = blockIdx.y, n = blockIdx.z, H = a.heads;
+  const SegmentGroups sg = segment_groups(a, n);
+  if (gi >= sg.groups) return;  // the whole block
+  const SegmentTokens seg = segment_tokens(a, sg.first_chunk, sg.count);
+  const int G = a.group_chunks;
+  const int c_begin = static_cast<int>(gi) * G;
+  const int c_end = static_cast<int>(sg.count < c_begin + G ? sg.count : c_begin + G);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, i2 = 2 * (lane % 4);
+
+  auto prefetch = [&](int c, int st) {
+    const int64_t token0 = seg.token0(c, kChunk);
+    const int length = seg.length(c, kChunk);
+    copy_chunk_rows_async<kThreads, kChunk, Dk, Dk, T>(stQ(st), kLdK, a.q, token0, H, h, 0, tid,
+                                                       length);
+    copy_chunk_rows_async<kThreads, kChunk, Dk, Dk, T>(stK(st), kLdK, a.k, token0, H, h, 0, tid,
+                                                       length);
+    copy_chunk_rows_async<kThreads, kChunk, Dv, Dv, T>(stV(st), kLdV, a.v, token0, H, h, 0, tid,
+                                                       length);
+  };
+  constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
+  WarpStateTiles<Dv, Tr::kOwnNT> s(16 * (warp / Tr::kWarpsPerRow),
+                                   8 * Tr::kOwnNT * (warp % Tr::kWarpsPerRow));
+  // The state entering the group (group_prefix_kernel's result).
+  s.load(a.ws_group_sums + (sg.first_slot + gi) * H * kStateElems + h * kStateElems);
+  float* chunk_states = a.chunk_states != nullptr
+                            ? a.chunk_states + (sg.first_chunk * H + h) * kStateElems
+                            : nullptr;
+  prefetch(c_begin, 0);
+  cp_async_commit();
+
+  // Warps for A (kRowTiles x kAHalves slabs, as chunk_output_raw16_kernel)
+  // and for o (row tile I, Dv quarter `quarter`).
+  constexpr int kRowTiles = kChunk / 16;
+  constexpr int kANT = kChunk / 16 < 2 ? 2 : kChunk / 16;
+  constexpr int kAHalves = (kChunk / 8) / kANT;
+  constexpr int kONT = Dv / 32;
+  static_assert(kONT % 2 == 0, "o slabs of whole n8 pairs");
+  const int I = warp % 4, part = warp / 4, r0 = 16 * I;
+
+  for (int c = c_begin, st = 0; c < c_end; ++c, st ^= 1) {
+    cp_async_wait<0>();
+    // Chunk c's stage visible; every warp is done with chunk c - 1 (its
+    // stage, the copy of S and A), so they can be rewritten.
+    __syncthreads();
+    if (c + 1 < c_end) prefetch(c + 1, st ^ 1);
+    cp_async_commit();
+    const T* q = stQ(st);
+    const T* k = stK(st);
+    const T* v = stV(st);
+
+    // The state entering chunk c: the caller's fp32 copy, and the 16-bit
+    // operand copy the output product reads.
+    if (chunk_states != nullptr) s.store_pairs(chunk_states + c * H * kStateElems);
+    s.store_copy(sS, kLdV);
+    // A = mask(q k^T) (s <= t), rounded to T.
+    if (I < kRowTiles && part < kAHalves) {
+      const int n0 = 8 * kANT * part;
+      float acc[kANT][4] = {};
+      if (n0 <= r0 + 15)  // slabs right of the diagonal block stay zero
+        warp_mm_16xn<T, false, false, kANT>(acc, q, kLdK, k, kLdK, r0, n0, Dk);
+#pragma unroll
+      for (int j = 0; j < kANT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int t = r0 + g + 4 * e, sc = n0 + 8 * j + i2;
+          *reinterpret_cast<uint32_t*>(sA + t * kLdC + sc) =
+              pack2<T>(sc <= t ? acc[j][e] : 0.f, sc + 1 <= t ? acc[j][e + 1] : 0.f);
+        }
+    }
+    __syncthreads();  // the copy of S and A complete
+
+    // o (rows r0.., Dv quarter) = scale (q S_c + A v); A is zero right of the
+    // diagonal block, so its product stops at row tile I.
+    if (I < kRowTiles) {
+      const int n0 = part * (Dv / 4);
+      float acc[kONT][4] = {};
+      warp_mm_16xn<T, false, true, kONT>(acc, q, kLdK, sS, kLdV, r0, n0, Dk);
+      warp_mm_16xn<T, false, true, kONT>(acc, sA, kLdC, v, kLdV, r0, n0, r0 + 16);
+      store_chunk_slab<T, Dv>(a.o, seg.token0(c, kChunk) * H + h, H, r0, n0,
+                              seg.length(c, kChunk), acc, a.scale);
+    }
+    // S <- S + k^T v (rows past the sequence's end are zeros).
+    s.add_xt_y(k, kLdK, v, kLdV, kChunk);
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace statescan::cuda::detail
