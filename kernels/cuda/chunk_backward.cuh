@@ -622,7 +622,12 @@ struct StateProductTraits {
       sizeof(T) * (2 * kStateElems + 2 * kKElems + 3 * kVElems + kAElems);
   static_assert(kBytes <= 227 * 1024, "chunk_state_products_kernel exceeds Hopper shared memory");
   static_assert(Dk % 32 == 0 && Dv % 32 == 0, "16 x 32 output slabs");
-  // Output layout per item (fp32, rows of the chunk's C, pitch Dk or Dv).
+  // Output layout per item (rows of the chunk's C, pitch Dk or Dv): fp32,
+  // except that delta rules store V', dV' and dW in T (16-bit, at the start
+  // of their fp32 slots): the intra-chunk kernels read them only as 16-bit
+  // operand copies, and rounding them here is the same rounding those
+  // kernels made on their load (bitwise the same operands), for half the
+  // bytes each way. Additive rules keep dV' in fp32 (it is their dv).
   static constexpr int64_t kOffVp = 0;
   static constexpr int64_t kOffDVp = kOffVp + kMaxChunk * Dv;
   static constexpr int64_t kOffGq = kOffDVp + kMaxChunk * Dv;
@@ -728,17 +733,21 @@ __global__ void __launch_bounds__(256, 1)
     for (int s = warp; s < row_tiles * (cols / 32); s += Tr::kWarps)
       body((s % row_tiles) * 16, (s / row_tiles) * 32);
   };
-  // Writes a slab (times `sign`) to out[off] (pitch `ld`), and with `copy`
-  // also as T into shared memory (pitch ldc).
+  // Writes a slab (times `sign`) to out[off] (pitch `ld`; as T with
+  // `as_t`, else fp32), and with `copy` also as T into shared memory (pitch ldc).
   auto store_slab = [&](const float(&acc)[4][4], int m0, int n0, int64_t off, int ld, float sign,
-                        T* copy, int ldc) {
+                        T* copy, int ldc, bool as_t) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = m0 + g + 8 * half, col = n0 + 8 * j + i2;
         const float x = sign * acc[j][2 * half], y = sign * acc[j][2 * half + 1];
-        *reinterpret_cast<float2*>(out + off + r * ld + col) = make_float2(x, y);
+        if (as_t)
+          *reinterpret_cast<uint32_t*>(reinterpret_cast<T*>(out + off) + r * ld + col) =
+              pack2<T>(x, y);
+        else
+          *reinterpret_cast<float2*>(out + off + r * ld + col) = make_float2(x, y);
         if (copy != nullptr) *reinterpret_cast<uint32_t*>(copy + r * ldc + col) = pack2<T>(x, y);
       }
   };
@@ -757,7 +766,7 @@ __global__ void __launch_bounds__(256, 1)
           acc[j][2 * half] = u.x - acc[j][2 * half];
           acc[j][2 * half + 1] = u.y - acc[j][2 * half + 1];
         }
-      store_slab(acc, m0, n0, Tr::kOffVp, Dv, 1.f, sU, kLdV);
+      store_slab(acc, m0, n0, Tr::kOffVp, Dv, 1.f, sU, kLdV, true);
     });
   }
   // ---- dV' = A^T dO + K_ dS ------------------------------------------------
@@ -765,26 +774,26 @@ __global__ void __launch_bounds__(256, 1)
     float acc[4][4] = {};
     warp_mm_16x32<T, true, true>(acc, sA, kLdC, sO, kLdV, m0, n0, C);
     warp_mm_16x32<T, false, true>(acc, sK, kLdK, sdS, kLdV, m0, n0, Dk);
-    store_slab(acc, m0, n0, Tr::kOffDVp, Dv, 1.f, kDelta ? sdV : nullptr, kLdV);
+    store_slab(acc, m0, n0, Tr::kOffDVp, Dv, 1.f, kDelta ? sdV : nullptr, kLdV, kDelta);
   });
   // ---- gq = dO S^T ---------------------------------------------------------
   for_slabs(Dk, [&](int m0, int n0) {
     float acc[4][4] = {};
     warp_mm_16x32<T, false, false>(acc, sO, kLdV, sS, kLdV, m0, n0, Dv);
-    store_slab(acc, m0, n0, Tr::kOffGq, Dk, 1.f, nullptr, 0);
+    store_slab(acc, m0, n0, Tr::kOffGq, Dk, 1.f, nullptr, 0, false);
   });
   __syncthreads();  // V' and dV' complete in shared memory
   // ---- gk = V' dS^T; dW = -dV' S^T ------------------------------------------
   for_slabs(Dk, [&](int m0, int n0) {
     float acc[4][4] = {};
     warp_mm_16x32<T, false, false>(acc, sU, kLdV, sdS, kLdV, m0, n0, Dv);
-    store_slab(acc, m0, n0, Tr::kOffGk, Dk, 1.f, nullptr, 0);
+    store_slab(acc, m0, n0, Tr::kOffGk, Dk, 1.f, nullptr, 0, false);
   });
   if constexpr (kDelta) {
     for_slabs(Dk, [&](int m0, int n0) {
       float acc[4][4] = {};
       warp_mm_16x32<T, false, false>(acc, sdV, kLdV, sS, kLdV, m0, n0, Dv);
-      store_slab(acc, m0, n0, Tr::kOffDW, Dk, -1.f, nullptr, 0);
+      store_slab(acc, m0, n0, Tr::kOffDW, Dk, -1.f, nullptr, 0, true);
     });
   }
 }
@@ -1347,16 +1356,19 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
       launch_kernel(chunk_state_products_kernel<kRule, Elem, Dk, Dv>, grid, SpTr::kThreads,
                     SpTr::kBytes, stream, "chunk_state_products_kernel", batch);
       // The intra-chunk gradients in the same form (b11): one block per item.
-      if constexpr (kDecay != Decay::vector) {
-        using InTr = IntraTraits<Elem, Dk, Dv>;
-        launch_kernel(chunk_intra_grad_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm>, grid,
-                      InTr::kThreads, InTr::kBytes, stream, "chunk_intra_grad_kernel", batch);
-      } else {
-        using InTr = IntraVecTraits<Elem, Dk, Dv>;
-        launch_kernel(chunk_intra_grad_vector_kernel<kRule, Elem, Dk, Dv, kL2Norm>, grid,
-                      InTr::kThreads, InTr::kBytes, stream, "chunk_intra_grad_vector_kernel",
-                      batch);
-      }
+      with_chunk_size(batch.f.chunk, [&](auto chunk_tag) {
+        constexpr int kC = decltype(chunk_tag)::value;
+        if constexpr (kDecay != Decay::vector) {
+          using InTr = IntraTraits<Elem, Dk, Dv>;
+          launch_kernel(chunk_intra_grad_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm, kC>, grid,
+                        InTr::kThreads, InTr::kBytes, stream, "chunk_intra_grad_kernel", batch);
+        } else {
+          using InTr = IntraVecTraits<Elem, Dk, Dv>;
+          launch_kernel(chunk_intra_grad_vector_kernel<kRule, Elem, Dk, Dv, kL2Norm, kC>, grid,
+                        InTr::kThreads, InTr::kBytes, stream, "chunk_intra_grad_vector_kernel",
+                        batch);
+        }
+      });
     }
   } else {
     // fp32 inputs: one persistent kernel in split tf32 (fp32 accuracy).

@@ -64,24 +64,27 @@ struct IntraTraits {
                 "each warp takes a column quarter in n8 pairs");
 };
 
-// V', dV' and dW (fp32, chunk_state_products_kernel's item outputs) as 16-bit
-// operand copies.
+// V', dV' and dW (delta rules: chunk_state_products_kernel stores them in T
+// already) into the 16-bit operand tiles by cp.async (committed, not
+// waited: the kernels wait for every group before their second barrier).
 template <int kThreads, int Dk, int Dv, typename T>
 __device__ __forceinline__ void intra_load_state_products(T* sVp, T* sDVp, T* sDW, int ldk,
                                                           int ldv, const float* sp, int C) {
   using SpTr = StateProductTraits<T, Dk, Dv>;
-  for (int idx = threadIdx.x; idx < C * Dv / 4; idx += kThreads) {
-    const int t = idx / (Dv / 4), j = (idx % (Dv / 4)) * 4;
-    const float4 x = load4(sp + SpTr::kOffVp + t * Dv + j);
-    const float4 y = load4(sp + SpTr::kOffDVp + t * Dv + j);
-    *reinterpret_cast<uint2*>(sVp + t * ldv + j) = make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
-    *reinterpret_cast<uint2*>(sDVp + t * ldv + j) = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+  constexpr int kVec = 8;  // 16-byte copies
+  const T* vp = reinterpret_cast<const T*>(sp + SpTr::kOffVp);
+  const T* dvp = reinterpret_cast<const T*>(sp + SpTr::kOffDVp);
+  const T* dw = reinterpret_cast<const T*>(sp + SpTr::kOffDW);
+  for (int idx = threadIdx.x; idx < C * Dv / kVec; idx += kThreads) {
+    const int t = idx / (Dv / kVec), j = (idx % (Dv / kVec)) * kVec;
+    cp_async16(sVp + t * ldv + j, vp + t * Dv + j);
+    cp_async16(sDVp + t * ldv + j, dvp + t * Dv + j);
   }
-  for (int idx = threadIdx.x; idx < C * Dk / 4; idx += kThreads) {
-    const int t = idx / (Dk / 4), d = (idx % (Dk / 4)) * 4;
-    const float4 x = load4(sp + SpTr::kOffDW + t * Dk + d);
-    *reinterpret_cast<uint2*>(sDW + t * ldk + d) = make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
+  for (int idx = threadIdx.x; idx < C * Dk / kVec; idx += kThreads) {
+    const int t = idx / (Dk / kVec), d = (idx % (Dk / kVec)) * kVec;
+    cp_async16(sDW + t * ldk + d, dw + t * Dk + d);
   }
+  cp_async_commit();
 }
 
 // A warp's slab accumulator (rows m0 .. m0+16, columns n0 .. n0+8 kNT, the
@@ -155,9 +158,10 @@ __device__ __forceinline__ void slab_store_dq_dk(const float (&gq)[kNT][4],
     }
 }
 
-template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm>
+template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm, int kChunk>
 __global__ void __launch_bounds__(512, 1)
     chunk_intra_grad_kernel(const __grid_constant__ BackwardArgs a) {
+  static_assert(kChunk == 16 || kChunk == 32 || kChunk == 64, "chunk in {16, 32, 64}");
   static_assert(kDecay != Decay::vector, "vector gates keep chunk_grad_kernel_tc");
   static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
   using Tr = IntraTraits<T, Dk, Dv>;
@@ -202,7 +206,9 @@ __global__ void __launch_bounds__(512, 1)
   int64_t token0;
   int L;
   chunk_geometry(f, c, token0, L);
-  const int C = f.chunk, nb = C / 16;
+  // Compile-time chunk (as chunk_prepare16_kernel): constant trip counts and
+  // strides, no division per element in T's 16-bit copy.
+  constexpr int C = kChunk, nb = kChunk / 16;
   const float scale = f.scale;
   const float* sp = a.ws_sp + static_cast<int64_t>(blockIdx.x) * SpTr::kOutFloats;
   auto row = [&](int t) { return (token0 + t) * H + h; };

@@ -68,9 +68,10 @@ struct IntraVecTraits {
   static_assert(Dk % (16 * kParts) == 0, "each warp takes a column quarter in n8 pairs");
 };
 
-template <Rule kRule, typename T, int Dk, int Dv, bool kL2Norm>
+template <Rule kRule, typename T, int Dk, int Dv, bool kL2Norm, int kChunk>
 __global__ void __launch_bounds__(512, 1)
     chunk_intra_grad_vector_kernel(const __grid_constant__ BackwardArgs a) {
+  static_assert(kChunk == 16 || kChunk == 32 || kChunk == 64, "chunk in {16, 32, 64}");
   static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
   using Tr = IntraVecTraits<T, Dk, Dv>;
   using SpTr = StateProductTraits<T, Dk, Dv>;
@@ -120,7 +121,9 @@ __global__ void __launch_bounds__(512, 1)
   int64_t token0;
   int L;
   chunk_geometry(f, c, token0, L);
-  const int C = f.chunk, nb = C / 16;
+  // Compile-time chunk (as chunk_prepare16_kernel): constant trip counts and
+  // strides, no division per element in T's 16-bit copy.
+  constexpr int C = kChunk, nb = kChunk / 16;
   const float scale = f.scale;
   const float* sp = a.ws_sp + static_cast<int64_t>(blockIdx.x) * SpTr::kOutFloats;
   auto row = [&](int t) { return (token0 + t) * H + h; };
