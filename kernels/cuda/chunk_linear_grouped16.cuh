@@ -71,6 +71,36 @@ __device__ __forceinline__ SegmentGroups segment_groups(const ForwardArgs& a, in
   return s;
 }
 
+// Block (gi, h, n)'s work: group gi of segment n, its chunks [c_begin, c_end)
+// (segment-relative); inactive past the segment's last group.
+struct GroupWork {
+  SegmentGroups sg;
+  SegmentTokens seg;
+  int c_begin = 0, c_end = 0;
+  bool active = false;
+};
+__device__ __forceinline__ GroupWork group_work(const ForwardArgs& a, int64_t gi, int64_t n) {
+  GroupWork w;
+  w.sg = segment_groups(a, n);
+  if (gi >= w.sg.groups) return w;
+  w.seg = segment_tokens(a, w.sg.first_chunk, w.sg.count);
+  const int64_t G = a.group_chunks, end = (gi + 1) * G;
+  w.c_begin = static_cast<int>(gi * G);
+  w.c_end = static_cast<int>(w.sg.count < end ? w.sg.count : end);
+  w.active = true;
+  return w;
+}
+
+// Chunk c of a segment (all D columns of head h of a [tokens, H, D] 16-bit
+// input) into a tile by cp.async, rows past the sequence's end zeroed.
+template <int kThreads, int kChunk, int D, typename T>
+__device__ __forceinline__ void copy_segment_chunk_async(T* dst, int ld, const void* src,
+                                                         const SegmentTokens& seg, int c,
+                                                         int64_t H, int64_t h, int tid) {
+  copy_chunk_rows_async<kThreads, kChunk, D, D, T>(dst, ld, src, seg.token0(c, kChunk), H, h, 0,
+                                                   tid, seg.length(c, kChunk));
+}
+
 template <typename T, int Dk, int Dv, int kChunk>
 __global__ void __launch_bounds__(512)
     chunk_group_sums16_kernel(const __grid_constant__ ForwardArgs a) {
@@ -82,22 +112,17 @@ __global__ void __launch_bounds__(512)
   auto stV = [&](int st) {
     return reinterpret_cast<T*>(smem_bytes + st * Tr::kSumStage + Tr::kKBytes);
   };
-  const int64_t gi = blockIdx.x, h = blockIdx.y, n = blockIdx.z, H = a.heads;
-  const SegmentGroups sg = segment_groups(a, n);
-  if (gi >= sg.groups) return;  // the whole block: no barrier is skipped by a part of it
-  const SegmentTokens seg = segment_tokens(a, sg.first_chunk, sg.count);
-  const int G = a.group_chunks;
-  const int c_begin = static_cast<int>(gi) * G;
-  const int c_end = static_cast<int>(sg.count < c_begin + G ? sg.count : c_begin + G);
+  const int64_t gi = blockIdx.x, h = blockIdx.y, H = a.heads;
+  const GroupWork w = group_work(a, gi, blockIdx.z);
+  if (!w.active) return;  // the whole block: no barrier is skipped by a part of it
+  const SegmentGroups& sg = w.sg;
+  const SegmentTokens& seg = w.seg;
+  const int c_begin = w.c_begin, c_end = w.c_end;
   const int tid = threadIdx.x, warp = tid / 32;
 
   auto prefetch = [&](int c, int st) {
-    const int64_t token0 = seg.token0(c, kChunk);
-    const int length = seg.length(c, kChunk);
-    copy_chunk_rows_async<kThreads, kChunk, Dk, Dk, T>(stK(st), kLdK, a.k, token0, H, h, 0, tid,
-                                                       length);
-    copy_chunk_rows_async<kThreads, kChunk, Dv, Dv, T>(stV(st), kLdV, a.v, token0, H, h, 0, tid,
-                                                       length);
+    copy_segment_chunk_async<kThreads, kChunk, Dk>(stK(st), kLdK, a.k, seg, c, H, h, tid);
+    copy_segment_chunk_async<kThreads, kChunk, Dv>(stV(st), kLdV, a.v, seg, c, H, h, tid);
   };
   WarpStateTiles<Dv, Tr::kOwnNT> s(16 * (warp / Tr::kWarpsPerRow),
                                    8 * Tr::kOwnNT * (warp % Tr::kWarpsPerRow));
@@ -160,25 +185,18 @@ __global__ void __launch_bounds__(512)
   T* sS = reinterpret_cast<T*>(smem_bytes + 2 * Tr::kStage);
   T* sA = reinterpret_cast<T*>(smem_bytes + 2 * Tr::kStage + Tr::kSBytes);
 
-  const int64_t gi = blockIdx.x, h = blockIdx.y, n = blockIdx.z, H = a.heads;
-  const SegmentGroups sg = segment_groups(a, n);
-  if (gi >= sg.groups) return;  // the whole block
-  const SegmentTokens seg = segment_tokens(a, sg.first_chunk, sg.count);
-  const int G = a.group_chunks;
-  const int c_begin = static_cast<int>(gi) * G;
-  const int c_end = static_cast<int>(sg.count < c_begin + G ? sg.count : c_begin + G);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, i2 = 2 * (lane % 4);
+  const int64_t gi = blockIdx.x, h = blockIdx.y, H = a.heads;
+  const GroupWork w = group_work(a, gi, blockIdx.z);
+  if (!w.active) return;  // the whole block: no barrier is skipped by a part of it
+  const SegmentGroups& sg = w.sg;
+  const SegmentTokens& seg = w.seg;
+  const int c_begin = w.c_begin, c_end = w.c_end;
+  const int tid = threadIdx.x, warp = tid / 32;
 
   auto prefetch = [&](int c, int st) {
-    const int64_t token0 = seg.token0(c, kChunk);
-    const int length = seg.length(c, kChunk);
-    copy_chunk_rows_async<kThreads, kChunk, Dk, Dk, T>(stQ(st), kLdK, a.q, token0, H, h, 0, tid,
-                                                       length);
-    copy_chunk_rows_async<kThreads, kChunk, Dk, Dk, T>(stK(st), kLdK, a.k, token0, H, h, 0, tid,
-                                                       length);
-    copy_chunk_rows_async<kThreads, kChunk, Dv, Dv, T>(stV(st), kLdV, a.v, token0, H, h, 0, tid,
-                                                       length);
+    copy_segment_chunk_async<kThreads, kChunk, Dk>(stQ(st), kLdK, a.q, seg, c, H, h, tid);
+    copy_segment_chunk_async<kThreads, kChunk, Dk>(stK(st), kLdK, a.k, seg, c, H, h, tid);
+    copy_segment_chunk_async<kThreads, kChunk, Dv>(stV(st), kLdV, a.v, seg, c, H, h, tid);
   };
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
   WarpStateTiles<Dv, Tr::kOwnNT> s(16 * (warp / Tr::kWarpsPerRow),
@@ -191,11 +209,9 @@ __global__ void __launch_bounds__(512)
   prefetch(c_begin, 0);
   cp_async_commit();
 
-  // Warps for A (kRowTiles x kAHalves slabs, as chunk_output_raw16_kernel)
-  // and for o (row tile I, Dv quarter `quarter`).
+  // Warp (I, part): A's slab `part` of row tile I (store_causal_scores),
+  // then o's row tile I, Dv quarter `part`.
   constexpr int kRowTiles = kChunk / 16;
-  constexpr int kANT = kChunk / 16 < 2 ? 2 : kChunk / 16;
-  constexpr int kAHalves = (kChunk / 8) / kANT;
   constexpr int kONT = Dv / 32;
   static_assert(kONT % 2 == 0, "o slabs of whole n8 pairs");
   const int I = warp % 4, part = warp / 4, r0 = 16 * I;
@@ -215,21 +231,7 @@ __global__ void __launch_bounds__(512)
     // operand copy the output product reads.
     if (chunk_states != nullptr) s.store_pairs(chunk_states + c * H * kStateElems);
     s.store_copy(sS, kLdV);
-    // A = mask(q k^T) (s <= t), rounded to T.
-    if (I < kRowTiles && part < kAHalves) {
-      const int n0 = 8 * kANT * part;
-      float acc[kANT][4] = {};
-      if (n0 <= r0 + 15)  // slabs right of the diagonal block stay zero
-        warp_mm_16xn<T, false, false, kANT>(acc, q, kLdK, k, kLdK, r0, n0, Dk);
-#pragma unroll
-      for (int j = 0; j < kANT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int t = r0 + g + 4 * e, sc = n0 + 8 * j + i2;
-          *reinterpret_cast<uint32_t*>(sA + t * kLdC + sc) =
-              pack2<T>(sc <= t ? acc[j][e] : 0.f, sc + 1 <= t ? acc[j][e + 1] : 0.f);
-        }
-    }
+    store_causal_scores<T, Dk, kChunk>(sA, kLdC, q, k, kLdK, I, part);  // A = mask(q k^T)
     __syncthreads();  // the copy of S and A complete
 
     // o (rows r0.., Dv quarter) = scale (q S_c + A v); A is zero right of the

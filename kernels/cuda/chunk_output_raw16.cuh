@@ -60,6 +60,32 @@ __device__ __forceinline__ void store_chunk_slab(void* out, int64_t row0, int64_
   }
 }
 
+// A = mask(q k^T) (s <= t) of a chunk, rounded to T into sA (pitch ldc):
+// each 16-row tile I's kChunk columns as kAHalves slabs of kANT 8-column
+// tiles, slab `half` for the calling warp (warps outside the grid of slabs
+// return at once). q, k: [kChunk][Dk] 16-bit tiles, pitch ldk.
+template <typename T, int Dk, int kChunk>
+__device__ __forceinline__ void store_causal_scores(T* sA, int ldc, const T* q, const T* k, int ldk,
+                                                   int I, int half) {
+  constexpr int kRowTiles = kChunk / 16;
+  constexpr int kANT = kChunk / 16 < 2 ? 2 : kChunk / 16;
+  constexpr int kAHalves = (kChunk / 8) / kANT;
+  if (I >= kRowTiles || half >= kAHalves) return;
+  const int lane = threadIdx.x & 31, g = lane / 4, i2 = 2 * (lane % 4);
+  const int r0 = 16 * I, n0 = 8 * kANT * half;
+  float acc[kANT][4] = {};
+  if (n0 <= r0 + 15)  // slabs right of the diagonal block stay zero
+    warp_mm_16xn<T, false, false, kANT>(acc, q, ldk, k, ldk, r0, n0, Dk);
+#pragma unroll
+  for (int j = 0; j < kANT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int t = r0 + g + 4 * e, s = n0 + 8 * j + i2;
+      *reinterpret_cast<uint32_t*>(sA + t * ldc + s) =
+          pack2<T>(s <= t ? acc[j][e] : 0.f, s + 1 <= t ? acc[j][e + 1] : 0.f);
+    }
+}
+
 template <typename T, int Dk, int Dv, int kChunk>
 __global__ void __launch_bounds__(256)
     chunk_output_raw16_kernel(const __grid_constant__ ForwardArgs a) {
@@ -74,8 +100,7 @@ __global__ void __launch_bounds__(256)
   T* sA = reinterpret_cast<T*>(smem_bytes + 2 * Tr::kQBytes + Tr::kSBytes + Tr::kVBytes);
 
   const int64_t c = blockIdx.x, h = blockIdx.y, H = a.heads;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, i2 = 2 * (lane % 4);
+  const int tid = threadIdx.x, warp = tid / 32;
   int64_t token0;
   int length;
   chunk_geometry(a, c, token0, length);
@@ -94,24 +119,7 @@ __global__ void __launch_bounds__(256)
   const int I = warp % 4, half = warp / 4;
   const int r0 = 16 * I;
 
-  // A = mask(q k^T) (s <= t), rounded to T: each row tile's kChunk columns
-  // as kAHalves slabs of kANT 8-column tiles (one slab per warp).
-  constexpr int kANT = kChunk / 16 < 2 ? 2 : kChunk / 16;
-  constexpr int kAHalves = (kChunk / 8) / kANT;
-  if (I < kRowTiles && half < kAHalves) {
-    const int n0 = 8 * kANT * half;
-    float acc[kANT][4] = {};
-    if (n0 <= r0 + 15)  // slabs right of the diagonal block stay zero
-      warp_mm_16xn<T, false, false, kANT>(acc, sQ, kLdK, sK, kLdK, r0, n0, Dk);
-#pragma unroll
-    for (int j = 0; j < kANT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int t = r0 + g + 4 * e, s = n0 + 8 * j + i2;
-        *reinterpret_cast<uint32_t*>(sA + t * kLdC + s) =
-            pack2<T>(s <= t ? acc[j][e] : 0.f, s + 1 <= t ? acc[j][e + 1] : 0.f);
-      }
-  }
+  store_causal_scores<T, Dk, kChunk>(sA, kLdC, sQ, sK, kLdK, I, half);
   __syncthreads();
 
   // O (rows r0.., columns n0 .. n0 + Dv / 2) = scale (q S_c + A v); A is
