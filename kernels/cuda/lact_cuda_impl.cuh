@@ -22,8 +22,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -661,8 +663,47 @@ __global__ void symmetrise_kernel(const U* dA, int64_t mats, int64_t m, U* S) {
   }
 }
 
+// Newton-Schulz GEMMs on bf16 tensor cores with two-part operands
+// (STATESCAN_LACT_NS=bf16x3; opt-in, bf16 layers only, not yet run on a GPU):
+// each fp32 operand x = hi + lo with hi = bf16(x), lo = bf16(x - hi), and
+// A B ~ A_hi B_hi + A_hi B_lo + A_lo B_hi as ONE bf16 GEMM whose contraction
+// is three times as long: A stacked [hi | hi | lo] and B [hi ; lo ; hi] along
+// K. The host model (tests/test_lact_ns_model.cpp) puts this at 4.6e-5 of
+// NS(P) and 8.4e-5 of its gradient (fp32 CUDA-core GEMMs: 3.5e-7; TF32: 3.2e-3
+// and 5.9e-3, too coarse); the fp32 GEMMs are ~70% of a Muon layer's time.
+inline bool ns_bf16x3_requested() {
+  static const bool on = [] {
+    const char* text = std::getenv("STATESCAN_LACT_NS");
+    return text != nullptr && std::string(text) == "bf16x3";
+  }();
+  return on;
+}
+
+// dst = `batch` packed rows x cols fp32 matrices, each stacked three times
+// along its contraction dimension (the columns when k_is_cols, else the
+// rows) as bf16 parts: slot s is x's low part where bit s of lo_mask is set,
+// its high part otherwise.
+static __global__ void split3_kernel(const float* src, int64_t batch, int64_t rows, int64_t cols,
+                              bool k_is_cols, int lo_mask, bf16* dst) {
+  const int64_t per = rows * cols, total = batch * per;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = e / per, r = (e % per) / cols, c = e % cols;
+    const float x = src[e];
+    const bf16 hi = __float2bfloat16_rn(x);
+    const bf16 lo = __float2bfloat16_rn(x - __bfloat162float(hi));
+    bf16* out = dst + 3 * b * per;
+#pragma unroll
+    for (int slot = 0; slot < 3; ++slot) {
+      const int64_t at = k_is_cols ? r * 3 * cols + slot * cols + c : (slot * rows + r) * cols + c;
+      out[at] = (lo_mask >> slot) & 1 ? lo : hi;
+    }
+  }
+}
+
 // Muon's NS_s over all 3 * pairs matrices of a [pairs, 3MD] array at once,
-// each Newton-Schulz product one batched GEMM in U.
+// each Newton-Schulz product one batched GEMM in U (or, for U = float with
+// STATESCAN_LACT_NS=bf16x3, one bf16 GEMM of two-part operands).
 template <typename U>
 class NewtonSchulz {
  public:
@@ -680,6 +721,11 @@ class NewtonSchulz {
         A_(mats_ * m_ * m_, stream),
         Bm_(mats_ * m_ * m_, stream),
         scale_(mats_, stream) {
+    if (split_) {
+      // The largest operand is m x n (m <= n).
+      split_a_ = Scratch<bf16>(3 * mats_ * m_ * n_, stream);
+      split_b_ = Scratch<bf16>(3 * mats_ * m_ * n_, stream);
+    }
     if (keep_iterates) {
       iterates_ = Scratch<U>(steps_ * mats_ * m_ * n_, stream);
       dA_ = Scratch<U>(mats_ * m_ * m_, stream);
@@ -786,8 +832,7 @@ class NewtonSchulz {
       // Y = a X + B X.
       SS_CUDA_CHECK(cudaMemcpyAsync(Y_.get(), X_.get(), mats_ * mn * sizeof(U),
                                     cudaMemcpyDeviceToDevice, stream_));
-      gemm(h, false, false, m_, n_, m_, 1.0, op(Bm_.get(), m_, m_ * m_), op(X_.get(), n_, mn),
-           kMuonA, out_(Y_.get(), n_, mn), mats_, compute_);
+      ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X_.get(), kMuonA, Y_.get());
       std::swap(X_, Y_);
     }
     ns_store_kernel<U>
@@ -808,23 +853,18 @@ class NewtonSchulz {
       // Y = a X + B X:  dXn = a dY + B dY,  dB = dY X^T.
       SS_CUDA_CHECK(cudaMemcpyAsync(Y_.get(), X_.get(), mats_ * mn * sizeof(U),
                                     cudaMemcpyDeviceToDevice, stream_));
-      gemm(h, false, false, m_, n_, m_, 1.0, op(Bm_.get(), m_, mm), op(X_.get(), n_, mn), kMuonA,
-           out_(Y_.get(), n_, mn), mats_, compute_);
-      gemm(h, false, true, m_, m_, n_, 1.0, op(X_.get(), n_, mn), op(X, n_, mn), 0.0,
-           out_(dB_.get(), m_, mm), mats_, compute_);
+      ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X_.get(), kMuonA, Y_.get());
+      ns_gemm(h, false, true, m_, m_, n_, 1.0, X_.get(), X, 0.0, dB_.get());
       // B = b A + c A A:  dA = b dB + c (dB A + A dB).
       SS_CUDA_CHECK(cudaMemcpyAsync(dA_.get(), dB_.get(), mats_ * mm * sizeof(U),
                                     cudaMemcpyDeviceToDevice, stream_));
-      gemm(h, false, false, m_, m_, m_, kMuonC, op(dB_.get(), m_, mm), op(A_.get(), m_, mm), kMuonB,
-           out_(dA_.get(), m_, mm), mats_, compute_);
-      gemm(h, false, false, m_, m_, m_, kMuonC, op(A_.get(), m_, mm), op(dB_.get(), m_, mm), 1.0,
-           out_(dA_.get(), m_, mm), mats_, compute_);
+      ns_gemm(h, false, false, m_, m_, m_, kMuonC, dB_.get(), A_.get(), kMuonB, dA_.get());
+      ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), dB_.get(), 1.0, dA_.get());
       // A = X X^T:  dXn += (dA + dA^T) X  (Bm_ is free now: it holds S).
       symmetrise_kernel<U><<<grid_for(mats_ * mm, kThreads), kThreads, 0, stream_>>>(
           dA_.get(), mats_, m_, Bm_.get());
       SS_LAUNCH_CHECK("symmetrise_kernel");
-      gemm(h, false, false, m_, n_, m_, 1.0, op(Bm_.get(), m_, mm), op(X, n_, mn), 1.0,
-           out_(Y_.get(), n_, mn), mats_, compute_);
+      ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X, 1.0, Y_.get());
       std::swap(X_, Y_);
     }
     // X_0 = Xp / (||Xp|| + eps): Xp (unscaled, oriented) into Y_.
@@ -846,13 +886,35 @@ class NewtonSchulz {
 
   // A = X X^T, Bm = b A + c A A for every matrix.
   void gram_and_poly(cublasHandle_t h, const U* X) {
-    const int64_t mn = m_ * n_, mm = m_ * m_;
-    gemm(h, false, true, m_, m_, n_, 1.0, op(X, n_, mn), op(X, n_, mn), 0.0, out_(A_.get(), m_, mm),
-         mats_, compute_);
+    const int64_t mm = m_ * m_;
+    ns_gemm(h, false, true, m_, m_, n_, 1.0, X, X, 0.0, A_.get());
     SS_CUDA_CHECK(cudaMemcpyAsync(Bm_.get(), A_.get(), mats_ * mm * sizeof(U),
                                   cudaMemcpyDeviceToDevice, stream_));
-    gemm(h, false, false, m_, m_, m_, kMuonC, op(A_.get(), m_, mm), op(A_.get(), m_, mm), kMuonB,
-         out_(Bm_.get(), m_, mm), mats_, compute_);
+    ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), A_.get(), kMuonB, Bm_.get());
+  }
+
+  // C = alpha op(A) op(B) + beta C over the mats_ matrices (packed operands),
+  // in U, or in split mode as one bf16 GEMM of two-part operands.
+  void ns_gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
+          const U* A, const U* B, double beta, U* C) {
+    if (!split_) {
+      gemm(h, ta, tb, M, N, K, alpha, op(A, ta ? M : K, M * K), op(B, tb ? K : N, K * N), beta,
+           out_(C, N, M * N), mats_, compute_);
+      return;
+    }
+    if constexpr (std::is_same<U, float>::value) {
+      // A: [hi | hi | lo] along K; B: [hi ; lo ; hi] along K.
+      split3_kernel<<<grid_for(mats_ * M * K, kThreads), kThreads, 0, stream_>>>(
+          A, mats_, ta ? K : M, ta ? M : K, !ta, 0b100, split_a_.get());
+      SS_LAUNCH_CHECK("split3_kernel");
+      split3_kernel<<<grid_for(mats_ * K * N, kThreads), kThreads, 0, stream_>>>(
+          B, mats_, tb ? N : K, tb ? K : N, tb, 0b010, split_b_.get());
+      SS_LAUNCH_CHECK("split3_kernel");
+      const Operand a{split_a_.get(), CUDA_R_16BF, ta ? M : 3 * K, 3 * M * K};
+      const Operand b{split_b_.get(), CUDA_R_16BF, tb ? 3 * K : N, 3 * K * N};
+      gemm(h, ta, tb, M, N, 3 * K, alpha, a, b, beta, out_(C, N, M * N), mats_,
+           CUBLAS_COMPUTE_32F);
+    }
   }
 
   Replay fwd_, bwd_;
@@ -861,6 +923,8 @@ class NewtonSchulz {
   int steps_;
   cudaStream_t stream_;
   Scratch<U> X_, Y_, A_, Bm_, scale_, iterates_, dA_, dB_;
+  bool split_ = std::is_same<U, float>::value && ns_bf16x3_requested();
+  Scratch<bf16> split_a_, split_b_;
 };
 
 // ---- the layer ------------------------------------------------------------------
