@@ -115,32 +115,29 @@ __global__ void __launch_bounds__(512)
   const int64_t gi = blockIdx.x, h = blockIdx.y, H = a.heads;
   const GroupWork w = group_work(a, gi, blockIdx.z);
   if (!w.active) return;  // the whole block: no barrier is skipped by a part of it
-  const SegmentGroups& sg = w.sg;
-  const SegmentTokens& seg = w.seg;
-  const int c_begin = w.c_begin, c_end = w.c_end;
   const int tid = threadIdx.x, warp = tid / 32;
 
   auto prefetch = [&](int c, int st) {
-    copy_segment_chunk_async<kThreads, kChunk, Dk>(stK(st), kLdK, a.k, seg, c, H, h, tid);
-    copy_segment_chunk_async<kThreads, kChunk, Dv>(stV(st), kLdV, a.v, seg, c, H, h, tid);
+    copy_segment_chunk_async<kThreads, kChunk, Dk>(stK(st), kLdK, a.k, w.seg, c, H, h, tid);
+    copy_segment_chunk_async<kThreads, kChunk, Dv>(stV(st), kLdV, a.v, w.seg, c, H, h, tid);
   };
   WarpStateTiles<Dv, Tr::kOwnNT> s(16 * (warp / Tr::kWarpsPerRow),
                                    8 * Tr::kOwnNT * (warp % Tr::kWarpsPerRow));
   s.load(nullptr);  // zeros
-  prefetch(c_begin, 0);
+  prefetch(w.c_begin, 0);
   cp_async_commit();
-  for (int c = c_begin, st = 0; c < c_end; ++c, st ^= 1) {
+  for (int c = w.c_begin, st = 0; c < w.c_end; ++c, st ^= 1) {
     cp_async_wait<0>();
     // Chunk c's stage visible to every warp; every warp is done with chunk
     // c - 1's, which the next prefetch refills.
     __syncthreads();
-    if (c + 1 < c_end) prefetch(c + 1, st ^ 1);
+    if (c + 1 < w.c_end) prefetch(c + 1, st ^ 1);
     cp_async_commit();
     s.add_xt_y(stK(st), kLdK, stV(st), kLdV, kChunk);
   }
   cp_async_wait<0>();
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
-  s.store_pairs(a.ws_group_sums + (sg.first_slot + gi) * H * kStateElems + h * kStateElems);
+  s.store_pairs(a.ws_group_sums + (w.sg.first_slot + gi) * H * kStateElems + h * kStateElems);
 }
 
 // One thread per state element and (head, segment): the exclusive prefix over
@@ -188,25 +185,22 @@ __global__ void __launch_bounds__(512)
   const int64_t gi = blockIdx.x, h = blockIdx.y, H = a.heads;
   const GroupWork w = group_work(a, gi, blockIdx.z);
   if (!w.active) return;  // the whole block: no barrier is skipped by a part of it
-  const SegmentGroups& sg = w.sg;
-  const SegmentTokens& seg = w.seg;
-  const int c_begin = w.c_begin, c_end = w.c_end;
   const int tid = threadIdx.x, warp = tid / 32;
 
   auto prefetch = [&](int c, int st) {
-    copy_segment_chunk_async<kThreads, kChunk, Dk>(stQ(st), kLdK, a.q, seg, c, H, h, tid);
-    copy_segment_chunk_async<kThreads, kChunk, Dk>(stK(st), kLdK, a.k, seg, c, H, h, tid);
-    copy_segment_chunk_async<kThreads, kChunk, Dv>(stV(st), kLdV, a.v, seg, c, H, h, tid);
+    copy_segment_chunk_async<kThreads, kChunk, Dk>(stQ(st), kLdK, a.q, w.seg, c, H, h, tid);
+    copy_segment_chunk_async<kThreads, kChunk, Dk>(stK(st), kLdK, a.k, w.seg, c, H, h, tid);
+    copy_segment_chunk_async<kThreads, kChunk, Dv>(stV(st), kLdV, a.v, w.seg, c, H, h, tid);
   };
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
   WarpStateTiles<Dv, Tr::kOwnNT> s(16 * (warp / Tr::kWarpsPerRow),
                                    8 * Tr::kOwnNT * (warp % Tr::kWarpsPerRow));
   // The state entering the group (group_prefix_kernel's result).
-  s.load(a.ws_group_sums + (sg.first_slot + gi) * H * kStateElems + h * kStateElems);
+  s.load(a.ws_group_sums + (w.sg.first_slot + gi) * H * kStateElems + h * kStateElems);
   float* chunk_states = a.chunk_states != nullptr
-                            ? a.chunk_states + (sg.first_chunk * H + h) * kStateElems
+                            ? a.chunk_states + (w.sg.first_chunk * H + h) * kStateElems
                             : nullptr;
-  prefetch(c_begin, 0);
+  prefetch(w.c_begin, 0);
   cp_async_commit();
 
   // Warp (I, part): A's slab `part` of row tile I (store_causal_scores),
@@ -216,12 +210,12 @@ __global__ void __launch_bounds__(512)
   static_assert(kONT % 2 == 0, "o slabs of whole n8 pairs");
   const int I = warp % 4, part = warp / 4, r0 = 16 * I;
 
-  for (int c = c_begin, st = 0; c < c_end; ++c, st ^= 1) {
+  for (int c = w.c_begin, st = 0; c < w.c_end; ++c, st ^= 1) {
     cp_async_wait<0>();
     // Chunk c's stage visible; every warp is done with chunk c - 1 (its
     // stage, the copy of S and A), so they can be rewritten.
     __syncthreads();
-    if (c + 1 < c_end) prefetch(c + 1, st ^ 1);
+    if (c + 1 < w.c_end) prefetch(c + 1, st ^ 1);
     cp_async_commit();
     const T* q = stQ(st);
     const T* k = stK(st);
@@ -241,8 +235,8 @@ __global__ void __launch_bounds__(512)
       float acc[kONT][4] = {};
       warp_mm_16xn<T, false, true, kONT>(acc, q, kLdK, sS, kLdV, r0, n0, Dk);
       warp_mm_16xn<T, false, true, kONT>(acc, sA, kLdC, v, kLdV, r0, n0, r0 + 16);
-      store_chunk_slab<T, Dv>(a.o, seg.token0(c, kChunk) * H + h, H, r0, n0,
-                              seg.length(c, kChunk), acc, a.scale);
+      store_chunk_slab<T, Dv>(a.o, w.seg.token0(c, kChunk) * H + h, H, r0, n0,
+                              w.seg.length(c, kChunk), acc, a.scale);
     }
     // S <- S + k^T v (rows past the sequence's end are zeros).
     s.add_xt_y(k, kLdK, v, kLdV, kChunk);
