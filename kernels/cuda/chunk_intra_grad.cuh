@@ -67,23 +67,14 @@ struct IntraTraits {
 // V', dV' and dW (delta rules: chunk_state_products_kernel stores them in T
 // already) into the 16-bit operand tiles by cp.async (committed, not
 // waited: the kernels wait for every group before their second barrier).
-template <int kThreads, int Dk, int Dv, typename T>
+template <int kThreads, int kChunk, int Dk, int Dv, typename T>
 __device__ __forceinline__ void intra_load_state_products(T* sVp, T* sDVp, T* sDW, int ldk,
-                                                          int ldv, const float* sp, int C) {
+                                                          int ldv, const float* sp) {
   using SpTr = StateProductTraits<T, Dk, Dv>;
-  constexpr int kVec = 8;  // 16-byte copies
-  const T* vp = reinterpret_cast<const T*>(sp + SpTr::kOffVp);
-  const T* dvp = reinterpret_cast<const T*>(sp + SpTr::kOffDVp);
-  const T* dw = reinterpret_cast<const T*>(sp + SpTr::kOffDW);
-  for (int idx = threadIdx.x; idx < C * Dv / kVec; idx += kThreads) {
-    const int t = idx / (Dv / kVec), j = (idx % (Dv / kVec)) * kVec;
-    cp_async16(sVp + t * ldv + j, vp + t * Dv + j);
-    cp_async16(sDVp + t * ldv + j, dvp + t * Dv + j);
-  }
-  for (int idx = threadIdx.x; idx < C * Dk / kVec; idx += kThreads) {
-    const int t = idx / (Dk / kVec), d = (idx % (Dk / kVec)) * kVec;
-    cp_async16(sDW + t * ldk + d, dw + t * Dk + d);
-  }
+  auto part = [&](int64_t off) { return reinterpret_cast<const T*>(sp + off); };
+  copy_rows_async<kThreads, kChunk, Dv>(sVp, ldv, part(SpTr::kOffVp), Dv, threadIdx.x);
+  copy_rows_async<kThreads, kChunk, Dv>(sDVp, ldv, part(SpTr::kOffDVp), Dv, threadIdx.x);
+  copy_rows_async<kThreads, kChunk, Dk>(sDW, ldk, part(SpTr::kOffDW), Dk, threadIdx.x);
   cp_async_commit();
 }
 
@@ -235,7 +226,7 @@ __global__ void __launch_bounds__(512, 1)
     sBeta[tid] = kDelta && valid ? to_float(beta_in[row(tid)]) : 0.f;
     sG[tid] = kScalar && valid ? f.g[row(tid)] : 0.f;
   }
-  if constexpr (kDelta) intra_load_state_products<kThreads, Dk, Dv>(sVp, sDVp, sDW, kLdK, kLdV, sp, C);
+  if constexpr (kDelta) intra_load_state_products<kThreads, C, Dk, Dv>(sVp, sDVp, sDW, kLdK, kLdV, sp);
   __syncthreads();
   if constexpr (kScalar) {
     if (tid == 0) {

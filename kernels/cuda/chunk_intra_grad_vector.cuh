@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(512, 1)
   }
   if (tid < C) sBeta[tid] = kDelta && tid < L ? to_float(beta_in[row(tid)]) : 0.f;
   if constexpr (kDelta)
-    intra_load_state_products<kThreads, Dk, Dv>(sVp, sDVp, sDW, kLd, kLd, sp, C);
+    intra_load_state_products<kThreads, C, Dk, Dv>(sVp, sDVp, sDW, kLd, kLd, sp);
   __syncthreads();
   if (tid < Dk) {
     float run = 0.f;

@@ -170,17 +170,7 @@ __global__ void __launch_bounds__(512, 2)
   QKRows<kWarps, Dk, T> qk;
   qk.load(q_in, k_in, row, C, L);
   using Rows = decltype(qk);
-  // Calls f(t, i, e, d) for each of this thread's pairs of q and k (row t,
-  // columns d and d + 1; register row i, pair e).
-  auto for_own_pairs = [&](auto&& f) {
-#pragma unroll
-    for (int i = 0; i < Rows::kRows; ++i) {
-      const int t = Rows::row_of(i);
-      if (t >= C) break;
-#pragma unroll
-      for (int e = 0; e < Rows::kPairs; ++e) f(t, i, e, Rows::col_of(e));
-    }
-  };
+  auto for_own_pairs = [&](auto&& f) { Rows::for_each_pair(C, f); };
   if constexpr (!kDelta) {  // additive rules: U = V, straight to the workspace
     constexpr int kVec = 8, kRowVecs = Dv / kVec;  // 16-byte pieces of a v row
 #pragma unroll 4  // independent loads in flight together
@@ -398,15 +388,15 @@ __global__ void __launch_bounds__(512, 2)
     // gates), then X_V after a barrier. v's loads (a warp per row, as q and
     // k) are issued first, so their latency passes under X_K and T's
     // diagonal blocks (two warps' work) instead of after the barrier.
-    constexpr int kVPairs = Dv / 64;  // 32-bit pairs of a v row per lane
-    uint32_t wv[Rows::kRows][kVPairs];
+    // (Dv == Dk: a v row splits over the lanes as q's and k's rows do.)
+    uint32_t wv[Rows::kRows][Rows::kPairs];
 #pragma unroll
     for (int i = 0; i < Rows::kRows; ++i) {
       const int t = Rows::row_of(i);
 #pragma unroll
-      for (int e = 0; e < kVPairs; ++e)
-        wv[i][e] = t < L && t < C ? *reinterpret_cast<const uint32_t*>(
-                                        v_in + row(t) * Dv + 2 * (lane * kVPairs + e))
+      for (int e = 0; e < Rows::kPairs; ++e)
+        wv[i][e] = t < L && t < C ? *reinterpret_cast<const uint32_t*>(v_in + row(t) * Dv +
+                                                                       Rows::col_of(e))
                                   : 0u;
     }
     for_own_pairs([&](int t, int i, int e, int d) {
@@ -416,17 +406,10 @@ __global__ void __launch_bounds__(512, 2)
     });
     intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
     __syncthreads();
-#pragma unroll
-    for (int i = 0; i < Rows::kRows; ++i) {
-      const int t = Rows::row_of(i);
-      if (t >= C) break;
-#pragma unroll
-      for (int e = 0; e < kVPairs; ++e) {
-        const int j = 2 * (lane * kVPairs + e);
-        const float2 v2 = unpack2<T>(wv[i][e]);
-        split_store(s2 + t * kLdK + j, sLoV + t * kLdK + j, sBeta[t] * v2.x, sBeta[t] * v2.y);
-      }
-    }
+    for_own_pairs([&](int t, int i, int e, int j) {
+      const float2 v2 = unpack2<T>(wv[i][e]);
+      split_store(s2 + t * kLdK + j, sLoV + t * kLdK + j, sBeta[t] * v2.x, sBeta[t] * v2.y);
+    });
     // Ends with a barrier (after T's block rows, before P4).
     intra_solve_t_blocks<kThreads, true>(hT, kLdC, fKK, kLdF, sBeta, nb, hTlo);
 

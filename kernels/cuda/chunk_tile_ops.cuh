@@ -114,6 +114,18 @@ struct QKRows {
     const float2 x = unpack2<T>(wk[i][e]);
     return make_float2(x.x * rk[i], x.y * rk[i]);
   }
+  // Calls f(t, i, e, d) for each of this thread's pairs (chunk row t < C,
+  // columns d and d + 1; register row i, pair e).
+  template <typename F>
+  __device__ __forceinline__ static void for_each_pair(int C, F&& f) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int t = row_of(i);
+      if (t >= C) break;
+#pragma unroll
+      for (int e = 0; e < kPairs; ++e) f(t, i, e, col_of(e));
+    }
+  }
   // The row factors into sRq, sRk (lane 0 of each row's warp).
   __device__ __forceinline__ void store_factors(float* sRq, float* sRk, int C) const {
 #pragma unroll
@@ -131,18 +143,11 @@ __device__ __forceinline__ void intra_load_qk(T* sQ, T* sK, int ld, float* sRq, 
   QKRows<kWarps, Dk, T> x;
   x.load(q_in, k_in, row, C, L);
   x.template normalise<kL2Norm>();
-#pragma unroll
-  for (int i = 0; i < x.kRows; ++i) {
-    const int t = x.row_of(i);
-    if (t >= C) break;
-#pragma unroll
-    for (int e = 0; e < x.kPairs; ++e) {
-      const int d = x.col_of(e);
-      const float2 a = x.q(i, e), b = x.k(i, e);
-      *reinterpret_cast<uint32_t*>(sQ + t * ld + d) = pack2<T>(a.x, a.y);
-      *reinterpret_cast<uint32_t*>(sK + t * ld + d) = pack2<T>(b.x, b.y);
-    }
-  }
+  x.for_each_pair(C, [&](int t, int i, int e, int d) {
+    const float2 a = x.q(i, e), b = x.k(i, e);
+    *reinterpret_cast<uint32_t*>(sQ + t * ld + d) = pack2<T>(a.x, a.y);
+    *reinterpret_cast<uint32_t*>(sK + t * ld + d) = pack2<T>(b.x, b.y);
+  });
   x.store_factors(sRq, sRk, C);
 }
 

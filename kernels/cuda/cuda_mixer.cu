@@ -41,14 +41,70 @@ size_t align_up(size_t x) {
   return (x + 255) / 256 * 256;
 }
 
+// Tuning and A/B knobs from the environment, read once per process (speed
+// and precision comparisons of two kernels in one run):
+//   STATESCAN_SCAN_BV=16|32  forces the state scan's Dv block;
+//   STATESCAN_PREPARE=fp32   16-bit inputs through chunk_prepare_kernel
+//                            (fp32 tiles) instead of chunk_prepare16_kernel;
+//   STATESCAN_SCAN=wmma      16-bit inputs through chunk_state_scan_kernel
+//                            instead of chunk_state_scan16_kernel;
+//   STATESCAN_LINEAR=tiles   linear attention through the prepared tiles
+//                            (prepare, scan, output) instead of the kernels
+//                            that read q, k, v themselves;
+//   STATESCAN_LINEAR=grouped those kernels' full forward in groups of
+//                            kGroupChunks chunks (chunk_linear_grouped16.cuh;
+//                            not yet run on a GPU, so opt-in);
+//                            STATESCAN_LINEAR_GROUP_CHUNKS=N sets the group
+//                            (the tests use 2 for many groups on short inputs).
+
+// Chunks per group of the grouped linear forward: 16 (1,024 tokens at chunk
+// 64) makes 32 groups per head at 32K, ~4 waves of 512 blocks on an H200,
+// with chains of 16 steps.
+constexpr int64_t kGroupChunks = 16;
+
+struct KernelKnobs {
+  int scan_block_cols = 0;
+  bool prepare_fp32_tiles = false;
+  bool scan_wmma = false;
+  bool linear_tiles = false;
+  bool linear_grouped = false;
+  int64_t group_chunks = kGroupChunks;  // STATESCAN_LINEAR_GROUP_CHUNKS
+};
+
+const KernelKnobs& kernel_knobs() {
+  static const KernelKnobs knobs = [] {
+    auto is = [](const char* name, const char* value) {
+      const char* text = std::getenv(name);
+      return text != nullptr && std::strcmp(text, value) == 0;
+    };
+    KernelKnobs k;
+    k.scan_block_cols = is("STATESCAN_SCAN_BV", "16") ? 16 : is("STATESCAN_SCAN_BV", "32") ? 32 : 0;
+    k.prepare_fp32_tiles = is("STATESCAN_PREPARE", "fp32");
+    k.scan_wmma = is("STATESCAN_SCAN", "wmma");
+    k.linear_tiles = is("STATESCAN_LINEAR", "tiles");
+    k.linear_grouped = is("STATESCAN_LINEAR", "grouped");
+    if (const char* text = std::getenv("STATESCAN_LINEAR_GROUP_CHUNKS")) {
+      char* end = nullptr;
+      const long long n = std::strtoll(text, &end, 10);
+      SS_CHECK_ARG(end != text && *end == '\0' && n >= 1 && n <= (1 << 20),
+                   "STATESCAN_LINEAR_GROUP_CHUNKS", "must be a whole number in [1, 1048576], got '",
+                   text, "'");
+      k.group_chunks = n;
+    }
+    return k;
+  }();
+  return knobs;
+}
+
 // Whether the full forward of `p` runs in chunk groups (STATESCAN_LINEAR=grouped
-// on the raw linear path; below, after the knobs), and an upper bound on its
-// group slots that does not need cu_seqlens' contents: each of N segments adds
-// at most one partial group.
-bool grouped_linear(const MixerParams& p);
-int64_t group_chunks_of(const MixerParams& p);
+// on the raw linear path), and an upper bound on its group slots that does
+// not need cu_seqlens' contents: each of N segments adds at most one partial
+// group.
+bool grouped_linear(const MixerParams& p) {
+  return kernel_knobs().linear_grouped && reads_inputs_directly(p);
+}
 int64_t max_group_slots(const MixerParams& p) {
-  const int64_t G = group_chunks_of(p);
+  const int64_t G = kernel_knobs().group_chunks;
   if (p.cu_seqlens == nullptr) return p.batch * ceil_div(ceil_div(p.seq_len, p.chunk), G);
   return ceil_div(max_chunks(p), G) + p.num_segments;
 }
@@ -95,71 +151,6 @@ WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
   }
   l.total = at;
   return l;
-}
-
-// Tuning and A/B knobs from the environment, read once per process (speed
-// and precision comparisons of two kernels in one run):
-//   STATESCAN_SCAN_BV=16|32  forces the state scan's Dv block;
-//   STATESCAN_PREPARE=fp32   16-bit inputs through chunk_prepare_kernel
-//                            (fp32 tiles) instead of chunk_prepare16_kernel;
-//   STATESCAN_SCAN=wmma      16-bit inputs through chunk_state_scan_kernel
-//                            instead of chunk_state_scan16_kernel;
-//   STATESCAN_LINEAR=tiles   linear attention through the prepared tiles
-//                            (prepare, scan, output) instead of the kernels
-//                            that read q, k, v themselves;
-//   STATESCAN_LINEAR=grouped those kernels' full forward in groups of
-//                            kGroupChunks chunks (chunk_linear_grouped16.cuh;
-//                            not yet run on a GPU, so opt-in);
-//                            STATESCAN_LINEAR_GROUP_CHUNKS=N sets the group
-//                            (the tests use 2 for many groups on short inputs).
-struct KernelKnobs {
-  int scan_block_cols = 0;
-  bool prepare_fp32_tiles = false;
-  bool scan_wmma = false;
-  bool linear_tiles = false;
-  bool linear_grouped = false;
-  int64_t group_chunks = 0;  // STATESCAN_LINEAR_GROUP_CHUNKS; 0 = kGroupChunks
-};
-// Chunks per group of the grouped linear forward: 16 (1,024 tokens at chunk
-// 64) makes 32 groups per head at 32K, ~4 waves of 512 blocks on an H200,
-// with chains of 16 steps.
-constexpr int64_t kGroupChunks = 16;
-
-const KernelKnobs& kernel_knobs() {
-  static const KernelKnobs knobs = [] {
-    auto is = [](const char* name, const char* value) {
-      const char* text = std::getenv(name);
-      return text != nullptr && std::strcmp(text, value) == 0;
-    };
-    KernelKnobs k;
-    k.scan_block_cols = is("STATESCAN_SCAN_BV", "16") ? 16 : is("STATESCAN_SCAN_BV", "32") ? 32 : 0;
-    k.prepare_fp32_tiles = is("STATESCAN_PREPARE", "fp32");
-    k.scan_wmma = is("STATESCAN_SCAN", "wmma");
-    k.linear_tiles = is("STATESCAN_LINEAR", "tiles");
-    k.linear_grouped = is("STATESCAN_LINEAR", "grouped");
-    if (const char* text = std::getenv("STATESCAN_LINEAR_GROUP_CHUNKS")) {
-      char* end = nullptr;
-      const long long n = std::strtoll(text, &end, 10);
-      SS_CHECK_ARG(end != text && *end == '\0' && n >= 1 && n <= (1 << 20),
-                   "STATESCAN_LINEAR_GROUP_CHUNKS", "must be a whole number in [1, 1048576], got '",
-                   text, "'");
-      k.group_chunks = n;
-    }
-    return k;
-  }();
-  return knobs;
-}
-
-}  // namespace
-
-namespace {
-
-bool grouped_linear(const MixerParams& p) {
-  return kernel_knobs().linear_grouped && reads_inputs_directly(p);
-}
-
-int64_t group_chunks_of(const MixerParams&) {
-  return kernel_knobs().group_chunks > 0 ? kernel_knobs().group_chunks : kGroupChunks;
 }
 
 }  // namespace
@@ -269,7 +260,7 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.num_chunks = count_chunks(host_view);
   plan.num_chunks = a.num_chunks;
   const bool grouped = grouped_linear(p) && !prepare_only;
-  const int64_t G = group_chunks_of(p);
+  const int64_t G = kernel_knobs().group_chunks;
   if (grouped) {
     a.group_chunks = static_cast<int>(G);
     a.ws_group_sums = reinterpret_cast<float*>(base + l.group_sums);
