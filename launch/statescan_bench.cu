@@ -89,8 +89,8 @@
 #include "core/error.h"
 #include "core/options.h"
 #include "kernels/cpu/reference.h"
-#include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/cp_kernels.h"
+#include "kernels/cuda/cuda_mixer.h"
 #include "launch/bench_cp_cuda.h"
 #include "launch/bench_lact.h"
 #include "launch/bench_plot.h"
@@ -610,8 +610,8 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
     auto forward = [&] { cuda::mixer_forward(p, workspace.data(), workspace.size(), stream); };
     auto step = [&] {
       if (opt.keep_prepared) {
-        cuda::PreparedForward fwd(p, stream);  // queues the prepare stage
-        fwd.finish(stream);                    // scan + output
+        cuda::PreparedForward fwd(p, stream);        // queues the prepare stage
+        fwd.finish(stream);                          // scan + output
         cuda::PreparedBackward bwd(p, fwd, stream);  // adopts the tiles: no prepare
         bwd.run(p, stream);
         return;

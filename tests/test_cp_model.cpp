@@ -194,12 +194,11 @@ TEST(CpModel, BwdFallbackIsTheReadmeRatio) {
 }
 
 // The calibrated summary rates against the --cp-measure measurements (one
-// H200, 2026-12-02, eleventh session, the register-resident scans, a middle rank, T = 128K, H = 16, D = 128,
-// bf16, chunk 64). KDA is what the rates were calibrated on (within 1 %: only
-// the launch is added); Gated DeltaNet is a second, independent measurement
-// the counted model must predict within 5 % (the pre-pass is now the reverse
-// scan alone, whose cost the gate barely changes; when it included the
-// prepare stage, 23.53 vs 20.19 ms, the count could not see the difference).
+// H200, 2026-12-02, eleventh session, the register-resident scans, a middle rank, T = 128K, H = 16,
+// D = 128, bf16, chunk 64). KDA is what the rates were calibrated on (within 1 %: only the launch
+// is added); Gated DeltaNet is a second, independent measurement the counted model must predict
+// within 5 % (the pre-pass is now the reverse scan alone, whose cost the gate barely changes; when
+// it included the prepare stage, 23.53 vs 20.19 ms, the count could not see the difference).
 struct SummaryMeasurement {
   Variant variant;
   double summary_fwd_ms, summary_fwd_first_ms, summary_bwd_ms;

@@ -873,6 +873,9 @@ __global__ void __launch_bounds__(256) chunk_output_kernel(const __grid_constant
 #include "kernels/cuda/chunk_output_raw16.cuh"
 #include "kernels/cuda/chunk_prepare16.cuh"
 #include "kernels/cuda/chunk_scan16.cuh"
+
+// After the scan and output kernels: it builds on their WarpStateTiles,
+// store_chunk_slab and store_causal_scores.
 #include "kernels/cuda/chunk_linear_grouped16.cuh"
 
 namespace statescan::cuda::detail {
@@ -917,9 +920,9 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
     } else if constexpr (!std::is_same_v<Elem, float>) {
       using PrepTr = Prepare16Traits<kDecay, kRule, Elem, Dk, Dv, kL2Norm>;
       with_chunk_size(a.chunk, [&](auto chunk_tag) {
-        launch_kernel(
-            chunk_prepare16_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm, decltype(chunk_tag)::value>,
-            grid, PrepTr::kThreads, PrepTr::kBytes, stream, "chunk_prepare16_kernel", a);
+        launch_kernel(chunk_prepare16_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm,
+                                             decltype(chunk_tag)::value>,
+                      grid, PrepTr::kThreads, PrepTr::kBytes, stream, "chunk_prepare16_kernel", a);
       });
     }
   }

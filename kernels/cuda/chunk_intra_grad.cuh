@@ -68,8 +68,8 @@ struct IntraTraits {
 // already) into the 16-bit operand tiles by cp.async (committed, not
 // waited: the kernels wait for every group before their second barrier).
 template <int kThreads, int kChunk, int Dk, int Dv, typename T>
-__device__ __forceinline__ void intra_load_state_products(T* sVp, T* sDVp, T* sDW, int ldk,
-                                                          int ldv, const float* sp) {
+__device__ __forceinline__ void intra_load_state_products(T* sVp, T* sDVp, T* sDW, int ldk, int ldv,
+                                                          const float* sp) {
   using SpTr = StateProductTraits<T, Dk, Dv>;
   auto part = [&](int64_t off) { return reinterpret_cast<const T*>(sp + off); };
   copy_rows_async<kThreads, kChunk, Dv>(sVp, ldv, part(SpTr::kOffVp), Dv, threadIdx.x);
@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(512, 1)
     sBeta[tid] = kDelta && valid ? to_float(beta_in[row(tid)]) : 0.f;
     sG[tid] = kScalar && valid ? f.g[row(tid)] : 0.f;
   }
-  if constexpr (kDelta) intra_load_state_products<kThreads, C, Dk, Dv>(sVp, sDVp, sDW, kLdK, kLdV, sp);
+  if constexpr (kDelta)
+    intra_load_state_products<kThreads, C, Dk, Dv>(sVp, sDVp, sDW, kLdK, kLdV, sp);
   __syncthreads();
   if constexpr (kScalar) {
     if (tid == 0) {

@@ -95,8 +95,8 @@ __device__ __forceinline__ GroupWork group_work(const ForwardArgs& a, int64_t gi
 // input) into a tile by cp.async, rows past the sequence's end zeroed.
 template <int kThreads, int kChunk, int D, typename T>
 __device__ __forceinline__ void copy_segment_chunk_async(T* dst, int ld, const void* src,
-                                                         const SegmentTokens& seg, int c,
-                                                         int64_t H, int64_t h, int tid) {
+                                                         const SegmentTokens& seg, int c, int64_t H,
+                                                         int64_t h, int tid) {
   copy_chunk_rows_async<kThreads, kChunk, D, D, T>(dst, ld, src, seg.token0(c, kChunk), H, h, 0,
                                                    tid, seg.length(c, kChunk));
 }

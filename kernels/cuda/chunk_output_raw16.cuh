@@ -66,7 +66,7 @@ __device__ __forceinline__ void store_chunk_slab(void* out, int64_t row0, int64_
 // return at once). q, k: [kChunk][Dk] 16-bit tiles, pitch ldk.
 template <typename T, int Dk, int kChunk>
 __device__ __forceinline__ void store_causal_scores(T* sA, int ldc, const T* q, const T* k, int ldk,
-                                                   int I, int half) {
+                                                    int I, int half) {
   constexpr int kRowTiles = kChunk / 16;
   constexpr int kANT = kChunk / 16 < 2 ? 2 : kChunk / 16;
   constexpr int kAHalves = (kChunk / 8) / kANT;

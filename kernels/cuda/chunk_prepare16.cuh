@@ -395,9 +395,9 @@ __global__ void __launch_bounds__(512, 2)
       const int t = Rows::row_of(i);
 #pragma unroll
       for (int e = 0; e < Rows::kPairs; ++e)
-        wv[i][e] = t < L && t < C ? *reinterpret_cast<const uint32_t*>(v_in + row(t) * Dv +
-                                                                       Rows::col_of(e))
-                                  : 0u;
+        wv[i][e] = t < L && t < C
+                       ? *reinterpret_cast<const uint32_t*>(v_in + row(t) * Dv + Rows::col_of(e))
+                       : 0u;
     }
     for_own_pairs([&](int t, int i, int e, int d) {
       const float2 k2 = qk.k(i, e), up = up2(t, d);

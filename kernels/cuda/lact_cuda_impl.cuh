@@ -684,7 +684,7 @@ inline bool ns_bf16x3_requested() {
 // rows) as bf16 parts: slot s is x's low part where bit s of lo_mask is set,
 // its high part otherwise.
 static __global__ void split3_kernel(const float* src, int64_t batch, int64_t rows, int64_t cols,
-                              bool k_is_cols, int lo_mask, bf16* dst) {
+                                     bool k_is_cols, int lo_mask, bf16* dst) {
   const int64_t per = rows * cols, total = batch * per;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
        e += int64_t(gridDim.x) * blockDim.x) {
@@ -896,7 +896,7 @@ class NewtonSchulz {
   // C = alpha op(A) op(B) + beta C over the mats_ matrices (packed operands),
   // in U, or in split mode as one bf16 GEMM of two-part operands.
   void ns_gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
-          const U* A, const U* B, double beta, U* C) {
+               const U* A, const U* B, double beta, U* C) {
     if (!split_) {
       gemm(h, ta, tb, M, N, K, alpha, op(A, ta ? M : K, M * K), op(B, tb ? K : N, K * N), beta,
            out_(C, N, M * N), mats_, compute_);
@@ -912,8 +912,7 @@ class NewtonSchulz {
       SS_LAUNCH_CHECK("split3_kernel");
       const Operand a{split_a_.get(), CUDA_R_16BF, ta ? M : 3 * K, 3 * M * K};
       const Operand b{split_b_.get(), CUDA_R_16BF, tb ? 3 * K : N, 3 * K * N};
-      gemm(h, ta, tb, M, N, 3 * K, alpha, a, b, beta, out_(C, N, M * N), mats_,
-           CUBLAS_COMPUTE_32F);
+      gemm(h, ta, tb, M, N, 3 * K, alpha, a, b, beta, out_(C, N, M * N), mats_, CUBLAS_COMPUTE_32F);
     }
   }
 

@@ -88,7 +88,7 @@ __device__ __forceinline__ void mma_m16n8k8_tf32x3(float (&c)[4], const float (&
   for (int r = 0; r < 4; ++r) split(a[r], ah[r], al[r]);
   split(b[0], bh[0], bl[0]);
   split(b[1], bh[1], bl[1]);
-  auto mma = [&](const uint32_t (&x)[4], const uint32_t (&y)[2]) {
+  auto mma = [&](const uint32_t(&x)[4], const uint32_t(&y)[2]) {
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};\n"
