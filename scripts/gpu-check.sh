@@ -20,9 +20,10 @@
 #                    KDA row with peak memory (BWD_1M=0 skips that row), once
 #                    with the chunk states saved and once recomputed (--recompute;
 #                    RECOMPUTE=0 skips that one)
-#   GROUPED=0        skip the linear rows with the opt-in grouped forward
-#                    (STATESCAN_LINEAR=grouped: its tests, then forward and
-#                    forward+backward at 32K and 128K into bench_grouped.log)
+#   LINEAR_ALT=0     skip linear attention's other scans: their tests (groups of
+#                    2 chunks; the sequential scan, STATESCAN_LINEAR=scan) and
+#                    the sequential scan's forward and forward+backward rows at
+#                    32K and 128K into bench_linear_scan.log
 #   KEEP=0           skip the forward+backward table with the forward's prepared
 #                    tiles kept for the backward (`--backward --keep-prepared`,
 #                    BWD_ARGS' lengths)
@@ -68,17 +69,18 @@ grep -E "^\[  FAILED  \]" "$OUT/tests.log" | head -40
 "$BUILD/launch/statescan-bench" --json "$OUT/bench.json" ${BENCH_ARGS:-} \
   >"$OUT/bench.log" 2>&1 || status=1
 
-# The opt-in grouped linear forward (chunk_linear_grouped16.cuh): its tests
-# (groups of 2 chunks) and the linear rows, forward and forward+backward.
-if [[ "${GROUPED:-1}" != 0 ]]; then
+# Linear attention's scans other than the default (groups of 16 chunks): the
+# suites' linear cases in groups of 2 and with the sequential scan, and the
+# sequential scan's rows for comparison.
+if [[ "${LINEAR_ALT:-1}" != 0 ]]; then
   cmake --build "$BUILD" --target test_cuda_backward test_cuda_cp -j16 >>"$OUT/build.log" 2>&1 &&
-    (cd "$BUILD" && ctest -R '_linear_grouped$' --output-on-failure) >"$OUT/tests_grouped.log" 2>&1 ||
-    status=1
-  grep -E "tests passed|tests failed|Failed" "$OUT/tests_grouped.log" | sed 's/^/grouped: /' | head -5
+    (cd "$BUILD" && ctest -R '_linear_(groups_of_2|scan)$' --output-on-failure) \
+      >"$OUT/tests_linear_alt.log" 2>&1 || status=1
+  grep -E "tests passed|tests failed|Failed" "$OUT/tests_linear_alt.log" | sed 's/^/linear alt: /' | head -8
   {
-    STATESCAN_LINEAR=grouped "$BUILD/launch/statescan-bench" -v linear -t 32768,131072
-    STATESCAN_LINEAR=grouped "$BUILD/launch/statescan-bench" --backward -v linear -t 32768,131072
-  } >"$OUT/bench_grouped.log" 2>&1 || status=1
+    STATESCAN_LINEAR=scan "$BUILD/launch/statescan-bench" -v linear -t 32768,131072
+    STATESCAN_LINEAR=scan "$BUILD/launch/statescan-bench" --backward -v linear -t 32768,131072
+  } >"$OUT/bench_linear_scan.log" 2>&1 || status=1
 fi
 
 # Backward: tests, the forward+backward table, and KDA at T = 1M with its peak memory.
@@ -134,7 +136,7 @@ fi
 
 echo
 cat "$OUT/bench.log"
-for f in bench_grouped.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
+for f in bench_linear_scan.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
 if [[ -f "$OUT/fla.json" ]]; then
   python3 - "$OUT/bench.json" "$OUT/fla.json" <<'PY' | tee "$OUT/summary.txt"
 import json, sys

@@ -69,8 +69,9 @@ struct ForwardArgs : MixerTensors {
   // (chunk_output_raw16.cuh, chunk_grad_raw16.cuh); the workspace has no tiles
   // and the prepare stage never runs.
   bool raw_additive = false;
-  // The raw path in chunk groups (chunk_linear_grouped16.cuh; opt-in,
-  // STATESCAN_LINEAR=grouped): G chunks per group (0 = off), fp32 group sums
+  // The raw path's scan in chunk groups (chunk_linear_grouped16.cuh; the
+  // default, STATESCAN_LINEAR=scan turns it off): G chunks per group (0 =
+  // off; then ws_states carries the 16-bit states), fp32 group sums
   // [slots, H, Dk, Dv], the largest group count of a segment (the grid), and
   // packed: each segment's first slot (else n * max_segment_groups).
   int group_chunks = 0;
@@ -953,8 +954,10 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
     }
   };
   if constexpr (kRaw) {
-    // A full forward (scan and output) in chunk groups, opt-in.
-    if (a.raw_additive && a.group_chunks > 0 && (stages & kStageScan) && (stages & kStageOutput)) {
+    // The scan in chunk groups (chunk_linear_grouped16.cuh): the group sums
+    // and their prefix, then the fused scan + output, or, without the output,
+    // the chunk states alone when asked for.
+    if (a.raw_additive && a.group_chunks > 0 && (stages & kStageScan)) {
       using GrTr = Grouped16Traits<Elem, Dk, Dv>;
       SS_CHECK_ARG(a.ws_group_sums != nullptr && a.max_segment_groups > 0, "workspace",
                    "has no group sums for the grouped linear forward");
@@ -962,14 +965,18 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
                       static_cast<unsigned>(a.num_segments));
       with_chunk_size(a.chunk, [&](auto chunk_tag) {
         constexpr int kC = decltype(chunk_tag)::value;
-        launch_kernel(chunk_group_sums16_kernel<Elem, Dk, Dv, kC>, grid, GrTr::kThreads,
+        launch_kernel(chunk_group_sums16_kernel<Elem, Dk, Dv, kC, false>, grid, GrTr::kThreads,
                       GrTr::kSumBytes, stream, "chunk_group_sums16_kernel", a);
         launch_kernel(group_prefix_kernel<Dk, Dv>,
                       dim3(static_cast<unsigned>((Dk * Dv + 255) / 256),
                            static_cast<unsigned>(a.heads), static_cast<unsigned>(a.num_segments)),
                       256, 0, stream, "group_prefix_kernel", a);
-        launch_kernel(chunk_forward_grouped16_kernel<Elem, Dk, Dv, kC>, grid, GrTr::kThreads,
-                      GrTr::kBytes, stream, "chunk_forward_grouped16_kernel", a);
+        if (stages & kStageOutput)
+          launch_kernel(chunk_forward_grouped16_kernel<Elem, Dk, Dv, kC>, grid, GrTr::kThreads,
+                        GrTr::kBytes, stream, "chunk_forward_grouped16_kernel", a);
+        else if (a.chunk_states != nullptr)
+          launch_kernel(chunk_group_sums16_kernel<Elem, Dk, Dv, kC, true>, grid, GrTr::kThreads,
+                        GrTr::kSumBytes, stream, "chunk_group_sums16_kernel (states)", a);
       });
       return;
     }

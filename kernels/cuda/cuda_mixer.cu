@@ -51,9 +51,10 @@ size_t align_up(size_t x) {
 //   STATESCAN_LINEAR=tiles   linear attention through the prepared tiles
 //                            (prepare, scan, output) instead of the kernels
 //                            that read q, k, v themselves;
-//   STATESCAN_LINEAR=grouped those kernels' full forward in groups of
-//                            kGroupChunks chunks (chunk_linear_grouped16.cuh;
-//                            not yet run on a GPU, so opt-in);
+//   STATESCAN_LINEAR=scan    those kernels' scan as one sequential chain
+//                            per (segment, head, Dv block) with a separate
+//                            output kernel, instead of in groups of
+//                            kGroupChunks chunks (chunk_linear_grouped16.cuh);
 //                            STATESCAN_LINEAR_GROUP_CHUNKS=N sets the group
 //                            (the tests use 2 for many groups on short inputs).
 
@@ -67,7 +68,7 @@ struct KernelKnobs {
   bool prepare_fp32_tiles = false;
   bool scan_wmma = false;
   bool linear_tiles = false;
-  bool linear_grouped = false;
+  bool linear_grouped = true;
   int64_t group_chunks = kGroupChunks;  // STATESCAN_LINEAR_GROUP_CHUNKS
 };
 
@@ -82,7 +83,7 @@ const KernelKnobs& kernel_knobs() {
     k.prepare_fp32_tiles = is("STATESCAN_PREPARE", "fp32");
     k.scan_wmma = is("STATESCAN_SCAN", "wmma");
     k.linear_tiles = is("STATESCAN_LINEAR", "tiles");
-    k.linear_grouped = is("STATESCAN_LINEAR", "grouped");
+    k.linear_grouped = !is("STATESCAN_LINEAR", "scan");
     if (const char* text = std::getenv("STATESCAN_LINEAR_GROUP_CHUNKS")) {
       char* end = nullptr;
       const long long n = std::strtoll(text, &end, 10);
@@ -96,8 +97,9 @@ const KernelKnobs& kernel_knobs() {
   return knobs;
 }
 
-// Whether the full forward of `p` runs in chunk groups (STATESCAN_LINEAR=grouped
-// on the raw linear path), and an upper bound on its group slots that does
+// Whether the raw linear path's scan of `p` runs in chunk groups (the
+// default; STATESCAN_LINEAR=scan turns it off), and an upper bound on its
+// group slots that does
 // not need cu_seqlens' contents: each of N segments adds at most one partial
 // group.
 bool grouped_linear(const MixerParams& p) {
@@ -136,10 +138,15 @@ WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
       has_beta(p.variant) && !prepare_only ? chunks * H * C * static_cast<size_t>(p.dv) * elem : 0);
   // The output kernel reads the chunk states in the element type; fp32
   // inputs read the caller's chunk_states when given.
+  // The grouped linear scan keeps them in shared memory instead.
   const bool states_in_caller = p.dtype == DType::f32 && p.chunk_states != nullptr;
-  l.states = take(
-      states_in_caller || prepare_only ? 0 : chunks * H * static_cast<size_t>(p.dk * p.dv) * elem);
-  if (grouped_linear(p) && !prepare_only) {
+  const bool grouped = grouped_linear(p);
+  l.states = take(states_in_caller || prepare_only || grouped
+                      ? 0
+                      : chunks * H * static_cast<size_t>(p.dk * p.dv) * elem);
+  // Group sums also in a prepare-only plan: the backward's recompute of the
+  // chunk states sums as the forward did (chunk_linear_grouped16.cuh).
+  if (grouped) {
     l.group_sums = take(static_cast<size_t>(max_group_slots(p)) * H *
                         static_cast<size_t>(p.dk * p.dv) * sizeof(float));
     if (p.cu_seqlens != nullptr)
@@ -234,6 +241,7 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   static_cast<MixerTensors&>(a) = tensors_of(p);
   a.chunk_states = p.chunk_states;
   a.raw_additive = reads_inputs_directly(p);
+  const bool grouped = grouped_linear(p);
   // The raw path's layout has no tiles: null pointers, never aliases.
   auto tile = [&](size_t offset) { return a.raw_additive ? nullptr : base + offset; };
   a.ws_q = tile(l.q);
@@ -245,8 +253,8 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.ws_vnew = has_beta(p.variant) && !prepare_only ? base + l.vnew : nullptr;
   a.ws_states = p.dtype == DType::f32 && p.chunk_states != nullptr
                     ? static_cast<void*>(p.chunk_states)
-                : prepare_only ? nullptr
-                               : static_cast<void*>(base + l.states);
+                : prepare_only || grouped ? nullptr
+                                          : static_cast<void*>(base + l.states);
   a.num_sms = multiprocessor_count();
   a.scan_block_cols = kernel_knobs().scan_block_cols;
   a.prepare_fp32_tiles = kernel_knobs().prepare_fp32_tiles;
@@ -259,7 +267,6 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.chunks_per_row = ceil_div(p.seq_len, p.chunk);
   a.num_chunks = count_chunks(host_view);
   plan.num_chunks = a.num_chunks;
-  const bool grouped = grouped_linear(p) && !prepare_only;
   const int64_t G = kernel_knobs().group_chunks;
   if (grouped) {
     a.group_chunks = static_cast<int>(G);
@@ -316,11 +323,13 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
 
 void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stages,
                            cudaStream_t stream) {
-  // A prepare-only plan has no V' or T-typed states for the output kernel.
-  SS_CHECK_ARG(!(stages & kStageOutput) || a.ws_states != nullptr, "stages",
+  // A prepare-only plan has no V' or T-typed states for the output kernel
+  // (the grouped linear scan needs neither: it fuses the output).
+  const bool grouped = a.group_chunks > 0;
+  SS_CHECK_ARG(!(stages & kStageOutput) || a.ws_states != nullptr || grouped, "stages",
                "the output stage needs a full forward plan (this one is prepare-only)");
   SS_CHECK_ARG(!(stages & kStageScan) || a.ws_states != nullptr || a.chunk_states != nullptr ||
-                   a.final_state != nullptr,
+                   a.final_state != nullptr || (grouped && (stages & kStageOutput)),
                "stages", "the scan stage has nothing to write (no states of any kind)");
   switch (p.variant) {
     case Variant::linear:

@@ -290,6 +290,7 @@ ForwardArgs last_segment_args(const MixerParams& p, const ForwardPlan& plan) {
   if (p.cu_seqlens != nullptr) {
     const int64_t last = p.num_segments - 1;
     a.segment_table += 2 * last;
+    if (a.group_table != nullptr) a.group_table += last;  // its first group slot
     a.num_segments = 1;
     if (a.initial_state != nullptr) a.initial_state += last * p.heads * p.dk * p.dv;
   }
