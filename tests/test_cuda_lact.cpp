@@ -1,8 +1,9 @@
 // LaCT on the GPU (kernels/cuda/lact_cuda.h, LactLayer on device tensors)
 // against the fp64 reference (kernels/cpu/lact.h): every option combination
 // in f32 at DESIGN §7's 1e-5, a representative subset in bf16 at its
-// tolerances, a partial last chunk, a single-chunk sequence, M < D, and bad
-// input (the same errors as the host path, nothing written). Skips without a GPU.
+// tolerances, a partial last chunk, a single-chunk sequence, M < D, bitwise
+// repeatable runs, and bad input (the same errors as the host path, nothing
+// written). Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -76,6 +77,28 @@ class LactCudaTest : public ::testing::TestWithParam<LactCase> {
     const LactConfig cfg = GetParam().config(chunk);
     expect_close(run_lact_gpu_kernel(p, cfg, dtype), run_lact_kernel<double>(p, cfg), tol);
   }
+  // Two GPU runs of the same problem agree bitwise: every reduction (the
+  // Newton-Schulz norms included) sums in a fixed order, without atomics.
+  void expect_repeatable(const LactSizes& s, int64_t chunk, DType dtype, uint64_t seed_offset) {
+    const LactProblem p = rounded_to(random_lact_problem(s, seed() + seed_offset), dtype);
+    const LactConfig cfg = GetParam().config(chunk);
+    const LactResult<double> a = run_lact_gpu_kernel(p, cfg, dtype);
+    const LactResult<double> b = run_lact_gpu_kernel(p, cfg, dtype);
+    const auto same = [](const std::vector<double>& x, const std::vector<double>& y) {
+      return x.size() == y.size() &&
+             std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0;
+    };
+    EXPECT_TRUE(same(a.o, b.o)) << "o";
+    EXPECT_TRUE(same(a.dq, b.dq)) << "dq";
+    EXPECT_TRUE(same(a.dk, b.dk)) << "dk";
+    EXPECT_TRUE(same(a.dv, b.dv)) << "dv";
+    EXPECT_TRUE(same(a.dlr0, b.dlr0)) << "dlr0";
+    EXPECT_TRUE(same(a.dlr1, b.dlr1)) << "dlr1";
+    EXPECT_TRUE(same(a.dlr2, b.dlr2)) << "dlr2";
+    EXPECT_TRUE(same(a.dw0, b.dw0)) << "dw0";
+    EXPECT_TRUE(same(a.dw1, b.dw1)) << "dw1";
+    EXPECT_TRUE(same(a.dw2, b.dw2)) << "dw2";
+  }
 };
 
 // ---- f32: every option combination --------------------------------------------
@@ -99,6 +122,10 @@ TEST_P(LactCudaF32, HiddenNarrowerThanHeadMatchesReference) {
 // One chunk holds the whole sequence.
 TEST_P(LactCudaF32, SingleChunkSequenceMatchesReference) {
   compare(LactSizes{2, 40, 2, 16, 32}, 64, DType::f32, kF32, 3000);
+}
+
+TEST_P(LactCudaF32, RunsRepeatBitwise) {
+  expect_repeatable(LactSizes{2, 96, 2, 16, 32}, 32, DType::f32, 8000);
 }
 
 TEST_P(LactCudaF32, LayerOnDeviceTensorsMatchesReference) {
@@ -138,6 +165,10 @@ TEST_P(LactCudaBf16, MatchesReference) {
 // C = 128, T = 200: the last chunk has 72 tokens.
 TEST_P(LactCudaBf16, PartialLastChunkMatchesReference) {
   compare(LactSizes{1, 200, 2, 32, 64}, 128, DType::bf16, kBf16, 6000);
+}
+
+TEST_P(LactCudaBf16, RunsRepeatBitwise) {
+  expect_repeatable(LactSizes{1, 256, 2, 32, 64}, 128, DType::bf16, 9000);
 }
 
 TEST_P(LactCudaBf16, LayerOnDeviceTensorsMatchesReference) {

@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -18,6 +19,16 @@ void forward_impl(const LactCudaParams&, const LactDeviceAllReduce&, LactCudaSav
 template <typename T, typename U>
 void backward_impl(const LactCudaParams&, const LactCudaGrads&, const LactCudaSaved&,
                    const LactDeviceAllReduce&, cudaStream_t);
+
+// STATESCAN_LACT_NS=fp32: bf16 layers' Newton-Schulz products as fp32 GEMMs
+// (lact_cuda_impl.cuh, NewtonSchulz), read once per process.
+bool ns_fp32_requested() {
+  static const bool on = [] {
+    const char* text = std::getenv("STATESCAN_LACT_NS");
+    return text != nullptr && std::string(text) == "fp32";
+  }();
+  return on;
+}
 }  // namespace lact_detail
 
 namespace {
@@ -130,6 +141,11 @@ void lact_cuda_check_data(const LactCudaParams& p, cudaStream_t stream) {
 void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* name,
                             cudaStream_t stream) {
   check_any(x, dtype, n, false, name, stream);
+}
+
+const char* lact_cuda_ns_gemms(DType dtype) {
+  if (dtype == DType::f32) return "fp64";
+  return lact_detail::ns_fp32_requested() ? "fp32" : "bf16x3";
 }
 
 void lact_cuda_forward(const LactCudaParams& p, const LactDeviceAllReduce& all_reduce,

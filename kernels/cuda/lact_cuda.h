@@ -9,7 +9,9 @@
 //   f32:  fp32 GEMMs without TF32; Muon's Newton-Schulz in fp64 (as the CPU).
 //   bf16: tokens, learning rates and GEMM operands bf16, fp32 accumulation and
 //         intermediates, fast weights kept as fp32 master copies; Newton-Schulz
-//         in fp32.
+//         on fp32 values, its products as bf16 tensor-core GEMMs of two-part
+//         (hi + lo) operands, ~fp32 accurate (STATESCAN_LACT_NS=fp32: fp32
+//         CUDA-core GEMMs; lact_cuda_impl.cuh).
 // All pointers are device pointers; all tensors of one call share `dtype`.
 // Work is enqueued on `stream`; scratch comes from the stream-ordered pool.
 // The all-reduce callback receives device fp32 buffers and must sum them over
@@ -70,6 +72,9 @@ void lact_cuda_check_sizes(const LactCudaParams& p);
 // learning rates finite and > 0. Synchronises `stream`; throws naming the
 // first faulty tensor and element.
 void lact_cuda_check_data(const LactCudaParams& p, cudaStream_t stream);
+// How a layer of `dtype` runs Muon's Newton-Schulz products, for reports:
+// "fp64", "bf16x3" (two-part bf16 operands) or "fp32" (STATESCAN_LACT_NS=fp32).
+const char* lact_cuda_ns_gemms(DType dtype);
 // d_o finite (synchronises `stream`).
 void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* name,
                             cudaStream_t stream);

@@ -570,140 +570,357 @@ __global__ void store_tokens_kernel(const float* src, int64_t B, int64_t n, int6
 
 // The three matrices of every pair, each oriented so that its Gram matrix is
 // the smaller side, all m x n with m = min(M, D), n = max(M, D): W0 and W2
-// (M x D) transpose when M > D, W1 (D x M) when D > M. Element (r, col) of
-// matrix `mat` (= pair * 3 + slot) sits at this offset of a [pairs, 3MD] array.
-__device__ __forceinline__ int64_t oriented_offset(int64_t mat, int64_t r, int64_t col, int64_t M,
-                                                   int64_t D) {
-  const int64_t pair = mat / 3, i = mat % 3;
-  const int64_t rows = i == 2 ? D : M, cols = i == 2 ? M : D;
-  const int64_t base = pair * 3 * M * D + i * M * D;
-  return rows > cols ? base + col * cols + r : base + r * cols + col;
+// (M x D) transpose when M > D, W1 (D x M) when D > M. Matrix `mat` (= pair *
+// 3 + slot) of a [pairs, 3MD] array starts at mat M D; untransposed it already
+// is m x n row-major, transposed it is n x m.
+__device__ __forceinline__ bool oriented_transposes(int64_t mat, int M, int D) {
+  return mat % 3 == 2 ? D > M : M > D;
 }
 
-// X[mat] = oriented(P[mat]) * scale[mat] (scale null: 1).
+// Tile shape of the Newton-Schulz layout kernels: 32 x 32 tiles, 32 x 8
+// threads each covering kDim / kRows rows, one padding column in shared
+// memory against bank conflicts. Block (x, y, z) takes the tile at rows
+// kDim y, columns kDim x of matrices z, z + gridDim.z, ... These kernels used
+// to take one thread per element with 64-bit division and modulo for the
+// indices, and read transposed matrices with a stride of a whole row (on the
+// H200 at 12 matrices of 256 x 512: ns_load 18 us, ns_store 21 us, symmetrise
+// 9 us a call). Every element still goes through the same conversion, so the
+// results are bitwise the same.
+struct NsTile {
+  static constexpr int kDim = 32, kRows = 8;
+  static_assert(kDim % kRows == 0, "every thread covers whole rows of a tile");
+  static_assert(kDim == 32, "a tile row is one warp");
+};
+
+// X[mat] (packed m x n, U) = oriented(P[mat]) * scale[mat] (scale null: 1).
+// A transposed matrix goes through a shared tile so that both the fp32 reads
+// and the U writes are coalesced. Shared memory: 32 x 33 floats.
 template <typename U>
-__global__ void ns_load_kernel(const float* P, const U* scale, int64_t mats, int64_t M, int64_t D,
-                               U* X) {
-  const int64_t m = M < D ? M : D, n = M < D ? D : M, total = mats * m * n;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t mat = e / (m * n), r = (e / n) % m, col = e % n;
-    const U x = static_cast<U>(P[oriented_offset(mat, r, col, M, D)]);
-    X[e] = scale ? x * scale[mat] : x;
+__global__ void ns_load_kernel(const float* __restrict__ P, const U* __restrict__ scale,
+                               int64_t mats, int M, int D, U* __restrict__ X) {
+  constexpr int kDim = NsTile::kDim, kRows = NsTile::kRows;
+  __shared__ float tile[kDim][kDim + 1];
+  const int m = min(M, D), n = max(M, D), r0 = blockIdx.y * kDim, c0 = blockIdx.x * kDim;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  for (int64_t mat = blockIdx.z; mat < mats; mat += gridDim.z) {
+    const float* src = P + mat * (int64_t(m) * n);
+    U* dst = X + mat * (int64_t(m) * n);
+    if (!oriented_transposes(mat, M, D)) {
+      for (int k = 0; k < kDim; k += kRows) {
+        const int r = r0 + ty + k, c = c0 + tx;
+        if (r < m && c < n) {
+          const U x = static_cast<U>(src[r * n + c]);
+          dst[r * n + c] = scale ? x * scale[mat] : x;
+        }
+      }
+      continue;  // uniform over the block: no thread waits below
+    }
+    // src is n x m: oriented (r, c) sits at c m + r. tile[i][j] = (r0 + j, c0 + i).
+    for (int k = 0; k < kDim; k += kRows) {
+      const int c = c0 + ty + k, r = r0 + tx;
+      if (r < m && c < n) tile[ty + k][tx] = src[c * m + r];
+    }
+    __syncthreads();
+    for (int k = 0; k < kDim; k += kRows) {
+      const int r = r0 + ty + k, c = c0 + tx;
+      if (r < m && c < n) {
+        const U x = static_cast<U>(tile[tx][ty + k]);
+        dst[r * n + c] = scale ? x * scale[mat] : x;
+      }
+    }
+    __syncthreads();  // the next matrix refills the tile
   }
 }
 
-// out[mat] (fp32, original orientation) = X[mat].
+// out[mat] (fp32, original orientation) = X[mat]; the inverse of
+// ns_load_kernel without a scale. Shared memory: 32 x 33 U.
 template <typename U>
-__global__ void ns_store_kernel(const U* X, int64_t mats, int64_t M, int64_t D, float* out) {
-  const int64_t m = M < D ? M : D, n = M < D ? D : M, total = mats * m * n;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t mat = e / (m * n), r = (e / n) % m, col = e % n;
-    out[oriented_offset(mat, r, col, M, D)] = static_cast<float>(X[e]);
+__global__ void ns_store_kernel(const U* __restrict__ X, int64_t mats, int M, int D,
+                                float* __restrict__ out) {
+  constexpr int kDim = NsTile::kDim, kRows = NsTile::kRows;
+  __shared__ U tile[kDim][kDim + 1];
+  const int m = min(M, D), n = max(M, D), r0 = blockIdx.y * kDim, c0 = blockIdx.x * kDim;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  for (int64_t mat = blockIdx.z; mat < mats; mat += gridDim.z) {
+    const U* src = X + mat * (int64_t(m) * n);
+    float* dst = out + mat * (int64_t(m) * n);
+    if (!oriented_transposes(mat, M, D)) {
+      for (int k = 0; k < kDim; k += kRows) {
+        const int r = r0 + ty + k, c = c0 + tx;
+        if (r < m && c < n) dst[r * n + c] = static_cast<float>(src[r * n + c]);
+      }
+      continue;  // uniform over the block: no thread waits below
+    }
+    // dst is n x m: oriented (r, c) goes to c m + r. tile[i][j] = (r0 + i, c0 + j).
+    for (int k = 0; k < kDim; k += kRows) {
+      const int r = r0 + ty + k, c = c0 + tx;
+      if (r < m && c < n) tile[ty + k][tx] = src[r * n + c];
+    }
+    __syncthreads();
+    for (int k = 0; k < kDim; k += kRows) {
+      const int c = c0 + ty + k, r = r0 + tx;
+      if (r < m && c < n) dst[c * m + r] = static_cast<float>(tile[tx][ty + k]);
+    }
+    __syncthreads();  // the next matrix refills the tile
   }
 }
 
-// Per matrix of P (fp32 [mats, MD] as blocks): scale = 1 / (||P||_F + eps).
+// S = dA + dA^T for every m x m matrix, dA^T read through a shared tile
+// (32 x 33 U). The sum keeps the order dA(i, j) + dA(j, i).
 template <typename U>
-__global__ void ns_scale_kernel(const float* P, int64_t md, U* scale) {
-  const float* x = P + blockIdx.x * md;
-  double s = 0;
-  for (int64_t j = threadIdx.x; j < md; j += blockDim.x) s += double(x[j]) * double(x[j]);
-  __shared__ double red[32];
-  s = warp_sum(s);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double t = 0;
-    for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[w];
-    scale[blockIdx.x] = static_cast<U>(1.0 / (sqrt(t) + kLactEps));
+__global__ void symmetrise_kernel(const U* __restrict__ dA, int64_t mats, int m,
+                                  U* __restrict__ S) {
+  constexpr int kDim = NsTile::kDim, kRows = NsTile::kRows;
+  __shared__ U tile[kDim][kDim + 1];
+  const int i0 = blockIdx.y * kDim, j0 = blockIdx.x * kDim, tx = threadIdx.x, ty = threadIdx.y;
+  for (int64_t mat = blockIdx.z; mat < mats; mat += gridDim.z) {
+    const U* a = dA + mat * (int64_t(m) * m);
+    U* s = S + mat * (int64_t(m) * m);
+    // tile[p][q] = dA(j0 + p, i0 + q).
+    for (int k = 0; k < kDim; k += kRows) {
+      const int j = j0 + ty + k, i = i0 + tx;
+      if (i < m && j < m) tile[ty + k][tx] = a[j * m + i];
+    }
+    __syncthreads();
+    for (int k = 0; k < kDim; k += kRows) {
+      const int i = i0 + ty + k, j = j0 + tx;
+      if (i < m && j < m) s[i * m + j] = a[i * m + j] + tile[tx][ty + k];
+    }
+    __syncthreads();  // the next matrix refills the tile
   }
 }
 
-// Backward of the Frobenius normalisation, per matrix (one block each), with
-// Xp the unscaled oriented input and dX the adjoint of X_0:
-// dXp = dX / den - (Xp.dX) / (den^2 f) Xp, written over dX.
-template <typename U>
-__global__ void ns_normalise_backward_kernel(const U* Xp, U* dX, int64_t mn) {
-  const U* x = Xp + blockIdx.x * mn;
-  U* d = dX + blockIdx.x * mn;
-  double ss = 0, sd = 0;
-  for (int64_t j = threadIdx.x; j < mn; j += blockDim.x) {
-    ss += double(x[j]) * double(x[j]);
-    sd += double(x[j]) * double(d[j]);
-  }
-  __shared__ double red[2][32];
-  ss = warp_sum(ss);
-  sd = warp_sum(sd);
-  if (threadIdx.x % 32 == 0) red[0][threadIdx.x / 32] = ss, red[1][threadIdx.x / 32] = sd;
-  __syncthreads();
-  __shared__ double f_s, dot_s;
-  if (threadIdx.x == 0) {
-    double a = 0, b = 0;
-    for (int w = 0; w < int(blockDim.x / 32); ++w) a += red[0][w], b += red[1][w];
-    f_s = sqrt(a);
-    dot_s = b;
-  }
-  __syncthreads();
-  const double f = f_s, den = f + kLactEps;
-  const double radial = f > 0 ? dot_s / (den * den * f) : 0.0;
-  for (int64_t j = threadIdx.x; j < mn; j += blockDim.x)
-    d[j] = static_cast<U>(double(d[j]) / den - radial * double(x[j]));
-}
+// The Frobenius normalisation's per-matrix sums in double, in a fixed order
+// (no atomics: runs repeat bitwise). One block per matrix over its 131,072
+// elements (12 blocks on the H200's 132 SMs) was latency-bound: 198 us a
+// call for the norms, 429 us for the normalisation backward. Now every matrix
+// is cut into kNsSlices slices, one block each; a slice's sums go to a small
+// buffer and the consumer adds a matrix's kNsSlices partials one per lane of
+// a warp.
+constexpr int kNsSlices = 32;
+static_assert(kNsSlices == 32, "the partials of a matrix are combined by one warp");
 
-// S = dA + dA^T for every m x m matrix.
-template <typename U>
-__global__ void symmetrise_kernel(const U* dA, int64_t mats, int64_t m, U* S) {
-  const int64_t total = mats * m * m;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t mat = e / (m * m), i = (e / m) % m, j = e % m;
-    S[e] = dA[e] + dA[mat * m * m + j * m + i];
+// The [begin, end) elements of slice s of a matrix of len elements.
+struct NsSlice {
+  int begin, end;
+  __device__ __forceinline__ NsSlice(int s, int len) {
+    const int per = (len + kNsSlices - 1) / kNsSlices;
+    begin = min(len, s * per);
+    end = min(len, begin + per);
   }
-}
+};
 
-// Newton-Schulz GEMMs on bf16 tensor cores with two-part operands
-// (STATESCAN_LACT_NS=bf16x3; opt-in, bf16 layers only, not yet run on a GPU):
-// each fp32 operand x = hi + lo with hi = bf16(x), lo = bf16(x - hi), and
-// A B ~ A_hi B_hi + A_hi B_lo + A_lo B_hi as ONE bf16 GEMM whose contraction
-// is three times as long: A stacked [hi | hi | lo] and B [hi ; lo ; hi] along
-// K. The host model (tests/test_lact_ns_model.cpp) puts this at 4.6e-5 of
-// NS(P) and 8.4e-5 of its gradient (fp32 CUDA-core GEMMs: 3.5e-7; TF32: 3.2e-3
-// and 5.9e-3, too coarse); the fp32 GEMMs are ~70% of a Muon layer's time.
-inline bool ns_bf16x3_requested() {
-  static const bool on = [] {
-    const char* text = std::getenv("STATESCAN_LACT_NS");
-    return text != nullptr && std::string(text) == "bf16x3";
-  }();
-  return on;
-}
-
-// dst = `batch` packed rows x cols fp32 matrices, each stacked three times
-// along its contraction dimension (the columns when k_is_cols, else the
-// rows) as bf16 parts: slot s is x's low part where bit s of lo_mask is set,
-// its high part otherwise.
-static __global__ void split3_kernel(const float* src, int64_t batch, int64_t rows, int64_t cols,
-                                     bool k_is_cols, int lo_mask, bf16* dst) {
-  const int64_t per = rows * cols, total = batch * per;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t b = e / per, r = (e % per) / cols, c = e % cols;
-    const float x = src[e];
-    const bf16 hi = __float2bfloat16_rn(x);
-    const bf16 lo = __float2bfloat16_rn(x - __bfloat162float(hi));
-    bf16* out = dst + 3 * b * per;
+// part[(mat kNsSlices + s) kSums + 0] = sum of x^2 over slice s of matrix mat
+// (len elements at mat len) and, when kSums == 2, part[... + 1] = sum of x y.
+// Block (s, y) -> slice s of matrices y, y + gridDim.y, ...; kThreads threads.
+// Each thread adds its elements in index order (four loads in flight), then
+// warps reduce, then thread 0 adds the warps in order.
+template <int kSums, typename V>
+__global__ void ns_slice_sums_kernel(const V* __restrict__ x, const V* __restrict__ y, int64_t mats,
+                                     int len, double* __restrict__ part) {
+  static_assert(kSums == 1 || kSums == 2, "x^2, and x y with kSums == 2");
+  __shared__ double red[kSums][32];
+  const NsSlice slice(blockIdx.x, len);
+  const int step = blockDim.x;
+  for (int64_t mat = blockIdx.y; mat < mats; mat += gridDim.y) {
+    const V* xm = x + mat * len;
+    [[maybe_unused]] const V* ym = kSums == 2 ? y + mat * len : nullptr;
+    double s[kSums] = {};
+    int j = slice.begin + threadIdx.x;
+    for (; j + 3 * step < slice.end; j += 4 * step) {
+      double a[4], b[4];
 #pragma unroll
-    for (int slot = 0; slot < 3; ++slot) {
-      const int64_t at = k_is_cols ? r * 3 * cols + slot * cols + c : (slot * rows + r) * cols + c;
-      out[at] = (lo_mask >> slot) & 1 ? lo : hi;
+      for (int u = 0; u < 4; ++u) {
+        a[u] = double(xm[j + u * step]);
+        if constexpr (kSums == 2) b[u] = double(ym[j + u * step]);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        s[0] += a[u] * a[u];
+        if constexpr (kSums == 2) s[1] += a[u] * b[u];
+      }
+    }
+    for (; j < slice.end; j += step) {
+      const double a = double(xm[j]);
+      s[0] += a * a;
+      if constexpr (kSums == 2) s[1] += a * double(ym[j]);
+    }
+#pragma unroll
+    for (int k = 0; k < kSums; ++k) {
+      s[k] = warp_sum(s[k]);
+      if (threadIdx.x % 32 == 0) red[k][threadIdx.x / 32] = s[k];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int k = 0; k < kSums; ++k) {
+        double t = 0;
+        for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[k][w];
+        part[(mat * kNsSlices + blockIdx.x) * kSums + k] = t;
+      }
+    }
+    __syncthreads();  // the next matrix refills red
+  }
+}
+
+// scale[mat] = 1 / (||P[mat]||_F + eps) from ns_slice_sums_kernel<1>'s
+// partials: one warp per matrix, lane s taking slice s.
+template <typename U>
+__global__ void ns_scale_kernel(const double* __restrict__ part, int64_t mats,
+                                U* __restrict__ scale) {
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t mat = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; mat < mats;
+       mat += warps) {
+    const double t = warp_sum(part[mat * kNsSlices + threadIdx.x % 32]);
+    if (threadIdx.x % 32 == 0) scale[mat] = static_cast<U>(1.0 / (sqrt(t) + kLactEps));
+  }
+}
+
+// Backward of the Frobenius normalisation, with Xp the unscaled oriented input
+// and dX the adjoint of X_0: dXp = dX / den - (Xp.dX) / (den^2 f) Xp, written
+// over dX, from ns_slice_sums_kernel<2>'s partials of (Xp, dX). Block (s, y)
+// -> slice s of matrices y, y + gridDim.y, ...; kThreads threads. Warp 0
+// first adds the matrix's partials (lane s taking slice s), so every block of
+// a matrix gets the same f and dot.
+template <typename U>
+__global__ void ns_normalise_backward_kernel(const U* __restrict__ Xp,
+                                             const double* __restrict__ part, int64_t mats, int mn,
+                                             U* __restrict__ dX) {
+  __shared__ double coef[2];  // den, radial
+  const NsSlice slice(blockIdx.x, mn);
+  const int step = blockDim.x;
+  for (int64_t mat = blockIdx.y; mat < mats; mat += gridDim.y) {
+    if (threadIdx.x < 32) {
+      const double* p = part + (mat * kNsSlices + threadIdx.x) * 2;
+      const double ss = warp_sum(p[0]), sd = warp_sum(p[1]);
+      if (threadIdx.x == 0) {
+        const double f = sqrt(ss), den = f + kLactEps;
+        coef[0] = den;
+        coef[1] = f > 0 ? sd / (den * den * f) : 0.0;
+      }
+    }
+    __syncthreads();
+    const double den = coef[0], radial = coef[1];
+    const U* x = Xp + mat * mn;
+    U* d = dX + mat * mn;
+    int j = slice.begin + threadIdx.x;
+    for (; j + 3 * step < slice.end; j += 4 * step) {
+      double a[4], b[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) a[u] = double(x[j + u * step]), b[u] = double(d[j + u * step]);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) d[j + u * step] = static_cast<U>(b[u] / den - radial * a[u]);
+    }
+    for (; j < slice.end; j += step)
+      d[j] = static_cast<U>(double(d[j]) / den - radial * double(x[j]));
+    __syncthreads();  // the next matrix rewrites coef
+  }
+}
+
+// Newton-Schulz GEMMs of bf16 layers on bf16 tensor cores with two-part
+// operands (the default; STATESCAN_LACT_NS=fp32 runs them as fp32 CUDA-core
+// GEMMs, for A/B runs): each fp32 operand x = hi + lo with hi = bf16(x), lo =
+// bf16(x - hi), and A B ~ A_hi B_hi + A_hi B_lo + A_lo B_hi as ONE bf16 GEMM
+// whose contraction is three times as long: A stacked [hi | hi | lo] and B
+// [hi ; lo ; hi] along K. The host model (tests/test_lact_ns_model.cpp) puts
+// this at 4.6e-5 of NS(P) and 8.4e-5 of its gradient (fp32 GEMMs: 3.5e-7;
+// TF32: 3.2e-3 and 5.9e-3, too coarse). H200, the issue's shape (1M tokens,
+// 256 chunks of 4096, H 4, D 256, M 512), 2026-12-02: forward 182.8 -> 143.0
+// ms, forward + backward 666.8 -> 492.3 ms against the fp32 GEMMs, the layer's
+// error vs fp64 unchanged (7.3e-3 on the bench's check problem). f32 layers
+// keep their double Newton-Schulz.
+// Read once per process (lact_cuda.cu).
+bool ns_fp32_requested();
+
+// Where split3_kernel writes one stacking of its source: slot s is the low
+// part where bit s of lo_mask is set, the high part otherwise; the three slots
+// follow each other along the columns (k_is_cols) or the rows.
+struct Split3Target {
+  bf16* dst;
+  bool k_is_cols;
+  int lo_mask;
+};
+// One or two stackings from one read of the source (X X^T and A A take the
+// same matrix as both operands).
+struct Split3Targets {
+  Split3Target t[2];
+  int count;
+};
+
+// The bf16 bits of kVec consecutive columns as one word, stored in one
+// access: 8 bytes for 4 columns. (nvcc split an aligned struct of 4 bf16
+// into four 2-byte stores, and a uint2 into two 4-byte ones.)
+template <int kVec>
+struct Bf16Bits;
+template <>
+struct Bf16Bits<1> {
+  using type = unsigned short;
+  static __device__ __forceinline__ type pack(const unsigned short* v) { return v[0]; }
+};
+template <>
+struct Bf16Bits<4> {
+  using type = unsigned long long;
+  // Little-endian: the lower column in the lower bits.
+  static __device__ __forceinline__ type pack(const unsigned short* v) {
+    return type(v[0]) | (type(v[1]) << 16) | (type(v[2]) << 32) | (type(v[3]) << 48);
+  }
+};
+
+// Each target's dst = `batch` packed rows x cols fp32 matrices, each stacked
+// three times along its contraction dimension as bf16 parts (Split3Target).
+// Block (x, y, z): 32 x 8 threads; thread (tx, ty) takes kVec consecutive
+// columns, from kVec (32 x + tx), of rows 8 y + ty, grid-strided, of matrices
+// z, z + gridDim.z, ...: one float4 load and an 8-byte store per slot when
+// kVec == 4 (cols % 4 == 0, 16-byte aligned source). The version with one
+// thread per element and 64-bit division and modulo took 9.6 us a call on
+// the H200, 10 ms per 8 chunks of a layer against 4.9 ms for the bf16 GEMMs
+// themselves. Same parts, same layout: bitwise the same operands.
+template <int kVec>
+__global__ void split3_kernel(const float* __restrict__ src, int64_t batch, int rows, int cols,
+                              Split3Targets targets) {
+  static_assert(kVec == 1 || kVec == 4, "scalar or float4 columns");
+  const int c = (blockIdx.x * blockDim.x + threadIdx.x) * kVec;
+  if (c >= cols) return;  // no barrier below
+  const int64_t per = int64_t(rows) * cols;
+  for (int64_t b = blockIdx.z; b < batch; b += gridDim.z) {
+    for (int r = blockIdx.y * blockDim.y + threadIdx.y; r < rows; r += gridDim.y * blockDim.y) {
+      const float* in = src + b * per + r * cols + c;
+      float x[kVec];
+      if constexpr (kVec == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(in);
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+      } else {
+        x[0] = *in;
+      }
+      unsigned short hi_bits[kVec], lo_bits[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const bf16 hi = __float2bfloat16_rn(x[i]);
+        const bf16 lo = __float2bfloat16_rn(x[i] - __bfloat162float(hi));
+        hi_bits[i] = __bfloat16_as_ushort(hi);
+        lo_bits[i] = __bfloat16_as_ushort(lo);
+      }
+      using Bits = Bf16Bits<kVec>;
+      const typename Bits::type hi = Bits::pack(hi_bits), lo = Bits::pack(lo_bits);
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        if (t >= targets.count) break;
+        const Split3Target& target = targets.t[t];
+        bf16* out = target.dst + 3 * b * per;
+#pragma unroll
+        for (int slot = 0; slot < 3; ++slot) {
+          const int at =
+              target.k_is_cols ? r * 3 * cols + slot * cols + c : (slot * rows + r) * cols + c;
+          *reinterpret_cast<typename Bits::type*>(out + at) =
+              (target.lo_mask >> slot) & 1 ? lo : hi;
+        }
+      }
     }
   }
 }
 
 // Muon's NS_s over all 3 * pairs matrices of a [pairs, 3MD] array at once,
-// each Newton-Schulz product one batched GEMM in U (or, for U = float with
-// STATESCAN_LACT_NS=bf16x3, one bf16 GEMM of two-part operands).
+// each Newton-Schulz product one batched GEMM in U (for U = float, unless
+// STATESCAN_LACT_NS=fp32: one bf16 GEMM of two-part operands).
 template <typename U>
 class NewtonSchulz {
  public:
@@ -720,7 +937,11 @@ class NewtonSchulz {
         Y_(mats_ * m_ * n_, stream),
         A_(mats_ * m_ * m_, stream),
         Bm_(mats_ * m_ * m_, stream),
-        scale_(mats_, stream) {
+        scale_(mats_, stream),
+        sums_(mats_ * kNsSlices * 2, stream) {
+    // The kernels index within one matrix (and its three bf16 parts) in 32 bits.
+    SS_CHECK_ARG(3 * g.M * g.D < (int64_t(1) << 31), "w0", "Muon needs 3 M D < 2^31, got M = ", g.M,
+                 ", D = ", g.D);
     if (split_) {
       // The largest operand is m x n (m <= n).
       split_a_ = Scratch<bf16>(3 * mats_ * m_ * n_, stream);
@@ -817,66 +1038,95 @@ class NewtonSchulz {
 
   void forward_eager(const float* P, float* out) {
     const int64_t mn = m_ * n_;
-    ns_scale_kernel<U>
-        <<<static_cast<unsigned>(mats_), kThreads, 0, stream_>>>(P, M_ * D_, scale_.get());
+    forget_splits();
+    ns_slice_sums_kernel<1><<<slice_grid(), kThreads, 0, stream_>>>(
+        P, static_cast<const float*>(nullptr), mats_, static_cast<int>(mn), sums_.get());
+    SS_LAUNCH_CHECK("ns_slice_sums_kernel");
+    ns_scale_kernel<U><<<grid_for(mats_ * 32, kThreads), kThreads, 0, stream_>>>(sums_.get(), mats_,
+                                                                                 scale_.get());
     SS_LAUNCH_CHECK("ns_scale_kernel");
-    ns_load_kernel<U><<<grid_for(mats_ * mn, kThreads), kThreads, 0, stream_>>>(
-        P, scale_.get(), mats_, M_, D_, X_.get());
+    ns_load_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
+        P, scale_.get(), mats_, static_cast<int>(M_), static_cast<int>(D_), X_.get());
     SS_LAUNCH_CHECK("ns_load_kernel");
     cublasHandle_t h = blas_handle(stream_);
     for (int s = 0; s < steps_; ++s) {
       if (iterates_.get())
         SS_CUDA_CHECK(cudaMemcpyAsync(iterates_.get() + s * mats_ * mn, X_.get(),
                                       mats_ * mn * sizeof(U), cudaMemcpyDeviceToDevice, stream_));
-      gram_and_poly(h, X_.get());
+      gram(h, X_.get());
+      poly(h);
       // Y = a X + B X.
       SS_CUDA_CHECK(cudaMemcpyAsync(Y_.get(), X_.get(), mats_ * mn * sizeof(U),
                                     cudaMemcpyDeviceToDevice, stream_));
       ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X_.get(), kMuonA, Y_.get());
       std::swap(X_, Y_);
     }
-    ns_store_kernel<U>
-        <<<grid_for(mats_ * mn, kThreads), kThreads, 0, stream_>>>(X_.get(), mats_, M_, D_, out);
+    ns_store_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
+        X_.get(), mats_, static_cast<int>(M_), static_cast<int>(D_), out);
     SS_LAUNCH_CHECK("ns_store_kernel");
   }
 
   void backward_eager(const float* P, const float* d_out, float* dP) {
     const int64_t mn = m_ * n_, mm = m_ * m_;
+    forget_splits();
     cublasHandle_t h = blas_handle(stream_);
     // dX in X_, the next adjoint in Y_.
-    ns_load_kernel<U><<<grid_for(mats_ * mn, kThreads), kThreads, 0, stream_>>>(
-        d_out, static_cast<const U*>(nullptr), mats_, M_, D_, X_.get());
+    ns_load_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
+        d_out, static_cast<const U*>(nullptr), mats_, static_cast<int>(M_), static_cast<int>(D_),
+        X_.get());
     SS_LAUNCH_CHECK("ns_load_kernel");
+    // Independent products are ordered so that, in split mode, an operand
+    // split by one GEMM is split the same way by the next one (see ns_gemm):
+    // dB right after A (both take X^T), dA's dB A right after B (both take A
+    // as the right operand). Every product still sees the same inputs.
     for (int s = steps_ - 1; s >= 0; --s) {
       const U* X = iterates_.get() + s * mats_ * mn;
-      gram_and_poly(h, X);
-      // Y = a X + B X:  dXn = a dY + B dY,  dB = dY X^T.
+      gram(h, X);
+      // Y = a X + B X:  dB = dY X^T; X^T is the right operand of A = X X^T too.
+      ns_gemm(h, false, true, m_, m_, n_, 1.0, X_.get(), X, 0.0, dB_.get(), true);
+      poly(h);
+      // B = b A + c A A:  dA = b dB + c (dB A + A dB); dB A takes A as its right
+      // operand as A A just did (A untouched in between).
+      SS_CUDA_CHECK(cudaMemcpyAsync(dA_.get(), dB_.get(), mats_ * mm * sizeof(U),
+                                    cudaMemcpyDeviceToDevice, stream_));
+      ns_gemm(h, false, false, m_, m_, m_, kMuonC, dB_.get(), A_.get(), kMuonB, dA_.get(), true);
+      ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), dB_.get(), 1.0, dA_.get());
+      // Y = a X + B X:  dXn = a dY + B dY.
       SS_CUDA_CHECK(cudaMemcpyAsync(Y_.get(), X_.get(), mats_ * mn * sizeof(U),
                                     cudaMemcpyDeviceToDevice, stream_));
       ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X_.get(), kMuonA, Y_.get());
-      ns_gemm(h, false, true, m_, m_, n_, 1.0, X_.get(), X, 0.0, dB_.get());
-      // B = b A + c A A:  dA = b dB + c (dB A + A dB).
-      SS_CUDA_CHECK(cudaMemcpyAsync(dA_.get(), dB_.get(), mats_ * mm * sizeof(U),
-                                    cudaMemcpyDeviceToDevice, stream_));
-      ns_gemm(h, false, false, m_, m_, m_, kMuonC, dB_.get(), A_.get(), kMuonB, dA_.get());
-      ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), dB_.get(), 1.0, dA_.get());
       // A = X X^T:  dXn += (dA + dA^T) X  (Bm_ is free now: it holds S).
-      symmetrise_kernel<U><<<grid_for(mats_ * mm, kThreads), kThreads, 0, stream_>>>(
-          dA_.get(), mats_, m_, Bm_.get());
+      symmetrise_kernel<U><<<tile_grid(m_, m_), tile_block(), 0, stream_>>>(
+          dA_.get(), mats_, static_cast<int>(m_), Bm_.get());
       SS_LAUNCH_CHECK("symmetrise_kernel");
       ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X, 1.0, Y_.get());
       std::swap(X_, Y_);
     }
     // X_0 = Xp / (||Xp|| + eps): Xp (unscaled, oriented) into Y_.
-    ns_load_kernel<U><<<grid_for(mats_ * mn, kThreads), kThreads, 0, stream_>>>(
-        P, static_cast<const U*>(nullptr), mats_, M_, D_, Y_.get());
+    ns_load_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
+        P, static_cast<const U*>(nullptr), mats_, static_cast<int>(M_), static_cast<int>(D_),
+        Y_.get());
     SS_LAUNCH_CHECK("ns_load_kernel");
-    ns_normalise_backward_kernel<U>
-        <<<static_cast<unsigned>(mats_), kThreads, 0, stream_>>>(Y_.get(), X_.get(), mn);
+    ns_slice_sums_kernel<2><<<slice_grid(), kThreads, 0, stream_>>>(
+        static_cast<const U*>(Y_.get()), static_cast<const U*>(X_.get()), mats_,
+        static_cast<int>(mn), sums_.get());
+    SS_LAUNCH_CHECK("ns_slice_sums_kernel");
+    ns_normalise_backward_kernel<U><<<slice_grid(), kThreads, 0, stream_>>>(
+        Y_.get(), sums_.get(), mats_, static_cast<int>(mn), X_.get());
     SS_LAUNCH_CHECK("ns_normalise_backward_kernel");
-    ns_store_kernel<U>
-        <<<grid_for(mats_ * mn, kThreads), kThreads, 0, stream_>>>(X_.get(), mats_, M_, D_, dP);
+    ns_store_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
+        X_.get(), mats_, static_cast<int>(M_), static_cast<int>(D_), dP);
     SS_LAUNCH_CHECK("ns_store_kernel");
+  }
+
+  // Launch shapes: the matrices on y (slices) or z (tiles, split3), grid-
+  // strided past CUDA's 65535.
+  unsigned mat_grid() const { return static_cast<unsigned>(std::min<int64_t>(mats_, 65535)); }
+  dim3 slice_grid() const { return dim3(kNsSlices, mat_grid()); }
+  static dim3 tile_block() { return dim3(NsTile::kDim, NsTile::kRows); }
+  dim3 tile_grid(int64_t rows, int64_t cols) const {
+    return dim3(static_cast<unsigned>((cols + NsTile::kDim - 1) / NsTile::kDim),
+                static_cast<unsigned>((rows + NsTile::kDim - 1) / NsTile::kDim), mat_grid());
   }
 
   static Operand op(const U* p, int64_t ld, int64_t stride) {
@@ -884,19 +1134,24 @@ class NewtonSchulz {
   }
   static Output out_(U* p, int64_t ld, int64_t stride) { return {p, data_type<U>(), ld, stride}; }
 
-  // A = X X^T, Bm = b A + c A A for every matrix.
-  void gram_and_poly(cublasHandle_t h, const U* X) {
-    const int64_t mm = m_ * m_;
+  // A = X X^T for every matrix.
+  void gram(cublasHandle_t h, const U* X) {
     ns_gemm(h, false, true, m_, m_, n_, 1.0, X, X, 0.0, A_.get());
-    SS_CUDA_CHECK(cudaMemcpyAsync(Bm_.get(), A_.get(), mats_ * mm * sizeof(U),
+  }
+  // Bm = b A + c A A for every matrix.
+  void poly(cublasHandle_t h) {
+    SS_CUDA_CHECK(cudaMemcpyAsync(Bm_.get(), A_.get(), mats_ * m_ * m_ * sizeof(U),
                                   cudaMemcpyDeviceToDevice, stream_));
     ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), A_.get(), kMuonB, Bm_.get());
   }
 
   // C = alpha op(A) op(B) + beta C over the mats_ matrices (packed operands),
-  // in U, or in split mode as one bf16 GEMM of two-part operands.
+  // in U, or in split mode as one bf16 GEMM of two-part operands. In split
+  // mode `b_unchanged` says that B has not been written since the previous
+  // split of a B operand: if that split was of the same matrix in the same
+  // stacking, split_b_ still holds it and is used as it is.
   void ns_gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
-               const U* A, const U* B, double beta, U* C) {
+               const U* A, const U* B, double beta, U* C, bool b_unchanged = false) {
     if (!split_) {
       gemm(h, ta, tb, M, N, K, alpha, op(A, ta ? M : K, M * K), op(B, tb ? K : N, K * N), beta,
            out_(C, N, M * N), mats_, compute_);
@@ -904,16 +1159,67 @@ class NewtonSchulz {
     }
     if constexpr (std::is_same<U, float>::value) {
       // A: [hi | hi | lo] along K; B: [hi ; lo ; hi] along K.
-      split3_kernel<<<grid_for(mats_ * M * K, kThreads), kThreads, 0, stream_>>>(
-          A, mats_, ta ? K : M, ta ? M : K, !ta, 0b100, split_a_.get());
-      SS_LAUNCH_CHECK("split3_kernel");
-      split3_kernel<<<grid_for(mats_ * K * N, kThreads), kThreads, 0, stream_>>>(
-          B, mats_, tb ? N : K, tb ? K : N, tb, 0b010, split_b_.get());
-      SS_LAUNCH_CHECK("split3_kernel");
+      const SplitKey ka{A, ta ? K : M, ta ? M : K, !ta}, kb{B, tb ? N : K, tb ? K : N, tb};
+      const bool need_b = !(b_unchanged && kb == split_b_key_);
+      Split3Targets targets{};
+      targets.t[0] = {split_a_.get(), ka.k_is_cols, 0b100};
+      targets.count = 1;
+      // X X^T and A A: one read of the matrix writes both stackings.
+      const bool both = need_b && A == B && ka.rows == kb.rows && ka.cols == kb.cols;
+      if (both) targets.t[targets.count++] = {split_b_.get(), kb.k_is_cols, 0b010};
+      split3(A, ka.rows, ka.cols, targets);
+      if (need_b && !both) {
+        Split3Targets tb_only{};
+        tb_only.t[0] = {split_b_.get(), kb.k_is_cols, 0b010};
+        tb_only.count = 1;
+        split3(B, kb.rows, kb.cols, tb_only);
+      }
+      split_a_key_ = ka;
+      split_b_key_ = kb;
       const Operand a{split_a_.get(), CUDA_R_16BF, ta ? M : 3 * K, 3 * M * K};
       const Operand b{split_b_.get(), CUDA_R_16BF, tb ? 3 * K : N, 3 * K * N};
       gemm(h, ta, tb, M, N, 3 * K, alpha, a, b, beta, out_(C, N, M * N), mats_, CUBLAS_COMPUTE_32F);
+      // C is written now: a split of it is stale.
+      if (C == split_a_key_.src) split_a_key_ = SplitKey{};
+      if (C == split_b_key_.src) split_b_key_ = SplitKey{};
     }
+  }
+
+  // The matrix a split buffer holds: source, its rows x cols and stacking.
+  struct SplitKey {
+    const U* src = nullptr;
+    int64_t rows = 0, cols = 0;
+    bool k_is_cols = false;
+    bool operator==(const SplitKey& o) const {
+      return src == o.src && rows == o.rows && cols == o.cols && k_is_cols == o.k_is_cols;
+    }
+  };
+  // Every forward_eager / backward_eager starts with no split reused: the
+  // sources change between calls, and a captured graph must make the same
+  // choices as the eager run before it.
+  void forget_splits() { split_a_key_ = split_b_key_ = SplitKey{}; }
+
+  // The split3_kernel launch for `mats_` rows x cols matrices at src.
+  void split3(const float* src, int64_t rows, int64_t cols, const Split3Targets& targets) {
+    const auto aligned = [](const void* p, std::size_t bytes) {
+      return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+    };
+    bool vec = cols % 4 == 0 && aligned(src, 16);
+    for (int t = 0; t < targets.count; ++t) vec = vec && aligned(targets.t[t].dst, 8);
+    const int per_thread = vec ? 4 : 1;
+    const dim3 block(32, 8);
+    const int64_t groups = (cols + per_thread - 1) / per_thread;
+    const dim3 grid(static_cast<unsigned>((groups + block.x - 1) / block.x),
+                    static_cast<unsigned>(std::min<int64_t>((rows + block.y - 1) / block.y, 65535)),
+                    mat_grid());
+    if (vec) {
+      split3_kernel<4><<<grid, block, 0, stream_>>>(src, mats_, static_cast<int>(rows),
+                                                    static_cast<int>(cols), targets);
+    } else {
+      split3_kernel<1><<<grid, block, 0, stream_>>>(src, mats_, static_cast<int>(rows),
+                                                    static_cast<int>(cols), targets);
+    }
+    SS_LAUNCH_CHECK("split3_kernel");
   }
 
   Replay fwd_, bwd_;
@@ -922,8 +1228,11 @@ class NewtonSchulz {
   int steps_;
   cudaStream_t stream_;
   Scratch<U> X_, Y_, A_, Bm_, scale_, iterates_, dA_, dB_;
-  bool split_ = std::is_same<U, float>::value && ns_bf16x3_requested();
+  // Per-slice partial sums of the Frobenius norms: [mats, kNsSlices, 2].
+  Scratch<double> sums_;
+  bool split_ = std::is_same<U, float>::value && !ns_fp32_requested();
   Scratch<bf16> split_a_, split_b_;
+  SplitKey split_a_key_, split_b_key_;
 };
 
 // ---- the layer ------------------------------------------------------------------
