@@ -42,6 +42,12 @@ struct FwdRounding {
   bool query_single = false;
   // W, U = T X with T and X rounded once each (v3 takes both as two parts).
   bool tx_single = false;
+  // A candidate, not what the kernels run (PERF_NOTES, "Next steps"): the delta
+  // rules' scan as one product per chunk step, S <- diag(decay) S + KU - KW S,
+  // with KW = K_^T W and KU = K_^T U formed per chunk (exact from the tiles)
+  // and rounded to bf16 once, and o = (Q^ - A W) S + A U with both operands
+  // rounded once, instead of V' = U - W S rounded and then K_^T V' and A V'.
+  bool one_product = false;
 };
 
 inline ref::Outputs chunk_forward_model(const ref::Problem& p, int64_t C,
@@ -140,6 +146,47 @@ inline ref::Outputs chunk_forward_model(const ref::Problem& p, int64_t C,
 
         // The scan and the output.
         Vec Sop(Dk * Dv), Vn(C * Dv);
+        if (delta && r.one_product) {
+          for (int64_t e = 0; e < Dk * Dv; ++e) Sop[e] = rnd(r.states, S[e]);
+          Vec KW(Dk * Dk), KU(Dk * Dv), QW(C * Dk), AU(C * Dv);
+          for (int64_t d = 0; d < Dk; ++d) {
+            for (int64_t e = 0; e < Dk; ++e) {
+              double x = 0;
+              for (int64_t t = 0; t < C; ++t) x += Kb[t * Dk + d] * W[t * Dk + e];
+              KW[d * Dk + e] = round_bf16(x);
+            }
+            for (int64_t j = 0; j < Dv; ++j) {
+              double x = 0;
+              for (int64_t t = 0; t < C; ++t) x += Kb[t * Dk + d] * U[t * Dv + j];
+              KU[d * Dv + j] = round_bf16(x);
+            }
+          }
+          for (int64_t t = 0; t < C; ++t) {
+            for (int64_t e = 0; e < Dk; ++e) {
+              double x = Qh[t * Dk + e];
+              for (int64_t s = 0; s <= t; ++s) x -= A[t * C + s] * W[s * Dk + e];
+              QW[t * Dk + e] = round_bf16(x);
+            }
+            for (int64_t j = 0; j < Dv; ++j) {
+              double x = 0;
+              for (int64_t s = 0; s <= t; ++s) x += A[t * C + s] * U[s * Dv + j];
+              AU[t * Dv + j] = round_bf16(x);
+            }
+          }
+          for (int64_t t = 0; t < L; ++t)
+            for (int64_t j = 0; j < Dv; ++j) {
+              double x = AU[t * Dv + j];
+              for (int64_t d = 0; d < Dk; ++d) x += QW[t * Dk + d] * Sop[d * Dv + j];
+              out.o[tok(t0 + t) * Dv + j] = rnd(r.states, x);
+            }
+          for (int64_t d = 0; d < Dk; ++d)
+            for (int64_t j = 0; j < Dv; ++j) {
+              double x = decay[d] * S[d * Dv + j] + KU[d * Dv + j];
+              for (int64_t e = 0; e < Dk; ++e) x -= KW[d * Dk + e] * Sop[e * Dv + j];
+              S[d * Dv + j] = x;
+            }
+          continue;
+        }
         for (int64_t e = 0; e < Dk * Dv; ++e) Sop[e] = rnd(r.states, S[e]);
         for (int64_t t = 0; t < C; ++t)
           for (int64_t j = 0; j < Dv; ++j) {

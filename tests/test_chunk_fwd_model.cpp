@@ -103,6 +103,36 @@ const SchemeCase kSchemes[] = {
     {"v3", FwdRounding{true, true, false, true, false, false}},
 };
 
+// The one-product scan (FwdRounding::one_product) against v3, on the GPU
+// tests' shape and on a long sequence (the states carry every chunk's
+// rounding forward), for the delta rules: printed for PERF_NOTES, and held to
+// the same bf16 bound.
+TEST(ChunkFwdModelOneProduct, DeltaRulesStayUnderTheBf16Bound) {
+  FwdRounding v3{true, true, false, true, false, false}, one = v3;
+  one.one_product = true;
+  for (Variant v : {Variant::deltanet, Variant::gated_deltanet, Variant::kda})
+    for (int64_t T : {150, 2048}) {
+      ProblemSpec s;
+      s.variant = v;
+      s.dk = s.dv = 64;
+      s.heads = 1;
+      s.seq_len = T;
+      s.with_h0 = true;
+      s.l2norm_qk = true;
+      ref::Problem p = random_problem(s, 77 + static_cast<uint64_t>(v));
+      round_inputs_to_bf16(p);
+      const ref::Outputs want = ref::forward(p);
+      const ref::Outputs a = chunk_forward_model(p, 64, v3), b = chunk_forward_model(p, 64, one);
+      const double ao = rel_rms(a.o, want.o), as = rel_rms(a.ht, want.ht);
+      const double bo = rel_rms(b.o, want.o), bs = rel_rms(b.ht, want.ht);
+      std::printf("  %-15s T %5lld  v3: o %.2e S %.2e   one product: o %.2e S %.2e\n",
+                  variant_name(v).c_str(), static_cast<long long>(T), ao, as, bo, bs);
+      EXPECT_LE(bo, 5e-3) << variant_name(v) << " T " << T;
+      EXPECT_LE(bs, 5e-3) << variant_name(v) << " T " << T;
+      EXPECT_GT(rel_rms(b.o, a.o), 0.0) << "the one-product path was not taken";
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkFwdModelBf16,
                          ::testing::Combine(::testing::ValuesIn(kAllVariants),
                                             ::testing::ValuesIn(kSchemes),
