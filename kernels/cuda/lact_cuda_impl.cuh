@@ -592,43 +592,60 @@ struct NsTile {
   static_assert(kDim == 32, "a tile row is one warp");
 };
 
+// The block's tile of one matrix, dst = f(src) elementwise: src and dst
+// rows x cols, both row-major (transposed = false), or src rows x cols and
+// dst its cols x rows transpose (transposed = true, through the shared
+// `tile`, so that both the reads and the writes are coalesced). (i0, j0): the
+// tile's first row and column in src. Ends with a barrier when transposed
+// (the caller refills the tile next), none otherwise; `transposed` must be
+// uniform over the block.
+template <typename In, typename Out, typename F>
+__device__ __forceinline__ void ns_copy_tile(const In* src, int rows, int cols, int i0, int j0,
+                                             bool transposed, Out* dst, F f,
+                                             In (&tile)[NsTile::kDim][NsTile::kDim + 1]) {
+  constexpr int kDim = NsTile::kDim, kRows = NsTile::kRows;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  if (!transposed) {
+    for (int k = 0; k < kDim; k += kRows) {
+      const int i = i0 + ty + k, j = j0 + tx;
+      if (i < rows && j < cols) dst[i * cols + j] = f(src[i * cols + j]);
+    }
+    return;
+  }
+  // tile[p][q] = src(i0 + p, j0 + q); dst(j, i) = f(src(i, j)).
+  for (int k = 0; k < kDim; k += kRows) {
+    const int i = i0 + ty + k, j = j0 + tx;
+    if (i < rows && j < cols) tile[ty + k][tx] = src[i * cols + j];
+  }
+  __syncthreads();
+  for (int k = 0; k < kDim; k += kRows) {
+    const int j = j0 + ty + k, i = i0 + tx;
+    if (i < rows && j < cols) dst[j * rows + i] = f(tile[tx][ty + k]);
+  }
+  __syncthreads();
+}
+
 // X[mat] (packed m x n, U) = oriented(P[mat]) * scale[mat] (scale null: 1).
-// A transposed matrix goes through a shared tile so that both the fp32 reads
-// and the U writes are coalesced. Shared memory: 32 x 33 floats.
+// Block (x, y, z): the tile at oriented rows 32 y, columns 32 x. Shared
+// memory: 32 x 33 floats.
 template <typename U>
 __global__ void ns_load_kernel(const float* __restrict__ P, const U* __restrict__ scale,
                                int64_t mats, int M, int D, U* __restrict__ X) {
-  constexpr int kDim = NsTile::kDim, kRows = NsTile::kRows;
+  constexpr int kDim = NsTile::kDim;
   __shared__ float tile[kDim][kDim + 1];
   const int m = min(M, D), n = max(M, D), r0 = blockIdx.y * kDim, c0 = blockIdx.x * kDim;
-  const int tx = threadIdx.x, ty = threadIdx.y;
   for (int64_t mat = blockIdx.z; mat < mats; mat += gridDim.z) {
+    const auto f = [&](float v) {
+      const U x = static_cast<U>(v);
+      return scale ? x * scale[mat] : x;
+    };
     const float* src = P + mat * (int64_t(m) * n);
     U* dst = X + mat * (int64_t(m) * n);
-    if (!oriented_transposes(mat, M, D)) {
-      for (int k = 0; k < kDim; k += kRows) {
-        const int r = r0 + ty + k, c = c0 + tx;
-        if (r < m && c < n) {
-          const U x = static_cast<U>(src[r * n + c]);
-          dst[r * n + c] = scale ? x * scale[mat] : x;
-        }
-      }
-      continue;  // uniform over the block: no thread waits below
-    }
-    // src is n x m: oriented (r, c) sits at c m + r. tile[i][j] = (r0 + j, c0 + i).
-    for (int k = 0; k < kDim; k += kRows) {
-      const int c = c0 + ty + k, r = r0 + tx;
-      if (r < m && c < n) tile[ty + k][tx] = src[c * m + r];
-    }
-    __syncthreads();
-    for (int k = 0; k < kDim; k += kRows) {
-      const int r = r0 + ty + k, c = c0 + tx;
-      if (r < m && c < n) {
-        const U x = static_cast<U>(tile[tx][ty + k]);
-        dst[r * n + c] = scale ? x * scale[mat] : x;
-      }
-    }
-    __syncthreads();  // the next matrix refills the tile
+    // Transposed, P's matrix is n x m and the tile starts at its row c0.
+    if (oriented_transposes(mat, M, D))
+      ns_copy_tile(src, n, m, c0, r0, true, dst, f, tile);
+    else
+      ns_copy_tile(src, m, n, r0, c0, false, dst, f, tile);
   }
 }
 
@@ -637,32 +654,13 @@ __global__ void ns_load_kernel(const float* __restrict__ P, const U* __restrict_
 template <typename U>
 __global__ void ns_store_kernel(const U* __restrict__ X, int64_t mats, int M, int D,
                                 float* __restrict__ out) {
-  constexpr int kDim = NsTile::kDim, kRows = NsTile::kRows;
+  constexpr int kDim = NsTile::kDim;
   __shared__ U tile[kDim][kDim + 1];
   const int m = min(M, D), n = max(M, D), r0 = blockIdx.y * kDim, c0 = blockIdx.x * kDim;
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  for (int64_t mat = blockIdx.z; mat < mats; mat += gridDim.z) {
-    const U* src = X + mat * (int64_t(m) * n);
-    float* dst = out + mat * (int64_t(m) * n);
-    if (!oriented_transposes(mat, M, D)) {
-      for (int k = 0; k < kDim; k += kRows) {
-        const int r = r0 + ty + k, c = c0 + tx;
-        if (r < m && c < n) dst[r * n + c] = static_cast<float>(src[r * n + c]);
-      }
-      continue;  // uniform over the block: no thread waits below
-    }
-    // dst is n x m: oriented (r, c) goes to c m + r. tile[i][j] = (r0 + i, c0 + j).
-    for (int k = 0; k < kDim; k += kRows) {
-      const int r = r0 + ty + k, c = c0 + tx;
-      if (r < m && c < n) tile[ty + k][tx] = src[r * n + c];
-    }
-    __syncthreads();
-    for (int k = 0; k < kDim; k += kRows) {
-      const int c = c0 + ty + k, r = r0 + tx;
-      if (r < m && c < n) dst[c * m + r] = static_cast<float>(tile[tx][ty + k]);
-    }
-    __syncthreads();  // the next matrix refills the tile
-  }
+  const auto f = [](U v) { return static_cast<float>(v); };
+  for (int64_t mat = blockIdx.z; mat < mats; mat += gridDim.z)
+    ns_copy_tile(X + mat * (int64_t(m) * n), m, n, r0, c0, oriented_transposes(mat, M, D),
+                 out + mat * (int64_t(m) * n), f, tile);
 }
 
 // S = dA + dA^T for every m x m matrix, dA^T read through a shared tile
