@@ -58,8 +58,10 @@ struct BackwardArgs {
   void* dbeta = nullptr;                 // [B,T,H] (T)
   float* d_initial_state = nullptr;      // [N,H,Dk,Dv] or null
   float* ws_ds = nullptr;                // dS_{c+1} per chunk [chunks,H,Dk,Dv] fp32, or null
-  // The raw linear path (f.raw_additive): dS_{c+1} per chunk rounded to T, in
-  // ws_ds's room (ws_ds is then null), read by chunk_grad_raw16_kernel.
+  // dS_{c+1} per chunk rounded to T, in ws_ds's room (ws_ds is then null): the
+  // raw linear path (f.raw_additive; chunk_grad_raw16_kernel reads it) and the
+  // other ungated 16-bit variants (chunk_state_products_kernel rounds dS to T
+  // for every product, and only gated variants take dgamma from fp32 dS).
   void* ws_ds_t = nullptr;
   float* ws_scratch = nullptr;  // per-block fp32 scratch of chunk_grad_kernel_tc
   // chunk_state_products_kernel's outputs for items [item_begin, num_items)
@@ -240,6 +242,13 @@ __global__ void __launch_bounds__(256)
       for (int idx = tid; idx < Dk * BV; idx += kThreads) {
         const int d = idx / BV, j = idx % BV;
         out[d * Dv + j] = sdS[d * kLdF + j];
+      }
+    }
+    if (a.ws_ds_t != nullptr) {
+      T* out = static_cast<T*>(a.ws_ds_t) + tile * Dk * Dv + col0;
+      for (int idx = tid; idx < Dk * BV; idx += kThreads) {
+        const int d = idx / BV, j = idx % BV;
+        out[d * Dv + j] = from_float<T>(sdS[d * kLdF + j]);
       }
     }
     __syncthreads();
@@ -681,12 +690,29 @@ __global__ void __launch_bounds__(256, 1)
         *reinterpret_cast<uint4*>(sO + i * kLdV + j) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
+  // dS_{c+1} saved in T (ungated variants, BackwardArgs::ws_ds_t): copied as
+  // it is; the fp32 path below rounds it to the same values.
+  const bool ds_in_t = a.ws_ds_t != nullptr;
+  if (ds_in_t)
+    copy_tile_async<Tr::kThreads>(sdS, kLdV, static_cast<const T*>(a.ws_ds_t) + tile * Dk * Dv, Dv,
+                                  Dk, Dv);
   cp_async_commit();
 
   // ---- S and dS: fp32 -> T, and dgamma from the exact fp32 values ---------
   // Half the loads of each matrix are in flight at once (registers between),
   // then stored; a warp covers whole rows, so dgamma is a segmented shuffle sum.
-  {
+  // With dS in T only S is converted, and dgamma (read only by gated
+  // variants, whose dS stays fp32) is not written.
+  if (ds_in_t) {
+    const float* S = a.chunk_states + tile * Dk * Dv;
+    constexpr int kRowVecs = Dv / 4;
+    for (int idx = tid; idx < Dk * kRowVecs; idx += Tr::kThreads) {
+      const int d = idx / kRowVecs, j = (idx % kRowVecs) * 4;
+      const float4 x = load4(S + 4 * idx);
+      *reinterpret_cast<uint2*>(sS + d * kLdV + j) =
+          make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
+    }
+  } else {
     const float* S = a.chunk_states + tile * Dk * Dv;
     const float* dS = a.ws_ds + tile * Dk * Dv;
     constexpr int kRowVecs = Dv / 4;  // float4 per row

@@ -59,7 +59,8 @@ struct GradScan16Traits {
 // Q^ = scale q, so q comes straight from the inputs (rows past the sequence's
 // end zeroed), dS += scale (q^T dO) with the scale applied to the fp32
 // product, and dS_{c+1} is saved rounded to T (ws_ds_t) for
-// chunk_grad_raw16_kernel, whose products read it in T anyway.
+// chunk_grad_raw16_kernel, whose products read it in T anyway (as other
+// ungated variants save it for the state products: BackwardArgs::ws_ds_t).
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk,
           bool kRaw = false>
 __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::delta>::kThreads))
@@ -149,9 +150,8 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   store_copy();
 
   float* ws_ds = a.ws_ds != nullptr ? a.ws_ds + first_tile * kStateElems + col0 : nullptr;
-  T* ws_ds_t = kRaw && a.ws_ds_t != nullptr
-                   ? static_cast<T*>(a.ws_ds_t) + first_tile * kStateElems + col0
-                   : nullptr;
+  T* ws_ds_t =
+      a.ws_ds_t != nullptr ? static_cast<T*>(a.ws_ds_t) + first_tile * kStateElems + col0 : nullptr;
   // Saves dS (= dS_{c+1}) for chunk cl, then dS <- diag(gamma) dS.
   auto save_and_decay = [&](int cl, int st) {
     if (ws_ds != nullptr) ds.store_pairs(ws_ds + cl * H * kStateElems);

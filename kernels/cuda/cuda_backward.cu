@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 
 #include "core/cuda_check.h"
@@ -87,6 +88,24 @@ struct BackwardLayout {
   int64_t sp_batch = 0;  // items the state-product region holds (0: none)
 };
 
+// Whether the backward keeps dS_{c+1} per chunk in the input's 16-bit type
+// (BackwardArgs::ws_ds_t) instead of fp32: the raw linear path, and, with
+// STATESCAN_BWD_DS=t, every other ungated 16-bit problem — their gradient
+// kernels read dS only as 16-bit operands rounded from the same fp32 values
+// (bitwise the same gradients), and only gated variants take dgamma from the
+// fp32 values. Half the bytes: 0.27 GB less written and read at 32K (H 16, D
+// 128), 8.6 GB less memory at 1M tokens. Opt-in until it has run on a GPU
+// (written 2026-12-02 after that session's device time was spent; ctest
+// test_cuda_{backward,cp}_ds_t).
+bool ds_in_t(const MixerParams& p) {
+  static const bool requested = [] {
+    const char* text = std::getenv("STATESCAN_BWD_DS");
+    return text != nullptr && std::strcmp(text, "t") == 0;
+  }();
+  if (p.dtype == DType::f32) return false;
+  return reads_inputs_directly(p) || (requested && !has_gate(p.variant));
+}
+
 // `recompute`: room for the fp32 chunk states the backward re-derives.
 BackwardLayout layout_for(const MixerParams& p, bool recompute) {
   BackwardLayout l;
@@ -97,8 +116,8 @@ BackwardLayout layout_for(const MixerParams& p, bool recompute) {
   size_t at = align_up(detail::prepare_workspace_bytes(p));
   l.forward = 0;
   l.ds = at;
-  // dS_{c+1} per chunk: fp32, or in T on the raw linear path (ws_ds_t).
-  at += reads_inputs_directly(p) ? align_up(state_elems * size_of(p.dtype)) : states;
+  // dS_{c+1} per chunk: fp32, or in T (ds_in_t).
+  at += ds_in_t(p) ? align_up(state_elems * size_of(p.dtype)) : states;
   l.scratch = at;
   // chunk_grad_kernel_tc's per-block scratch: fp32 inputs only (16-bit inputs
   // take the state-product and intra-chunk kernels, or the raw linear
@@ -237,8 +256,7 @@ void run_backward(const MixerBwdParams& p, const Prepared& prep, const BackwardL
   a.dbeta = p.dbeta;
   a.d_initial_state = p.d_initial_state;
   a.ws_ds = p.state_grad_only ? nullptr : reinterpret_cast<float*>(rest);
-  if (a.f.raw_additive) {
-    // The raw linear path keeps dS_{c+1} in T (its products read it so).
+  if (ds_in_t(p)) {
     a.ws_ds_t = a.ws_ds;
     a.ws_ds = nullptr;
   }
