@@ -96,23 +96,22 @@ double cp_summary_bytes(const CpLayer& l) {
 
 CpReferenceTimes cp_h200_reference_128k(Variant v) {
   // README.md's Performance tables: statescan-bench --backward on one H200,
-  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-02, eleventh session
-  // (forward v6 and backward b14: the prepare kernel with q, k in registers
-  // and T's block rows on the tensor cores), forward ms and forward +
-  // backward ms of the same run.
+  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-02, twelfth session
+  // (forward v7: linear attention's grouped scan; backward b15), forward ms
+  // (with the chunk states saved) and forward + backward ms of the same run.
   switch (v) {
     case Variant::linear:
-      return {3.050, 6.882};
+      return {1.948, 5.897};
     case Variant::retention:
-      return {4.924, 15.848};
+      return {4.850, 15.291};
     case Variant::gla:
-      return {5.769, 19.266};
+      return {5.763, 18.605};
     case Variant::deltanet:
-      return {7.276, 26.109};
+      return {7.232, 24.224};
     case Variant::gated_deltanet:
-      return {7.451, 27.193};
+      return {7.433, 25.479};
     case Variant::kda:
-      return {8.497, 31.513};
+      return {8.531, 29.554};
   }
   SS_FAIL("variant", "no H200 reference times");
 }
