@@ -48,6 +48,12 @@ struct ModelRounding {
   // pair then cancels in dg's reverse cumsum as it does in exact arithmetic
   // (planned for the kernels; test_chunk_bwd_model says why).
   bool db_from_operands = false;
+  // A candidate, not what the kernels run (PERF_NOTES, "Next steps"): the
+  // delta rules' scans as one product per chunk step, with KW = K_^T W, KU =
+  // K_^T U and G = (Q^ - A W)^T dO formed per chunk from the tiles and rounded
+  // to bf16 once: forward S <- diag(decay) S + KU - KW S, reverse
+  // dS <- diag(decay) dS + G - KW^T dS (dV' for the gradients as before).
+  bool one_product = false;
 };
 
 inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<double>& d_o,
@@ -153,6 +159,21 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
           }
         }
       };
+      // The one-product form's per-chunk tiles (ModelRounding::one_product):
+      // K_ as the prepare stage stores it, KW = K_^T W rounded once.
+      auto kbar = [&](const Chunk& x, int64_t t, int64_t d) {
+        return r_prep(x.k[t * Dk + d] * std::exp(x.b[(C - 1) * Dk + d] - x.b[t * Dk + d]));
+      };
+      auto kw_of = [&](const Chunk& x, const Vec& W) {
+        Vec KW(Dk * Dk);
+        for (int64_t d = 0; d < Dk; ++d)
+          for (int64_t e2 = 0; e2 < Dk; ++e2) {
+            double acc = 0;
+            for (int64_t t = 0; t < C; ++t) acc += kbar(x, t, d) * W[t * Dk + e2];
+            KW[d * Dk + e2] = round_bf16(acc);
+          }
+        return KW;
+      };
       // 1. forward chunk states.
       std::vector<Vec> S(static_cast<size_t>(nchunks + 1), Vec(Dk * Dv, 0));
       if (!p.h0.empty())
@@ -167,6 +188,19 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
           for (int64_t j = 0; j < Dv; ++j)
             for (int64_t d = 0; d < Dk; ++d)
               Vp[c][t * Dv + j] -= W[t * Dk + d] * r_state(S[c][d * Dv + j]);
+        if (delta && rounding.one_product) {
+          const Vec KW = kw_of(x, W);
+          for (int64_t d = 0; d < Dk; ++d)
+            for (int64_t j = 0; j < Dv; ++j) {
+              double ku = 0;
+              for (int64_t t = 0; t < C; ++t) ku += kbar(x, t, d) * U[t * Dv + j];
+              double s = std::exp(x.b[(C - 1) * Dk + d]) * S[c][d * Dv + j] + round_bf16(ku);
+              for (int64_t e2 = 0; e2 < Dk; ++e2)
+                s -= KW[d * Dk + e2] * r_state(S[c][e2 * Dv + j]);
+              S[c + 1][d * Dv + j] = s;
+            }
+          continue;
+        }
         for (int64_t d = 0; d < Dk; ++d)
           for (int64_t j = 0; j < Dv; ++j) {
             double s = std::exp(x.b[(C - 1) * Dk + d]) * S[c][d * Dv + j];
@@ -196,6 +230,28 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
                      r_state(dS[c + 1][d * Dv + j]);
             dv[t * Dv + j] = acc;
           }
+        if (delta && rounding.one_product) {
+          // G = (Q^ - A W)^T dO with Q^ - A W rounded as the forward's output
+          // operand, G rounded once; dS <- diag(decay) dS + G - KW^T dS.
+          const Vec KW = kw_of(x, W);
+          Vec QW(C * Dk);
+          for (int64_t t = 0; t < C; ++t)
+            for (int64_t d = 0; d < Dk; ++d) {
+              double acc = r_prep(p.scale * x.q[t * Dk + d] * std::exp(x.b[t * Dk + d]));
+              for (int64_t s2 = 0; s2 <= t; ++s2) acc -= A[t * C + s2] * W[s2 * Dk + d];
+              QW[t * Dk + d] = round_bf16(acc);
+            }
+          for (int64_t d = 0; d < Dk; ++d)
+            for (int64_t j = 0; j < Dv; ++j) {
+              double g = 0;
+              for (int64_t t = 0; t < C; ++t) g += QW[t * Dk + d] * x.dO[t * Dv + j];
+              double acc = std::exp(x.b[(C - 1) * Dk + d]) * dS[c + 1][d * Dv + j] + round_bf16(g);
+              for (int64_t e2 = 0; e2 < Dk; ++e2)
+                acc -= KW[e2 * Dk + d] * r_state(dS[c + 1][e2 * Dv + j]);
+              dS[c][d * Dv + j] = acc;
+            }
+          continue;
+        }
         for (int64_t d = 0; d < Dk; ++d)
           for (int64_t j = 0; j < Dv; ++j) {
             double acc = std::exp(x.b[(C - 1) * Dk + d]) * dS[c + 1][d * Dv + j];

@@ -164,6 +164,11 @@ const RoundingCase kRoundings[] = {
     {"db_operands", ModelRounding{true, true, true, true, true, true, true, true}, true},
     {"db_operands_exact_diagonal", ModelRounding{true, true, true, true, true, true, false, true},
      false},
+    // A candidate (ModelRounding::one_product): today's roundings with the
+    // delta rules' scans as one product per chunk step (no effect on additive
+    // rules).
+    {"db_operands_one_product",
+     ModelRounding{true, true, true, true, true, true, true, true, true}, true},
 };
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkBwdModelBf16,
