@@ -195,8 +195,7 @@ inline ref::Grads chunk_backward_model(const ref::Problem& p, const std::vector<
               double ku = 0;
               for (int64_t t = 0; t < C; ++t) ku += kbar(x, t, d) * U[t * Dv + j];
               double s = std::exp(x.b[(C - 1) * Dk + d]) * S[c][d * Dv + j] + round_bf16(ku);
-              for (int64_t e2 = 0; e2 < Dk; ++e2)
-                s -= KW[d * Dk + e2] * r_state(S[c][e2 * Dv + j]);
+              for (int64_t e2 = 0; e2 < Dk; ++e2) s -= KW[d * Dk + e2] * r_state(S[c][e2 * Dv + j]);
               S[c + 1][d * Dv + j] = s;
             }
           continue;

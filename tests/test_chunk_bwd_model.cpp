@@ -167,8 +167,8 @@ const RoundingCase kRoundings[] = {
     // A candidate (ModelRounding::one_product): today's roundings with the
     // delta rules' scans as one product per chunk step (no effect on additive
     // rules).
-    {"db_operands_one_product",
-     ModelRounding{true, true, true, true, true, true, true, true, true}, true},
+    {"db_operands_one_product", ModelRounding{true, true, true, true, true, true, true, true, true},
+     true},
 };
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkBwdModelBf16,
