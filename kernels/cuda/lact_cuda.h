@@ -73,7 +73,8 @@ void lact_cuda_check_sizes(const LactCudaParams& p);
 // first faulty tensor and element.
 void lact_cuda_check_data(const LactCudaParams& p, cudaStream_t stream);
 // How a layer of `dtype` runs Muon's Newton-Schulz products, for reports:
-// "fp64", "bf16x3" (two-part bf16 operands) or "fp32" (STATESCAN_LACT_NS=fp32).
+// "fp64", "bf16x3" (two-part bf16 operands), "bf16x3-fused" (the same products in
+// one kernel, STATESCAN_LACT_NS=fused; opt-in) or "fp32" (STATESCAN_LACT_NS=fp32).
 const char* lact_cuda_ns_gemms(DType dtype);
 // d_o finite (synchronises `stream`).
 void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* name,

@@ -31,7 +31,9 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/lact_cuda.h"
+#include "kernels/cuda/warp_mma.cuh"
 
 namespace statescan::cuda {
 namespace lact_detail {
@@ -825,9 +827,13 @@ __global__ void ns_normalise_backward_kernel(const U* __restrict__ Xp,
 // 256 chunks of 4096, H 4, D 256, M 512), 2026-12-02: forward 182.8 -> 143.0
 // ms, forward + backward 666.8 -> 492.3 ms against the fp32 GEMMs, the layer's
 // error vs fp64 unchanged (7.3e-3 on the bench's check problem). f32 layers
-// keep their double Newton-Schulz.
+// keep their double Newton-Schulz. STATESCAN_LACT_NS=fused (opt-in, written
+// without a GPU and not yet validated on one) computes the same three
+// products in ns_gemm_fused_kernel, splitting in registers instead of through
+// split3_kernel's buffers.
 // Read once per process (lact_cuda.cu).
 bool ns_fp32_requested();
+bool ns_fused_requested();
 
 // Where split3_kernel writes one stacking of its source: slot s is the low
 // part where bit s of lo_mask is set, the high part otherwise; the three slots
@@ -916,9 +922,259 @@ __global__ void split3_kernel(const float* __restrict__ src, int64_t batch, int 
   }
 }
 
+// ---- fused two-part bf16 GEMM (STATESCAN_LACT_NS=fused) -----------------------
+//
+// Why: on the H200 (12 matrices of 256 x 512, 8 chunks forward + backward)
+// the split path's bf16 GEMMs take ~4.9 ms but its split3_kernel launches
+// ~4.0 ms (720 calls of 5.5 us, memory-bound: 6 MB read and 9 MB written per
+// call). This kernel reads the fp32 operands once and forms hi/lo in
+// registers: no split buffers, no split launches. It was written WITHOUT a
+// GPU: it is opt-in (STATESCAN_LACT_NS=fused, ctest test_cuda_lact_ns_fused)
+// until an H200 run has validated it against the split path and timed it.
+
+// Tile shape: a 64 x 64 output tile per CTA, K in steps of 32, 4 warps of
+// 32 x 32 (2 x 4 m16n8 tiles each), two cp.async stages.
+struct NsFusedTile {
+  static constexpr int kM = 64, kN = 64, kK = 32;
+  static constexpr int kWarpM = 32, kWarpN = 32;
+  static constexpr int kWarps = (kM / kWarpM) * (kN / kWarpN);
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMTiles = kWarpM / 16, kNTiles = kWarpN / 8;
+  static constexpr int kStages = 2;
+  // M, N and K must be multiples of this (the host falls back otherwise):
+  // a 16-byte chunk of 4 floats is then wholly inside or wholly outside a
+  // matrix, and an m16n8k16 step never straddles an edge.
+  static constexpr int kDimMultiple = 16;
+  // A stage holds an operand tile as it lies in global memory (the copy never
+  // transposes, so every copy is 16 contiguous bytes): "k-contiguous" tiles
+  // (A, or B^T when transposed) as [64 rows][32 k] with row stride kLdK,
+  // "k-strided" tiles (A^T, B) as [32 k][64 columns] with row stride kLdMN.
+  // The pads make the fragment reads conflict-free: a k-contiguous read is a
+  // float2 at (g kLdK + 2 i) words, and 8 g mod 32 spreads the 4 groups of a
+  // half-warp over distinct 8-word ranges; a k-strided read is a float at
+  // (2 i kLdMN + g) words, 8 i + g mod 32 distinct over the warp. The rows
+  // stay 16-byte aligned (160 and 272 bytes) for cp.async.
+  static constexpr int kLdK = kK + 8, kLdMN = kM + 4;
+  static constexpr int kKContigFloats = kM * kLdK, kKStridedFloats = kK * kLdMN;
+  static_assert(kM == kN, "k-strided tiles of A^T and B share kLdMN");
+  static_assert(kK % 16 == 0 && kWarpM % 16 == 0 && kWarpN % 8 == 0, "whole mma steps");
+  static_assert(kK % 4 == 0 && kM % 4 == 0, "tile rows of whole 16-byte chunks");
+  static_assert(kLdK % 4 == 0 && kLdMN % 4 == 0, "16-byte aligned shared rows");
+  static_assert(kKContigFloats % 4 == 0 && kKStridedFloats % 4 == 0, "16-byte aligned stages");
+  static_assert(kM % kDimMultiple == 0 && kK % kDimMultiple == 0, "edges fall on whole chunks");
+  static constexpr int stage_floats(bool k_contig) {
+    return k_contig ? kKContigFloats : kKStridedFloats;
+  }
+};
+
+// One ns_gemm call, packed row-major fp32 matrices b < mats:
+//   A_b at A + b M K: M x K, or K x M when kTA (op(A_b) = A_b^T);
+//   B_b at B + b K N: K x N, or N x K when kTB;
+//   C_b at C + b M N: M x N, never overlapping A or B.
+struct NsGemmParams {
+  const float* A;
+  const float* B;
+  float* C;
+  int64_t mats;
+  int M, N, K;
+  float alpha, beta;  // beta == 0: C is not read (it may be uninitialised)
+};
+
+// Loads one operand tile of kRows x kCols floats (as stored: row r of the
+// tile is global row row0 + r, columns col0 ..) into `dst` (row stride ld_dst)
+// with 16-byte cp.async, thread t of NsFusedTile::kThreads; chunks past
+// rows_valid x cols_valid are zeroed with plain shared stores instead, so they
+// add nothing to the products (visible after the barrier that follows the
+// cp.async wait).
+template <int kRows, int kCols>
+__device__ __forceinline__ void ns_fused_load_tile(float* dst, int ld_dst, const float* src,
+                                                   int ld_src, int row0, int col0, int rows_valid,
+                                                   int cols_valid, int t) {
+  constexpr int kPerRow = kCols / 4;
+  constexpr int kChunks = kRows * kPerRow;
+  static_assert(kChunks % NsFusedTile::kThreads == 0, "every thread copies whole chunks");
+#pragma unroll
+  for (int it = 0; it < kChunks / NsFusedTile::kThreads; ++it) {
+    const int idx = t + it * NsFusedTile::kThreads;
+    const int r = idx / kPerRow, c = (idx % kPerRow) * 4;
+    float* d = dst + r * ld_dst + c;
+    if (row0 + r < rows_valid && col0 + c < cols_valid)
+      detail::cp_async16(d, src + (row0 + r) * ld_src + col0 + c);
+    else
+      *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// Elements (mn, k) and (mn, k + 1) of a staged operand tile, where mn is the
+// tile's row of op(A) or column of op(B) and k its contraction index:
+// k-contiguous tiles hold them side by side (one float2), k-strided tiles a
+// row apart.
+template <bool kKContig>
+__device__ __forceinline__ float2 ns_fused_pair(const float* s, int mn, int k) {
+  if constexpr (kKContig) {
+    return *reinterpret_cast<const float2*>(s + mn * NsFusedTile::kLdK + k);
+  } else {
+    return make_float2(s[k * NsFusedTile::kLdMN + mn], s[(k + 1) * NsFusedTile::kLdMN + mn]);
+  }
+}
+
+// x = hi + lo as split3_kernel forms them (hi = bf16_rn(x), lo = bf16_rn(x -
+// hi); the subtraction is exact), two elements per 32-bit register, the first
+// in the low half as mma expects: bitwise the split path's operands.
+__device__ __forceinline__ void ns_fused_split(float2 v, uint32_t& hi, uint32_t& lo) {
+  hi = detail::pack2<bf16>(v.x, v.y);
+  const float2 h = detail::unpack2<bf16>(hi);
+  lo = detail::pack2<bf16>(v.x - h.x, v.y - h.y);
+}
+
+// For every matrix b < mats: C_b = alpha op(A_b) op(B_b) + beta C_b on bf16
+// tensor cores as A_hi B_hi + A_hi B_lo + A_lo B_hi (fp32 accumulation), the
+// products split3_kernel + one cuBLAS GEMM with K tripled compute (see the
+// comment above ns_fp32_requested), without the split buffers.
+//
+// Grid: x over 64-column tiles of C, y over 64-row tiles, z over matrices
+// (grid-strided past 65535). Block: 4 warps; warp w computes rows 32 (w / 2)
+// .. + 32 and columns 32 (w % 2) .. + 32 of the CTA's tile as 2 x 4 m16n8
+// accumulators. Shared memory (static): 2 stages x (A tile + B tile), fp32,
+// k-contiguous 64 x 40 floats (10240 B) or k-strided 32 x 68 (8704 B) each:
+// 37888 B for (ta, tb) = (no, no), 40960 B for (no, yes), the shapes
+// Newton-Schulz uses (34816 and 37888 B with ta). Constraints (the host checks them and falls back to the
+// split path): M, N, K multiples of 16, A, B, C 16-byte aligned, C not
+// overlapping A or B. Deterministic: each output element is summed in a fixed
+// order (k tiles ascending; per k16 step the lo-hi, hi-lo, hi-hi products),
+// no atomics.
+//
+// m16n8k16 .row.col bf16 fragments (PTX ISA; the same layout warp_mma.cuh's
+// ldmatrix loads produce, validated there on the GPU), lane = 4 g + i with
+// g = lane / 4, i = lane % 4, each 32-bit register two bf16, the lower k (or
+// column) in the low half:
+//   A (16 x 16, [row][k]): a[0] = (g,     2i .. 2i+1), a[1] = (g + 8, 2i .. 2i+1),
+//                          a[2] = (g,  2i+8 .. 2i+9), a[3] = (g + 8, 2i+8 .. 2i+9);
+//   B (16 x 8, [k][col]):  b[0] = (k 2i .. 2i+1, col g), b[1] = (k 2i+8 .. 2i+9, col g);
+//   C (16 x 8, fp32):      c[0], c[1] = (g, 2i .. 2i+1), c[2], c[3] = (g + 8, 2i .. 2i+1).
+// Every register pair is ns_fused_pair(tile, mn, k) with mn the op(A) row or
+// op(B) column and k the contraction index, so a transposed operand changes
+// only where that pair lies in shared memory (kKContig), not the mapping.
+template <bool kTA, bool kTB>
+__global__ void __launch_bounds__(NsFusedTile::kThreads)
+    ns_gemm_fused_kernel(const __grid_constant__ NsGemmParams p) {
+  using Tile = NsFusedTile;
+  // op(A) is k-contiguous in memory unless transposed; op(B) only when transposed.
+  constexpr bool kAKContig = !kTA, kBKContig = kTB;
+  constexpr int kAStage = Tile::stage_floats(kAKContig), kBStage = Tile::stage_floats(kBKContig);
+  __shared__ __align__(16) float sA[Tile::kStages][kAStage];
+  __shared__ __align__(16) float sB[Tile::kStages][kBStage];
+
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int g = lane >> 2, i = lane & 3;
+  const int m0 = blockIdx.y * Tile::kM, n0 = blockIdx.x * Tile::kN;
+  const int wm = (warp / (Tile::kN / Tile::kWarpN)) * Tile::kWarpM;
+  const int wn = (warp % (Tile::kN / Tile::kWarpN)) * Tile::kWarpN;
+  const int M = p.M, N = p.N, K = p.K;
+  const int k_tiles = (K + Tile::kK - 1) / Tile::kK;
+
+  for (int64_t b = blockIdx.z; b < p.mats; b += gridDim.z) {
+    // Within a matrix, 32-bit offsets (NewtonSchulz checks 3 M D < 2^31).
+    const float* A = p.A + b * int64_t(M) * K;
+    const float* B = p.B + b * int64_t(K) * N;
+    float* C = p.C + b * int64_t(M) * N;
+
+    // Stage k tile kt of both operands into buffer s (committed by the caller).
+    auto load = [&](int s, int kt) {
+      const int k0 = kt * Tile::kK;
+      if constexpr (kAKContig)  // A: M x K, rows m0 .., columns k0 ..
+        ns_fused_load_tile<Tile::kM, Tile::kK>(sA[s], Tile::kLdK, A, K, m0, k0, M, K, t);
+      else  // A^T stored K x M: rows k0 .., columns m0 ..
+        ns_fused_load_tile<Tile::kK, Tile::kM>(sA[s], Tile::kLdMN, A, M, k0, m0, K, M, t);
+      if constexpr (kBKContig)  // B^T stored N x K: rows n0 .., columns k0 ..
+        ns_fused_load_tile<Tile::kN, Tile::kK>(sB[s], Tile::kLdK, B, K, n0, k0, N, K, t);
+      else  // B: K x N, rows k0 .., columns n0 ..
+        ns_fused_load_tile<Tile::kK, Tile::kN>(sB[s], Tile::kLdMN, B, N, k0, n0, K, N, t);
+    };
+
+    float acc[Tile::kMTiles][Tile::kNTiles][4];
+#pragma unroll
+    for (int tm = 0; tm < Tile::kMTiles; ++tm)
+#pragma unroll
+      for (int tn = 0; tn < Tile::kNTiles; ++tn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[tm][tn][e] = 0.f;
+
+    load(0, 0);
+    detail::cp_async_commit();
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      // Prefetch the next k tile into the other buffer (freed by the barrier
+      // that ended the previous iteration); an empty group at the end keeps
+      // the wait count uniform.
+      if (kt + 1 < k_tiles) load((kt + 1) & 1, kt + 1);
+      detail::cp_async_commit();
+      detail::cp_async_wait<1>();
+      __syncthreads();
+      const float* a_s = sA[kt & 1];
+      const float* b_s = sB[kt & 1];
+#pragma unroll
+      for (int kk = 0; kk < Tile::kK; kk += 16) {
+        // K % 16 == 0: a k16 step is wholly inside K or wholly past it (zeros).
+        if (kt * Tile::kK + kk >= K) break;
+        uint32_t a_hi[Tile::kMTiles][4], a_lo[Tile::kMTiles][4];
+        uint32_t b_hi[Tile::kNTiles][2], b_lo[Tile::kNTiles][2];
+#pragma unroll
+        for (int tm = 0; tm < Tile::kMTiles; ++tm) {
+          const int r = wm + 16 * tm + g, k = kk + 2 * i;
+          ns_fused_split(ns_fused_pair<kAKContig>(a_s, r, k), a_hi[tm][0], a_lo[tm][0]);
+          ns_fused_split(ns_fused_pair<kAKContig>(a_s, r + 8, k), a_hi[tm][1], a_lo[tm][1]);
+          ns_fused_split(ns_fused_pair<kAKContig>(a_s, r, k + 8), a_hi[tm][2], a_lo[tm][2]);
+          ns_fused_split(ns_fused_pair<kAKContig>(a_s, r + 8, k + 8), a_hi[tm][3], a_lo[tm][3]);
+        }
+#pragma unroll
+        for (int tn = 0; tn < Tile::kNTiles; ++tn) {
+          const int c = wn + 8 * tn + g, k = kk + 2 * i;
+          ns_fused_split(ns_fused_pair<kBKContig>(b_s, c, k), b_hi[tn][0], b_lo[tn][0]);
+          ns_fused_split(ns_fused_pair<kBKContig>(b_s, c, k + 8), b_hi[tn][1], b_lo[tn][1]);
+        }
+        // Small terms first, as mma_m16n8k8_tf32x3 does; the tile loops inside
+        // put 8 independent accumulators between two dependent mma steps.
+#pragma unroll
+        for (int term = 0; term < 3; ++term)
+#pragma unroll
+          for (int tm = 0; tm < Tile::kMTiles; ++tm)
+#pragma unroll
+            for (int tn = 0; tn < Tile::kNTiles; ++tn) {
+              const uint32_t(&a)[4] = term == 0 ? a_lo[tm] : a_hi[tm];
+              const uint32_t(&bb)[2] = term == 1 ? b_lo[tn] : b_hi[tn];
+              detail::mma_m16n8k16<bf16>(acc[tm][tn], a, bb[0], bb[1]);
+            }
+      }
+      __syncthreads();  // the next iteration's prefetch overwrites this buffer
+    }
+
+    // Epilogue: c[0], c[1] at (row g, columns 2i, 2i + 1), c[2], c[3] at row
+    // g + 8; N is even, so a pair is wholly inside or past the edge.
+#pragma unroll
+    for (int tm = 0; tm < Tile::kMTiles; ++tm)
+#pragma unroll
+      for (int tn = 0; tn < Tile::kNTiles; ++tn)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m0 + wm + 16 * tm + g + 8 * h, col = n0 + wn + 8 * tn + 2 * i;
+          if (row >= M || col >= N) continue;
+          float2* out = reinterpret_cast<float2*>(C + row * N + col);
+          float2 v = make_float2(p.alpha * acc[tm][tn][2 * h], p.alpha * acc[tm][tn][2 * h + 1]);
+          if (p.beta != 0.f) {
+            const float2 old = *out;
+            v.x += p.beta * old.x;
+            v.y += p.beta * old.y;
+          }
+          *out = v;
+        }
+  }
+}
+
 // Muon's NS_s over all 3 * pairs matrices of a [pairs, 3MD] array at once,
 // each Newton-Schulz product one batched GEMM in U (for U = float, unless
-// STATESCAN_LACT_NS=fp32: one bf16 GEMM of two-part operands).
+// STATESCAN_LACT_NS=fp32: one bf16 GEMM of two-part operands, or with
+// STATESCAN_LACT_NS=fused one ns_gemm_fused_kernel launch where the shape
+// allows).
 template <typename U>
 class NewtonSchulz {
  public:
@@ -1156,6 +1412,15 @@ class NewtonSchulz {
       return;
     }
     if constexpr (std::is_same<U, float>::value) {
+      if (fused_ && fused_fits(M, N, K, A, B, C)) {
+        ns_gemm_fused(ta, tb, M, N, K, alpha, A, B, beta, C);
+        // The fused kernel leaves split_a_ / split_b_ untouched, so their keys
+        // still name what they hold, except where the source was C: forget
+        // those, as the split path below does, so that a later fallback call
+        // (a shape the fused kernel does not take) never reuses a stale split.
+        forget_splits_of(C);
+        return;
+      }
       // A: [hi | hi | lo] along K; B: [hi ; lo ; hi] along K.
       const SplitKey ka{A, ta ? K : M, ta ? M : K, !ta}, kb{B, tb ? N : K, tb ? K : N, tb};
       const bool need_b = !(b_unchanged && kb == split_b_key_);
@@ -1177,10 +1442,54 @@ class NewtonSchulz {
       const Operand a{split_a_.get(), CUDA_R_16BF, ta ? M : 3 * K, 3 * M * K};
       const Operand b{split_b_.get(), CUDA_R_16BF, tb ? 3 * K : N, 3 * K * N};
       gemm(h, ta, tb, M, N, 3 * K, alpha, a, b, beta, out_(C, N, M * N), mats_, CUBLAS_COMPUTE_32F);
-      // C is written now: a split of it is stale.
-      if (C == split_a_key_.src) split_a_key_ = SplitKey{};
-      if (C == split_b_key_.src) split_b_key_ = SplitKey{};
+      forget_splits_of(C);
     }
+  }
+
+  // C is written now: a split of it is stale.
+  void forget_splits_of(const U* C) {
+    if (C == split_a_key_.src) split_a_key_ = SplitKey{};
+    if (C == split_b_key_.src) split_b_key_ = SplitKey{};
+  }
+
+  // Whether ns_gemm_fused_kernel takes this call. Decided per call on the host
+  // (the same answer in the eager run and the captured graph): M, N, K
+  // multiples of 16 (the kernel's whole-chunk edge handling), 16-byte aligned
+  // operands (cp.async; NewtonSchulz's buffers and their per-matrix offsets
+  // always are), the row tiles within grid y, and C apart from A and B (the
+  // kernel reads A and B tiles while other CTAs write C). Anything else, e.g.
+  // a head dim D = 24, goes through split3 + cuBLAS as without the knob.
+  bool fused_fits(int64_t M, int64_t N, int64_t K, const U* A, const U* B, const U* C) const {
+    constexpr int64_t kMul = NsFusedTile::kDimMultiple;
+    const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+    const auto apart = [&](const U* x, int64_t count) {
+      const auto c = reinterpret_cast<std::uintptr_t>(C), o = reinterpret_cast<std::uintptr_t>(x);
+      return c + mats_ * M * N * sizeof(U) <= o || o + mats_ * count * sizeof(U) <= c;
+    };
+    return M > 0 && N > 0 && K > 0 && M % kMul == 0 && N % kMul == 0 && K % kMul == 0 &&
+           (M + NsFusedTile::kM - 1) / NsFusedTile::kM <= 65535 && aligned(A) && aligned(B) &&
+           aligned(C) && apart(A, M * K) && apart(B, K * N);
+  }
+
+  // One ns_gemm_fused_kernel launch over the mats_ matrices (fused_fits holds).
+  void ns_gemm_fused(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const U* A,
+                     const U* B, double beta, U* C) {
+    NsGemmParams prm;
+    prm.A = A, prm.B = B, prm.C = C, prm.mats = mats_;
+    prm.M = static_cast<int>(M), prm.N = static_cast<int>(N), prm.K = static_cast<int>(K);
+    prm.alpha = static_cast<float>(alpha), prm.beta = static_cast<float>(beta);
+    const dim3 grid(static_cast<unsigned>((N + NsFusedTile::kN - 1) / NsFusedTile::kN),
+                    static_cast<unsigned>((M + NsFusedTile::kM - 1) / NsFusedTile::kM), mat_grid());
+    const dim3 block(NsFusedTile::kThreads);
+    if (!ta && !tb)
+      ns_gemm_fused_kernel<false, false><<<grid, block, 0, stream_>>>(prm);
+    else if (!ta && tb)
+      ns_gemm_fused_kernel<false, true><<<grid, block, 0, stream_>>>(prm);
+    else if (ta && !tb)
+      ns_gemm_fused_kernel<true, false><<<grid, block, 0, stream_>>>(prm);
+    else
+      ns_gemm_fused_kernel<true, true><<<grid, block, 0, stream_>>>(prm);
+    SS_LAUNCH_CHECK("ns_gemm_fused_kernel");
   }
 
   // The matrix a split buffer holds: source, its rows x cols and stacking.
@@ -1229,6 +1538,9 @@ class NewtonSchulz {
   // Per-slice partial sums of the Frobenius norms: [mats, kNsSlices, 2].
   Scratch<double> sums_;
   bool split_ = std::is_same<U, float>::value && !ns_fp32_requested();
+  // STATESCAN_LACT_NS=fused: split-mode products through ns_gemm_fused_kernel
+  // where fused_fits (opt-in, not yet run on a GPU).
+  bool fused_ = split_ && ns_fused_requested();
   Scratch<bf16> split_a_, split_b_;
   SplitKey split_a_key_, split_b_key_;
 };
