@@ -24,6 +24,11 @@
 #                    2 chunks; the sequential scan, STATESCAN_LINEAR=scan) and
 #                    the sequential scan's forward and forward+backward rows at
 #                    32K and 128K into bench_linear_scan.log
+#   OPT_IN=0         skip the opt-in paths not yet made the default: their ctest
+#                    entries (`_ds_t`: STATESCAN_BWD_DS=t; `test_cuda_lact_ns_*`:
+#                    STATESCAN_LACT_NS=fp32 / fused) and their rows against the
+#                    default's (bench_opt_in.log: DeltaNet forward+backward at
+#                    32K, the LaCT benchmark)
 #   KEEP=0           skip the forward+backward table with the forward's prepared
 #                    tiles kept for the backward (`--backward --keep-prepared`,
 #                    BWD_ARGS' lengths)
@@ -83,6 +88,22 @@ if [[ "${LINEAR_ALT:-1}" != 0 ]]; then
   } >"$OUT/bench_linear_scan.log" 2>&1 || status=1
 fi
 
+# Opt-in paths (kernels/cuda/cuda_backward.cu ds_in_t, lact_cuda_impl.cuh's
+# fused Newton-Schulz GEMM): their tests, then each against the default.
+if [[ "${OPT_IN:-1}" != 0 ]]; then
+  cmake --build "$BUILD" --target test_cuda_backward test_cuda_cp test_cuda_lact -j16 \
+    >>"$OUT/build.log" 2>&1 &&
+    (cd "$BUILD" && ctest -R '_ds_t$|test_cuda_lact_ns_' --output-on-failure) \
+      >"$OUT/tests_opt_in.log" 2>&1 || status=1
+  grep -E "Test +#|tests passed|tests failed" "$OUT/tests_opt_in.log" | sed 's/^/opt-in: /' | head -8
+  {
+    "$BUILD/launch/statescan-bench" --backward -v deltanet -t 32768
+    STATESCAN_BWD_DS=t "$BUILD/launch/statescan-bench" --backward -v deltanet -t 32768
+    "$BUILD/launch/statescan-bench" --lact
+    STATESCAN_LACT_NS=fused "$BUILD/launch/statescan-bench" --lact
+  } >"$OUT/bench_opt_in.log" 2>&1 || status=1
+fi
+
 # Backward: tests, the forward+backward table, and KDA at T = 1M with its peak memory.
 if [[ "${BWD:-1}" != 0 ]]; then
   "$BUILD/tests/test_cuda_backward" --gtest_filter="${GTEST_FILTER_BWD:-*}" \
@@ -136,7 +157,7 @@ fi
 
 echo
 cat "$OUT/bench.log"
-for f in bench_linear_scan.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
+for f in bench_linear_scan.log bench_opt_in.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
 if [[ -f "$OUT/fla.json" ]]; then
   python3 - "$OUT/bench.json" "$OUT/fla.json" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
