@@ -96,6 +96,30 @@ __device__ __forceinline__ GroupWork group_work(const ForwardArgs& a, int64_t gi
   return w;
 }
 
+// Head h's fp32 Dk x Dv slot of group gi in ws_group_sums, and its fp32 state
+// entering the segment's first chunk in chunk_states (chunk c at + c H Dk Dv;
+// null without chunk_states): the same addresses in every grouped kernel.
+template <int Dk, int Dv>
+__device__ __forceinline__ float* group_slot(const ForwardArgs& a, const GroupWork& w, int64_t gi,
+                                             int64_t h) {
+  constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
+  return a.ws_group_sums + ((w.sg.first_slot + gi) * a.heads + h) * kStateElems;
+}
+template <int Dk, int Dv>
+__device__ __forceinline__ float* group_chunk_states(const ForwardArgs& a, const GroupWork& w,
+                                                     int64_t h) {
+  constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
+  return a.chunk_states != nullptr ? a.chunk_states + (w.sg.first_chunk * a.heads + h) * kStateElems
+                                   : nullptr;
+}
+
+// Warp `warp`'s part of the Dk x Dv state (Grouped16Traits' layout).
+template <typename Tr, int Dv>
+__device__ __forceinline__ WarpStateTiles<Dv, Tr::kOwnNT> group_state_tiles(int warp) {
+  return WarpStateTiles<Dv, Tr::kOwnNT>(16 * (warp / Tr::kWarpsPerRow),
+                                        8 * Tr::kOwnNT * (warp % Tr::kWarpsPerRow));
+}
+
 // Chunk c of a segment (all D columns of head h of a [tokens, H, D] 16-bit
 // input) into a tile by cp.async, rows past the sequence's end zeroed.
 template <int kThreads, int kChunk, int D, typename T>
@@ -131,10 +155,9 @@ __global__ void __launch_bounds__(512)
     copy_segment_chunk_async<kThreads, kChunk, Dv>(stV(st), kLdV, a.v, w.seg, c, H, h, tid);
   };
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
-  float* slot = a.ws_group_sums + (w.sg.first_slot + gi) * H * kStateElems + h * kStateElems;
-  float* chunk_states = kStates ? a.chunk_states + (w.sg.first_chunk * H + h) * kStateElems : nullptr;
-  WarpStateTiles<Dv, Tr::kOwnNT> s(16 * (warp / Tr::kWarpsPerRow),
-                                   8 * Tr::kOwnNT * (warp % Tr::kWarpsPerRow));
+  float* slot = group_slot<Dk, Dv>(a, w, gi, h);
+  float* chunk_states = kStates ? group_chunk_states<Dk, Dv>(a, w, h) : nullptr;
+  auto s = group_state_tiles<Tr, Dv>(warp);
   s.load(kStates ? slot : nullptr);  // the entering state, or zeros
   prefetch(w.c_begin, 0);
   cp_async_commit();
@@ -205,13 +228,9 @@ __global__ void __launch_bounds__(512)
     copy_segment_chunk_async<kThreads, kChunk, Dv>(stV(st), kLdV, a.v, w.seg, c, H, h, tid);
   };
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
-  WarpStateTiles<Dv, Tr::kOwnNT> s(16 * (warp / Tr::kWarpsPerRow),
-                                   8 * Tr::kOwnNT * (warp % Tr::kWarpsPerRow));
-  // The state entering the group (group_prefix_kernel's result).
-  s.load(a.ws_group_sums + (w.sg.first_slot + gi) * H * kStateElems + h * kStateElems);
-  float* chunk_states = a.chunk_states != nullptr
-                            ? a.chunk_states + (w.sg.first_chunk * H + h) * kStateElems
-                            : nullptr;
+  auto s = group_state_tiles<Tr, Dv>(warp);
+  s.load(group_slot<Dk, Dv>(a, w, gi, h));  // the state entering the group (group_prefix_kernel's)
+  float* chunk_states = group_chunk_states<Dk, Dv>(a, w, h);
   prefetch(w.c_begin, 0);
   cp_async_commit();
 
