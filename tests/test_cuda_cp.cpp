@@ -11,7 +11,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -384,18 +383,14 @@ TEST_P(CpGpuSingleRank, BackwardMatchesReference) {
 
 // Every output and gradient of `got` bitwise equal to `want`'s.
 void expect_bitwise_equal(const CpOutputs& got, const CpOutputs& want) {
-  auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
-    return a.size() == b.size() &&
-           (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-  };
-  EXPECT_TRUE(same(got.o, want.o)) << "o";
-  EXPECT_TRUE(same(got.ht, want.ht)) << "final state";
-  EXPECT_TRUE(same(got.dq, want.dq)) << "dq";
-  EXPECT_TRUE(same(got.dk, want.dk)) << "dk";
-  EXPECT_TRUE(same(got.dv, want.dv)) << "dv";
-  EXPECT_TRUE(same(got.dg, want.dg)) << "dg";
-  EXPECT_TRUE(same(got.dbeta, want.dbeta)) << "dbeta";
-  EXPECT_TRUE(same(got.dh0, want.dh0)) << "dh0";
+  EXPECT_TRUE(bitwise_equal(got.o, want.o)) << "o";
+  EXPECT_TRUE(bitwise_equal(got.ht, want.ht)) << "final state";
+  EXPECT_TRUE(bitwise_equal(got.dq, want.dq)) << "dq";
+  EXPECT_TRUE(bitwise_equal(got.dk, want.dk)) << "dk";
+  EXPECT_TRUE(bitwise_equal(got.dv, want.dv)) << "dv";
+  EXPECT_TRUE(bitwise_equal(got.dg, want.dg)) << "dg";
+  EXPECT_TRUE(bitwise_equal(got.dbeta, want.dbeta)) << "dbeta";
+  EXPECT_TRUE(bitwise_equal(got.dh0, want.dh0)) << "dh0";
 }
 
 // `steps` forward + backward steps of one mixer configured by `cfg`.

@@ -84,20 +84,16 @@ class LactCudaTest : public ::testing::TestWithParam<LactCase> {
     const LactConfig cfg = GetParam().config(chunk);
     const LactResult<double> a = run_lact_gpu_kernel(p, cfg, dtype);
     const LactResult<double> b = run_lact_gpu_kernel(p, cfg, dtype);
-    const auto same = [](const std::vector<double>& x, const std::vector<double>& y) {
-      return x.size() == y.size() &&
-             std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0;
-    };
-    EXPECT_TRUE(same(a.o, b.o)) << "o";
-    EXPECT_TRUE(same(a.dq, b.dq)) << "dq";
-    EXPECT_TRUE(same(a.dk, b.dk)) << "dk";
-    EXPECT_TRUE(same(a.dv, b.dv)) << "dv";
-    EXPECT_TRUE(same(a.dlr0, b.dlr0)) << "dlr0";
-    EXPECT_TRUE(same(a.dlr1, b.dlr1)) << "dlr1";
-    EXPECT_TRUE(same(a.dlr2, b.dlr2)) << "dlr2";
-    EXPECT_TRUE(same(a.dw0, b.dw0)) << "dw0";
-    EXPECT_TRUE(same(a.dw1, b.dw1)) << "dw1";
-    EXPECT_TRUE(same(a.dw2, b.dw2)) << "dw2";
+    EXPECT_TRUE(bitwise_equal(a.o, b.o)) << "o";
+    EXPECT_TRUE(bitwise_equal(a.dq, b.dq)) << "dq";
+    EXPECT_TRUE(bitwise_equal(a.dk, b.dk)) << "dk";
+    EXPECT_TRUE(bitwise_equal(a.dv, b.dv)) << "dv";
+    EXPECT_TRUE(bitwise_equal(a.dlr0, b.dlr0)) << "dlr0";
+    EXPECT_TRUE(bitwise_equal(a.dlr1, b.dlr1)) << "dlr1";
+    EXPECT_TRUE(bitwise_equal(a.dlr2, b.dlr2)) << "dlr2";
+    EXPECT_TRUE(bitwise_equal(a.dw0, b.dw0)) << "dw0";
+    EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
+    EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2)) << "dw2";
   }
 };
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -14,6 +15,14 @@
 #include "kernels/cpu/reference.h"
 
 namespace statescan::test {
+
+// Same size and the same bytes (determinism and bitwise-equality checks: NaN
+// payloads and signed zeros count, unlike ==).
+template <typename T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
 
 // rms(a - ref) / rms(ref); +inf if any element is NaN/Inf or sizes differ.
 // A zero reference compares the absolute RMS instead.
