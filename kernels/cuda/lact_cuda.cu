@@ -20,25 +20,13 @@ template <typename T, typename U>
 void backward_impl(const LactCudaParams&, const LactCudaGrads&, const LactCudaSaved&,
                    const LactDeviceAllReduce&, cudaStream_t);
 
-// STATESCAN_LACT_NS picks how bf16 layers run their Newton-Schulz products
-// (lact_cuda_impl.cuh, NewtonSchulz), read once per process: unset (or any
-// other value) two-part bf16 operands through split3_kernel + one cuBLAS
-// GEMM; "fp32" fp32 GEMMs; "fused" the same two-part products in
-// ns_gemm_fused_kernel (opt-in: written without a GPU, not yet validated on
-// one; shapes it does not take fall back to the split path per call).
-bool ns_fp32_requested() {
-  static const bool on = [] {
+NsGemms ns_gemms_requested() {
+  static const NsGemms mode = [] {
     const char* text = std::getenv("STATESCAN_LACT_NS");
-    return text != nullptr && std::string(text) == "fp32";
+    const std::string value = text != nullptr ? text : "";
+    return value == "fp32" ? NsGemms::fp32 : value == "fused" ? NsGemms::fused : NsGemms::bf16x3;
   }();
-  return on;
-}
-bool ns_fused_requested() {
-  static const bool on = [] {
-    const char* text = std::getenv("STATESCAN_LACT_NS");
-    return text != nullptr && std::string(text) == "fused";
-  }();
-  return on;
+  return mode;
 }
 }  // namespace lact_detail
 
@@ -156,10 +144,17 @@ void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* n
 
 const char* lact_cuda_ns_gemms(DType dtype) {
   if (dtype == DType::f32) return "fp64";
-  if (lact_detail::ns_fp32_requested()) return "fp32";
-  // The mode, not every call: shapes the fused kernel does not take (M, N or
-  // K not a multiple of 16) still run split3 + cuBLAS.
-  return lact_detail::ns_fused_requested() ? "bf16x3-fused" : "bf16x3";
+  switch (lact_detail::ns_gemms_requested()) {
+    case lact_detail::NsGemms::fp32:
+      return "fp32";
+    case lact_detail::NsGemms::fused:
+      // The mode, not every call: shapes the fused kernel does not take (M,
+      // N or K not a multiple of 16) still run split3 + cuBLAS.
+      return "bf16x3-fused";
+    case lact_detail::NsGemms::bf16x3:
+      break;
+  }
+  return "bf16x3";
 }
 
 void lact_cuda_forward(const LactCudaParams& p, const LactDeviceAllReduce& all_reduce,

@@ -90,4 +90,15 @@ void lact_cuda_forward(const LactCudaParams& p, const LactDeviceAllReduce& all_r
 void lact_cuda_backward(const LactCudaParams& p, const LactCudaGrads& g, const LactCudaSaved& saved,
                         const LactDeviceAllReduce& all_reduce, cudaStream_t stream);
 
+namespace lact_detail {
+// STATESCAN_LACT_NS picks how bf16 layers run their Newton-Schulz products
+// (lact_cuda_impl.cuh, NewtonSchulz), read once per process: unset (or any
+// other value) two-part bf16 operands through split3_kernel + one cuBLAS
+// GEMM; "fp32" fp32 GEMMs; "fused" the same two-part products in
+// ns_gemm_fused_kernel (opt-in: written without a GPU, not yet validated on
+// one; shapes it does not take fall back to the split path per call).
+enum class NsGemms { bf16x3, fp32, fused };
+NsGemms ns_gemms_requested();
+}  // namespace lact_detail
+
 }  // namespace statescan::cuda

@@ -831,9 +831,7 @@ __global__ void ns_normalise_backward_kernel(const U* __restrict__ Xp,
 // without a GPU and not yet validated on one) computes the same three
 // products in ns_gemm_fused_kernel, splitting in registers instead of through
 // split3_kernel's buffers.
-// Read once per process (lact_cuda.cu).
-bool ns_fp32_requested();
-bool ns_fused_requested();
+// The mode: ns_gemms_requested() (lact_cuda.h).
 
 // Where split3_kernel writes one stacking of its source: slot s is the low
 // part where bit s of lo_mask is set, the high part otherwise; the three slots
@@ -1030,7 +1028,7 @@ __device__ __forceinline__ void ns_fused_split(float2 v, uint32_t& hi, uint32_t&
 // For every matrix b < mats: C_b = alpha op(A_b) op(B_b) + beta C_b on bf16
 // tensor cores as A_hi B_hi + A_hi B_lo + A_lo B_hi (fp32 accumulation), the
 // products split3_kernel + one cuBLAS GEMM with K tripled compute (see the
-// comment above ns_fp32_requested), without the split buffers.
+// comment above ns_gemms_requested), without the split buffers.
 //
 // Grid: x over 64-column tiles of C, y over 64-row tiles, z over matrices
 // (grid-strided past 65535). Block: 4 warps; warp w computes rows 32 (w / 2)
@@ -1537,10 +1535,10 @@ class NewtonSchulz {
   Scratch<U> X_, Y_, A_, Bm_, scale_, iterates_, dA_, dB_;
   // Per-slice partial sums of the Frobenius norms: [mats, kNsSlices, 2].
   Scratch<double> sums_;
-  bool split_ = std::is_same<U, float>::value && !ns_fp32_requested();
+  bool split_ = std::is_same<U, float>::value && ns_gemms_requested() != NsGemms::fp32;
   // STATESCAN_LACT_NS=fused: split-mode products through ns_gemm_fused_kernel
   // where fused_fits (opt-in, not yet run on a GPU).
-  bool fused_ = split_ && ns_fused_requested();
+  bool fused_ = split_ && ns_gemms_requested() == NsGemms::fused;
   Scratch<bf16> split_a_, split_b_;
   SplitKey split_a_key_, split_b_key_;
 };
