@@ -15,7 +15,10 @@
 //      carrying the fp32 state S, saving S_c, V' = U - W S_c and
 //      S <- diag(decay) S + K_^T V'.
 //   3. chunk_output_kernel  (one block per (chunk, head, Dv half); parallel)
-//      O = Q^ S_c + A V'.
+//      O = Q^ S_c + A V'. Delta rules with 16-bit inputs form it inside the
+//      scan instead when the forward saves fp32 chunk states for a backward
+//      (ForwardArgs::fuse_output; chunk_scan16.cuh kOut): no 16-bit states or
+//      V' in the workspace.
 //
 // Flags: l2norm is a template parameter (it changes the load stage); an
 // initial state and packed sequences only change where a block starts and
@@ -60,6 +63,12 @@ struct ForwardArgs : MixerTensors {
   void* ws_states = nullptr;  // state entering each chunk [chunks, H, Dk, Dv] in T,
                               // read by the output kernel (fp32 inputs: the
                               // caller's chunk_states when given)
+  // Delta rules, 16-bit: o formed inside the scan (chunk_scan16.cuh, kOut)
+  // whenever the scan and output stages run together; ws_states and ws_vnew
+  // are then absent (the plan leaves them null). The plan decides
+  // (cuda_mixer.cu output_in_scan: by default when fp32 chunk states are
+  // saved; STATESCAN_FWD_OUTPUT=kernel|scan forces either).
+  bool fuse_output = false;
   int num_sms = 132;
   int scan_block_cols = 0;          // 16 or 32 to force the scan's Dv block; 0 = by occupancy
   bool prepare_fp32_tiles = false;  // 16-bit inputs through chunk_prepare_kernel (A/B knob)
@@ -928,6 +937,13 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
     }
   }
 
+  // The output inside the scan (ForwardArgs::fuse_output): needs both stages.
+  SS_CHECK_ARG(!a.fuse_output || (kRule == Rule::delta && !std::is_same_v<Elem, float> &&
+                                  !a.scan_wmma && !a.raw_additive),
+               "fuse_output", "set for a variant, dtype or scan without the fused output");
+  SS_CHECK_ARG(!a.fuse_output || !(stages & kStageOutput) || (stages & kStageScan), "stages",
+               "the output is formed inside the scan: the output stage needs the scan stage");
+  const bool fuse = a.fuse_output && (stages & kStageScan) && (stages & kStageOutput);
   auto launch_scan = [&](auto bv_tag) {
     constexpr int kBV = decltype(bv_tag)::value;
     const dim3 grid(Dv / kBV, static_cast<unsigned>(a.heads),
@@ -945,6 +961,16 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
             launch_kernel(chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, true>,
                           grid, ScanTr::kThreads, ScanTr::kBytes, stream,
                           "chunk_state_scan16_kernel (raw)", a);
+            return;
+          }
+        }
+        if constexpr (kRule == Rule::delta) {
+          if (fuse) {
+            using FusedTr = Scan16Traits<Elem, Dk, Dv, kBV, true, true>;
+            launch_kernel(
+                chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, false, true>, grid,
+                FusedTr::kThreads, FusedTr::kBytes, stream, "chunk_state_scan16_kernel (output)",
+                a);
             return;
           }
         }
@@ -1001,7 +1027,7 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
       return;
     }
   }
-  if (stages & kStageOutput)
+  if ((stages & kStageOutput) && !fuse)
     launch_kernel(chunk_output_kernel<kRule, Elem, Dk, Dv>,
                   dim3(static_cast<unsigned>(2 * a.num_chunks), static_cast<unsigned>(a.heads)),
                   OutTr::kThreads, OutTr::kBytes, stream, "chunk_output_kernel", a);

@@ -37,29 +37,48 @@
 
 namespace statescan::cuda::detail {
 
-template <typename T, int Dk, int Dv, int BV, bool kDelta>
+// kOut (delta rules): the output fused into the scan (forward v5, PERF_NOTES):
+// kOutWarps more warps form O = Q^ S_c + A V' for the block's Dv columns
+// while the state warps update S, from the rounded copy of S_c and V' the
+// step already holds in shared memory; Q^ and A come in with the chunk's
+// other tiles. No T-typed states or V' go through device memory and no
+// output kernel runs.
+template <typename T, int Dk, int Dv, int BV, bool kDelta, bool kOut = false>
 struct Scan16Traits {
   static_assert(!std::is_same_v<T, float>, "fp32 tiles keep chunk_state_scan_kernel");
+  static_assert(!kOut || kDelta, "the fused output reads the delta rule's copy of S");
   static constexpr int kMaxChunk = 64;
   // The state block is (Dk / 16) x (BV / 8) accumulator tiles of 16 x 8,
   // spread over up to 16 warps: latency, not arithmetic, bounds a step, and
   // each warp's chain of dependent steps shrinks with its share.
   static constexpr int kTiles = (Dk / 16) * (BV / 8);
-  static constexpr int kWarps = kTiles < 16 ? kTiles : 16;
-  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kWarps = kTiles < 16 ? kTiles : 16;  // the state warps
+  // Output warps: warp w takes rows 16 (w / 2) .. + 16 of the chunk and half
+  // the block's columns (kOutNT 8-column tiles).
+  static constexpr int kOutWarps = kOut ? 2 * (kMaxChunk / 16) : 0;
+  static constexpr int kOutNT = BV / 16;
+  static constexpr int kThreads = 32 * (kWarps + kOutWarps);
   static constexpr int kOwnNT = kTiles / kWarps;          // column tiles per warp (1 or 2)
   static constexpr int kWarpsPerRow = (BV / 8) / kOwnNT;  // warps sharing a 16-row slab
   static constexpr int kLdK = Dk + 8;  // K_, W tiles (16 bytes of padding per row)
   static constexpr int kLdB = BV + 8;  // U, V', the copy of S
+  static constexpr int kLdA = kMaxChunk + 8;  // A (fused output)
   static_assert(Dv % BV == 0 && BV % 16 == 0, "Dv block: whole pairs of 8-column tiles");
   static_assert(kOwnNT == 1 || kOwnNT == 2, "one or two column tiles per warp");
   // W S: (chunk / 16) x (BV / 8) tiles, one per warp (the rest wait).
   static_assert((kMaxChunk / 16) * (BV / 8) <= kWarps, "one W S tile per warp");
-  static constexpr size_t kSCopyBytes = align_smem(sizeof(T) * Dk * kLdB);
+  // The copy of S, twice with the fused output: the output warps read S_c's
+  // while the state warps write S_{c+1}'s.
+  static constexpr size_t kSCopyOne = align_smem(sizeof(T) * Dk * kLdB);
+  static constexpr size_t kSCopyBytes = (kOut ? 2 : 1) * kSCopyOne;
   static constexpr size_t kTileKBytes = align_smem(sizeof(T) * kMaxChunk * kLdK);
   static constexpr size_t kTileBBytes = align_smem(sizeof(T) * kMaxChunk * kLdB);
   static constexpr size_t kUOffset = (kDelta ? 2 : 1) * kTileKBytes;
-  static constexpr size_t kStageBytes = kUOffset + kTileBBytes + align_smem(sizeof(float) * Dk);
+  static constexpr size_t kTileABytes = align_smem(sizeof(T) * kMaxChunk * kLdA);
+  // One stage: K_, W (delta), U, the decay, then Q^ and A (fused output).
+  static constexpr size_t kQOffset = kUOffset + kTileBBytes + align_smem(sizeof(float) * Dk);
+  static constexpr size_t kAOffset = kQOffset + kTileKBytes;
+  static constexpr size_t kStageBytes = kOut ? kAOffset + kTileABytes : kQOffset;
   // Additive rules have no product on the path to a step's barrier, so a step
   // is as short as its loads allow: one more chunk in flight.
   static constexpr int kStages = kDelta ? 3 : 4;
@@ -161,14 +180,18 @@ struct WarpStateTiles {
 // kRaw (linear attention without the L2 norm: ForwardArgs::raw_additive):
 // K_ = k and U = v exactly, so the chunks' tiles come straight from the
 // inputs (rows past a sequence's end zeroed) and no prepare stage runs.
+// kOut: the output fused in (Scan16Traits): o written for every chunk, no
+// ws_states or ws_vnew (the host passes them null).
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk,
-          bool kRaw = false>
-__global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::delta>::kThreads))
+          bool kRaw = false, bool kOut = false>
+__global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::delta,
+                                                kOut>::kThreads))
     chunk_state_scan16_kernel(const __grid_constant__ ForwardArgs a) {
   static_assert(!kRaw || (kDecay == Decay::none && kRule == Rule::additive),
                 "only ungated additive rules read their tiles from the inputs");
+  static_assert(!kOut || !kRaw, "the fused output reads Q^ and A tiles");
   constexpr bool kDelta = kRule == Rule::delta;
-  using Tr = Scan16Traits<T, Dk, Dv, BV, kDelta>;
+  using Tr = Scan16Traits<T, Dk, Dv, BV, kDelta, kOut>;
   constexpr int kLdK = Tr::kLdK, kLdB = Tr::kLdB, kOwnNT = Tr::kOwnNT;
   constexpr int kStages = Tr::kStages, kWarps = Tr::kWarps;
   static_assert(kChunk == 16 || kChunk == 32 || kChunk == 64, "chunk in {16, 32, 64}");
@@ -193,6 +216,12 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   auto stage_decay = [&](int st) {
     return reinterpret_cast<float*>(stage(st, Tr::kUOffset + Tr::kTileBBytes));
   };
+  auto stage_q = [&](int st) { return reinterpret_cast<T*>(stage(st, Tr::kQOffset)); };
+  auto stage_a = [&](int st) { return reinterpret_cast<T*>(stage(st, Tr::kAOffset)); };
+  // The copy of S entering chunk cl (two alternating with the fused output).
+  auto s_copy = [&](int cl) {
+    return kOut ? sSop + (cl & 1) * (Tr::kSCopyOne / sizeof(T)) : sSop;
+  };
 
   const int vb = blockIdx.x;
   const int64_t h = blockIdx.y, n = blockIdx.z, H = a.heads;
@@ -200,7 +229,9 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const int g = lane / 4, i2 = 2 * (lane % 4);  // accumulator row, column pair (V')
   const int col0 = vb * BV;
   const bool prod_warp = warp < kProdWarps;
-  const bool copy_warp = warp >= kCopyWarp0;
+  // Output warps (kOut) come after the state warps and hold no state.
+  const bool out_warp = kOut && warp >= kWarps;
+  const bool copy_warp = warp >= kCopyWarp0 && !out_warp;
   const int copy_tid = tid - 32 * kCopyWarp0;
   // This warp's part of the state block: rows r0 + g, r0 + g + 8, column
   // tiles c0 / 8 .. c0 / 8 + kOwnNT.
@@ -212,7 +243,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   segment_chunks(a, n, first_chunk, num_chunks);
   const int chunks = static_cast<int>(num_chunks);
   [[maybe_unused]] const SegmentTokens seg =
-      kRaw ? segment_tokens(a, first_chunk, num_chunks) : SegmentTokens{};
+      kRaw || kOut ? segment_tokens(a, first_chunk, num_chunks) : SegmentTokens{};
 
   // Chunk c's tiles are tile (c H + h) of each workspace array: the loop
   // only advances element offsets by one chunk's stride.
@@ -221,6 +252,10 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const T* ws_w = kDelta ? static_cast<const T*>(a.ws_w) + first_tile * kChunk * Dk : nullptr;
   const T* ws_u = static_cast<const T*>(a.ws_u) + first_tile * kChunk * Dv + col0;
   const float* ws_decay = a.ws_decay + first_tile * Dk;
+  [[maybe_unused]] const T* ws_q =
+      kOut ? static_cast<const T*>(a.ws_q) + first_tile * kChunk * Dk : nullptr;
+  [[maybe_unused]] const T* ws_a =
+      kOut ? static_cast<const T*>(a.ws_a) + first_tile * kChunk * kChunk : nullptr;
   auto prefetch = [&](int cl, int st) {
     if constexpr (kRaw) {
       const int64_t token0 = seg.token0(cl, kChunk);
@@ -241,6 +276,12 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
                                               copy_tid);
     if constexpr (kDecay != Decay::none)
       copy_rows_async<kCopyThreads, 1, Dk>(stage_decay(st), Dk, ws_decay + step * Dk, Dk, copy_tid);
+    if constexpr (kOut) {
+      copy_rows_async<kCopyThreads, kChunk, Dk>(stage_q(st), kLdK, ws_q + step * kChunk * Dk, Dk,
+                                                copy_tid);
+      copy_rows_async<kCopyThreads, kChunk, kChunk>(stage_a(st), Tr::kLdA,
+                                                    ws_a + step * kChunk * kChunk, kChunk, copy_tid);
+    }
   };
   // Every thread commits one group per chunk (empty for threads that copy
   // nothing), so the wait counts below hold for all.
@@ -252,12 +293,14 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   WarpStateTiles<Dv, kOwnNT> s(r0, c0);
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
   const int64_t state_base = (n * H + h) * kStateElems + col0;
-  s.load(a.initial_state != nullptr ? a.initial_state + state_base : nullptr);
-  // The rounded copy of this warp's part (read by every warp's W S).
-  auto store_copy = [&] {
-    if constexpr (kDelta) s.store_copy(sSop, kLdB);
+  if (!out_warp) s.load(a.initial_state != nullptr ? a.initial_state + state_base : nullptr);
+  // The rounded copy of this warp's part of the state entering chunk cl
+  // (read by every warp's W S, and by the output warps).
+  auto store_copy = [&](int cl) {
+    if constexpr (kDelta)
+      if (!out_warp) s.store_copy(s_copy(cl), kLdB);
   };
-  store_copy();
+  store_copy(0);
 
   // Saves the state entering chunk cl (fp32 for the backward, rounded to T
   // for the output kernel: the values the products read), then applies the
@@ -288,13 +331,31 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     cp_async_commit();
 
     const T* vnew = stage_u(st);  // additive rules: V' = U
+    // Output warps (kOut): O = Q^ S_c + A V' for the chunk's valid rows, in
+    // the two halves of the step, so that neither half gets longer: Q^ S_c
+    // (a K = Dk product, as W S_c on the product warps) before the V'
+    // barrier, A V' (K <= C, as the state update) after it.
+    [[maybe_unused]] float out_acc[kOut ? Tr::kOutNT : 1][4] = {};
+    [[maybe_unused]] const int out_m0 = 16 * ((warp - kWarps) / 2);
+    [[maybe_unused]] const int out_n0 = ((warp - kWarps) % 2) * (BV / 2);
+    [[maybe_unused]] const int out_rows = kOut ? seg.length(cl, kChunk) : 0;
+    if constexpr (kOut) {
+      if (out_warp && out_m0 < out_rows) {
+        if constexpr (Tr::kOutNT == 1)
+          warp_mm_16x8<T, false>(out_acc[0], stage_q(st), kLdK, s_copy(cl), kLdB, out_m0, out_n0,
+                                 Dk);
+        else
+          warp_mm_16xn<T, false, true, Tr::kOutNT>(out_acc, stage_q(st), kLdK, s_copy(cl), kLdB,
+                                                   out_m0, out_n0, Dk);
+      }
+    }
     if constexpr (kDelta) {
-      if (!prod_warp) save_and_decay(state_off, st);
+      if (!prod_warp && !out_warp) save_and_decay(state_off, st);
       // V' = U - W S, rounded to T once (the update below and the output
-      // kernel read the same values).
+      // read the same values).
       if (prod_warp) {
         float p[4] = {0.f, 0.f, 0.f, 0.f};
-        warp_mm_16x8<T, false>(p, stage_w(st), kLdK, sSop, kLdB, 16 * wi, wc, Dk);
+        warp_mm_16x8<T, false>(p, stage_w(st), kLdK, s_copy(cl), kLdB, 16 * wi, wc, Dk);
         const T* u = stage_u(st);
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
@@ -310,9 +371,34 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
       save_and_decay(state_off, st);
     }
 
+    if constexpr (kOut) {
+      // + A V' (V' is rewritten only after the next step's first barrier,
+      // this stage's Q^ and A refilled only after it too; the state warps
+      // write S_{c+1}'s copy into the other buffer meanwhile).
+      if (out_warp && out_m0 < out_rows) {
+        constexpr int kNT = Tr::kOutNT;
+        // A is zero right of the diagonal block.
+        if constexpr (kNT == 1)
+          warp_mm_16x8<T, false>(out_acc[0], stage_a(st), Tr::kLdA, vnew, kLdB, out_m0, out_n0,
+                                 out_m0 + 16);
+        else
+          warp_mm_16xn<T, false, true, kNT>(out_acc, stage_a(st), Tr::kLdA, vnew, kLdB, out_m0,
+                                            out_n0, out_m0 + 16);
+        T* o = static_cast<T*>(a.o) + (seg.token0(cl, kChunk) * H + h) * Dv + col0 + out_n0 + i2;
+#pragma unroll
+        for (int j = 0; j < kNT; ++j)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int r = out_m0 + g + 8 * hr;
+            if (r < out_rows)
+              *reinterpret_cast<uint32_t*>(o + static_cast<int64_t>(r) * H * Dv + 8 * j) =
+                  pack2<T>(out_acc[j][2 * hr], out_acc[j][2 * hr + 1]);
+          }
+      }
+    }
     // S <- S + K_^T V' (K_ stored [t][d]: the transposed operand).
-    s.add_xt_y(stage_k(st), kLdK, vnew, kLdB, kChunk);
-    store_copy();
+    if (!out_warp) s.add_xt_y(stage_k(st), kLdK, vnew, kLdB, kChunk);
+    store_copy(cl + 1);
     if constexpr (kDelta) {
       if (ws_vnew != nullptr && copy_warp) {
         // V' for the output kernel, 16 bytes per thread per step.
@@ -331,7 +417,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     }
   }
   cp_async_wait<0>();
-  if (a.final_state != nullptr) s.store(a.final_state + state_base);
+  if (a.final_state != nullptr && !out_warp) s.store(a.final_state + state_base);
 }
 
 }  // namespace statescan::cuda::detail

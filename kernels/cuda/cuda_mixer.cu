@@ -57,6 +57,13 @@ size_t align_up(size_t x) {
 //                            kGroupChunks chunks (chunk_linear_grouped16.cuh);
 //                            STATESCAN_LINEAR_GROUP_CHUNKS=N sets the group
 //                            (the tests use 2 for many groups on short inputs).
+//   STATESCAN_FWD_OUTPUT=kernel|scan  where delta rules with 16-bit inputs
+//                            form o: the separate output kernel (reading
+//                            16-bit states and V' from the workspace) or
+//                            inside the scan (chunk_scan16.cuh, kOut). By
+//                            default the scan when the forward saves fp32
+//                            chunk states for a backward, else the kernel
+//                            (output_in_scan says why).
 
 // Chunks per group of the grouped linear forward: 16 (1,024 tokens at chunk
 // 64) makes 32 groups per head at 32K, ~4 waves of 512 blocks on an H200,
@@ -69,6 +76,7 @@ struct KernelKnobs {
   bool scan_wmma = false;
   bool linear_tiles = false;
   bool linear_grouped = true;
+  enum class Output { automatic, kernel, scan } output = Output::automatic;
   int64_t group_chunks = kGroupChunks;  // STATESCAN_LINEAR_GROUP_CHUNKS
 };
 
@@ -84,6 +92,12 @@ const KernelKnobs& kernel_knobs() {
     k.scan_wmma = is("STATESCAN_SCAN", "wmma");
     k.linear_tiles = is("STATESCAN_LINEAR", "tiles");
     k.linear_grouped = !is("STATESCAN_LINEAR", "scan");
+    if (const char* text = std::getenv("STATESCAN_FWD_OUTPUT")) {
+      SS_CHECK_ARG(std::strcmp(text, "kernel") == 0 || std::strcmp(text, "scan") == 0,
+                   "STATESCAN_FWD_OUTPUT", "must be 'kernel' or 'scan', got '", text, "'");
+      k.output = std::strcmp(text, "scan") == 0 ? KernelKnobs::Output::scan
+                                                : KernelKnobs::Output::kernel;
+    }
     if (const char* text = std::getenv("STATESCAN_LINEAR_GROUP_CHUNKS")) {
       char* end = nullptr;
       const long long n = std::strtoll(text, &end, 10);
@@ -104,6 +118,28 @@ const KernelKnobs& kernel_knobs() {
 // group.
 bool grouped_linear(const MixerParams& p) {
   return kernel_knobs().linear_grouped && reads_inputs_directly(p);
+}
+// Whether the forward of `p` forms o inside its scan (ForwardArgs::
+// fuse_output): delta rules with 16-bit inputs and the 16-bit scan. Measured
+// on an H200 (bf16, H 16, D 128, 2026-12-02; kernels/cuda/PERF_NOTES.md,
+// "Forward v5"): with fp32 chunk states saved for a backward the scan stores
+// them anyway, and dropping the 16-bit states and V' the output kernel would
+// read makes forward + backward ~2 % faster (DeltaNet 32K 6.044 -> 5.926 ms,
+// 128K 23.898 -> 23.363; KDA 7.363 -> 7.275); without them (inference) the
+// scan's extra loads cost more than the output kernel (DeltaNet forward
+// 1.640 -> 1.666 ms), so the kernel stays.
+bool output_in_scan(const MixerParams& p) {
+  const KernelKnobs& k = kernel_knobs();
+  if (!has_beta(p.variant) || p.dtype == DType::f32 || k.scan_wmma) return false;
+  switch (k.output) {
+    case KernelKnobs::Output::kernel:
+      return false;
+    case KernelKnobs::Output::scan:
+      return true;
+    case KernelKnobs::Output::automatic:
+      break;
+  }
+  return p.chunk_states != nullptr;
 }
 int64_t max_group_slots(const MixerParams& p) {
   const int64_t G = kernel_knobs().group_chunks;
@@ -134,14 +170,18 @@ WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
   l.u = take(tiles ? chunks * H * C * static_cast<size_t>(p.dv) * elem : 0);
   l.a = take(tiles ? chunks * H * C * C * elem : 0);
   l.decay = take(tiles ? chunks * H * static_cast<size_t>(p.dk) * sizeof(float) : 0);
-  l.vnew = take(
-      has_beta(p.variant) && !prepare_only ? chunks * H * C * static_cast<size_t>(p.dv) * elem : 0);
+  // V' and the 16-bit states go from the scan to the output kernel; the scan
+  // with the output inside keeps both in shared memory.
+  const bool fused = output_in_scan(p);
+  l.vnew = take(has_beta(p.variant) && !prepare_only && !fused
+                    ? chunks * H * C * static_cast<size_t>(p.dv) * elem
+                    : 0);
   // The output kernel reads the chunk states in the element type; fp32
   // inputs read the caller's chunk_states when given.
   // The grouped linear scan keeps them in shared memory instead.
   const bool states_in_caller = p.dtype == DType::f32 && p.chunk_states != nullptr;
   const bool grouped = grouped_linear(p);
-  l.states = take(states_in_caller || prepare_only || grouped
+  l.states = take(states_in_caller || prepare_only || grouped || fused
                       ? 0
                       : chunks * H * static_cast<size_t>(p.dk * p.dv) * elem);
   // Group sums also in a prepare-only plan: the backward's recompute of the
@@ -250,11 +290,12 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.ws_u = tile(l.u);
   a.ws_a = tile(l.a);
   a.ws_decay = reinterpret_cast<float*>(tile(l.decay));
-  a.ws_vnew = has_beta(p.variant) && !prepare_only ? base + l.vnew : nullptr;
+  a.fuse_output = output_in_scan(p) && !prepare_only;
+  a.ws_vnew = has_beta(p.variant) && !prepare_only && !a.fuse_output ? base + l.vnew : nullptr;
   a.ws_states = p.dtype == DType::f32 && p.chunk_states != nullptr
                     ? static_cast<void*>(p.chunk_states)
-                : prepare_only || grouped ? nullptr
-                                          : static_cast<void*>(base + l.states);
+                : prepare_only || grouped || a.fuse_output ? nullptr
+                                                           : static_cast<void*>(base + l.states);
   a.num_sms = multiprocessor_count();
   a.scan_block_cols = kernel_knobs().scan_block_cols;
   a.prepare_fp32_tiles = kernel_knobs().prepare_fp32_tiles;
@@ -326,10 +367,12 @@ void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stage
   // A prepare-only plan has no V' or T-typed states for the output kernel
   // (the grouped linear scan needs neither: it fuses the output).
   const bool grouped = a.group_chunks > 0;
-  SS_CHECK_ARG(!(stages & kStageOutput) || a.ws_states != nullptr || grouped, "stages",
+  SS_CHECK_ARG(!(stages & kStageOutput) || a.ws_states != nullptr || grouped || a.fuse_output,
+               "stages",
                "the output stage needs a full forward plan (this one is prepare-only)");
   SS_CHECK_ARG(!(stages & kStageScan) || a.ws_states != nullptr || a.chunk_states != nullptr ||
-                   a.final_state != nullptr || (grouped && (stages & kStageOutput)),
+                   a.final_state != nullptr ||
+                   ((grouped || a.fuse_output) && (stages & kStageOutput)),
                "stages", "the scan stage has nothing to write (no states of any kind)");
   switch (p.variant) {
     case Variant::linear:
