@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/env_knob.h"
+
 namespace statescan {
 namespace {
 thread_local bool t_inside = false;
@@ -15,10 +17,8 @@ thread_local bool t_inside = false;
 
 int num_threads() {
   static const int n = [] {
-    if (const char* env = std::getenv("STATESCAN_NUM_THREADS")) {
-      const int v = std::atoi(env);
-      if (v > 0) return v;
-    }
+    const int64_t forced = env_int("STATESCAN_NUM_THREADS", 0, 1, 1 << 16);
+    if (forced > 0) return static_cast<int>(forced);
     const unsigned hw = std::thread::hardware_concurrency();
     return hw == 0 ? 1 : static_cast<int>(hw);
   }();

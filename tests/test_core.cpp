@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/env_knob.h"
 #include "core/error.h"
 #include "core/npy.h"
 #include "core/options.h"
@@ -247,6 +248,88 @@ TEST(Error, RebuiltErrorKeepsTextAndRank) {
   EXPECT_EQ(e.argument(), "beta");
   EXPECT_EQ(e.rank(), 3);
   EXPECT_STREQ(e.what(), "statescan error [rank 3] argument 'beta': nan");
+}
+
+// ---- environment switches: documented values, else an error ----------------
+
+// Sets a variable for one test and restores the previous value (or unsets).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) {
+      old_ = old;
+      had_ = true;
+    }
+    if (value != nullptr)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      setenv(name_, old_.c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+constexpr const char* kKnob = "STATESCAN_TEST_KNOB";
+
+TEST(EnvKnob, ChoiceIsThePositionOfTheValue) {
+  {
+    ScopedEnv env(kKnob, "b");
+    EXPECT_EQ(env_choice(kKnob, {"a", "b", "c"}), 1);
+  }
+  {
+    ScopedEnv env(kKnob, "a");
+    EXPECT_EQ(env_choice(kKnob, {"a", "b", "c"}), 0);
+  }
+}
+
+TEST(EnvKnob, UnsetOrEmptyChoiceIsMinusOne) {
+  {
+    ScopedEnv env(kKnob, nullptr);
+    EXPECT_EQ(env_choice(kKnob, {"a", "b"}), -1);
+  }
+  {
+    ScopedEnv env(kKnob, "");
+    EXPECT_EQ(env_choice(kKnob, {"a", "b"}), -1);
+  }
+}
+
+// A typo is an error naming the variable and listing the values, not the
+// default: `STATESCAN_LINEAR=sacn` must not time the grouped scan silently.
+TEST(EnvKnob, UnknownChoiceNamesTheVariableAndTheValues) {
+  {
+    ScopedEnv env(kKnob, "sacn");
+    const std::string what = expect_error_naming(kKnob, [] {
+      (void)env_choice(kKnob, {"grouped", "scan"});
+    });
+    EXPECT_NE(what.find("'grouped', 'scan'"), std::string::npos) << what;
+    EXPECT_NE(what.find("'sacn'"), std::string::npos) << what;
+  }
+  ScopedEnv padded(kKnob, "scan ");  // exact values only
+  expect_error_naming(kKnob, [] { (void)env_choice(kKnob, {"grouped", "scan"}); });
+}
+
+TEST(EnvKnob, IntegerInRangeOrFallback) {
+  {
+    ScopedEnv env(kKnob, nullptr);
+    EXPECT_EQ(env_int(kKnob, 7, 1, 10), 7);
+  }
+  {
+    ScopedEnv env(kKnob, "10");
+    EXPECT_EQ(env_int(kKnob, 7, 1, 10), 10);
+  }
+  for (const char* bad : {"0", "11", "-3", "4x", "x", "99999999999999999999"}) {
+    ScopedEnv env(kKnob, bad);
+    expect_error_naming(kKnob, [] { (void)env_int(kKnob, 7, 1, 10); });
+  }
 }
 
 // ---- tensor checks name the argument ----------------------------------------

@@ -20,6 +20,7 @@
 #include <memory>
 
 #include "core/cuda_check.h"
+#include "core/env_knob.h"
 #include "core/error.h"
 #include "kernels/cuda/chunk_backward.cuh"
 #include "kernels/cuda/cp_kernels.h"
@@ -69,12 +70,7 @@ bool uses_state_products(const MixerParams& p) {
 int64_t state_product_batch(const MixerParams& p) {
   if (!uses_state_products(p)) return 0;
   int64_t batch = grad_blocks(p) * kStateProductItemsPerBlock;
-  if (const char* text = std::getenv("STATESCAN_BWD_BATCH")) {
-    const long long forced = std::atoll(text);
-    SS_CHECK_ARG(forced > 0, "STATESCAN_BWD_BATCH", "must be a positive item count, got '", text,
-                 "'");
-    batch = forced;
-  }
+  batch = env_int("STATESCAN_BWD_BATCH", batch, 1, INT64_MAX);
   return std::min<int64_t>(max_chunks(p) * p.heads, batch);
 }
 
@@ -94,14 +90,11 @@ struct BackwardLayout {
 // kernels read dS only as 16-bit operands rounded from the same fp32 values
 // (bitwise the same gradients), and only gated variants take dgamma from the
 // fp32 values. Half the bytes: 0.27 GB less written and read at 32K (H 16, D
-// 128), 8.6 GB less memory at 1M tokens. Opt-in until it has run on a GPU
-// (written 2026-12-02 after that session's device time was spent; ctest
-// test_cuda_{backward,cp}_ds_t).
+// 128), 8.6 GB less memory at 1M tokens. Opt-in: its tests pass on an H200
+// (ctest test_cuda_{backward,cp}_ds_t) but DeltaNet's forward + backward
+// measured 0.08 ms slower at 32K (2026-12-02; PERF_NOTES, "After b14").
 bool ds_in_t(const MixerParams& p) {
-  static const bool requested = [] {
-    const char* text = std::getenv("STATESCAN_BWD_DS");
-    return text != nullptr && std::strcmp(text, "t") == 0;
-  }();
+  static const bool requested = env_choice("STATESCAN_BWD_DS", {"f32", "t"}) == 1;
   if (p.dtype == DType::f32) return false;
   return reads_inputs_directly(p) || (requested && !has_gate(p.variant));
 }

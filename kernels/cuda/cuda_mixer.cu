@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/env_knob.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/forward_plan.cuh"
 
@@ -42,7 +43,9 @@ size_t align_up(size_t x) {
 }
 
 // Tuning and A/B knobs from the environment, read once per process (speed
-// and precision comparisons of two kernels in one run):
+// and precision comparisons of two kernels in one run); each also accepts its
+// default's name (16, mma, grouped, auto), and any other value is an error
+// naming the variable (core/env_knob.h):
 //   STATESCAN_SCAN_BV=16|32  forces the state scan's Dv block;
 //   STATESCAN_PREPARE=fp32   16-bit inputs through chunk_prepare_kernel
 //                            (fp32 tiles) instead of chunk_prepare16_kernel;
@@ -82,30 +85,19 @@ struct KernelKnobs {
 
 const KernelKnobs& kernel_knobs() {
   static const KernelKnobs knobs = [] {
-    auto is = [](const char* name, const char* value) {
-      const char* text = std::getenv(name);
-      return text != nullptr && std::strcmp(text, value) == 0;
-    };
     KernelKnobs k;
-    k.scan_block_cols = is("STATESCAN_SCAN_BV", "16") ? 16 : is("STATESCAN_SCAN_BV", "32") ? 32 : 0;
-    k.prepare_fp32_tiles = is("STATESCAN_PREPARE", "fp32");
-    k.scan_wmma = is("STATESCAN_SCAN", "wmma");
-    k.linear_tiles = is("STATESCAN_LINEAR", "tiles");
-    k.linear_grouped = !is("STATESCAN_LINEAR", "scan");
-    if (const char* text = std::getenv("STATESCAN_FWD_OUTPUT")) {
-      SS_CHECK_ARG(std::strcmp(text, "kernel") == 0 || std::strcmp(text, "scan") == 0,
-                   "STATESCAN_FWD_OUTPUT", "must be 'kernel' or 'scan', got '", text, "'");
-      k.output = std::strcmp(text, "scan") == 0 ? KernelKnobs::Output::scan
-                                                : KernelKnobs::Output::kernel;
-    }
-    if (const char* text = std::getenv("STATESCAN_LINEAR_GROUP_CHUNKS")) {
-      char* end = nullptr;
-      const long long n = std::strtoll(text, &end, 10);
-      SS_CHECK_ARG(end != text && *end == '\0' && n >= 1 && n <= (1 << 20),
-                   "STATESCAN_LINEAR_GROUP_CHUNKS", "must be a whole number in [1, 1048576], got '",
-                   text, "'");
-      k.group_chunks = n;
-    }
+    const int bv = env_choice("STATESCAN_SCAN_BV", {"16", "32"});
+    k.scan_block_cols = bv < 0 ? 0 : bv == 0 ? 16 : 32;
+    k.prepare_fp32_tiles = env_choice("STATESCAN_PREPARE", {"16", "fp32"}) == 1;
+    k.scan_wmma = env_choice("STATESCAN_SCAN", {"mma", "wmma"}) == 1;
+    const int linear = env_choice("STATESCAN_LINEAR", {"grouped", "scan", "tiles"});
+    k.linear_grouped = linear != 1;
+    k.linear_tiles = linear == 2;
+    const int output = env_choice("STATESCAN_FWD_OUTPUT", {"auto", "kernel", "scan"});
+    k.output = output == 1   ? KernelKnobs::Output::kernel
+               : output == 2 ? KernelKnobs::Output::scan
+                             : KernelKnobs::Output::automatic;
+    k.group_chunks = env_int("STATESCAN_LINEAR_GROUP_CHUNKS", kGroupChunks, 1, 1 << 20);
     return k;
   }();
   return knobs;

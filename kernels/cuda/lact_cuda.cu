@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "core/cuda_check.h"
+#include "core/env_knob.h"
 #include "core/error.h"
 #include "kernels/cuda/lact_cuda.h"
 
@@ -22,9 +23,8 @@ void backward_impl(const LactCudaParams&, const LactCudaGrads&, const LactCudaSa
 
 NsGemms ns_gemms_requested() {
   static const NsGemms mode = [] {
-    const char* text = std::getenv("STATESCAN_LACT_NS");
-    const std::string value = text != nullptr ? text : "";
-    return value == "fp32" ? NsGemms::fp32 : value == "fused" ? NsGemms::fused : NsGemms::bf16x3;
+    const int choice = env_choice("STATESCAN_LACT_NS", {"bf16x3", "fp32", "fused"});
+    return choice == 1 ? NsGemms::fp32 : choice == 2 ? NsGemms::fused : NsGemms::bf16x3;
   }();
   return mode;
 }

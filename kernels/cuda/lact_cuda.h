@@ -92,11 +92,12 @@ void lact_cuda_backward(const LactCudaParams& p, const LactCudaGrads& g, const L
 
 namespace lact_detail {
 // STATESCAN_LACT_NS picks how bf16 layers run their Newton-Schulz products
-// (lact_cuda_impl.cuh, NewtonSchulz), read once per process: unset (or any
-// other value) two-part bf16 operands through split3_kernel + one cuBLAS
-// GEMM; "fp32" fp32 GEMMs; "fused" the same two-part products in
-// ns_gemm_fused_kernel (opt-in: written without a GPU, not yet validated on
-// one; shapes it does not take fall back to the split path per call).
+// (lact_cuda_impl.cuh, NewtonSchulz), read once per process: unset or
+// "bf16x3" two-part bf16 operands through split3_kernel + one cuBLAS GEMM;
+// "fp32" fp32 GEMMs; "fused" the same two-part products in
+// ns_gemm_fused_kernel (opt-in: passes the GPU suite but measured ~10 %
+// slower on an H200, 2026-12-02; shapes it does not take fall back to the
+// split path per call). Any other value is an error naming the variable.
 enum class NsGemms { bf16x3, fp32, fused };
 NsGemms ns_gemms_requested();
 }  // namespace lact_detail

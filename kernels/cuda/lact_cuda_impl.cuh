@@ -30,7 +30,9 @@
 #include <utility>
 
 #include "core/cuda_check.h"
+#include "core/env_knob.h"
 #include "core/error.h"
+#include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/lact_cuda.h"
 #include "kernels/cuda/warp_mma.cuh"
@@ -143,6 +145,54 @@ constexpr cublasComputeType_t token_compute() {
 template <typename U>
 constexpr cublasComputeType_t wide_compute() {
   return std::is_same<U, double>::value ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
+}
+
+// ---- split-K for GEMMs with small outputs and long contractions -----------
+//
+// The weight-gradient GEMMs contract over a chunk's tokens (G = [z0 | z2]^T k,
+// dW += dh^T q, ...): 2M x D or D x M outputs per head, 16-32 output tiles of
+// 256 x 128 over 4 heads at the benchmark shape, against 4,096 tokens of
+// contraction, so cuBLAS can keep only 16-32 of 132 SMs busy. (ncu on an
+// H200, 2026-12-02, 8 chunks of the LaCT benchmark forward + backward: one
+// cuBLAS kernel took 11 of the 28 ms, 142 calls of 16-183 us; which GEMMs
+// those are, the next profile with this split on and off will say.) Split,
+// the contraction's S slices are one batched GEMM over (head, slice) into
+// fp32 partials, then a fixed-order sum over the slices (deterministic, no
+// atomics). Opt-in until it has run on a GPU (LactGpu::split_slices).
+
+inline int64_t bytes_of(cudaDataType_t t) {
+  return t == CUDA_R_64F ? 8 : t == CUDA_R_32F ? 4 : 2;
+}
+
+// Pointers of batch i = h S + s: A and B at head h's base plus slice s's
+// offset (bytes), C at partial i (m x n fp32, row-major).
+static __global__ void split_k_pointers_kernel(const char* a, int64_t a_head, int64_t a_slice,
+                                               const char* b, int64_t b_head, int64_t b_slice,
+                                               float* partial, int64_t mn, int heads, int slices,
+                                               const void** pa, const void** pb, void** pc) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= heads * slices) return;
+  const int h = i / slices, sl = i % slices;
+  pa[i] = a + h * a_head + sl * a_slice;
+  pb[i] = b + h * b_head + sl * b_slice;
+  pc[i] = partial + i * mn;
+}
+
+// C[h] = sum over s (in order) of partial[h S + s] (+ beta C[h] when beta != 0:
+// C is not read otherwise, so it may hold anything).
+static __global__ void split_k_sum_kernel(const float* partial, int slices, int heads, int64_t m,
+                                          int64_t n, float beta, float* c, int64_t ldc,
+                                          int64_t stride_c) {
+  const int64_t mn = m * n, total = heads * mn;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t h = idx / mn, e = idx % mn, r = e / n, col = e % n;
+    const float* p = partial + h * slices * mn + e;
+    float sum = 0.f;
+    for (int sl = 0; sl < slices; ++sl) sum += p[sl * mn];
+    float* out = c + h * stride_c + r * ldc + col;
+    *out = beta != 0.f ? sum + beta * *out : sum;
+  }
 }
 
 // ---- stream-ordered scratch -------------------------------------------------
@@ -1762,7 +1812,65 @@ class LactGpu {
 
   void gemm_t(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const Operand& A,
               const Operand& B, double beta, const Output& C) {
-    gemm(blas_, ta, tb, m, n, k, alpha, A, B, beta, C, g_.H, token_compute<T>());
+    const int64_t S = C.type == CUDA_R_32F ? split_slices(m, n, k) : 1;
+    if (S <= 1) {
+      gemm(blas_, ta, tb, m, n, k, alpha, A, B, beta, C, g_.H, token_compute<T>());
+      return;
+    }
+    // One batched GEMM over (head, slice) into the partials, then their sum.
+    const int64_t ks = k / S, batch = g_.H * S;
+    // Scratch grows to the largest split seen (a few shapes per layer; the
+    // pool's stream order keeps the old arrays alive for queued work).
+    if (split_partial_.size() < static_cast<std::size_t>(batch * m * n))
+      split_partial_ = Scratch<float>(static_cast<std::size_t>(batch * m * n), stream_);
+    if (split_ptrs_.size() < static_cast<std::size_t>(3 * batch))
+      split_ptrs_ = Scratch<uintptr_t>(static_cast<std::size_t>(3 * batch), stream_);
+    const void** pa = reinterpret_cast<const void**>(split_ptrs_.get());
+    const void** pb = reinterpret_cast<const void**>(split_ptrs_.get() + batch);
+    void** pc = reinterpret_cast<void**>(split_ptrs_.get() + 2 * batch);
+    // Slice s starts ks rows of the contraction further on: rows of a [k][m]
+    // (transposed) operand, columns of an [m][k] one.
+    const int64_t ea = bytes_of(A.type), eb = bytes_of(B.type);
+    split_k_pointers_kernel<<<grid_for(batch, 128), 128, 0, stream_>>>(
+        static_cast<const char*>(A.data), A.stride * ea, (ta ? ks * A.ld : ks) * ea,
+        static_cast<const char*>(B.data), B.stride * eb, (tb ? ks : ks * B.ld) * eb,
+        split_partial_.get(), m * n, static_cast<int>(g_.H), static_cast<int>(S), pa, pb, pc);
+    SS_LAUNCH_CHECK("split_k_pointers_kernel");
+    const float alpha_f = static_cast<float>(alpha), zero = 0.f;
+    SS_CUBLAS_CHECK(cublasGemmBatchedEx(
+        blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
+        static_cast<int>(m), static_cast<int>(ks), &alpha_f, pb, B.type, static_cast<int>(B.ld), pa,
+        A.type, static_cast<int>(A.ld), &zero, pc, CUDA_R_32F, static_cast<int>(n),
+        static_cast<int>(batch), token_compute<T>(), CUBLAS_GEMM_DEFAULT));
+    split_k_sum_kernel<<<grid_for(g_.H * m * n, kThreads), kThreads, 0, stream_>>>(
+        split_partial_.get(), static_cast<int>(S), static_cast<int>(g_.H), m, n,
+        static_cast<float>(beta), static_cast<float*>(C.data), C.ld, C.stride);
+    SS_LAUNCH_CHECK("split_k_sum_kernel");
+  }
+
+  // Slices of the contraction for a GEMM with m x n fp32 outputs per head and
+  // k long, a power of two dividing k. STATESCAN_LACT_SPLIT_K: unset or 1 no
+  // split (the default until the split has run on a GPU: written 2026-12-02
+  // after that session's device time was spent); 0 the automatic choice,
+  // enough slices for ~2 output tiles of 128 x 128 per SM, each >= 512 long;
+  // S > 1 up to S slices of >= 16 (the tests force 4).
+  int64_t split_slices(int64_t m, int64_t n, int64_t k) const {
+    int64_t want = split_knob();
+    if (want == 1) return 1;
+    const int64_t min_slice = want > 1 ? 16 : 512;
+    if (want == 0) {
+      const int64_t tiles = ((m + 127) / 128) * ((n + 127) / 128) * g_.H;
+      const int64_t target = 2 * static_cast<int64_t>(multiprocessor_count());
+      want = 1;
+      while (want < 16 && tiles * want * 2 <= target) want *= 2;
+    }
+    int64_t S = 1;
+    while (2 * S <= want && k % (2 * S) == 0 && k / (2 * S) >= min_slice) S *= 2;
+    return S;
+  }
+  static int64_t split_knob() {
+    static const int64_t knob = env_int("STATESCAN_LACT_SPLIT_K", 1, 0, 64);
+    return knob;
   }
 
   // The GEMM operand copy of fp32 weights: themselves for f32, bf16 else.
@@ -1922,6 +2030,10 @@ class LactGpu {
   // gate_, de_ (operands).
   Scratch<float> h_, e_, u_, u1_, dq_acc_, dk_acc_, dv_acc_;
   Scratch<T> z_, gate_, de_, dh_, w_op_, z_lo_, gate_lo_;
+  // Split-K (gemm_t): the fp32 partials and the batched GEMM's pointer
+  // arrays (A, B, C), sized for the largest split so far.
+  Scratch<float> split_partial_;
+  Scratch<uintptr_t> split_ptrs_;
 };
 
 template <typename T, typename U>

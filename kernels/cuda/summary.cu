@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/env_knob.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/forward_plan.cuh"
@@ -70,13 +71,12 @@ __global__ void diag_kernel(float* maps, const float* decay, int64_t first_tile,
 }
 
 // The process-wide choice of summary_linear_part(): STATESCAN_CP_LINEAR=products
-// selects the product tree (M and E), anything else (or unset) the scans.
+// selects the product tree (M and E), unset or `scan` the scans (any other
+// value is an error naming the variable).
 LinearPart& linear_part_setting() {
-  static LinearPart part = [] {
-    const char* text = std::getenv("STATESCAN_CP_LINEAR");
-    return text != nullptr && std::strcmp(text, "products") == 0 ? LinearPart::products
-                                                                 : LinearPart::scan;
-  }();
+  static LinearPart part = env_choice("STATESCAN_CP_LINEAR", {"scan", "products"}) == 1
+                               ? LinearPart::products
+                               : LinearPart::scan;
   return part;
 }
 
