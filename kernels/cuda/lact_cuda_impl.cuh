@@ -158,7 +158,9 @@ constexpr cublasComputeType_t wide_compute() {
 // those are, the next profile with this split on and off will say.) Split,
 // the contraction's S slices are one batched GEMM over (head, slice) into
 // fp32 partials, then a fixed-order sum over the slices (deterministic, no
-// atomics). Opt-in until it has run on a GPU (LactGpu::split_slices).
+// atomics). The Newton-Schulz products of a bf16 layer (12 matrices of 256 x
+// 256 or 256 x 512 outputs against 768-1536 of two-part contraction: 24-48
+// tiles) take the same path. Opt-in until it has run on a GPU (split_k_knob).
 
 inline int64_t bytes_of(cudaDataType_t t) {
   return t == CUDA_R_64F ? 8 : t == CUDA_R_32F ? 4 : 2;
@@ -243,6 +245,87 @@ inline unsigned grid_for(int64_t n, int threads) {
   return static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(blocks, 1), 1 << 20));
 }
 constexpr int kThreads = 256;
+
+// ---- split-K GEMMs (the kernels above) ----------------------------------------
+
+// STATESCAN_LACT_SPLIT_K: unset or 1 no split (the default until the split
+// has run on a GPU: written 2026-12-02 after that session's device time was
+// spent); 0 the automatic choice (split_k_slices); S > 1 up to S slices of
+// >= 16 on every fp32-output GEMM that gemm_sliced runs (the tests force 4).
+inline int64_t split_k_knob() {
+  static const int64_t knob = env_int("STATESCAN_LACT_SPLIT_K", 1, 0, 64);
+  return knob;
+}
+
+// Slices of the contraction for `batch` GEMMs of m x n fp32 outputs, k long:
+// a power of two dividing k; automatically enough for ~2 output tiles of 128
+// x 128 per SM, each slice >= 256 long.
+inline int64_t split_k_slices(int64_t m, int64_t n, int64_t k, int64_t batch) {
+  int64_t want = split_k_knob();
+  if (want == 1) return 1;
+  const int64_t min_slice = want > 1 ? 16 : 256;
+  if (want == 0) {
+    const int64_t tiles = ((m + 127) / 128) * ((n + 127) / 128) * batch;
+    const int64_t target = 2 * static_cast<int64_t>(multiprocessor_count());
+    want = 1;
+    while (want < 16 && tiles * want * 2 <= target) want *= 2;
+  }
+  int64_t S = 1;
+  while (2 * S <= want && k % (2 * S) == 0 && k / (2 * S) >= min_slice) S *= 2;
+  return S;
+}
+
+// The split GEMMs' fp32 partials and pointer arrays (A, B, C), grown to the
+// largest split so far (a few shapes per layer; the pool's stream order keeps
+// old arrays alive for queued work).
+struct SplitKScratch {
+  Scratch<float> partial;
+  Scratch<uintptr_t> pointers;
+};
+
+// gemm() with the contraction in split_k_slices(m, n, k, batch) slices when C
+// is fp32 (and the compute type not fp64): one batched GEMM over (matrix,
+// slice) into fp32 partials, then their sum in a fixed order (+ beta C).
+// Otherwise gemm() itself.
+inline void gemm_sliced(cublasHandle_t h, cudaStream_t stream, bool ta, bool tb, int64_t m,
+                        int64_t n, int64_t k, double alpha, const Operand& A, const Operand& B,
+                        double beta, const Output& C, int64_t batch, cublasComputeType_t compute,
+                        SplitKScratch& scratch) {
+  const int64_t S =
+      C.type == CUDA_R_32F && compute != CUBLAS_COMPUTE_64F ? split_k_slices(m, n, k, batch) : 1;
+  if (S <= 1) {
+    gemm(h, ta, tb, m, n, k, alpha, A, B, beta, C, batch, compute);
+    return;
+  }
+  if (m == 0 || n == 0 || batch == 0) return;
+  const int64_t ks = k / S, parts = batch * S;
+  if (scratch.partial.size() < static_cast<std::size_t>(parts * m * n))
+    scratch.partial = Scratch<float>(static_cast<std::size_t>(parts * m * n), stream);
+  if (scratch.pointers.size() < static_cast<std::size_t>(3 * parts))
+    scratch.pointers = Scratch<uintptr_t>(static_cast<std::size_t>(3 * parts), stream);
+  const void** pa = reinterpret_cast<const void**>(scratch.pointers.get());
+  const void** pb = reinterpret_cast<const void**>(scratch.pointers.get() + parts);
+  void** pc = reinterpret_cast<void**>(scratch.pointers.get() + 2 * parts);
+  // Slice s starts ks further along the contraction: rows of a [k][m]
+  // (transposed) A or a [k][n] B, columns of an [m][k] A or an [n][k] B.
+  const int64_t ea = bytes_of(A.type), eb = bytes_of(B.type);
+  split_k_pointers_kernel<<<grid_for(parts, 128), 128, 0, stream>>>(
+      static_cast<const char*>(A.data), A.stride * ea, (ta ? ks * A.ld : ks) * ea,
+      static_cast<const char*>(B.data), B.stride * eb, (tb ? ks : ks * B.ld) * eb,
+      scratch.partial.get(), m * n, static_cast<int>(batch), static_cast<int>(S), pa, pb, pc);
+  SS_LAUNCH_CHECK("split_k_pointers_kernel");
+  // Row-major partials through cuBLAS's column-major view, as gemm() does.
+  const float alpha_f = static_cast<float>(alpha), zero = 0.f;
+  SS_CUBLAS_CHECK(cublasGemmBatchedEx(
+      h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
+      static_cast<int>(m), static_cast<int>(ks), &alpha_f, pb, B.type, static_cast<int>(B.ld), pa,
+      A.type, static_cast<int>(A.ld), &zero, pc, CUDA_R_32F, static_cast<int>(n),
+      static_cast<int>(parts), compute, CUBLAS_GEMM_DEFAULT));
+  split_k_sum_kernel<<<grid_for(batch * m * n, kThreads), kThreads, 0, stream>>>(
+      scratch.partial.get(), static_cast<int>(S), static_cast<int>(batch), m, n,
+      static_cast<float>(beta), static_cast<float*>(C.data), C.ld, C.stride);
+  SS_LAUNCH_CHECK("split_k_sum_kernel");
+}
 
 // ---- geometry -----------------------------------------------------------------
 
@@ -1086,11 +1169,10 @@ __device__ __forceinline__ void ns_fused_split(float2 v, uint32_t& hi, uint32_t&
 // accumulators. Shared memory (static): 2 stages x (A tile + B tile), fp32,
 // k-contiguous 64 x 40 floats (10240 B) or k-strided 32 x 68 (8704 B) each:
 // 37888 B for (ta, tb) = (no, no), 40960 B for (no, yes), the shapes
-// Newton-Schulz uses (34816 and 37888 B with ta). Constraints (the host checks them and falls back to the
-// split path): M, N, K multiples of 16, A, B, C 16-byte aligned, C not
-// overlapping A or B. Deterministic: each output element is summed in a fixed
-// order (k tiles ascending; per k16 step the lo-hi, hi-lo, hi-hi products),
-// no atomics.
+// Newton-Schulz uses (34816 and 37888 B with ta). Constraints (the host checks them and falls back
+// to the split path): M, N, K multiples of 16, A, B, C 16-byte aligned, C not overlapping A or B.
+// Deterministic: each output element is summed in a fixed order (k tiles ascending; per k16 step
+// the lo-hi, hi-lo, hi-hi products), no atomics.
 //
 // m16n8k16 .row.col bf16 fragments (PTX ISA; the same layout warp_mma.cuh's
 // ldmatrix loads produce, validated there on the GPU), lane = 4 g + i with
@@ -1455,8 +1537,8 @@ class NewtonSchulz {
   void ns_gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
                const U* A, const U* B, double beta, U* C, bool b_unchanged = false) {
     if (!split_) {
-      gemm(h, ta, tb, M, N, K, alpha, op(A, ta ? M : K, M * K), op(B, tb ? K : N, K * N), beta,
-           out_(C, N, M * N), mats_, compute_);
+      gemm_sliced(h, stream_, ta, tb, M, N, K, alpha, op(A, ta ? M : K, M * K),
+                  op(B, tb ? K : N, K * N), beta, out_(C, N, M * N), mats_, compute_, split_k_);
       return;
     }
     if constexpr (std::is_same<U, float>::value) {
@@ -1489,7 +1571,8 @@ class NewtonSchulz {
       split_b_key_ = kb;
       const Operand a{split_a_.get(), CUDA_R_16BF, ta ? M : 3 * K, 3 * M * K};
       const Operand b{split_b_.get(), CUDA_R_16BF, tb ? 3 * K : N, 3 * K * N};
-      gemm(h, ta, tb, M, N, 3 * K, alpha, a, b, beta, out_(C, N, M * N), mats_, CUBLAS_COMPUTE_32F);
+      gemm_sliced(h, stream_, ta, tb, M, N, 3 * K, alpha, a, b, beta, out_(C, N, M * N), mats_,
+                  CUBLAS_COMPUTE_32F, split_k_);
       forget_splits_of(C);
     }
   }
@@ -1509,7 +1592,9 @@ class NewtonSchulz {
   // a head dim D = 24, goes through split3 + cuBLAS as without the knob.
   bool fused_fits(int64_t M, int64_t N, int64_t K, const U* A, const U* B, const U* C) const {
     constexpr int64_t kMul = NsFusedTile::kDimMultiple;
-    const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+    const auto aligned = [](const void* p) {
+      return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+    };
     const auto apart = [&](const U* x, int64_t count) {
       const auto c = reinterpret_cast<std::uintptr_t>(C), o = reinterpret_cast<std::uintptr_t>(x);
       return c + mats_ * M * N * sizeof(U) <= o || o + mats_ * count * sizeof(U) <= c;
@@ -1591,6 +1676,7 @@ class NewtonSchulz {
   bool fused_ = split_ && ns_gemms_requested() == NsGemms::fused;
   Scratch<bf16> split_a_, split_b_;
   SplitKey split_a_key_, split_b_key_;
+  SplitKScratch split_k_;  // the split-mode GEMMs' split-K partials and pointers
 };
 
 // ---- the layer ------------------------------------------------------------------
@@ -1812,65 +1898,8 @@ class LactGpu {
 
   void gemm_t(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const Operand& A,
               const Operand& B, double beta, const Output& C) {
-    const int64_t S = C.type == CUDA_R_32F ? split_slices(m, n, k) : 1;
-    if (S <= 1) {
-      gemm(blas_, ta, tb, m, n, k, alpha, A, B, beta, C, g_.H, token_compute<T>());
-      return;
-    }
-    // One batched GEMM over (head, slice) into the partials, then their sum.
-    const int64_t ks = k / S, batch = g_.H * S;
-    // Scratch grows to the largest split seen (a few shapes per layer; the
-    // pool's stream order keeps the old arrays alive for queued work).
-    if (split_partial_.size() < static_cast<std::size_t>(batch * m * n))
-      split_partial_ = Scratch<float>(static_cast<std::size_t>(batch * m * n), stream_);
-    if (split_ptrs_.size() < static_cast<std::size_t>(3 * batch))
-      split_ptrs_ = Scratch<uintptr_t>(static_cast<std::size_t>(3 * batch), stream_);
-    const void** pa = reinterpret_cast<const void**>(split_ptrs_.get());
-    const void** pb = reinterpret_cast<const void**>(split_ptrs_.get() + batch);
-    void** pc = reinterpret_cast<void**>(split_ptrs_.get() + 2 * batch);
-    // Slice s starts ks rows of the contraction further on: rows of a [k][m]
-    // (transposed) operand, columns of an [m][k] one.
-    const int64_t ea = bytes_of(A.type), eb = bytes_of(B.type);
-    split_k_pointers_kernel<<<grid_for(batch, 128), 128, 0, stream_>>>(
-        static_cast<const char*>(A.data), A.stride * ea, (ta ? ks * A.ld : ks) * ea,
-        static_cast<const char*>(B.data), B.stride * eb, (tb ? ks : ks * B.ld) * eb,
-        split_partial_.get(), m * n, static_cast<int>(g_.H), static_cast<int>(S), pa, pb, pc);
-    SS_LAUNCH_CHECK("split_k_pointers_kernel");
-    const float alpha_f = static_cast<float>(alpha), zero = 0.f;
-    SS_CUBLAS_CHECK(cublasGemmBatchedEx(
-        blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
-        static_cast<int>(m), static_cast<int>(ks), &alpha_f, pb, B.type, static_cast<int>(B.ld), pa,
-        A.type, static_cast<int>(A.ld), &zero, pc, CUDA_R_32F, static_cast<int>(n),
-        static_cast<int>(batch), token_compute<T>(), CUBLAS_GEMM_DEFAULT));
-    split_k_sum_kernel<<<grid_for(g_.H * m * n, kThreads), kThreads, 0, stream_>>>(
-        split_partial_.get(), static_cast<int>(S), static_cast<int>(g_.H), m, n,
-        static_cast<float>(beta), static_cast<float*>(C.data), C.ld, C.stride);
-    SS_LAUNCH_CHECK("split_k_sum_kernel");
-  }
-
-  // Slices of the contraction for a GEMM with m x n fp32 outputs per head and
-  // k long, a power of two dividing k. STATESCAN_LACT_SPLIT_K: unset or 1 no
-  // split (the default until the split has run on a GPU: written 2026-12-02
-  // after that session's device time was spent); 0 the automatic choice,
-  // enough slices for ~2 output tiles of 128 x 128 per SM, each >= 512 long;
-  // S > 1 up to S slices of >= 16 (the tests force 4).
-  int64_t split_slices(int64_t m, int64_t n, int64_t k) const {
-    int64_t want = split_knob();
-    if (want == 1) return 1;
-    const int64_t min_slice = want > 1 ? 16 : 512;
-    if (want == 0) {
-      const int64_t tiles = ((m + 127) / 128) * ((n + 127) / 128) * g_.H;
-      const int64_t target = 2 * static_cast<int64_t>(multiprocessor_count());
-      want = 1;
-      while (want < 16 && tiles * want * 2 <= target) want *= 2;
-    }
-    int64_t S = 1;
-    while (2 * S <= want && k % (2 * S) == 0 && k / (2 * S) >= min_slice) S *= 2;
-    return S;
-  }
-  static int64_t split_knob() {
-    static const int64_t knob = env_int("STATESCAN_LACT_SPLIT_K", 1, 0, 64);
-    return knob;
+    gemm_sliced(blas_, stream_, ta, tb, m, n, k, alpha, A, B, beta, C, g_.H, token_compute<T>(),
+                split_k_);
   }
 
   // The GEMM operand copy of fp32 weights: themselves for f32, bf16 else.
@@ -2030,10 +2059,7 @@ class LactGpu {
   // gate_, de_ (operands).
   Scratch<float> h_, e_, u_, u1_, dq_acc_, dk_acc_, dv_acc_;
   Scratch<T> z_, gate_, de_, dh_, w_op_, z_lo_, gate_lo_;
-  // Split-K (gemm_t): the fp32 partials and the batched GEMM's pointer
-  // arrays (A, B, C), sized for the largest split so far.
-  Scratch<float> split_partial_;
-  Scratch<uintptr_t> split_ptrs_;
+  SplitKScratch split_k_;  // gemm_t's split-K partials and pointer arrays
 };
 
 template <typename T, typename U>
