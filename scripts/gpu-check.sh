@@ -38,7 +38,10 @@
 #                    BWD_ARGS' lengths)
 #   NCU=1            also time the three forward kernels separately at 32K with
 #                    Nsight Compute (clocks left alone), for NCU_VARIANTS
-#                    (default "kda deltanet linear")
+#                    (default "kda deltanet linear"), with each kernel's
+#                    speed-of-light throughputs (SM, L1/shared, L2, DRAM: what
+#                    bounds the delta scan's step? PERF_NOTES, forward "Next
+#                    steps")
 set -uo pipefail
 
 OUT=${1:?usage: scripts/gpu-check.sh OUTDIR}
@@ -139,13 +142,14 @@ fi
 # Per-kernel split (prepare / scan / output) of one timed forward at 32K.
 if [[ "${NCU:-0}" != 0 ]] && command -v ncu >/dev/null; then
   for v in ${NCU_VARIANTS:-kda deltanet linear}; do
-    timeout 180 ncu --clock-control none --metrics gpu__time_duration.sum \
+    timeout 180 ncu --clock-control none --section SpeedOfLight --metrics gpu__time_duration.sum \
       --kernel-name regex:'chunk_(prepare|state_scan|output)[a-z0-9_]*_kernel' \
       --launch-skip 3 --launch-count 3 \
       "$BUILD/launch/statescan-bench" -v "$v" -t 32768 -w 1 -n 1 >"$OUT/ncu_$v.log" 2>&1 ||
       echo "gpu-check: ncu $v failed, see $OUT/ncu_$v.log"
     awk -v v="$v" '/chunk_(prepare|state_scan|output)[a-z0-9_]*_kernel/ { name = $0; sub(/<.*/, "", name); sub(/.*::/, "", name) }
-      /gpu__time_duration.sum/ { print "ncu " v ": " name " " $NF " " $(NF-1) }' "$OUT/ncu_$v.log" |
+      /gpu__time_duration.sum/ { print "ncu " v ": " name " " $NF " " $(NF-1) }
+      /Throughput/ { line = $0; gsub(/  +/, " ", line); print "ncu " v ": " name line }' "$OUT/ncu_$v.log" |
       tee -a "$OUT/ncu_summary.txt"
   done
 fi
