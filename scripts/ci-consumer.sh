@@ -64,8 +64,9 @@ cmake -S "$WORK/cp_consumer" -B "$WORK/consumer-build" -DCMAKE_BUILD_TYPE=Releas
 cmake --build "$WORK/consumer-build" -j"$(nproc)" >"$WORK/consumer-build.log" 2>&1 ||
   { tail -40 "$WORK/consumer-build.log"; fail "build of cp_consumer"; }
 
-# A random port base keeps parallel CI jobs on one host apart.
-PORT=${CI_METRICS_PORT:-$((20000 + RANDOM % 20000))}
+# Ports for the two ranks' exporters: PORT and PORT + 1 (scripts/ci-ports.sh).
+source scripts/ci-ports.sh
+PORT=${CI_METRICS_PORT:-$(ci_free_port_base 20000 30000 2)}
 step "running: mpirun -np 2 cp_consumer --metrics-port $PORT"
 set +e
 mpirun -np 2 --oversubscribe "$WORK/consumer-build/cp_consumer" --metrics-port "$PORT" \

@@ -50,9 +50,10 @@ cmake --build "$BUILD" --target statescan-run -j"$(nproc)" >"$WORK/build.log" 2>
   { tail -40 "$WORK/build.log"; fail "build of statescan-run"; }
 
 # ---- the run: two ranks, exporters on METRICS_PORT and METRICS_PORT + 1 -------
-# Random ports keep parallel CI jobs on one host apart.
-METRICS_PORT=${CI_METRICS_PORT:-$((20000 + RANDOM % 20000))}
-PROM_PORT=${CI_PROMETHEUS_PORT:-$((40000 + RANDOM % 20000))}
+# Random free ports below the kernel's ephemeral range (scripts/ci-ports.sh).
+source scripts/ci-ports.sh
+METRICS_PORT=${CI_METRICS_PORT:-$(ci_free_port_base 20000 30000 2)}
+PROM_PORT=${CI_PROMETHEUS_PORT:-$(ci_free_port_base 10000 19000 1)}
 SEQ_LEN=8192 WARMUP=1 ITERS=3
 # Every step counts, warm-up included: the tokens of both ranks add up to T per step.
 EXPECTED_TOKENS=$(((WARMUP + ITERS) * SEQ_LEN))
