@@ -22,6 +22,7 @@
 
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
+#include "tests/scoped_env.h"
 
 namespace statescan {
 namespace {
@@ -307,27 +308,9 @@ TEST(MpiTimeout, NegativeTimeoutIsRejected) {
   EXPECT_EQ(world->timeout(), kCoordinationTimeout);
 }
 
-// Sets STATESCAN_COMM_TIMEOUT_MS for one scope and restores what was there.
-class ScopedTimeoutEnv {
- public:
-  explicit ScopedTimeoutEnv(const char* value) {
-    const char* old = std::getenv(kName);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(kName, value, 1);
-  }
-  ~ScopedTimeoutEnv() {
-    if (had_) {
-      setenv(kName, old_.c_str(), 1);
-    } else {
-      unsetenv(kName);
-    }
-  }
-
- private:
-  static constexpr const char* kName = "STATESCAN_COMM_TIMEOUT_MS";
-  bool had_ = false;
-  std::string old_;
+// STATESCAN_COMM_TIMEOUT_MS for one scope, then what was there.
+struct ScopedTimeoutEnv : test::ScopedEnv {
+  explicit ScopedTimeoutEnv(const char* value) : ScopedEnv("STATESCAN_COMM_TIMEOUT_MS", value) {}
 };
 
 TEST(MpiTimeout, EnvironmentSetsTheDefault) {

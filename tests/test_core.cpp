@@ -20,6 +20,7 @@
 #include "core/npy.h"
 #include "core/options.h"
 #include "core/tensor.h"
+#include "tests/scoped_env.h"
 
 namespace statescan {
 namespace {
@@ -252,31 +253,7 @@ TEST(Error, RebuiltErrorKeepsTextAndRank) {
 
 // ---- environment switches: documented values, else an error ----------------
 
-// Sets a variable for one test and restores the previous value (or unsets).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      old_ = old;
-      had_ = true;
-    }
-    if (value != nullptr)
-      setenv(name, value, 1);
-    else
-      unsetenv(name);
-  }
-  ~ScopedEnv() {
-    if (had_)
-      setenv(name_, old_.c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
+using test::ScopedEnv;
 
 constexpr const char* kKnob = "STATESCAN_TEST_KNOB";
 

@@ -15,8 +15,6 @@
 //   [recompute_chunk_states only: the fp32 chunk states]
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
 
 #include "core/cuda_check.h"

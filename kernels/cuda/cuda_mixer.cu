@@ -2,8 +2,6 @@
 // chunk tables, workspace layout and the per-variant dispatch.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include "core/cuda_check.h"
