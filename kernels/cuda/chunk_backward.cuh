@@ -1342,7 +1342,7 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
       with_chunk_size(a.f.chunk, [&](auto chunk_tag) {
         constexpr int kC = decltype(chunk_tag)::value;
         launch_kernel(chunk_grad_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, true>,
-                      scan_grid, ScanTr::Warps::kThreads, ScanTr::kBytes, stream,
+                      scan_grid, ScanTr::kThreads, ScanTr::kBytes, stream,
                       "chunk_grad_scan16_kernel (raw)", a);
         if (state_grad_only) return;
         launch_kernel(chunk_grad_raw16_kernel<Elem, Dk, Dv, kC>,
@@ -1361,7 +1361,7 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
     with_chunk_size(a.f.chunk, [&](auto chunk_tag) {
       launch_kernel(
           chunk_grad_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, decltype(chunk_tag)::value>,
-          scan_grid, ScanTr::Warps::kThreads, ScanTr::kBytes, stream, "chunk_grad_scan16_kernel",
+          scan_grid, ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_grad_scan16_kernel",
           a);
     });
   }

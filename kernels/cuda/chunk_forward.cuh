@@ -37,7 +37,14 @@
 // reference point keeps both factors <= 1 (see chunk_prepare_kernel).
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "core/cuda_check.h"
@@ -73,6 +80,10 @@ struct ForwardArgs : MixerTensors {
   int scan_block_cols = 0;          // 16 or 32 to force the scan's Dv block; 0 = by occupancy
   bool prepare_fp32_tiles = false;  // 16-bit inputs through chunk_prepare_kernel (A/B knob)
   bool scan_wmma = false;           // 16-bit inputs through chunk_state_scan_kernel (A/B knob)
+  // CTAs per cluster of the 16-bit delta scans (cluster_copy.cuh): 0 = the
+  // largest that keeps every CTA co-resident (scan_cluster_ctas), else 1, 2,
+  // 4 or 8 (STATESCAN_SCAN_CLUSTER).
+  int scan_cluster = 0;
   // Linear attention without the L2 norm, 16-bit (cuda::reads_inputs_directly):
   // the scan and output kernels, and the backward's, read q, k, v themselves
   // (chunk_output_raw16.cuh, chunk_grad_raw16.cuh); the workspace has no tiles
@@ -102,14 +113,132 @@ struct ForwardArgs : MixerTensors {
 // Launches `kernel` on `stream` with `smem` bytes of dynamic shared memory
 // (raising the kernel's limit to that first: above 48 KB it must be asked
 // for) and checks the launch, naming `name` in the error.
-template <typename Kernel, typename Args>
+template <typename Kernel, typename... Args>
 void launch_kernel(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
-                   const char* name, const Args& args) {
+                   const char* name, const Args&... args) {
   SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(smem)));
-  kernel<<<grid, threads, smem, stream>>>(args);
+  kernel<<<grid, threads, smem, stream>>>(args...);
   SS_LAUNCH_CHECK(name);
 }
+
+// launch_kernel in clusters of `cluster` CTAs along x.
+template <typename Kernel, typename... Args>
+void launch_kernel_cluster(Kernel kernel, dim3 grid, int threads, size_t smem, unsigned cluster,
+                           cudaStream_t stream, const char* name, const Args&... args) {
+  SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  SS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  SS_LAUNCH_CHECK(name);
+}
+
+// Clusters that fit on the device at once for `kernel` (0 when the shape
+// cannot be clustered at all), from the occupancy API.
+template <typename Kernel>
+int active_clusters(Kernel kernel, int threads, size_t smem, unsigned cluster) {
+  SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(cluster);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+// CTAs per cluster for a scan grid (x = the head's column blocks): `forced`
+// when given (it must divide grid.x and leave each CTA >= 8 rows of a
+// chunk's tiles: 128-byte aligned tensor-copy targets), else the largest of
+// 8, 4, 2 allowed so whose clusters still hold as many CTAs at once as single
+// CTAs do (up to the grid): a sequential scan whose CTAs do not all fit in
+// one wave takes twice as long, and GPCs hold whole clusters only. Cached per
+// kernel and grid.
+template <typename Kernel>
+unsigned scan_cluster_ctas(Kernel kernel, dim3 grid, int threads, size_t smem, int chunk,
+                           int forced) {
+  auto allowed = [&](unsigned c) { return grid.x % c == 0 && chunk / static_cast<int>(c) >= 8; };
+  if (forced > 0) {
+    SS_CHECK_ARG(allowed(static_cast<unsigned>(forced)), "STATESCAN_SCAN_CLUSTER",
+                 "must divide the scan's ", grid.x, " column blocks per head and leave >= 8 of ",
+                 chunk, " chunk rows per CTA, got ", forced);
+    return static_cast<unsigned>(forced);
+  }
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, unsigned, int64_t>, unsigned> cache;
+  const int64_t total = int64_t{grid.x} * grid.y * grid.z;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), grid.x, total);
+  (void)chunk;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  const int64_t single = std::min<int64_t>(total, active_clusters(kernel, threads, smem, 1));
+  unsigned pick = 1;
+  for (unsigned c = 8; c >= 2; c /= 2)
+    if (allowed(c) && int64_t{active_clusters(kernel, threads, smem, c)} * c >= single) {
+      pick = c;
+      break;
+    }
+  cache.emplace(key, pick);
+  return pick;
+}
+
+// A 2D tensor map (TMA) over a row-major [rows][cols] array of 16-bit
+// elements, boxes of box_rows x box_cols; a box may reach past a row's end
+// (box_cols > cols) and those columns arrive as zeros: the tiles' 16 bytes of
+// row padding in shared memory come with the tile in one copy.
+inline CUtensorMap tile_map_2d(const void* base, int64_t rows, int64_t cols, int box_cols,
+                               int box_rows) {
+  using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    SS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                   cudaEnableDefault, &found));
+    SS_CHECK_ARG(found == cudaDriverEntryPointSuccess && fn != nullptr, "driver",
+                 "has no cuTensorMapEncodeTiled (needs CUDA 12)");
+    return reinterpret_cast<Encode>(fn);
+  }();
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t unit[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims,
+                            strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  SS_CHECK_ARG(r == CUDA_SUCCESS, "workspace", "cuTensorMapEncodeTiled failed (", static_cast<int>(r),
+               ") for a [", rows, "][", cols, "] tile array, box ", box_rows, " x ", box_cols);
+  return map;
+}
+
+// The delta scans' tensor maps (chunk_state_scan16_kernel, kBulk): K_, W, Q^
+// and A in boxes of one cluster CTA's rows, U in boxes of the CTA's columns.
+struct ScanTileMaps {
+  CUtensorMap k, w, u, q, a;
+};
 
 // First flattened token (b*T + t) and valid length of global chunk c.
 __device__ __forceinline__ void chunk_geometry(const ForwardArgs& a, int64_t c, int64_t& token0,
@@ -960,22 +1089,39 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
           if (a.raw_additive) {
             launch_kernel(chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, true>,
                           grid, ScanTr::kThreads, ScanTr::kBytes, stream,
-                          "chunk_state_scan16_kernel (raw)", a);
+                          "chunk_state_scan16_kernel (raw)", a, ScanTileMaps{});
             return;
           }
         }
         if constexpr (kRule == Rule::delta) {
           if (fuse) {
+            // Clusters of the head's column blocks share their tile loads
+            // (Scan16Traits::kBulk): tensor maps of the tile arrays as
+            // [tiles * C][cols], a CTA's box its share of a tile's rows
+            // padded to the shared-memory row.
             using FusedTr = Scan16Traits<Elem, Dk, Dv, kBV, true, true>;
-            launch_kernel(
-                chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, false, true>, grid,
-                FusedTr::kThreads, FusedTr::kBytes, stream, "chunk_state_scan16_kernel (output)",
-                a);
+            auto kernel =
+                chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, false, true>;
+            const unsigned cluster = scan_cluster_ctas(kernel, grid, FusedTr::kThreads,
+                                                       FusedTr::kBytes, kC, a.scan_cluster);
+            const int64_t rows = a.num_chunks * a.heads * kC;
+            SS_CHECK_ARG(rows < (int64_t{1} << 31), "q",
+                         "too many chunk tiles for the scan's 32-bit tensor coordinates");
+            const int share = kC / static_cast<int>(cluster);
+            ScanTileMaps maps{};
+            maps.k = tile_map_2d(a.ws_k, rows, Dk, FusedTr::kLdK, share);
+            maps.w = tile_map_2d(a.ws_w, rows, Dk, FusedTr::kLdK, share);
+            maps.u = tile_map_2d(a.ws_u, rows, Dv, FusedTr::kLdB, kC);
+            maps.q = tile_map_2d(a.ws_q, rows, Dk, FusedTr::kLdK, share);
+            maps.a = tile_map_2d(a.ws_a, rows, kC, FusedTr::kLdA, share);
+            launch_kernel_cluster(kernel, grid, FusedTr::kThreads, FusedTr::kBytes, cluster,
+                                  stream, "chunk_state_scan16_kernel (output)", a, maps);
             return;
           }
         }
         launch_kernel(chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC>, grid,
-                      ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan16_kernel", a);
+                      ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_state_scan16_kernel", a,
+                      ScanTileMaps{});
       });
     }
   };

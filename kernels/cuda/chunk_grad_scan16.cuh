@@ -13,7 +13,7 @@
 //   dS <- diag(gamma) dS + Q^^T dO - W^T dV'   (-dV' rounded to T once),
 // and dS at the segment's start is d_initial_state. Additive rules have no
 // dV' term, and so one barrier per step.
-//   grid (Dv / BV, H, N segments), Scan16Traits::kThreads threads, shared
+//   grid (Dv / BV, H, N segments), GradScan16Traits::kThreads threads, shared
 //   memory GradScan16Traits::kBytes (D = 128, bf16, BV = 16, delta: 200 KB);
 //   three tile buffers for delta rules (the next two chunks' tiles load
 //   during a step), four for additive ones.
@@ -31,6 +31,8 @@ namespace statescan::cuda::detail {
 template <typename T, int Dk, int Dv, int BV, bool kDelta>
 struct GradScan16Traits {
   using Warps = Scan16Traits<T, Dk, Dv, BV, kDelta>;  // the same split of the state block
+  // Its state warps only (the forward's producer warp is the forward's).
+  static constexpr int kThreads = Warps::kComputeThreads;
   static constexpr int kMaxChunk = 64;
   static constexpr int kLdK = Dk + 8;         // Q^, K_, W (16-bit, 16 bytes of padding)
   static constexpr int kLdC = kMaxChunk + 8;  // A
@@ -63,7 +65,7 @@ struct GradScan16Traits {
 // ungated variants save it for the state products: BackwardArgs::ws_ds_t).
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk,
           bool kRaw = false>
-__global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::delta>::kThreads))
+__global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule::delta>::kThreads))
     chunk_grad_scan16_kernel(const __grid_constant__ BackwardArgs a) {
   static_assert(!kRaw || (kDecay == Decay::none && kRule == Rule::additive),
                 "only ungated additive rules read q from the inputs");

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/cluster_copy.cuh"
 #include "kernels/cuda/warp_mma.cuh"
 
 namespace statescan::cuda::detail {
@@ -57,7 +58,15 @@ struct Scan16Traits {
   // the block's columns (kOutNT 8-column tiles).
   static constexpr int kOutWarps = kOut ? 2 * (kMaxChunk / 16) : 0;
   static constexpr int kOutNT = BV / 16;
-  static constexpr int kThreads = 32 * (kWarps + kOutWarps);
+  // With the output (forward v9): one more warp, the producer, fills the
+  // stages with tensor copies multicast across the cluster of a head's column
+  // blocks (cluster_copy.cuh); the others sync their steps on a named
+  // barrier. (The scan without the output keeps its state warps' cp.async
+  // loads: through the producer it ran 0.574 -> 0.636 ms, deltanet 32K, in
+  // clusters of 2; the output-in-scan kernel 0.922 -> 0.718.)
+  static constexpr bool kBulk = kOut;
+  static constexpr int kComputeThreads = 32 * (kWarps + kOutWarps);
+  static constexpr int kThreads = kComputeThreads + (kBulk ? 32 : 0);
   static constexpr int kOwnNT = kTiles / kWarps;          // column tiles per warp (1 or 2)
   static constexpr int kWarpsPerRow = (BV / 8) / kOwnNT;  // warps sharing a 16-row slab
   static constexpr int kLdK = Dk + 8;  // K_, W tiles (16 bytes of padding per row)
@@ -83,7 +92,17 @@ struct Scan16Traits {
   // is as short as its loads allow: one more chunk in flight.
   static constexpr int kStages = kDelta ? 3 : 4;
   static constexpr size_t kVnBytes = kDelta ? kTileBBytes : 0;
-  static constexpr size_t kBytes = (kDelta ? kSCopyBytes : 0) + kVnBytes + kStages * kStageBytes;
+  // The stages' full and empty mbarriers (kBulk) after the stages.
+  static constexpr size_t kBarOffset =
+      (kDelta ? kSCopyBytes : 0) + kVnBytes + kStages * kStageBytes;
+  static constexpr size_t kBytes = kBarOffset + (kBulk ? align_smem(2 * kStages * 8) : 0);
+  // Bytes landing in one stage per chunk of `chunk` rows (kBulk): the
+  // tensor copies write whole padded rows.
+  static constexpr uint32_t stage_tx(int chunk, bool decay) {
+    return static_cast<uint32_t>(sizeof(T) * chunk * (kLdK * (kOut ? 3 : 2) + kLdB) +
+                                 (kOut ? sizeof(T) * chunk * kLdA : 0) +
+                                 (decay ? sizeof(float) * Dk : 0));
+  }
   static_assert(kBytes <= 227 * 1024, "chunk_state_scan16_kernel exceeds Hopper shared memory");
 };
 
@@ -186,7 +205,8 @@ template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChu
           bool kRaw = false, bool kOut = false>
 __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::delta,
                                                 kOut>::kThreads))
-    chunk_state_scan16_kernel(const __grid_constant__ ForwardArgs a) {
+    chunk_state_scan16_kernel(const __grid_constant__ ForwardArgs a,
+                              const __grid_constant__ ScanTileMaps maps) {
   static_assert(!kRaw || (kDecay == Decay::none && kRule == Rule::additive),
                 "only ungated additive rules read their tiles from the inputs");
   static_assert(!kOut || !kRaw, "the fused output reads Q^ and A tiles");
@@ -194,6 +214,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   using Tr = Scan16Traits<T, Dk, Dv, BV, kDelta, kOut>;
   constexpr int kLdK = Tr::kLdK, kLdB = Tr::kLdB, kOwnNT = Tr::kOwnNT;
   constexpr int kStages = Tr::kStages, kWarps = Tr::kWarps;
+  constexpr bool kBulk = Tr::kBulk;
   static_assert(kChunk == 16 || kChunk == 32 || kChunk == 64, "chunk in {16, 32, 64}");
   // Roles within a step. Delta rules: warps [0, kProdWarps) compute W S and
   // V' (one 16 x 8 tile each) while the others ("copy" warps) prefetch the
@@ -229,9 +250,12 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const int g = lane / 4, i2 = 2 * (lane % 4);  // accumulator row, column pair (V')
   const int col0 = vb * BV;
   const bool prod_warp = warp < kProdWarps;
-  // Output warps (kOut) come after the state warps and hold no state.
-  const bool out_warp = kOut && warp >= kWarps;
-  const bool copy_warp = warp >= kCopyWarp0 && !out_warp;
+  // Output warps (kOut) come after the state warps and hold no state; the
+  // producer warp (kBulk) comes last and only loads.
+  const bool state_warp = warp < kWarps;
+  const bool out_warp = kOut && warp >= kWarps && warp < kWarps + Tr::kOutWarps;
+  const bool producer = kBulk && warp == kWarps + Tr::kOutWarps;
+  const bool copy_warp = state_warp && warp >= kCopyWarp0;
   const int copy_tid = tid - 32 * kCopyWarp0;
   // This warp's part of the state block: rows r0 + g, r0 + g + 8, column
   // tiles c0 / 8 .. c0 / 8 + kOwnNT.
@@ -256,7 +280,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
       kOut ? static_cast<const T*>(a.ws_q) + first_tile * kChunk * Dk : nullptr;
   [[maybe_unused]] const T* ws_a =
       kOut ? static_cast<const T*>(a.ws_a) + first_tile * kChunk * kChunk : nullptr;
-  auto prefetch = [&](int cl, int st) {
+  [[maybe_unused]] auto prefetch = [&](int cl, int st) {
     if constexpr (kRaw) {
       const int64_t token0 = seg.token0(cl, kChunk);
       const int length = seg.length(cl, kChunk);
@@ -283,22 +307,76 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
                                                     ws_a + step * kChunk * kChunk, kChunk, copy_tid);
     }
   };
-  // Every thread commits one group per chunk (empty for threads that copy
-  // nothing), so the wait counts below hold for all.
-  for (int p = 0; p < kStages - 1; ++p) {
-    if (p < chunks && copy_warp) prefetch(p, p);
-    cp_async_commit();
+  // kBulk: stage st's barriers; the cluster is the head's column blocks
+  // (one CTA when launched without a cluster).
+  [[maybe_unused]] uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_bytes + Tr::kBarOffset);
+  [[maybe_unused]] uint64_t* empty_bar = full_bar + kStages;
+  [[maybe_unused]] uint32_t cta_rank = 0, cluster_ctas = 1;
+  if constexpr (kBulk) {
+    cta_rank = cluster_rank();
+    cluster_ctas = cluster_size();
+    if (tid == 0) {
+      for (int st = 0; st < kStages; ++st) {
+        mbarrier_init(full_bar + st, 1);
+        mbarrier_init(empty_bar + st, cluster_ctas);
+      }
+      fence_mbarrier_init();
+    }
+    cluster_sync_all();
+  } else {
+    // Every thread commits one group per chunk (empty for threads that copy
+    // nothing), so the wait counts below hold for all.
+    for (int p = 0; p < kStages - 1; ++p) {
+      if (p < chunks && copy_warp) prefetch(p, p);
+      cp_async_commit();
+    }
   }
+  // The producer (kBulk): chunk cl into stage cl % kStages once every CTA of
+  // the cluster is done with the chunk that stage held. This CTA's rows of
+  // K_, W (and Q^, A) go to every CTA; U (its own columns) and the decay
+  // only here.
+  [[maybe_unused]] auto produce = [&]() {
+    constexpr uint32_t kTx = Tr::stage_tx(kChunk, kDecay != Decay::none);
+    // This CTA's rows of the shared tiles (the host's boxes are kChunk / CS
+    // rows: scan_cluster_ctas).
+    const int r0 = static_cast<int>(cta_rank * kChunk / cluster_ctas);
+    const uint16_t mask = static_cast<uint16_t>((1u << cluster_ctas) - 1u);
+    for (int cl = 0, st = 0; cl < chunks; ++cl, st = st + 1 == kStages ? 0 : st + 1) {
+      if (cl >= kStages) mbarrier_wait(empty_bar + st, (cl / kStages - 1) & 1);
+      if (lane != 0) continue;
+      uint64_t* bar = full_bar + st;
+      mbarrier_arrive_expect_tx(bar, kTx);
+      const int row0 = static_cast<int>((first_tile + int64_t{cl} * H) * kChunk);
+      auto shared_tile = [&](T* dst, int ld, const CUtensorMap& map) {
+        if (cluster_ctas == 1)
+          tensor_copy_to_shared(dst, &map, 0, row0, bar);
+        else
+          tensor_copy_multicast(dst + r0 * ld, &map, 0, row0 + r0, bar, mask);
+      };
+      shared_tile(stage_k(st), kLdK, maps.k);
+      shared_tile(stage_w(st), kLdK, maps.w);
+      if constexpr (kOut) {
+        shared_tile(stage_q(st), kLdK, maps.q);
+        shared_tile(stage_a(st), Tr::kLdA, maps.a);
+      }
+      tensor_copy_to_shared(stage_u(st), &maps.u, col0, row0, bar);
+      if constexpr (kDecay != Decay::none)
+        bulk_copy_to_shared(stage_decay(st), ws_decay + int64_t{cl} * H * Dk, Dk * sizeof(float),
+                            bar);
+    }
+  };
+  // The step barriers: the compute warps only (the producer runs ahead).
+  auto step_barrier = [] { named_barrier_sync(1, Tr::kComputeThreads); };
 
   WarpStateTiles<Dv, kOwnNT> s(r0, c0);
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
   const int64_t state_base = (n * H + h) * kStateElems + col0;
-  if (!out_warp) s.load(a.initial_state != nullptr ? a.initial_state + state_base : nullptr);
+  if (state_warp) s.load(a.initial_state != nullptr ? a.initial_state + state_base : nullptr);
   // The rounded copy of this warp's part of the state entering chunk cl
   // (read by every warp's W S, and by the output warps).
   auto store_copy = [&](int cl) {
     if constexpr (kDelta)
-      if (!out_warp) s.store_copy(s_copy(cl), kLdB);
+      if (state_warp) s.store_copy(s_copy(cl), kLdB);
   };
   store_copy(0);
 
@@ -318,17 +396,29 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   T* ws_vnew =
       a.ws_vnew != nullptr ? static_cast<T*>(a.ws_vnew) + first_tile * kChunk * Dv + col0 : nullptr;
 
-  for (int cl = 0, st = 0; cl < chunks; ++cl, st = st + 1 == kStages ? 0 : st + 1) {
+  if constexpr (kBulk)
+    if (producer) produce();
+  for (int cl = 0, st = 0; !producer && cl < chunks;
+       ++cl, st = st + 1 == kStages ? 0 : st + 1) {
     const int64_t state_off = cl * H * kStateElems;
-    // One group per chunk, committed in order: chunk cl's is complete once
-    // at most kStages - 2 younger ones are pending.
-    cp_async_wait<kStages - 2>();
-    // This chunk's stage and the copy of S visible to every warp; every warp
-    // is done with the previous chunk, so its stage can be refilled.
-    __syncthreads();
-    if (copy_warp && cl + kStages - 1 < chunks)
-      prefetch(cl + kStages - 1, st == 0 ? kStages - 1 : st - 1);
-    cp_async_commit();
+    const int prev_st = st == 0 ? kStages - 1 : st - 1;
+    if constexpr (kBulk) {
+      mbarrier_wait(full_bar + st, (cl / kStages) & 1);
+      // The copy of S visible to every warp; every warp is done with the
+      // previous chunk: its stage is free here, so tell the cluster.
+      step_barrier();
+      if (cl > 0 && warp == kCopyWarp0 && lane < static_cast<int>(cluster_ctas))
+        mbarrier_arrive_cluster(empty_bar + prev_st, lane);
+    } else {
+      // One group per chunk, committed in order: chunk cl's is complete once
+      // at most kStages - 2 younger ones are pending.
+      cp_async_wait<kStages - 2>();
+      // This chunk's stage and the copy of S visible to every warp; every
+      // warp is done with the previous chunk, so its stage can be refilled.
+      step_barrier();
+      if (copy_warp && cl + kStages - 1 < chunks) prefetch(cl + kStages - 1, prev_st);
+      cp_async_commit();
+    }
 
     const T* vnew = stage_u(st);  // additive rules: V' = U
     // Output warps (kOut): O = Q^ S_c + A V' for the chunk's valid rows, in
@@ -350,7 +440,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
       }
     }
     if constexpr (kDelta) {
-      if (!prod_warp && !out_warp) save_and_decay(state_off, st);
+      if (!prod_warp && state_warp) save_and_decay(state_off, st);
       // V' = U - W S, rounded to T once (the update below and the output
       // read the same values).
       if (prod_warp) {
@@ -364,7 +454,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
           *reinterpret_cast<uint32_t*>(sVn + off) = pack2<T>(x.x - p[e], x.y - p[e + 1]);
         }
       }
-      __syncthreads();  // V' complete; every read of the copy of S done
+      step_barrier();  // V' complete; every read of the copy of S done
       if (prod_warp) save_and_decay(state_off, st);
       vnew = sVn;
     } else {
@@ -397,7 +487,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
       }
     }
     // S <- S + K_^T V' (K_ stored [t][d]: the transposed operand).
-    if (!out_warp) s.add_xt_y(stage_k(st), kLdK, vnew, kLdB, kChunk);
+    if (state_warp) s.add_xt_y(stage_k(st), kLdK, vnew, kLdB, kChunk);
     store_copy(cl + 1);
     if constexpr (kDelta) {
       if (ws_vnew != nullptr && copy_warp) {
@@ -416,8 +506,10 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
       }
     }
   }
-  cp_async_wait<0>();
-  if (a.final_state != nullptr && !out_warp) s.store(a.final_state + state_base);
+  if constexpr (!kBulk) cp_async_wait<0>();
+  if (a.final_state != nullptr && state_warp) s.store(a.final_state + state_base);
+  // No CTA leaves while the cluster's arrivals may still target it.
+  if constexpr (kBulk) cluster_sync_all();
 }
 
 }  // namespace statescan::cuda::detail

@@ -60,11 +60,14 @@ size_t align_up(size_t x) {
 //                            (the tests use 2 for many groups on short inputs).
 //   STATESCAN_FWD_OUTPUT=kernel|scan  where delta rules with 16-bit inputs
 //                            form o: the separate output kernel (reading
-//                            16-bit states and V' from the workspace) or
-//                            inside the scan (chunk_scan16.cuh, kOut). By
-//                            default the scan when the forward saves fp32
-//                            chunk states for a backward, else the kernel
-//                            (output_in_scan says why).
+//                            16-bit states and V' from the workspace) or,
+//                            the default, inside the scan (chunk_scan16.cuh,
+//                            kOut; output_in_scan says why).
+//   STATESCAN_SCAN_CLUSTER=auto|1|2|4|8  CTAs per thread-block cluster of
+//                            the delta scans that form o (their column blocks
+//                            of a head share the K_, W, Q^ and A loads,
+//                            cluster_copy.cuh); auto: the largest that keeps
+//                            the grid co-resident (scan_cluster_ctas).
 
 // Chunks per group of the grouped linear forward: 16 (1,024 tokens at chunk
 // 64) makes 32 groups per head at 32K, ~4 waves of 512 blocks on an H200,
@@ -79,6 +82,7 @@ struct KernelKnobs {
   bool linear_grouped = true;
   enum class Output { automatic, kernel, scan } output = Output::automatic;
   int64_t group_chunks = kGroupChunks;  // STATESCAN_LINEAR_GROUP_CHUNKS
+  int scan_cluster = 0;                  // STATESCAN_SCAN_CLUSTER, 0 = auto
 };
 
 const KernelKnobs& kernel_knobs() {
@@ -96,6 +100,8 @@ const KernelKnobs& kernel_knobs() {
                : output == 2 ? KernelKnobs::Output::scan
                              : KernelKnobs::Output::automatic;
     k.group_chunks = env_int("STATESCAN_LINEAR_GROUP_CHUNKS", kGroupChunks, 1, 1 << 20);
+    const int cluster = env_choice("STATESCAN_SCAN_CLUSTER", {"auto", "1", "2", "4", "8"});
+    k.scan_cluster = cluster <= 0 ? 0 : 1 << (cluster - 1);
     return k;
   }();
   return knobs;
@@ -110,26 +116,18 @@ bool grouped_linear(const MixerParams& p) {
   return kernel_knobs().linear_grouped && reads_inputs_directly(p);
 }
 // Whether the forward of `p` forms o inside its scan (ForwardArgs::
-// fuse_output): delta rules with 16-bit inputs and the 16-bit scan. Measured
-// on an H200 (bf16, H 16, D 128, 2026-12-02; kernels/cuda/PERF_NOTES.md,
-// "Forward v5"): with fp32 chunk states saved for a backward the scan stores
-// them anyway, and dropping the 16-bit states and V' the output kernel would
-// read makes forward + backward ~2 % faster (DeltaNet 32K 6.044 -> 5.926 ms,
-// 128K 23.898 -> 23.363; KDA 7.363 -> 7.275); without them (inference) the
-// scan's extra loads cost more than the output kernel (DeltaNet forward
-// 1.640 -> 1.666 ms), so the kernel stays.
+// fuse_output): delta rules with 16-bit inputs and the 16-bit scan, unless
+// STATESCAN_FWD_OUTPUT=kernel. Measured on an H200 (bf16, H 16, D 128,
+// 2026-12-02; kernels/cuda/PERF_NOTES.md, forward v8 and v9): v8's fused scan
+// (cp.async loads by the state warps) made forward + backward ~2 % faster but
+// a forward alone slower (DeltaNet 32K 1.640 -> 1.666 ms), so it ran only with
+// chunk states saved; v9's (a producer warp, tensor copies multicast across a
+// cluster) is faster either way: DeltaNet forward 1.640 -> 1.458 ms at 32K,
+// KDA 1.979 -> 1.796.
 bool output_in_scan(const MixerParams& p) {
   const KernelKnobs& k = kernel_knobs();
   if (!has_beta(p.variant) || p.dtype == DType::f32 || k.scan_wmma) return false;
-  switch (k.output) {
-    case KernelKnobs::Output::kernel:
-      return false;
-    case KernelKnobs::Output::scan:
-      return true;
-    case KernelKnobs::Output::automatic:
-      break;
-  }
-  return p.chunk_states != nullptr;
+  return k.output != KernelKnobs::Output::kernel;
 }
 int64_t max_group_slots(const MixerParams& p) {
   const int64_t G = kernel_knobs().group_chunks;
@@ -290,6 +288,7 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.scan_block_cols = kernel_knobs().scan_block_cols;
   a.prepare_fp32_tiles = kernel_knobs().prepare_fp32_tiles;
   a.scan_wmma = kernel_knobs().scan_wmma;
+  a.scan_cluster = kernel_knobs().scan_cluster;
   a.heads = p.heads;
   a.seq_len = p.seq_len;
   a.chunk = static_cast<int>(p.chunk);

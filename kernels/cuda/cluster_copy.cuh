@@ -1,0 +1,148 @@
+// Thread-block-cluster loads for the sequential scans (sm_90): tensor copies
+// (cp.async.bulk.tensor, TMA) from global into shared memory, multicast to
+// every CTA of a cluster, completed on mbarriers, and the barrier operations
+// a producer/consumer pipeline across a cluster needs.
+//
+// Why: a delta-rule scan runs Dv / BV CTAs per head, and every one of them
+// loads the chunk's whole K_ and W tiles (32 KB per step at Dk = 128). ncu
+// (deltanet 32K, 2026-12-02) put chunk_state_scan16_kernel at 88.7 % of L2
+// throughput: the step waited on L2, not on its products. A cluster of a
+// head's column blocks loads each tile once: CTA r copies rows
+// [r C / CS, (r + 1) C / CS) into the same offset of every CTA's shared
+// memory, so the L2 reads of those tiles drop CS-fold. One tensor copy per
+// tile: a first version copied row by row (cp.async.bulk, 256 B each) and
+// ran 4x slower, ~35 ns per copy instruction on the CTA's path (the
+// output-in-scan kernel, with 1.5x the row copies, 1.5x slower again).
+//
+// Protocol (one pipeline stage st of kStages; chunk c uses stage c % kStages):
+//   full[st]  (count 1, in each CTA): the CTA's producer arms it with the
+//             stage's total bytes (arrive.expect_tx); every copy into the
+//             CTA, its own and the other CTAs' multicasts, completes bytes on
+//             it. Consumers wait on parity (c / kStages) & 1.
+//   empty[st] (count CS, in each CTA): after all of a CTA's consumers are done
+//             with chunk c's stage, one thread arrives on empty[st] of every
+//             CTA of the cluster. A producer refilling stage st with chunk
+//             c + kStages waits for that phase first: nobody still reads the
+//             rows it is about to overwrite anywhere in the cluster.
+// A remote copy may complete bytes on full[st] before the local producer
+// arms it: the transaction count goes negative and the phase still waits for
+// the pending arrival, so the order does not matter. The kernel must sync the
+// cluster after initialising the barriers and before any CTA exits (remote
+// arrivals and copies may still target it).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+
+#include <cstdint>
+
+#include "kernels/cuda/warp_mma.cuh"  // shared_address
+
+namespace statescan::cuda::detail {
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t cluster_size() {
+  uint32_t n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return n;
+}
+
+// Every thread of every CTA of the cluster (also a plain block barrier when
+// the cluster is one CTA). Release/acquire: barrier initialisation and shared
+// memory writes before it are visible to the cluster after it.
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+
+// A barrier over the first `threads` threads of the block (a multiple of 32),
+// id 1..15 (0 is __syncthreads'): the consumers' step barriers when a
+// producer warp runs its own loop.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(count)
+               : "memory");
+}
+
+// Makes the initialisations visible to the cluster's other CTAs and to the
+// async proxy (the bulk copies); a cluster_sync_all must follow.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Arrives once on the local barrier and expects `bytes` more transaction bytes.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   shared_address(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Arrives once on the barrier at the same offset in CTA `cta` of the cluster.
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(bar)),
+               "r"(cta));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
+               : "memory");
+}
+
+// Waits until the barrier's phase of parity `parity` has completed. Acquire
+// at cluster scope: the arrivals may come from other CTAs.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = shared_address(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// bytes (a multiple of 16; both addresses 16-byte aligned) from global to this
+// CTA's shared memory, completed on `bar`.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes,
+                                                    uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(bar))
+      : "memory");
+}
+
+// A box of a 2D tensor map (tensor_map_2d) at column c0, row c1 into this
+// CTA's shared memory (128-byte aligned), completed on `bar`: one instruction
+// for a whole tile, its row padding included (the box is wider than the
+// tensor; columns past its end arrive as zeros).
+__device__ __forceinline__ void tensor_copy_to_shared(void* dst, const CUtensorMap* map, int c0,
+                                                      int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// The same box into the same offset of every CTA in `mask` (cluster ranks),
+// each completed on the barrier at `bar`'s offset in that CTA.
+__device__ __forceinline__ void tensor_copy_multicast(void* dst, const CUtensorMap* map, int c0,
+                                                      int c1, uint64_t* bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%4, %5}], [%2], %3;" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(bar)), "h"(mask), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+}  // namespace statescan::cuda::detail
