@@ -248,10 +248,11 @@ constexpr int kThreads = 256;
 
 // ---- split-K GEMMs (the kernels above) ----------------------------------------
 
-// STATESCAN_LACT_SPLIT_K: unset or 1 no split (the default until the split
-// has run on a GPU: written 2026-12-02 after that session's device time was
-// spent); 0 the automatic choice (split_k_slices); S > 1 up to S slices of
-// >= 16 on every fp32-output GEMM that gemm_sliced runs (the tests force 4).
+// STATESCAN_LACT_SPLIT_K: unset or 1 no split (the default: on an H200 at the
+// benchmark shape the split was slower, forward 141.7 ms -> 203.6 automatic,
+// 417.9 with 8 slices, 2026-12-02; README, LaCT); 0 the automatic choice
+// (split_k_slices); S > 1 up to S slices of >= 16 on every fp32-output GEMM
+// that gemm_sliced runs (the tests force 4).
 inline int64_t split_k_knob() {
   static const int64_t knob = env_int("STATESCAN_LACT_SPLIT_K", 1, 0, 64);
   return knob;
@@ -1672,7 +1673,7 @@ class NewtonSchulz {
   Scratch<double> sums_;
   bool split_ = std::is_same<U, float>::value && ns_gemms_requested() != NsGemms::fp32;
   // STATESCAN_LACT_NS=fused: split-mode products through ns_gemm_fused_kernel
-  // where fused_fits (opt-in, not yet run on a GPU).
+  // where fused_fits (opt-in: passes the GPU suite, slower on an H200; README).
   bool fused_ = split_ && ns_gemms_requested() == NsGemms::fused;
   Scratch<bf16> split_a_, split_b_;
   SplitKey split_a_key_, split_b_key_;
