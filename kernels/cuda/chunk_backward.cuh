@@ -1343,7 +1343,7 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
         constexpr int kC = decltype(chunk_tag)::value;
         launch_kernel(chunk_grad_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, true>,
                       scan_grid, ScanTr::kThreads, ScanTr::kBytes, stream,
-                      "chunk_grad_scan16_kernel (raw)", a);
+                      "chunk_grad_scan16_kernel (raw)", a, ScanTileMaps{});
         if (state_grad_only) return;
         launch_kernel(chunk_grad_raw16_kernel<Elem, Dk, Dv, kC>,
                       dim3(static_cast<unsigned>(a.f.num_chunks), static_cast<unsigned>(a.f.heads)),
@@ -1359,10 +1359,21 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
   } else if constexpr (!std::is_same_v<Elem, float>) {
     using ScanTr = GradScan16Traits<Elem, Dk, Dv, kBV, kRule == Rule::delta>;
     with_chunk_size(a.f.chunk, [&](auto chunk_tag) {
-      launch_kernel(
-          chunk_grad_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, decltype(chunk_tag)::value>,
-          scan_grid, ScanTr::kThreads, ScanTr::kBytes, stream, "chunk_grad_scan16_kernel",
-          a);
+      constexpr int kC = decltype(chunk_tag)::value;
+      auto kernel = chunk_grad_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC>;
+      if constexpr (ScanTr::kBulk) {
+        // Clusters of the head's column blocks share A, K_, W and Q^
+        // (chunk_grad_scan16.cuh), tensor maps as the forward's.
+        const unsigned cluster = scan_cluster_ctas(kernel, scan_grid, ScanTr::kThreads,
+                                                   ScanTr::kBytes, kC, a.f.scan_cluster);
+        const ScanTileMaps maps =
+            shared_tile_maps<Dk, ScanTr::kLdK, ScanTr::kLdC>(a.f, kC, cluster);
+        launch_kernel_cluster(kernel, scan_grid, ScanTr::kThreads, ScanTr::kBytes, cluster, stream,
+                              "chunk_grad_scan16_kernel", a, maps);
+      } else {
+        launch_kernel(kernel, scan_grid, ScanTr::kThreads, ScanTr::kBytes, stream,
+                      "chunk_grad_scan16_kernel", a, ScanTileMaps{});
+      }
     });
   }
   if (state_grad_only) return;

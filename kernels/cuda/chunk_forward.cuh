@@ -240,6 +240,23 @@ struct ScanTileMaps {
   CUtensorMap k, w, u, q, a;
 };
 
+// The maps of the tiles a head's column blocks share (K_, W, Q^, A; U is
+// per block, left null here): arrays of [tiles * C][cols], a cluster CTA's
+// box its share of a tile's rows, padded to the shared-memory rows kLdK, kLdA.
+template <int Dk, int kLdK, int kLdA>
+ScanTileMaps shared_tile_maps(const ForwardArgs& a, int chunk, unsigned cluster) {
+  const int64_t rows = a.num_chunks * a.heads * chunk;
+  SS_CHECK_ARG(rows < (int64_t{1} << 31), "q",
+               "too many chunk tiles for the scans' 32-bit tensor coordinates");
+  const int share = chunk / static_cast<int>(cluster);
+  ScanTileMaps maps{};
+  maps.k = tile_map_2d(a.ws_k, rows, Dk, kLdK, share);
+  maps.w = tile_map_2d(a.ws_w, rows, Dk, kLdK, share);
+  maps.q = tile_map_2d(a.ws_q, rows, Dk, kLdK, share);
+  maps.a = tile_map_2d(a.ws_a, rows, chunk, kLdA, share);
+  return maps;
+}
+
 // First flattened token (b*T + t) and valid length of global chunk c.
 __device__ __forceinline__ void chunk_geometry(const ForwardArgs& a, int64_t c, int64_t& token0,
                                                int& length) {
@@ -1104,16 +1121,9 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
                 chunk_state_scan16_kernel<kDecay, kRule, Elem, Dk, Dv, kBV, kC, false, true>;
             const unsigned cluster = scan_cluster_ctas(kernel, grid, FusedTr::kThreads,
                                                        FusedTr::kBytes, kC, a.scan_cluster);
-            const int64_t rows = a.num_chunks * a.heads * kC;
-            SS_CHECK_ARG(rows < (int64_t{1} << 31), "q",
-                         "too many chunk tiles for the scan's 32-bit tensor coordinates");
-            const int share = kC / static_cast<int>(cluster);
-            ScanTileMaps maps{};
-            maps.k = tile_map_2d(a.ws_k, rows, Dk, FusedTr::kLdK, share);
-            maps.w = tile_map_2d(a.ws_w, rows, Dk, FusedTr::kLdK, share);
-            maps.u = tile_map_2d(a.ws_u, rows, Dv, FusedTr::kLdB, kC);
-            maps.q = tile_map_2d(a.ws_q, rows, Dk, FusedTr::kLdK, share);
-            maps.a = tile_map_2d(a.ws_a, rows, kC, FusedTr::kLdA, share);
+            ScanTileMaps maps =
+                shared_tile_maps<Dk, FusedTr::kLdK, FusedTr::kLdA>(a, kC, cluster);
+            maps.u = tile_map_2d(a.ws_u, a.num_chunks * a.heads * kC, Dv, FusedTr::kLdB, kC);
             launch_kernel_cluster(kernel, grid, FusedTr::kThreads, FusedTr::kBytes, cluster,
                                   stream, "chunk_state_scan16_kernel (output)", a, maps);
             return;

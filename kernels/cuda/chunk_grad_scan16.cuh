@@ -31,8 +31,14 @@ namespace statescan::cuda::detail {
 template <typename T, int Dk, int Dv, int BV, bool kDelta>
 struct GradScan16Traits {
   using Warps = Scan16Traits<T, Dk, Dv, BV, kDelta>;  // the same split of the state block
-  // Its state warps only (the forward's producer warp is the forward's).
-  static constexpr int kThreads = Warps::kComputeThreads;
+  // Delta rules (backward v5): one more warp, the producer, loads A, K_, W,
+  // Q^ and gamma with tensor copies, the first four multicast across a
+  // cluster of the head's column blocks (as the forward's output-in-scan
+  // kernel, cluster_copy.cuh); dO, whose rows past a sequence's end must read
+  // as zeros, stays with the state warps' cp.async.
+  static constexpr bool kBulk = kDelta;
+  static constexpr int kComputeThreads = Warps::kComputeThreads;
+  static constexpr int kThreads = kComputeThreads + (kBulk ? 32 : 0);
   static constexpr int kMaxChunk = 64;
   static constexpr int kLdK = Dk + 8;         // Q^, K_, W (16-bit, 16 bytes of padding)
   static constexpr int kLdC = kMaxChunk + 8;  // A
@@ -53,8 +59,15 @@ struct GradScan16Traits {
   static constexpr size_t kStageBytes = kOffG + kGammaBytes;
   static constexpr size_t kCopyBytes = kDelta ? align_smem(sizeof(T) * Dk * kLdB) : 0;
   static constexpr size_t kDVBytes = kDelta ? align_smem(sizeof(T) * kMaxChunk * kLdB) : 0;
-  static constexpr size_t kBytes = kStages * kStageBytes + kCopyBytes + kDVBytes;
+  // The stages' full and empty mbarriers (kBulk) after everything else.
+  static constexpr size_t kBarOffset = kStages * kStageBytes + kCopyBytes + kDVBytes;
+  static constexpr size_t kBytes = kBarOffset + (kBulk ? align_smem(2 * kStages * 8) : 0);
   static_assert(kBytes <= 227 * 1024, "chunk_grad_scan16_kernel exceeds Hopper shared memory");
+  // Bytes the producer's copies land in one stage (kBulk): whole padded rows.
+  static constexpr uint32_t stage_tx(int chunk, bool decay) {
+    return static_cast<uint32_t>(sizeof(T) * chunk * (kLdC + 3 * kLdK) +
+                                 (decay ? sizeof(float) * Dk : 0));
+  }
 };
 
 // kRaw (linear attention without the L2 norm, ForwardArgs::raw_additive):
@@ -66,7 +79,8 @@ struct GradScan16Traits {
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, int BV, int kChunk,
           bool kRaw = false>
 __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule::delta>::kThreads))
-    chunk_grad_scan16_kernel(const __grid_constant__ BackwardArgs a) {
+    chunk_grad_scan16_kernel(const __grid_constant__ BackwardArgs a,
+                             const __grid_constant__ ScanTileMaps maps) {
   static_assert(!kRaw || (kDecay == Decay::none && kRule == Rule::additive),
                 "only ungated additive rules read q from the inputs");
   constexpr bool kDelta = kRule == Rule::delta;
@@ -74,6 +88,7 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
   using Wr = typename Tr::Warps;
   constexpr int kLdK = Tr::kLdK, kLdC = Tr::kLdC, kLdB = Tr::kLdB, kOwnNT = Wr::kOwnNT;
   constexpr int kStages = Tr::kStages, kWarps = Wr::kWarps;
+  constexpr bool kBulk = Tr::kBulk;
   static_assert(kChunk == 16 || kChunk == 32 || kChunk == 64, "chunk in {16, 32, 64}");
   // Roles as in chunk_state_scan16_kernel: product warps compute one dV'
   // tile each; copy warps prefetch, save and decay before the barrier.
@@ -99,7 +114,8 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
   const int g = lane / 4, i2 = 2 * (lane % 4);
   const int col0 = vb * BV;
   const bool prod_warp = warp < kProdWarps;
-  const bool copy_warp = warp >= kCopyWarp0;
+  const bool producer = kBulk && warp == kWarps;  // last; holds no dS
+  const bool copy_warp = warp >= kCopyWarp0 && !producer;
   const int copy_tid = tid - 32 * kCopyWarp0;
   const int r0 = 16 * (warp / Wr::kWarpsPerRow), c0 = 8 * kOwnNT * (warp % Wr::kWarpsPerRow);
   const int wi = warp / (BV / 8), wc = 8 * (warp % (BV / 8));  // dV' tile (product warps)
@@ -111,11 +127,16 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
   const SegmentTokens seg = segment_tokens(f, first_chunk, num_chunks);
 
   // Queues chunk cl's tiles into buffer st (copy warps; the caller commits).
-  // dO rows past the chunk's end are zeros.
+  // dO rows past the chunk's end are zeros. kBulk: dO only.
   auto prefetch = [&](int cl, int st) {
     const int64_t tile = first_tile + cl * H;
     const int64_t token0 = seg.token0(cl, kChunk);
     const int length = seg.length(cl, kChunk);
+    if constexpr (kBulk) {
+      copy_chunk_rows_async<kCopyThreads, kChunk, BV, Dv, T>(stO(st), kLdB, a.d_o, token0, H, h,
+                                                             col0, copy_tid, length);
+      return;
+    }
     if constexpr (kDelta) {
       copy_rows_async<kCopyThreads, kChunk, kChunk>(
           stA(st), kLdC, static_cast<const T*>(f.ws_a) + tile * kChunk * kChunk, kChunk, copy_tid);
@@ -135,19 +156,67 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
     if constexpr (kDecay != Decay::none)
       copy_rows_async<kCopyThreads, 1, Dk>(stGamma(st), Dk, f.ws_decay + tile * Dk, Dk, copy_tid);
   };
+  // kBulk: stage st's barriers (cluster_copy.cuh's protocol, walking the
+  // chunks backwards).
+  [[maybe_unused]] uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_bytes + Tr::kBarOffset);
+  [[maybe_unused]] uint64_t* empty_bar = full_bar + kStages;
+  [[maybe_unused]] uint32_t cta_rank = 0, cluster_ctas = 1;
+  if constexpr (kBulk) {
+    cta_rank = cluster_rank();
+    cluster_ctas = cluster_size();
+    if (tid == 0) {
+      for (int st = 0; st < kStages; ++st) {
+        mbarrier_init(full_bar + st, 1);
+        mbarrier_init(empty_bar + st, cluster_ctas);
+      }
+      fence_mbarrier_init();
+    }
+    cluster_sync_all();
+  }
   // Step i takes chunk chunks - 1 - i from buffer i % kStages; every thread
   // commits one group per chunk (empty for threads that copy nothing).
-  for (int p = 0; p < kStages - 1; ++p) {
-    if (p < chunks && copy_warp) prefetch(chunks - 1 - p, p);
-    cp_async_commit();
-  }
+  if (!producer)
+    for (int p = 0; p < kStages - 1; ++p) {
+      if (p < chunks && copy_warp) prefetch(chunks - 1 - p, p);
+      cp_async_commit();
+    }
+  // The producer (kBulk): step i's A, K_, W, Q^ (this CTA's rows, to every
+  // CTA of the cluster) and gamma into buffer i % kStages once every CTA is
+  // done with the step that buffer held.
+  [[maybe_unused]] auto produce = [&]() {
+    constexpr uint32_t kTx = Tr::stage_tx(kChunk, kDecay != Decay::none);
+    const int r0 = static_cast<int>(cta_rank * kChunk / cluster_ctas);
+    const uint16_t mask = static_cast<uint16_t>((1u << cluster_ctas) - 1u);
+    for (int i = 0, st = 0; i < chunks; ++i, st = st + 1 == kStages ? 0 : st + 1) {
+      if (i >= kStages) mbarrier_wait(empty_bar + st, (i / kStages - 1) & 1);
+      if (lane != 0) continue;
+      uint64_t* bar = full_bar + st;
+      mbarrier_arrive_expect_tx(bar, kTx);
+      const int64_t tile = first_tile + int64_t{chunks - 1 - i} * H;
+      const int row0 = static_cast<int>(tile * kChunk);
+      auto shared_tile = [&](T* dst, int ld, const CUtensorMap& map) {
+        if (cluster_ctas == 1)
+          tensor_copy_to_shared(dst, &map, 0, row0, bar);
+        else
+          tensor_copy_multicast(dst + r0 * ld, &map, 0, row0 + r0, bar, mask);
+      };
+      shared_tile(stA(st), kLdC, maps.a);
+      shared_tile(stK(st), kLdK, maps.k);
+      shared_tile(stW(st), kLdK, maps.w);
+      shared_tile(stQ(st), kLdK, maps.q);
+      if constexpr (kDecay != Decay::none)
+        bulk_copy_to_shared(stGamma(st), f.ws_decay + tile * Dk, Dk * sizeof(float), bar);
+    }
+  };
+  auto step_barrier = [] { named_barrier_sync(1, Tr::kComputeThreads); };
 
   WarpStateTiles<Dv, kOwnNT> ds(r0, c0);
   constexpr int64_t kStateElems = static_cast<int64_t>(Dk) * Dv;
   const int64_t state_base = (n * H + h) * kStateElems + col0;
-  ds.load(a.d_final_state != nullptr ? a.d_final_state + state_base : nullptr);
+  if (!producer) ds.load(a.d_final_state != nullptr ? a.d_final_state + state_base : nullptr);
   auto store_copy = [&] {
-    if constexpr (kDelta) ds.store_copy(sdSop, kLdB);
+    if constexpr (kDelta)
+      if (!producer) ds.store_copy(sdSop, kLdB);
   };
   store_copy();
 
@@ -161,15 +230,23 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
     if constexpr (kDecay != Decay::none) ds.scale_rows(stGamma(st));
   };
 
-  for (int cl = chunks - 1, st = 0; cl >= 0; --cl, st = st + 1 == kStages ? 0 : st + 1) {
+  if constexpr (kBulk)
+    if (producer) produce();
+  for (int cl = chunks - 1, st = 0; !producer && cl >= 0;
+       --cl, st = st + 1 == kStages ? 0 : st + 1) {
+    const int prev_st = st == 0 ? kStages - 1 : st - 1;
     // This chunk's group is complete once at most kStages - 2 younger ones
     // are pending.
     cp_async_wait<kStages - 2>();
+    if constexpr (kBulk) mbarrier_wait(full_bar + st, ((chunks - 1 - cl) / kStages) & 1);
     // Its tiles and the copy of dS visible to every warp; every warp is done
-    // with the previous (later) chunk, so that buffer can be refilled.
-    __syncthreads();
-    if (copy_warp && cl - (kStages - 1) >= 0)
-      prefetch(cl - (kStages - 1), st == 0 ? kStages - 1 : st - 1);
+    // with the previous (later) chunk, so that buffer can be refilled (kBulk:
+    // tell the cluster).
+    step_barrier();
+    if constexpr (kBulk)
+      if (cl < chunks - 1 && warp == kCopyWarp0 && lane < static_cast<int>(cluster_ctas))
+        mbarrier_arrive_cluster(empty_bar + prev_st, lane);
+    if (copy_warp && cl - (kStages - 1) >= 0) prefetch(cl - (kStages - 1), prev_st);
     cp_async_commit();
 
     if constexpr (kDelta) {
@@ -186,7 +263,7 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
           *reinterpret_cast<uint32_t*>(sdVneg + (16 * wi + g + 4 * e) * kLdB + wc + i2) =
               pack2<T>(-dv[e], -dv[e + 1]);
       }
-      __syncthreads();  // -dV' complete; every read of the copy of dS done
+      step_barrier();  // -dV' complete; every read of the copy of dS done
       if (prod_warp) save_and_decay(cl, st);
     } else {
       save_and_decay(cl, st);
@@ -201,7 +278,9 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
     store_copy();
   }
   cp_async_wait<0>();
-  if (a.d_initial_state != nullptr) ds.store(a.d_initial_state + state_base);
+  if (a.d_initial_state != nullptr && !producer) ds.store(a.d_initial_state + state_base);
+  // No CTA leaves while the cluster's arrivals may still target it.
+  if constexpr (kBulk) cluster_sync_all();
 }
 
 }  // namespace statescan::cuda::detail
