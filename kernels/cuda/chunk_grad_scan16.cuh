@@ -156,23 +156,10 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
     if constexpr (kDecay != Decay::none)
       copy_rows_async<kCopyThreads, 1, Dk>(stGamma(st), Dk, f.ws_decay + tile * Dk, Dk, copy_tid);
   };
-  // kBulk: stage st's barriers (cluster_copy.cuh's protocol, walking the
-  // chunks backwards).
-  [[maybe_unused]] uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_bytes + Tr::kBarOffset);
-  [[maybe_unused]] uint64_t* empty_bar = full_bar + kStages;
-  [[maybe_unused]] uint32_t cta_rank = 0, cluster_ctas = 1;
-  if constexpr (kBulk) {
-    cta_rank = cluster_rank();
-    cluster_ctas = cluster_size();
-    if (tid == 0) {
-      for (int st = 0; st < kStages; ++st) {
-        mbarrier_init(full_bar + st, 1);
-        mbarrier_init(empty_bar + st, cluster_ctas);
-      }
-      fence_mbarrier_init();
-    }
-    cluster_sync_all();
-  }
+  // kBulk: the stages' barriers across the cluster (cluster_copy.cuh's
+  // protocol; step i is chunk chunks - 1 - i).
+  [[maybe_unused]] ClusterPipeline<kStages> pipe;
+  if constexpr (kBulk) pipe.init(smem_bytes + Tr::kBarOffset, tid, kChunk);
   // Step i takes chunk chunks - 1 - i from buffer i % kStages; every thread
   // commits one group per chunk (empty for threads that copy nothing).
   if (!producer)
@@ -185,27 +172,17 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
   // done with the step that buffer held.
   [[maybe_unused]] auto produce = [&]() {
     constexpr uint32_t kTx = Tr::stage_tx(kChunk, kDecay != Decay::none);
-    const int r0 = static_cast<int>(cta_rank * kChunk / cluster_ctas);
-    const uint16_t mask = static_cast<uint16_t>((1u << cluster_ctas) - 1u);
     for (int i = 0, st = 0; i < chunks; ++i, st = st + 1 == kStages ? 0 : st + 1) {
-      if (i >= kStages) mbarrier_wait(empty_bar + st, (i / kStages - 1) & 1);
-      if (lane != 0) continue;
-      uint64_t* bar = full_bar + st;
-      mbarrier_arrive_expect_tx(bar, kTx);
+      if (!pipe.acquire(i, st, lane, kTx)) continue;
       const int64_t tile = first_tile + int64_t{chunks - 1 - i} * H;
-      const int row0 = static_cast<int>(tile * kChunk);
-      auto shared_tile = [&](T* dst, int ld, const CUtensorMap& map) {
-        if (cluster_ctas == 1)
-          tensor_copy_to_shared(dst, &map, 0, row0, bar);
-        else
-          tensor_copy_multicast(dst + r0 * ld, &map, 0, row0 + r0, bar, mask);
-      };
-      shared_tile(stA(st), kLdC, maps.a);
-      shared_tile(stK(st), kLdK, maps.k);
-      shared_tile(stW(st), kLdK, maps.w);
-      shared_tile(stQ(st), kLdK, maps.q);
+      const int tile_row = static_cast<int>(tile * kChunk);
+      pipe.shared_tile(stA(st), kLdC, maps.a, tile_row, st);
+      pipe.shared_tile(stK(st), kLdK, maps.k, tile_row, st);
+      pipe.shared_tile(stW(st), kLdK, maps.w, tile_row, st);
+      pipe.shared_tile(stQ(st), kLdK, maps.q, tile_row, st);
       if constexpr (kDecay != Decay::none)
-        bulk_copy_to_shared(stGamma(st), f.ws_decay + tile * Dk, Dk * sizeof(float), bar);
+        bulk_copy_to_shared(stGamma(st), f.ws_decay + tile * Dk, Dk * sizeof(float),
+                            pipe.full + st);
     }
   };
   auto step_barrier = [] { named_barrier_sync(1, Tr::kComputeThreads); };
@@ -238,14 +215,13 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
     // This chunk's group is complete once at most kStages - 2 younger ones
     // are pending.
     cp_async_wait<kStages - 2>();
-    if constexpr (kBulk) mbarrier_wait(full_bar + st, ((chunks - 1 - cl) / kStages) & 1);
+    if constexpr (kBulk) pipe.wait(chunks - 1 - cl, st);
     // Its tiles and the copy of dS visible to every warp; every warp is done
     // with the previous (later) chunk, so that buffer can be refilled (kBulk:
     // tell the cluster).
     step_barrier();
     if constexpr (kBulk)
-      if (cl < chunks - 1 && warp == kCopyWarp0 && lane < static_cast<int>(cluster_ctas))
-        mbarrier_arrive_cluster(empty_bar + prev_st, lane);
+      if (cl < chunks - 1 && warp == kCopyWarp0) pipe.release(prev_st, lane);
     if (copy_warp && cl - (kStages - 1) >= 0) prefetch(cl - (kStages - 1), prev_st);
     cp_async_commit();
 
@@ -280,7 +256,7 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
   cp_async_wait<0>();
   if (a.d_initial_state != nullptr && !producer) ds.store(a.d_initial_state + state_base);
   // No CTA leaves while the cluster's arrivals may still target it.
-  if constexpr (kBulk) cluster_sync_all();
+  if constexpr (kBulk) pipe.finish();
 }
 
 }  // namespace statescan::cuda::detail

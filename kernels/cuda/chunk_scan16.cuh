@@ -307,22 +307,11 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
                                                     ws_a + step * kChunk * kChunk, kChunk, copy_tid);
     }
   };
-  // kBulk: stage st's barriers; the cluster is the head's column blocks
-  // (one CTA when launched without a cluster).
-  [[maybe_unused]] uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_bytes + Tr::kBarOffset);
-  [[maybe_unused]] uint64_t* empty_bar = full_bar + kStages;
-  [[maybe_unused]] uint32_t cta_rank = 0, cluster_ctas = 1;
+  // kBulk: the stages' barriers across the cluster of the head's column
+  // blocks (one CTA when launched without a cluster).
+  [[maybe_unused]] ClusterPipeline<kStages> pipe;
   if constexpr (kBulk) {
-    cta_rank = cluster_rank();
-    cluster_ctas = cluster_size();
-    if (tid == 0) {
-      for (int st = 0; st < kStages; ++st) {
-        mbarrier_init(full_bar + st, 1);
-        mbarrier_init(empty_bar + st, cluster_ctas);
-      }
-      fence_mbarrier_init();
-    }
-    cluster_sync_all();
+    pipe.init(smem_bytes + Tr::kBarOffset, tid, kChunk);
   } else {
     // Every thread commits one group per chunk (empty for threads that copy
     // nothing), so the wait counts below hold for all.
@@ -333,36 +322,23 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   }
   // The producer (kBulk): chunk cl into stage cl % kStages once every CTA of
   // the cluster is done with the chunk that stage held. This CTA's rows of
-  // K_, W (and Q^, A) go to every CTA; U (its own columns) and the decay
-  // only here.
+  // K_, W, Q^ and A go to every CTA; U (its own columns) and the decay only
+  // here.
   [[maybe_unused]] auto produce = [&]() {
     constexpr uint32_t kTx = Tr::stage_tx(kChunk, kDecay != Decay::none);
-    // This CTA's rows of the shared tiles (the host's boxes are kChunk / CS
-    // rows: scan_cluster_ctas).
-    const int r0 = static_cast<int>(cta_rank * kChunk / cluster_ctas);
-    const uint16_t mask = static_cast<uint16_t>((1u << cluster_ctas) - 1u);
     for (int cl = 0, st = 0; cl < chunks; ++cl, st = st + 1 == kStages ? 0 : st + 1) {
-      if (cl >= kStages) mbarrier_wait(empty_bar + st, (cl / kStages - 1) & 1);
-      if (lane != 0) continue;
-      uint64_t* bar = full_bar + st;
-      mbarrier_arrive_expect_tx(bar, kTx);
-      const int row0 = static_cast<int>((first_tile + int64_t{cl} * H) * kChunk);
-      auto shared_tile = [&](T* dst, int ld, const CUtensorMap& map) {
-        if (cluster_ctas == 1)
-          tensor_copy_to_shared(dst, &map, 0, row0, bar);
-        else
-          tensor_copy_multicast(dst + r0 * ld, &map, 0, row0 + r0, bar, mask);
-      };
-      shared_tile(stage_k(st), kLdK, maps.k);
-      shared_tile(stage_w(st), kLdK, maps.w);
+      if (!pipe.acquire(cl, st, lane, kTx)) continue;
+      const int tile_row = static_cast<int>((first_tile + int64_t{cl} * H) * kChunk);
+      pipe.shared_tile(stage_k(st), kLdK, maps.k, tile_row, st);
+      pipe.shared_tile(stage_w(st), kLdK, maps.w, tile_row, st);
       if constexpr (kOut) {
-        shared_tile(stage_q(st), kLdK, maps.q);
-        shared_tile(stage_a(st), Tr::kLdA, maps.a);
+        pipe.shared_tile(stage_q(st), kLdK, maps.q, tile_row, st);
+        pipe.shared_tile(stage_a(st), Tr::kLdA, maps.a, tile_row, st);
       }
-      tensor_copy_to_shared(stage_u(st), &maps.u, col0, row0, bar);
+      tensor_copy_to_shared(stage_u(st), &maps.u, col0, tile_row, pipe.full + st);
       if constexpr (kDecay != Decay::none)
         bulk_copy_to_shared(stage_decay(st), ws_decay + int64_t{cl} * H * Dk, Dk * sizeof(float),
-                            bar);
+                            pipe.full + st);
     }
   };
   // The step barriers: the compute warps only (the producer runs ahead).
@@ -403,12 +379,11 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
     const int64_t state_off = cl * H * kStateElems;
     const int prev_st = st == 0 ? kStages - 1 : st - 1;
     if constexpr (kBulk) {
-      mbarrier_wait(full_bar + st, (cl / kStages) & 1);
+      pipe.wait(cl, st);
       // The copy of S visible to every warp; every warp is done with the
       // previous chunk: its stage is free here, so tell the cluster.
       step_barrier();
-      if (cl > 0 && warp == kCopyWarp0 && lane < static_cast<int>(cluster_ctas))
-        mbarrier_arrive_cluster(empty_bar + prev_st, lane);
+      if (cl > 0 && warp == kCopyWarp0) pipe.release(prev_st, lane);
     } else {
       // One group per chunk, committed in order: chunk cl's is complete once
       // at most kStages - 2 younger ones are pending.
@@ -509,7 +484,7 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   if constexpr (!kBulk) cp_async_wait<0>();
   if (a.final_state != nullptr && state_warp) s.store(a.final_state + state_base);
   // No CTA leaves while the cluster's arrivals may still target it.
-  if constexpr (kBulk) cluster_sync_all();
+  if constexpr (kBulk) pipe.finish();
 }
 
 }  // namespace statescan::cuda::detail

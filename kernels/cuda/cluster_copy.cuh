@@ -145,4 +145,64 @@ __device__ __forceinline__ void tensor_copy_multicast(void* dst, const CUtensorM
       : "memory");
 }
 
+// The barriers of a kStages-deep pipeline across the cluster (the protocol
+// above): 2 kStages mbarriers in shared memory. Default-constructed empty;
+// init() by every thread of the CTA.
+template <int kStages>
+struct ClusterPipeline {
+  uint64_t* full = nullptr;
+  uint64_t* empty = nullptr;
+  uint32_t ctas = 1;
+  int row0 = 0;  // this CTA's first row of a shared tile
+
+  // Thread 0 initialises the barriers at `bars`, then the whole cluster
+  // syncs: no remote arrival or copy may reach a barrier before that. Tiles
+  // shared by the cluster have `chunk` rows, chunk / ctas per CTA.
+  __device__ void init(unsigned char* bars, int tid, int chunk) {
+    full = reinterpret_cast<uint64_t*>(bars);
+    empty = full + kStages;
+    ctas = cluster_size();
+    row0 = static_cast<int>(cluster_rank() * chunk / ctas);
+    if (tid == 0) {
+      for (int st = 0; st < kStages; ++st) {
+        mbarrier_init(full + st, 1);
+        mbarrier_init(empty + st, ctas);
+      }
+      fence_mbarrier_init();
+    }
+    cluster_sync_all();
+  }
+  // Producer warp, step i into stage st: waits until every CTA of the
+  // cluster is done with the step the stage held; lane 0 arms full[st] with
+  // the stage's `bytes` and returns true: it issues the step's copies.
+  __device__ bool acquire(int i, int st, int lane, uint32_t bytes) {
+    if (i >= kStages) mbarrier_wait(empty + st, (i / kStages - 1) & 1);
+    if (lane != 0) return false;
+    mbarrier_arrive_expect_tx(full + st, bytes);
+    return true;
+  }
+  // Consumers: step i's stage has landed.
+  __device__ void wait(int i, int st) { mbarrier_wait(full + st, (i / kStages) & 1); }
+  // One warp, after the barrier that ends this CTA's reads of stage st: each
+  // lane below the cluster size tells one CTA.
+  __device__ void release(int st, int lane) {
+    if (lane < static_cast<int>(ctas)) mbarrier_arrive_cluster(empty + st, lane);
+  }
+  // This CTA's share of a tile every CTA of the cluster needs (the map's
+  // box: chunk / ctas rows, padded to `ld`), into every CTA's copy at dst,
+  // for stage st; the tile starts at row `tile_row` of the map.
+  template <typename T>
+  __device__ void shared_tile(T* dst, int ld, const CUtensorMap& map, int tile_row,
+                              int st) const {
+    if (ctas == 1) {
+      tensor_copy_to_shared(dst, &map, 0, tile_row, full + st);
+      return;
+    }
+    tensor_copy_multicast(dst + row0 * ld, &map, 0, tile_row + row0, full + st,
+                          static_cast<uint16_t>((1u << ctas) - 1u));
+  }
+  // Every thread at the end: no CTA leaves while arrivals may still target it.
+  __device__ void finish() { cluster_sync_all(); }
+};
+
 }  // namespace statescan::cuda::detail
