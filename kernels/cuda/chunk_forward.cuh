@@ -16,8 +16,9 @@
 //      S <- diag(decay) S + K_^T V'.
 //   3. chunk_output_kernel  (one block per (chunk, head, Dv half); parallel)
 //      O = Q^ S_c + A V'. Delta rules with 16-bit inputs form it inside the
-//      scan instead when the forward saves fp32 chunk states for a backward
-//      (ForwardArgs::fuse_output; chunk_scan16.cuh kOut): no 16-bit states or
+//      scan instead (ForwardArgs::fuse_output; chunk_scan16.cuh kOut, its
+//      tiles loaded by a producer warp with tensor copies multicast across a
+//      cluster of the head's Dv blocks: cluster_copy.cuh): no 16-bit states or
 //      V' in the workspace.
 //
 // Flags: l2norm is a template parameter (it changes the load stage); an
