@@ -216,8 +216,12 @@ inline CUtensorMap tile_map_2d(const void* base, int64_t rows, int64_t cols, int
   static const Encode encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
     SS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
                                                    cudaEnableDefault, &found));
+#else  // deprecated from 12.5 on
+    SS_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
+#endif
     SS_CHECK_ARG(found == cudaDriverEntryPointSuccess && fn != nullptr, "driver",
                  "has no cuTensorMapEncodeTiled (needs CUDA 12)");
     return reinterpret_cast<Encode>(fn);
