@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -374,6 +375,27 @@ TEST_P(CudaForward, RejectsUnsupportedHeadDim) {
     FAIL() << "expected statescan::Error";
   } catch (const Error& e) {
     EXPECT_EQ(e.argument(), "dk");
+  }
+}
+
+// A forced STATESCAN_SCAN_CLUSTER that the scan cannot take is an error
+// naming the variable, not a silent fallback: 8 CTAs do not divide D = 64's
+// four column blocks, and leave chunks of 16 rows 2 rows per CTA (the tensor
+// copies need >= 8). The switch is read once per process, so this runs under
+// ctest test_cuda_forward_cluster_8 (which also runs the plain cases at
+// D = 128 in clusters of 8) and skips elsewhere.
+TEST_P(CudaForward, RefusesScanClusterItCannotTake) {
+  const char* knob = std::getenv("STATESCAN_SCAN_CLUSTER");
+  if (knob == nullptr || std::string(knob) != "8" || dtype() == DType::f32 ||
+      !has_beta(variant()))
+    GTEST_SKIP() << "needs STATESCAN_SCAN_CLUSTER=8 and a 16-bit delta rule";
+  ref::Problem p = random_problem(spec(), seed(11));
+  GpuProblem gpu(p, dtype(), dim() == 64 ? 64 : 16);
+  try {
+    gpu.run_chunkwise();
+    FAIL() << "expected statescan::Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "STATESCAN_SCAN_CLUSTER") << e.what();
   }
 }
 
