@@ -74,8 +74,8 @@ struct ForwardArgs : MixerTensors {
   // Delta rules, 16-bit: o formed inside the scan (chunk_scan16.cuh, kOut)
   // whenever the scan and output stages run together; ws_states and ws_vnew
   // are then absent (the plan leaves them null). The plan decides
-  // (cuda_mixer.cu output_in_scan: by default when fp32 chunk states are
-  // saved; STATESCAN_FWD_OUTPUT=kernel|scan forces either).
+  // (cuda_mixer.cu output_in_scan: by default; STATESCAN_FWD_OUTPUT=kernel
+  // keeps the output kernel).
   bool fuse_output = false;
   int num_sms = 132;
   int scan_block_cols = 0;          // 16 or 32 to force the scan's Dv block; 0 = by occupancy
@@ -173,8 +173,8 @@ int active_clusters(Kernel kernel, int threads, size_t smem, unsigned cluster) {
 
 // CTAs per cluster for a scan grid (x = the head's column blocks): `forced`
 // when given (it must divide grid.x and leave each CTA >= 8 rows of a
-// chunk's tiles: 128-byte aligned tensor-copy targets), else the largest of
-// 8, 4, 2 allowed so whose clusters still hold as many CTAs at once as single
+// chunk's tiles: 128-byte aligned tensor-copy targets), else the largest
+// allowed of 8, 4, 2 whose clusters still hold as many CTAs at once as single
 // CTAs do (up to the grid): a sequential scan whose CTAs do not all fit in
 // one wave takes twice as long, and GPCs hold whole clusters only. Cached per
 // kernel and grid.
@@ -192,7 +192,6 @@ unsigned scan_cluster_ctas(Kernel kernel, dim3 grid, int threads, size_t smem, i
   static std::map<std::tuple<const void*, unsigned, int64_t>, unsigned> cache;
   const int64_t total = int64_t{grid.x} * grid.y * grid.z;
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), grid.x, total);
-  (void)chunk;
   std::lock_guard<std::mutex> lock(mutex);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   const int64_t single = std::min<int64_t>(total, active_clusters(kernel, threads, smem, 1));

@@ -31,7 +31,7 @@ namespace statescan::cuda::detail {
 template <typename T, int Dk, int Dv, int BV, bool kDelta>
 struct GradScan16Traits {
   using Warps = Scan16Traits<T, Dk, Dv, BV, kDelta>;  // the same split of the state block
-  // Delta rules (backward v5): one more warp, the producer, loads A, K_, W,
+  // Delta rules (backward b16): one more warp, the producer, loads A, K_, W,
   // Q^ and gamma with tensor copies, the first four multicast across a
   // cluster of the head's column blocks (as the forward's output-in-scan
   // kernel, cluster_copy.cuh); dO, whose rows past a sequence's end must read
@@ -126,34 +126,23 @@ __global__ void __launch_bounds__((GradScan16Traits<T, Dk, Dv, BV, kRule == Rule
   const int64_t first_tile = first_chunk * H + h;
   const SegmentTokens seg = segment_tokens(f, first_chunk, num_chunks);
 
-  // Queues chunk cl's tiles into buffer st (copy warps; the caller commits).
-  // dO rows past the chunk's end are zeros. kBulk: dO only.
+  // Queues chunk cl's dO into buffer st, and its Q^ (or q) and gamma unless
+  // the producer loads them (kBulk: delta rules, whose A, K_ and W it loads
+  // too); copy warps, the caller commits. dO rows past the chunk's end are
+  // zeros.
   auto prefetch = [&](int cl, int st) {
     const int64_t tile = first_tile + cl * H;
     const int64_t token0 = seg.token0(cl, kChunk);
     const int length = seg.length(cl, kChunk);
-    if constexpr (kBulk) {
-      copy_chunk_rows_async<kCopyThreads, kChunk, BV, Dv, T>(stO(st), kLdB, a.d_o, token0, H, h,
-                                                             col0, copy_tid, length);
-      return;
-    }
-    if constexpr (kDelta) {
-      copy_rows_async<kCopyThreads, kChunk, kChunk>(
-          stA(st), kLdC, static_cast<const T*>(f.ws_a) + tile * kChunk * kChunk, kChunk, copy_tid);
-      copy_rows_async<kCopyThreads, kChunk, Dk>(
-          stK(st), kLdK, static_cast<const T*>(f.ws_k) + tile * kChunk * Dk, Dk, copy_tid);
-      copy_rows_async<kCopyThreads, kChunk, Dk>(
-          stW(st), kLdK, static_cast<const T*>(f.ws_w) + tile * kChunk * Dk, Dk, copy_tid);
-    }
     if constexpr (kRaw)
       copy_chunk_rows_async<kCopyThreads, kChunk, Dk, Dk, T>(stQ(st), kLdK, f.q, token0, H, h, 0,
                                                              copy_tid, length);
-    else
+    else if constexpr (!kBulk)
       copy_rows_async<kCopyThreads, kChunk, Dk>(
           stQ(st), kLdK, static_cast<const T*>(f.ws_q) + tile * kChunk * Dk, Dk, copy_tid);
     copy_chunk_rows_async<kCopyThreads, kChunk, BV, Dv, T>(stO(st), kLdB, a.d_o, token0, H, h, col0,
                                                            copy_tid, length);
-    if constexpr (kDecay != Decay::none)
+    if constexpr (kDecay != Decay::none && !kBulk)
       copy_rows_async<kCopyThreads, 1, Dk>(stGamma(st), Dk, f.ws_decay + tile * Dk, Dk, copy_tid);
   };
   // kBulk: the stages' barriers across the cluster (cluster_copy.cuh's

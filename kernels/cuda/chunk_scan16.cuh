@@ -38,7 +38,7 @@
 
 namespace statescan::cuda::detail {
 
-// kOut (delta rules): the output fused into the scan (forward v5, PERF_NOTES):
+// kOut (delta rules): the output fused into the scan (forward v8, PERF_NOTES):
 // kOutWarps more warps form O = Q^ S_c + A V' for the block's Dv columns
 // while the state warps update S, from the rounded copy of S_c and V' the
 // step already holds in shared memory; Q^ and A come in with the chunk's
@@ -96,11 +96,10 @@ struct Scan16Traits {
   static constexpr size_t kBarOffset =
       (kDelta ? kSCopyBytes : 0) + kVnBytes + kStages * kStageBytes;
   static constexpr size_t kBytes = kBarOffset + (kBulk ? align_smem(2 * kStages * 8) : 0);
-  // Bytes landing in one stage per chunk of `chunk` rows (kBulk): the
-  // tensor copies write whole padded rows.
+  // Bytes the producer's copies land in one stage (kBulk) per chunk of
+  // `chunk` rows: K_, W, Q^, U and A in whole padded rows, and the decay.
   static constexpr uint32_t stage_tx(int chunk, bool decay) {
-    return static_cast<uint32_t>(sizeof(T) * chunk * (kLdK * (kOut ? 3 : 2) + kLdB) +
-                                 (kOut ? sizeof(T) * chunk * kLdA : 0) +
+    return static_cast<uint32_t>(sizeof(T) * chunk * (3 * kLdK + kLdB + kLdA) +
                                  (decay ? sizeof(float) * Dk : 0));
   }
   static_assert(kBytes <= 227 * 1024, "chunk_state_scan16_kernel exceeds Hopper shared memory");
@@ -276,10 +275,6 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
   const T* ws_w = kDelta ? static_cast<const T*>(a.ws_w) + first_tile * kChunk * Dk : nullptr;
   const T* ws_u = static_cast<const T*>(a.ws_u) + first_tile * kChunk * Dv + col0;
   const float* ws_decay = a.ws_decay + first_tile * Dk;
-  [[maybe_unused]] const T* ws_q =
-      kOut ? static_cast<const T*>(a.ws_q) + first_tile * kChunk * Dk : nullptr;
-  [[maybe_unused]] const T* ws_a =
-      kOut ? static_cast<const T*>(a.ws_a) + first_tile * kChunk * kChunk : nullptr;
   [[maybe_unused]] auto prefetch = [&](int cl, int st) {
     if constexpr (kRaw) {
       const int64_t token0 = seg.token0(cl, kChunk);
@@ -300,12 +295,6 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
                                               copy_tid);
     if constexpr (kDecay != Decay::none)
       copy_rows_async<kCopyThreads, 1, Dk>(stage_decay(st), Dk, ws_decay + step * Dk, Dk, copy_tid);
-    if constexpr (kOut) {
-      copy_rows_async<kCopyThreads, kChunk, Dk>(stage_q(st), kLdK, ws_q + step * kChunk * Dk, Dk,
-                                                copy_tid);
-      copy_rows_async<kCopyThreads, kChunk, kChunk>(stage_a(st), Tr::kLdA,
-                                                    ws_a + step * kChunk * kChunk, kChunk, copy_tid);
-    }
   };
   // kBulk: the stages' barriers across the cluster of the head's column
   // blocks (one CTA when launched without a cluster).
@@ -331,10 +320,8 @@ __global__ void __launch_bounds__((Scan16Traits<T, Dk, Dv, BV, kRule == Rule::de
       const int tile_row = static_cast<int>((first_tile + int64_t{cl} * H) * kChunk);
       pipe.shared_tile(stage_k(st), kLdK, maps.k, tile_row, st);
       pipe.shared_tile(stage_w(st), kLdK, maps.w, tile_row, st);
-      if constexpr (kOut) {
-        pipe.shared_tile(stage_q(st), kLdK, maps.q, tile_row, st);
-        pipe.shared_tile(stage_a(st), Tr::kLdA, maps.a, tile_row, st);
-      }
+      pipe.shared_tile(stage_q(st), kLdK, maps.q, tile_row, st);
+      pipe.shared_tile(stage_a(st), Tr::kLdA, maps.a, tile_row, st);
       tensor_copy_to_shared(stage_u(st), &maps.u, col0, tile_row, pipe.full + st);
       if constexpr (kDecay != Decay::none)
         bulk_copy_to_shared(stage_decay(st), ws_decay + int64_t{cl} * H * Dk, Dk * sizeof(float),

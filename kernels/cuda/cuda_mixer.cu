@@ -80,7 +80,7 @@ struct KernelKnobs {
   bool scan_wmma = false;
   bool linear_tiles = false;
   bool linear_grouped = true;
-  enum class Output { automatic, kernel, scan } output = Output::automatic;
+  bool output_kernel = false;  // STATESCAN_FWD_OUTPUT=kernel (the default is the scan)
   int64_t group_chunks = kGroupChunks;  // STATESCAN_LINEAR_GROUP_CHUNKS
   int scan_cluster = 0;                  // STATESCAN_SCAN_CLUSTER, 0 = auto
 };
@@ -95,10 +95,7 @@ const KernelKnobs& kernel_knobs() {
     const int linear = env_choice("STATESCAN_LINEAR", {"grouped", "scan", "tiles"});
     k.linear_grouped = linear != 1;
     k.linear_tiles = linear == 2;
-    const int output = env_choice("STATESCAN_FWD_OUTPUT", {"auto", "kernel", "scan"});
-    k.output = output == 1   ? KernelKnobs::Output::kernel
-               : output == 2 ? KernelKnobs::Output::scan
-                             : KernelKnobs::Output::automatic;
+    k.output_kernel = env_choice("STATESCAN_FWD_OUTPUT", {"auto", "kernel", "scan"}) == 1;
     k.group_chunks = env_int("STATESCAN_LINEAR_GROUP_CHUNKS", kGroupChunks, 1, 1 << 20);
     const int cluster = env_choice("STATESCAN_SCAN_CLUSTER", {"auto", "1", "2", "4", "8"});
     k.scan_cluster = cluster <= 0 ? 0 : 1 << (cluster - 1);
@@ -127,7 +124,7 @@ bool grouped_linear(const MixerParams& p) {
 bool output_in_scan(const MixerParams& p) {
   const KernelKnobs& k = kernel_knobs();
   if (!has_beta(p.variant) || p.dtype == DType::f32 || k.scan_wmma) return false;
-  return k.output != KernelKnobs::Output::kernel;
+  return !k.output_kernel;
 }
 int64_t max_group_slots(const MixerParams& p) {
   const int64_t G = kernel_knobs().group_chunks;

@@ -154,13 +154,14 @@ constexpr cublasComputeType_t wide_compute() {
 // 256 x 128 over 4 heads at the benchmark shape, against 4,096 tokens of
 // contraction, so cuBLAS can keep only 16-32 of 132 SMs busy. (ncu on an
 // H200, 2026-12-02, 8 chunks of the LaCT benchmark forward + backward: one
-// cuBLAS kernel took 11 of the 28 ms, 142 calls of 16-183 us; which GEMMs
-// those are, the next profile with this split on and off will say.) Split,
+// cuBLAS kernel took 11 of the 28 ms, 142 calls of 16-183 us.) Split,
 // the contraction's S slices are one batched GEMM over (head, slice) into
 // fp32 partials, then a fixed-order sum over the slices (deterministic, no
 // atomics). The Newton-Schulz products of a bf16 layer (12 matrices of 256 x
 // 256 or 256 x 512 outputs against 768-1536 of two-part contraction: 24-48
-// tiles) take the same path. Opt-in until it has run on a GPU (split_k_knob).
+// tiles) take the same path. Opt-in (split_k_knob): measured slower, and the
+// 11 ms kernel ran unsplit with the split on (same 142 calls), so it is the
+// token-side GEMMs with fp32 outputs of ~1,000 tiles and more, not these.
 
 inline int64_t bytes_of(cudaDataType_t t) {
   return t == CUDA_R_64F ? 8 : t == CUDA_R_32F ? 4 : 2;
@@ -961,8 +962,8 @@ __global__ void ns_normalise_backward_kernel(const U* __restrict__ Xp,
 // 256 chunks of 4096, H 4, D 256, M 512), 2026-12-02: forward 182.8 -> 143.0
 // ms, forward + backward 666.8 -> 492.3 ms against the fp32 GEMMs, the layer's
 // error vs fp64 unchanged (7.3e-3 on the bench's check problem). f32 layers
-// keep their double Newton-Schulz. STATESCAN_LACT_NS=fused (opt-in, written
-// without a GPU and not yet validated on one) computes the same three
+// keep their double Newton-Schulz. STATESCAN_LACT_NS=fused (opt-in: passes
+// the GPU suite, slower on an H200; lact_cuda.h) computes the same three
 // products in ns_gemm_fused_kernel, splitting in registers instead of through
 // split3_kernel's buffers.
 // The mode: ns_gemms_requested() (lact_cuda.h).
@@ -1060,9 +1061,10 @@ __global__ void split3_kernel(const float* __restrict__ src, int64_t batch, int 
 // the split path's bf16 GEMMs take ~4.9 ms but its split3_kernel launches
 // ~4.0 ms (720 calls of 5.5 us, memory-bound: 6 MB read and 9 MB written per
 // call). This kernel reads the fp32 operands once and forms hi/lo in
-// registers: no split buffers, no split launches. It was written WITHOUT a
-// GPU: it is opt-in (STATESCAN_LACT_NS=fused, ctest test_cuda_lact_ns_fused)
-// until an H200 run has validated it against the split path and timed it.
+// registers: no split buffers, no split launches. Opt-in (STATESCAN_LACT_NS=
+// fused, ctest test_cuda_lact_ns_fused): it passes the GPU suite, but on an
+// H200 (2026-12-02) its products took 10.7 ms per 8 chunks where split +
+// cuBLAS take ~8.9 (forward 158.4 ms against 143.7).
 
 // Tile shape: a 64 x 64 output tile per CTA, K in steps of 32, 4 warps of
 // 32 x 32 (2 x 4 m16n8 tiles each), two cp.async stages.
