@@ -401,8 +401,10 @@ TEST_P(CudaBackward, IsDeterministic) {
 // (the state products of one batch held in the workspace): 18 items in
 // batches of 7 (the last one short, each smaller than the persistent grid)
 // give bitwise the gradients of one batch, and the workspace shrinks with
-// the batch. fp32 inputs and the kernels that read their inputs directly
-// (linear attention) have no batches: the variable changes nothing there.
+// the batch. Only vector gates (GLA, KDA) run in batches: fp32 inputs, the
+// kernels that read their inputs directly (linear attention) and the scalar
+// gates' one-kernel gradients (b17) have none, and the variable changes
+// nothing there.
 TEST_P(CudaBackward, BatchedGradientsEqualOneBatch) {
   const auto ran = run_once(13, 64);
   GpuBackward& gpu = *ran->gpu;
@@ -412,7 +414,8 @@ TEST_P(CudaBackward, BatchedGradientsEqualOneBatch) {
   const size_t batched_bytes = cuda::backward_workspace_bytes(gpu.backward_params());
   gpu.run_backward();
   const auto batched = gpu.raw_outputs();
-  const bool batches = dtype() != DType::f32 && !cuda::reads_inputs_directly(gpu.backward_params());
+  const bool batches = dtype() != DType::f32 && vector_gate(variant()) &&
+                       !cuda::reads_inputs_directly(gpu.backward_params());
   if (batches) {
     ASSERT_EQ(setenv("STATESCAN_BWD_BATCH", "0", 1), 0);
     expect_error([&] { cuda::mixer_backward(gpu.backward_params(), nullptr); },

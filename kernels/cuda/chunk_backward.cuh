@@ -60,13 +60,14 @@ struct BackwardArgs {
   float* ws_ds = nullptr;                // dS_{c+1} per chunk [chunks,H,Dk,Dv] fp32, or null
   // dS_{c+1} per chunk rounded to T, in ws_ds's room (ws_ds is then null): the
   // raw linear path (f.raw_additive; chunk_grad_raw16_kernel reads it) and the
-  // other ungated 16-bit variants (chunk_state_products_kernel rounds dS to T
-  // for every product, and only gated variants take dgamma from fp32 dS).
+  // other ungated 16-bit variants (their products with dS round it to T,
+  // and only gated variants take dgamma from fp32 dS).
   void* ws_ds_t = nullptr;
   float* ws_scratch = nullptr;  // per-block fp32 scratch of chunk_grad_kernel_tc
   // chunk_state_products_kernel's outputs for items [item_begin, num_items)
-  // (StateProductTraits::kOutFloats per item), or null where the gradient
-  // kernel computes them itself (fp32 inputs).
+  // (StateProductTraits::kOutFloats per item): 16-bit vector gates only;
+  // null where the gradient kernel computes them itself (fp32 inputs, and
+  // chunk_intra_grad_kernel's scalar gates or none).
   float* ws_sp = nullptr;
   int64_t sp_batch = 0;    // items ws_sp holds: the gradient kernel runs in batches of this many
   int64_t item_begin = 0;  // the gradient kernels take items [item_begin, num_items)
@@ -1377,8 +1378,20 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
     });
   }
   if (state_grad_only) return;
-  if constexpr (!std::is_same_v<Elem, float>) {
-    // 16-bit inputs: the state products first, then the gradient kernel, one
+  if constexpr (!std::is_same_v<Elem, float> && kDecay != Decay::vector) {
+    // 16-bit inputs, scalar gates or none: one kernel forms every gradient
+    // of a (chunk, head) item, the products with the states included (b17).
+    using InTr = IntraTraits<Elem, Dk, Dv>;
+    BackwardArgs all = a;
+    all.item_begin = 0;
+    with_chunk_size(a.f.chunk, [&](auto chunk_tag) {
+      constexpr int kC = decltype(chunk_tag)::value;
+      launch_kernel(chunk_intra_grad_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm, kC>,
+                    dim3(static_cast<unsigned>(a.num_items)), InTr::kThreads, InTr::kBytes, stream,
+                    "chunk_intra_grad_kernel", all);
+    });
+  } else if constexpr (!std::is_same_v<Elem, float>) {
+    // Vector gates: the state products first, then the gradient kernel, one
     // batch of sp_batch items at a time (their fp32 outputs stay bounded
     // whatever T is).
     SS_CHECK_ARG(a.ws_sp != nullptr && a.sp_batch > 0, "workspace",
@@ -1392,19 +1405,12 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
       const dim3 grid(static_cast<unsigned>(items));
       launch_kernel(chunk_state_products_kernel<kRule, Elem, Dk, Dv>, grid, SpTr::kThreads,
                     SpTr::kBytes, stream, "chunk_state_products_kernel", batch);
-      // The intra-chunk gradients in the same form (b11): one block per item.
       with_chunk_size(batch.f.chunk, [&](auto chunk_tag) {
         constexpr int kC = decltype(chunk_tag)::value;
-        if constexpr (kDecay != Decay::vector) {
-          using InTr = IntraTraits<Elem, Dk, Dv>;
-          launch_kernel(chunk_intra_grad_kernel<kDecay, kRule, Elem, Dk, Dv, kL2Norm, kC>, grid,
-                        InTr::kThreads, InTr::kBytes, stream, "chunk_intra_grad_kernel", batch);
-        } else {
-          using InTr = IntraVecTraits<Elem, Dk, Dv>;
-          launch_kernel(chunk_intra_grad_vector_kernel<kRule, Elem, Dk, Dv, kL2Norm, kC>, grid,
-                        InTr::kThreads, InTr::kBytes, stream, "chunk_intra_grad_vector_kernel",
-                        batch);
-        }
+        using InTr = IntraVecTraits<Elem, Dk, Dv>;
+        launch_kernel(chunk_intra_grad_vector_kernel<kRule, Elem, Dk, Dv, kL2Norm, kC>, grid,
+                      InTr::kThreads, InTr::kBytes, stream, "chunk_intra_grad_vector_kernel",
+                      batch);
       });
     }
   } else {

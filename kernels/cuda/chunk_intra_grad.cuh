@@ -1,7 +1,11 @@
-// chunk_intra_grad_kernel (backward b11): the per-chunk gradients after
-// chunk_state_products_kernel, for 16-bit inputs with a scalar gate or none
-// (linear, retention, deltanet, gated_deltanet; vector gates:
-// chunk_intra_grad_vector.cuh, with the helpers below). It replaces
+// chunk_intra_grad_kernel (backward b11, b17): the per-chunk gradients for
+// 16-bit inputs with a scalar gate or none (retention, deltanet,
+// gated_deltanet, linear with the L2 norm; vector gates:
+// chunk_intra_grad_vector.cuh after chunk_state_products_kernel, with the
+// helpers below). Since b17 it forms the products with the states itself
+// (V', dV', gq, gk, dW: chunk_state_products_kernel's, which handed them
+// over through ~112 KB of global memory per item), first, while the slots
+// of q, k and the C x C tiles are still free for S, dS, A, K_ and W. It replaces
 // chunk_grad_kernel_tc's per-block global scratch (which fp32 inputs keep) by
 // the b8 form (kernels/cuda/PERF_NOTES.md, backward b11): every
 // operand in shared memory in the input's 16-bit type, the [C, Dk]
@@ -21,7 +25,7 @@
 // paths), chunk_grad_kernel_tc's db = gq q - gk_A k + gkh k + (kh - kt) k equals
 // gq q - gk k + 2 (gkh + kh) k, so a third accumulator gx = gkh + kh suffices
 // and db's row sums are taken at the end.
-//   grid (items in the batch), 512 threads, IntraTraits::kBytes of dynamic
+//   grid (chunk-head items), 512 threads, IntraTraits::kBytes of dynamic
 //   shared memory (201 KB at D = 128), one block per multiprocessor.
 #pragma once
 
@@ -55,9 +59,16 @@ struct IntraTraits {
   static constexpr size_t kOffHM = kOffHTmp + kCTile;
   static constexpr size_t kOffFKK = kOffHM + kCTile, kOffFDM = kOffFKK + kFTile;
   static constexpr size_t kOffRows = kOffFDM + kFTile;
+  // The state-product phase runs first, before q, k and the C x C tiles are
+  // live: K_ and W take q's and k's slots, S_c, dS_{c+1} (16-bit, Dk x Dv)
+  // and A the C x C region from hT on, U the V' slot.
+  static constexpr size_t kStateTile = sizeof(T) * Dk * kLdV;
+  static constexpr size_t kOffS = kOffHT, kOffDS = kOffS + kStateTile, kOffA = kOffDS + kStateTile;
+  static_assert(kOffA + kCTile <= kOffRows, "S, dS and A fit the C x C tiles' region");
   // Row vectors (floats): G, beta, rq, rk, dbeta from dMm; [kParts][C]
-  // column-quarter parts of the row sums dbeta, q.gq, k.gk, db; warp partials.
-  static constexpr int kRowFloats = 5 * kMaxChunk + 4 * kParts * kMaxChunk + kWarps;
+  // column-quarter parts of the row sums dbeta, q.gq, k.gk, db; warp partials
+  // of the K_ path's column sums and of S . dS (dgamma).
+  static constexpr int kRowFloats = 5 * kMaxChunk + 4 * kParts * kMaxChunk + 2 * kWarps;
   static constexpr size_t kBytes = kOffRows + sizeof(float) * kRowFloats;
   static_assert(kBytes <= 227 * 1024, "chunk_intra_grad_kernel exceeds Hopper shared memory");
   static_assert(Dk % (16 * kParts) == 0 && Dv % (16 * kParts) == 0,
@@ -156,7 +167,6 @@ __global__ void __launch_bounds__(512, 1)
   static_assert(kDecay != Decay::vector, "vector gates keep chunk_grad_kernel_tc");
   static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
   using Tr = IntraTraits<T, Dk, Dv>;
-  using SpTr = StateProductTraits<T, Dk, Dv>;
   constexpr bool kDelta = kRule == Rule::delta;
   constexpr bool kScalar = kDecay == Decay::scalar;
   constexpr int kLdK = Tr::kLdK, kLdV = Tr::kLdV, kLdC = Tr::kLdC, kLdF = Tr::kLdF;
@@ -189,6 +199,7 @@ __global__ void __launch_bounds__(512, 1)
   float* sKG = sQG + kParts * kMC;      // [kParts][C] k . gk
   float* sDb = sKG + kParts * kMC;      // [kParts][C] row sums of db
   float* sWarpPart = sDb + kParts * kMC;  // [kWarps] column-sum partials
+  float* sDg = sWarpPart + kWarps;        // [kWarps] partials of S . dS
 
   const ForwardArgs& f = a.f;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -201,7 +212,6 @@ __global__ void __launch_bounds__(512, 1)
   // strides, no division per element in T's 16-bit copy.
   constexpr int C = kChunk, nb = kChunk / 16;
   const float scale = f.scale;
-  const float* sp = a.ws_sp + static_cast<int64_t>(blockIdx.x) * SpTr::kOutFloats;
   auto row = [&](int t) { return (token0 + t) * H + h; };
   const T* q_in = static_cast<const T*>(f.q);
   const T* k_in = static_cast<const T*>(f.k);
@@ -218,16 +228,72 @@ __global__ void __launch_bounds__(512, 1)
     return 1.f;
   };
 
-  // ---- load --------------------------------------------------------------
+  // ---- load -------------------------------------------------------------------
+  // The state-product phase's operands: the prepare stage's tiles (rows past
+  // L are zeros), dO and v (rows past L zero-filled), S_c and dS_{c+1}
+  // rounded to T as the forward and the reverse scan round them for their
+  // own products (dS saved in T, ws_ds_t, is copied as it is).
+  T* sS = reinterpret_cast<T*>(at(Tr::kOffS));
+  T* sDS = reinterpret_cast<T*>(at(Tr::kOffDS));
+  T* sA = reinterpret_cast<T*>(at(Tr::kOffA));
+  T* sKb = sK;  // K_ until q and k take the slots
+  T* sW = sQ;
+  const int64_t tile = item;  // = c H + h, the workspace's tile index
   intra_load_v_do<kThreads, Dv>(sV, sDO, kLdV, v_in, do_in, row, C, L);
-  intra_load_qk<kWarps, Dk, kL2Norm>(sQ, sK, kLdK, sRq, sRk, q_in, k_in, row, C, L);
+  copy_tile_async<kThreads>(sKb, kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk, C, Dk);
+  copy_tile_async<kThreads>(sA, kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C, C);
+  if constexpr (kDelta) {
+    copy_tile_async<kThreads>(sW, kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk, C, Dk);
+    copy_tile_async<kThreads>(sVp, kLdV, static_cast<const T*>(f.ws_u) + tile * C * Dv, Dv, C, Dv);
+  }
+  const bool ds_in_t = a.ws_ds_t != nullptr;
+  if (ds_in_t)
+    copy_tile_async<kThreads>(sDS, kLdV, static_cast<const T*>(a.ws_ds_t) + tile * Dk * Dv, Dv, Dk,
+                              Dv);
+  cp_async_commit();
   if (tid < C) {
     const bool valid = tid < L;
     sBeta[tid] = kDelta && valid ? to_float(beta_in[row(tid)]) : 0.f;
     sG[tid] = kScalar && valid ? f.g[row(tid)] : 0.f;
   }
-  if constexpr (kDelta)
-    intra_load_state_products<kThreads, C, Dk, Dv>(sVp, sDVp, sDW, kLdK, kLdV, sp);
+  {
+    // fp32 -> T, half the loads of each matrix in flight at once; S . dS
+    // from the exact values (dgamma: only scalar gates read it, and their dS
+    // is never in T).
+    const float* S = a.chunk_states + tile * Dk * Dv;
+    const float* dS = a.ws_ds + tile * Dk * Dv;
+    constexpr int kRowVecs = Dv / 4, kIters = Dk * kRowVecs / kThreads;
+    constexpr int kHalf = kIters > 1 ? kIters / 2 : 1;
+    static_assert(kIters * kThreads == Dk * kRowVecs && kIters % kHalf == 0, "whole load rounds");
+    float sds = 0.f;
+#pragma unroll
+    for (int round = 0; round < kIters; round += kHalf) {
+      float4 xs[kHalf], xd[kHalf];
+#pragma unroll
+      for (int it = 0; it < kHalf; ++it) {
+        const int idx = tid + (round + it) * kThreads;
+        xs[it] = load4(S + 4 * idx);
+        if (!ds_in_t) xd[it] = load4(dS + 4 * idx);
+      }
+#pragma unroll
+      for (int it = 0; it < kHalf; ++it) {
+        const int idx = tid + (round + it) * kThreads;
+        const int d = idx / kRowVecs, j = (idx % kRowVecs) * 4;
+        *reinterpret_cast<uint2*>(sS + d * kLdV + j) =
+            make_uint2(pack2<T>(xs[it].x, xs[it].y), pack2<T>(xs[it].z, xs[it].w));
+        if (!ds_in_t) {
+          *reinterpret_cast<uint2*>(sDS + d * kLdV + j) =
+              make_uint2(pack2<T>(xd[it].x, xd[it].y), pack2<T>(xd[it].z, xd[it].w));
+          sds += xs[it].x * xd[it].x + xs[it].y * xd[it].y + xs[it].z * xd[it].z +
+                 xs[it].w * xd[it].w;
+        }
+      }
+    }
+    if constexpr (kScalar) {
+      sds = warp_sum(sds);
+      if (lane == 0) sDg[warp] = sds;
+    }
+  }
   __syncthreads();
   if constexpr (kScalar) {
     if (tid == 0) {
@@ -248,8 +314,70 @@ __global__ void __launch_bounds__(512, 1)
   // Element (j, e) of a slab: row m0 + g + 8 (e >> 1), column n0 + 8 j + i2 + (e & 1).
   auto erow = [&](int e) { return m0 + g + 8 * (e >> 1); };
 
-  // ---- accumulators from the state products --------------------------------
-  float gq[kNTk][4], gk[kNTk][4], gx[kNTk][4];
+  // ---- state products (backward b17: formerly chunk_state_products_kernel,
+  // whose fp32 outputs made a round trip through global memory) -------------
+  //   V'  = U - W S_c            (delta rules, in place of U; additive: V' = V)
+  //   dV' = A^T dO + K_ dS_{c+1} (delta rules into sDVp; additive: it is dv)
+  //   gq  = dO S_c^T, gk = V' dS_{c+1}^T into the warp's own slab accumulators
+  //   dW  = -dV' S_c^T           (delta rules, into sDW)
+  // The products that fill a shared tile go in 16 x 32 slabs over the warps.
+  auto state_slabs = [&](int cols, auto&& body) {
+    for (int sl = warp; sl < nb * (cols / 32); sl += kWarps) body(16 * (sl % nb), 32 * (sl / nb));
+  };
+  // Slab element (j, e >> 1) pairs: rows r0 + g (+ 8), columns c0 + 8 j + i2 (+ 1).
+  auto for_slab_pairs = [&](int r0, int c0, auto&& body) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) body(j, hr, r0 + g + 8 * hr, c0 + 8 * j + i2);
+  };
+  float gq[kNTk][4] = {}, gk[kNTk][4] = {}, gx[kNTk][4] = {};
+  if constexpr (kDelta) {
+    state_slabs(Dv, [&](int r0, int c0) {
+      float acc[4][4] = {};
+      warp_mm_16x32<T, false, true>(acc, sW, kLdK, sS, kLdV, r0, c0, Dk);
+      for_slab_pairs(r0, c0, [&](int j, int hr, int r, int col) {
+        uint32_t* p = reinterpret_cast<uint32_t*>(sVp + r * kLdV + col);
+        const float2 u = unpack2<T>(*p);
+        *p = pack2<T>(u.x - acc[j][2 * hr], u.y - acc[j][2 * hr + 1]);
+      });
+    });
+  }
+  state_slabs(Dv, [&](int r0, int c0) {
+    float acc[4][4] = {};
+    warp_mm_16x32<T, true, true>(acc, sA, kLdC, sDO, kLdV, r0, c0, C);
+    warp_mm_16x32<T, false, true>(acc, sKb, kLdK, sDS, kLdV, r0, c0, Dk);
+    for_slab_pairs(r0, c0, [&](int j, int hr, int r, int col) {
+      const uint32_t x = pack2<T>(acc[j][2 * hr], acc[j][2 * hr + 1]);
+      if constexpr (kDelta)
+        *reinterpret_cast<uint32_t*>(sDVp + r * kLdV + col) = x;
+      else if (r < L)
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dv) + row(r) * Dv + col) = x;
+    });
+  });
+  if (active) warp_mm_16xn<T, false, false, kNTk>(gq, sDO, kLdV, sS, kLdV, m0, n0k, Dv);
+  __syncthreads();  // V' and dV' complete
+  // q and k rows in flight during the products below; their slots (K_, W)
+  // are free after the next barrier.
+  QKRows<kWarps, Dk, T> qk_rows;
+  qk_rows.load(q_in, k_in, row, C, L);
+  if (active)
+    warp_mm_16xn<T, false, false, kNTk>(gk, kDelta ? sVp : sV, kLdV, sDS, kLdV, m0, n0k, Dv);
+  if constexpr (kDelta) {
+    state_slabs(Dk, [&](int r0, int c0) {
+      float acc[4][4] = {};
+      warp_mm_16x32<T, false, false>(acc, sDVp, kLdV, sS, kLdV, r0, c0, Dv);
+      for_slab_pairs(r0, c0, [&](int j, int hr, int r, int col) {
+        *reinterpret_cast<uint32_t*>(sDW + r * kLdK + col) =
+            pack2<T>(-acc[j][2 * hr], -acc[j][2 * hr + 1]);
+      });
+    });
+  }
+  __syncthreads();  // S, dS, A, K_ and W are dead
+  intra_store_qk<kWarps, Dk, kL2Norm>(qk_rows, sQ, sK, kLdK, sRq, sRk, C);
+  __syncthreads();
+
+  // ---- the state path's factors: gq by scale e^{G}, gk by e^{G_{C-1} - G} --
   {
     float part = 0.f;  // sum of the K_ path's gk . k (it lands on the last row's db)
 #pragma unroll
@@ -257,16 +385,12 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {  // elements 2 hr, 2 hr + 1: one row, adjacent columns
         const int e = 2 * hr, r = m0 + g + 8 * hr, col = n0k + 8 * j + i2;
-        gq[j][e] = gq[j][e + 1] = gk[j][e] = gk[j][e + 1] = 0.f;
-        gx[j][e] = gx[j][e + 1] = 0.f;
         if (active) {
           const float down = kScalar ? __expf(sG[C - 1] - sG[r]) : 1.f, u = scale * up(r);
-          const float2 q2 = load_pair(sp + SpTr::kOffGq + r * Dk + col);
-          const float2 k2 = load_pair(sp + SpTr::kOffGk + r * Dk + col);
-          gq[j][e] = q2.x * u;
-          gq[j][e + 1] = q2.y * u;
-          gk[j][e] = k2.x * down;
-          gk[j][e + 1] = k2.y * down;
+          gq[j][e] *= u;
+          gq[j][e + 1] *= u;
+          gk[j][e] *= down;
+          gk[j][e + 1] *= down;
           // k as db's row sums below take it (the operand copy): the two
           // cancel in the reverse cumsum.
           if (r < L) {
@@ -438,13 +562,6 @@ __global__ void __launch_bounds__(512, 1)
         }
       warp_mm_16xn<T, true, true, kNTk>(gk, hM, kLdC, sK, kLdK, m0, n0k, C);
     }
-  } else {
-    // Additive rules: dv = dV'.
-    T* dv_out = static_cast<T*>(a.dv);
-    for (int idx = tid; idx < L * Dv / 4; idx += kThreads) {
-      const int t = idx / (Dv / 4), j = (idx % (Dv / 4)) * 4;
-      store4(dv_out + row(t) * Dv + j, load4(sp + SpTr::kOffDVp + t * Dv + j));
-    }
   }
 
   // ---- row sums: q . gq, k . gk (exact q, k: the L2 norm's backward) and
@@ -487,20 +604,17 @@ __global__ void __launch_bounds__(512, 1)
   // ---- dg: the rows' db, the last row also the K_ path's column sums and
   // dgamma . gamma, reverse-cumulated -------------------------------------
   if constexpr (kScalar) {
-    if (warp == 0) {
-      const float* dgamma = sp + SpTr::kOffDgamma;
+    if (tid == 0) {
+      // The decay's gradient dgamma . gamma: S_c . dS_{c+1} times e^{G_{C-1}}.
       float dgs = 0.f;
-      for (int d = lane; d < Dk; d += 32) dgs += dgamma[d];
-      dgs = warp_sum(dgs);
-      if (lane == 0) {
-        float last = dgs * __expf(sG[C - 1]);
-        for (int w = 0; w < kWarps; ++w) last += sWarpPart[w];
-        float run = 0.f;
-        for (int t = L - 1; t >= 0; --t) {
-          for (int p = 0; p < kParts; ++p) run += sDb[p * kMC + t];
-          if (t == L - 1) run += last;
-          a.dg[row(t)] = run;
-        }
+      for (int w = 0; w < kWarps; ++w) dgs += sDg[w];
+      float last = dgs * __expf(sG[C - 1]);
+      for (int w = 0; w < kWarps; ++w) last += sWarpPart[w];
+      float run = 0.f;
+      for (int t = L - 1; t >= 0; --t) {
+        for (int p = 0; p < kParts; ++p) run += sDb[p * kMC + t];
+        if (t == L - 1) run += last;
+        a.dg[row(t)] = run;
       }
     }
   }

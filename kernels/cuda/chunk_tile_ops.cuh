@@ -134,14 +134,14 @@ struct QKRows {
   }
 };
 
-// q, k normalised (x / sqrt(|x|^2 + 1e-6), as the forward) into 16-bit
-// operand copies, one warp per row; the row factors into sRq, sRk (1 without
-// the norm). Rows past the chunk's end are zeros.
-template <int kWarps, int Dk, bool kL2Norm, typename T, typename Row>
-__device__ __forceinline__ void intra_load_qk(T* sQ, T* sK, int ld, float* sRq, float* sRk,
-                                              const T* q_in, const T* k_in, Row row, int C, int L) {
-  QKRows<kWarps, Dk, T> x;
-  x.load(q_in, k_in, row, C, L);
+// q, k rows loaded by x (QKRows::load), normalised (x / sqrt(|x|^2 + 1e-6),
+// as the forward) into 16-bit operand copies, one warp per row; the row
+// factors into sRq, sRk (1 without the norm). Rows past the chunk's end are
+// zeros. Split from intra_load_qk so that a kernel can issue the loads early
+// and store the copies once their slots are free.
+template <int kWarps, int Dk, bool kL2Norm, typename T>
+__device__ __forceinline__ void intra_store_qk(QKRows<kWarps, Dk, T>& x, T* sQ, T* sK, int ld,
+                                               float* sRq, float* sRk, int C) {
   x.template normalise<kL2Norm>();
   x.for_each_pair(C, [&](int t, int i, int e, int d) {
     const float2 a = x.q(i, e), b = x.k(i, e);
@@ -149,6 +149,15 @@ __device__ __forceinline__ void intra_load_qk(T* sQ, T* sK, int ld, float* sRq, 
     *reinterpret_cast<uint32_t*>(sK + t * ld + d) = pack2<T>(b.x, b.y);
   });
   x.store_factors(sRq, sRk, C);
+}
+
+// Both halves at once.
+template <int kWarps, int Dk, bool kL2Norm, typename T, typename Row>
+__device__ __forceinline__ void intra_load_qk(T* sQ, T* sK, int ld, float* sRq, float* sRk,
+                                              const T* q_in, const T* k_in, Row row, int C, int L) {
+  QKRows<kWarps, Dk, T> x;
+  x.load(q_in, k_in, row, C, L);
+  intra_store_qk<kWarps, Dk, kL2Norm>(x, sQ, sK, ld, sRq, sRk, C);
 }
 
 // Two adjacent fp32 values (8-byte aligned) as one load.

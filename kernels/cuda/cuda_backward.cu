@@ -10,8 +10,9 @@
 //        same plan and writes only the fp32 chunk states at the end)
 //   [dS_{c+1} per chunk, fp32 [chunks, H, Dk, Dv]; in T on the raw linear path]
 //   [fp32 inputs: chunk_grad_kernel_tc scratch, fp32, one slice per persistent block]
-//   [16-bit inputs: chunk_state_products_kernel's outputs for one batch of
-//    (chunk, head) items, fp32 (StateProductTraits::kOutFloats per item)]
+//   [16-bit inputs with vector gates: chunk_state_products_kernel's outputs
+//    for one batch of (chunk, head) items, fp32 (StateProductTraits::kOutFloats
+//    per item); scalar gates or none form them inside chunk_intra_grad_kernel]
 //   [recompute_chunk_states only: the fp32 chunk states]
 #include <algorithm>
 #include <cstdint>
@@ -53,14 +54,14 @@ int grad_blocks(const MixerParams& p) {
   return static_cast<int>(std::min<int64_t>(items, multiprocessor_count()));
 }
 
-// 16-bit inputs take the state products from their own kernel
-// (chunk_state_products_kernel), in batches of this many
+// 16-bit inputs with vector gates take the state products from their own
+// kernel (chunk_state_products_kernel), in batches of this many
 // items per persistent block: 32 keep the launch tails small and bound the
 // batch's fp32 outputs at ~0.7 GB (D = 128, 132 SMs) whatever T is.
 constexpr int64_t kStateProductItemsPerBlock = 32;
 
 bool uses_state_products(const MixerParams& p) {
-  return p.dtype != DType::f32 && !reads_inputs_directly(p);
+  return p.dtype != DType::f32 && !reads_inputs_directly(p) && vector_gate(p.variant);
 }
 
 // STATESCAN_BWD_BATCH=<items> overrides the batch (less memory, more launches;
