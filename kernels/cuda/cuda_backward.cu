@@ -84,18 +84,20 @@ struct BackwardLayout {
 };
 
 // Whether the backward keeps dS_{c+1} per chunk in the input's 16-bit type
-// (BackwardArgs::ws_ds_t) instead of fp32: the raw linear path, and, with
-// STATESCAN_BWD_DS=t, every other ungated 16-bit problem — their gradient
-// kernels read dS only as 16-bit operands rounded from the same fp32 values
-// (bitwise the same gradients), and only gated variants take dgamma from the
-// fp32 values. Half the bytes: 0.27 GB less written and read at 32K (H 16, D
-// 128), 8.6 GB less memory at 1M tokens. Opt-in: its tests pass on an H200
-// (ctest test_cuda_{backward,cp}_ds_t) but DeltaNet's forward + backward
-// measured 0.08 ms slower at 32K (2026-12-02; PERF_NOTES, "After b14").
+// (BackwardArgs::ws_ds_t) instead of fp32: every ungated 16-bit problem (the
+// raw linear path, DeltaNet, linear attention through the tiles) — their
+// gradient kernels read dS only as 16-bit operands rounded from the same fp32
+// values (bitwise the same gradients), and only gated variants take dgamma
+// from the fp32 values. Half the bytes: 0.27 GB less written and read at 32K
+// (H 16, D 128), 8.6 GB less memory at 1M tokens. With b17's one-kernel
+// gradients DeltaNet's forward + backward measured 5.03 -> 4.94 ms at 32K
+// (2026-12-02, H200; with chunk_state_products_kernel it had been 0.08 ms
+// slower: PERF_NOTES, "After b14"). STATESCAN_BWD_DS=f32 keeps fp32 dS for
+// the tiled ungated variants (ctest test_cuda_{backward,cp}_ds_f32).
 bool ds_in_t(const MixerParams& p) {
-  static const bool requested = env_choice("STATESCAN_BWD_DS", {"f32", "t"}) == 1;
+  static const bool f32_requested = env_choice("STATESCAN_BWD_DS", {"t", "f32"}) == 1;
   if (p.dtype == DType::f32) return false;
-  return reads_inputs_directly(p) || (requested && !has_gate(p.variant));
+  return reads_inputs_directly(p) || (!f32_requested && !has_gate(p.variant));
 }
 
 // `recompute`: room for the fp32 chunk states the backward re-derives.
