@@ -96,22 +96,23 @@ double cp_summary_bytes(const CpLayer& l) {
 
 CpReferenceTimes cp_h200_reference_128k(Variant v) {
   // README.md's Performance tables: statescan-bench --backward on one H200,
-  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-02, twelfth session
-  // (forward v7: linear attention's grouped scan; backward b15), forward ms
-  // (with the chunk states saved) and forward + backward ms of the same run.
+  // B=1, T=131072, H=16, D=128, bf16, chunk 64, 2026-12-02, fifteenth session
+  // (forward v9; backward b16, and b17 for the scalar gates or none, DeltaNet
+  // with dS in 16 bits), forward ms (with the chunk states saved) and forward
+  // + backward ms of the same run.
   switch (v) {
     case Variant::linear:
-      return {1.948, 5.897};
+      return {1.947, 5.791};
     case Variant::retention:
-      return {4.850, 15.291};
+      return {4.662, 12.383};
     case Variant::gla:
-      return {5.763, 18.605};
+      return {5.942, 18.975};
     case Variant::deltanet:
-      return {7.232, 24.224};
+      return {6.076, 19.552};
     case Variant::gated_deltanet:
-      return {7.433, 25.479};
+      return {6.271, 21.065};
     case Variant::kda:
-      return {8.531, 29.554};
+      return {7.401, 27.621};
   }
   SS_FAIL("variant", "no H200 reference times");
 }

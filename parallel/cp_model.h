@@ -66,28 +66,29 @@ double cp_summary_bytes(const CpLayer& layer);
 
 // Effective summary rates, calibrated on one H200 (141 GB HBM3e) from
 // `statescan-bench --cp-measure`, KDA, B=1, T=131072, H=16, D=128, bf16,
-// chunk 64 (2026-12-02, twelfth session: the register-resident scans
-// chunk_state_scan16_kernel and chunk_grad_scan16_kernel): a middle rank's
-// summary fwd (E+M) 2.988 ms, the first rank's E alone 1.882 ms, summary bwd
-// (pre-pass) 2.962 ms.
+// chunk 64 (2026-12-02, fifteenth session: the register-resident scans
+// chunk_state_scan16_kernel and chunk_grad_scan16_kernel, the latter with its
+// tiles through a producer warp, b16): a middle rank's summary fwd (E+M)
+// 3.100 ms, the first rank's E alone 2.038 ms, summary bwd (pre-pass) 2.752 ms.
 // Rate = counted FLOPs of that layer / measured time:
 //   fwd:   2048 chunks x 16 heads x 12,582,912 FLOP = 412,316,860,416 FLOP
 //   first: 2048 chunks x 16 heads x  6,291,456 FLOP = 206,158,430,208 FLOP
 //   bwd:   2048 chunks x 16 heads x  8,388,608 FLOP = 274,877,906,944 FLOP
 // The summary is a sequential scan over chunks (each chunk's composition waits
-// for the previous one), far from throughput-bound: 138.0, 109.5 and 92.8
+// for the previous one), far from throughput-bound: 133.0, 101.2 and 99.9
 // TFLOP/s against 989 dense bf16 peak. E and M run side by side on halves of
 // the GPU, so E+M costs less than twice E alone: the first rank has its own
-// rate. The check against a second measurement (Gated DeltaNet: 2.993 /
-// 1.886 / 2.970 ms) is in tests/test_cp_model.cpp. (Before: the eleventh
+// rate. The check against a second measurement (Gated DeltaNet: 3.076 /
+// 2.026 / 2.791 ms) is in tests/test_cp_model.cpp. (Before: the twelfth
+// session 2.988 / 1.882 / 2.962 ms (138.0, 109.5, 92.8 TFLOP/s); the eleventh
 // session 2.989 / 1.900 / 2.961 ms; 2026-12-01 3.135 / 1.916 / 3.897 ms,
 // 131.5, 107.6 and 70.5 TFLOP/s; 2026-11-30 with the wmma scans: 8.07 / 5.53
 // / 8.21 ms, 51.1, 37.3 and 33.5 TFLOP/s; fourth session: E+M one after the
 // other 11.49 ms, E 5.71, a prepare + scan pre-pass 23.53: 35.9 and 11.7
 // TFLOP/s; tests that replay runs of those days use their own figures.)
-inline constexpr double kSummaryFwdFlopsPerS = 412316860416.0 / 2.988e-3;    // 138.0 TFLOP/s
-inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 1.882e-3;  // 109.5 TFLOP/s
-inline constexpr double kSummaryBwdFlopsPerS = 274877906944.0 / 2.962e-3;    // 92.8 TFLOP/s
+inline constexpr double kSummaryFwdFlopsPerS = 412316860416.0 / 3.100e-3;    // 133.0 TFLOP/s
+inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 2.038e-3;  // 101.2 TFLOP/s
+inline constexpr double kSummaryBwdFlopsPerS = 274877906944.0 / 2.752e-3;    // 99.9 TFLOP/s
 
 // The GPU the summary and merge run on. Defaults: one H200, 4.8 TB/s HBM3e;
 // the calibrated summary rates above; 5 us per kernel launch.
