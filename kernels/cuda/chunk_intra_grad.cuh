@@ -5,7 +5,9 @@
 // helpers below). Since b17 it forms the products with the states itself
 // (V', dV', gq, gk, dW: chunk_state_products_kernel's, which handed them
 // over through ~112 KB of global memory per item), first, while the slots
-// of q, k and the C x C tiles are still free for S, dS, A, K_ and W. It replaces
+// of q, k and the C x C tiles are still free for S, dS, A, K_ and W; and it
+// takes T = (I + diag(beta) KK)^{-1} from the backward's prepare re-run
+// (ForwardArgs::ws_t) instead of solving it again where that is given. It replaces
 // chunk_grad_kernel_tc's per-block global scratch (which fp32 inputs keep) by
 // the b8 form (kernels/cuda/PERF_NOTES.md, backward b11): every
 // operand in shared memory in the input's 16-bit type, the [C, Dk]
@@ -374,6 +376,14 @@ __global__ void __launch_bounds__(512, 1)
     });
   }
   __syncthreads();  // S, dS, A, K_ and W are dead
+  // T from the backward's prepare re-run (ForwardArgs::ws_t) into hT, waited
+  // for before the barrier after dA; without it (a backward on the forward's
+  // own tiles) the kernel solves T below.
+  const bool t_given = kDelta && f.ws_t != nullptr;
+  if (t_given) {
+    copy_tile_async<kThreads>(hT, kLdC, static_cast<const T*>(f.ws_t) + tile * C * C, C, C, C);
+    cp_async_commit();
+  }
   intra_store_qk<kWarps, Dk, kL2Norm>(qk_rows, sQ, sK, kLdK, sRq, sRk, C);
   __syncthreads();
 
@@ -423,7 +433,7 @@ __global__ void __launch_bounds__(512, 1)
     });
     __syncthreads();
     // ---- T = (I + diag(beta) KK)^{-1}: its diagonal blocks beside dA -------
-    intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
+    if (!t_given) intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
   }
 
   // ---- dA = dO V'^T (lower, scaled, decayed; zeros above) -------------------
@@ -443,8 +453,10 @@ __global__ void __launch_bounds__(512, 1)
         }
     });
   }
+  if (t_given) cp_async_wait<0>();
   __syncthreads();
-  if constexpr (kDelta) intra_solve_t_blocks<kThreads>(hT, kLdC, fKK, kLdF, sBeta, nb);
+  if constexpr (kDelta)
+    if (!t_given) intra_solve_t_blocks<kThreads>(hT, kLdC, fKK, kLdF, sBeta, nb);
 
   // ---- A path: gq += dA K, gk += dA^T Q ------------------------------------
   if (active) {

@@ -412,6 +412,16 @@ __global__ void __launch_bounds__(512, 2)
     });
     // Ends with a barrier (after T's block rows, before P4).
     intra_solve_t_blocks<kThreads, true>(hT, kLdC, fKK, kLdF, sBeta, nb, hTlo);
+    if (a.ws_t != nullptr) {
+      // T for the backward's chunk_intra_grad_kernel (ForwardArgs::ws_t).
+      T* out_t = static_cast<T*>(a.ws_t) + tile * C * C;
+      constexpr int kVec = 8, kRowVecs = C / kVec;  // 16-byte stores
+      for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
+        const int t = idx / kRowVecs, s = (idx % kRowVecs) * kVec;
+        *reinterpret_cast<uint4*>(out_t + t * C + s) =
+            *reinterpret_cast<const uint4*>(hT + t * kLdC + s);
+      }
+    }
 
     // ---- P4: [W | U] = T X, as T_hi X_hi + T_hi X_lo + T_lo X_hi ------------
     // (~16 bits, as the fp32 kernel's tf32 split; one 16-bit product: the

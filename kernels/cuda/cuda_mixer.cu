@@ -30,7 +30,7 @@ int64_t max_chunks(const MixerParams& p) {
 // Workspace layout, every piece 256-byte aligned. Tiles are in the input's
 // element type; the per-chunk decay is fp32.
 struct WorkspaceLayout {
-  size_t q = 0, k = 0, w = 0, u = 0, a = 0, decay = 0, vnew = 0, states = 0;
+  size_t q = 0, k = 0, w = 0, u = 0, a = 0, decay = 0, t = 0, vnew = 0, states = 0;
   size_t group_sums = 0, group_table = 0;
   size_t chunk_table = 0, segment_table = 0;
   size_t total = 0;
@@ -83,6 +83,7 @@ struct KernelKnobs {
   bool output_kernel = false;  // STATESCAN_FWD_OUTPUT=kernel (the default is the scan)
   int64_t group_chunks = kGroupChunks;  // STATESCAN_LINEAR_GROUP_CHUNKS
   int scan_cluster = 0;                  // STATESCAN_SCAN_CLUSTER, 0 = auto
+  bool bwd_t_from_prepare = false;       // STATESCAN_BWD_T=prepare (t_region)
 };
 
 const KernelKnobs& kernel_knobs() {
@@ -99,6 +100,7 @@ const KernelKnobs& kernel_knobs() {
     k.group_chunks = env_int("STATESCAN_LINEAR_GROUP_CHUNKS", kGroupChunks, 1, 1 << 20);
     const int cluster = env_choice("STATESCAN_SCAN_CLUSTER", {"auto", "1", "2", "4", "8"});
     k.scan_cluster = cluster <= 0 ? 0 : 1 << (cluster - 1);
+    k.bwd_t_from_prepare = env_choice("STATESCAN_BWD_T", {"solve", "prepare"}) == 1;
     return k;
   }();
   return knobs;
@@ -132,6 +134,22 @@ int64_t max_group_slots(const MixerParams& p) {
   return ceil_div(max_chunks(p), G) + p.num_segments;
 }
 
+// Whether the workspace has room for T per chunk (ForwardArgs::ws_t), which
+// chunk_prepare16_kernel then writes for chunk_intra_grad_kernel: opt-in,
+// STATESCAN_BWD_T=prepare (the default, `solve`, lets the intra kernel solve T
+// again), for a delta rule that those kernels prepare and differentiate
+// (16-bit, no vector gate, not the fp32-tile prepare of STATESCAN_PREPARE=fp32).
+// 8 KB per chunk and head at C = 64. Measured 2026-12-02 (H200, one call, with
+// only the backward's re-run writing T): DeltaNet fwd+bwd 32K 4.945 -> 4.824 ms,
+// Gated DeltaNet 5.393 -> 5.249 (PERF_NOTES, "After b17"); opt-in until it has
+// run on a GPU with T in both plans a backward reads (its prepare re-run's
+// and a PreparedForward's, which --keep-prepared adopts: the two must give
+// bitwise the same gradients, and without T in the latter they did not).
+bool t_region(const MixerParams& p) {
+  return kernel_knobs().bwd_t_from_prepare && has_beta(p.variant) && !vector_gate(p.variant) &&
+         p.dtype != DType::f32 && !kernel_knobs().prepare_fp32_tiles;
+}
+
 // prepare_only: without V' and the T-typed states, which only the scan stage
 // writes (the backward re-runs the prepare stage alone).
 // Kernels that read their inputs directly (reads_inputs_directly) take no
@@ -155,6 +173,8 @@ WorkspaceLayout layout_for(const MixerParams& p, bool prepare_only = false) {
   l.u = take(tiles ? chunks * H * C * static_cast<size_t>(p.dv) * elem : 0);
   l.a = take(tiles ? chunks * H * C * C * elem : 0);
   l.decay = take(tiles ? chunks * H * static_cast<size_t>(p.dk) * sizeof(float) : 0);
+  // T per chunk for chunk_intra_grad_kernel (ForwardArgs::ws_t, t_region).
+  l.t = take(t_region(p) ? chunks * H * C * C * elem : 0);
   // V' and the 16-bit states go from the scan to the output kernel; the scan
   // with the output inside keeps both in shared memory.
   const bool fused = output_in_scan(p);
@@ -241,7 +261,7 @@ size_t prepare_workspace_bytes(const MixerParams& p) {
 }
 
 ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
-                         cudaStream_t stream, bool prepare_only) {
+                         cudaStream_t stream, bool prepare_only, bool for_backward) {
   ForwardPlan plan;
   // validate() reads cu_seqlens on the host; here it is a device array, so
   // check a copy that points at a host mirror.
@@ -275,6 +295,9 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   a.ws_u = tile(l.u);
   a.ws_a = tile(l.a);
   a.ws_decay = reinterpret_cast<float*>(tile(l.decay));
+  // Written by the plans a backward reads its tiles from: its own prepare
+  // re-run, and a PreparedForward's (for_backward) that it may adopt.
+  a.ws_t = t_region(p) && (prepare_only || for_backward) ? base + l.t : nullptr;
   a.fuse_output = output_in_scan(p) && !prepare_only;
   a.ws_vnew = has_beta(p.variant) && !prepare_only && !a.fuse_output ? base + l.vnew : nullptr;
   a.ws_states = p.dtype == DType::f32 && p.chunk_states != nullptr

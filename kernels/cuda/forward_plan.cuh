@@ -38,9 +38,12 @@ struct AdoptedForward {
 // them, null pointers), which only the output kernel reads: the prepare stage,
 // and the scan stage when it only has to produce p.chunk_states (the
 // backward's recompute); never the output stage. Its workspace is
-// prepare_workspace_bytes(p).
+// prepare_workspace_bytes(p). for_backward: a plan whose tiles a backward may
+// adopt (PreparedForward), which then also gets what only the backward reads
+// (ForwardArgs::ws_t, where the workspace has room for it).
 ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
-                         cudaStream_t stream, bool prepare_only = false);
+                         cudaStream_t stream, bool prepare_only = false,
+                         bool for_backward = false);
 size_t prepare_workspace_bytes(const MixerParams& p);
 
 // The stages a forward that produces o runs: all three, or only the scan and

@@ -396,7 +396,8 @@ PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
   s.bytes = forward_workspace_bytes(p);
   SS_CUDA_CHECK(cudaMallocAsync(&s.workspace, s.bytes, stream));
   try {
-    s.plan = detail::plan_forward(p, s.workspace, s.bytes, stream);
+    s.plan = detail::plan_forward(p, s.workspace, s.bytes, stream, /*prepare_only=*/false,
+                                  /*for_backward=*/true);
     // Kernels that read the inputs need no tiles: not for the summary, not
     // for finish(), not for a backward that adopts this workspace.
     if (detail::forward_stages(s.plan.args) & detail::kStagePrepare)
