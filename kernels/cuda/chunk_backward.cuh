@@ -1381,6 +1381,9 @@ void launch_backward_kernels(const BackwardArgs& a, bool state_grad_only, int gr
   if constexpr (!std::is_same_v<Elem, float> && kDecay != Decay::vector) {
     // 16-bit inputs, scalar gates or none: one kernel forms every gradient
     // of a (chunk, head) item, the products with the states included (b17).
+    // A scalar gate's dgamma sums S . dS over the fp32 values.
+    SS_CHECK_ARG(kDecay != Decay::scalar || a.ws_ds_t == nullptr, "workspace",
+                 "a scalar gate's backward needs dS in fp32");
     using InTr = IntraTraits<Elem, Dk, Dv>;
     BackwardArgs all = a;
     all.item_begin = 0;
