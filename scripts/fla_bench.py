@@ -10,8 +10,13 @@ committed); run with PYTHONPATH=.fla. Ops that FLA refuses on this
 Triton/GPU (gated-delta and simple-GLA on Triton 3.6 on Hopper) are reported
 with their error instead of a time.
 
+With --profile, each timed op's forward + backward is also run under
+torch.profiler and the per-kernel CUDA time table printed (FLA's kernels
+next to statescan's `ncu` split: which stage the difference is in).
+
 usage: fla_bench.py [--variants kda,deltanet,gla,linear] [--lengths 32768]
-                    [-H 16] [-d 128] [-n 20] [--backward] [--json out.json]
+                    [-H 16] [-d 128] [-n 20] [--backward] [--profile]
+                    [--json out.json]
 """
 import argparse
 import json
@@ -103,6 +108,23 @@ def time_fwd_bwd(fn, inputs, warmup, iters):
     return times[len(times) // 2]
 
 
+def profile_fwd_bwd(fn, inputs, steps=5):
+    """Per-kernel CUDA time of `steps` forward + backward steps (after the
+    timing's warm-up, so no autotuning is inside)."""
+    from torch.profiler import ProfilerActivity, profile
+    inputs = [x.detach().requires_grad_(True) for x in inputs]
+    d_o = torch.randn_like(inputs[2])
+    fwd_bwd_step(fn, inputs, d_o)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fwd_bwd_step(fn, inputs, d_o)
+        torch.cuda.synchronize()
+    print(f"# per-kernel CUDA time over {steps} forward + backward steps", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20,
+                                    max_name_column_width=60), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="kda,deltanet,gla,linear")
@@ -113,6 +135,8 @@ def main():
     ap.add_argument("-n", type=int, default=20)
     ap.add_argument("--backward", action="store_true",
                     help="also time forward + backward (ms_fwd_bwd)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each op's per-kernel CUDA times (torch.profiler)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     import triton
@@ -134,6 +158,8 @@ def main():
                     row["ms_fwd_bwd"] = ms_fb
                     line += f"  fwd+bwd {ms_fb:10.3f} ms"
                 print(line, flush=True)
+                if args.profile:
+                    profile_fwd_bwd(fn, make_inputs(variant, T, args.H, args.d))
             except Exception as e:  # FLA refuses some ops on this Triton/GPU
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 print(f"  {variant:15s} {T:8d}   failed: {row['error']}", flush=True)

@@ -8,7 +8,7 @@
 #   BUILD_DIR        build folder (default <repo>/build-gpu)
 #   BENCH_ARGS       extra statescan-bench arguments (default: its defaults)
 #   GTEST_FILTER     restrict the GPU tests
-#   FLA=0            skip the FLA comparison; FLA_ARGS extra fla_bench.py args.
+#   FLA=0            skip the FLA comparison; FLA_ARGS extra fla_bench.py args (--profile: FLA's per-kernel times).
 #                    FLA's autotuning (minutes per op on a fresh machine) is
 #                    cached in TRITON_CACHE_DIR (default <repo>/.fla/triton-cache,
 #                    FLA_CACHE_RESULTS=1); the tuned configs are also packed
