@@ -25,7 +25,7 @@
 #                    the sequential scan's forward and forward+backward rows at
 #                    32K and 128K into bench_linear_scan.log
 #   OPT_IN=0         skip the opt-in paths not yet made the default and the
-#                    forced ones: their ctest entries (`_ds_f32`: STATESCAN_BWD_DS=f32; `_t_prepare`: STATESCAN_BWD_T=prepare;
+#                    forced ones: their ctest entries (`_ds_f32`: STATESCAN_BWD_DS=f32; `_t_solve`: STATESCAN_BWD_T=solve;
 #                    `test_cuda_lact_ns_*`: STATESCAN_LACT_NS=fp32 / fused;
 #                    `test_cuda_lact_split_k`: STATESCAN_LACT_SPLIT_K=4;
 #                    `_output_kernel` / `_output_scan`: where delta rules form o;
@@ -101,14 +101,14 @@ fi
 if [[ "${OPT_IN:-1}" != 0 ]]; then
   cmake --build "$BUILD" --target test_cuda_backward test_cuda_cp test_cuda_lact -j16 \
     >>"$OUT/build.log" 2>&1 &&
-    (cd "$BUILD" && ctest -R '_ds_f32$|_t_prepare$|test_cuda_lact_ns_|test_cuda_lact_split_k|_output_(kernel|scan)$|_cluster_[128]$' \
+    (cd "$BUILD" && ctest -R '_ds_f32$|_t_solve$|test_cuda_lact_ns_|test_cuda_lact_split_k|_output_(kernel|scan)$|_cluster_[128]$' \
       --output-on-failure) \
       >"$OUT/tests_opt_in.log" 2>&1 || status=1
   grep -E "Test +#|tests passed|tests failed" "$OUT/tests_opt_in.log" | sed 's/^/opt-in: /' | head -16
   {
     "$BUILD/launch/statescan-bench" --backward -v deltanet -t 32768
     STATESCAN_BWD_DS=f32 "$BUILD/launch/statescan-bench" --backward -v deltanet -t 32768
-    STATESCAN_BWD_T=prepare "$BUILD/launch/statescan-bench" --backward -v deltanet,gated_deltanet -t 32768
+    STATESCAN_BWD_T=solve "$BUILD/launch/statescan-bench" --backward -v deltanet,gated_deltanet -t 32768
     "$BUILD/launch/statescan-bench" --lact
     STATESCAN_LACT_NS=fused "$BUILD/launch/statescan-bench" --lact
     STATESCAN_LACT_SPLIT_K=0 "$BUILD/launch/statescan-bench" --lact

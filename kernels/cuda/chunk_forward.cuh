@@ -68,8 +68,8 @@ struct ForwardArgs : MixerTensors {
   void* ws_a = nullptr;       // A     [chunks, H, C, C]
   float* ws_decay = nullptr;  // e^{b_C} per key dim [chunks, H, Dk], fp32
   // T = (I + diag(beta) KK)^{-1} [chunks, H, C, C] in T, rounded once: written
-  // by chunk_prepare16_kernel where non-null (STATESCAN_BWD_T=prepare: the
-  // plans a backward reads, delta rules with a scalar gate or none), so that
+  // by chunk_prepare16_kernel where non-null (the plans a backward reads,
+  // delta rules with a scalar gate or none; STATESCAN_BWD_T=solve: none), so that
   // chunk_intra_grad_kernel does not solve it a second time; null elsewhere.
   void* ws_t = nullptr;
   void* ws_vnew = nullptr;    // V' = U - W S [chunks, H, C, Dv] (delta rules only)

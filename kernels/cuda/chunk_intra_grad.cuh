@@ -114,25 +114,18 @@ __device__ __forceinline__ void slab_row_dots_by(float (&out)[2], const float (&
   }
 }
 
-// ... with the exact normalised rows of x_in (the L2 norm's backward).
-template <int Dk, int kNT, typename T, typename Row>
-__device__ __forceinline__ void slab_row_dots(float (&out)[2], const float (&acc)[kNT][4],
-                                              const T* x_in, const float* sR, Row row, int m0,
-                                              int n0, int L) {
-  slab_row_dots_by(out, acc, m0, n0, L,
-                   [&](int r, int col) { return exact_pair<Dk>(x_in, sR, row, r, col); });
-}
-
 // dq, dk from the slab accumulators gq, gk (gradients w.r.t. the normalised
 // q, k) through the L2 norm, dx = r (dn - n (n . dn)), with the full row dots
-// n . dn = sum over the kParts column parts p of sQG[p kMC + r].
-template <int Dk, int kNT, int kMC, int kParts, bool kL2Norm, typename T, typename Row>
+// n . dn = sum over the kParts column parts p of sQG[p kMC + r] and the exact
+// normalised rows n given by q_exact(r, col), k_exact(r, col) (pairs).
+template <int Dk, int kNT, int kMC, int kParts, bool kL2Norm, typename T, typename QExact,
+          typename KExact, typename Row>
 __device__ __forceinline__ void slab_store_dq_dk(const float (&gq)[kNT][4],
                                                  const float (&gk)[kNT][4], T* dq_out, T* dk_out,
-                                                 const T* q_in, const T* k_in, const float* sRq,
-                                                 const float* sRk, const float* sQG,
-                                                 const float* sKG, Row row, int m0, int n0,
-                                                 int L) {
+                                                 QExact&& q_exact, KExact&& k_exact,
+                                                 const float* sRq, const float* sRk,
+                                                 const float* sQG, const float* sKG, Row row,
+                                                 int m0, int n0, int L) {
   const int lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
 #pragma unroll
   for (int j = 0; j < kNT; ++j)
@@ -143,8 +136,8 @@ __device__ __forceinline__ void slab_store_dq_dk(const float (&gq)[kNT][4],
       float x0 = gq[j][2 * hr], x1 = gq[j][2 * hr + 1];
       float y0 = gk[j][2 * hr], y1 = gk[j][2 * hr + 1];
       if constexpr (kL2Norm) {
-        const float2 q2 = exact_pair<Dk>(q_in, sRq, row, r, col);
-        const float2 k2 = exact_pair<Dk>(k_in, sRk, row, r, col);
+        const float2 q2 = q_exact(r, col);
+        const float2 k2 = k_exact(r, col);
         const float rq = sRq[r], rk = sRk[r];
         float qgr = 0.f, kgr = 0.f;
 #pragma unroll
@@ -241,14 +234,32 @@ __global__ void __launch_bounds__(512, 1)
   T* sKb = sK;  // K_ until q and k take the slots
   T* sW = sQ;
   const int64_t tile = item;  // = c H + h, the workspace's tile index
-  intra_load_v_do<kThreads, Dv>(sV, sDO, kLdV, v_in, do_in, row, C, L);
+  const bool ds_in_t = a.ws_ds_t != nullptr;
+  const float* S = a.chunk_states + tile * Dk * Dv;
+  const float* dS = a.ws_ds + tile * Dk * Dv;
+  constexpr int kRowVecs = Dv / 4, kIters = Dk * kRowVecs / kThreads;
+  static_assert(kIters * kThreads == Dk * kRowVecs, "whole load rounds");
+  auto store_state = [&](T* dst, int idx, const float4& x) {  // fp32 -> T
+    const int d = idx / kRowVecs, j = (idx % kRowVecs) * 4;
+    *reinterpret_cast<uint2*>(dst + d * kLdV + j) =
+        make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
+  };
+  // With dS in T, S_c's fp32 rows (64 KB an item at D = 128, the load phase's
+  // longest wait) are all requested before the cp.async copies are issued,
+  // not after them in two rounds (the first conversion's wait was the
+  // kernel's costliest instruction: ncu source view, sixteenth session).
+  float4 xs_all[kIters];
+  if (ds_in_t) {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) xs_all[it] = load4(S + 4 * (tid + it * kThreads));
+  }
+  copy_row_pair_async<kThreads, Dv>(sV, sDO, kLdV, v_in, do_in, row, C, L);
   copy_tile_async<kThreads>(sKb, kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk, C, Dk);
   copy_tile_async<kThreads>(sA, kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C, C);
   if constexpr (kDelta) {
     copy_tile_async<kThreads>(sW, kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk, C, Dk);
     copy_tile_async<kThreads>(sVp, kLdV, static_cast<const T*>(f.ws_u) + tile * C * Dv, Dv, C, Dv);
   }
-  const bool ds_in_t = a.ws_ds_t != nullptr;
   if (ds_in_t)
     copy_tile_async<kThreads>(sDS, kLdV, static_cast<const T*>(a.ws_ds_t) + tile * Dk * Dv, Dv, Dk,
                               Dv);
@@ -258,15 +269,15 @@ __global__ void __launch_bounds__(512, 1)
     sBeta[tid] = kDelta && valid ? to_float(beta_in[row(tid)]) : 0.f;
     sG[tid] = kScalar && valid ? f.g[row(tid)] : 0.f;
   }
-  {
-    // fp32 -> T, half the loads of each matrix in flight at once; S . dS
+  if (ds_in_t) {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) store_state(sS, tid + it * kThreads, xs_all[it]);
+  } else {
+    // S and dS in fp32, half of each matrix's loads in flight at once; S . dS
     // from the exact values (dgamma: only scalar gates read it, and their dS
     // is never in T).
-    const float* S = a.chunk_states + tile * Dk * Dv;
-    const float* dS = a.ws_ds + tile * Dk * Dv;
-    constexpr int kRowVecs = Dv / 4, kIters = Dk * kRowVecs / kThreads;
     constexpr int kHalf = kIters > 1 ? kIters / 2 : 1;
-    static_assert(kIters * kThreads == Dk * kRowVecs && kIters % kHalf == 0, "whole load rounds");
+    static_assert(kIters % kHalf == 0, "whole load rounds");
     float sds = 0.f;
 #pragma unroll
     for (int round = 0; round < kIters; round += kHalf) {
@@ -275,20 +286,15 @@ __global__ void __launch_bounds__(512, 1)
       for (int it = 0; it < kHalf; ++it) {
         const int idx = tid + (round + it) * kThreads;
         xs[it] = load4(S + 4 * idx);
-        if (!ds_in_t) xd[it] = load4(dS + 4 * idx);
+        xd[it] = load4(dS + 4 * idx);
       }
 #pragma unroll
       for (int it = 0; it < kHalf; ++it) {
         const int idx = tid + (round + it) * kThreads;
-        const int d = idx / kRowVecs, j = (idx % kRowVecs) * 4;
-        *reinterpret_cast<uint2*>(sS + d * kLdV + j) =
-            make_uint2(pack2<T>(xs[it].x, xs[it].y), pack2<T>(xs[it].z, xs[it].w));
-        if (!ds_in_t) {
-          *reinterpret_cast<uint2*>(sDS + d * kLdV + j) =
-              make_uint2(pack2<T>(xd[it].x, xd[it].y), pack2<T>(xd[it].z, xd[it].w));
-          sds += xs[it].x * xd[it].x + xs[it].y * xd[it].y + xs[it].z * xd[it].z +
-                 xs[it].w * xd[it].w;
-        }
+        store_state(sS, idx, xs[it]);
+        store_state(sDS, idx, xd[it]);
+        sds += xs[it].x * xd[it].x + xs[it].y * xd[it].y + xs[it].z * xd[it].z +
+               xs[it].w * xd[it].w;
       }
     }
     if constexpr (kScalar) {
@@ -455,6 +461,19 @@ __global__ void __launch_bounds__(512, 1)
   }
   if (t_given) cp_async_wait<0>();
   __syncthreads();
+  // The L2 norm's backward takes the exact normalised rows (16-bit input times
+  // the fp32 factor) in its row dots and dq, dk: the raw q and k rows go by
+  // cp.async into the slots of dO and V' (dead from here), waited for before
+  // the row sums. Read from global memory there instead, each thread's loads
+  // stood in series behind its own dq, dk stores (they may alias): a sixth of
+  // the kernel's stall samples (ncu source view, sixteenth session).
+  static_assert(Tr::kKTile <= Tr::kVTile, "raw q, k rows fit the dO and V' slots");
+  T* sQx = sDO;
+  T* sKx = sVp;
+  if constexpr (kL2Norm) {
+    copy_row_pair_async<kThreads, Dk>(sQx, sKx, kLdK, q_in, k_in, row, C, L);
+    cp_async_commit();
+  }
   if constexpr (kDelta)
     if (!t_given) intra_solve_t_blocks<kThreads>(hT, kLdC, fKK, kLdF, sBeta, nb);
 
@@ -553,6 +572,7 @@ __global__ void __launch_bounds__(512, 1)
                        s + 1 < t ? sBeta[t] * m1v * decay(t, s + 1) : 0.f);
         }
     });
+    if constexpr (kL2Norm) cp_async_wait<0>();  // the raw q, k rows
     __syncthreads();
     // dbeta's dMm . KK (a warp per row).
     for (int t = warp; t < C; t += kWarps) {
@@ -581,10 +601,18 @@ __global__ void __launch_bounds__(512, 1)
   // values the products used: each in-chunk pair's two entries then cancel in
   // the reverse cumsum as in exact arithmetic (test_chunk_bwd_model,
   // db_from_operands; exact q, k left their rounding in dg) ----------------
+  auto q_exact = [&](int r, int col) { return exact_pair_shared(sQx, kLdK, sRq, r, col); };
+  auto k_exact = [&](int r, int col) { return exact_pair_shared(sKx, kLdK, sRk, r, col); };
+  if constexpr (kL2Norm && !kDelta) {
+    cp_async_wait<0>();  // the raw q, k rows
+    __syncthreads();
+  }
   if (active) {
-    float qg[2], kg[2], qo[2], ko[2], kx[2];
-    slab_row_dots<Dk>(qg, gq, q_in, sRq, row, m0, n0k, L);
-    slab_row_dots<Dk>(kg, gk, k_in, sRk, row, m0, n0k, L);
+    float qg[2] = {0.f, 0.f}, kg[2] = {0.f, 0.f}, qo[2], ko[2], kx[2];
+    if constexpr (kL2Norm) {  // n . dn (without the norm dq, dk are gq, gk)
+      slab_row_dots_by(qg, gq, m0, n0k, L, q_exact);
+      slab_row_dots_by(kg, gk, m0, n0k, L, k_exact);
+    }
     auto q_copy = [&](int r, int col) { return operand_pair(sQ, kLdK, r, col); };
     auto k_copy = [&](int r, int col) { return operand_pair(sK, kLdK, r, col); };
     slab_row_dots_by(qo, gq, m0, n0k, L, q_copy);
@@ -604,8 +632,9 @@ __global__ void __launch_bounds__(512, 1)
 
   // ---- dq, dk through the L2 norm --------------------------------------------
   if (active)
-    slab_store_dq_dk<Dk, kNTk, kMC, kParts, kL2Norm>(gq, gk, static_cast<T*>(a.dq), static_cast<T*>(a.dk),
-                                             q_in, k_in, sRq, sRk, sQG, sKG, row, m0, n0k, L);
+    slab_store_dq_dk<Dk, kNTk, kMC, kParts, kL2Norm>(gq, gk, static_cast<T*>(a.dq),
+                                                     static_cast<T*>(a.dk), q_exact, k_exact, sRq,
+                                                     sRk, sQG, sKG, row, m0, n0k, L);
   if constexpr (kDelta) {
     if (tid < L) {
       float dbeta = sDbM[tid];

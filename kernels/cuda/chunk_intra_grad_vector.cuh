@@ -135,8 +135,8 @@ __global__ void __launch_bounds__(512, 1)
   auto bref = [&](int I, int d) { return I >= 0 ? sB[(16 * I + 15) * kLdB + d] : 0.f; };
 
   // ---- P0: load; b = per-column cumsum of the log gates ---------------------
-  intra_load_v_do<kThreads, Dv>(sV, sDO, kLd, static_cast<const T*>(f.v),
-                                static_cast<const T*>(a.d_o), row, C, L);
+  copy_row_pair_async<kThreads, Dv>(sV, sDO, kLd, static_cast<const T*>(f.v),
+                                    static_cast<const T*>(a.d_o), row, C, L);
   intra_load_qk<kWarps, Dk, kL2Norm>(sQ, sK, kLd, sRq, sRk, q_in, k_in, row, C, L);
   for (int idx = tid; idx < C * Dk / 4; idx += kThreads) {
     const int t = idx / (Dk / 4), d = (idx % (Dk / 4)) * 4;
@@ -504,6 +504,9 @@ __global__ void __launch_bounds__(512, 1)
     __syncthreads();  // Y~(q) (P5's operand) is read; db takes its place below
   }
 
+  // The exact normalised q and k (the 16-bit inputs, L2-hot, by the row factors).
+  auto q_exact = [&](int r, int col) { return exact_pair<Dk>(q_in, sRq, row, r, col); };
+  auto k_exact = [&](int r, int col) { return exact_pair<Dk>(k_in, sRk, row, r, col); };
   // ---- P11: db = gq q - gk k + 2 gx k per element (fp32, over q and dW),
   // with q and k as their 16-bit operand copies (each in-chunk pair's two
   // entries then cancel in the reverse cumsum; q's copy, overwritten since P4,
@@ -516,7 +519,7 @@ __global__ void __launch_bounds__(512, 1)
       for (int hr = 0; hr < 2; ++hr) {
         const int r = m0 + g + 8 * hr, col = n0 + 8 * j + i2;
         if (r < L) {
-          const float2 qe = exact_pair<Dk>(q_in, sRq, row, r, col);
+          const float2 qe = q_exact(r, col);
           const float2 q2 = unpack2<T>(pack2<T>(qe.x, qe.y));
           const float2 k2 = operand_pair(sK, kLd, r, col);
           const int e = 2 * hr;
@@ -527,8 +530,8 @@ __global__ void __launch_bounds__(512, 1)
         }
       }
     float qg[2], kg[2];
-    slab_row_dots<Dk>(qg, gq, q_in, sRq, row, m0, n0, L);
-    slab_row_dots<Dk>(kg, gk, k_in, sRk, row, m0, n0, L);
+    slab_row_dots_by(qg, gq, m0, n0, L, q_exact);
+    slab_row_dots_by(kg, gk, m0, n0, L, k_exact);
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
@@ -542,8 +545,9 @@ __global__ void __launch_bounds__(512, 1)
   // ---- P12: dq, dk; dbeta; dg = reverse cumsum of db per column, row L-1
   // also taking the K_ column sums and dgamma e^{b_{C-1}} -------------------
   if (active)
-    slab_store_dq_dk<Dk, kNT, kMC, kParts, kL2Norm>(gq, gk, static_cast<T*>(a.dq), static_cast<T*>(a.dk),
-                                            q_in, k_in, sRq, sRk, sQG, sKG, row, m0, n0, L);
+    slab_store_dq_dk<Dk, kNT, kMC, kParts, kL2Norm>(gq, gk, static_cast<T*>(a.dq),
+                                                    static_cast<T*>(a.dk), q_exact, k_exact, sRq,
+                                                    sRk, sQG, sKG, row, m0, n0, L);
   if constexpr (kDelta) {
     if (tid < L) {
       float dbeta = 0.f;

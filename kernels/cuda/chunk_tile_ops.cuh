@@ -23,11 +23,12 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x;
 }
 
-// v and dO rows into 16-bit tiles by cp.async (committed, not waited); rows
-// past the chunk's end are zeros.
+// Two [C, D] inputs' rows (v and dO; q and k) into 16-bit tiles of pitch ld by
+// cp.async (committed by the caller, not waited); rows past the chunk's end
+// are zeros.
 template <int kThreads, int Dv, typename T, typename Row>
-__device__ __forceinline__ void intra_load_v_do(T* sV, T* sDO, int ld, const T* v_in,
-                                                const T* do_in, Row row, int C, int L) {
+__device__ __forceinline__ void copy_row_pair_async(T* sV, T* sDO, int ld, const T* v_in,
+                                                    const T* do_in, Row row, int C, int L) {
   constexpr int kVec = 8, kRowVecs = Dv / kVec;  // 16-byte copies per row
   for (int idx = threadIdx.x; idx < C * kRowVecs; idx += kThreads) {
     const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
@@ -178,6 +179,14 @@ __device__ __forceinline__ float2 exact_pair(const T* x_in, const float* sR, Row
 template <typename T>
 __device__ __forceinline__ float2 operand_pair(const T* x, int ld, int r, int col) {
   return unpack2<T>(*reinterpret_cast<const uint32_t*>(x + r * ld + col));
+}
+
+// exact_pair from a shared copy of the 16-bit input rows (pitch ld).
+template <typename T>
+__device__ __forceinline__ float2 exact_pair_shared(const T* x, int ld, const float* sR, int r,
+                                                    int col) {
+  const float2 v = operand_pair(x, ld, r, col);
+  return make_float2(v.x * sR[r], v.y * sR[r]);
 }
 
 // T = (I + B)^{-1}, B = diag(beta) KK (KK strictly lower, fp32, in fKK's

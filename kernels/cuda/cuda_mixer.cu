@@ -83,7 +83,7 @@ struct KernelKnobs {
   bool output_kernel = false;  // STATESCAN_FWD_OUTPUT=kernel (the default is the scan)
   int64_t group_chunks = kGroupChunks;  // STATESCAN_LINEAR_GROUP_CHUNKS
   int scan_cluster = 0;                  // STATESCAN_SCAN_CLUSTER, 0 = auto
-  bool bwd_t_from_prepare = false;       // STATESCAN_BWD_T=prepare (t_region)
+  bool bwd_t_from_prepare = true;        // STATESCAN_BWD_T=solve turns it off (t_region)
 };
 
 const KernelKnobs& kernel_knobs() {
@@ -100,7 +100,7 @@ const KernelKnobs& kernel_knobs() {
     k.group_chunks = env_int("STATESCAN_LINEAR_GROUP_CHUNKS", kGroupChunks, 1, 1 << 20);
     const int cluster = env_choice("STATESCAN_SCAN_CLUSTER", {"auto", "1", "2", "4", "8"});
     k.scan_cluster = cluster <= 0 ? 0 : 1 << (cluster - 1);
-    k.bwd_t_from_prepare = env_choice("STATESCAN_BWD_T", {"solve", "prepare"}) == 1;
+    k.bwd_t_from_prepare = env_choice("STATESCAN_BWD_T", {"prepare", "solve"}) != 1;
     return k;
   }();
   return knobs;
@@ -135,16 +135,16 @@ int64_t max_group_slots(const MixerParams& p) {
 }
 
 // Whether the workspace has room for T per chunk (ForwardArgs::ws_t), which
-// chunk_prepare16_kernel then writes for chunk_intra_grad_kernel: opt-in,
-// STATESCAN_BWD_T=prepare (the default, `solve`, lets the intra kernel solve T
-// again), for a delta rule that those kernels prepare and differentiate
-// (16-bit, no vector gate, not the fp32-tile prepare of STATESCAN_PREPARE=fp32).
-// 8 KB per chunk and head at C = 64. Measured 2026-12-02 (H200, one call, with
-// only the backward's re-run writing T): DeltaNet fwd+bwd 32K 4.945 -> 4.824 ms,
-// Gated DeltaNet 5.393 -> 5.249 (PERF_NOTES, "After b17"); opt-in until it has
-// run on a GPU with T in both plans a backward reads (its prepare re-run's
-// and a PreparedForward's, which --keep-prepared adopts: the two must give
-// bitwise the same gradients, and without T in the latter they did not).
+// chunk_prepare16_kernel then writes for chunk_intra_grad_kernel: a delta
+// rule that those kernels prepare and differentiate (16-bit, no vector gate,
+// not the fp32-tile prepare of STATESCAN_PREPARE=fp32), unless
+// STATESCAN_BWD_T=solve (the intra kernel solves T again, as before). 8 KB per
+// chunk and head at C = 64. Both plans a backward reads get it (the prepare
+// re-run's and a PreparedForward's, which --keep-prepared adopts: the two
+// give bitwise the same gradients, which test_cuda_cp checks; without T in
+// the latter they did not). Measured 2026-12-02 (H200, bf16, H 16, D 128):
+// DeltaNet fwd+bwd 32K 4.987 -> 4.792 ms, 128K 19.657 -> 18.989; Gated
+// DeltaNet 5.411 -> 5.229, 21.278 -> 20.578 (PERF_NOTES, "After b17").
 bool t_region(const MixerParams& p) {
   return kernel_knobs().bwd_t_from_prepare && has_beta(p.variant) && !vector_gate(p.variant) &&
          p.dtype != DType::f32 && !kernel_knobs().prepare_fp32_tiles;
