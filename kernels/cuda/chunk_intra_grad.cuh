@@ -607,24 +607,46 @@ __global__ void __launch_bounds__(512, 1)
     cp_async_wait<0>();  // the raw q, k rows
     __syncthreads();
   }
+  // One pass over the slab, each pair read once: with the norm the operand
+  // copies are the exact rows rounded (intra_store_qk rounds the same
+  // products), without it the copies are the exact rows. The five sums keep
+  // slab_row_dots_by's order of terms (formerly five passes, three of them
+  // over the operand copies: the epilogue's shared-memory reads were its
+  // stall).
   if (active) {
-    float qg[2] = {0.f, 0.f}, kg[2] = {0.f, 0.f}, qo[2], ko[2], kx[2];
-    if constexpr (kL2Norm) {  // n . dn (without the norm dq, dk are gq, gk)
-      slab_row_dots_by(qg, gq, m0, n0k, L, q_exact);
-      slab_row_dots_by(kg, gk, m0, n0k, L, k_exact);
-    }
-    auto q_copy = [&](int r, int col) { return operand_pair(sQ, kLdK, r, col); };
-    auto k_copy = [&](int r, int col) { return operand_pair(sK, kLdK, r, col); };
-    slab_row_dots_by(qo, gq, m0, n0k, L, q_copy);
-    slab_row_dots_by(ko, gk, m0, n0k, L, k_copy);
-    slab_row_dots_by(kx, gx, m0, n0k, L, k_copy);
-    if ((lane & 3) == 0) {
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = m0 + g + 8 * hr;
-        sQG[part * kMC + r] = qg[hr];
-        sKG[part * kMC + r] = kg[hr];
-        sDb[part * kMC + r] = qo[hr] - ko[hr] + 2.f * kx[hr];
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = m0 + g + 8 * hr;
+      float qg = 0.f, kg = 0.f, qo = 0.f, ko = 0.f, kx = 0.f;
+      if (r < L) {
+#pragma unroll
+        for (int j = 0; j < kNTk; ++j) {
+          const int col = n0k + 8 * j + i2, e = 2 * hr;
+          float2 qc, kc;
+          if constexpr (kL2Norm) {
+            const float2 qe = q_exact(r, col), ke = k_exact(r, col);
+            qg += qe.x * gq[j][e] + qe.y * gq[j][e + 1];
+            kg += ke.x * gk[j][e] + ke.y * gk[j][e + 1];
+            qc = unpack2<T>(pack2<T>(qe.x, qe.y));
+            kc = unpack2<T>(pack2<T>(ke.x, ke.y));
+          } else {
+            qc = operand_pair(sQ, kLdK, r, col);
+            kc = operand_pair(sK, kLdK, r, col);
+          }
+          qo += qc.x * gq[j][e] + qc.y * gq[j][e + 1];
+          ko += kc.x * gk[j][e] + kc.y * gk[j][e + 1];
+          kx += kc.x * gx[j][e] + kc.y * gx[j][e + 1];
+        }
+      }
+      qg = quad_sum(qg);
+      kg = quad_sum(kg);
+      qo = quad_sum(qo);
+      ko = quad_sum(ko);
+      kx = quad_sum(kx);
+      if ((lane & 3) == 0) {
+        sQG[part * kMC + r] = qg;  // n . dn (without the norm unused: dq, dk are gq, gk)
+        sKG[part * kMC + r] = kg;
+        sDb[part * kMC + r] = qo - ko + 2.f * kx;
       }
     }
   }
