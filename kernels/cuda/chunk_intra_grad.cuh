@@ -253,18 +253,21 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
     for (int it = 0; it < kIters; ++it) xs_all[it] = load4(S + 4 * (tid + it * kThreads));
   }
-  copy_row_pair_async<kThreads, Dv>(sV, sDO, kLdV, v_in, do_in, row, C, L);
-  copy_tile_async<kThreads>(sKb, kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk, C, Dk);
-  copy_tile_async<kThreads>(sA, kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C, C);
+  // Two cp.async groups for the delta rules: W and U first (V' = U - W S,
+  // the first product), then the rest, which lands while V' is formed.
   if constexpr (kDelta) {
     copy_tile_async<kThreads>(sW, kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk, C, Dk);
     copy_tile_async<kThreads>(sVp, kLdV, static_cast<const T*>(f.ws_u) + tile * C * Dv, Dv, C, Dv);
+    cp_async_commit();
   }
+  copy_row_pair_async<kThreads, Dv>(sV, sDO, kLdV, v_in, do_in, row, C, L);
+  copy_tile_async<kThreads>(sKb, kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk, C, Dk);
+  copy_tile_async<kThreads>(sA, kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C, C);
   if (ds_in_t)
     copy_tile_async<kThreads>(sDS, kLdV, static_cast<const T*>(a.ws_ds_t) + tile * Dk * Dv, Dv, Dk,
                               Dv);
   cp_async_commit();
-  if (tid < C) {
+  if (tid < kMC) {  // every row of the scan below; zeros past the chunk
     const bool valid = tid < L;
     sBeta[tid] = kDelta && valid ? to_float(beta_in[row(tid)]) : 0.f;
     sG[tid] = kScalar && valid ? f.g[row(tid)] : 0.f;
@@ -302,18 +305,16 @@ __global__ void __launch_bounds__(512, 1)
       if (lane == 0) sDg[warp] = sds;
     }
   }
+  if constexpr (kDelta)
+    cp_async_wait<1>();  // W and U
+  else
+    cp_async_wait<0>();
   __syncthreads();
-  if constexpr (kScalar) {
-    if (tid == 0) {
-      float run = 0.f;
-      for (int t = 0; t < C; ++t) {
-        run += sG[t];
-        sG[t] = run;
-      }
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();
+  // G_t, the gate's cumsum, by warp 0 as chunk_prepare16_kernel forms it
+  // (bitwise the forward's; a serial walk by one thread was 64 dependent
+  // shared-memory steps); read only after the barriers below.
+  if constexpr (kScalar)
+    if (warp == 0) warp_cumsum64(sG);
 
   // Each warp's slab of the [C, D] arrays: rows m0 .. m0+16, a column quarter.
   const int rt = warp & 3, part = warp >> 2;
@@ -350,6 +351,8 @@ __global__ void __launch_bounds__(512, 1)
         *p = pack2<T>(u.x - acc[j][2 * hr], u.y - acc[j][2 * hr + 1]);
       });
     });
+    cp_async_wait<0>();  // the rest
+    __syncthreads();
   }
   state_slabs(Dv, [&](int r0, int c0) {
     float acc[4][4] = {};

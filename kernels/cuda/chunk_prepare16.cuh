@@ -225,18 +225,7 @@ __global__ void __launch_bounds__(512, 2)
       }
     }
   } else if constexpr (kScalar) {
-    if (warp == 0) {  // two rows per lane, then a shuffle scan of the pair sums
-      const float x0 = sG[2 * lane], x1 = sG[2 * lane + 1];
-      float incl = x0 + x1;
-#pragma unroll
-      for (int m = 1; m < 32; m *= 2) {
-        const float o = __shfl_up_sync(0xffffffffu, incl, m);
-        if (lane >= m) incl += o;
-      }
-      const float excl = incl - (x0 + x1);
-      sG[2 * lane] = excl + x0;
-      sG[2 * lane + 1] = incl;
-    }
+    if (warp == 0) warp_cumsum64(sG);
   }
   bool fast = true;  // every diagonal block on the tensor cores
   if constexpr (kVector) {

@@ -23,6 +23,24 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x;
 }
 
+// The inclusive cumsum of sG[0 .. 64) in place (a scalar gate's G_t over a
+// chunk's rows; rows past the chunk hold zeros), by one warp: two rows per
+// lane, then a shuffle scan of the pair sums. chunk_prepare16_kernel and
+// chunk_intra_grad_kernel both form G this way: bitwise the same values.
+__device__ __forceinline__ void warp_cumsum64(float* sG) {
+  const int lane = threadIdx.x % 32;
+  const float x0 = sG[2 * lane], x1 = sG[2 * lane + 1];
+  float incl = x0 + x1;
+#pragma unroll
+  for (int m = 1; m < 32; m *= 2) {
+    const float o = __shfl_up_sync(0xffffffffu, incl, m);
+    if (lane >= m) incl += o;
+  }
+  const float excl = incl - (x0 + x1);
+  sG[2 * lane] = excl + x0;
+  sG[2 * lane + 1] = incl;
+}
+
 // Two [C, D] inputs' rows (v and dO; q and k) into 16-bit tiles of pitch ld by
 // cp.async (committed by the caller, not waited); rows past the chunk's end
 // are zeros.
