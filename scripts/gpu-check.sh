@@ -43,6 +43,12 @@
 #                    speed-of-light throughputs (SM, L1/shared, L2, DRAM: what
 #                    bounds the delta scan's step? PERF_NOTES, forward "Next
 #                    steps")
+#   NCU_SOURCE=<regex>  one launch of the kernel matching it under
+#                    `ncu --set full --import-source yes` (statescan-bench
+#                    NCU_SOURCE_ARGS, default "-v deltanet -t 32768 --backward"),
+#                    its SASS source view in OUTDIR/ncu_source_sass.csv and the
+#                    stall samples per barrier-delimited phase in
+#                    OUTDIR/ncu_phases.txt (scripts/ncu_phases.py)
 set -uo pipefail
 
 OUT=${1:?usage: scripts/gpu-check.sh OUTDIR}
@@ -156,6 +162,21 @@ if [[ "${NCU:-0}" != 0 ]] && command -v ncu >/dev/null; then
   done
 fi
 
+# One launch of one kernel at source level: its stall samples phase by phase
+# (scripts/ncu_phases.py; the sixteenth session's method, PERF_NOTES).
+if [[ -n "${NCU_SOURCE:-}" ]] && command -v ncu >/dev/null; then
+  # shellcheck disable=SC2086
+  timeout 300 ncu --clock-control none --set full --import-source yes \
+    -k regex:"$NCU_SOURCE" --launch-skip 1 --launch-count 1 -o "$BUILD/ncu_source" -f \
+    "$BUILD/launch/statescan-bench" ${NCU_SOURCE_ARGS:--v deltanet -t 32768 --backward} -w 1 -n 1 \
+    >"$OUT/ncu_source.log" 2>&1 &&
+    ncu -i "$BUILD/ncu_source.ncu-rep" --page source --csv --print-source sass \
+      >"$OUT/ncu_source_sass.csv" 2>>"$OUT/ncu_source.log" &&
+    python3 "$ROOT/scripts/ncu_phases.py" "$OUT/ncu_source_sass.csv" --top 12 \
+      >"$OUT/ncu_phases.txt" 2>&1 ||
+    echo "gpu-check: the source-level profile failed, see $OUT/ncu_source.log"
+fi
+
 if [[ "${FLA:-1}" != 0 && -d "$ROOT/.fla/fla" ]] && python3 -c "import torch, triton" 2>/dev/null; then
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/.fla/triton-cache} FLA_CACHE_RESULTS=1
   mkdir -p "$TRITON_CACHE_DIR"
@@ -170,7 +191,7 @@ fi
 
 echo
 cat "$OUT/bench.log"
-for f in bench_linear_scan.log bench_opt_in.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
+for f in bench_linear_scan.log bench_opt_in.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log ncu_phases.txt; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
 if [[ -f "$OUT/fla.json" ]]; then
   python3 - "$OUT/bench.json" "$OUT/fla.json" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
