@@ -469,7 +469,9 @@ __global__ void __launch_bounds__(512, 1)
   // cp.async into the slots of dO and V' (dead from here), waited for before
   // the row sums. Read from global memory there instead, each thread's loads
   // stood in series behind its own dq, dk stores (they may alias): a sixth of
-  // the kernel's stall samples (ncu source view, sixteenth session).
+  // the kernel's stall samples (ncu source view, sixteenth session). This is
+  // a second, L2-hot read of the rows QKRows loaded: they could not be stored
+  // raw at intra_store_qk, where these two slots are still live (dA reads them).
   static_assert(Tr::kKTile <= Tr::kVTile, "raw q, k rows fit the dO and V' slots");
   T* sQx = sDO;
   T* sKx = sVp;
