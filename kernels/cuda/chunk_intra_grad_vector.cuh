@@ -428,6 +428,21 @@ __global__ void __launch_bounds__(512, 1)
   }
   __syncthreads();
 
+  // The raw q and k rows (the exact rows of P11 and P12: 16-bit inputs, times
+  // the row factors there) by cp.async into T's and dA's tiles (q) and KK's
+  // (k) once those are dead, waited for before P11: read from global memory
+  // there instead, P12's loads stood in series behind its own dq, dk stores
+  // (they may alias), as in chunk_intra_grad_kernel, where they were a sixth
+  // of the stall samples (PERF_NOTES, sixteenth session).
+  static_assert(Tr::kTile <= 2 * Tr::kCTile && Tr::kTile <= Tr::kFTile &&
+                    Tr::kOffHA == Tr::kOffHT + Tr::kCTile,
+                "raw q fits T's and dA's tiles, raw k KK's");
+  T* sQx = hT;
+  T* sKx = reinterpret_cast<T*>(fKK);
+  auto load_raw_qk = [&] {
+    copy_row_pair_async<kThreads, Dk>(sQx, sKx, kLd, q_in, k_in, row, C, L);
+    cp_async_commit();
+  };
   if constexpr (kDelta) {
     // ---- P6: K^ = k e^{b} in place of Y~(q) ----------------------------------
     for (int idx = tid; idx < C * Dk / 2; idx += kThreads) {
@@ -495,18 +510,21 @@ __global__ void __launch_bounds__(512, 1)
       }
     });
     __syncthreads();
+    load_raw_qk();  // T, dA's tile and KK are dead
     // ---- P10: kh = (M' o Gamma) K (into gk and gx), kt = (M' o Gamma)^T K ----
     if (active) {
       pair_products(hD, sXk, sYk, add_gk_gx, add_gk);
       if (!fast) exact_diagonal(hD, sK, sK, add_gk_gx, add_gk);
     }
   } else {
-    __syncthreads();  // Y~(q) (P5's operand) is read; db takes its place below
+    load_raw_qk();  // dA's tile is dead (P5's barrier); T and KK are unused
   }
+  cp_async_wait<0>();  // the raw q, k rows
+  __syncthreads();     // and Y~(q) (P5's operand) is read; db takes its place below
 
-  // The exact normalised q and k (the 16-bit inputs, L2-hot, by the row factors).
-  auto q_exact = [&](int r, int col) { return exact_pair<Dk>(q_in, sRq, row, r, col); };
-  auto k_exact = [&](int r, int col) { return exact_pair<Dk>(k_in, sRk, row, r, col); };
+  // The exact normalised q and k: the raw rows in shared memory by the row factors.
+  auto q_exact = [&](int r, int col) { return exact_pair_shared(sQx, kLd, sRq, r, col); };
+  auto k_exact = [&](int r, int col) { return exact_pair_shared(sKx, kLd, sRk, r, col); };
   // ---- P11: db = gq q - gk k + 2 gx k per element (fp32, over q and dW),
   // with q and k as their 16-bit operand copies (each in-chunk pair's two
   // entries then cancel in the reverse cumsum; q's copy, overwritten since P4,
