@@ -457,6 +457,15 @@ TEST_P(CpuMixerArguments, RejectsNonF32Dtype) {
   expect_rejects([&] { cpu::mixer_forward(p); }, "dtype");
 }
 
+// MixerParams::saved_t is a GPU-path buffer: the CPU path names it rather
+// than ignore it (a caller would expect its backward to read it).
+TEST_P(CpuMixerArguments, RejectsSavedT) {
+  MixerParams p = params();
+  std::vector<unsigned char> t(64);
+  p.saved_t = t.data();
+  expect_rejects([&] { cpu::mixer_forward(p); }, "saved_t");
+}
+
 TEST_P(CpuMixerArguments, RejectsChunk48) {
   MixerParams p = params();
   p.chunk = 48;

@@ -131,11 +131,13 @@ class GpuBackward {
     return m;
   }
 
-  // The forward, saving the chunk states the backward reads.
-  void run_forward() {
+  // The forward, saving the chunk states the backward reads (and T where
+  // saved_t is given: MixerParams::saved_t).
+  void run_forward(void* saved_t = nullptr) {
     MixerParams m = base_params();
     m.o = o_.data();
     m.chunk_states = chunk_states_.data();
+    m.saved_t = saved_t;
     cuda::mixer_forward(m, nullptr);
     check_sync();
   }
@@ -241,6 +243,17 @@ class CudaBackward : public ::testing::TestWithParam<Param> {
     s.seq_len = 150;  // two full chunks of 64 and a partial one
     s.heads = 3;
     s.dk = s.dv = dim();
+    return s;
+  }
+  // One batch row of packed sequences (an empty-ish one of length 1 among
+  // them) with an initial state: the bitwise checks of the backward's
+  // alternative paths against its default.
+  ProblemSpec packed_spec() const {
+    ProblemSpec s = spec();
+    s.batch = 1;
+    s.seq_len = 230;
+    s.cu_seqlens = {0, 17, 81, 150, 151, 230};
+    s.with_h0 = true;
     return s;
   }
   uint64_t seed(uint64_t salt) const {
@@ -434,12 +447,7 @@ TEST_P(CudaBackward, BatchedGradientsEqualOneBatch) {
 // the saved states (outputs poisoned again in between), packed sequences and
 // an initial state included; the caller's workspace entry point sizes for it.
 TEST_P(CudaBackward, RecomputedChunkStatesGiveTheSavedStatesGradients) {
-  ProblemSpec s = spec();
-  s.batch = 1;
-  s.seq_len = 230;
-  s.cu_seqlens = {0, 17, 81, 150, 151, 230};
-  s.with_h0 = true;
-  ref::Problem p = random_problem(s, seed(12));
+  ref::Problem p = random_problem(packed_spec(), seed(12));
   GpuBackward gpu(p, dtype(), 64, true, seed(12) + 1);
   gpu.run_forward();
   gpu.run_backward();
@@ -467,6 +475,37 @@ TEST_P(CudaBackward, RecomputedChunkStatesGiveTheSavedStatesGradients) {
         cuda::mixer_backward(m, workspace.data(), cuda::backward_workspace_bytes(m), nullptr);
       },
       "workspace");
+}
+
+// MixerParams::saved_t: the forward saves T in two parts and the backward's
+// prepare re-run reads them instead of forming KK and solving; the gradients
+// are bitwise those of the re-run that solves (packed sequences and an
+// initial state included), and the backward's workspace has no T region then.
+// Where it is unsupported (additive rules, vector gates, fp32) the forward
+// and the backward refuse it naming "saved_t".
+TEST_P(CudaBackward, SavedTGivesTheSolvedTGradients) {
+  ref::Problem p = random_problem(packed_spec(), seed(14));
+  GpuBackward gpu(p, dtype(), 64, true, seed(14) + 1);
+  gpu.run_forward();
+  gpu.run_backward();
+  const auto expected = gpu.raw_outputs();
+  MixerBwdParams m = gpu.backward_params();  // poisons the outputs again
+  if (!cuda::saved_t_supported(m)) {
+    DeviceBuffer<unsigned char> some(256);
+    m.saved_t = some.data();
+    expect_error([&] { cuda::mixer_backward(m, nullptr); }, "saved_t");
+    expect_error([&] { gpu.run_forward(some.data()); }, "saved_t");
+    return;
+  }
+  DeviceBuffer<unsigned char> saved(cuda::saved_t_bytes(m));
+  saved.fill_bytes(0xFF);  // NaN bytes: a part the forward does not write poisons the gradients
+  gpu.run_forward(saved.data());
+  m = gpu.backward_params();
+  m.saved_t = saved.data();
+  EXPECT_LE(cuda::backward_workspace_bytes(m), cuda::backward_workspace_bytes(gpu.backward_params()));
+  cuda::mixer_backward(m, nullptr);
+  GpuBackward::check_sync();
+  expect_same_outputs(gpu.raw_outputs(), expected);
 }
 
 // cuda::PreparedBackward (the CP path): one prepared set of tiles serves the

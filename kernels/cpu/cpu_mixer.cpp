@@ -204,6 +204,8 @@ inline int64_t state_offset(const MixerParams& p, int64_t n, int64_t head) {
 void check_cpu_inputs(const MixerParams& p) {
   SS_CHECK_ARG(p.dtype == DType::f32, "dtype", "the CPU path needs f32 tensors, got ",
                to_string(p.dtype), " (round inputs with round_to and pass f32)");
+  SS_CHECK_ARG(p.saved_t == nullptr, "saved_t",
+               "is a GPU-path buffer (the CPU path keeps no prepared tiles)");
   if (p.g != nullptr) {
     // Gates feed exp() in every step; a NaN/Inf here would poison all outputs.
     const int64_t n = p.batch * p.seq_len * p.heads * (vector_gate(p.variant) ? p.dk : 1);

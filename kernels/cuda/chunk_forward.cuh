@@ -72,6 +72,13 @@ struct ForwardArgs : MixerTensors {
   // delta rules with a scalar gate or none; STATESCAN_BWD_T=solve: none), so that
   // chunk_intra_grad_kernel does not solve it a second time; null elsewhere.
   void* ws_t = nullptr;
+  // With ws_t, T's low part T - hi (two-part T, what the prepare's W and U
+  // products take) [chunks, H, C, C] where non-null: MixerParams::saved_t's
+  // second half. t_given: the prepare stage reads T (hi and lo) from ws_t and
+  // ws_t_lo instead of forming KK and solving (the backward's re-run with a
+  // saved T); otherwise it writes them.
+  void* ws_t_lo = nullptr;
+  bool t_given = false;
   void* ws_vnew = nullptr;    // V' = U - W S [chunks, H, C, Dv] (delta rules only)
   void* ws_states = nullptr;  // state entering each chunk [chunks, H, Dk, Dv] in T,
                               // read by the output kernel (fp32 inputs: the

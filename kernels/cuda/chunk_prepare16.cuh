@@ -336,7 +336,8 @@ __global__ void __launch_bounds__(512, 2)
       __syncthreads();
       blocks(nlow, 2 * nlow);
     } else {
-      blocks(0, (kDelta ? 2 : 1) * nlow);
+      // With T given (a saved T: the backward's re-run), KK is not needed.
+      blocks(0, (kDelta && !a.t_given ? 2 : 1) * nlow);
     }
     if constexpr (kVector) {
       if (!fast) {
@@ -393,23 +394,42 @@ __global__ void __launch_bounds__(512, 2)
       split_store(s1 + t * kLdK + d, sLoK + t * kLdK + d, sBeta[t] * k2.x * up.x,
                   sBeta[t] * k2.y * up.y);
     });
-    intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
+    // A saved T (ForwardArgs::t_given, scalar gates or none: the host refuses
+    // it otherwise) replaces the solve: its two parts, as the forward's
+    // prepare stored them, so W and U below are bitwise the forward's.
+    const bool t_given = !kVector && a.t_given;
+    if (t_given) {
+      copy_tile_async<kThreads>(hT, kLdC, static_cast<const T*>(a.ws_t) + tile * C * C, C, C, C);
+      copy_tile_async<kThreads>(hTlo, kLdC, static_cast<const T*>(a.ws_t_lo) + tile * C * C, C,
+                                C, C);
+      cp_async_commit();
+    } else {
+      intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
+    }
     __syncthreads();
     for_own_pairs([&](int t, int i, int e, int j) {
       const float2 v2 = unpack2<T>(wv[i][e]);
       split_store(s2 + t * kLdK + j, sLoV + t * kLdK + j, sBeta[t] * v2.x, sBeta[t] * v2.y);
     });
-    // Ends with a barrier (after T's block rows, before P4).
-    intra_solve_t_blocks<kThreads, true>(hT, kLdC, fKK, kLdF, sBeta, nb, hTlo);
-    if (a.ws_t != nullptr) {
-      // T for the backward's chunk_intra_grad_kernel (ForwardArgs::ws_t).
-      T* out_t = static_cast<T*>(a.ws_t) + tile * C * C;
-      constexpr int kVec = 8, kRowVecs = C / kVec;  // 16-byte stores
-      for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
-        const int t = idx / kRowVecs, s = (idx % kRowVecs) * kVec;
-        *reinterpret_cast<uint4*>(out_t + t * C + s) =
-            *reinterpret_cast<const uint4*>(hT + t * kLdC + s);
-      }
+    if (t_given) {
+      cp_async_wait<0>();
+      __syncthreads();
+    } else {
+      // Ends with a barrier (after T's block rows, before P4).
+      intra_solve_t_blocks<kThreads, true>(hT, kLdC, fKK, kLdF, sBeta, nb, hTlo);
+      // T for the backward's chunk_intra_grad_kernel (ForwardArgs::ws_t), and
+      // its low part where T is saved for the backward's prepare re-run.
+      auto store_t = [&](void* dst, const T* src) {
+        T* out_t = static_cast<T*>(dst) + tile * C * C;
+        constexpr int kVec = 8, kRowVecs = C / kVec;  // 16-byte stores
+        for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
+          const int t = idx / kRowVecs, s = (idx % kRowVecs) * kVec;
+          *reinterpret_cast<uint4*>(out_t + t * C + s) =
+              *reinterpret_cast<const uint4*>(src + t * kLdC + s);
+        }
+      };
+      if (a.ws_t != nullptr) store_t(a.ws_t, hT);
+      if (a.ws_t_lo != nullptr) store_t(a.ws_t_lo, hTlo);
     }
 
     // ---- P4: [W | U] = T X, as T_hi X_hi + T_hi X_lo + T_lo X_hi ------------

@@ -145,9 +145,13 @@ int64_t max_group_slots(const MixerParams& p) {
 // the latter they did not). Measured 2026-12-02 (H200, bf16, H 16, D 128):
 // DeltaNet fwd+bwd 32K 4.987 -> 4.792 ms, 128K 19.657 -> 18.989; Gated
 // DeltaNet 5.411 -> 5.229, 21.278 -> 20.578 (PERF_NOTES, "After b17").
+bool t_capable(const MixerParams& p) {
+  return has_beta(p.variant) && !vector_gate(p.variant) && p.dtype != DType::f32 &&
+         !kernel_knobs().prepare_fp32_tiles;
+}
+// A caller's saved T (MixerParams::saved_t) takes the workspace's place.
 bool t_region(const MixerParams& p) {
-  return kernel_knobs().bwd_t_from_prepare && has_beta(p.variant) && !vector_gate(p.variant) &&
-         p.dtype != DType::f32 && !kernel_knobs().prepare_fp32_tiles;
+  return kernel_knobs().bwd_t_from_prepare && t_capable(p) && p.saved_t == nullptr;
 }
 
 // prepare_only: without V' and the T-typed states, which only the scan stage
@@ -254,6 +258,12 @@ size_t forward_workspace_bytes(const MixerParams& p) {
   return layout_for(p).total;
 }
 
+bool saved_t_supported(const MixerParams& p) { return t_capable(p); }
+size_t saved_t_bytes(const MixerParams& p) {
+  return 2 * static_cast<size_t>(max_chunks(p)) * static_cast<size_t>(p.heads) *
+         static_cast<size_t>(p.chunk * p.chunk) * size_of(p.dtype);
+}
+
 namespace detail {
 
 size_t prepare_workspace_bytes(const MixerParams& p) {
@@ -298,6 +308,16 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   // Written by the plans a backward reads its tiles from: its own prepare
   // re-run, and a PreparedForward's (for_backward) that it may adopt.
   a.ws_t = t_region(p) && (prepare_only || for_backward) ? base + l.t : nullptr;
+  if (p.saved_t != nullptr) {
+    // The forward writes both parts; the backward's prepare re-run
+    // (prepare_only) reads them instead of forming KK and solving.
+    SS_CHECK_ARG(t_capable(p), "saved_t",
+                 "only delta rules without a vector gate save T, with bf16/f16 inputs and the "
+                 "16-bit prepare kernel (cuda::saved_t_supported)");
+    a.ws_t = p.saved_t;
+    a.ws_t_lo = static_cast<char*>(p.saved_t) + saved_t_bytes(p) / 2;
+    a.t_given = prepare_only;
+  }
   a.fuse_output = output_in_scan(p) && !prepare_only;
   a.ws_vnew = has_beta(p.variant) && !prepare_only && !a.fuse_output ? base + l.vnew : nullptr;
   a.ws_states = p.dtype == DType::f32 && p.chunk_states != nullptr

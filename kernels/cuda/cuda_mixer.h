@@ -28,6 +28,12 @@ size_t forward_workspace_bytes(const MixerParams& p);
 void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
                    cudaStream_t stream);
 
+// Whether `p` can save T for its backward (MixerParams::saved_t): delta rules
+// without a vector gate, 16-bit inputs, the 16-bit prepare kernel (not
+// STATESCAN_PREPARE=fp32); and the bytes of that buffer (both parts).
+bool saved_t_supported(const MixerParams& p);
+size_t saved_t_bytes(const MixerParams& p);
+
 // Whether the chunkwise kernels of `p` read q, k, v themselves rather than
 // tiles a prepare stage writes (linear attention with 16-bit inputs and no L2
 // norm, unless STATESCAN_LINEAR=tiles): their forward and backward
