@@ -31,7 +31,9 @@ struct FwdRounding {
   bool states = false;  // the scan's S copy for the products, V', and o
   // v3's operands of A and KK (v2 took fp32 tf32-split products: exact here).
   // Without vector gates: q and k as one 16-bit copy each (with the L2 norm
-  // they are not bf16-exact); v3 takes them as two parts (hi + lo: exact).
+  // they are not bf16-exact); v3 took them as two parts (hi + lo: exact), the
+  // kernel now takes the raw input rows and applies the norm's row factors
+  // to the products (exact as well).
   bool qk_single = false;
   // Vector gates: the reference-row copies, X~(k)_s = k_s e^{b_rho(J) - b_s}
   // rounded once, and the query side Y~_t = x_t e^{b_t - b_rho(I-1)} times the
@@ -40,7 +42,9 @@ struct FwdRounding {
   // every block's decay is <= kMaxDrop, else exact (the kernel's CUDA-core path).
   bool reference_rows = false;
   bool query_single = false;
-  // W, U = T X with T and X rounded once each (v3 takes both as two parts).
+  // W, U = T X with T and X rounded once each (v3 takes both as two parts;
+  // without vector gates the kernel now takes T diag(beta rk e^{G}) and
+  // T diag(beta) as two parts and the raw k and v rows: exact operands).
   bool tx_single = false;
   // A candidate, not what the kernels run (PERF_NOTES, "Next steps"): the delta
   // rules' scan as one product per chunk step, S <- diag(decay) S + KU - KW S,

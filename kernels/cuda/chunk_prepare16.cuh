@@ -24,15 +24,22 @@
 // cores (one exponential per term), decided once per chunk.
 //
 // Precision: Q^ and K_ come from the exact normalised inputs (rounded once,
-// on the store); W and U = T X are products of two-part (hi + lo, ~16-bit)
-// copies of T and X = diag(beta) [K^ | V]; q and k enter A and KK as two
-// parts too where the L2 norm makes them inexact (kSplitQK), and so does the
-// vector gates' query side through its per-dimension scaling. Only the
-// vector gates' key side X~(k) is one 16-bit rounding (PERF_NOTES, v3: what
-// each two-part operand is worth, measured and in tests/chunk_fwd_model.h).
+// on the store). Without vector gates every product takes the raw 16-bit
+// input rows, exact operands, and the row factors enter as fp32 scalings:
+//   A_ts = scale rq_t rk_s (q_t . k_s) e^{G_t - G_s},  KK_ts = rk_t rk_s (k_t . k_s) e^{G_t - G_s},
+//   W = (T diag(c)) K,  U = (T diag(beta)) V,  c_s = beta_s rk_s e^{G_s},
+// with rq, rk the L2 norm's factors (1 without it) and the two C x C factors
+// as two 16-bit parts (hi + lo, ~16 bits; T itself enters them as its two
+// parts, so a saved T gives bitwise the same W and U): one mma chain for A
+// and KK and two for W and U, where normalised operands took three each
+// (hi hi + hi lo + lo hi). Vector gates scale per dimension, so there W and
+// U = T X are products of two-part copies of T and X = diag(beta) [K^ | V],
+// the query side of A and KK enters as two parts, and only the key side
+// X~(k) is one 16-bit rounding (PERF_NOTES, v3: what each two-part operand
+// is worth, measured and in tests/chunk_fwd_model.h).
 //   grid (chunks, H), 512 threads, Prepare16Traits::kBytes of dynamic shared
-//   memory (D = 128: kda 111 KB, gla 85 KB, deltanet 104 KB, linear 35 KB or
-//   69 KB with the L2 norm), two blocks per multiprocessor.
+//   memory (D = 128: kda 111 KB, gla 85 KB, deltanet 105 KB, linear 35 KB),
+//   two blocks per multiprocessor.
 // Included by chunk_forward.cuh after ForwardArgs and chunk_geometry.
 #pragma once
 
@@ -49,27 +56,23 @@ struct Prepare16Traits {
   static constexpr int kMaxChunk = 64, kThreads = 512, kWarps = 16, kParts = kWarps / 4;
   static constexpr bool kVector = kDecay == Decay::vector;
   static constexpr bool kDelta = kRule == Rule::delta;
-  // Without vector gates q and k are the products' operands; with the L2
-  // norm they are not 16-bit exact, so each product takes them as two 16-bit
-  // parts (x = hi + lo, three products hi hi + hi lo + lo hi: ~16 bits, as
-  // the tf32 split of the fp32 kernel) instead of one rounding (8 bits: in
-  // the host model deltanet's o 4.53e-3 -> 4.73e-3, Gated DeltaNet's 3.73e-3
-  // -> 4.33e-3; PERF_NOTES, v3).
-  static constexpr bool kSplitQK = !kVector && kL2Norm;
+  // Without vector gates: the raw input rows as operands, the row factors
+  // applied to the products (see the kernel's comment).
+  static constexpr bool kRaw = !kVector;
   static constexpr int kLdK = Dk + 8, kLdC = kMaxChunk + 8;  // 16-bit pitches
   static constexpr int kLdB = Dk + 4, kLdF = kMaxChunk + 4;  // fp32 pitches
   static constexpr size_t kKTile = sizeof(T) * kMaxChunk * kLdK;
-  // Slots of [C, D] 16-bit tiles: S1 q (Y~(q), then Y~(k) with vector
-  // gates), then diag(beta) K^ = X_K; S2 k (X~(k)), then diag(beta) V = X_V;
-  // S3 the low part of S1's Y~ (vector gates) or q's (kSplitQK), then X_K's
-  // low part; S4 k's low part (kSplitQK), then X_V's low part (without
-  // vector gates). Then the gate cumsum b (fp32; for vector delta rules it
-  // later holds X_V's low part and, at D = 128, T's), KK (fp32, T in its
-  // upper triangle), T (16-bit) and the row vectors. v is read only once S2
-  // is free, so that every variant fits two blocks per multiprocessor (kda at
-  // D = 128: 111 KB).
-  static constexpr int kSlots = 2 + (kVector ? 1 : 0) + (!kVector && (kDelta || kSplitQK) ? 2 : 0);
-  static constexpr size_t kOffS1 = 0, kOffS2 = kKTile, kOffS3 = 2 * kKTile, kOffS4 = 3 * kKTile;
+  // Slots of [C, D] 16-bit tiles. Vector gates: S1 Y~(q), then Y~(k), then
+  // diag(beta) K^ = X_K; S2 X~(k), then diag(beta) V = X_V; S3 the low part
+  // of S1's Y~, then X_K's low part. Otherwise: S1 q, S2 k and (delta rules)
+  // S3 v, the raw input rows. Then the gate cumsum b (fp32, vector gates; for
+  // delta rules it later holds X_V's low part and, at D = 128, T's), KK
+  // (fp32, T in its upper triangle), T (16-bit; without vector gates the two
+  // parts of T diag(c) and of T diag(beta)) and the row vectors. With vector
+  // gates v is read only once S2 is free, so that every variant fits two
+  // blocks per multiprocessor (kda at D = 128: 111 KB).
+  static constexpr int kSlots = 2 + (kVector || kDelta ? 1 : 0);
+  static constexpr size_t kOffS1 = 0, kOffS2 = kKTile, kOffS3 = 2 * kKTile;
   static constexpr size_t kBBytes = kVector ? sizeof(float) * kMaxChunk * kLdB : 0;
   static constexpr size_t kTBytes = kDelta ? sizeof(T) * kMaxChunk * kLdC : 0;
   static constexpr bool kTLoInB = kVector && kKTile + kTBytes <= kBBytes;
@@ -77,14 +80,16 @@ struct Prepare16Traits {
   static constexpr size_t kOffKK = kOffB + kBBytes;
   static constexpr size_t kOffT = kOffKK + (kDelta ? sizeof(float) * kMaxChunk * kLdF : 0);
   static constexpr size_t kOffTLoOwn = kOffT + kTBytes;
-  static constexpr size_t kOffRows = kOffTLoOwn + (kTLoInB ? 0 : kTBytes);
-  static constexpr size_t kOffLoK = kOffS3, kOffLoV = kVector ? kOffB : kOffS4;
+  // Without vector gates: T diag(beta)'s two parts after T diag(c)'s.
+  static constexpr size_t kOffT2 = kOffTLoOwn + (kTLoInB ? 0 : kTBytes);
+  static constexpr size_t kOffRows = kOffT2 + (kRaw && kDelta ? 2 * kTBytes : 0);
+  static constexpr size_t kOffLoK = kOffS3, kOffLoV = kOffB;  // vector gates only
   static constexpr size_t kOffTLo = kTLoInB ? kOffB + kKTile : kOffTLoOwn;
   // Row vectors: scalar gate cumsum G, beta, the L2 norm's row factors rq, rk.
   static constexpr size_t kBytes = kOffRows + sizeof(float) * 4 * kMaxChunk;
   static_assert(kBytes <= 113 * 1024, "chunk_prepare16_kernel: two blocks per multiprocessor");
   static_assert(!kVector || !kDelta || kKTile <= kBBytes, "X_V's low part fits b's slot");
-  static_assert(Dk == Dv, "S2 holds k, then diag(beta) V");
+  static_assert(Dk == Dv, "S2 holds k, then diag(beta) V; v's rows split as q's and k's");
   static_assert(Dk % (16 * kParts) == 0, "each warp takes a column quarter of W and U in n8 pairs");
 };
 
@@ -117,11 +122,13 @@ __global__ void __launch_bounds__(512, 2)
   T* s1 = reinterpret_cast<T*>(smem_bytes + Tr::kOffS1);
   T* s2 = reinterpret_cast<T*>(smem_bytes + Tr::kOffS2);
   T* s3 = reinterpret_cast<T*>(smem_bytes + Tr::kOffS3);
-  T* s4 = reinterpret_cast<T*>(smem_bytes + Tr::kOffS4);
   float* sB = reinterpret_cast<float*>(smem_bytes + Tr::kOffB);
   float* fKK = reinterpret_cast<float*>(smem_bytes + Tr::kOffKK);
   T* hT = reinterpret_cast<T*>(smem_bytes + Tr::kOffT);
   T* hTlo = reinterpret_cast<T*>(smem_bytes + Tr::kOffTLo);
+  // Without vector gates hT, hTlo hold T diag(c) and hU, hUlo T diag(beta).
+  T* hU = reinterpret_cast<T*>(smem_bytes + Tr::kOffT2);
+  T* hUlo = hU + kMC * kLdC;
   T* sLoK = reinterpret_cast<T*>(smem_bytes + Tr::kOffLoK);
   T* sLoV = reinterpret_cast<T*>(smem_bytes + Tr::kOffLoV);
   float* sG = reinterpret_cast<float*>(smem_bytes + Tr::kOffRows);
@@ -169,6 +176,20 @@ __global__ void __launch_bounds__(512, 2)
   // reads them; their loads are issued first.
   QKRows<kWarps, Dk, T> qk;
   qk.load(q_in, k_in, row, C, L);
+  // Delta rules without vector gates: v's raw rows (U's exact operand) by
+  // cp.async into S3, and a saved T's two parts (ForwardArgs::t_given: the
+  // backward's re-run; the host refuses it with vector gates) into
+  // T diag(beta)'s slots, which P3 turns them into; waited for in P3.
+  const bool t_given = Tr::kRaw && kDelta && a.t_given;
+  if constexpr (Tr::kRaw && kDelta) {
+    copy_rows_async<kThreads, Dv>(s3, kLdK, v_in, row, C, L);
+    if (t_given) {
+      copy_tile_async<kThreads>(hU, kLdC, static_cast<const T*>(a.ws_t) + tile * C * C, C, C, C);
+      copy_tile_async<kThreads>(hUlo, kLdC, static_cast<const T*>(a.ws_t_lo) + tile * C * C, C,
+                                C, C);
+    }
+    cp_async_commit();
+  }
   using Rows = decltype(qk);
   auto for_own_pairs = [&](auto&& f) { Rows::for_each_pair(C, f); };
   if constexpr (!kDelta) {  // additive rules: U = V, straight to the workspace
@@ -256,13 +277,8 @@ __global__ void __launch_bounds__(512, 2)
       *reinterpret_cast<uint32_t*>(s2 + t * kLdK + d) = pack2<T>(k2.x * x0, k2.y * x1);
     } else {
       if constexpr (kScalar) down.x = down.y = __expf(sG[C - 1] - sG[t]);
-      if constexpr (Tr::kSplitQK) {  // with the low parts: what the copies' rounding lost
-        split_store(s1 + t * kLdK + d, s3 + t * kLdK + d, q2.x, q2.y);
-        split_store(s2 + t * kLdK + d, s4 + t * kLdK + d, k2.x, k2.y);
-      } else {
-        *reinterpret_cast<uint32_t*>(s1 + t * kLdK + d) = pack2<T>(q2.x, q2.y);
-        *reinterpret_cast<uint32_t*>(s2 + t * kLdK + d) = pack2<T>(k2.x, k2.y);
-      }
+      *reinterpret_cast<uint32_t*>(s1 + t * kLdK + d) = qk.wq[i][e];  // the raw rows
+      *reinterpret_cast<uint32_t*>(s2 + t * kLdK + d) = qk.wk[i][e];
     }
     *reinterpret_cast<uint32_t*>(out_q + t * Dk + d) =
         pack2<T>(scale * q2.x * up.x, scale * q2.y * up.y);
@@ -300,16 +316,17 @@ __global__ void __launch_bounds__(512, 2)
               [&](int d) { return __expf(bref(I - 1, d) - bref(J, d)); }, s3);
         else
           warp_mm_16xn<T, false, false, 2>(acc, x, kLdK, s2, kLdK, 16 * I, 16 * J, Dk);
-        if constexpr (Tr::kSplitQK) {  // + hi lo + lo hi
-          warp_mm_16xn<T, false, false, 2>(acc, x, kLdK, s4, kLdK, 16 * I, 16 * J, Dk);
-          warp_mm_16xn<T, false, false, 2>(acc, is_m ? s4 : s3, kLdK, s2, kLdK, 16 * I, 16 * J, Dk);
-        }
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
           for (int hr = 0; hr < 2; ++hr) {
             const int t = 16 * I + g + 8 * hr, s = 16 * J + 8 * j + i2;
             float v0 = acc[j][2 * hr], v1 = acc[j][2 * hr + 1];
+            if constexpr (Tr::kRaw && kL2Norm) {  // the raw rows' products, normalised
+              const float rt = is_m ? sRk[t] : sRq[t];
+              v0 *= rt * sRk[s];
+              v1 *= rt * sRk[s + 1];
+            }
             if constexpr (kScalar) {  // selected, not multiplied: e^{G_t - G_s} is inf above
               v0 = s <= t ? v0 * __expf(sG[t] - sG[s]) : 0.f;
               v1 = s + 1 <= t ? v1 * __expf(sG[t] - sG[s + 1]) : 0.f;
@@ -373,80 +390,111 @@ __global__ void __launch_bounds__(512, 2)
   if constexpr (kDelta) {  // additive rules are done
     __syncthreads();
 
-    // ---- P3: X = diag(beta) [K^ | V] as 16-bit hi + lo parts; T (hi + lo) ---
-    // X_K first (it reads b, whose slot X_V's low part takes for vector
-    // gates), then X_V after a barrier. v's loads (a warp per row, as q and
-    // k) are issued first, so their latency passes under X_K and T's
-    // diagonal blocks (two warps' work) instead of after the barrier.
-    // (Dv == Dk: a v row splits over the lanes as q's and k's rows do.)
-    uint32_t wv[Rows::kRows][Rows::kPairs];
+    // T's 16-bit rounding for the backward's chunk_intra_grad_kernel
+    // (ForwardArgs::ws_t) and its low part where T is saved for the
+    // backward's prepare re-run (ws_t_lo); pairs (t, s), (t, s + 1).
+    T* out_t = a.ws_t != nullptr && !t_given ? static_cast<T*>(a.ws_t) + tile * C * C : nullptr;
+    T* out_t_lo =
+        a.ws_t_lo != nullptr && !t_given ? static_cast<T*>(a.ws_t_lo) + tile * C * C : nullptr;
+    if constexpr (kVector) {
+      // ---- P3: X = diag(beta) [K^ | V] as 16-bit hi + lo parts; T (hi + lo) -
+      // X_K first (it reads b, whose slot X_V's low part takes), then X_V
+      // after a barrier. v's loads (a warp per row, as q and k) are issued
+      // first, so their latency passes under X_K and T's diagonal blocks (two
+      // warps' work) instead of after the barrier.
+      uint32_t wv[Rows::kRows][Rows::kPairs];
 #pragma unroll
-    for (int i = 0; i < Rows::kRows; ++i) {
-      const int t = Rows::row_of(i);
+      for (int i = 0; i < Rows::kRows; ++i) {
+        const int t = Rows::row_of(i);
 #pragma unroll
-      for (int e = 0; e < Rows::kPairs; ++e)
-        wv[i][e] = t < L && t < C
-                       ? *reinterpret_cast<const uint32_t*>(v_in + row(t) * Dv + Rows::col_of(e))
-                       : 0u;
-    }
-    for_own_pairs([&](int t, int i, int e, int d) {
-      const float2 k2 = qk.k(i, e), up = up2(t, d);
-      split_store(s1 + t * kLdK + d, sLoK + t * kLdK + d, sBeta[t] * k2.x * up.x,
-                  sBeta[t] * k2.y * up.y);
-    });
-    // A saved T (ForwardArgs::t_given, scalar gates or none: the host refuses
-    // it otherwise) replaces the solve: its two parts, as the forward's
-    // prepare stored them, so W and U below are bitwise the forward's.
-    const bool t_given = !kVector && a.t_given;
-    if (t_given) {
-      copy_tile_async<kThreads>(hT, kLdC, static_cast<const T*>(a.ws_t) + tile * C * C, C, C, C);
-      copy_tile_async<kThreads>(hTlo, kLdC, static_cast<const T*>(a.ws_t_lo) + tile * C * C, C,
-                                C, C);
-      cp_async_commit();
-    } else {
+        for (int e = 0; e < Rows::kPairs; ++e)
+          wv[i][e] = t < L && t < C ? *reinterpret_cast<const uint32_t*>(v_in + row(t) * Dv +
+                                                                         Rows::col_of(e))
+                                    : 0u;
+      }
+      for_own_pairs([&](int t, int i, int e, int d) {
+        const float2 k2 = qk.k(i, e), up = up2(t, d);
+        split_store(s1 + t * kLdK + d, sLoK + t * kLdK + d, sBeta[t] * k2.x * up.x,
+                    sBeta[t] * k2.y * up.y);
+      });
       intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
-    }
-    __syncthreads();
-    for_own_pairs([&](int t, int i, int e, int j) {
-      const float2 v2 = unpack2<T>(wv[i][e]);
-      split_store(s2 + t * kLdK + j, sLoV + t * kLdK + j, sBeta[t] * v2.x, sBeta[t] * v2.y);
-    });
-    if (t_given) {
-      cp_async_wait<0>();
       __syncthreads();
-    } else {
+      for_own_pairs([&](int t, int i, int e, int j) {
+        const float2 v2 = unpack2<T>(wv[i][e]);
+        split_store(s2 + t * kLdK + j, sLoV + t * kLdK + j, sBeta[t] * v2.x, sBeta[t] * v2.y);
+      });
       // Ends with a barrier (after T's block rows, before P4).
       intra_solve_t_blocks<kThreads, true>(hT, kLdC, fKK, kLdF, sBeta, nb, hTlo);
-      // T for the backward's chunk_intra_grad_kernel (ForwardArgs::ws_t), and
-      // its low part where T is saved for the backward's prepare re-run.
-      auto store_t = [&](void* dst, const T* src) {
-        T* out_t = static_cast<T*>(dst) + tile * C * C;
+      auto store_t = [&](T* out, const T* src) {
         constexpr int kVec = 8, kRowVecs = C / kVec;  // 16-byte stores
         for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
           const int t = idx / kRowVecs, s = (idx % kRowVecs) * kVec;
-          *reinterpret_cast<uint4*>(out_t + t * C + s) =
+          *reinterpret_cast<uint4*>(out + t * C + s) =
               *reinterpret_cast<const uint4*>(src + t * kLdC + s);
         }
       };
-      if (a.ws_t != nullptr) store_t(a.ws_t, hT);
-      if (a.ws_t_lo != nullptr) store_t(a.ws_t_lo, hTlo);
+      if (out_t != nullptr) store_t(out_t, hT);
+      if (out_t_lo != nullptr) store_t(out_t_lo, hTlo);
+    } else {
+      // ---- P3: T, then the two C x C factors of W and U, two parts each ----
+      if (!t_given) {
+        intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
+        __syncthreads();
+        intra_solve_t_rows<kWarps>(fKK, kLdF, sBeta, nb, [] { __syncthreads(); });
+      }
+      cp_async_wait<0>();  // v's rows, a saved T's parts
+      __syncthreads();
+      // T as its two 16-bit parts (solved here or saved: the same values
+      // either way), then T diag(c) into hT, hTlo and T diag(beta) into hU,
+      // hUlo (in place of a saved T's parts: each pair is read, then written,
+      // by the same thread).
+      for (int idx = tid; idx < C * C / 2; idx += kThreads) {
+        const int t = idx / (C / 2), s = 2 * (idx % (C / 2));
+        uint32_t hi, lo;
+        if (t_given) {
+          hi = *reinterpret_cast<const uint32_t*>(hU + t * kLdC + s);
+          lo = *reinterpret_cast<const uint32_t*>(hUlo + t * kLdC + s);
+        } else {
+          const float x0 = intra_t_entry(fKK, kLdF, t, s), x1 = intra_t_entry(fKK, kLdF, t, s + 1);
+          hi = pack2<T>(x0, x1);
+          const float2 h = unpack2<T>(hi);
+          lo = pack2<T>(x0 - h.x, x1 - h.y);
+          if (out_t != nullptr) *reinterpret_cast<uint32_t*>(out_t + t * C + s) = hi;
+          if (out_t_lo != nullptr) *reinterpret_cast<uint32_t*>(out_t_lo + t * C + s) = lo;
+        }
+        const float2 h = unpack2<T>(hi), l = unpack2<T>(lo);
+        const float t0 = h.x + l.x, t1 = h.y + l.y;
+        const float b0 = sBeta[s], b1 = sBeta[s + 1];
+        float c0 = b0 * sRk[s], c1 = b1 * sRk[s + 1];
+        if constexpr (kScalar) {
+          c0 *= __expf(sG[s]);
+          c1 *= __expf(sG[s + 1]);
+        }
+        split_store(hT + t * kLdC + s, hTlo + t * kLdC + s, t0 * c0, t1 * c1);
+        split_store(hU + t * kLdC + s, hUlo + t * kLdC + s, t0 * b0, t1 * b1);
+      }
+      __syncthreads();
     }
 
-    // ---- P4: [W | U] = T X, as T_hi X_hi + T_hi X_lo + T_lo X_hi ------------
-    // (~16 bits, as the fp32 kernel's tf32 split; one 16-bit product: the
-    // host model's deltanet o 4.53e-3 -> 4.95e-3, KDA 3.96e-3 -> 4.36e-3;
-    // on the H200 deltanet's err_ref 4.75e-3 -> 4.68e-3). Warp (rt, part):
-    // rows 16 rt .. 16 rt + 16, column quarter `part`; T is lower triangular,
-    // so the contraction stops at the slab's last row.
+    // ---- P4: W and U ------------------------------------------------------------
+    // Vector gates: [W | U] = T X as T_hi X_hi + T_hi X_lo + T_lo X_hi (~16
+    // bits, as the fp32 kernel's tf32 split; one 16-bit product: the host
+    // model's deltanet o 4.53e-3 -> 4.95e-3, KDA 3.96e-3 -> 4.36e-3).
+    // Otherwise W = (T diag(c))_hi K + (T diag(c))_lo K and U likewise with
+    // T diag(beta) and V: the raw rows are exact. Warp (rt, part): rows
+    // 16 rt .. 16 rt + 16, column quarter `part`; T is lower triangular, so
+    // the contraction stops at the slab's last row.
     const int rt = warp & 3, part = warp >> 2, m0 = 16 * rt;
     if (rt < nb) {
-      auto product = [&](auto nt_tag, const T* x_hi, const T* x_lo, int D, T* out) {
+      auto product = [&](auto nt_tag, const T* t_hi, const T* t_lo, const T* x_hi,
+                         [[maybe_unused]] const T* x_lo, int D, T* out) {
         constexpr int kNT = decltype(nt_tag)::value;
         const int n0 = part * (D / kParts);
         float acc[kNT][4] = {};
-        warp_mm_16xn<T, false, true, kNT>(acc, hT, kLdC, x_hi, kLdK, m0, n0, m0 + 16);
-        warp_mm_16xn<T, false, true, kNT>(acc, hT, kLdC, x_lo, kLdK, m0, n0, m0 + 16);
-        warp_mm_16xn<T, false, true, kNT>(acc, hTlo, kLdC, x_hi, kLdK, m0, n0, m0 + 16);
+        warp_mm_16xn<T, false, true, kNT>(acc, t_hi, kLdC, x_hi, kLdK, m0, n0, m0 + 16);
+        if constexpr (kVector)
+          warp_mm_16xn<T, false, true, kNT>(acc, t_hi, kLdC, x_lo, kLdK, m0, n0, m0 + 16);
+        warp_mm_16xn<T, false, true, kNT>(acc, t_lo, kLdC, x_hi, kLdK, m0, n0, m0 + 16);
 #pragma unroll
         for (int j = 0; j < kNT; ++j)
 #pragma unroll
@@ -456,9 +504,16 @@ __global__ void __launch_bounds__(512, 2)
                 pack2<T>(acc[j][2 * hr], acc[j][2 * hr + 1]);
           }
       };
-      product(std::integral_constant<int, Dk / (8 * kParts)>{}, s1, sLoK, Dk,
-              static_cast<T*>(a.ws_w) + tile * C * Dk);
-      product(std::integral_constant<int, Dv / (8 * kParts)>{}, s2, sLoV, Dv, out_u);
+      using KTiles = std::integral_constant<int, Dk / (8 * kParts)>;
+      using VTiles = std::integral_constant<int, Dv / (8 * kParts)>;
+      T* out_w = static_cast<T*>(a.ws_w) + tile * C * Dk;
+      if constexpr (kVector) {
+        product(KTiles{}, hT, hTlo, s1, sLoK, Dk, out_w);
+        product(VTiles{}, hT, hTlo, s2, sLoV, Dv, out_u);
+      } else {
+        product(KTiles{}, hT, hTlo, s2, nullptr, Dk, out_w);
+        product(VTiles{}, hU, hUlo, s3, nullptr, Dv, out_u);
+      }
     }
   }
 }

@@ -41,23 +41,28 @@ __device__ __forceinline__ void warp_cumsum64(float* sG) {
   sG[2 * lane + 1] = incl;
 }
 
-// Two [C, D] inputs' rows (v and dO; q and k) into 16-bit tiles of pitch ld by
-// cp.async (committed by the caller, not waited); rows past the chunk's end
-// are zeros.
+// An input's [C, D] rows (the chunk's tokens of one head) into a 16-bit tile
+// of pitch ld by cp.async (committed by the caller, not waited); rows past
+// the chunk's end are zeros.
+template <int kThreads, int D, typename T, typename Row>
+__device__ __forceinline__ void copy_rows_async(T* dst, int ld, const T* in, Row row, int C,
+                                                int L) {
+  constexpr int kVec = 8, kRowVecs = D / kVec;  // 16-byte copies per row
+  for (int idx = threadIdx.x; idx < C * kRowVecs; idx += kThreads) {
+    const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
+    if (t < L)
+      cp_async16(dst + t * ld + j, in + row(t) * D + j);
+    else
+      *reinterpret_cast<uint4*>(dst + t * ld + j) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Two inputs' rows (v and dO; q and k) as copy_rows_async, then committed.
 template <int kThreads, int Dv, typename T, typename Row>
 __device__ __forceinline__ void copy_row_pair_async(T* sV, T* sDO, int ld, const T* v_in,
                                                     const T* do_in, Row row, int C, int L) {
-  constexpr int kVec = 8, kRowVecs = Dv / kVec;  // 16-byte copies per row
-  for (int idx = threadIdx.x; idx < C * kRowVecs; idx += kThreads) {
-    const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
-    if (t < L) {
-      cp_async16(sV + t * ld + j, v_in + row(t) * Dv + j);
-      cp_async16(sDO + t * ld + j, do_in + row(t) * Dv + j);
-    } else {
-      *reinterpret_cast<uint4*>(sV + t * ld + j) = make_uint4(0u, 0u, 0u, 0u);
-      *reinterpret_cast<uint4*>(sDO + t * ld + j) = make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
+  copy_rows_async<kThreads, Dv>(sV, ld, v_in, row, C, L);
+  copy_rows_async<kThreads, Dv>(sDO, ld, do_in, row, C, L);
   cp_async_commit();
 }
 
@@ -212,10 +217,10 @@ __device__ __forceinline__ float2 exact_pair_shared(const T* x, int ld, const fl
 //  1. intra_solve_t_diagonal: the diagonal blocks T_II by forward
 //     substitution, one thread per column (threads 0 .. C-1; a chain of at
 //     most 15 steps where the whole-chunk substitution had 63);
-//  2. intra_solve_t_blocks: block rows I = 1 .. nb-1 in turn,
-//     T_IJ = -T_II sum_{K=J}^{I-1} B_IK T_KJ for J < I, every thread, fp32 on
-//     the CUDA cores (about 40 K multiply-adds at C = 64); then the 16-bit copy
-//     hT and a barrier.
+//  2. intra_solve_t_rows: block rows I = 1 .. nb-1 in turn,
+//     T_IJ = -T_II sum_{K=J}^{I-1} B_IK T_KJ for J < I, on the tensor cores
+//     (intra_solve_t_blocks: by every warp, then the 16-bit copy hT and a
+//     barrier).
 // T's strictly lower part lives transposed in fKK's unused upper triangle
 // (fKK[s * ldf + t] = T_ts for t > s; T's diagonal is 1), so KK stays for
 // its later readers and no more shared memory is needed. Every thread of the
@@ -238,12 +243,19 @@ __device__ __forceinline__ void intra_solve_t_diagonal(float* fKK, int ldf, cons
   }
 }
 
-// With kLo, hT_lo receives T's rounding T - hT (16-bit): hT + hT_lo is T to
-// ~16 bits, for products that take T as two operands (chunk_prepare16_kernel).
-//
-// Block row I (t0 = 16 I) as tensor-core products, one warp per 8-column
-// group [n0, n0 + 8) of columns 0 .. t0 - 1 (2 I warps; the others wait at
-// the barrier):
+// T's entry (t, c) once solved: the strictly lower part from its transposed
+// place in fKK's upper triangle, 1 on the diagonal, 0 above it.
+__device__ __forceinline__ float intra_t_entry(const float* fKK, int ldf, int t, int c) {
+  const float x = fKK[c * ldf + t];
+  return t > c ? x : (t == c ? 1.f : 0.f);
+}
+
+// Block rows I = 1 .. nb-1 of T (the diagonal blocks solved and visible) by
+// the block's first kRowWarps warps (every warp, or a caller's subset),
+// sync() between rounds and not after the last (the caller's barrier
+// follows). Block row I (t0 = 16 I) takes one warp per 8-column group
+// [n0, n0 + 8) of columns 0 .. t0 - 1 (2 I warps; the others wait at the
+// barrier):
 //   (a) Y = diag(beta_I) KK[I rows, n0 .. t0) T[n0 .. t0, n0 .. n0 + 8)
 //       (T is lower triangular with a unit diagonal: rows below n0 add 0);
 //   (b) T[I rows, group] = -T_II Y, with Y passed from the accumulator
@@ -254,19 +266,14 @@ __device__ __forceinline__ void intra_solve_t_diagonal(float* fKK, int ldf, cons
 // loads and nine barriers were the prepare kernel's largest cost, ncu
 // 2026-12-02). Operands of T and T_II outside their lower triangle are
 // selected (0 above, 1 on the diagonal), never multiplied.
-template <int kThreads, bool kLo = false, typename T>
-__device__ __forceinline__ void intra_solve_t_blocks(T* hT, int ldc, float* fKK, int ldf,
-                                                     const float* sBeta, int nb,
-                                                     T* hT_lo = nullptr) {
-  constexpr int kWarps = kThreads / 32;
+template <int kRowWarps, typename Sync>
+__device__ __forceinline__ void intra_solve_t_rows(float* fKK, int ldf, const float* sBeta, int nb,
+                                                   Sync&& sync) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, i4 = lane & 3;
-  auto tv = [&](int t, int c) -> float {  // T_tc (T_tc for t > c: fKK[c][t])
-    const float x = fKK[c * ldf + t];
-    return t > c ? x : (t == c ? 1.f : 0.f);
-  };
+  auto tv = [&](int t, int c) { return intra_t_entry(fKK, ldf, t, c); };
   for (int I = 1; I < nb; ++I) {
     const int t0 = 16 * I;
-    for (int grp = warp; grp < 2 * I; grp += kWarps) {
+    for (int grp = warp; grp < 2 * I; grp += kRowWarps) {
       const int n0 = 8 * grp;
       float y[4] = {0.f, 0.f, 0.f, 0.f};
       for (int r0 = n0; r0 < t0; r0 += 8) {  // (a)
@@ -298,12 +305,24 @@ __device__ __forceinline__ void intra_solve_t_blocks(T* hT, int ldc, float* fKK,
       slot[8] = -z[2];
       slot[ldf + 8] = -z[3];
     }
-    __syncthreads();
+    if (I + 1 < nb) sync();
   }
+}
+
+// The block rows by every warp, then T's 16-bit copy hT (zeros above the
+// diagonal) and a barrier. With kLo, hT_lo receives T's rounding T - hT
+// (16-bit): hT + hT_lo is T to ~16 bits, for products that take T as two
+// operands (chunk_prepare16_kernel with vector gates).
+template <int kThreads, bool kLo = false, typename T>
+__device__ __forceinline__ void intra_solve_t_blocks(T* hT, int ldc, float* fKK, int ldf,
+                                                     const float* sBeta, int nb,
+                                                     T* hT_lo = nullptr) {
+  intra_solve_t_rows<kThreads / 32>(fKK, ldf, sBeta, nb, [] { __syncthreads(); });
+  __syncthreads();
   const int C = 16 * nb;
   for (int idx = threadIdx.x; idx < C * C; idx += kThreads) {
     const int t = idx / C, c = idx % C;
-    const float x = tv(t, c);
+    const float x = intra_t_entry(fKK, ldf, t, c);
     const T hi = from_float<T>(x);
     hT[t * ldc + c] = hi;
     if constexpr (kLo) hT_lo[t * ldc + c] = from_float<T>(x - to_float(hi));
