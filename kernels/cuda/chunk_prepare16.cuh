@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(512, 2)
   // T diag(beta)'s slots, which P3 turns them into; waited for in P3.
   const bool t_given = Tr::kRaw && kDelta && a.t_given;
   if constexpr (Tr::kRaw && kDelta) {
-    copy_rows_async<kThreads, Dv>(s3, kLdK, v_in, row, C, L);
+    copy_input_rows_async<kThreads, Dv>(s3, kLdK, v_in, row, C, L);
     if (t_given) {
       copy_tile_async<kThreads>(hU, kLdC, static_cast<const T*>(a.ws_t) + tile * C * C, C, C, C);
       copy_tile_async<kThreads>(hUlo, kLdC, static_cast<const T*>(a.ws_t_lo) + tile * C * C, C,

@@ -41,12 +41,13 @@ __device__ __forceinline__ void warp_cumsum64(float* sG) {
   sG[2 * lane + 1] = incl;
 }
 
-// An input's [C, D] rows (the chunk's tokens of one head) into a 16-bit tile
-// of pitch ld by cp.async (committed by the caller, not waited); rows past
-// the chunk's end are zeros.
+// An input's [C, D] rows (the chunk's tokens of one head: row(t) maps them
+// into the [tokens, H, D] layout) into a 16-bit tile of pitch ld by cp.async
+// (committed by the caller, not waited); rows past the chunk's end are zeros.
+// (device_math.cuh's copy_rows_async copies a contiguous tile instead.)
 template <int kThreads, int D, typename T, typename Row>
-__device__ __forceinline__ void copy_rows_async(T* dst, int ld, const T* in, Row row, int C,
-                                                int L) {
+__device__ __forceinline__ void copy_input_rows_async(T* dst, int ld, const T* in, Row row, int C,
+                                                      int L) {
   constexpr int kVec = 8, kRowVecs = D / kVec;  // 16-byte copies per row
   for (int idx = threadIdx.x; idx < C * kRowVecs; idx += kThreads) {
     const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
@@ -57,12 +58,12 @@ __device__ __forceinline__ void copy_rows_async(T* dst, int ld, const T* in, Row
   }
 }
 
-// Two inputs' rows (v and dO; q and k) as copy_rows_async, then committed.
+// Two inputs' rows (v and dO; q and k) as copy_input_rows_async, then committed.
 template <int kThreads, int Dv, typename T, typename Row>
 __device__ __forceinline__ void copy_row_pair_async(T* sV, T* sDO, int ld, const T* v_in,
                                                     const T* do_in, Row row, int C, int L) {
-  copy_rows_async<kThreads, Dv>(sV, ld, v_in, row, C, L);
-  copy_rows_async<kThreads, Dv>(sDO, ld, do_in, row, C, L);
+  copy_input_rows_async<kThreads, Dv>(sV, ld, v_in, row, C, L);
+  copy_input_rows_async<kThreads, Dv>(sDO, ld, do_in, row, C, L);
   cp_async_commit();
 }
 
