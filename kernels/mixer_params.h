@@ -61,9 +61,10 @@ struct MixerParams {
   // GPU path, delta rules without a vector gate, 16-bit inputs
   // (cuda::saved_t_supported): T = (I + diag(beta) KK)^{-1} per chunk and head
   // as two parts, hi then lo, each [chunks,H,C,C] in dtype with room for the
-  // most chunks the problem can have (cuda::saved_t_bytes for both). Forward writes it when non-null; backward reads it
-  // and its re-run of the prepare stage skips KK and the solve (the gradients
-  // are bitwise those without it). Null = not saved. The CPU path refuses it.
+  // most chunks the problem can have (cuda::saved_t_bytes for both). Forward
+  // writes it when non-null; backward reads it and its re-run of the prepare
+  // stage skips KK and the solve (the gradients are bitwise those without
+  // it). Null = not saved. The CPU path refuses it.
   void* saved_t = nullptr;
 };
 

@@ -182,10 +182,10 @@ fi
 if [[ "${FLA:-1}" != 0 && -d "$ROOT/.fla/fla" ]] && python3 -c "import torch, triton" 2>/dev/null; then
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/.fla/triton-cache} FLA_CACHE_RESULTS=1
   mkdir -p "$TRITON_CACHE_DIR"
-  # shellcheck disable=SC2086,SC2046
   # A bound on FLA's run (its autotuning takes minutes per op on a fresh
   # machine: KDA's alone outlasted 4 minutes in the sixteenth session), so
   # that the call keeps time for the table; fla.log keeps what finished.
+  # shellcheck disable=SC2086,SC2046
   PYTHONPATH="$ROOT/.fla${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
     timeout "${FLA_TIMEOUT:-900}" python3 "$ROOT/scripts/fla_bench.py" --json "$OUT/fla.json" \
     $([[ "${BWD:-1}" != 0 ]] && echo --backward) ${FLA_ARGS:-} \

@@ -253,8 +253,10 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
     for (int it = 0; it < kIters; ++it) xs_all[it] = load4(S + 4 * (tid + it * kThreads));
   }
-  // Two cp.async groups for the delta rules: W and U first (V' = U - W S,
-  // the first product), then the rest, which lands while V' is formed.
+  // cp.async groups, delta rules: W and U first (V' = U - W S, the first
+  // product); v and dO (copy_row_pair_async commits its own); then K_, A and
+  // dS, which land while V' is formed (wait<1> below leaves only that last
+  // group in flight).
   if constexpr (kDelta) {
     copy_tile_async<kThreads>(sW, kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk, C, Dk);
     copy_tile_async<kThreads>(sVp, kLdV, static_cast<const T*>(f.ws_u) + tile * C * Dv, Dv, C, Dv);
@@ -306,7 +308,7 @@ __global__ void __launch_bounds__(512, 1)
     }
   }
   if constexpr (kDelta)
-    cp_async_wait<1>();  // W and U
+    cp_async_wait<1>();  // W and U (and v, dO: all but the last group)
   else
     cp_async_wait<0>();
   __syncthreads();
@@ -476,8 +478,7 @@ __global__ void __launch_bounds__(512, 1)
   T* sQx = sDO;
   T* sKx = sVp;
   if constexpr (kL2Norm) {
-    copy_row_pair_async<kThreads, Dk>(sQx, sKx, kLdK, q_in, k_in, row, C, L);
-    cp_async_commit();
+    copy_row_pair_async<kThreads, Dk>(sQx, sKx, kLdK, q_in, k_in, row, C, L);  // committed
   }
   if constexpr (kDelta)
     if (!t_given) intra_solve_t_blocks<kThreads>(hT, kLdC, fKK, kLdF, sBeta, nb);

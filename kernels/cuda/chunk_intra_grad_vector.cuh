@@ -439,9 +439,8 @@ __global__ void __launch_bounds__(512, 1)
                 "raw q fits T's and dA's tiles, raw k KK's");
   T* sQx = hT;
   T* sKx = reinterpret_cast<T*>(fKK);
-  auto load_raw_qk = [&] {
+  auto load_raw_qk = [&] {  // committed by copy_row_pair_async
     copy_row_pair_async<kThreads, Dk>(sQx, sKx, kLd, q_in, k_in, row, C, L);
-    cp_async_commit();
   };
   if constexpr (kDelta) {
     // ---- P6: K^ = k e^{b} in place of Y~(q) ----------------------------------

@@ -93,14 +93,18 @@ struct Prepare16Traits {
   static_assert(Dk % (16 * kParts) == 0, "each warp takes a column quarter of W and U in n8 pairs");
 };
 
-// x0, x1 as a 16-bit pair hi (at p_hi) and its rounding lo = x - hi (at
-// p_lo): hi + lo carries ~16 bits of x.
+// x0, x1 as a 16-bit pair hi and its rounding lo = x - hi: hi + lo carries
+// ~16 bits of x.
+template <typename T>
+__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = pack2<T>(x0, x1);
+  const float2 h = unpack2<T>(hi);
+  lo = pack2<T>(x0 - h.x, x1 - h.y);
+}
+// split_pair's two parts stored at p_hi and p_lo.
 template <typename T>
 __device__ __forceinline__ void split_store(T* p_hi, T* p_lo, float x0, float x1) {
-  const uint32_t hi = pack2<T>(x0, x1);
-  const float2 h = unpack2<T>(hi);
-  *reinterpret_cast<uint32_t*>(p_hi) = hi;
-  *reinterpret_cast<uint32_t*>(p_lo) = pack2<T>(x0 - h.x, x1 - h.y);
+  split_pair<T>(x0, x1, *reinterpret_cast<uint32_t*>(p_hi), *reinterpret_cast<uint32_t*>(p_lo));
 }
 
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm, int kChunk>
@@ -354,7 +358,7 @@ __global__ void __launch_bounds__(512, 2)
       blocks(nlow, 2 * nlow);
     } else {
       // With T given (a saved T: the backward's re-run), KK is not needed.
-      blocks(0, (kDelta && !a.t_given ? 2 : 1) * nlow);
+      blocks(0, (kDelta && !t_given ? 2 : 1) * nlow);
     }
     if constexpr (kVector) {
       if (!fast) {
@@ -390,13 +394,9 @@ __global__ void __launch_bounds__(512, 2)
   if constexpr (kDelta) {  // additive rules are done
     __syncthreads();
 
-    // T's 16-bit rounding for the backward's chunk_intra_grad_kernel
-    // (ForwardArgs::ws_t) and its low part where T is saved for the
-    // backward's prepare re-run (ws_t_lo); pairs (t, s), (t, s + 1).
-    T* out_t = a.ws_t != nullptr && !t_given ? static_cast<T*>(a.ws_t) + tile * C * C : nullptr;
-    T* out_t_lo =
-        a.ws_t_lo != nullptr && !t_given ? static_cast<T*>(a.ws_t_lo) + tile * C * C : nullptr;
     if constexpr (kVector) {
+      // (ForwardArgs::ws_t and ws_t_lo are null with vector gates: the host
+      // hands T over and saves it only for the other delta rules, t_capable.)
       // ---- P3: X = diag(beta) [K^ | V] as 16-bit hi + lo parts; T (hi + lo) -
       // X_K first (it reads b, whose slot X_V's low part takes), then X_V
       // after a barrier. v's loads (a warp per row, as q and k) are issued
@@ -425,29 +425,24 @@ __global__ void __launch_bounds__(512, 2)
       });
       // Ends with a barrier (after T's block rows, before P4).
       intra_solve_t_blocks<kThreads, true>(hT, kLdC, fKK, kLdF, sBeta, nb, hTlo);
-      auto store_t = [&](T* out, const T* src) {
-        constexpr int kVec = 8, kRowVecs = C / kVec;  // 16-byte stores
-        for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
-          const int t = idx / kRowVecs, s = (idx % kRowVecs) * kVec;
-          *reinterpret_cast<uint4*>(out + t * C + s) =
-              *reinterpret_cast<const uint4*>(src + t * kLdC + s);
-        }
-      };
-      if (out_t != nullptr) store_t(out_t, hT);
-      if (out_t_lo != nullptr) store_t(out_t_lo, hTlo);
     } else {
       // ---- P3: T, then the two C x C factors of W and U, two parts each ----
       if (!t_given) {
         intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
         __syncthreads();
-        intra_solve_t_rows<kWarps>(fKK, kLdF, sBeta, nb, [] { __syncthreads(); });
+        intra_solve_t_rows<kWarps>(fKK, kLdF, sBeta, nb);
       }
       cp_async_wait<0>();  // v's rows, a saved T's parts
       __syncthreads();
       // T as its two 16-bit parts (solved here or saved: the same values
       // either way), then T diag(c) into hT, hTlo and T diag(beta) into hU,
       // hUlo (in place of a saved T's parts: each pair is read, then written,
-      // by the same thread).
+      // by the same thread). A solved T's parts also go out: the hi part for
+      // the backward's chunk_intra_grad_kernel (ForwardArgs::ws_t), the lo
+      // part where T is saved for the backward's prepare re-run (ws_t_lo).
+      T* out_t = a.ws_t != nullptr && !t_given ? static_cast<T*>(a.ws_t) + tile * C * C : nullptr;
+      T* out_t_lo =
+          a.ws_t_lo != nullptr && !t_given ? static_cast<T*>(a.ws_t_lo) + tile * C * C : nullptr;
       for (int idx = tid; idx < C * C / 2; idx += kThreads) {
         const int t = idx / (C / 2), s = 2 * (idx % (C / 2));
         uint32_t hi, lo;
@@ -455,10 +450,8 @@ __global__ void __launch_bounds__(512, 2)
           hi = *reinterpret_cast<const uint32_t*>(hU + t * kLdC + s);
           lo = *reinterpret_cast<const uint32_t*>(hUlo + t * kLdC + s);
         } else {
-          const float x0 = intra_t_entry(fKK, kLdF, t, s), x1 = intra_t_entry(fKK, kLdF, t, s + 1);
-          hi = pack2<T>(x0, x1);
-          const float2 h = unpack2<T>(hi);
-          lo = pack2<T>(x0 - h.x, x1 - h.y);
+          split_pair<T>(intra_t_entry(fKK, kLdF, t, s), intra_t_entry(fKK, kLdF, t, s + 1), hi,
+                        lo);
           if (out_t != nullptr) *reinterpret_cast<uint32_t*>(out_t + t * C + s) = hi;
           if (out_t_lo != nullptr) *reinterpret_cast<uint32_t*>(out_t_lo + t * C + s) = lo;
         }

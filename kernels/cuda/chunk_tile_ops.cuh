@@ -190,22 +190,15 @@ __device__ __forceinline__ float2 load_pair(const float* p) {
   return *reinterpret_cast<const float2*>(p);
 }
 
-// Row r's normalised input at columns col, col + 1 (exact: the 16-bit input
-// times the fp32 row factor, not the rounded operand copy).
-template <int Dk, typename T, typename Row>
-__device__ __forceinline__ float2 exact_pair(const T* x_in, const float* sR, Row row, int r,
-                                             int col) {
-  const float2 x = unpack2<T>(*reinterpret_cast<const uint32_t*>(x_in + row(r) * Dk + col));
-  return make_float2(x.x * sR[r], x.y * sR[r]);
-}
-
 // A 16-bit operand copy's elements (r, col), (r, col + 1) in shared memory.
 template <typename T>
 __device__ __forceinline__ float2 operand_pair(const T* x, int ld, int r, int col) {
   return unpack2<T>(*reinterpret_cast<const uint32_t*>(x + r * ld + col));
 }
 
-// exact_pair from a shared copy of the 16-bit input rows (pitch ld).
+// Row r's normalised input at columns col, col + 1, exact (the 16-bit input
+// times the fp32 row factor, not the rounded operand copy), from a shared
+// copy of the raw input rows (pitch ld).
 template <typename T>
 __device__ __forceinline__ float2 exact_pair_shared(const T* x, int ld, const float* sR, int r,
                                                     int col) {
@@ -252,9 +245,8 @@ __device__ __forceinline__ float intra_t_entry(const float* fKK, int ldf, int t,
 }
 
 // Block rows I = 1 .. nb-1 of T (the diagonal blocks solved and visible) by
-// the block's first kRowWarps warps (every warp, or a caller's subset),
-// sync() between rounds and not after the last (the caller's barrier
-// follows). Block row I (t0 = 16 I) takes one warp per 8-column group
+// every warp of the block, a barrier between rounds and none after the last
+// (the caller's follows). Block row I (t0 = 16 I) takes one warp per 8-column group
 // [n0, n0 + 8) of columns 0 .. t0 - 1 (2 I warps; the others wait at the
 // barrier):
 //   (a) Y = diag(beta_I) KK[I rows, n0 .. t0) T[n0 .. t0, n0 .. n0 + 8)
@@ -267,14 +259,14 @@ __device__ __forceinline__ float intra_t_entry(const float* fKK, int ldf, int t,
 // loads and nine barriers were the prepare kernel's largest cost, ncu
 // 2026-12-02). Operands of T and T_II outside their lower triangle are
 // selected (0 above, 1 on the diagonal), never multiplied.
-template <int kRowWarps, typename Sync>
-__device__ __forceinline__ void intra_solve_t_rows(float* fKK, int ldf, const float* sBeta, int nb,
-                                                   Sync&& sync) {
+template <int kWarps>
+__device__ __forceinline__ void intra_solve_t_rows(float* fKK, int ldf, const float* sBeta,
+                                                   int nb) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, i4 = lane & 3;
   auto tv = [&](int t, int c) { return intra_t_entry(fKK, ldf, t, c); };
   for (int I = 1; I < nb; ++I) {
     const int t0 = 16 * I;
-    for (int grp = warp; grp < 2 * I; grp += kRowWarps) {
+    for (int grp = warp; grp < 2 * I; grp += kWarps) {
       const int n0 = 8 * grp;
       float y[4] = {0.f, 0.f, 0.f, 0.f};
       for (int r0 = n0; r0 < t0; r0 += 8) {  // (a)
@@ -306,7 +298,7 @@ __device__ __forceinline__ void intra_solve_t_rows(float* fKK, int ldf, const fl
       slot[8] = -z[2];
       slot[ldf + 8] = -z[3];
     }
-    if (I + 1 < nb) sync();
+    if (I + 1 < nb) __syncthreads();
   }
 }
 
@@ -318,7 +310,7 @@ template <int kThreads, bool kLo = false, typename T>
 __device__ __forceinline__ void intra_solve_t_blocks(T* hT, int ldc, float* fKK, int ldf,
                                                      const float* sBeta, int nb,
                                                      T* hT_lo = nullptr) {
-  intra_solve_t_rows<kThreads / 32>(fKK, ldf, sBeta, nb, [] { __syncthreads(); });
+  intra_solve_t_rows<kThreads / 32>(fKK, ldf, sBeta, nb);
   __syncthreads();
   const int C = 16 * nb;
   for (int idx = threadIdx.x; idx < C * C; idx += kThreads) {
