@@ -62,6 +62,15 @@ struct MixerConfig {
   // prepares while it waits for the exchange anyway. Needs saved chunk states
   // (not recompute_chunk_states). The host path has no such stage.
   bool keep_prepared = false;
+  // GPU path, delta rules without a vector gate (DeltaNet, Gated DeltaNet)
+  // with bf16/f16 inputs: the forward also saves T = (I + diag(beta) KK)^{-1}
+  // of every chunk (two 16-bit parts, 4*chunk bytes per token and head: 256 B
+  // at chunk 64, a quarter of the fp32 chunk states) and the backward's
+  // prepare re-run reads it instead of forming KK and solving again (bitwise
+  // the same gradients; DeltaNet forward + backward ~3 % faster, as FLA's
+  // default saves its inverse). Other variants and dtypes have no T: nothing
+  // is saved. false: those bytes are not kept (cuda::saved_t_supported).
+  bool save_t = true;
 
   double scale_for(int64_t dk) const;
 };

@@ -160,6 +160,8 @@ const std::vector<OptionSpec>& option_specs() {
        [](RunOptions& o, const std::string&, const std::string&) { o.recompute_states = true; }},
       {"--keep-prepared", false, false,
        [](RunOptions& o, const std::string&, const std::string&) { o.keep_prepared = true; }},
+      {"--no-save-t", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) { o.save_t = false; }},
       {"--scale", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
          o.scale = parse_positive_double(f, v);
@@ -245,6 +247,7 @@ void check_variant_flags(const RunOptions& o, int argc, const char* const* argv)
       {"--l2norm", "LaCT takes q and k as given"},
       {"--recompute-states", "LaCT recomputes its per-chunk fast weights always"},
       {"--keep-prepared", "LaCT has no prepare stage"},
+      {"--no-save-t", "LaCT has no T"},
   };
   for (const auto& [flag, why] : refused)
     SS_CHECK_ARG(find_flag(argc, argv, flag) == nullptr, flag, "does not apply to --variant lact (",
@@ -327,6 +330,10 @@ Problem
                      which then skips its prepare stage (~1.9 KB per token and head
                      more memory between the passes at D = 128, bf16; under CP every
                      rank but the first keeps them)
+  --no-save-t        --device cuda: the forward of DeltaNet / Gated DeltaNet (bf16,
+                     f16) saves no T = (I + diag(beta) KK)^-1 for backward, whose
+                     prepare re-run then solves it again (4*chunk bytes per token and
+                     head less memory between the passes; default: saved)
   --seed N           seed of the synthetic inputs                                 [0]
 
 LaCT (--variant lact; q, k, v share D = --dk; --dv may only repeat it)
@@ -338,8 +345,8 @@ LaCT (--variant lact; q, k, v share D = --dk; --dv may only repeat it)
   --momentum MU      momentum of the fast-weight updates in [0, 1); 0 = off       [0]
   --no-renorm        keep the updated rows' norms (default: rescale every row to its
                      initial norm)
-  --chunk, --exchange, --shards, --scale, --l2norm, --recompute-states and
-  --keep-prepared are refused with --variant lact.
+  --chunk, --exchange, --shards, --scale, --l2norm, --recompute-states,
+  --keep-prepared and --no-save-t are refused with --variant lact.
 
 Parallelism and device
   --exchange NAME    allgather | ring | tree | auto (cost model)                  [auto]

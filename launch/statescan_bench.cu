@@ -48,9 +48,11 @@
 // backward adopting the forward's prepared tiles (Q^, K_, W, U, A, decay:
 // 72 KB per chunk and head at D = 128, bf16) instead of re-running the
 // prepare stage; its peak adds the stream-ordered pool's high watermark,
-// where those classes take their workspace. --save-t: the forward also writes
-// T = (I + diag(beta) KK)^{-1} in two parts into MixerParams::saved_t and the
-// backward's prepare re-run reads it instead of forming KK and solving)
+// where those classes take their workspace. By default the forward of a
+// delta rule without a vector gate also writes T = (I + diag(beta) KK)^{-1}
+// in two parts into MixerParams::saved_t and the backward's prepare re-run
+// reads it instead of forming KK and solving, as MixerConfig::save_t does in
+// the layer; --no-save-t: not saved, the re-run solves again)
 // Per variant and T: median forward time (saving chunk_states), median
 // forward+backward time, tokens/s of the pair, TFLOP/s and GB/s of the pair
 // against the counted models below, the peak device memory of the step
@@ -114,7 +116,7 @@ struct Options {
   bool backward = false;  // --backward: forward + backward rows
   bool recompute = false;  // --recompute: with --backward, chunk states recomputed
   bool keep_prepared = false;  // --keep-prepared: with --backward, forward tiles kept
-  bool save_t = false;  // --save-t: with --backward, forward saves T (MixerParams::saved_t)
+  bool save_t = true;  // --no-save-t: with --backward, forward saves no T (MixerParams::saved_t)
 
   // --cp-model (see the comment at the top); negative times mean "not given".
   bool cp_model = false, cp_measure = false;
@@ -179,8 +181,8 @@ Options parse(int argc, char** argv) {
       o.recompute = true;
     } else if (arg == "--keep-prepared") {
       o.keep_prepared = true;
-    } else if (arg == "--save-t") {
-      o.save_t = true;
+    } else if (arg == "--no-save-t") {
+      o.save_t = false;
     } else if (arg == "--cp-model") {
       o.cp_model = true;
     } else if (arg == "--cp-measure") {
@@ -233,7 +235,7 @@ Options parse(int argc, char** argv) {
   SS_CHECK_ARG(o.iters >= 1, "iters", "must be >= 1");
   SS_CHECK_ARG(!o.recompute || o.backward, "--recompute", "applies to --backward only");
   SS_CHECK_ARG(!o.keep_prepared || o.backward, "--keep-prepared", "applies to --backward only");
-  SS_CHECK_ARG(!o.save_t || o.backward, "--save-t", "applies to --backward only");
+  SS_CHECK_ARG(o.save_t || o.backward, "--no-save-t", "applies to --backward only");
   SS_CHECK_ARG(!(o.keep_prepared && o.recompute), "--keep-prepared",
                "cannot be combined with --recompute (the kept tiles go with saved chunk states)");
   return o;
@@ -497,6 +499,7 @@ struct BwdRow {
   int64_t batch, seq_len, heads, dim;
   std::string dtype;
   double ms_fwd, ms_fwd_bwd, tokens_per_s, tflops, gbps, peak_gb, err_grad;
+  bool saved_t = false;  // the forward saved T (MixerParams::saved_t)
 };
 
 // Head h's [tokens, d] slice of a [tokens, heads, d] host array, as doubles.
@@ -601,11 +604,12 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
     // --recompute: forward keeps no chunk states; backward re-derives them.
     StepTensors x(variant, B, T, H, D, t, opt.recompute ? 0 : num_chunks);
     MixerBwdParams p = x.params(variant, B, T, H, D, t, opt.chunk);
-    // --save-t: T saved by the forward for the backward's prepare re-run, for
-    // the variants that support it (the table's header says which).
+    // T saved by the forward for the backward's prepare re-run (unless
+    // --no-save-t), for the variants that have one (the table's header says which).
     DeviceBuffer<unsigned char> saved_t(
         opt.save_t && cuda::saved_t_supported(p) ? cuda::saved_t_bytes(p) : 0);
     if (saved_t.size() != 0) p.saved_t = saved_t.data();
+    r.saved_t = saved_t.size() != 0;
     SS_CUDA_CHECK(cudaMemGetInfo(&free_tensors, &total));
     // One workspace serves both calls (they never overlap); with
     // --keep-prepared only the forward-only timing uses it.
@@ -684,10 +688,10 @@ int run_backward_table(const Options& opt, const cudaDeviceProp& prop) {
   std::printf("# chunk states: %s\n",
               opt.recompute ? "recomputed by backward (--recompute)"
                             : "saved by forward (fp32, 4 D^2 / chunk bytes per token-head)");
-  if (opt.save_t)
-    std::printf(
-        "# T: saved by forward, two 16-bit parts (--save-t: MixerParams::saved_t, 4 C bytes per\n"
-        "#   token-head; delta rules without a vector gate, others as without it)\n");
+  std::printf(opt.save_t
+                  ? "# T: saved by forward, two 16-bit parts (MixerParams::saved_t, 4 C bytes per\n"
+                    "#   token-head; delta rules without a vector gate: the others have none)\n"
+                  : "# T: not saved (--no-save-t): the backward's prepare re-run solves it again\n");
   if (opt.keep_prepared)
     std::printf(
         "# prepared tiles: kept by forward for backward (--keep-prepared: PreparedForward ->\n"
@@ -722,7 +726,8 @@ int run_backward_table(const Options& opt, const cudaDeviceProp& prop) {
           << ", \"ms_fwd_bwd\": " << r.ms_fwd_bwd << ", \"tokens_per_s\": " << r.tokens_per_s
           << ", \"tflops\": " << r.tflops << ", \"gbps\": " << r.gbps
           << ", \"peak_gb\": " << r.peak_gb << ", \"err_grad\": " << r.err_grad
-          << ", \"keep_prepared\": " << (opt.keep_prepared ? "true" : "false") << "}"
+          << ", \"keep_prepared\": " << (opt.keep_prepared ? "true" : "false")
+          << ", \"saved_t\": " << (r.saved_t ? "true" : "false") << "}"
           << (i + 1 < rows.size() ? "," : "") << "\n";
     }
     out << "]\n";
@@ -850,7 +855,7 @@ int run(int argc, char** argv) {
         "usage: statescan-bench [-v variants] [-t lengths] [-b B] [-H heads] [-d dim]\n"
         "                       [-c chunk] [--dtype bf16|f16|f32] [-w warmup] [-n iters]\n"
         "                       [--json file] [--plot file.png]\n"
-        "                       [--backward [--recompute | --keep-prepared] [--save-t]]\n"
+        "                       [--backward [--recompute | --keep-prepared] [--no-save-t]]\n"
         "       statescan-bench --cp-model [--variant kda] [--seq-len T] [-P 1024]\n"
         "                       [--link hierarchical|nvlink|ib] [--gpus-per-node 8]\n"
         "                       [--link-bw-GBps X] [--link-latency-us X] [--ib-bw-GBps X]\n"

@@ -213,6 +213,9 @@ int Job::run(int argc, char** argv) {
   SS_CHECK_ARG(!options_.keep_prepared || device_ == DeviceKind::cuda, "--keep-prepared",
                "applies to --device cuda only (the CPU path has no prepare stage)");
   config_.keep_prepared = options_.keep_prepared;
+  SS_CHECK_ARG(options_.save_t || device_ == DeviceKind::cuda, "--no-save-t",
+               "applies to --device cuda only (the CPU path saves no T)");
+  config_.save_t = options_.save_t;
   metrics_ = start_metrics(comm_, mpi != nullptr ? mpi->local_rank() : 0, options_);
   if (metrics_ && root()) {
     std::fprintf(stderr,

@@ -129,6 +129,7 @@ struct CpMixer::DeviceState {
   MixerParams params;             // the local problem (device pointers)
   StreamBuffer init;              // [nseg, H, Dk, Dv] states entering the local segments
   StreamBuffer chunk_states;      // [chunks, H, Dk, Dv]
+  StreamBuffer saved_t;           // MixerConfig::save_t: T's two parts, or empty
   StreamBuffer maps_M;            // this rank's M [rows, H, m_size]
   // MixerConfig::keep_prepared: the forward's prepared workspace, handed to
   // the backward's PreparedBackward (null when not kept).
@@ -154,6 +155,7 @@ struct CpMixer::DeviceState {
     local_cu_dev = StreamBuffer();
     init = StreamBuffer();
     chunk_states = StreamBuffer();
+    saved_t = StreamBuffer();
     maps_M = StreamBuffer();
     (void)cudaStreamSynchronize(compute);
     (void)cudaStreamDestroy(exchange);
@@ -388,6 +390,12 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   p.initial_state = ds.init.get();
   p.final_state = finals.get();
   p.chunk_states = ds.chunk_states.get();
+  // T from the forward's prepare for the backward's re-run (and the
+  // pre-pass's): MixerParams::saved_t, where the variant and dtype have one.
+  ds.saved_t = config_.save_t && cuda::saved_t_supported(p)
+                   ? StreamBuffer(cuda::saved_t_bytes(p), cs)
+                   : StreamBuffer();
+  p.saved_t = ds.saved_t.get<void>();  // null when empty
 
   ds.exchange_used = exchange_;
   const int64_t m_size = ds.diagonal ? Dk : Dk * Dk;

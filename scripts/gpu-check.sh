@@ -115,8 +115,9 @@ if [[ "${OPT_IN:-1}" != 0 ]]; then
   {
     "$BUILD/launch/statescan-bench" --backward -v deltanet -t 32768
     STATESCAN_BWD_DS=f32 "$BUILD/launch/statescan-bench" --backward -v deltanet -t 32768
-    STATESCAN_BWD_T=solve "$BUILD/launch/statescan-bench" --backward -v deltanet,gated_deltanet -t 32768
-    "$BUILD/launch/statescan-bench" --backward --save-t -v deltanet,gated_deltanet -t 32768,131072
+    # (a saved T replaces the solve of either path: these two without it)
+    STATESCAN_BWD_T=solve "$BUILD/launch/statescan-bench" --backward --no-save-t -v deltanet,gated_deltanet -t 32768
+    "$BUILD/launch/statescan-bench" --backward --no-save-t -v deltanet,gated_deltanet -t 32768,131072
     "$BUILD/launch/statescan-bench" --lact
     STATESCAN_LACT_NS=fused "$BUILD/launch/statescan-bench" --lact
     STATESCAN_LACT_SPLIT_K=0 "$BUILD/launch/statescan-bench" --lact

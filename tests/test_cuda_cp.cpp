@@ -413,6 +413,17 @@ TEST_P(CpGpuSingleRank, RecomputedChunkStatesGiveTheSavedStatesResults) {
   expect_bitwise_equal(run_steps(*this, cfg, 1)[0], want);
 }
 
+// save_t (the default): the delta rules' forward saves T and the backward's
+// prepare re-run reads it instead of solving again, bitwise the same results
+// as a mixer that saves none (the other variants have no T: unchanged).
+TEST_P(CpGpuSingleRank, SavedTGivesTheSolvedResults) {
+  ASSERT_TRUE(cfg_.save_t) << "save_t is the default";
+  MixerConfig cfg = cfg_;
+  cfg.save_t = false;
+  const CpOutputs want = run_steps(*this, cfg, 1)[0];
+  expect_bitwise_equal(run_steps(*this, cfg_, 1)[0], want);
+}
+
 // keep_prepared: the backward reads the forward's prepared tiles instead of
 // re-running the prepare stage, which would compute the same tiles from the
 // same inputs: bitwise the same gradients. Two steps: the first backward's

@@ -433,6 +433,15 @@ TEST(RunCli, KeepPreparedIsRefusedWhereItCannotApply) {
   }
 }
 
+// --no-save-t likewise: the CPU path has no T to save or not.
+TEST(RunCli, NoSaveTIsRefusedOnTheCpuPath) {
+  TempDir dir;
+  const RunResult r = run_cli(dir, "--no-save-t --device cpu --seq-len 45 --iters 1 --warmup 0");
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, "argument '--no-save-t'");
+  EXPECT_EQ(r.out.find("# Avg"), std::string::npos) << "ran anyway:\n" << r.out;
+}
+
 // ---- --variant lact: LactLayer, every chunk split over the ranks ----------------------
 
 constexpr int64_t kLactSeqLen = 48, kLactChunk = 12, kLactHeads = 2, kLactDim = 8, kLactHidden = 16;

@@ -254,21 +254,21 @@ __global__ void __launch_bounds__(512, 1)
     for (int it = 0; it < kIters; ++it) xs_all[it] = load4(S + 4 * (tid + it * kThreads));
   }
   // cp.async groups, delta rules: W and U first (V' = U - W S, the first
-  // product); v and dO (copy_row_pair_async commits its own); then K_, A and
-  // dS, which land while V' is formed (wait<1> below leaves only that last
-  // group in flight).
+  // product); then K_, A, dS, v and dO in one group (copy_row_pair_async
+  // commits it), which lands while V' is formed: wait<1> below leaves only
+  // that group in flight. (Until the eighteenth session v and dO were a
+  // group of their own before K_, so wait<1> waited for them too.)
   if constexpr (kDelta) {
     copy_tile_async<kThreads>(sW, kLdK, static_cast<const T*>(f.ws_w) + tile * C * Dk, Dk, C, Dk);
     copy_tile_async<kThreads>(sVp, kLdV, static_cast<const T*>(f.ws_u) + tile * C * Dv, Dv, C, Dv);
     cp_async_commit();
   }
-  copy_row_pair_async<kThreads, Dv>(sV, sDO, kLdV, v_in, do_in, row, C, L);
   copy_tile_async<kThreads>(sKb, kLdK, static_cast<const T*>(f.ws_k) + tile * C * Dk, Dk, C, Dk);
   copy_tile_async<kThreads>(sA, kLdC, static_cast<const T*>(f.ws_a) + tile * C * C, C, C, C);
   if (ds_in_t)
     copy_tile_async<kThreads>(sDS, kLdV, static_cast<const T*>(a.ws_ds_t) + tile * Dk * Dv, Dv, Dk,
                               Dv);
-  cp_async_commit();
+  copy_row_pair_async<kThreads, Dv>(sV, sDO, kLdV, v_in, do_in, row, C, L);  // commits the group
   if (tid < kMC) {  // every row of the scan below; zeros past the chunk
     const bool valid = tid < L;
     sBeta[tid] = kDelta && valid ? to_float(beta_in[row(tid)]) : 0.f;
@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(512, 1)
     }
   }
   if constexpr (kDelta)
-    cp_async_wait<1>();  // W and U (and v, dO: all but the last group)
+    cp_async_wait<1>();  // W and U
   else
     cp_async_wait<0>();
   __syncthreads();
