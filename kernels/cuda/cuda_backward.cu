@@ -240,6 +240,7 @@ void run_backward(const MixerBwdParams& p, const Prepared& prep, const BackwardL
                   char* rest, cudaStream_t stream) {
   BackwardArgs a;
   a.f = prep.plan.args;
+  if (!detail::intra_reads_t()) a.f.ws_t = nullptr;  // STATESCAN_BWD_T=solve
   a.d_o = p.d_o;
   a.d_final_state = p.d_final_state;
   a.chunk_states = prep.chunk_states;

@@ -270,6 +270,8 @@ size_t prepare_workspace_bytes(const MixerParams& p) {
   return layout_for(p, true).total;
 }
 
+bool intra_reads_t() { return kernel_knobs().bwd_t_from_prepare; }
+
 ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream, bool prepare_only, bool for_backward) {
   ForwardPlan plan;

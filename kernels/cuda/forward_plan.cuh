@@ -45,6 +45,12 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
                          cudaStream_t stream, bool prepare_only = false,
                          bool for_backward = false);
 size_t prepare_workspace_bytes(const MixerParams& p);
+// Whether the backward's intra-chunk kernel reads T from the plan
+// (ForwardArgs::ws_t: the prepare's, or a saved T) instead of solving it from
+// its own operand copies; STATESCAN_BWD_T=solve: never, saved T or not (the
+// saved T then serves only the prepare re-run's W and U), so that a saved T
+// gives bitwise that mode's gradients too.
+bool intra_reads_t();
 
 // The stages a forward that produces o runs: all three, or only the scan and
 // the output when they read the inputs themselves (ForwardArgs::raw_additive).
