@@ -152,16 +152,16 @@ constexpr cublasComputeType_t wide_compute() {
 // The weight-gradient GEMMs contract over a chunk's tokens (G = [z0 | z2]^T k,
 // dW += dh^T q, ...): 2M x D or D x M outputs per head, 16-32 output tiles of
 // 256 x 128 over 4 heads at the benchmark shape, against 4,096 tokens of
-// contraction, so cuBLAS can keep only 16-32 of 132 SMs busy. (ncu on an
-// H200, 2026-12-02, 8 chunks of the LaCT benchmark forward + backward: one
-// cuBLAS kernel took 11 of the 28 ms, 142 calls of 16-183 us.) Split,
+// contraction, so cuBLAS can keep only 16-32 of 132 SMs busy. Split,
 // the contraction's S slices are one batched GEMM over (head, slice) into
 // fp32 partials, then a fixed-order sum over the slices (deterministic, no
 // atomics). The Newton-Schulz products of a bf16 layer (12 matrices of 256 x
 // 256 or 256 x 512 outputs against 768-1536 of two-part contraction: 24-48
-// tiles) take the same path. Opt-in (split_k_knob): measured slower, and the
-// 11 ms kernel ran unsplit with the split on (same 142 calls), so it is the
-// token-side GEMMs with fp32 outputs of ~1,000 tiles and more, not these.
+// tiles) take the same path. Opt-in (split_k_knob): measured slower. (It was
+// written for "one cuBLAS kernel taking 11 of 28 ms in 142 calls" in a
+// per-kernel ncu summary of the benchmark; a per-launch listing in the
+// eighteenth session showed ~100 of those calls, at ~228 us, to be the
+// benchmark's own 4096^3 reference GEMM: README, LaCT on the GPU.)
 
 inline int64_t bytes_of(cudaDataType_t t) {
   return t == CUDA_R_64F ? 8 : t == CUDA_R_32F ? 4 : 2;
