@@ -115,7 +115,8 @@ if [[ "${OPT_IN:-1}" != 0 ]]; then
   {
     "$BUILD/launch/statescan-bench" --backward -v deltanet -t 32768
     STATESCAN_BWD_DS=f32 "$BUILD/launch/statescan-bench" --backward -v deltanet -t 32768
-    # (a saved T replaces the solve of either path: these two without it)
+    # Without the saved T (the default): the old solve path whole, and the
+    # default path's no-T comparison.
     STATESCAN_BWD_T=solve "$BUILD/launch/statescan-bench" --backward --no-save-t -v deltanet,gated_deltanet -t 32768
     "$BUILD/launch/statescan-bench" --backward --no-save-t -v deltanet,gated_deltanet -t 32768,131072
     "$BUILD/launch/statescan-bench" --lact
