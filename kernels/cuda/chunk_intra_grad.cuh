@@ -442,13 +442,9 @@ __global__ void __launch_bounds__(512, 1)
           fKK[t * kLdF + s] = s < t ? acc[j][e] * decay(t, s) : 0.f;
         }
     });
+    __syncthreads();
     // ---- T = (I + diag(beta) KK)^{-1}: its diagonal blocks beside dA -------
-    // With T given, KK is next read (dbeta's dMm . KK) after the barriers
-    // below and dA writes none of what KK's blocks read: no barrier here.
-    if (!t_given) {
-      __syncthreads();
-      intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
-    }
+    if (!t_given) intra_solve_t_diagonal<kMC>(fKK, kLdF, sBeta, C);
   }
 
   // ---- dA = dO V'^T (lower, scaled, decayed; zeros above) -------------------
@@ -676,30 +672,19 @@ __global__ void __launch_bounds__(512, 1)
   }
   // ---- dg: the rows' db, the last row also the K_ path's column sums and
   // dgamma . gamma, reverse-cumulated -------------------------------------
-  // By warp 0's suffix sums (warp_suffix_sum64): one thread's walk over the
-  // rows was 64 dependent steps at the end of every item, which the next
-  // item's block (one per multiprocessor) waited for.
   if constexpr (kScalar) {
-    if (warp == 0) {
-      float last = 0.f;
-      if (lane == 0) {
-        // The decay's gradient dgamma . gamma: S_c . dS_{c+1} times e^{G_{C-1}}.
-        float dgs = 0.f;
-        for (int w = 0; w < kWarps; ++w) dgs += sDg[w];
-        last = dgs * __expf(sG[C - 1]);
-        for (int w = 0; w < kWarps; ++w) last += sWarpPart[w];
+    if (tid == 0) {
+      // The decay's gradient dgamma . gamma: S_c . dS_{c+1} times e^{G_{C-1}}.
+      float dgs = 0.f;
+      for (int w = 0; w < kWarps; ++w) dgs += sDg[w];
+      float last = dgs * __expf(sG[C - 1]);
+      for (int w = 0; w < kWarps; ++w) last += sWarpPart[w];
+      float run = 0.f;
+      for (int t = L - 1; t >= 0; --t) {
+        for (int p = 0; p < kParts; ++p) run += sDb[p * kMC + t];
+        if (t == L - 1) run += last;
+        a.dg[row(t)] = run;
       }
-      last = __shfl_sync(0xffffffffu, last, 0);
-      auto db_row = [&](int t) {  // row t's db; the last row also `last`
-        if (t >= L) return 0.f;
-        float v = 0.f;
-        for (int p = 0; p < kParts; ++p) v += sDb[p * kMC + t];
-        return t == L - 1 ? v + last : v;
-      };
-      float s0, s1;
-      warp_suffix_sum64(db_row(2 * lane), db_row(2 * lane + 1), s0, s1);
-      if (2 * lane < L) a.dg[row(2 * lane)] = s0;
-      if (2 * lane + 1 < L) a.dg[row(2 * lane + 1)] = s1;
     }
   }
 }

@@ -573,33 +573,14 @@ __global__ void __launch_bounds__(512, 1)
       static_cast<T*>(a.dbeta)[row(tid)] = from_float<T>(dbeta);
     }
   }
-  // dg per dimension d, reverse-cumulated over the rows by four adjacent
-  // lanes, 16 rows each, the later quarters' totals by shuffles (one
-  // thread's walk over the 64 rows was the block's tail, as in the scalar
-  // kernel). Every row also takes `last`: the decay's gradient dgamma .
-  // gamma and the K_ path's column sums.
-  static_assert(4 * Dk <= kThreads && (4 * Dk) % 32 == 0, "four whole lanes per dimension");
-  if (tid < 4 * Dk) {
-    const int d = tid / 4, qtr = tid % 4;
-    float x[16], total = 0.f;
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      const int t = 16 * qtr + r;
-      x[r] = t < L ? sDbuf[t * kLdB + d] : 0.f;
-      total += x[r];
-    }
-    float run = sp[SpTr::kOffDgamma + d] * __expf(bv(C - 1, d));  // `last`
-    for (int r = 0; r < nb; ++r) run += sColK[r * Dk + d];
-#pragma unroll
-    for (int j = 1; j < 4; ++j) {
-      const float later = __shfl_sync(0xffffffffu, total, j, 4);
-      run += j > qtr ? later : 0.f;
-    }
-#pragma unroll
-    for (int r = 15; r >= 0; --r) {
-      const int t = 16 * qtr + r;
-      run += x[r];
-      if (t < L) a.dg[row(t) * Dk + d] = run;
+  if (tid < Dk) {
+    const int d = tid;
+    float last = sp[SpTr::kOffDgamma + d] * __expf(bv(C - 1, d));
+    for (int r = 0; r < nb; ++r) last += sColK[r * Dk + d];
+    float run = last;
+    for (int t = L - 1; t >= 0; --t) {
+      run += sDbuf[t * kLdB + d];
+      a.dg[row(t) * Dk + d] = run;
     }
   }
 }

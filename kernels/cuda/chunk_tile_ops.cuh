@@ -41,23 +41,6 @@ __device__ __forceinline__ void warp_cumsum64(float* sG) {
   sG[2 * lane + 1] = incl;
 }
 
-// warp_cumsum64's mirror in registers: the inclusive suffix sums of 64 values
-// held two per lane (rows 2 lane and 2 lane + 1): s0 = the sum of rows >=
-// 2 lane, s1 = the sum of rows >= 2 lane + 1.
-__device__ __forceinline__ void warp_suffix_sum64(float x0, float x1, float& s0, float& s1) {
-  const int lane = threadIdx.x % 32;
-  float incl = x0 + x1;  // this lane's pair and every later lane's
-#pragma unroll
-  for (int m = 1; m < 32; m *= 2) {
-    const float o = __shfl_down_sync(0xffffffffu, incl, m);
-    if (lane + m < 32) incl += o;
-  }
-  float later = __shfl_down_sync(0xffffffffu, incl, 1);  // the lanes after this one
-  if (lane == 31) later = 0.f;
-  s1 = x1 + later;
-  s0 = x0 + s1;
-}
-
 // An input's [C, D] rows (the chunk's tokens of one head: row(t) maps them
 // into the [tokens, H, D] layout) into a 16-bit tile of pitch ld by cp.async
 // (committed by the caller, not waited); rows past the chunk's end are zeros.
