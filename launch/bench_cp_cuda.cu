@@ -129,7 +129,14 @@ struct Measured {
   // (cuda::PreparedBackward), which the local backward then reuses, so only
   // its reverse scan is CP's; prepass_alone_ms is a standalone one (prepare
   // + scan), what it cost before the tiles were shared.
+  // Delta rules: the pre-pass is one GEMM from the forward's first-segment
+  // maps (cuda::first_segment_state_grad), which the summary computes;
+  // prepass_scan_ms and summary_scan_ms are the reverse scan it replaced and
+  // the summary without those maps. Additive rules: the scan.
   double prepass_ms = std::numeric_limits<double>::quiet_NaN();
+  double prepass_scan_ms = std::numeric_limits<double>::quiet_NaN();
+  double summary_scan_ms = std::numeric_limits<double>::quiet_NaN();
+  double summary_first_ms = std::numeric_limits<double>::quiet_NaN();  // the maps alone
   double prepass_alone_ms = std::numeric_limits<double>::quiet_NaN();
   double bwd_prepare_ms = std::numeric_limits<double>::quiet_NaN();
   double merge_fwd_ms = 0, merge_bwd_ms = 0;
@@ -153,7 +160,12 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
   const int64_t g_count = has_gate(variant) ? (vector_gate(variant) ? tokens * D : tokens) : 0;
   DeviceBuffer<float> g(std::max<int64_t>(g_count, 1)), dg(std::max<int64_t>(g_count, 1));
   DeviceBuffer<float> states(static_cast<std::size_t>(chunks * H * D * D)), final_state(H * D * D),
-      d_init(H * D * D), M(H * D * D), E(H * D * D), S(H * D * D), S_out(H * D * D), Mt(H * D * D);
+      d_init(H * D * D), M(H * D * D), E(H * D * D), S(H * D * D), S_out(H * D * D), Mt(H * D * D),
+      first_P(H * D * D);
+  const bool delta = has_beta(variant);
+  DeviceBuffer<unsigned char> first_H(delta ? tokens * D * elem : 1);
+  const cuda::FirstSegmentMaps first{first_P.data(), first_H.data()};
+  const cuda::FirstSegmentMaps* first_maps = delta ? &first : nullptr;
   fill(q.data(), tokens * D, o.dtype, 1, Fill::normal);
   fill(k.data(), tokens * D, o.dtype, 2, Fill::normal);
   fill(v.data(), tokens * D, o.dtype, 3, Fill::normal);
@@ -190,13 +202,14 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
   m.fwd_ms = median_ms(o.warmup, o.iters, stream,
                        [&] { cuda::mixer_forward(p, ws.data(), ws_bytes, stream); });
 
-  // The CP forward's pieces: prepare once, summary, then scan + output.
+  // The CP forward's pieces: prepare once, summary (with the first-segment
+  // maps where the backward takes its pre-pass from them), then scan + output.
   const std::vector<double> fwd_pieces =
       median_stage_ms(o.warmup, o.iters, stream, 3, [&](auto&& mark) {
         mark();
         cuda::PreparedForward prepared(p, stream);
         mark();
-        prepared.summary(M.data(), E.data(), stream);
+        prepared.summary(M.data(), E.data(), stream, true, first_maps);
         mark();
         prepared.finish(stream);
         mark();
@@ -205,11 +218,19 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
   m.summary_ms = fwd_pieces[1];
   m.finish_ms = fwd_pieces[2];
 
-  // E alone (what the first rank computes), by the default method.
+  // E alone (what the first rank computes), by the default method; and the
+  // summary without the first-segment maps.
   {
     cuda::PreparedForward prepared(p, stream);
     m.summary_e_ms = median_ms(o.warmup, o.iters, stream,
                                [&] { prepared.summary(M.data(), E.data(), stream, false); });
+    if (delta) {
+      m.summary_scan_ms = median_ms(o.warmup, o.iters, stream,
+                                    [&] { prepared.summary(M.data(), E.data(), stream); });
+      m.summary_first_ms = median_ms(o.warmup, o.iters, stream, [&] {
+        prepared.summary(M.data(), nullptr, stream, false, first_maps);
+      });
+    }
   }
   // The summary again with the other way of computing the delta rules' (M, E).
   if (has_beta(variant)) {
@@ -217,8 +238,9 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
     cuda::set_summary_linear_part(saved == cuda::LinearPart::scan ? cuda::LinearPart::products
                                                                   : cuda::LinearPart::scan);
     cuda::PreparedForward prepared(p, stream);
-    m.summary_other_ms =
-        median_ms(o.warmup, o.iters, stream, [&] { prepared.summary(M.data(), E.data(), stream); });
+    m.summary_other_ms = median_ms(o.warmup, o.iters, stream, [&] {
+      prepared.summary(M.data(), E.data(), stream, true, first_maps);
+    });
     cuda::set_summary_linear_part(saved);
     m.other_name = saved == cuda::LinearPart::scan ? "products" : "scan";
   }
@@ -270,6 +292,14 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
         });
     m.bwd_prepare_ms = bwd_pieces[0];
     m.prepass_ms = bwd_pieces[1];
+    if (delta) {
+      // A middle rank's pre-pass from the maps of the last summary above.
+      m.prepass_scan_ms = bwd_pieces[1];
+      m.prepass_ms = median_ms(o.warmup, o.iters, stream, [&] {
+        cuda::first_segment_state_grad(p, first_H.data(), d_o.data(), 0, 0, T, first_P.data(),
+                                       nullptr, d_init.data(), stream);
+      });
+    }
   } catch (const Error& err) {
     m.bwd_note = err.what();
     SS_CUDA_CHECK(cudaDeviceSynchronize());
@@ -347,6 +377,18 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
     }
     std::snprintf(line, sizeof line, "#   summary E only (first rank): %.3f ms\n", m.summary_e_ms);
     out << line;
+    if (std::isfinite(m.prepass_scan_ms)) {
+      const double before = (m.summary_scan_ms + m.prepass_scan_ms + m.merge_fwd_ms +
+                             m.merge_bwd_ms) /
+                            (m.fwd_ms + m.bwd_ms);
+      std::snprintf(line, sizeof line,
+                    "#   pre-pass = one GEMM from the summary's first-segment maps (H, P); "
+                    "the maps alone (last rank) %.3f ms; without them: summary %.3f ms, "
+                    "pre-pass scan %.3f ms -> overhead %s%%\n",
+                    m.summary_first_ms, m.summary_scan_ms, m.prepass_scan_ms,
+                    fmt("%.2f", 100 * before).c_str());
+      out << line;
+    }
     if (std::isfinite(m.summary_other_ms)) {
       const double other = (m.summary_other_ms + m.prepass_ms + m.merge_fwd_ms + m.merge_bwd_ms) /
                            (m.fwd_ms + m.bwd_ms);
@@ -374,7 +416,10 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
     const bool have_bwd = std::isfinite(m.bwd_ms);
     CpLocalTimes times = estimate_local_times(layer, m.fwd_ms, have_bwd ? m.bwd_ms : -1);
     times.summary_fwd_ms = m.summary_ms;
-    times.summary_fwd_first_ms = m.summary_e_ms;  // the first rank's (P = 2)
+    // P = 2: the first rank's E beside the last rank's maps (delta rules).
+    times.summary_fwd_first_ms = std::isfinite(m.summary_first_ms)
+                                     ? std::max(m.summary_e_ms, m.summary_first_ms)
+                                     : m.summary_e_ms;
     if (std::isfinite(m.prepass_ms)) times.summary_bwd_ms = m.prepass_ms;
     times.merge_ms = 0.5 * (m.merge_fwd_ms + m.merge_bwd_ms);
     CpModelConfig config;
@@ -405,6 +450,8 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
         << ", \"summary_ms\": " << num(m.summary_ms) << ", \"scan_output_ms\": " << num(m.finish_ms)
         << ", \"prepass_ms\": " << num(m.prepass_ms)
         << ", \"prepass_alone_ms\": " << num(m.prepass_alone_ms)
+        << ", \"summary_scan_ms\": " << num(m.summary_scan_ms)
+        << ", \"prepass_scan_ms\": " << num(m.prepass_scan_ms)
         << ", \"bwd_prepare_ms\": " << num(m.bwd_prepare_ms)
         << ", \"merge_fwd_ms\": " << num(m.merge_fwd_ms)
         << ", \"merge_bwd_ms\": " << num(m.merge_bwd_ms) << ", \"overhead\": " << num(m.overhead())

@@ -802,7 +802,7 @@ int run_cp_model(const Options& opt) {
   std::snprintf(first_source, sizeof first_source, "%s",
                 opt.summary_fwd_first_ms > 0 ? "given" : "MODELLED");
   if (opt.summary_fwd_first_ms < 0 && opt.summary_fwd_ms > 0)
-    std::snprintf(first_source, sizeof first_source, "the modelled E share (%.3f) of the given",
+    std::snprintf(first_source, sizeof first_source, "the modelled P = 2 share (%.3f) of the given",
                   first_share);
   std::snprintf(line, sizeof line,
                 "summary fwd: %s, summary fwd first rank: %s, summary bwd: %s, merge: %s",
@@ -811,10 +811,12 @@ int run_cp_model(const Options& opt) {
   notes.push_back(line);
   std::snprintf(line, sizeof line,
                 "MODELLED = counted work at the summary rates calibrated on KDA's measured "
-                "summary (H200, 2026-12-02: fwd %.1f, first rank %.1f, bwd %.1f TFLOP/s "
-                "effective), %.1f TB/s HBM floor, %.0f us launch; see parallel/cp_model.h",
+                "summary (H200, 2026-12-02: fwd %.1f, first rank %.1f, last rank's maps %.1f, "
+                "bwd %.1f TFLOP/s effective), %.1f TB/s HBM floor, %.0f us launch; see "
+                "parallel/cp_model.h",
                 gpu.summary_fwd_flops_per_s / 1e12, gpu.summary_first_flops_per_s / 1e12,
-                gpu.summary_bwd_flops_per_s / 1e12, gpu.hbm_Bps / 1e12, gpu.launch_s * 1e6);
+                gpu.summary_maps_flops_per_s / 1e12, gpu.summary_bwd_flops_per_s / 1e12,
+                gpu.hbm_Bps / 1e12, gpu.launch_s * 1e6);
   notes.push_back(line);
 
   CpModelConfig config;

@@ -4,10 +4,14 @@
 //
 // Forward: prepare (state-independent tiles, once) -> summary (M, E) from
 // those tiles -> exchange on its own stream -> merge -> scan + output from the
-// true incoming state with the same tiles. Backward: prepare once
-// (cuda::PreparedBackward) -> pre-pass with state_grad_only -> reverse
-// exchange of (M^T, D) -> local backward with the true downstream gradient
-// from the same tiles (rank 0, without a pre-pass, prepares while it waits).
+// true incoming state with the same tiles. Backward: the pre-pass D (the
+// gradient leaving the shard's first segment with none coming from the next
+// rank) -> reverse exchange of (M^T, D) -> local backward with the true
+// downstream gradient, its prepare stage (cuda::PreparedBackward) queued
+// before the wait. Delta rules form D with one GEMM per row from maps their
+// forward's summary kept (cuda::FirstSegmentMaps: a scan it ran anyway for
+// M, now with outputs); additive rules run the reverse scan
+// (state_grad_only) on the prepared tiles first.
 //
 // Control traffic (argument agreement, collective errors) is a few bytes of
 // host data; over NCCL it is staged through a small device buffer
@@ -131,6 +135,12 @@ struct CpMixer::DeviceState {
   StreamBuffer chunk_states;      // [chunks, H, Dk, Dv]
   StreamBuffer saved_t;           // MixerConfig::save_t: T's two parts, or empty
   StreamBuffer maps_M;            // this rank's M [rows, H, m_size]
+  // Delta rules on ranks whose first segments continue from the previous
+  // rank: those segments' maps (cuda::FirstSegmentMaps), from which backward
+  // forms its pre-pass result with one GEMM per row instead of a reverse scan.
+  bool first_maps = false;
+  StreamBuffer first_P;  // [rows, H, Dk, Dk] fp32
+  StreamBuffer first_H;  // [B, L, H, Dk] in the input dtype
   // MixerConfig::keep_prepared: the forward's prepared workspace, handed to
   // the backward's PreparedBackward (null when not kept).
   std::unique_ptr<cuda::PreparedForward> kept;
@@ -157,6 +167,8 @@ struct CpMixer::DeviceState {
     chunk_states = StreamBuffer();
     saved_t = StreamBuffer();
     maps_M = StreamBuffer();
+    first_P = StreamBuffer();
+    first_H = StreamBuffer();
     (void)cudaStreamSynchronize(compute);
     (void)cudaStreamDestroy(exchange);
     (void)cudaStreamDestroy(compute);
@@ -405,6 +417,19 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     maps_E = StreamBuffer(static_cast<std::size_t>(rows * H * state) * sizeof(float), cs);
     incoming = StreamBuffer(static_cast<std::size_t>(rows * H * state) * sizeof(float), cs);
   }
+  // The backward's pre-pass folded into the summary (delta rules): the maps
+  // of the segments that continue from the previous rank. Additive rules keep
+  // the pre-pass (their summary's M needs no scan to share).
+  ds.first_maps =
+      P > 1 && !ds.diagonal &&
+      std::any_of(segs.begin(), segs.end(), [](const LocalSegment& s) { return s.from_prev; });
+  ds.first_P = ds.first_maps
+                   ? StreamBuffer(static_cast<std::size_t>(rows * H * Dk * Dk) * sizeof(float), cs)
+                   : StreamBuffer();
+  ds.first_H = ds.first_maps ? StreamBuffer(static_cast<std::size_t>(g.batch * g.local_len * H * Dk) *
+                                                size_of(p.dtype),
+                                            cs)
+                             : StreamBuffer();
   SS_CUDA_CHECK(cudaEventRecord(ev.e[1], cs));  // buffers allocated
   auto prepared = std::make_unique<cuda::PreparedForward>(p, cs);
   SS_CUDA_CHECK(cudaEventRecord(ev.e[8], cs));  // prepare done
@@ -412,14 +437,21 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     // 1. summary from the prepared tiles. The last rank's map reaches no one
     // and the first rank's M only ever multiplies the zero state entering the
     // scan (also in backward, where their roles swap), so those ranks skip
-    // that work and pass zeros (DESIGN §5: the results do not depend on it).
+    // that work and pass zeros (DESIGN §5: the results do not depend on it);
+    // so does a rank none of whose rows is one continuing segment (its M is
+    // zero). With first_maps, M is the first segments' P (one scan for both).
     const int rank = comm_.rank();
     const bool need_E = rank != P - 1;
-    const bool need_M = need_E && rank != 0;
+    bool any_single = false;
+    for (int64_t r = 0; r < rows; ++r) any_single |= cp_detail::single_continuing(segs, r);
+    const bool need_M = need_E && rank != 0 && any_single;
     const std::size_t m_bytes = static_cast<std::size_t>(rows * H * m_size) * sizeof(float);
-    if (need_E)
-      prepared->summary(ds.maps_M.get(), maps_E.get(), cs, need_M);
-    else
+    if (need_E || ds.first_maps) {
+      const cuda::FirstSegmentMaps first{ds.first_P.get(), ds.first_H.get<void>()};
+      prepared->summary(ds.maps_M.get(), need_E ? maps_E.get() : nullptr, cs, need_M,
+                        ds.first_maps ? &first : nullptr);
+    }
+    if (!need_E)
       SS_CUDA_CHECK(cudaMemsetAsync(
           maps_E.get(), 0, static_cast<std::size_t>(rows * H * state) * sizeof(float), cs));
     if (!need_M) SS_CUDA_CHECK(cudaMemsetAsync(ds.maps_M.get(), 0, m_bytes, cs));
@@ -602,16 +634,30 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
     // 1. pre-pass: D_r = dS_in with zero gradient from the next rank. Rank 0
     // is last in reverse order: its (M^T, D) reach no one, and none of its
     // segments continues from a previous rank, so it skips the pre-pass.
-    if (comm_.rank() != 0) {
+    // Delta rules take it from the forward's first-segment maps, one GEMM per
+    // row (cuda::first_segment_state_grad: sum_t H_t^T dO_t + P^T dS_end,
+    // with the user's dht as dS_end where that segment ends here), and then
+    // prepare while they wait, as rank 0 does; additive rules run the
+    // reverse scan (state_grad_only) on the prepared tiles.
+    if (ds.first_maps) {
+      for (int64_t i = 0; i < nseg; ++i) {
+        const LocalSegment& s = ds.segs[i];
+        if (!s.from_prev) continue;
+        const float* d_end = !s.to_next && dht != nullptr ? dfinal.get() + i * H * state : nullptr;
+        cuda::first_segment_state_grad(sp, ds.first_H.get<void>(), a.d_o.data, s.row, s.begin,
+                                       s.end, ds.first_P.get() + s.row * H * Dk * Dk, d_end,
+                                       back_E.get() + s.row * H * state, cs);
+      }
+    } else if (comm_.rank() != 0) {
       prepare();
       bp.state_grad_only = true;
       prepared->run(bp, cs);
       bp.state_grad_only = false;
+      for (int64_t i = 0; i < nseg; ++i)
+        if (ds.segs[i].from_prev)
+          copy_floats(back_E.get() + ds.segs[i].row * H * state, dinit.get() + i * H * state,
+                      H * state, cs);
     }
-    for (int64_t i = 0; i < nseg; ++i)
-      if (ds.segs[i].from_prev)
-        copy_floats(back_E.get() + ds.segs[i].row * H * state, dinit.get() + i * H * state,
-                    H * state, cs);
     const float* m_for_back = ds.maps_M.get();
     if (!ds.diagonal) {
       cuda::transpose_maps(ds.maps_M.get(), back_M.get(), rows * H, Dk, cs);

@@ -39,8 +39,8 @@ void check_link(const LinkModel& m) {
   }
 }
 
-// The forward summary P = 2 waits for: the first rank's E; when not known
-// (< 0), the full one; never more than the full one (E is a part of it).
+// The forward summary P = 2 waits for (CpLocalTimes); when not known (< 0),
+// the full one; never more than the full one.
 double first_rank_summary_ms(const CpLocalTimes& t) {
   return t.summary_fwd_first_ms < 0 ? t.summary_fwd_ms
                                     : std::min(t.summary_fwd_first_ms, t.summary_fwd_ms);
@@ -69,10 +69,18 @@ double cp_summary_flops(const CpLayer& l, bool backward) {
   if (diagonal_maps(l)) {
     per_chunk = 2 * C * k * v + k * v;
   } else if (!backward) {
-    per_chunk = 2 * C * k * k + 2 * k * k * k + 2 * C * k * v + 2 * k * k * v;
+    per_chunk = 2 * C * k * k + 2 * k * k * k + 2 * C * k * v + 2 * k * k * v +
+                (2 * C * k * k + 2 * C * C * k);
   } else {
-    per_chunk = 2 * C * k * k + 2 * k * k * v + 2 * C * k * v;
+    per_chunk = 2 * C * k * v;
   }
+  return per_chunk * static_cast<double>(chunks_of(l) * l.batch * l.heads);
+}
+
+double cp_summary_maps_flops(const CpLayer& l) {
+  if (diagonal_maps(l)) return 0.0;
+  const double C = static_cast<double>(l.chunk), k = static_cast<double>(l.dk);
+  const double per_chunk = 2 * C * k * k + 2 * k * k * k + (2 * C * k * k + 2 * C * C * k);
   return per_chunk * static_cast<double>(chunks_of(l) * l.batch * l.heads);
 }
 
@@ -85,8 +93,10 @@ double cp_summary_first_flops(const CpLayer& l) {
   return per_chunk * static_cast<double>(chunks_of(l) * l.batch * l.heads);
 }
 
-double cp_summary_bytes(const CpLayer& l) {
+double cp_summary_bytes(const CpLayer& l, bool backward) {
   const double es = static_cast<double>(size_of(l.dtype));
+  if (backward && !diagonal_maps(l))
+    return es * static_cast<double>(l.dk + l.dv) * static_cast<double>(l.batch * l.seq_len * l.heads);
   const double gates =
       has_gate(l.variant) ? (vector_gate(l.variant) ? 4.0 * static_cast<double>(l.dk) : 4.0) : 0.0;
   const double per_token =
@@ -122,7 +132,8 @@ CpLocalTimes estimate_local_times(const CpLayer& layer, double fwd_ms, double bw
   check_layer(layer);
   SS_CHECK_ARG(fwd_ms > 0, "fwd-ms", "must be > 0, got ", fwd_ms);
   SS_CHECK_ARG(gpu.summary_fwd_flops_per_s > 0 && gpu.summary_first_flops_per_s > 0 &&
-                   gpu.summary_bwd_flops_per_s > 0,
+                   gpu.summary_maps_flops_per_s > 0 && gpu.summary_bwd_flops_per_s > 0 &&
+                   gpu.prepass_scan_flops_per_s > 0,
                "summary-TFLOPs", "must be > 0");
   SS_CHECK_ARG(gpu.hbm_Bps > 0, "hbm-GBps", "must be > 0");
   CpLocalTimes t;
@@ -132,13 +143,21 @@ CpLocalTimes estimate_local_times(const CpLayer& layer, double fwd_ms, double bw
   // Counted FLOPs at the rate calibrated on the measured summary (a sequential
   // scan over chunks); the reads of k, v, gates, beta are the floor when the
   // FLOPs are few (additive rules).
-  auto summary_ms = [&](double flops, double flops_per_s) {
-    const double byte_s = cp_summary_bytes(layer) / gpu.hbm_Bps;
+  auto summary_ms = [&](double flops, double flops_per_s, bool backward = false) {
+    const double byte_s = cp_summary_bytes(layer, backward) / gpu.hbm_Bps;
     return 1e3 * (std::max(flops / flops_per_s, byte_s) + gpu.launch_s);
   };
   t.summary_fwd_ms = summary_ms(cp_summary_flops(layer, false), gpu.summary_fwd_flops_per_s);
+  // P = 2: the first rank's E beside the last rank's maps (delta rules).
   t.summary_fwd_first_ms = summary_ms(cp_summary_first_flops(layer), gpu.summary_first_flops_per_s);
-  t.summary_bwd_ms = summary_ms(cp_summary_flops(layer, true), gpu.summary_bwd_flops_per_s);
+  if (!diagonal_maps(layer))
+    t.summary_fwd_first_ms =
+        std::max(t.summary_fwd_first_ms,
+                 summary_ms(cp_summary_maps_flops(layer), gpu.summary_maps_flops_per_s));
+  t.summary_bwd_ms = summary_ms(cp_summary_flops(layer, true),
+                                diagonal_maps(layer) ? gpu.prepass_scan_flops_per_s
+                                                     : gpu.summary_bwd_flops_per_s,
+                                true);
   // Merge: the incoming state is written where the local pass reads its
   // initial state: one read and one write of the fp32 state.
   t.merge_ms =
@@ -269,7 +288,7 @@ std::string format_cp_model_table(const CpLayer& layer, const CpLocalTimes& time
            static_cast<long long>(cp_state_bytes(layer)),
            static_cast<double>(cp_apply_flops(layer)));
   s +=
-      fmt("#  local fwd %.3f ms  bwd %.3f ms  summary fwd %.3f ms (first rank, E only: %.3f ms)  "
+      fmt("#  local fwd %.3f ms  bwd %.3f ms  summary fwd %.3f ms (P = 2: %.3f ms)  "
           "bwd %.3f ms  merge %.4f ms x2\n",
           times.fwd_ms, times.bwd_ms, times.summary_fwd_ms, first_rank_summary_ms(times),
           times.summary_bwd_ms, times.merge_ms);
@@ -278,7 +297,9 @@ std::string format_cp_model_table(const CpLayer& layer, const CpLocalTimes& time
        fmt("; compose %.0f TFLOP/s\n", config.link.compose_flops_per_s / 1e12);
   s += "#  t(1) = fwd + bwd; t(P) = t(1) + summary fwd(P) + summary bwd + 2 merge\n";
   s += "#         + max(0, exch - overlap*fwd) + max(0, exch - overlap*bwd)\n";
-  s += "#  summary fwd(2) = the first rank's E only; summary fwd(P >= 3) = a middle rank's E+M\n";
+  s += "#  summary fwd(2) = the first rank's E or the last rank's maps (delta rules), the slower;\n";
+  s += "#  summary fwd(P >= 3) = a middle rank's E beside its maps; summary bwd = delta rules:\n";
+  s += "#  one H^T dO GEMM from the forward's maps, additive rules: the reverse-scan pre-pass\n";
   s += fmt("#  overlap %.2f of the local pass hides the exchange (state-independent A/W/U work);\n",
            config.overlap);
   s += "#  the *_hid columns are the optimistic bound overlap = 1. The summary is never hidden:\n";

@@ -49,11 +49,18 @@ int64_t cp_apply_flops(const CpLayer& layer);
 // Counted work of the summary (M_r, E_r) in forward and of (M_r^T, D_r) in
 // backward, per rank. Per chunk and head:
 //   delta fwd:    chunk transition 2*C*Dk^2, compose M 2*Dk^3,
-//                 chunk carry 2*C*Dk*Dv, compose E 2*Dk^2*Dv
-//   delta bwd:    chunk transition 2*C*Dk^2 (recomputed), propagate D 2*Dk^2*Dv,
-//                 chunk gradient 2*C*Dk*Dv (M_r^T is kept from forward)
-//   additive:     diagonal M: chunk carry 2*C*Dk*Dv and a Dk*Dv scaling, both ways
+//                 chunk carry 2*C*Dk*Dv, compose E 2*Dk^2*Dv, and the first
+//                 segment's H (cuda::FirstSegmentMaps: the M scan's outputs)
+//                 Q^ P 2*C*Dk^2 + A V' 2*C^2*Dk
+//   delta bwd:    D = sum_t H_t^T dO_t, one GEMM: 2*C*Dk*Dv (M_r^T is kept
+//                 from forward)
+//   additive:     diagonal M: chunk carry 2*C*Dk*Dv and a Dk*Dv scaling, both
+//                 ways (their backward keeps the reverse-scan pre-pass)
 double cp_summary_flops(const CpLayer& layer, bool backward);
+// Counted work of the last rank's forward summary with delta rules: its first
+// segment's maps alone (M's scan with H, no E), which P = 2 runs beside the
+// first rank's E. 0 for additive rules (no maps).
+double cp_summary_maps_flops(const CpLayer& layer);
 // Counted work of the first rank's forward summary: E alone (chunk carry and
 // composing E; delta rules skip the chunk transition's M and composing M).
 // For Dk = Dv this is half of the delta rules' forward count, which matched
@@ -61,41 +68,50 @@ double cp_summary_flops(const CpLayer& layer, bool backward);
 // 5.71 ms of E+M 11.49 ms, 49.7 %); side by side (8.07 ms) E's own rate
 // (CpGpuModel::summary_first_flops_per_s) carries the difference.
 double cp_summary_first_flops(const CpLayer& layer);
-// HBM bytes the summary reads: k, v (dtype), gates (fp32), beta (dtype).
-double cp_summary_bytes(const CpLayer& layer);
+// HBM bytes the summary reads: k, v (dtype), gates (fp32), beta (dtype); the
+// delta rules' backward summary reads H and dO (dtype) instead.
+double cp_summary_bytes(const CpLayer& layer, bool backward = false);
 
 // Effective summary rates, calibrated on one H200 (141 GB HBM3e) from
 // `statescan-bench --cp-measure`, KDA, B=1, T=131072, H=16, D=128, bf16,
-// chunk 64 (2026-12-02, fifteenth session: the register-resident scans
-// chunk_state_scan16_kernel and chunk_grad_scan16_kernel, the latter with its
-// tiles through a producer warp, b16): a middle rank's summary fwd (E+M)
-// 3.100 ms, the first rank's E alone 2.038 ms, summary bwd (pre-pass) 2.752 ms.
+// chunk 64 (2026-12-02, nineteenth session: the backward's pre-pass taken from
+// the forward's first-segment maps): a middle rank's summary fwd (E, then M's
+// scan with H) 5.042 ms, the first rank's E alone 2.032 ms, the last rank's
+// maps alone 3.021 ms, summary bwd (the H^T dO GEMM) 0.364 ms.
 // Rate = counted FLOPs of that layer / measured time:
-//   fwd:   2048 chunks x 16 heads x 12,582,912 FLOP = 412,316,860,416 FLOP
+//   fwd:   2048 chunks x 16 heads x 15,728,640 FLOP = 515,396,075,520 FLOP
 //   first: 2048 chunks x 16 heads x  6,291,456 FLOP = 206,158,430,208 FLOP
-//   bwd:   2048 chunks x 16 heads x  8,388,608 FLOP = 274,877,906,944 FLOP
-// The summary is a sequential scan over chunks (each chunk's composition waits
-// for the previous one), far from throughput-bound: 133.0, 101.2 and 99.9
-// TFLOP/s against 989 dense bf16 peak. E and M run side by side on halves of
-// the GPU, so E+M costs less than twice E alone: the first rank has its own
-// rate. The check against a second measurement (Gated DeltaNet: 3.076 /
-// 2.026 / 2.791 ms) is in tests/test_cp_model.cpp. (Before: the twelfth
-// session 2.988 / 1.882 / 2.962 ms (138.0, 109.5, 92.8 TFLOP/s); the eleventh
-// session 2.989 / 1.900 / 2.961 ms; 2026-12-01 3.135 / 1.916 / 3.897 ms,
-// 131.5, 107.6 and 70.5 TFLOP/s; 2026-11-30 with the wmma scans: 8.07 / 5.53
-// / 8.21 ms, 51.1, 37.3 and 33.5 TFLOP/s; fourth session: E+M one after the
-// other 11.49 ms, E 5.71, a prepare + scan pre-pass 23.53: 35.9 and 11.7
-// TFLOP/s; tests that replay runs of those days use their own figures.)
-inline constexpr double kSummaryFwdFlopsPerS = 412316860416.0 / 3.100e-3;    // 133.0 TFLOP/s
-inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 2.038e-3;  // 101.2 TFLOP/s
-inline constexpr double kSummaryBwdFlopsPerS = 274877906944.0 / 2.752e-3;    // 99.9 TFLOP/s
+//   maps:  2048 chunks x 16 heads x  9,437,184 FLOP = 309,237,645,312 FLOP
+//   bwd:   2048 chunks x 16 heads x  2,097,152 FLOP =  68,719,476,736 FLOP
+// The forward summaries are sequential scans over chunks (each chunk's
+// composition waits for the previous one), far from throughput-bound: 102.2,
+// 101.5 and 102.4 TFLOP/s against 989 dense bf16 peak (E and the maps one
+// after the other: side by side their time was bimodal, summary.cu). The
+// backward's GEMM reads 1.07 GB of H and dO (0.224 ms at 4.8 TB/s): 188.8
+// TFLOP/s. The additive rules' backward keeps the reverse-scan pre-pass,
+// at its rate of the fifteenth session (KDA's scan, 274,877,906,944 FLOP in
+// 2.752 ms: 99.9 TFLOP/s). The check against a second measurement (Gated
+// DeltaNet: 5.030 / 2.014 / 3.046 / 0.360 ms) is in tests/test_cp_model.cpp.
+// (Before: the fifteenth session, the pre-pass a reverse scan, 3.100 / 2.038
+// / 2.752 ms at 133.0, 101.2, 99.9 TFLOP/s; the twelfth 2.988 / 1.882 /
+// 2.962 ms; 2026-12-01 3.135 / 1.916 / 3.897 ms; 2026-11-30 with the wmma
+// scans: 8.07 / 5.53 / 8.21 ms; fourth session: E+M one after the other 11.49
+// ms, E 5.71, a prepare + scan pre-pass 23.53; tests that replay runs of
+// those days use their own figures.)
+inline constexpr double kSummaryFwdFlopsPerS = 515396075520.0 / 5.042e-3;    // 102.2 TFLOP/s
+inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 2.032e-3;  // 101.5 TFLOP/s
+inline constexpr double kSummaryMapsFlopsPerS = 309237645312.0 / 3.021e-3;   // 102.4 TFLOP/s
+inline constexpr double kSummaryBwdFlopsPerS = 68719476736.0 / 0.364e-3;     // 188.8 TFLOP/s
+inline constexpr double kPrepassScanFlopsPerS = 274877906944.0 / 2.752e-3;   // 99.9 TFLOP/s
 
 // The GPU the summary and merge run on. Defaults: one H200, 4.8 TB/s HBM3e;
 // the calibrated summary rates above; 5 us per kernel launch.
 struct CpGpuModel {
   double summary_fwd_flops_per_s = kSummaryFwdFlopsPerS;
   double summary_first_flops_per_s = kSummaryFirstFlopsPerS;  // the first rank's E alone
-  double summary_bwd_flops_per_s = kSummaryBwdFlopsPerS;
+  double summary_maps_flops_per_s = kSummaryMapsFlopsPerS;    // the last rank's maps alone
+  double summary_bwd_flops_per_s = kSummaryBwdFlopsPerS;      // delta rules: the H^T dO GEMM
+  double prepass_scan_flops_per_s = kPrepassScanFlopsPerS;    // additive rules' reverse scan
   double hbm_Bps = 4.8e12;
   double launch_s = 5e-6;
 };
@@ -111,11 +127,12 @@ struct CpReferenceTimes {
 CpReferenceTimes cp_h200_reference_128k(Variant variant);
 
 // Single-GPU times of one layer, ms. merge_ms is per direction (forward and
-// backward each merge once). summary_fwd_ms is a middle rank's (E and M),
-// summary_fwd_first_ms the first rank's (E alone), which is what P = 2 waits
-// for; < 0 means not known, and P = 2 then pays summary_fwd_ms (never a
-// silent zero). A first-rank time above the middle rank's is capped at it (E
-// is a part of the middle rank's work).
+// backward each merge once). summary_fwd_ms is a middle rank's (E and the
+// maps), summary_fwd_first_ms what P = 2 waits for: the slower of the first
+// rank's E alone and the last rank's maps alone (delta rules; they run at
+// the same time on the two ranks); < 0 means not known, and P = 2 then pays
+// summary_fwd_ms (never a silent zero). A P = 2 time above the middle rank's
+// is capped at it (both are parts of the middle rank's work).
 struct CpLocalTimes {
   double fwd_ms = 0, bwd_ms = 0;
   double summary_fwd_ms = 0, summary_fwd_first_ms = -1, summary_bwd_ms = 0;

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
@@ -24,6 +25,7 @@
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "tests/cuda_cp_test_util.h"
+#include "tests/expect_error.h"
 
 namespace statescan::test {
 namespace {
@@ -154,6 +156,158 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, CudaSummary,
                                             ::testing::Values(int64_t{64}, int64_t{128}),
                                             ::testing::Values(Layout::rows, Layout::packed)),
                          summary_name);
+
+// ---- the first segments' maps: the backward's pre-pass from the summary -----------
+//
+// cuda::FirstSegmentMaps from PreparedForward::summary, turned into dS0 by
+// cuda::first_segment_state_grad, against the fp64 reference's dh0 of the
+// first segment of every row: that is what the pre-pass's reverse scan
+// computes (DESIGN §5). Once with the user's dht at the segment's end (the P
+// term) and once without (H alone). Packed: the first segment is shorter
+// than the others and ends inside a chunk.
+
+using FirstMapsParam = std::tuple<Variant, DType, int64_t, Layout>;
+
+class CudaFirstSegmentMaps : public ::testing::TestWithParam<FirstMapsParam> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(CudaFirstSegmentMaps, GiveThePrePassStateGradient) {
+  const auto [variant, dtype, dim, layout] = GetParam();
+  const bool packed = layout == Layout::packed;
+  ProblemSpec s;
+  s.variant = variant;
+  s.heads = 3;
+  s.dk = s.dv = dim;
+  s.with_h0 = true;
+  s.l2norm_qk = variant == Variant::kda;
+  if (packed) {
+    s.seq_len = 230;
+    s.cu_seqlens = {0, 101, 150, 230};
+  } else {
+    s.batch = 2;
+    s.seq_len = 150;
+  }
+  const uint64_t seed = 900 + 1000 * static_cast<uint64_t>(variant) +
+                        100 * static_cast<uint64_t>(dtype) + static_cast<uint64_t>(dim) +
+                        (packed ? 7 : 0);
+  ref::Problem p = random_problem(s, seed);
+  round_problem(p, dtype);
+  std::mt19937_64 rng(seed + 1);
+  const std::vector<double> d_o = round_to_dtype(randn(p.v.size(), rng), dtype);
+  const int64_t N = p.num_sequences(), H = s.heads, state = dim * dim;
+  const std::vector<double> dht = round_f32(randn(static_cast<std::size_t>(N * H * state), rng));
+  const std::vector<double> no_dht(dht.size(), 0.0);
+
+  const DeviceTensor q(as_float(p.q), dtype, {}), k(as_float(p.k), dtype, {}),
+      v(as_float(p.v), dtype, {}), g(as_float(p.g), DType::f32, {}),
+      beta(as_float(p.beta), dtype, {}), h0(as_float(p.h0), DType::f32, {}),
+      dO(as_float(d_o), dtype, {}), d_ht(as_float(dht), DType::f32, {});
+  const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), dtype, {});
+  std::unique_ptr<DeviceBuffer<int64_t>> cu;
+  if (packed) cu = std::make_unique<DeviceBuffer<int64_t>>(p.cu_seqlens);
+  MixerParams dev;
+  dev.variant = variant;
+  dev.batch = p.batch;
+  dev.seq_len = p.seq_len;
+  dev.heads = H;
+  dev.dk = dev.dv = dim;
+  dev.chunk = 64;
+  dev.scale = static_cast<float>(p.scale);
+  dev.l2norm_qk = s.l2norm_qk;
+  dev.dtype = dtype;
+  dev.cu_seqlens = cu ? cu->data() : nullptr;
+  dev.num_segments = N;
+  dev.q = q.view().data;
+  dev.k = k.view().data;
+  dev.v = v.view().data;
+  dev.g = static_cast<const float*>(g.view().data);
+  dev.beta = beta.view().data;
+  dev.initial_state = static_cast<const float*>(h0.view().data);
+  dev.o = o.view().data;
+
+  const int64_t rows = packed ? 1 : p.batch;
+  DeviceBuffer<float> P(static_cast<std::size_t>(rows * H * state)),
+      M(static_cast<std::size_t>(rows * H * state)),
+      dS0(static_cast<std::size_t>(rows * H * state));
+  DeviceBuffer<unsigned char> Hmaps(p.q.size() * size_of(dtype));
+  P.fill_bytes(0xFF);
+  Hmaps.fill_bytes(0xFF);
+  {
+    cuda::PreparedForward prepared(dev, nullptr);
+    const cuda::FirstSegmentMaps first{P.data(), Hmaps.data()};
+    // M is the first segment's P where that is the row's only segment.
+    prepared.summary(M.data(), nullptr, nullptr, !packed, &first);
+  }
+  sync_or_fail();
+  if (!packed) EXPECT_TRUE(bitwise_equal(M.to_host(), P.to_host())) << "M = P";
+
+  for (const bool with_dht : {true, false}) {
+    SCOPED_TRACE(with_dht ? "with dht" : "without dht");
+    dS0.fill_bytes(0xFF);
+    std::vector<double> want;
+    const ref::Grads ref_grads = ref::backward(p, d_o, with_dht ? dht : no_dht);
+    for (int64_t r = 0; r < rows; ++r) {
+      // The first segment of row r: sequence r (rows) or 0 (packed).
+      const int64_t end = packed ? p.cu_seqlens[1] : p.seq_len;
+      const float* d_end =
+          with_dht ? static_cast<const float*>(d_ht.view().data) + r * H * state : nullptr;
+      cuda::first_segment_state_grad(dev, Hmaps.data(), dO.view().data, r, 0, end,
+                                     P.data() + r * H * state, d_end, dS0.data() + r * H * state,
+                                     nullptr);
+      want.insert(want.end(), ref_grads.dh0.begin() + r * H * state,
+                  ref_grads.dh0.begin() + (r + 1) * H * state);
+    }
+    sync_or_fail();
+    EXPECT_LE(rel_rms(dS0.to_host(), want), state_tol(dtype)) << "dS0";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DeltaRules, CudaFirstSegmentMaps,
+                         ::testing::Combine(::testing::Values(Variant::deltanet,
+                                                              Variant::gated_deltanet,
+                                                              Variant::kda),
+                                            ::testing::Values(DType::f32, DType::bf16),
+                                            ::testing::Values(int64_t{64}, int64_t{128}),
+                                            ::testing::Values(Layout::rows, Layout::packed)),
+                         summary_name);
+
+// Additive rules keep the pre-pass: the summary refuses to make their maps.
+TEST(CudaFirstSegmentMapsErrors, RefusesAdditiveRules) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  ProblemSpec s;
+  s.variant = Variant::gla;
+  s.seq_len = 70;
+  s.dk = s.dv = 64;
+  ref::Problem p = random_problem(s, 3);
+  const DeviceTensor q(as_float(p.q), DType::bf16, {}), k(as_float(p.k), DType::bf16, {}),
+      v(as_float(p.v), DType::bf16, {}), g(as_float(p.g), DType::f32, {});
+  const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), DType::bf16, {});
+  MixerParams dev;
+  dev.variant = s.variant;
+  dev.batch = 1;
+  dev.chunk = 64;
+  dev.seq_len = s.seq_len;
+  dev.heads = s.heads;
+  dev.dk = dev.dv = s.dk;
+  dev.scale = 0.125f;
+  dev.dtype = DType::bf16;
+  dev.num_segments = 1;
+  dev.q = q.view().data;
+  dev.k = k.view().data;
+  dev.v = v.view().data;
+  dev.g = static_cast<const float*>(g.view().data);
+  dev.o = o.view().data;
+  DeviceBuffer<float> M(s.heads * s.dk * s.dk), E(s.heads * s.dk * s.dv), P(M.size());
+  DeviceBuffer<unsigned char> Hmaps(p.q.size() * 2);
+  cuda::PreparedForward prepared(dev, nullptr);
+  const cuda::FirstSegmentMaps first{P.data(), Hmaps.data()};
+  expect_error([&] { prepared.summary(M.data(), E.data(), nullptr, true, &first); }, "first");
+  sync_or_fail();
+}
 
 // ---- affine-map kernels vs host math ---------------------------------------------
 

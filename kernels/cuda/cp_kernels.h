@@ -38,6 +38,26 @@ void set_summary_linear_part(LinearPart part);
 // PreparedBackward's adopting constructor takes a PreparedForward's
 // workspace through this (summary.cu; AdoptedForward in forward_plan.cuh).
 class PreparedForward;
+
+// What a CP rank that continues sequences from the previous rank keeps from
+// its forward so that its backward needs no pre-pass (DESIGN §5). For the
+// FIRST segment of every batch row (the whole row without cu_seqlens,
+// segment 0 with it), whose outputs are affine in the state S0 entering it:
+//   P  [rows, H, Dk, Dk] fp32: the product of its chunk maps (its final state
+//      is P S0 + what it adds itself);
+//   H  [B, L, H, Dk] in the input dtype, the layout of q: per token,
+//      H_t = d o_t / d S0, so that o_t = H_t S0 + (terms without S0).
+// Then the gradient reaching S0 from that segment's outputs and final state,
+// what the pre-pass's reverse scan computed, is one GEMM:
+//   dS0 = sum_t H_t^T dO_t + P^T dS_end        (first_segment_state_grad).
+// Both come from one scan of the identity with U = 0 (as M's, see
+// summary()) with the output stage on: its outputs are H, its final state P.
+// Tokens of H outside the first segments are left unwritten.
+struct FirstSegmentMaps {
+  float* P = nullptr;
+  void* H = nullptr;
+};
+
 namespace detail {
 struct AdoptedForward;
 AdoptedForward adopt(PreparedForward& forward);
@@ -61,7 +81,12 @@ class PreparedForward {
   // fp32 inputs, p.chunk_states), which finish() rewrites. With
   // with_linear_part = false only E is computed (M is not touched): CP ranks
   // whose M is never applied (the first and last of the scan) skip its scan.
-  void summary(float* M, float* E, cudaStream_t stream, bool with_linear_part = true);
+  // With `first` (delta rules only) the first segments' maps are computed as
+  // well, after E; M then is the P of that scan, which needs the
+  // first segment of every row to be its last (no cu_seqlens, or one
+  // segment) when with_linear_part. E may then be null (not computed).
+  void summary(float* M, float* E, cudaStream_t stream, bool with_linear_part = true,
+               const FirstSegmentMaps* first = nullptr);
 
   // Scan + output stages from p.initial_state: o, final_state, chunk_states.
   void finish(cudaStream_t stream);
@@ -125,6 +150,16 @@ void apply_affine_maps(const DeviceMaps& maps, const float* in, float* out, int6
 void compose_affine_maps(int64_t maps, int64_t dk, int64_t dv, bool diagonal, float* later_M,
                          float* later_E, const float* earlier_M, const float* earlier_E,
                          float* scratch, cudaStream_t stream);
+
+// The pre-pass's result for batch row `row` from a forward's
+// FirstSegmentMaps (`P` = maps.P + row * H * Dk * Dk, `H` = maps.H):
+//   dS0[h] = sum over local tokens t in [t_begin, t_end) of H_t[h]^T dO_t[h]
+//            + P[h]^T dS_end[h]   (the second term only where dS_end != null),
+// dS0 and dS_end [H, Dk, Dv] fp32, d_o [B, L, H, Dv] in p.dtype. cuBLAS, fp32
+// accumulation; the per-head GEMMs contract over the segment's tokens.
+void first_segment_state_grad(const MixerParams& p, const void* H, const void* d_o, int64_t row,
+                              int64_t t_begin, int64_t t_end, const float* P,
+                              const float* dS_end, float* dS0, cudaStream_t stream);
 
 // Mt[m] = M[m]^T for [maps, Dk, Dk]; Mt must not alias M.
 void transpose_maps(const float* M, float* Mt, int64_t maps, int64_t dk, cudaStream_t stream);

@@ -10,12 +10,19 @@
 // need Dk == Dv, so the Dk x Dk map fits the Dk x Dv state exactly). Reusing
 // the scan keeps M bit-consistent with how the forward carries states (bf16
 // operands rounded as the forward rounds them, fp32 accumulation).
+// The first segments' maps (FirstSegmentMaps, the CP backward's pre-pass):
+// the same identity scan over each row's first segment with the output stage
+// on, whose outputs are then H_t = d o_t / d S0 (o_t = Q^_t S + the intra
+// terms through V' = U - W S, with U = 0 and S = P_c) and whose final state is
+// P; it replaces M's scan where that segment is also the last.
 // M for additive rules: the diagonal prod alpha = exp(sum of g over the
 // segment), summed in fp64 as the CPU path does.
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -295,69 +302,117 @@ ForwardArgs last_segment_args(const MixerParams& p, const ForwardPlan& plan) {
   return a;
 }
 
-void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, float* E,
-                       bool with_linear_part, cudaStream_t stream) {
-  SS_CHECK_ARG(M != nullptr || !with_linear_part, "M", "summary output must not be null");
-  SS_CHECK_ARG(E != nullptr, "E", "summary output must not be null");
-  const int64_t rows = p.cu_seqlens != nullptr ? 1 : p.batch;
-  if (has_beta(p.variant) && linear_part_by_products_enabled()) {
-    // (M, E) together by the product tree, per row; no scan.
-    const int64_t state = p.heads * p.dk * p.dv;
-    for (int64_t r = 0; r < rows; ++r) {
-      int64_t first = r * plan.args.chunks_per_row, count = plan.args.chunks_per_row;
-      int64_t segment = r;
-      if (p.cu_seqlens != nullptr) {
-        segment = p.num_segments - 1;
-        first = 0;
-        for (int64_t n = 0; n < segment; ++n)
-          first += (plan.offsets[n + 1] - plan.offsets[n] + p.chunk - 1) / p.chunk;
-        count = plan.num_chunks - first;
-      }
-      const float* s0 = p.initial_state != nullptr ? p.initial_state + segment * state : nullptr;
-      summary_by_products(p, plan.args, first, count, s0,
-                          with_linear_part ? M + r * p.heads * p.dk * p.dk : nullptr, E + r * state,
-                          stream);
-    }
-    return;
-  }
-  ForwardArgs a = last_segment_args(p, plan);
-  a.final_state = E;
-  if (!with_linear_part || !has_beta(p.variant)) {
-    detail::launch_forward_stages(p, a, detail::kStageScan, stream);
-    if (!with_linear_part) return;
-  }
+// The scan + output arguments of the first segment of every batch row
+// (FirstSegmentMaps), started from `ident` with U = 0: its outputs are H,
+// its final state P. Packed: segment 0, where the tables start.
+ForwardArgs first_segment_args(const MixerParams& p, const ForwardPlan& plan,
+                               const FirstSegmentMaps& first, void* zero_u, const float* ident) {
+  ForwardArgs h = plan.args;
+  h.o = first.H;
+  h.final_state = first.P;
+  h.chunk_states = nullptr;
+  h.ws_u = zero_u;
+  h.initial_state = ident;
+  if (p.cu_seqlens != nullptr) h.num_segments = 1;
+  return h;
+}
 
-  if (has_beta(p.variant)) {
-    // Linear part: scan the identity with U = 0. E's scan and this one are
-    // independent sequential chains over the same tiles, each about one
-    // wave of 16-column blocks on its own: run them side by side (M on a
-    // side stream), each planned on half of the multiprocessors, so the
-    // block width follows (32 columns where 16-column blocks of both would
-    // not fit one wave) and the pair costs about one chain instead of two.
+void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, float* E,
+                       bool with_linear_part, const FirstSegmentMaps* first,
+                       cudaStream_t stream) {
+  const bool delta = has_beta(p.variant);
+  SS_CHECK_ARG(M != nullptr || !with_linear_part, "M", "summary output must not be null");
+  SS_CHECK_ARG(E != nullptr || first != nullptr, "E", "summary output must not be null");
+  if (first != nullptr) {
+    SS_CHECK_ARG(delta, "first",
+                 "the first segments' maps are for delta rules, got variant ",
+                 to_string(p.variant));
+    SS_CHECK_ARG(first->P != nullptr && first->H != nullptr, "first",
+                 "P and H must not be null");
+    SS_CHECK_ARG(!with_linear_part || p.cu_seqlens == nullptr || p.num_segments == 1, "M",
+                 "taken from the first segments' maps, needs one segment per row (got ",
+                 p.num_segments, " segments)");
+  }
+  const int64_t rows = p.cu_seqlens != nullptr ? 1 : p.batch;
+  const bool products = delta && linear_part_by_products_enabled();
+  // A delta rule's linear part is the scan of the identity with U = 0: M's
+  // (last segment, outputs off), or the first segments' maps (outputs on).
+  const bool m_scan = delta && with_linear_part && first == nullptr && !products;
+  void* zero_u = nullptr;
+  float* ident = nullptr;
+  if (m_scan || first != nullptr) {
     const size_t u_bytes =
         static_cast<size_t>(plan.num_chunks) * p.heads * p.chunk * p.dv * size_of(p.dtype);
     const size_t ident_floats = static_cast<size_t>(rows * p.heads * p.dk * p.dv);
-    void* zero_u = nullptr;
-    float* ident = nullptr;
     SS_CUDA_CHECK(cudaMallocAsync(&zero_u, u_bytes, stream));
     SS_CUDA_CHECK(
         cudaMallocAsync(reinterpret_cast<void**>(&ident), ident_floats * sizeof(float), stream));
     SS_CUDA_CHECK(cudaMemsetAsync(zero_u, 0, u_bytes, stream));
     fill_identity(ident, rows * p.heads, p.dk, p.dv, stream);
-    ForwardArgs m = last_segment_args(p, plan);
+  }
+  ForwardArgs a = last_segment_args(p, plan);
+  a.final_state = E;
+  std::optional<SideStream> side;
+  ForwardArgs m;  // the linear part's scan, when there is one
+  int m_stages = detail::kStageScan;
+  if (first != nullptr) {
+    m = first_segment_args(p, plan, *first, zero_u, ident);
+    m_stages |= detail::kStageOutput;
+  } else if (m_scan) {
+    m = last_segment_args(p, plan);
     m.ws_u = zero_u;
     m.initial_state = ident;
     m.final_state = M;
-    const int half = std::max(1, a.num_sms / 2);
-    a.num_sms = half;
-    m.num_sms = half;
-    SideStream side(stream);  // forks from `stream` here
+    // E's scan and M's are independent sequential chains over the same
+    // tiles, each about one wave of 16-column blocks on its own: run them
+    // side by side (M on a side stream), each planned on half of the
+    // multiprocessors, so the block width follows (32 columns where 16-column
+    // blocks of both would not fit one wave) and the pair costs about one
+    // chain instead of two.
+    if (E != nullptr) {
+      const int half = std::max(1, a.num_sms / 2);
+      a.num_sms = half;
+      m.num_sms = half;
+    }
+    side.emplace(stream);  // forks from `stream` here
+    detail::launch_forward_stages(p, m, m_stages, side->stream());
+  }
+  if (E != nullptr && products) {
+    // E (and M, unless it comes from the first segments' maps) by the
+    // product tree, per row; no scan.
+    const int64_t state = p.heads * p.dk * p.dv;
+    const bool tree_m = with_linear_part && first == nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t first_chunk = r * plan.args.chunks_per_row, count = plan.args.chunks_per_row;
+      int64_t segment = r;
+      if (p.cu_seqlens != nullptr) {
+        segment = p.num_segments - 1;
+        first_chunk = 0;
+        for (int64_t n = 0; n < segment; ++n)
+          first_chunk += (plan.offsets[n + 1] - plan.offsets[n] + p.chunk - 1) / p.chunk;
+        count = plan.num_chunks - first_chunk;
+      }
+      const float* s0 = p.initial_state != nullptr ? p.initial_state + segment * state : nullptr;
+      summary_by_products(p, plan.args, first_chunk, count, s0,
+                          tree_m ? M + r * p.heads * p.dk * p.dk : nullptr, E + r * state,
+                          stream);
+    }
+  } else if (E != nullptr) {
     detail::launch_forward_stages(p, a, detail::kStageScan, stream);
-    detail::launch_forward_stages(p, m, detail::kStageScan, side.stream());
-    side.join();  // `stream` waits for M's scan
-    SS_CUDA_CHECK(cudaFreeAsync(zero_u, stream));
-    SS_CUDA_CHECK(cudaFreeAsync(ident, stream));
-  } else {
+  }
+  // The first segments' maps run after E, each scan on the whole GPU: side
+  // by side on halves (as E and M above) the pair took 3.9 ms in one H200
+  // run and 6.8 ms in the next, KDA and Gated DeltaNet alike (the maps'
+  // scan carries the output stage; why the grids do not always overlap is
+  // open); one after the other it took 5.05 ms in both runs that measured
+  // it (PERF_NOTES, nineteenth session).
+  if (first != nullptr) detail::launch_forward_stages(p, m, m_stages, stream);
+  if (side) side->join();  // `stream` waits for the side scan
+  if (first != nullptr && with_linear_part && M != first->P)
+    SS_CUDA_CHECK(cudaMemcpyAsync(M, first->P,
+                                  static_cast<size_t>(rows * p.heads * p.dk * p.dk) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream));
+  if (!delta && with_linear_part) {
     int64_t begin = 0, end = p.seq_len;
     if (p.cu_seqlens != nullptr) {
       begin = plan.offsets[static_cast<size_t>(p.num_segments - 1)];
@@ -368,6 +423,8 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
                                                     p.dk, begin, end, M);
     SS_LAUNCH_CHECK("additive_decay_kernel");
   }
+  if (zero_u != nullptr) SS_CUDA_CHECK(cudaFreeAsync(zero_u, stream));
+  if (ident != nullptr) SS_CUDA_CHECK(cudaFreeAsync(ident, stream));
 }
 
 }  // namespace
@@ -412,13 +469,52 @@ PreparedForward::~PreparedForward() {
   if (impl_ && impl_->workspace != nullptr) (void)cudaFreeAsync(impl_->workspace, impl_->stream);
 }
 
-void PreparedForward::summary(float* M, float* E, cudaStream_t stream, bool with_linear_part) {
-  summary_from_plan(impl_->params, impl_->plan, M, E, with_linear_part, stream);
+void PreparedForward::summary(float* M, float* E, cudaStream_t stream, bool with_linear_part,
+                              const FirstSegmentMaps* first) {
+  summary_from_plan(impl_->params, impl_->plan, M, E, with_linear_part, first, stream);
 }
 
 void PreparedForward::finish(cudaStream_t stream) {
   detail::launch_forward_stages(impl_->params, impl_->plan.args,
                                 detail::kStageScan | detail::kStageOutput, stream);
+}
+
+void first_segment_state_grad(const MixerParams& p, const void* H, const void* d_o, int64_t row,
+                              int64_t t_begin, int64_t t_end, const float* P,
+                              const float* dS_end, float* dS0, cudaStream_t stream) {
+  SS_CHECK_ARG(H != nullptr && d_o != nullptr && dS0 != nullptr, "H",
+               "H, d_o and dS0 must not be null");
+  SS_CHECK_ARG(0 <= t_begin && t_begin < t_end && t_end <= p.seq_len, "t_begin",
+               "token range [", t_begin, ", ", t_end, ") outside the local length ", p.seq_len);
+  SS_CHECK_ARG(row >= 0 && row < p.batch, "row", row, " outside the batch of ", p.batch);
+  SS_CHECK_ARG(dS_end == nullptr || P != nullptr, "P", "must not be null with dS_end");
+  const int64_t Hh = p.heads, Dk = p.dk, Dv = p.dv;
+  const int64_t tokens = t_end - t_begin;
+  SS_CHECK_ARG(tokens <= INT32_MAX, "t_end", "more than 2^31 - 1 tokens in one segment");
+  cublasHandle_t handle = cublas_handle();
+  SS_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  const size_t elem = size_of(p.dtype);
+  const int64_t first_token = row * p.seq_len + t_begin;
+  const char* h_ptr = static_cast<const char*>(H) + first_token * Hh * Dk * elem;
+  const char* o_ptr = static_cast<const char*>(d_o) + first_token * Hh * Dv * elem;
+  const cudaDataType_t t = cuda_type(p.dtype);
+  const float one = 1.f, zero = 0.f;
+  // Column-major: dO of head h is a Dv x tokens matrix (ld H Dv), H's a
+  // Dk x tokens one (ld H Dk), and row-major dS0 [Dk, Dv] is its Dv x Dk
+  // transpose: dS0^T = dO H^T, one GEMM per head contracting over tokens.
+  SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(Dv), static_cast<int>(Dk),
+      static_cast<int>(tokens), &one, o_ptr, t, static_cast<int>(Hh * Dv), Dv, h_ptr, t,
+      static_cast<int>(Hh * Dk), Dk, &zero, dS0, CUDA_R_32F, static_cast<int>(Dv), Dk * Dv,
+      static_cast<int>(Hh), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  // + P^T dS_end:  (P^T dS_end)^T = dS_end^T P, with row-major P read as
+  // its column-major transpose.
+  if (dS_end != nullptr)
+    SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(Dv), static_cast<int>(Dk),
+        static_cast<int>(Dk), &one, dS_end, CUDA_R_32F, static_cast<int>(Dv), Dk * Dv, P,
+        CUDA_R_32F, static_cast<int>(Dk), Dk * Dk, &one, dS0, CUDA_R_32F, static_cast<int>(Dv),
+        Dk * Dv, static_cast<int>(Hh), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 namespace detail {
