@@ -75,33 +75,33 @@ double cp_summary_bytes(const CpLayer& layer, bool backward = false);
 // Effective summary rates, calibrated on one H200 (141 GB HBM3e) from
 // `statescan-bench --cp-measure`, KDA, B=1, T=131072, H=16, D=128, bf16,
 // chunk 64 (2026-12-02, nineteenth session: the backward's pre-pass taken from
-// the forward's first-segment maps): a middle rank's summary fwd (E, then M's
-// scan with H) 5.042 ms, the first rank's E alone 2.032 ms, the last rank's
-// maps alone 3.021 ms, summary bwd (the H^T dO GEMM) 0.364 ms.
+// the forward's first-segment maps): a middle rank's summary fwd (E beside M's
+// scan with H) 3.888 ms, the first rank's E alone 2.029 ms, the last rank's
+// maps alone 3.016 ms, summary bwd (the H^T dO GEMM) 0.362 ms.
 // Rate = counted FLOPs of that layer / measured time:
 //   fwd:   2048 chunks x 16 heads x 15,728,640 FLOP = 515,396,075,520 FLOP
 //   first: 2048 chunks x 16 heads x  6,291,456 FLOP = 206,158,430,208 FLOP
 //   maps:  2048 chunks x 16 heads x  9,437,184 FLOP = 309,237,645,312 FLOP
 //   bwd:   2048 chunks x 16 heads x  2,097,152 FLOP =  68,719,476,736 FLOP
 // The forward summaries are sequential scans over chunks (each chunk's
-// composition waits for the previous one), far from throughput-bound: 102.2,
-// 101.5 and 102.4 TFLOP/s against 989 dense bf16 peak (E and the maps one
-// after the other: side by side their time was bimodal, summary.cu). The
-// backward's GEMM reads 1.07 GB of H and dO (0.224 ms at 4.8 TB/s): 188.8
-// TFLOP/s. The additive rules' backward keeps the reverse-scan pre-pass,
+// composition waits for the previous one), far from throughput-bound: 132.6,
+// 101.6 and 102.5 TFLOP/s against 989 dense bf16 peak; E and the maps run
+// side by side on halves of the GPU (in clusters of two CTAs, summary.cu), so
+// together they cost less than the two alone. The backward's GEMM reads 1.07
+// GB of H and dO (0.224 ms at 4.8 TB/s): 189.8 TFLOP/s. The additive rules' backward keeps the reverse-scan pre-pass,
 // at its rate of the fifteenth session (KDA's scan, 274,877,906,944 FLOP in
 // 2.752 ms: 99.9 TFLOP/s). The check against a second measurement (Gated
-// DeltaNet: 5.030 / 2.014 / 3.046 / 0.360 ms) is in tests/test_cp_model.cpp.
+// DeltaNet: 3.886 / 2.036 / 3.007 / 0.360 ms) is in tests/test_cp_model.cpp.
 // (Before: the fifteenth session, the pre-pass a reverse scan, 3.100 / 2.038
 // / 2.752 ms at 133.0, 101.2, 99.9 TFLOP/s; the twelfth 2.988 / 1.882 /
 // 2.962 ms; 2026-12-01 3.135 / 1.916 / 3.897 ms; 2026-11-30 with the wmma
 // scans: 8.07 / 5.53 / 8.21 ms; fourth session: E+M one after the other 11.49
 // ms, E 5.71, a prepare + scan pre-pass 23.53; tests that replay runs of
 // those days use their own figures.)
-inline constexpr double kSummaryFwdFlopsPerS = 515396075520.0 / 5.042e-3;    // 102.2 TFLOP/s
-inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 2.032e-3;  // 101.5 TFLOP/s
-inline constexpr double kSummaryMapsFlopsPerS = 309237645312.0 / 3.021e-3;   // 102.4 TFLOP/s
-inline constexpr double kSummaryBwdFlopsPerS = 68719476736.0 / 0.364e-3;     // 188.8 TFLOP/s
+inline constexpr double kSummaryFwdFlopsPerS = 515396075520.0 / 3.888e-3;    // 132.6 TFLOP/s
+inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 2.029e-3;  // 101.6 TFLOP/s
+inline constexpr double kSummaryMapsFlopsPerS = 309237645312.0 / 3.016e-3;   // 102.5 TFLOP/s
+inline constexpr double kSummaryBwdFlopsPerS = 68719476736.0 / 0.362e-3;     // 189.8 TFLOP/s
 inline constexpr double kPrepassScanFlopsPerS = 274877906944.0 / 2.752e-3;   // 99.9 TFLOP/s
 
 // The GPU the summary and merge run on. Defaults: one H200, 4.8 TB/s HBM3e;

@@ -49,6 +49,24 @@ std::vector<float> as_float(const std::vector<double>& x) {
   return std::vector<float>(x.begin(), x.end());
 }
 
+// The sizes and options of `p` as MixerParams (chunk 64) in `dtype`; the
+// caller points it at tensors and cu_seqlens.
+MixerParams params_of(const ref::Problem& p, DType dtype) {
+  MixerParams m;
+  m.variant = p.variant;
+  m.batch = p.batch;
+  m.seq_len = p.seq_len;
+  m.heads = p.heads;
+  m.dk = p.dk;
+  m.dv = p.dv;
+  m.chunk = 64;
+  m.scale = static_cast<float>(p.scale);
+  m.l2norm_qk = p.l2norm_qk;
+  m.dtype = dtype;
+  m.num_segments = p.num_sequences();
+  return m;
+}
+
 // ---- cuda::mixer_summary vs cpu::mixer_summary -----------------------------------
 
 enum class Layout { rows, packed };
@@ -107,17 +125,8 @@ void CudaSummary::expect_summary_matches_cpu() {
   // Host fp32 copies of exactly what the GPU sees.
   const auto q = as_float(p.q), k = as_float(p.k), v = as_float(p.v), g = as_float(p.g),
              beta = as_float(p.beta), h0 = as_float(p.h0);
-  MixerParams host;
-  host.variant = variant;
-  host.batch = p.batch;
-  host.seq_len = p.seq_len;
-  host.heads = H;
-  host.dk = host.dv = dim;
-  host.chunk = 64;
-  host.scale = static_cast<float>(p.scale);
-  host.dtype = DType::f32;
+  MixerParams host = params_of(p, DType::f32);
   host.cu_seqlens = p.cu_seqlens.empty() ? nullptr : p.cu_seqlens.data();
-  host.num_segments = p.num_sequences();
   host.q = q.data();
   host.k = k.data();
   host.v = v.data();
@@ -209,18 +218,8 @@ TEST_P(CudaFirstSegmentMaps, GiveThePrePassStateGradient) {
   const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), dtype, {});
   std::unique_ptr<DeviceBuffer<int64_t>> cu;
   if (packed) cu = std::make_unique<DeviceBuffer<int64_t>>(p.cu_seqlens);
-  MixerParams dev;
-  dev.variant = variant;
-  dev.batch = p.batch;
-  dev.seq_len = p.seq_len;
-  dev.heads = H;
-  dev.dk = dev.dv = dim;
-  dev.chunk = 64;
-  dev.scale = static_cast<float>(p.scale);
-  dev.l2norm_qk = s.l2norm_qk;
-  dev.dtype = dtype;
+  MixerParams dev = params_of(p, dtype);
   dev.cu_seqlens = cu ? cu->data() : nullptr;
-  dev.num_segments = N;
   dev.q = q.view().data;
   dev.k = k.view().data;
   dev.v = v.view().data;
@@ -286,16 +285,7 @@ TEST(CudaFirstSegmentMapsErrors, RefusesAdditiveRules) {
   const DeviceTensor q(as_float(p.q), DType::bf16, {}), k(as_float(p.k), DType::bf16, {}),
       v(as_float(p.v), DType::bf16, {}), g(as_float(p.g), DType::f32, {});
   const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), DType::bf16, {});
-  MixerParams dev;
-  dev.variant = s.variant;
-  dev.batch = 1;
-  dev.chunk = 64;
-  dev.seq_len = s.seq_len;
-  dev.heads = s.heads;
-  dev.dk = dev.dv = s.dk;
-  dev.scale = 0.125f;
-  dev.dtype = DType::bf16;
-  dev.num_segments = 1;
+  MixerParams dev = params_of(p, DType::bf16);
   dev.q = q.view().data;
   dev.k = k.view().data;
   dev.v = v.view().data;

@@ -82,7 +82,7 @@ class PreparedForward {
   // with_linear_part = false only E is computed (M is not touched): CP ranks
   // whose M is never applied (the first and last of the scan) skip its scan.
   // With `first` (delta rules only) the first segments' maps are computed as
-  // well, after E; M then is the P of that scan, which needs the
+  // well, beside E; M then is the P of that scan, which needs the
   // first segment of every row to be its last (no cu_seqlens, or one
   // segment) when with_linear_part. E may then be null (not computed).
   void summary(float* M, float* E, cudaStream_t stream, bool with_linear_part = true,

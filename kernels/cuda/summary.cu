@@ -358,6 +358,21 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   if (first != nullptr) {
     m = first_segment_args(p, plan, *first, zero_u, ident);
     m_stages |= detail::kStageOutput;
+    if (E != nullptr && !products) {
+      // E beside the maps, as E beside M below, but in clusters of two CTAs
+      // (unless STATESCAN_SCAN_CLUSTER forces a size): with the automatic
+      // four, the two grids' clusters did not always find room in the GPCs
+      // together, and the pair took 3.9 ms in some runs and 6.8 ms in others
+      // (one after the other 5.1 ms); with two it took 3.89 ms in every run,
+      // single CTAs 4.0 (H200, KDA and Gated DeltaNet; PERF_NOTES, nineteenth
+      // session).
+      const int half = std::max(1, a.num_sms / 2);
+      a.num_sms = half;
+      m.num_sms = half;
+      if (a.scan_cluster == 0) a.scan_cluster = m.scan_cluster = 2;
+      side.emplace(stream);  // forks from `stream` here
+      detail::launch_forward_stages(p, m, m_stages, side->stream());
+    }
   } else if (m_scan) {
     m = last_segment_args(p, plan);
     m.ws_u = zero_u;
@@ -400,13 +415,8 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   } else if (E != nullptr) {
     detail::launch_forward_stages(p, a, detail::kStageScan, stream);
   }
-  // The first segments' maps run after E, each scan on the whole GPU: side
-  // by side on halves (as E and M above) the pair took 3.9 ms in one H200
-  // run and 6.8 ms in the next, KDA and Gated DeltaNet alike (the maps'
-  // scan carries the output stage; why the grids do not always overlap is
-  // open); one after the other it took 5.05 ms in both runs that measured
-  // it (PERF_NOTES, nineteenth session).
-  if (first != nullptr) detail::launch_forward_stages(p, m, m_stages, stream);
+  // Without E (the last rank) the maps have the whole GPU.
+  if (first != nullptr && !side) detail::launch_forward_stages(p, m, m_stages, stream);
   if (side) side->join();  // `stream` waits for the side scan
   if (first != nullptr && with_linear_part && M != first->P)
     SS_CUDA_CHECK(cudaMemcpyAsync(M, first->P,
