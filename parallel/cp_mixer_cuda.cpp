@@ -10,8 +10,9 @@
 // downstream gradient, its prepare stage (cuda::PreparedBackward) queued
 // before the wait. Delta rules form D with one GEMM per row from maps their
 // forward's summary kept (cuda::FirstSegmentMaps: a scan it ran anyway for
-// M, now with outputs); additive rules run the reverse scan
-// (state_grad_only) on the prepared tiles first.
+// M, now with outputs), on the exchange stream beside the prepare stage;
+// additive rules run the reverse scan (state_grad_only) on the prepared
+// tiles first.
 //
 // Control traffic (argument agreement, collective errors) is a few bytes of
 // host data; over NCCL it is staged through a small device buffer
@@ -638,15 +639,20 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
     // row (cuda::first_segment_state_grad: sum_t H_t^T dO_t + P^T dS_end,
     // with the user's dht as dS_end where that segment ends here), and then
     // prepare while they wait, as rank 0 does; additive rules run the
-    // reverse scan (state_grad_only) on the prepared tiles.
+    // reverse scan (state_grad_only) on the prepared tiles. The GEMMs (and
+    // M's transpose) go on the exchange stream, which needs them first, so
+    // that the prepare stage queued next on the compute stream runs beside
+    // them rather than after.
+    const cudaStream_t maps_stream = ds.first_maps ? ds.exchange : cs;
     if (ds.first_maps) {
+      SS_CUDA_CHECK(cudaStreamWaitEvent(ds.exchange, ev.e[1], 0));  // dfinal, back_E ready
       for (int64_t i = 0; i < nseg; ++i) {
         const LocalSegment& s = ds.segs[i];
         if (!s.from_prev) continue;
         const float* d_end = !s.to_next && dht != nullptr ? dfinal.get() + i * H * state : nullptr;
         cuda::first_segment_state_grad(sp, ds.first_H.get<void>(), a.d_o.data, s.row, s.begin,
                                        s.end, ds.first_P.get() + s.row * H * Dk * Dk, d_end,
-                                       back_E.get() + s.row * H * state, cs);
+                                       back_E.get() + s.row * H * state, maps_stream);
       }
     } else if (comm_.rank() != 0) {
       prepare();
@@ -660,10 +666,10 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
     }
     const float* m_for_back = ds.maps_M.get();
     if (!ds.diagonal) {
-      cuda::transpose_maps(ds.maps_M.get(), back_M.get(), rows * H, Dk, cs);
+      cuda::transpose_maps(ds.maps_M.get(), back_M.get(), rows * H, Dk, maps_stream);
       m_for_back = back_M.get();
     }
-    SS_CUDA_CHECK(cudaEventRecord(ev.e[2], cs));  // pre-pass done: maps ready
+    SS_CUDA_CHECK(cudaEventRecord(ev.e[2], maps_stream));  // pre-pass done: maps ready
     if (!prepared) prepare();
 
     // 2. reverse exchange: dS_out of this rank = dS_in of the next.
