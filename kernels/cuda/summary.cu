@@ -358,37 +358,31 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   if (first != nullptr) {
     m = first_segment_args(p, plan, *first, zero_u, ident);
     m_stages |= detail::kStageOutput;
-    if (E != nullptr && !products) {
-      // E beside the maps, as E beside M below, but in clusters of two CTAs
-      // (unless STATESCAN_SCAN_CLUSTER forces a size): with the automatic
-      // four, the two grids' clusters did not always find room in the GPCs
-      // together, and the pair took 3.9 ms in some runs and 6.8 ms in others
-      // (one after the other 5.1 ms); with two it took 3.89 ms in every run,
-      // single CTAs 4.0 (H200, KDA and Gated DeltaNet; PERF_NOTES, nineteenth
-      // session).
-      const int half = std::max(1, a.num_sms / 2);
-      a.num_sms = half;
-      m.num_sms = half;
-      if (a.scan_cluster == 0) a.scan_cluster = m.scan_cluster = 2;
-      side.emplace(stream);  // forks from `stream` here
-      detail::launch_forward_stages(p, m, m_stages, side->stream());
-    }
   } else if (m_scan) {
     m = last_segment_args(p, plan);
     m.ws_u = zero_u;
     m.initial_state = ident;
     m.final_state = M;
-    // E's scan and M's are independent sequential chains over the same
-    // tiles, each about one wave of 16-column blocks on its own: run them
-    // side by side (M on a side stream), each planned on half of the
-    // multiprocessors, so the block width follows (32 columns where 16-column
-    // blocks of both would not fit one wave) and the pair costs about one
-    // chain instead of two.
-    if (E != nullptr) {
-      const int half = std::max(1, a.num_sms / 2);
-      a.num_sms = half;
-      m.num_sms = half;
-    }
+  }
+  const bool linear_scan = first != nullptr || m_scan;
+  if (linear_scan && E != nullptr && !products) {
+    // E's scan and the linear part's are independent sequential chains over
+    // the same tiles, each about one wave of 16-column blocks on its own: run
+    // them side by side (the linear part on a side stream), each planned on
+    // half of the multiprocessors, so the block width follows (32 columns
+    // where 16-column blocks of both would not fit one wave) and the pair
+    // costs about one chain instead of two.
+    const int half = std::max(1, a.num_sms / 2);
+    a.num_sms = half;
+    m.num_sms = half;
+    // Beside the first segments' maps (which also write H) in clusters of two
+    // CTAs unless STATESCAN_SCAN_CLUSTER forces a size: with the automatic
+    // four, the two grids' clusters did not always find room in the GPCs
+    // together, and the pair took 3.9 ms in some runs and 6.8 ms in others
+    // (one after the other 5.1 ms); with two it took 3.89 ms in every run,
+    // single CTAs 4.0 (H200, KDA and Gated DeltaNet; PERF_NOTES, nineteenth
+    // session).
+    if (first != nullptr && a.scan_cluster == 0) a.scan_cluster = m.scan_cluster = 2;
     side.emplace(stream);  // forks from `stream` here
     detail::launch_forward_stages(p, m, m_stages, side->stream());
   }
@@ -415,8 +409,9 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   } else if (E != nullptr) {
     detail::launch_forward_stages(p, a, detail::kStageScan, stream);
   }
-  // Without E (the last rank) the maps have the whole GPU.
-  if (first != nullptr && !side) detail::launch_forward_stages(p, m, m_stages, stream);
+  // Without E beside it (the last rank, or E by products) the linear part's
+  // scan has the whole GPU.
+  if (linear_scan && !side) detail::launch_forward_stages(p, m, m_stages, stream);
   if (side) side->join();  // `stream` waits for the side scan
   if (first != nullptr && with_linear_part && M != first->P)
     SS_CUDA_CHECK(cudaMemcpyAsync(M, first->P,
