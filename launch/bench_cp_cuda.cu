@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -11,12 +12,14 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "launch/bench_cp_cuda.h"
+#include "parallel/cp_mixer.h"
 #include "parallel/cp_model.h"
 
 namespace statescan {
@@ -121,6 +124,21 @@ double median_ms(int warmup, int iters, cudaStream_t stream, F&& fn) {
   })[0];
 }
 
+// Median wall-clock ms over `iters` runs (after `warmup`) of fn(), which
+// returns once its work is complete: host work included.
+template <typename F>
+double median_wall_ms(int warmup, int iters, F&& fn) {
+  std::vector<double> ms;
+  for (int i = 0; i < warmup + iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    const auto t1 = std::chrono::steady_clock::now();
+    if (i >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 struct Measured {
   Variant variant;
   double fwd_ms = 0, bwd_ms = std::numeric_limits<double>::quiet_NaN();
@@ -143,11 +161,82 @@ struct Measured {
   double summary_other_ms = std::numeric_limits<double>::quiet_NaN();
   double summary_e_ms = 0;  // E only (no M), the default method
   std::string other_name;   // the linear-part method of summary_other_ms
+  // P = 1 (the issue's measured case): forward + backward through CpMixer on
+  // one rank against the plain mixer with the same saved state, both by wall
+  // clock (host work included: argument agreement, input checks, copies).
+  double cp1_step_ms = std::numeric_limits<double>::quiet_NaN();
+  double plain_step_ms = std::numeric_limits<double>::quiet_NaN();
+  double cp1_overhead() const { return (cp1_step_ms - plain_step_ms) / plain_step_ms; }
+  // CpMixer's own account of its last P = 1 step: wall time of forward and
+  // backward, and the GPU time of their local work (events).
+  CpStepStats cp1_fwd, cp1_bwd;
   std::string bwd_note;
   double overhead() const {
     return (summary_ms + prepass_ms + merge_fwd_ms + merge_bwd_ms) / (fwd_ms + bwd_ms);
   }
 };
+
+// P = 1, the issue's measured case: forward + backward through CpMixer on
+// one rank (SingleRankCommunicator: what a one-GPU user of the CP layer runs)
+// against the plain mixer (cuda::mixer_forward / mixer_backward) keeping the
+// same state for backward (fp32 chunk states, and T where the variant saves
+// it), both by wall clock. Returns CpMixer's ms; the plain one in plain_ms.
+// p, bp: the problem of measure() with its device buffers (its outputs and
+// gradients are overwritten).
+double measure_cp_single_rank(const CpMeasureOptions& o, Variant variant, const MixerParams& p,
+                              const MixerBwdParams& bp, cudaStream_t stream, double& plain_ms,
+                              CpStepStats& fwd_stats, CpStepStats& bwd_stats) {
+  const bool save_t = cuda::saved_t_supported(p);
+  DeviceBuffer<unsigned char> saved_t(save_t ? cuda::saved_t_bytes(p) : 1);
+  MixerParams pf = p;
+  pf.saved_t = save_t ? saved_t.data() : nullptr;
+  MixerBwdParams pb = bp;
+  pb.saved_t = pf.saved_t;
+  const size_t ws_bytes = cuda::forward_workspace_bytes(pf);
+  DeviceBuffer<unsigned char> ws(ws_bytes);
+  plain_ms = median_wall_ms(o.warmup, o.iters, [&] {
+    cuda::mixer_forward(pf, ws.data(), ws_bytes, stream);
+    cuda::mixer_backward(pb, stream);
+    SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  });
+
+  SingleRankCommunicator comm;
+  MixerConfig cfg;
+  cfg.variant = variant;
+  cfg.chunk = p.chunk;
+  cfg.l2norm_qk = p.l2norm_qk;  // the scale: Dk^-1/2 in both
+  cfg.save_t = save_t;
+  CpMixer mixer(comm, cfg, Exchange::automatic);
+  const Memory dev = Memory::device;
+  const Shape qk{1, p.seq_len, p.heads, p.dk}, bth{1, p.seq_len, p.heads};
+  const Shape states{1, p.heads, p.dk, p.dv};
+  const Shape gate = vector_gate(variant) ? qk : bth;
+  // TensorView holds mutable pointers; the inputs are only read.
+  const auto in = [](const void* x) { return const_cast<void*>(x); };
+  CpForwardArgs fa;
+  fa.q = TensorView(in(p.q), p.dtype, qk, dev);
+  fa.k = TensorView(in(p.k), p.dtype, qk, dev);
+  fa.v = TensorView(in(p.v), p.dtype, qk, dev);
+  if (p.g != nullptr) fa.g = TensorView(in(p.g), DType::f32, gate, dev);
+  if (p.beta != nullptr) fa.beta = TensorView(in(p.beta), p.dtype, bth, dev);
+  fa.o = TensorView(p.o, p.dtype, qk, dev);
+  fa.final_state = TensorView(p.final_state, DType::f32, states, dev);
+  CpBackwardArgs ba;
+  ba.d_o = TensorView(in(bp.d_o), p.dtype, qk, dev);
+  ba.dq = TensorView(bp.dq, p.dtype, qk, dev);
+  ba.dk = TensorView(bp.dk_out, p.dtype, qk, dev);
+  ba.dv = TensorView(bp.dv_out, p.dtype, qk, dev);
+  if (bp.dg != nullptr) ba.dg = TensorView(bp.dg, DType::f32, gate, dev);
+  if (bp.dbeta != nullptr) ba.dbeta = TensorView(bp.dbeta, p.dtype, bth, dev);
+  ba.d_initial_state = TensorView(bp.d_initial_state, DType::f32, states, dev);
+  const double ms = median_wall_ms(o.warmup, o.iters, [&] {
+    mixer.forward(fa);
+    mixer.backward(ba);
+  });
+  fwd_stats = mixer.last_forward_stats();
+  bwd_stats = mixer.last_backward_stats();
+  return ms;
+}
 
 Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream) {
   const int64_t T = o.seq_len, H = o.heads, D = o.dim;
@@ -300,6 +389,8 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
                                        nullptr, d_init.data(), stream);
       });
     }
+    m.cp1_step_ms =
+        measure_cp_single_rank(o, variant, p, bp, stream, m.plain_step_ms, m.cp1_fwd, m.cp1_bwd);
   } catch (const Error& err) {
     m.bwd_note = err.what();
     SS_CUDA_CHECK(cudaDeviceSynchronize());
@@ -398,6 +489,19 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
                     fmt("%.2f", 100 * other).c_str());
       out << line;
     }
+    if (std::isfinite(m.cp1_step_ms)) {
+      std::snprintf(line, sizeof line,
+                    "#   P = 1 (wall clock, host work included): forward + backward through "
+                    "CpMixer %.3f ms, the plain mixer %.3f ms -> overhead %s%%\n",
+                    m.cp1_step_ms, m.plain_step_ms, fmt("%.2f", 100 * m.cp1_overhead()).c_str());
+      out << line;
+      std::snprintf(line, sizeof line,
+                    "#     CpMixer's last step: forward %.3f ms wall (local GPU work %.3f), "
+                    "backward %.3f ms wall (local %.3f + prepare %.3f)\n",
+                    1e3 * m.cp1_fwd.total_s, 1e3 * m.cp1_fwd.local_s, 1e3 * m.cp1_bwd.total_s,
+                    1e3 * m.cp1_bwd.local_s, 1e3 * m.cp1_bwd.prepare_s);
+      out << line;
+    }
     rows.push_back(m);
   }
   out << "#\n";
@@ -450,6 +554,8 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
         << ", \"summary_ms\": " << num(m.summary_ms) << ", \"scan_output_ms\": " << num(m.finish_ms)
         << ", \"prepass_ms\": " << num(m.prepass_ms)
         << ", \"prepass_alone_ms\": " << num(m.prepass_alone_ms)
+        << ", \"cp1_step_ms\": " << num(m.cp1_step_ms)
+        << ", \"plain_step_ms\": " << num(m.plain_step_ms)
         << ", \"summary_scan_ms\": " << num(m.summary_scan_ms)
         << ", \"prepass_scan_ms\": " << num(m.prepass_scan_ms)
         << ", \"bwd_prepare_ms\": " << num(m.bwd_prepare_ms)

@@ -87,15 +87,21 @@ class CudaSummary : public ::testing::TestWithParam<SummaryParam> {
   void expect_summary_matches_cpu();
 };
 
-// Runs the summary comparison once per way of computing M.
+// Runs the summary comparison once per way of computing M, and the scans
+// once per kernel (per head where it applies: delta rules, bf16, D = 128).
 TEST_P(CudaSummary, MatchesCpuSummary) {
-  for (cuda::LinearPart part : {cuda::LinearPart::scan, cuda::LinearPart::products}) {
-    SCOPED_TRACE(part == cuda::LinearPart::scan ? "M by scan" : "M by products");
-    cuda::set_summary_linear_part(part);
-    expect_summary_matches_cpu();
-    cuda::set_summary_linear_part(cuda::LinearPart::scan);
-    if (!has_beta(std::get<0>(GetParam()))) break;  // additive M has one way only
+  for (cuda::SummaryScan scan : {cuda::SummaryScan::blocks, cuda::SummaryScan::per_head}) {
+    SCOPED_TRACE(scan == cuda::SummaryScan::per_head ? "per-head scans" : "column-block scans");
+    cuda::set_summary_scan(scan);
+    for (cuda::LinearPart part : {cuda::LinearPart::scan, cuda::LinearPart::products}) {
+      SCOPED_TRACE(part == cuda::LinearPart::scan ? "M by scan" : "M by products");
+      cuda::set_summary_linear_part(part);
+      expect_summary_matches_cpu();
+      cuda::set_summary_linear_part(cuda::LinearPart::scan);
+      if (!has_beta(std::get<0>(GetParam()))) break;  // additive M has one way only
+    }
   }
+  cuda::set_summary_scan(cuda::SummaryScan::automatic);
 }
 
 void CudaSummary::expect_summary_matches_cpu() {
@@ -645,6 +651,52 @@ TEST_F(CpGpuErrors, RefusesNanInGate) {
     bad = std::make_unique<DeviceTensor>(g, DType::f32, a.g.shape);
     a.g = bad->view();
   });
+}
+
+// A non-finite do is refused naming do before the backward writes anything
+// (dq untouched), as the forward refuses its inputs.
+TEST_F(CpGpuErrors, BackwardRefusesNanInOutputGradient) {
+  const int64_t T = p_.seq_len, H = p_.heads, D = p_.dk;
+  const Shape qk{1, T, H, D}, bth{1, T, H};
+  DeviceTensor q(as_float(p_.q), DType::bf16, qk), k(as_float(p_.k), DType::bf16, qk),
+      v(as_float(p_.v), DType::bf16, qk), beta(as_float(p_.beta), DType::bf16, bth),
+      g(as_float(p_.g), DType::f32, bth);
+  DeviceTensor o = DeviceTensor::poisoned(static_cast<std::size_t>(T * H * D), DType::bf16, qk);
+  CpForwardArgs a;
+  a.q = q.view();
+  a.k = k.view();
+  a.v = v.view();
+  a.g = g.view();
+  a.beta = beta.view();
+  a.o = o.view();
+  SingleRankCommunicator comm;
+  MixerConfig cfg;
+  cfg.variant = p_.variant;
+  CpMixer mixer(comm, cfg, Exchange::ring);
+  mixer.forward(a);
+  std::vector<float> d_o(static_cast<std::size_t>(T * H * D), 0.25f);
+  d_o[7] = std::numeric_limits<float>::infinity();
+  DeviceTensor dout(d_o, DType::bf16, qk);
+  const std::size_t n = static_cast<std::size_t>(T * H * D);
+  DeviceTensor dq = DeviceTensor::poisoned(n, DType::bf16, qk),
+               dk = DeviceTensor::poisoned(n, DType::bf16, qk),
+               dv = DeviceTensor::poisoned(n, DType::bf16, qk),
+               dg = DeviceTensor::poisoned(static_cast<std::size_t>(T * H), DType::f32, bth),
+               dbeta = DeviceTensor::poisoned(static_cast<std::size_t>(T * H), DType::bf16, bth);
+  CpBackwardArgs b;
+  b.d_o = dout.view();
+  b.dq = dq.view();
+  b.dk = dk.view();
+  b.dv = dv.view();
+  b.dg = dg.view();
+  b.dbeta = dbeta.view();
+  try {
+    mixer.backward(b);
+    ADD_FAILURE() << "no error for do";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "do") << e.what();
+  }
+  for (float x : dq.to_host()) ASSERT_TRUE(std::isnan(x)) << "dq written despite the error";
 }
 
 TEST_F(CpGpuErrors, RefusesHostTensorAmongDeviceTensors) {

@@ -93,6 +93,12 @@ struct ForwardArgs : MixerTensors {
   int scan_block_cols = 0;          // 16 or 32 to force the scan's Dv block; 0 = by occupancy
   bool prepare_fp32_tiles = false;  // 16-bit inputs through chunk_prepare_kernel (A/B knob)
   bool scan_wmma = false;           // 16-bit inputs through chunk_state_scan_kernel (A/B knob)
+  // A scan that keeps only the final state (no chunk states, V' or output:
+  // the CP summary's E and M) as one CTA per head and segment
+  // (chunk_scan_wgmma.cuh): delta rules, 16-bit, Dk = Dv = 128, chunk 64, a
+  // build for sm_90a. Never set by plan_forward; summary.cu sets it where
+  // per_head_scan_supported() says so.
+  bool scan_per_head = false;
   // CTAs per cluster of the 16-bit delta scans (cluster_copy.cuh): 0 = the
   // largest that keeps every CTA co-resident (scan_cluster_ctas), else 1, 2,
   // 4 or 8 (STATESCAN_SCAN_CLUSTER).
@@ -1046,6 +1052,7 @@ __global__ void __launch_bounds__(256) chunk_output_kernel(const __grid_constant
 #include "kernels/cuda/chunk_output_raw16.cuh"
 #include "kernels/cuda/chunk_prepare16.cuh"
 #include "kernels/cuda/chunk_scan16.cuh"
+#include "kernels/cuda/chunk_scan_wgmma.cuh"
 
 // After the scan and output kernels: it builds on their WarpStateTiles,
 // store_chunk_slab and store_causal_scores.
@@ -1180,6 +1187,26 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
       return;
     }
   }
+  if constexpr (kRule == Rule::delta && !std::is_same_v<Elem, float> && Dk == 128 && Dv == 128) {
+    if (a.scan_per_head && (stages & kStageScan)) {
+      SS_CHECK_ARG(!(stages & kStageOutput) && a.chunk_states == nullptr && a.ws_states == nullptr &&
+                       a.ws_vnew == nullptr,
+                   "scan_per_head", "the per-head scan keeps only the final state");
+      SS_CHECK_ARG(a.chunk == ScanWgmmaTraits::kChunk && !a.scan_wmma, "scan_per_head",
+                   "needs chunk ", ScanWgmmaTraits::kChunk, " (got ", a.chunk,
+                   ") and not the STATESCAN_SCAN A/B knob");
+      const dim3 grid(static_cast<unsigned>(a.heads), static_cast<unsigned>(a.num_segments));
+      if constexpr (kDecay == Decay::none)
+        launch_kernel(chunk_state_scan_wgmma_kernel<Elem, false>, grid, ScanWgmmaTraits::kThreads,
+                      ScanWgmmaTraits::kBytes, stream, "chunk_state_scan_wgmma_kernel", a);
+      else
+        launch_kernel(chunk_state_scan_wgmma_kernel<Elem, true>, grid, ScanWgmmaTraits::kThreads,
+                      ScanWgmmaTraits::kBytes, stream, "chunk_state_scan_wgmma_kernel", a);
+      return;
+    }
+  }
+  SS_CHECK_ARG(!(a.scan_per_head && (stages & kStageScan)), "scan_per_head",
+               "set for a variant, dtype or head dim without the per-head scan");
   const int scan_bv = a.scan_block_cols != 0                              ? a.scan_block_cols
                       : a.heads * a.num_segments * (Dv / 16) <= a.num_sms ? 16
                                                                           : 32;

@@ -35,6 +35,22 @@ enum class LinearPart { scan, products };
 LinearPart summary_linear_part();
 void set_summary_linear_part(LinearPart part);
 
+// How the summary runs its scans that keep only a final state (E, and M's
+// scan), where the per-head kernel applies (delta rules, 16-bit, Dk = Dv =
+// 128, chunk 64, sm_90a):
+//   blocks     the forward's column-block scan, the GPU shared in halves with
+//              the scan beside it;
+//   per_head   one CTA per head and segment holding the whole state, its
+//              products as warpgroup MMAs (chunk_scan_wgmma.cuh): a longer
+//              step (~2.6 us against ~1.0) on far fewer multiprocessors;
+//   automatic  per_head where the column blocks need more than one wave even
+//              at 32 columns (heads x segments x Dv / 32 > SMs), else blocks.
+// Elsewhere all mean `blocks`. Process-wide; the default comes from
+// STATESCAN_SUMMARY_SCAN=auto|per-head|blocks (unset: auto).
+enum class SummaryScan { automatic, per_head, blocks };
+SummaryScan summary_scan();
+void set_summary_scan(SummaryScan scan);
+
 // PreparedBackward's adopting constructor takes a PreparedForward's
 // workspace through this (summary.cu; AdoptedForward in forward_plan.cuh).
 class PreparedForward;

@@ -42,24 +42,11 @@ namespace lact_detail {
 
 using bf16 = __nv_bfloat16;
 
-// ---- scalar conversions -----------------------------------------------------
+// ---- scalar conversions and warp sums: device_math.cuh's ---------------------
 
-__device__ __forceinline__ float to_float(float x) {
-  return x;
-}
-__device__ __forceinline__ float to_float(bf16 x) {
-  return __bfloat162float(x);
-}
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ bf16 from_float<bf16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using detail::from_float;
+using detail::to_float;
+using detail::warp_sum;
 
 template <typename T>
 constexpr cudaDataType_t data_type();
@@ -388,11 +375,8 @@ struct SiluF {
   }
 };
 
-// Sum over the 32 lanes of a warp (every lane gets it).
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
+// Sum over the 32 lanes of a warp (every lane gets it): the fp64 overload
+// beside device_math.cuh's fp32 one (Newton-Schulz in double for f32 layers).
 __device__ __forceinline__ double warp_sum(double x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;

@@ -89,6 +89,57 @@ bool linear_part_by_products_enabled() {
   return linear_part_setting() == LinearPart::products;
 }
 
+SummaryScan& summary_scan_setting() {
+  static SummaryScan scan = [] {
+    switch (env_choice("STATESCAN_SUMMARY_SCAN", {"auto", "per-head", "blocks"})) {
+      case 1:
+        return SummaryScan::per_head;
+      case 2:
+        return SummaryScan::blocks;
+      default:
+        return SummaryScan::automatic;
+    }
+  }();
+  return scan;
+}
+
+// Whether the summary's final-state-only scans (E, and M's identity scan) run
+// as one CTA per head and segment (chunk_scan_wgmma.cuh): delta rules,
+// 16-bit, Dk = Dv = 128, chunk 64, a build with sm_90a code on a 9.0 device,
+// and summary_scan() asks for it. `automatic` takes it where the column
+// blocks would need more than one wave even at 32 columns
+// (heads x segments x Dv / 32 > SMs): a per-head step is ~2.6 us against
+// ~1.0 (16 columns, one wave) or ~1.45 us per wave (32 columns), so it loses
+// at H = 16 (E 5.1 ms against 2.0 at 128K tokens) and wins from H = 64
+// (1.30 against 1.49 ms at 32K; 0.63 against 1.49 at H = 128, 16K: H200,
+// 2026-12-03, PERF_NOTES).
+bool per_head_scan(const MixerParams& p, int64_t heads_segments, int num_sms) {
+  const SummaryScan want = summary_scan_setting();
+  if (want == SummaryScan::blocks) return false;
+#ifdef STATESCAN_CUDA_SM90A
+  static bool hopper[64] = {}, asked[64] = {};
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  SS_CHECK_ARG(device < 64, "device", "more than 64 devices");
+  if (!asked[device]) {
+    int major = 0, minor = 0;
+    SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    SS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    hopper[device] = major == 9 && minor == 0;
+    asked[device] = true;
+  }
+  const bool supported = hopper[device] && has_beta(p.variant) && p.dtype != DType::f32 &&
+                         p.dk == 128 && p.dv == 128 && p.chunk == 64;
+  if (!supported) return false;
+  return want == SummaryScan::per_head || heads_segments * (p.dv / 32) > num_sms;
+#else
+  (void)p;
+  (void)heads_segments;
+  (void)num_sms;
+  return false;
+#endif
+}
+
 // One cuBLAS handle per device, made on first use (cublasCreate is slow).
 cublasHandle_t cublas_handle() {
   static cublasHandle_t handles[64] = {};
@@ -364,6 +415,11 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
     m.initial_state = ident;
     m.final_state = M;
   }
+  // E and M (outputs off) as one CTA per head and segment where supported:
+  // a short chain on few multiprocessors, the rest left to the scan beside.
+  const bool per_head = per_head_scan(p, p.heads * a.num_segments, a.num_sms);
+  a.scan_per_head = per_head;
+  if (m_scan) m.scan_per_head = per_head;
   const bool linear_scan = first != nullptr || m_scan;
   if (linear_scan && E != nullptr && !products) {
     // E's scan and the linear part's are independent sequential chains over
@@ -372,9 +428,12 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
     // half of the multiprocessors, so the block width follows (32 columns
     // where 16-column blocks of both would not fit one wave) and the pair
     // costs about one chain instead of two.
+    // With E per head (H x segments CTAs) the maps' column blocks are
+    // planned on the multiprocessors it leaves.
+    const int e_ctas = static_cast<int>(p.heads * a.num_segments);
     const int half = std::max(1, a.num_sms / 2);
-    a.num_sms = half;
-    m.num_sms = half;
+    m.num_sms = per_head ? std::max(1, a.num_sms - e_ctas) : half;
+    a.num_sms = per_head ? e_ctas : half;
     // Beside the first segments' maps (which also write H) in clusters of two
     // CTAs unless STATESCAN_SCAN_CLUSTER forces a size: with the automatic
     // four, the two grids' clusters did not always find room in the GPCs
@@ -440,6 +499,14 @@ LinearPart summary_linear_part() {
 
 void set_summary_linear_part(LinearPart part) {
   linear_part_setting() = part;
+}
+
+SummaryScan summary_scan() {
+  return summary_scan_setting();
+}
+
+void set_summary_scan(SummaryScan scan) {
+  summary_scan_setting() = scan;
 }
 
 struct PreparedForward::Impl {

@@ -1,0 +1,202 @@
+// chunk_state_scan_wgmma_kernel: a delta rule's state scan that keeps only
+// the final state (the CP summary's E, and M's identity scan), one CTA per
+// head and segment holding the whole 128 x 128 fp32 state.
+//
+// Why: chunk_state_scan16_kernel splits a head's state into 16- or 32-column
+// blocks, one CTA each, so a summary scan at H = 16 fills the GPU (128 CTAs
+// of ~120 KB) for a sequential chain of ~1 us a chunk, and nothing else can
+// run beside it (PERF_NOTES, twentieth session). Here the two products of a
+// step are warpgroup MMAs from shared memory, which read each operand tile
+// once per warpgroup instead of once per 16 x 8 fragment, and every chunk's
+// tiles are loaded once per head instead of once per column block:
+//   V' = U - W S            (64 x 128: warpgroup wg forms columns 64 wg ..)
+//   S  = diag(e^{b_C}) S + K_^T V'   (warpgroup wg holds rows 64 wg ..)
+// The arithmetic is the other scans': S stays fp32 in the accumulators, the
+// products read a copy of S rounded to T, V' is rounded to T once.
+// Measured (H200): 2.6-2.7 us a step against the column blocks' ~1.0 (16
+// columns, one wave), because a step's two halves and their waits run in
+// series on one CTA; but on 4-8 times fewer multiprocessors, so it wins once
+// the column blocks need several waves: E at H = 64 (32K tokens) 1.30 ms
+// against 1.49, at H = 128 (16K) 0.63 against 1.49, and loses at H = 16
+// (128K) 5.1 against 2.0. summary.cu picks it by that rule (PERF_NOTES,
+// twentieth session).
+//   grid (H, N segments), 256 threads (two warpgroups), ScanWgmmaTraits::kBytes
+//   of shared memory: the S copy (S^T in the core-matrix layout of
+//   wgmma.cuh), V'^T, and three cp.async stages of K_, W (both in the core
+//   layout of the row-major [chunk][Dk] tile: W S reads it K-major, K_^T V'
+//   MN-major), U (row-major, padded) and the decay.
+// Included by chunk_forward.cuh after segment_chunks.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/warp_mma.cuh"
+#include "kernels/cuda/wgmma.cuh"
+
+namespace statescan::cuda::detail {
+
+struct ScanWgmmaTraits {
+  static constexpr int kDk = 128, kDv = 128, kChunk = 64;
+  static constexpr int kThreads = 256;
+  static constexpr int kStages = 3;
+  static constexpr int kLdU = kDv + 8;  // conflict-free 32-bit reads of U pairs
+  static constexpr size_t kSCopyBytes = 2 * kDk * kDv;
+  static constexpr size_t kVnBytes = 2 * kChunk * kDv;
+  static constexpr size_t kTileBytes = 2 * kChunk * kDk;  // K_ or W
+  static constexpr size_t kUBytes = 2 * kChunk * kLdU;
+  static constexpr size_t kStageBytes = 2 * kTileBytes + kUBytes + sizeof(float) * kDk;
+  static constexpr size_t kBytes = kSCopyBytes + kVnBytes + kStages * kStageBytes;
+  static_assert(kBytes <= 227 * 1024, "chunk_state_scan_wgmma_kernel exceeds shared memory");
+};
+
+template <typename T, bool kDecayed>
+__global__ void __launch_bounds__(ScanWgmmaTraits::kThreads, 1)
+    chunk_state_scan_wgmma_kernel(const __grid_constant__ ForwardArgs a) {
+  using Tr = ScanWgmmaTraits;
+  constexpr int D = Tr::kDk, C = Tr::kChunk, kLdU = Tr::kLdU;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  static_assert(kBf16 || std::is_same_v<T, __half>, "16-bit tiles only");
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  T* sS = reinterpret_cast<T*>(smem_bytes);                      // S^T [Dv][Dk], core layout
+  T* sV = reinterpret_cast<T*>(smem_bytes + Tr::kSCopyBytes);    // V'^T [Dv][C], core layout
+  unsigned char* stages = smem_bytes + Tr::kSCopyBytes + Tr::kVnBytes;
+  auto stage_k = [&](int st) { return reinterpret_cast<T*>(stages + st * Tr::kStageBytes); };
+  auto stage_w = [&](int st) { return stage_k(st) + C * D; };
+  auto stage_u = [&](int st) { return stage_k(st) + 2 * C * D; };
+  auto stage_decay = [&](int st) {
+    return reinterpret_cast<float*>(stages + st * Tr::kStageBytes + 2 * Tr::kTileBytes +
+                                    Tr::kUBytes);
+  };
+
+  const int64_t h = blockIdx.x, n = blockIdx.y, H = a.heads;
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int g = lane / 4, i2 = 2 * (lane % 4);
+  // stmatrix: lane gives stored row lane % 8 of matrix lane / 8.
+  const int mat = lane / 8, mrow = lane % 8;
+  int64_t first_chunk, num_chunks;
+  segment_chunks(a, n, first_chunk, num_chunks);
+  const int chunks = static_cast<int>(num_chunks);
+  const int64_t first_tile = first_chunk * H + h;
+  const T* ws_k = static_cast<const T*>(a.ws_k) + first_tile * C * D;
+  const T* ws_w = static_cast<const T*>(a.ws_w) + first_tile * C * D;
+  const T* ws_u = static_cast<const T*>(a.ws_u) + first_tile * C * D;
+  const float* ws_decay = kDecayed ? a.ws_decay + first_tile * D : nullptr;
+
+  // Chunk cl into stage st: 16-byte pieces, piece p of tile row r to (r, 8 p)
+  // of the core layout (U row-major). One group per chunk from every thread
+  // (empty past the end), so the wait counts below hold for all.
+  auto prefetch = [&](int cl, int st) {
+    if (cl < chunks) {
+      const int64_t step = int64_t{cl} * H * C * D;
+#pragma unroll
+      for (int it = 0; it < C * 16 / Tr::kThreads; ++it) {
+        const int i = tid + it * Tr::kThreads, r = i / 16, p = i % 16;
+        cp_async16(stage_k(st) + core_offset(r, 8 * p, D), ws_k + step + r * D + 8 * p);
+        cp_async16(stage_w(st) + core_offset(r, 8 * p, D), ws_w + step + r * D + 8 * p);
+        cp_async16(stage_u(st) + r * kLdU + 8 * p, ws_u + step + r * D + 8 * p);
+      }
+      if constexpr (kDecayed)
+        if (tid < D / 4) cp_async16(stage_decay(st) + 4 * tid, ws_decay + int64_t{cl} * H * D + 4 * tid);
+    }
+    cp_async_commit();
+  };
+
+  // This thread's part of S: rows row0 and row0 + 8, columns 8 j + i2 (+1),
+  // j = 0..15 (the m64n128 accumulator layout of warpgroup wg).
+  const int row0 = 64 * wg + 16 * warp + g;
+  const int64_t state_base = (n * H + h) * D * D;
+  float S[64];
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      S[4 * j + e] = a.initial_state != nullptr
+                         ? a.initial_state[state_base + (row0 + 8 * (e / 2)) * D + 8 * j + i2 + e % 2]
+                         : 0.f;
+  // The rounded copy S^T: stmatrix matrix m holds column block j + m / 2,
+  // rows 8 (m % 2) .. of the warp's 16.
+  auto store_copy = [&] {
+#pragma unroll
+    for (int j = 0; j < 16; j += 2) {
+      const int jm = j + mat / 2, hm = mat % 2;
+      stmatrix_x4_trans(sS + core_offset(8 * jm + mrow, 64 * wg + 16 * warp + 8 * hm, D),
+                        pack2<T>(S[4 * j], S[4 * j + 1]), pack2<T>(S[4 * j + 2], S[4 * j + 3]),
+                        pack2<T>(S[4 * j + 4], S[4 * j + 5]), pack2<T>(S[4 * j + 6], S[4 * j + 7]));
+    }
+  };
+
+  for (int st = 0; st < Tr::kStages; ++st) prefetch(st, st);
+  store_copy();
+  cp_async_wait<Tr::kStages - 1>();
+  fence_proxy_async_shared();
+  __syncthreads();
+  for (int cl = 0, st = 0; cl < chunks; ++cl, st = st + 1 == Tr::kStages ? 0 : st + 1) {
+    // V' columns [64 wg, 64 wg + 64) = U - W S: K = Dk in 8 steps of 16.
+    float v[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_m64n64k16<kBf16, false>(
+          v, wgmma_desc(stage_w(st) + core_offset(0, 16 * kk, D), 128, D / 8 * 128),
+          wgmma_desc(sS + core_offset(64 * wg, 16 * kk, D), 128, D / 8 * 128));
+    wgmma_commit();
+    wgmma_wait_all();
+    // V' rounded to T once, stored transposed (the next product's B operand).
+    const T* u = stage_u(st);
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      uint32_t r[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int jj = j + m / 2, e = 2 * (m % 2);
+        const int row = 16 * warp + g + 4 * e, col = 64 * wg + 8 * jj + i2;
+        const float2 uu = unpack2<T>(*reinterpret_cast<const uint32_t*>(u + row * kLdU + col));
+        r[m] = pack2<T>(uu.x - v[4 * jj + e], uu.y - v[4 * jj + e + 1]);
+      }
+      const int jm = j + mat / 2, hm = mat % 2;
+      stmatrix_x4_trans(sV + core_offset(64 * wg + 8 * jm + mrow, 16 * warp + 8 * hm, C), r[0],
+                        r[1], r[2], r[3]);
+    }
+    fence_proxy_async_shared();
+    __syncthreads();  // V' complete; every read of the S copy done
+    if constexpr (kDecayed) {
+      const float d0 = stage_decay(st)[row0], d1 = stage_decay(st)[row0 + 8];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        S[4 * j] *= d0;
+        S[4 * j + 1] *= d0;
+        S[4 * j + 2] *= d1;
+        S[4 * j + 3] *= d1;
+      }
+    }
+    // S += K_^T V': A = K_^T is the K_ tile read MN-major (M = key dims
+    // 64 wg .., K = the chunk's rows), K = C in 4 steps of 16.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C / 16; ++kk)
+      wgmma_m64n128k16<kBf16, true>(
+          S, wgmma_desc(stage_k(st) + core_offset(16 * kk, 64 * wg, D), D / 8 * 128, 128),
+          wgmma_desc(sV + core_offset(0, 16 * kk, C), 128, C / 8 * 128));
+    wgmma_commit();
+    wgmma_wait_all();
+    store_copy();
+    cp_async_wait<Tr::kStages - 2>();  // chunk cl + 1 landed (this thread's part)
+    fence_proxy_async_shared();
+    __syncthreads();  // S copy complete; chunk cl + 1 visible; stage st free
+    prefetch(cl + Tr::kStages, st);
+  }
+  cp_async_wait<0>();
+  if (a.final_state != nullptr) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        a.final_state[state_base + (row0 + 8 * (e / 2)) * D + 8 * j + i2 + e % 2] = S[4 * j + e];
+  }
+}
+
+}  // namespace statescan::cuda::detail

@@ -1,0 +1,127 @@
+// Hopper warpgroup MMA (wgmma) from shared memory, and the pieces around it:
+// matrix descriptors for the no-swizzle core-matrix layout, the fences, and
+// stmatrix (transposed) for writing an accumulator back as the next
+// product's operand. sm_90a only: the host picks these kernels only in a
+// build for 90a (STATESCAN_CUDA_SM90A) on a device of compute capability 9.0,
+// and anything else traps rather than computing garbage.
+//
+// Layout (no swizzle): a tile of R rows (the M or N index) by K columns, K
+// contiguous in 16-byte core-matrix rows of 8 elements, a core matrix being 8
+// such rows (128 bytes):
+//   element (r, k) at ((r / 8) * (K / 8) + k / 8) * 64 + (r % 8) * 8 + k % 8.
+// As wgmma's K-major operand (rows = M or N) its descriptor has LBO = 128
+// bytes (the next core matrix along K) and SBO = K / 8 * 128 bytes (the next
+// 8 rows). The same bytes also serve as an MN-major operand (the trans flag)
+// when the tile's rows are the product's K index and its columns M: then the
+// core matrices adjacent along K are K_cols / 8 * 128 bytes apart (LBO) and
+// those along M 128 bytes (SBO). chunk_scan_wgmma.cuh reads a row-major
+// [chunk][Dk] tile both ways.
+#pragma once
+
+#include <cstdint>
+
+namespace statescan::cuda::detail {
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SS_WGMMA_UNAVAILABLE 1
+#endif
+
+// Offset (in elements) of (r, k) in a core-matrix tile of `k_cols` columns.
+__host__ __device__ constexpr int core_offset(int r, int k, int k_cols) {
+  return ((r >> 3) * (k_cols >> 3) + (k >> 3)) * 64 + (r & 7) * 8 + (k & 7);
+}
+
+// A shared-memory matrix descriptor (no swizzle, base offset 0).
+__device__ __forceinline__ uint64_t wgmma_desc(const void* smem, uint32_t lbo_bytes,
+                                               uint32_t sbo_bytes) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(sbo_bytes >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifndef SS_WGMMA_UNAVAILABLE
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifndef SS_WGMMA_UNAVAILABLE
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+#ifndef SS_WGMMA_UNAVAILABLE
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// Generic-proxy shared-memory writes (st.shared, stmatrix, cp.async) made
+// visible to the async proxy that wgmma reads through; then a barrier.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Four 8 x 8 16-bit matrices stored transposed: lane l gives the address of
+// stored row l % 8 of matrix l / 8 (16 bytes), matrix m's fragment in r[m].
+__device__ __forceinline__ void stmatrix_x4_trans(const void* row, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+#define SS_WG_F8(i)                                                                        \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+
+// d (64 x 64, fp32, the m64nNk16 accumulator layout) += A B, both 16-bit
+// from shared memory, A K-major (kTransA: MN-major), B K-major.
+// 16-bit type: bf16 (kBf16) or fp16.
+template <bool kBf16, bool kTransA>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b) {
+#ifdef SS_WGMMA_UNAVAILABLE
+  __trap();
+#else
+#define SS_WG64(TY, TA)                                                                          \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                           \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "   \
+               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "    \
+               "%32, %33, 1, 1, 1, " TA ", 0;\n"                                                 \
+               : SS_WG_F8(0), SS_WG_F8(8), SS_WG_F8(16), SS_WG_F8(24)                             \
+               : "l"(a), "l"(b))
+  if constexpr (kBf16 && kTransA) SS_WG64("bf16", "1");
+  else if constexpr (kBf16) SS_WG64("bf16", "0");
+  else if constexpr (kTransA) SS_WG64("f16", "1");
+  else SS_WG64("f16", "0");
+#undef SS_WG64
+#endif
+}
+
+// d (64 x 128) += A B, as wgmma_m64n64k16.
+template <bool kBf16, bool kTransA>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uint64_t b) {
+#ifdef SS_WGMMA_UNAVAILABLE
+  __trap();
+#else
+#define SS_WG128(TY, TA)                                                                         \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY                          \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "   \
+               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "     \
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "      \
+               "%63}, %64, %65, 1, 1, 1, " TA ", 0;\n"                                            \
+               : SS_WG_F8(0), SS_WG_F8(8), SS_WG_F8(16), SS_WG_F8(24), SS_WG_F8(32),             \
+                 SS_WG_F8(40), SS_WG_F8(48), SS_WG_F8(56)                                        \
+               : "l"(a), "l"(b))
+  if constexpr (kBf16 && kTransA) SS_WG128("bf16", "1");
+  else if constexpr (kBf16) SS_WG128("bf16", "0");
+  else if constexpr (kTransA) SS_WG128("f16", "1");
+  else SS_WG128("f16", "0");
+#undef SS_WG128
+#endif
+}
+
+#undef SS_WG_F8
+
+}  // namespace statescan::cuda::detail
