@@ -97,7 +97,7 @@ struct ForwardArgs : MixerTensors {
   // the CP summary's E and M) as one CTA per head and segment
   // (chunk_scan_wgmma.cuh): delta rules, 16-bit, Dk = Dv = 128, chunk 64, a
   // build for sm_90a. Never set by plan_forward; summary.cu sets it where
-  // per_head_scan_supported() says so.
+  // per_head_scan() says so.
   bool scan_per_head = false;
   // CTAs per cluster of the 16-bit delta scans (cluster_copy.cuh): 0 = the
   // largest that keeps every CTA co-resident (scan_cluster_ctas), else 1, 2,
@@ -1196,12 +1196,9 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
                    "needs chunk ", ScanWgmmaTraits::kChunk, " (got ", a.chunk,
                    ") and not the STATESCAN_SCAN A/B knob");
       const dim3 grid(static_cast<unsigned>(a.heads), static_cast<unsigned>(a.num_segments));
-      if constexpr (kDecay == Decay::none)
-        launch_kernel(chunk_state_scan_wgmma_kernel<Elem, false>, grid, ScanWgmmaTraits::kThreads,
-                      ScanWgmmaTraits::kBytes, stream, "chunk_state_scan_wgmma_kernel", a);
-      else
-        launch_kernel(chunk_state_scan_wgmma_kernel<Elem, true>, grid, ScanWgmmaTraits::kThreads,
-                      ScanWgmmaTraits::kBytes, stream, "chunk_state_scan_wgmma_kernel", a);
+      launch_kernel(chunk_state_scan_wgmma_kernel<Elem, kDecay != Decay::none>, grid,
+                    ScanWgmmaTraits::kThreads, ScanWgmmaTraits::kBytes, stream,
+                    "chunk_state_scan_wgmma_kernel", a);
       return;
     }
   }

@@ -117,19 +117,13 @@ bool per_head_scan(const MixerParams& p, int64_t heads_segments, int num_sms) {
   const SummaryScan want = summary_scan_setting();
   if (want == SummaryScan::blocks) return false;
 #ifdef STATESCAN_CUDA_SM90A
-  static bool hopper[64] = {}, asked[64] = {};
-  int device = 0;
+  // Two attribute queries once per summary: cheap enough not to cache.
+  int device = 0, major = 0, minor = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));
-  SS_CHECK_ARG(device < 64, "device", "more than 64 devices");
-  if (!asked[device]) {
-    int major = 0, minor = 0;
-    SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    SS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    hopper[device] = major == 9 && minor == 0;
-    asked[device] = true;
-  }
-  const bool supported = hopper[device] && has_beta(p.variant) && p.dtype != DType::f32 &&
-                         p.dk == 128 && p.dv == 128 && p.chunk == 64;
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  const bool supported = major == 9 && minor == 0 && has_beta(p.variant) &&
+                         p.dtype != DType::f32 && p.dk == 128 && p.dv == 128 && p.chunk == 64;
   if (!supported) return false;
   return want == SummaryScan::per_head || heads_segments * (p.dv / 32) > num_sms;
 #else
