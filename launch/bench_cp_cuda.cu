@@ -124,21 +124,6 @@ double median_ms(int warmup, int iters, cudaStream_t stream, F&& fn) {
   })[0];
 }
 
-// Median wall-clock ms over `iters` runs (after `warmup`) of fn(), which
-// returns once its work is complete: host work included.
-template <typename F>
-double median_wall_ms(int warmup, int iters, F&& fn) {
-  std::vector<double> ms;
-  for (int i = 0; i < warmup + iters; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    const auto t1 = std::chrono::steady_clock::now();
-    if (i >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 struct Measured {
   Variant variant;
   double fwd_ms = 0, bwd_ms = std::numeric_limits<double>::quiet_NaN();
@@ -166,7 +151,12 @@ struct Measured {
   // clock (host work included: argument agreement, input checks, copies).
   double cp1_step_ms = std::numeric_limits<double>::quiet_NaN();
   double plain_step_ms = std::numeric_limits<double>::quiet_NaN();
+  double cp1_unchecked_ms = std::numeric_limits<double>::quiet_NaN();  // check_finite off
+  double plain_fwd_gpu_ms = 0, plain_bwd_gpu_ms = 0;                  // by events
   double cp1_overhead() const { return (cp1_step_ms - plain_step_ms) / plain_step_ms; }
+  double cp1_unchecked_overhead() const {
+    return (cp1_unchecked_ms - plain_step_ms) / plain_step_ms;
+  }
   // CpMixer's own account of its last P = 1 step: wall time of forward and
   // backward, and the GPU time of their local work (events).
   CpStepStats cp1_fwd, cp1_bwd;
@@ -180,12 +170,14 @@ struct Measured {
 // one rank (SingleRankCommunicator: what a one-GPU user of the CP layer runs)
 // against the plain mixer (cuda::mixer_forward / mixer_backward) keeping the
 // same state for backward (fp32 chunk states, and T where the variant saves
-// it), both by wall clock. Returns CpMixer's ms; the plain one in plain_ms.
-// p, bp: the problem of measure() with its device buffers (its outputs and
-// gradients are overwritten).
-double measure_cp_single_rank(const CpMeasureOptions& o, Variant variant, const MixerParams& p,
-                              const MixerBwdParams& bp, cudaStream_t stream, double& plain_ms,
-                              CpStepStats& fwd_stats, CpStepStats& bwd_stats) {
+// it), both by wall clock. A second CpMixer with MixerConfig::check_finite off
+// splits the NaN/Inf scan's share from the rest. The three steps take turns
+// within every iteration, so that clock and power drift reach all of them
+// alike, and the plain passes' GPU time is taken by events as well (against
+// the mixer's own local_s). p, bp: the problem of measure() with its device
+// buffers (its outputs and gradients are overwritten).
+void measure_cp_single_rank(const CpMeasureOptions& o, Variant variant, const MixerParams& p,
+                            const MixerBwdParams& bp, cudaStream_t stream, Measured& m) {
   const bool save_t = cuda::saved_t_supported(p);
   DeviceBuffer<unsigned char> saved_t(save_t ? cuda::saved_t_bytes(p) : 1);
   MixerParams pf = p;
@@ -194,11 +186,6 @@ double measure_cp_single_rank(const CpMeasureOptions& o, Variant variant, const 
   pb.saved_t = pf.saved_t;
   const size_t ws_bytes = cuda::forward_workspace_bytes(pf);
   DeviceBuffer<unsigned char> ws(ws_bytes);
-  plain_ms = median_wall_ms(o.warmup, o.iters, [&] {
-    cuda::mixer_forward(pf, ws.data(), ws_bytes, stream);
-    cuda::mixer_backward(pb, stream);
-    SS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  });
 
   SingleRankCommunicator comm;
   MixerConfig cfg;
@@ -207,6 +194,9 @@ double measure_cp_single_rank(const CpMeasureOptions& o, Variant variant, const 
   cfg.l2norm_qk = p.l2norm_qk;  // the scale: Dk^-1/2 in both
   cfg.save_t = save_t;
   CpMixer mixer(comm, cfg, Exchange::automatic);
+  MixerConfig unchecked_cfg = cfg;
+  unchecked_cfg.check_finite = false;
+  CpMixer unchecked(comm, unchecked_cfg, Exchange::automatic);
   const Memory dev = Memory::device;
   const Shape qk{1, p.seq_len, p.heads, p.dk}, bth{1, p.seq_len, p.heads};
   const Shape states{1, p.heads, p.dk, p.dv};
@@ -229,13 +219,55 @@ double measure_cp_single_rank(const CpMeasureOptions& o, Variant variant, const 
   if (bp.dg != nullptr) ba.dg = TensorView(bp.dg, DType::f32, gate, dev);
   if (bp.dbeta != nullptr) ba.dbeta = TensorView(bp.dbeta, p.dtype, bth, dev);
   ba.d_initial_state = TensorView(bp.d_initial_state, DType::f32, states, dev);
-  const double ms = median_wall_ms(o.warmup, o.iters, [&] {
-    mixer.forward(fa);
-    mixer.backward(ba);
-  });
-  fwd_stats = mixer.last_forward_stats();
-  bwd_stats = mixer.last_backward_stats();
-  return ms;
+
+  cudaEvent_t marks[3];
+  for (auto& e : marks) SS_CUDA_CHECK(cudaEventCreate(&e));
+  std::vector<double> plain, cp, cp_unchecked, plain_fwd, plain_bwd;
+  const auto wall = [](auto&& fn) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+        .count();
+  };
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    const double t_plain = wall([&] {
+      SS_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+      cuda::mixer_forward(pf, ws.data(), ws_bytes, stream);
+      SS_CUDA_CHECK(cudaEventRecord(marks[1], stream));
+      cuda::mixer_backward(pb, stream);
+      SS_CUDA_CHECK(cudaEventRecord(marks[2], stream));
+      SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    });
+    const double t_cp = wall([&] {
+      mixer.forward(fa);
+      mixer.backward(ba);
+    });
+    const double t_unchecked = wall([&] {
+      unchecked.forward(fa);
+      unchecked.backward(ba);
+    });
+    if (i < o.warmup) continue;
+    float f = 0.f, b = 0.f;
+    SS_CUDA_CHECK(cudaEventElapsedTime(&f, marks[0], marks[1]));
+    SS_CUDA_CHECK(cudaEventElapsedTime(&b, marks[1], marks[2]));
+    plain.push_back(t_plain);
+    cp.push_back(t_cp);
+    cp_unchecked.push_back(t_unchecked);
+    plain_fwd.push_back(f);
+    plain_bwd.push_back(b);
+  }
+  for (auto& e : marks) SS_CUDA_CHECK(cudaEventDestroy(e));
+  const auto median = [](std::vector<double>& x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  m.plain_step_ms = median(plain);
+  m.cp1_step_ms = median(cp);
+  m.cp1_unchecked_ms = median(cp_unchecked);
+  m.plain_fwd_gpu_ms = median(plain_fwd);
+  m.plain_bwd_gpu_ms = median(plain_bwd);
+  m.cp1_fwd = mixer.last_forward_stats();
+  m.cp1_bwd = mixer.last_backward_stats();
 }
 
 Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream) {
@@ -389,8 +421,7 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
                                        nullptr, d_init.data(), stream);
       });
     }
-    m.cp1_step_ms =
-        measure_cp_single_rank(o, variant, p, bp, stream, m.plain_step_ms, m.cp1_fwd, m.cp1_bwd);
+    measure_cp_single_rank(o, variant, p, bp, stream, m);
   } catch (const Error& err) {
     m.bwd_note = err.what();
     SS_CUDA_CHECK(cudaDeviceSynchronize());
@@ -491,15 +522,19 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
     }
     if (std::isfinite(m.cp1_step_ms)) {
       std::snprintf(line, sizeof line,
-                    "#   P = 1 (wall clock, host work included): forward + backward through "
-                    "CpMixer %.3f ms, the plain mixer %.3f ms -> overhead %s%%\n",
-                    m.cp1_step_ms, m.plain_step_ms, fmt("%.2f", 100 * m.cp1_overhead()).c_str());
+                    "#   P = 1 (wall clock, host work included, the three taking turns): forward + "
+                    "backward through CpMixer %.3f ms, the plain mixer %.3f ms -> overhead %s%%; "
+                    "without the NaN/Inf scan (check_finite off) %.3f ms -> %s%%\n",
+                    m.cp1_step_ms, m.plain_step_ms, fmt("%.2f", 100 * m.cp1_overhead()).c_str(),
+                    m.cp1_unchecked_ms, fmt("%.2f", 100 * m.cp1_unchecked_overhead()).c_str());
       out << line;
       std::snprintf(line, sizeof line,
-                    "#     CpMixer's last step: forward %.3f ms wall (local GPU work %.3f), "
-                    "backward %.3f ms wall (local %.3f + prepare %.3f)\n",
-                    1e3 * m.cp1_fwd.total_s, 1e3 * m.cp1_fwd.local_s, 1e3 * m.cp1_bwd.total_s,
-                    1e3 * m.cp1_bwd.local_s, 1e3 * m.cp1_bwd.prepare_s);
+                    "#     GPU time by events: plain forward %.3f, backward %.3f ms; CpMixer's last "
+                    "step: forward %.3f ms wall (local %.3f), backward %.3f ms wall (local %.3f "
+                    "+ prepare %.3f)\n",
+                    m.plain_fwd_gpu_ms, m.plain_bwd_gpu_ms, 1e3 * m.cp1_fwd.total_s,
+                    1e3 * m.cp1_fwd.local_s, 1e3 * m.cp1_bwd.total_s, 1e3 * m.cp1_bwd.local_s,
+                    1e3 * m.cp1_bwd.prepare_s);
       out << line;
     }
     rows.push_back(m);
@@ -556,6 +591,9 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
         << ", \"prepass_alone_ms\": " << num(m.prepass_alone_ms)
         << ", \"cp1_step_ms\": " << num(m.cp1_step_ms)
         << ", \"plain_step_ms\": " << num(m.plain_step_ms)
+        << ", \"cp1_unchecked_ms\": " << num(m.cp1_unchecked_ms)
+        << ", \"plain_fwd_gpu_ms\": " << num(m.plain_fwd_gpu_ms)
+        << ", \"plain_bwd_gpu_ms\": " << num(m.plain_bwd_gpu_ms)
         << ", \"summary_scan_ms\": " << num(m.summary_scan_ms)
         << ", \"prepass_scan_ms\": " << num(m.prepass_scan_ms)
         << ", \"bwd_prepare_ms\": " << num(m.bwd_prepare_ms)

@@ -162,6 +162,8 @@ const std::vector<OptionSpec>& option_specs() {
        [](RunOptions& o, const std::string&, const std::string&) { o.keep_prepared = true; }},
       {"--no-save-t", false, false,
        [](RunOptions& o, const std::string&, const std::string&) { o.save_t = false; }},
+      {"--no-check-finite", false, false,
+       [](RunOptions& o, const std::string&, const std::string&) { o.check_finite = false; }},
       {"--scale", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
          o.scale = parse_positive_double(f, v);
@@ -248,6 +250,7 @@ void check_variant_flags(const RunOptions& o, int argc, const char* const* argv)
       {"--recompute-states", "LaCT recomputes its per-chunk fast weights always"},
       {"--keep-prepared", "LaCT has no prepare stage"},
       {"--no-save-t", "LaCT has no T"},
+      {"--no-check-finite", "LaCT always checks its inputs"},
   };
   for (const auto& [flag, why] : refused)
     SS_CHECK_ARG(find_flag(argc, argv, flag) == nullptr, flag, "does not apply to --variant lact (",
@@ -334,6 +337,9 @@ Problem
                      f16) saves no T = (I + diag(beta) KK)^-1 for backward, whose
                      prepare re-run then solves it again (4*chunk bytes per token and
                      head less memory between the passes; default: saved)
+  --no-check-finite  skip the NaN/Inf scan of the inputs and of do (one read of
+                     them per pass; MixerConfig::check_finite); non-finite values
+                     then reach the outputs instead of an error
   --seed N           seed of the synthetic inputs                                 [0]
 
 LaCT (--variant lact; q, k, v share D = --dk; --dv may only repeat it)
@@ -346,7 +352,7 @@ LaCT (--variant lact; q, k, v share D = --dk; --dv may only repeat it)
   --no-renorm        keep the updated rows' norms (default: rescale every row to its
                      initial norm)
   --chunk, --exchange, --shards, --scale, --l2norm, --recompute-states,
-  --keep-prepared and --no-save-t are refused with --variant lact.
+  --keep-prepared, --no-save-t and --no-check-finite are refused with --variant lact.
 
 Parallelism and device
   --exchange NAME    allgather | ring | tree | auto (cost model)                  [auto]

@@ -45,6 +45,7 @@ struct RunOptions {
   bool recompute_states = false;  // --recompute-states: backward recomputes chunk states
   bool keep_prepared = false;     // --keep-prepared: forward's prepared tiles kept for backward
   bool save_t = true;             // --no-save-t: forward saves no T (MixerConfig::save_t)
+  bool check_finite = true;       // --no-check-finite: inputs not scanned for NaN/Inf
   double scale = -1.0;            // < 0: Dk^-1/2
   std::vector<int64_t> shards;    // empty: even contiguous split
   // Prometheus exporter of each rank on metrics_port + node-local rank (< 0:

@@ -216,6 +216,7 @@ int Job::run(int argc, char** argv) {
   SS_CHECK_ARG(options_.save_t || device_ == DeviceKind::cuda, "--no-save-t",
                "applies to --device cuda only (the CPU path saves no T)");
   config_.save_t = options_.save_t;
+  config_.check_finite = options_.check_finite;
   metrics_ = start_metrics(comm_, mpi != nullptr ? mpi->local_rank() : 0, options_);
   if (metrics_ && root()) {
     std::fprintf(stderr,

@@ -24,9 +24,9 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-void check_input(const TensorView& t, const Shape& shape, const char* name) {
+void check_input(const TensorView& t, const Shape& shape, bool values, const char* name) {
   check_tensor(t, shape, DType::f32, Memory::host, name);
-  check_finite(t.as<const float>(), t.numel(), name);
+  if (values) check_finite(t.as<const float>(), t.numel(), name);
 }
 
 void check_output(const TensorView& t, const Shape& shape, const char* name) {
@@ -120,19 +120,20 @@ void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfi
     for (int64_t n = 0; n <= g.sequences; ++n) cu_sum += cu[n] * (n + 1);
     cu_last = cu[g.sequences];
   }
-  const int64_t kFields = 11;
+  const int64_t kFields = 12;
   const int64_t mine[kFields] = {g.batch,     g.heads,
                                  g.dk,        g.dv,
                                  g.sequences, static_cast<int64_t>(cfg.variant),
                                  cfg.chunk,   a.initial_state.defined() ? 1 : 0,
                                  cu_sum,      on_device ? 1 : 0,
+                                 cfg.check_finite ? 1 : 0,
                                  g.local_len};
   std::vector<int64_t> all(static_cast<std::size_t>(kFields * comm.size()));
   comm.all_gather(mine, all.data(), kFields, CommType::i64);
   collective_check(comm, [&] {
     static const char* kNames[] = {"batch",      "heads",   "dk",    "dv",
                                    "cu_seqlens", "variant", "chunk", "initial_state",
-                                   "cu_seqlens", "memory"};
+                                   "cu_seqlens", "memory",  "check_finite"};
     for (int r = 0; r < comm.size(); ++r)
       for (int64_t f = 0; f + 1 < kFields; ++f)
         SS_CHECK_ARG(all[r * kFields + f] == mine[f], kNames[f], "rank ", r, " has ",
@@ -278,7 +279,9 @@ void CpMixer::forward(const CpForwardArgs& a) {
   fwd_stats_ = CpStepStats{};
   auto saved = std::make_unique<Saved>();
   Geometry& g = saved->geo;
-  collective_check(comm_, [&] { g = cp_detail::check_forward_local(a, config_, TensorRules{}); });
+  TensorRules rules;
+  rules.check_values = config_.check_finite;
+  collective_check(comm_, [&] { g = cp_detail::check_forward_local(a, config_, rules); });
   cp_detail::agree_geometry(comm_, a, config_, /*on_device=*/false, g);
 
   const int P = comm_.size();
@@ -418,8 +421,9 @@ void CpMixer::backward(const CpBackwardArgs& a) {
   const Shape qk{g.batch, g.local_len, H, Dk}, vo{g.batch, g.local_len, H, Dv};
   const Shape bth{g.batch, g.local_len, H}, states{g.sequences, H, Dk, Dv};
   collective_check(comm_, [&] {
-    check_input(a.d_o, vo, "do");
-    if (a.d_final_state.defined()) check_input(a.d_final_state, states, "d_final_state");
+    check_input(a.d_o, vo, config_.check_finite, "do");
+    if (a.d_final_state.defined())
+      check_input(a.d_final_state, states, config_.check_finite, "d_final_state");
     check_output(a.dq, qk, "dq");
     check_output(a.dk, qk, "dk");
     check_output(a.dv, vo, "dv");

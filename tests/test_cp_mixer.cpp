@@ -2,6 +2,7 @@
 // and its argument checking. Multi-rank invariance is test_cp_mixer_mpi.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -160,6 +161,48 @@ TEST_F(BadInputFixture, NanInGateNamesGate) {
 TEST_F(BadInputFixture, InfInValueNamesValue) {
   v[3] = INFINITY;
   expect_error("v");
+}
+
+// MixerConfig::check_finite = false: the same NaN is not looked for; it
+// reaches the output instead of an error (the switch does switch), and so
+// does a NaN in do reach the gradients.
+TEST_F(BadInputFixture, UncheckedNanFlowsIntoTheOutputs) {
+  MixerConfig cfg;
+  cfg.variant = Variant::kda;
+  cfg.check_finite = false;
+  v[3] = std::nanf("");
+  CpMixer mixer(comm, cfg, Exchange::ring);
+  ASSERT_NO_THROW(mixer.forward(args));
+  EXPECT_TRUE(std::any_of(o.begin(), o.end(), [](float x) { return std::isnan(x); }));
+  v[3] = 0.5f;
+  mixer.forward(args);
+  for (float x : o) ASSERT_TRUE(std::isfinite(x));
+  const Shape qk{1, 20, 2, 8}, bth{1, 20, 2};
+  std::vector<float> d_o(o.size(), 0.25f), dq(q.size(), 12345.f), dk(k.size()), dv(v.size()),
+      dg(g.size()), dbeta(beta.size());
+  d_o[5] = std::nanf("");
+  CpBackwardArgs b;
+  b.d_o = TensorView(d_o.data(), DType::f32, qk);
+  b.dq = TensorView(dq.data(), DType::f32, qk);
+  b.dk = TensorView(dk.data(), DType::f32, qk);
+  b.dv = TensorView(dv.data(), DType::f32, qk);
+  b.dg = TensorView(dg.data(), DType::f32, qk);
+  b.dbeta = TensorView(dbeta.data(), DType::f32, bth);
+  ASSERT_NO_THROW(mixer.backward(b));
+  EXPECT_TRUE(std::any_of(dq.begin(), dq.end(), [](float x) { return std::isnan(x); }));
+  // The default checks do: the same call is refused, naming it.
+  MixerConfig checked = cfg;
+  checked.check_finite = true;
+  CpMixer strict(comm, checked, Exchange::ring);
+  strict.forward(args);
+  std::fill(dq.begin(), dq.end(), 12345.f);
+  try {
+    strict.backward(b);
+    ADD_FAILURE() << "no error for do";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "do") << e.what();
+  }
+  for (float x : dq) ASSERT_EQ(x, 12345.f) << "dq written despite the error";
 }
 
 TEST_F(BadInputFixture, WrongDtypeNamesArgument) {

@@ -309,6 +309,7 @@ struct CpErrors : ::testing::Test {
     MixerConfig cfg;
     cfg.variant = p.variant;
     if (argument == "chunk" && r == culprit) cfg.chunk = 32;
+    if (argument == "check_finite" && r == culprit) cfg.check_finite = false;
     CpMixer mixer(comm, cfg, Exchange::ring);
     const int64_t L = bounds[r + 1] - bounds[r];
     auto q = slice_tokens(p.q, 1, p.seq_len, bounds[r], bounds[r + 1], 16);
@@ -342,6 +343,13 @@ TEST_F(CpErrors, NanGateOnLastRankFailsEveryRank) {
 TEST_F(CpErrors, ChunkDisagreeingAcrossRanksFailsEveryRank) {
   if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
   expect_everywhere("chunk", 1, 0);
+}
+
+// One rank skipping the NaN/Inf scan while the others run it would let a
+// NaN on that rank through unnoticed: refused like any other disagreement.
+TEST_F(CpErrors, CheckFiniteDisagreeingAcrossRanksFailsEveryRank) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  expect_everywhere("check_finite", 1, 0);
 }
 
 TEST_F(CpErrors, CuSeqlensDisagreeingWithShardsFailsEveryRank) {
