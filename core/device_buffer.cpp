@@ -34,15 +34,3 @@ void fill_device_bytes(void* dst, unsigned char value, std::size_t bytes) {
 
 }  // namespace statescan::detail
 
-namespace statescan {
-
-void retain_device_pool_memory() {
-  int device = 0;
-  SS_CUDA_CHECK(cudaGetDevice(&device));
-  cudaMemPool_t pool = nullptr;
-  SS_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
-  uint64_t keep = UINT64_MAX;
-  SS_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-}
-
-}  // namespace statescan

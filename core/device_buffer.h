@@ -22,14 +22,6 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes);
 void fill_device_bytes(void* dst, unsigned char value, std::size_t bytes);
 }  // namespace detail
 
-// Keeps memory freed into the current device's default stream-ordered pool
-// (cudaMallocAsync) in the pool instead of handing it back to the driver at
-// every synchronisation (the pool's default release threshold is 0). Paths
-// that take GBs of per-step scratch from the pool (the GPU CpMixer, LaCT)
-// would otherwise map it again every step. Process-wide for the device, as
-// caching allocators are; idempotent.
-void retain_device_pool_memory();
-
 template <typename T>
 class DeviceBuffer {
  public:

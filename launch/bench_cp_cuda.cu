@@ -152,6 +152,7 @@ struct Measured {
   double cp1_step_ms = std::numeric_limits<double>::quiet_NaN();
   double plain_step_ms = std::numeric_limits<double>::quiet_NaN();
   double cp1_unchecked_ms = std::numeric_limits<double>::quiet_NaN();  // check_finite off
+  double cp1_min_ms = 0, cp1_max_ms = 0;                              // CpMixer's spread
   double plain_fwd_gpu_ms = 0, plain_bwd_gpu_ms = 0;                  // by events
   double cp1_overhead() const { return (cp1_step_ms - plain_step_ms) / plain_step_ms; }
   double cp1_unchecked_overhead() const {
@@ -263,6 +264,8 @@ void measure_cp_single_rank(const CpMeasureOptions& o, Variant variant, const Mi
   };
   m.plain_step_ms = median(plain);
   m.cp1_step_ms = median(cp);
+  m.cp1_min_ms = cp.front();  // the spread shows steps that vary (PERF_NOTES,
+  m.cp1_max_ms = cp.back();   // twenty-second session: workspace placement)
   m.cp1_unchecked_ms = median(cp_unchecked);
   m.plain_fwd_gpu_ms = median(plain_fwd);
   m.plain_bwd_gpu_ms = median(plain_bwd);
@@ -448,9 +451,6 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
   cudaDeviceProp prop{};
   int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));
-  // Workspaces stay in the stream-ordered pool between iterations (as the
-  // GPU CpMixer arranges), so the medians time kernels, not page mapping.
-  retain_device_pool_memory();
   SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
 
   char line[1024];
@@ -523,9 +523,10 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
     if (std::isfinite(m.cp1_step_ms)) {
       std::snprintf(line, sizeof line,
                     "#   P = 1 (wall clock, host work included, the three taking turns): forward + "
-                    "backward through CpMixer %.3f ms, the plain mixer %.3f ms -> overhead %s%%; "
-                    "without the NaN/Inf scan (check_finite off) %.3f ms -> %s%%\n",
-                    m.cp1_step_ms, m.plain_step_ms, fmt("%.2f", 100 * m.cp1_overhead()).c_str(),
+                    "backward through CpMixer %.3f ms (%.3f-%.3f), the plain mixer %.3f ms -> "
+                    "overhead %s%%; without the NaN/Inf scan (check_finite off) %.3f ms -> %s%%\n",
+                    m.cp1_step_ms, m.cp1_min_ms, m.cp1_max_ms, m.plain_step_ms,
+                    fmt("%.2f", 100 * m.cp1_overhead()).c_str(),
                     m.cp1_unchecked_ms, fmt("%.2f", 100 * m.cp1_unchecked_overhead()).c_str());
       out << line;
       std::snprintf(line, sizeof line,
@@ -592,6 +593,7 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
         << ", \"cp1_step_ms\": " << num(m.cp1_step_ms)
         << ", \"plain_step_ms\": " << num(m.plain_step_ms)
         << ", \"cp1_unchecked_ms\": " << num(m.cp1_unchecked_ms)
+        << ", \"cp1_min_ms\": " << num(m.cp1_min_ms) << ", \"cp1_max_ms\": " << num(m.cp1_max_ms)
         << ", \"plain_fwd_gpu_ms\": " << num(m.plain_fwd_gpu_ms)
         << ", \"plain_bwd_gpu_ms\": " << num(m.plain_bwd_gpu_ms)
         << ", \"summary_scan_ms\": " << num(m.summary_scan_ms)

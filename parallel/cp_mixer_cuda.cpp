@@ -29,7 +29,7 @@
 
 #include "comm/collective_check.h"
 #include "core/cuda_check.h"
-#include "core/device_buffer.h"
+#include "core/device_pool.h"
 #include "core/error.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
@@ -51,12 +51,13 @@ using cp_detail::TensorRules;
 
 namespace {
 
-// Device memory from the stream-ordered pool, released on the same stream.
+// Device memory from statescan's pool (core/device_pool.h), released on the
+// same stream.
 class StreamBuffer {
  public:
   StreamBuffer() = default;
   StreamBuffer(std::size_t bytes, cudaStream_t stream) : stream_(stream), bytes_(bytes) {
-    if (bytes > 0) SS_CUDA_CHECK(cudaMallocAsync(&data_, bytes, stream));
+    data_ = pool_alloc(bytes, stream);
   }
   ~StreamBuffer() { release(); }
   StreamBuffer(StreamBuffer&& o) noexcept { *this = std::move(o); }
@@ -77,7 +78,7 @@ class StreamBuffer {
 
  private:
   void release() {
-    if (data_ != nullptr) (void)cudaFreeAsync(data_, stream_);
+    if (data_ != nullptr) pool_free(data_, stream_);
     data_ = nullptr;
   }
   void* data_ = nullptr;
@@ -154,9 +155,6 @@ struct CpMixer::DeviceState {
     // default stream (inputs copied there are complete when we start).
     SS_CUDA_CHECK(cudaStreamCreate(&compute));
     SS_CUDA_CHECK(cudaStreamCreate(&exchange));
-    // Every step takes its workspaces (GBs at long sequences) from the
-    // device's default stream-ordered pool: keep them there between steps.
-    retain_device_pool_memory();
   }
   ~DeviceState() {
     // Buffers free on `compute`: finish everything first.

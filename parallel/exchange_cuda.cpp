@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/device_pool.h"
 #include "core/error.h"
 #include "kernels/cuda/cp_kernels.h"
 #ifdef STATESCAN_HAS_NCCL
@@ -27,16 +28,15 @@ struct Order {
   }
 };
 
-// fp32 device memory from the stream-ordered pool, released on the same stream.
+// fp32 device memory from statescan's pool (core/device_pool.h), released on
+// the same stream.
 class StreamFloats {
  public:
   StreamFloats(std::size_t count, cudaStream_t stream) : stream_(stream) {
-    if (count > 0)
-      SS_CUDA_CHECK(
-          cudaMallocAsync(reinterpret_cast<void**>(&data_), count * sizeof(float), stream));
+    data_ = static_cast<float*>(pool_alloc(count * sizeof(float), stream));
   }
   ~StreamFloats() {
-    if (data_ != nullptr) (void)cudaFreeAsync(data_, stream_);
+    if (data_ != nullptr) pool_free(data_, stream_);
   }
   StreamFloats(const StreamFloats&) = delete;
   StreamFloats& operator=(const StreamFloats&) = delete;

@@ -13,7 +13,6 @@
 
 #include "comm/collective_check.h"
 #include "core/cuda_check.h"
-#include "core/device_buffer.h"
 #include "core/error.h"
 #include "kernels/cuda/lact_cuda.h"
 #include "parallel/lact_layer.h"
@@ -61,10 +60,6 @@ struct LactLayer::DeviceState {
 
   explicit DeviceState(Communicator& comm) {
     control = &comm;
-    // Each pass takes its scratch from the stream-ordered pool (tokens x H x M
-    // floats per array: GBs for one 1M-token chunk): keep it there between
-    // passes instead of mapping it again every step.
-    retain_device_pool_memory();
 #ifdef STATESCAN_HAS_NCCL
     if (NcclCommunicator* nccl = as_nccl(comm)) {
       stream = nccl->stream();

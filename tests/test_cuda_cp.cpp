@@ -9,6 +9,7 @@
 // states and the summary maps, 8e-3 for dq/dk/dv, 2e-2 for dg/dbeta.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -19,7 +20,9 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/cuda_check.h"
 #include "core/device_buffer.h"
+#include "core/device_pool.h"
 #include "core/error.h"
 #include "kernels/cpu/cpu_mixer.h"
 #include "kernels/cuda/cp_kernels.h"
@@ -725,6 +728,80 @@ TEST_F(CpGpuErrors, RefusesUnsupportedHeadDim) {
   p_ = random_problem(s, 6);
   round_problem(p_, DType::bf16);
   expect_refused("dk", [](CpForwardArgs&, std::vector<float>&) {});
+}
+
+// ---- statescan's device pool (core/device_pool.h) ----------------------------------
+
+class DevicePool : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_F(DevicePool, AllocationsAreUsableInStreamOrder) {
+  for (const std::size_t n : {std::size_t{1} << 12, std::size_t{3} << 20}) {  // small, large
+    void* p = pool_alloc(n, nullptr);
+    ASSERT_NE(p, nullptr);
+    SS_CUDA_CHECK(cudaMemsetAsync(p, 0x5A, n, nullptr));
+    std::vector<unsigned char> host(n, 0);
+    SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), p, n, cudaMemcpyDeviceToHost, nullptr));
+    pool_free(p, nullptr);
+    SS_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+    for (unsigned char x : host) ASSERT_EQ(x, 0x5A) << n << " bytes";
+  }
+  EXPECT_EQ(pool_alloc(0, nullptr), nullptr);
+  pool_free(nullptr, nullptr);
+}
+
+// A large block given back is cached and handed out again for about the same
+// size (at most 1/8 more), also to another stream, which first waits for the
+// work that used it: a kernel-length memset queued on one stream and a copy
+// queued on the other right after the hand-over must see it finished.
+TEST_F(DevicePool, LargeBlocksAreReusedInOrderAcrossStreams) {
+  const std::size_t n = std::size_t{64} << 20;
+  pool_release_cached();  // no other test's idle blocks to pick instead
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  SS_CUDA_CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  SS_CUDA_CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  void* a = pool_alloc(n, s1);
+  SS_CUDA_CHECK(cudaMemsetAsync(a, 0, n, s1));
+  SS_CUDA_CHECK(cudaMemsetAsync(a, 0x11, n, s1));
+  pool_free(a, s1);
+  const std::size_t idle = pool_idle_bytes();
+  EXPECT_GE(idle, n);
+  void* b = pool_alloc(n - n / 16, s2);  // within 1/8: the same block
+  EXPECT_EQ(b, a);
+  EXPECT_EQ(pool_idle_bytes(), idle - n);
+  std::vector<unsigned char> host(n - n / 16, 0);
+  SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), b, host.size(), cudaMemcpyDeviceToHost, s2));
+  SS_CUDA_CHECK(cudaStreamSynchronize(s2));
+  for (std::size_t i = 0; i < host.size(); i += 4093) ASSERT_EQ(host[i], 0x11) << i;
+  void* c = pool_alloc(n / 2, s2);  // much smaller: a block of its own
+  EXPECT_NE(c, a);
+  pool_free(b, s2);
+  pool_free(c, s2);
+  SS_CUDA_CHECK(cudaStreamSynchronize(s2));
+  const std::size_t cached = pool_cached_bytes();
+  EXPECT_GE(cached, n + n / 2);
+  pool_release_cached();  // nothing in use now: all of it goes
+  EXPECT_EQ(pool_cached_bytes(), 0u);
+  SS_CUDA_CHECK(cudaStreamDestroy(s1));
+  SS_CUDA_CHECK(cudaStreamDestroy(s2));
+}
+
+// Out of memory names the size and leaves the device usable.
+TEST_F(DevicePool, OutOfMemoryIsAnErrorNamingTheSize) {
+  try {
+    (void)pool_alloc(std::size_t{1} << 52, nullptr);  // 4 PiB
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "bytes") << e.what();
+  }
+  void* p = pool_alloc(std::size_t{4} << 20, nullptr);
+  ASSERT_NE(p, nullptr);
+  pool_free(p, nullptr);
+  SS_CUDA_CHECK(cudaStreamSynchronize(nullptr));
 }
 
 }  // namespace

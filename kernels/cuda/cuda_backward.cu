@@ -19,6 +19,7 @@
 #include <memory>
 
 #include "core/cuda_check.h"
+#include "core/device_pool.h"
 #include "core/env_knob.h"
 #include "core/error.h"
 #include "kernels/cuda/chunk_backward.cuh"
@@ -310,12 +311,12 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, cudaStream_t stream)
   m.problem = p;
   m.stream = stream;
   m.layout = layout_for(p, p.recompute_chunk_states);
-  SS_CUDA_CHECK(cudaMallocAsync(&m.workspace, m.layout.total, stream));
+  m.workspace = pool_alloc(m.layout.total, stream);
   try {
     m.prep = prepare_backward(p, p.recompute_chunk_states, m.layout,
                               static_cast<char*>(m.workspace), stream);
   } catch (...) {
-    (void)cudaFreeAsync(m.workspace, stream);
+    pool_free(m.workspace, stream);
     throw;
   }
   m.rest = static_cast<char*>(m.workspace) + m.layout.ds;
@@ -337,7 +338,7 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, PreparedForward& for
     m.problem = p;
     m.layout = layout_for(p, /*recompute=*/false);
     // Only the backward's own part: the tiles are the forward's.
-    SS_CUDA_CHECK(cudaMallocAsync(&m.workspace, m.layout.total - m.layout.ds, stream));
+    m.workspace = pool_alloc(m.layout.total - m.layout.ds, stream);
     m.rest = static_cast<char*>(m.workspace);
     m.prep.plan = std::move(f.plan);
     // As the backward's own prepare-only plan: the forward's V' and 16-bit
@@ -347,17 +348,17 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, PreparedForward& for
     if (p.dtype != DType::f32) a.ws_states = nullptr;
     m.prep.chunk_states = p.chunk_states;
   } catch (...) {
-    if (m.workspace != nullptr) (void)cudaFreeAsync(m.workspace, stream);
-    (void)cudaFreeAsync(m.forward_workspace, f.stream);
+    if (m.workspace != nullptr) pool_free(m.workspace, stream);
+    pool_free(m.forward_workspace, f.stream);
     throw;
   }
 }
 
 PreparedBackward::~PreparedBackward() {
   if (!impl_) return;
-  if (impl_->workspace != nullptr) (void)cudaFreeAsync(impl_->workspace, impl_->stream);
+  if (impl_->workspace != nullptr) pool_free(impl_->workspace, impl_->stream);
   if (impl_->forward_workspace != nullptr)
-    (void)cudaFreeAsync(impl_->forward_workspace, impl_->stream);
+    pool_free(impl_->forward_workspace, impl_->stream);
 }
 
 void PreparedBackward::run(const MixerBwdParams& p, cudaStream_t stream) {
@@ -378,14 +379,14 @@ void mixer_backward(const MixerBwdParams& p, cudaStream_t stream) {
   check_backward_args(p);
   const size_t bytes = backward_workspace_bytes(p, p.recompute_chunk_states && !p.state_grad_only);
   void* workspace = nullptr;
-  SS_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
+  workspace = pool_alloc(bytes, stream);
   try {
     mixer_backward(p, workspace, bytes, stream);
   } catch (...) {
-    (void)cudaFreeAsync(workspace, stream);
+    pool_free(workspace, stream);
     throw;
   }
-  SS_CUDA_CHECK(cudaFreeAsync(workspace, stream));
+  pool_free(workspace, stream);
 }
 
 }  // namespace statescan::cuda

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/device_pool.h"
 #include "core/env_knob.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/forward_plan.cuh"
@@ -444,14 +445,14 @@ void mixer_forward(const MixerParams& p, cudaStream_t stream) {
   check_supported(p);
   const size_t bytes = forward_workspace_bytes(p);
   void* workspace = nullptr;
-  SS_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
+  workspace = pool_alloc(bytes, stream);
   try {
     mixer_forward(p, workspace, bytes, stream);
   } catch (...) {
-    (void)cudaFreeAsync(workspace, stream);
+    pool_free(workspace, stream);
     throw;
   }
-  SS_CUDA_CHECK(cudaFreeAsync(workspace, stream));
+  pool_free(workspace, stream);
 }
 
 }  // namespace statescan::cuda

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "core/cuda_check.h"
+#include "core/device_pool.h"
 #include "core/env_knob.h"
 #include "core/error.h"
 #include "kernels/cuda/lact_cuda.h"
@@ -53,8 +54,7 @@ __global__ void first_bad_kernel(const T* x, int64_t n, bool positive, unsigned 
 template <typename T>
 void check_elements(const T* x, int64_t n, bool positive, const char* name, cudaStream_t stream) {
   if (n <= 0) return;
-  unsigned long long* first = nullptr;
-  SS_CUDA_CHECK(cudaMallocAsync(&first, sizeof(unsigned long long), stream));
+  auto* first = static_cast<unsigned long long*>(pool_alloc(sizeof(unsigned long long), stream));
   const unsigned long long none = static_cast<unsigned long long>(n);
   unsigned long long found = none;
   T bad{};
@@ -69,7 +69,7 @@ void check_elements(const T* x, int64_t n, bool positive, const char* name, cuda
   if (rc == cudaSuccess)
     rc = cudaMemcpyAsync(&found, first, sizeof(found), cudaMemcpyDeviceToHost, stream);
   if (rc == cudaSuccess) rc = cudaStreamSynchronize(stream);
-  (void)cudaFreeAsync(first, stream);
+  pool_free(first, stream);
   SS_CUDA_CHECK(rc);
   if (found == none) return;
   SS_CUDA_CHECK(cudaMemcpy(&bad, x + found, sizeof(T), cudaMemcpyDeviceToHost));

@@ -30,6 +30,7 @@
 #include <utility>
 
 #include "core/cuda_check.h"
+#include "core/device_pool.h"
 #include "core/env_knob.h"
 #include "core/error.h"
 #include "kernels/cuda/cuda_mixer.h"
@@ -194,10 +195,10 @@ class Scratch {
  public:
   Scratch() = default;
   Scratch(std::size_t count, cudaStream_t stream) : stream_(stream), count_(count) {
-    if (count > 0) SS_CUDA_CHECK(cudaMallocAsync(&data_, count * sizeof(T), stream));
+    if (count > 0) data_ = static_cast<T*>(pool_alloc(count * sizeof(T), stream));
   }
   ~Scratch() {
-    if (data_ != nullptr) (void)cudaFreeAsync(data_, stream_);
+    if (data_ != nullptr) pool_free(data_, stream_);
   }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;

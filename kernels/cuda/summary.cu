@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/device_pool.h"
 #include "core/env_knob.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
@@ -180,8 +181,7 @@ void summary_by_products(const MixerParams& p, const ForwardArgs& a, int64_t fir
   const int64_t half = (count + 1) / 2;
   float *m_a = nullptr, *e_a = nullptr, *m_b = nullptr, *e_b = nullptr;
   auto alloc = [&](float** ptr, int64_t floats) {
-    SS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(ptr),
-                                  static_cast<size_t>(floats) * sizeof(float), stream));
+    *ptr = static_cast<float*>(pool_alloc(static_cast<size_t>(floats) * sizeof(float), stream));
   };
   alloc(&m_a, count * H * D2);
   alloc(&e_a, count * H * DE);
@@ -215,10 +215,9 @@ void summary_by_products(const MixerParams& p, const ForwardArgs& a, int64_t fir
   const cublasComputeType_t tree_compute =
       p.dtype == DType::f32 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
   // Device pointer arrays of one level: M pairs (A, B, C) then E pairs (A, B, C).
-  void** ptrs = nullptr;
   const int64_t max_batch = (count / 2 + 1) * H;
-  SS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptrs),
-                                static_cast<size_t>(6 * max_batch) * sizeof(void*), stream));
+  auto** ptrs =
+      static_cast<void**>(pool_alloc(static_cast<size_t>(6 * max_batch) * sizeof(void*), stream));
   std::vector<void*> host;
   float *cur_m = m_a, *cur_e = e_a, *nxt_m = m_b, *nxt_e = e_b;
   int64_t m = count;
@@ -286,7 +285,7 @@ void summary_by_products(const MixerParams& p, const ForwardArgs& a, int64_t fir
                                 cudaMemcpyDeviceToDevice, stream));
   for (void* ptr : {static_cast<void*>(ptrs), static_cast<void*>(m_a), static_cast<void*>(e_a),
                     static_cast<void*>(m_b), static_cast<void*>(e_b)})
-    SS_CUDA_CHECK(cudaFreeAsync(ptr, stream));
+    pool_free(ptr, stream);
 }
 
 // A stream forked from `origin` (it starts after everything queued there so
@@ -389,9 +388,8 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
     const size_t u_bytes =
         static_cast<size_t>(plan.num_chunks) * p.heads * p.chunk * p.dv * size_of(p.dtype);
     const size_t ident_floats = static_cast<size_t>(rows * p.heads * p.dk * p.dv);
-    SS_CUDA_CHECK(cudaMallocAsync(&zero_u, u_bytes, stream));
-    SS_CUDA_CHECK(
-        cudaMallocAsync(reinterpret_cast<void**>(&ident), ident_floats * sizeof(float), stream));
+    zero_u = pool_alloc(u_bytes, stream);
+    ident = static_cast<float*>(pool_alloc(ident_floats * sizeof(float), stream));
     SS_CUDA_CHECK(cudaMemsetAsync(zero_u, 0, u_bytes, stream));
     fill_identity(ident, rows * p.heads, p.dk, p.dv, stream);
   }
@@ -481,8 +479,8 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
                                                     p.dk, begin, end, M);
     SS_LAUNCH_CHECK("additive_decay_kernel");
   }
-  if (zero_u != nullptr) SS_CUDA_CHECK(cudaFreeAsync(zero_u, stream));
-  if (ident != nullptr) SS_CUDA_CHECK(cudaFreeAsync(ident, stream));
+  if (zero_u != nullptr) pool_free(zero_u, stream);
+  if (ident != nullptr) pool_free(ident, stream);
 }
 
 }  // namespace
@@ -517,7 +515,7 @@ PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
   s.params = p;
   s.stream = stream;
   s.bytes = forward_workspace_bytes(p);
-  SS_CUDA_CHECK(cudaMallocAsync(&s.workspace, s.bytes, stream));
+  s.workspace = pool_alloc(s.bytes, stream);
   try {
     s.plan = detail::plan_forward(p, s.workspace, s.bytes, stream, /*prepare_only=*/false,
                                   /*for_backward=*/true);
@@ -526,13 +524,13 @@ PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
     if (detail::forward_stages(s.plan.args) & detail::kStagePrepare)
       detail::launch_forward_stages(p, s.plan.args, detail::kStagePrepare, stream);
   } catch (...) {
-    (void)cudaFreeAsync(s.workspace, stream);
+    pool_free(s.workspace, stream);
     throw;
   }
 }
 
 PreparedForward::~PreparedForward() {
-  if (impl_ && impl_->workspace != nullptr) (void)cudaFreeAsync(impl_->workspace, impl_->stream);
+  if (impl_ && impl_->workspace != nullptr) pool_free(impl_->workspace, impl_->stream);
 }
 
 void PreparedForward::summary(float* M, float* E, cudaStream_t stream, bool with_linear_part,

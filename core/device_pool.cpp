@@ -1,0 +1,170 @@
+#include "core/device_pool.h"
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+
+namespace statescan {
+namespace {
+
+constexpr std::size_t kLargeBytes = std::size_t{2} << 20;  // cached cudaMalloc blocks from here
+
+struct Block {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  int device = 0;
+  bool in_use = false;
+  cudaEvent_t freed = nullptr;  // recorded on the stream that gave it back
+  bool has_event = false;       // `freed` recorded at least once
+};
+
+struct State {
+  std::mutex mutex;
+  std::unordered_map<void*, std::unique_ptr<Block>> blocks;  // every cached block
+  std::vector<cudaMemPool_t> small_pools;                    // per device, made on demand
+};
+
+// Never destroyed: blocks freed at exit could outlive the driver.
+State& state() {
+  static State* s = new State();
+  return *s;
+}
+
+int current_device() {
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+cudaMemPool_t small_pool(State& s, int device) {
+  if (s.small_pools.empty()) {
+    int count = 0;
+    SS_CUDA_CHECK(cudaGetDeviceCount(&count));
+    s.small_pools.assign(static_cast<std::size_t>(count), nullptr);
+  }
+  SS_CHECK_ARG(device >= 0 && static_cast<std::size_t>(device) < s.small_pools.size(), "device",
+               "current device ", device, " outside the ", s.small_pools.size(), " devices seen");
+  cudaMemPool_t& pool = s.small_pools[static_cast<std::size_t>(device)];
+  if (pool == nullptr) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    SS_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+    uint64_t keep = UINT64_MAX;  // keep freed memory instead of unmapping it at each sync
+    SS_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  }
+  return pool;
+}
+
+// Frees the idle blocks of `device` (all devices when < 0). Caller holds the lock.
+void release_idle(State& s, int device) {
+  for (auto it = s.blocks.begin(); it != s.blocks.end();) {
+    Block& b = *it->second;
+    if (b.in_use || (device >= 0 && b.device != device)) {
+      ++it;
+      continue;
+    }
+    if (b.has_event) SS_CUDA_CHECK(cudaEventSynchronize(b.freed));
+    SS_CUDA_CHECK(cudaFree(b.ptr));
+    if (b.freed != nullptr) (void)cudaEventDestroy(b.freed);
+    it = s.blocks.erase(it);
+  }
+}
+
+[[noreturn]] void out_of_memory(std::size_t bytes, cudaError_t rc) {
+  (void)cudaGetLastError();  // an allocation failure is not sticky; clear it
+  SS_FAIL("bytes", "cannot allocate ", bytes, " bytes of device memory: ",
+          cudaGetErrorString(rc));
+}
+
+}  // namespace
+
+void* pool_alloc(std::size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return nullptr;
+  State& s = state();
+  const int device = current_device();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (bytes < kLargeBytes) {
+    void* ptr = nullptr;
+    const cudaError_t rc = cudaMallocFromPoolAsync(&ptr, bytes, small_pool(s, device), stream);
+    if (rc != cudaSuccess) out_of_memory(bytes, rc);
+    return ptr;
+  }
+  // Best fit among idle blocks of this device no more than 1/8 larger.
+  Block* best = nullptr;
+  for (auto& [ptr, b] : s.blocks)
+    if (!b->in_use && b->device == device && b->bytes >= bytes && b->bytes - bytes <= bytes / 8 &&
+        (best == nullptr || b->bytes < best->bytes))
+      best = b.get();
+  if (best != nullptr) {
+    if (best->has_event) SS_CUDA_CHECK(cudaStreamWaitEvent(stream, best->freed, 0));
+    best->in_use = true;
+    return best->ptr;
+  }
+  void* ptr = nullptr;
+  cudaError_t rc = cudaMalloc(&ptr, bytes);
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();
+    release_idle(s, device);  // give the cache back, then try once more
+    rc = cudaMalloc(&ptr, bytes);
+    if (rc != cudaSuccess) out_of_memory(bytes, rc);
+  }
+  auto b = std::make_unique<Block>();
+  b->ptr = ptr;
+  b->bytes = bytes;
+  b->device = device;
+  b->in_use = true;
+  const cudaError_t ev = cudaEventCreateWithFlags(&b->freed, cudaEventDisableTiming);
+  if (ev != cudaSuccess) {
+    (void)cudaFree(ptr);
+    SS_CUDA_CHECK(ev);
+  }
+  s.blocks.emplace(ptr, std::move(b));
+  return ptr;
+}
+
+void pool_free(void* ptr, cudaStream_t stream) noexcept {
+  if (ptr == nullptr) return;
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const auto it = s.blocks.find(ptr);
+  if (it == s.blocks.end()) {
+    (void)cudaFreeAsync(ptr, stream);  // a small one, from the stream-ordered pool
+    return;
+  }
+  Block& b = *it->second;
+  b.has_event = cudaEventRecord(b.freed, stream) == cudaSuccess;
+  if (!b.has_event) (void)cudaStreamSynchronize(stream);  // no event: order by waiting
+  b.in_use = false;
+}
+
+std::size_t pool_cached_bytes() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  std::size_t total = 0;
+  for (const auto& [ptr, b] : s.blocks) total += b->bytes;
+  return total;
+}
+
+std::size_t pool_idle_bytes() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  std::size_t total = 0;
+  for (const auto& [ptr, b] : s.blocks)
+    if (!b->in_use) total += b->bytes;
+  return total;
+}
+
+void pool_release_cached() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  release_idle(s, -1);
+}
+
+}  // namespace statescan

@@ -1,0 +1,51 @@
+// statescan's device workspace allocator: every per-call workspace of the GPU
+// paths (the mixers' prepare and backward workspaces, CpMixer's buffers,
+// LaCT's scratch) is taken with pool_alloc and given back with pool_free,
+// both ordered on a stream.
+//
+// Large blocks (>= 2 MiB) are cudaMalloc'd once and cached for reuse by a
+// later pool_alloc of about the same size (at most 1/8 more), on any stream:
+// the new user's stream waits for an event recorded where the block was
+// freed. Small ones come from a CUDA memory pool of statescan's own
+// (cudaMallocFromPoolAsync), which keeps freed memory too.
+//
+// Why not the stream-ordered pool for everything: served from the device's
+// default pool (grown call by call, ~9-11 GB), the same workspaces made the
+// kernels reading them run up to twice as slowly in some steps and not in
+// others (one H200, KDA at 128K tokens: the backward's prepare stage 4.2 ->
+// 10.8 ms, the forward's scan + output 3.2 -> 6.6), also after remapping the
+// pool as one piece of its high-water mark; from cudaMalloc'd memory (the plain
+// mixer's forward workspace) or a pool first grown to 60 GB they ran at full
+// speed every time (PERF_NOTES, twenty-second session). The cause is not
+// established; cached cudaMalloc blocks are what measured steady.
+//
+// The cache only grows (to the most of each size in use at once) until
+// pool_release_cached gives its unused blocks back to the driver.
+// Exists only in CUDA builds (STATESCAN_HAS_CUDA).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+namespace statescan {
+
+// `bytes` of memory on the current device, usable by work queued on `stream`
+// from now on. Throws statescan::Error naming "bytes" when the device has not
+// that much free even after the cache gave its unused blocks back. 0 bytes:
+// nullptr.
+void* pool_alloc(std::size_t bytes, cudaStream_t stream);
+
+// Gives `ptr` (from pool_alloc, or nullptr) back once the work queued on
+// `stream` so far is done; later work on any stream may then reuse it.
+// Never throws (errors surface at the next checked CUDA call).
+void pool_free(void* ptr, cudaStream_t stream) noexcept;
+
+// Bytes of large blocks the cache holds, in use or not, and those not in use.
+std::size_t pool_cached_bytes();
+std::size_t pool_idle_bytes();
+
+// Waits for the idle cached blocks' last users and frees them (cudaFree).
+void pool_release_cached();
+
+}  // namespace statescan
