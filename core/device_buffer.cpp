@@ -33,4 +33,3 @@ void fill_device_bytes(void* dst, unsigned char value, std::size_t bytes) {
 }
 
 }  // namespace statescan::detail
-

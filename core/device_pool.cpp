@@ -27,7 +27,13 @@ struct State {
   std::mutex mutex;
   std::unordered_map<void*, std::unique_ptr<Block>> blocks;  // every cached block
   std::vector<cudaMemPool_t> small_pools;                    // per device, made on demand
+  std::size_t in_use = 0, in_use_high = 0;                   // bytes of large blocks
 };
+
+void count_in_use(State& s, std::size_t add) {
+  s.in_use += add;
+  if (s.in_use > s.in_use_high) s.in_use_high = s.in_use;
+}
 
 // Never destroyed: blocks freed at exit could outlive the driver.
 State& state() {
@@ -79,8 +85,7 @@ void release_idle(State& s, int device) {
 
 [[noreturn]] void out_of_memory(std::size_t bytes, cudaError_t rc) {
   (void)cudaGetLastError();  // an allocation failure is not sticky; clear it
-  SS_FAIL("bytes", "cannot allocate ", bytes, " bytes of device memory: ",
-          cudaGetErrorString(rc));
+  SS_FAIL("bytes", "cannot allocate ", bytes, " bytes of device memory: ", cudaGetErrorString(rc));
 }
 
 }  // namespace
@@ -105,6 +110,7 @@ void* pool_alloc(std::size_t bytes, cudaStream_t stream) {
   if (best != nullptr) {
     if (best->has_event) SS_CUDA_CHECK(cudaStreamWaitEvent(stream, best->freed, 0));
     best->in_use = true;
+    count_in_use(s, best->bytes);
     return best->ptr;
   }
   void* ptr = nullptr;
@@ -126,6 +132,7 @@ void* pool_alloc(std::size_t bytes, cudaStream_t stream) {
     SS_CUDA_CHECK(ev);
   }
   s.blocks.emplace(ptr, std::move(b));
+  count_in_use(s, bytes);
   return ptr;
 }
 
@@ -142,6 +149,7 @@ void pool_free(void* ptr, cudaStream_t stream) noexcept {
   b.has_event = cudaEventRecord(b.freed, stream) == cudaSuccess;
   if (!b.has_event) (void)cudaStreamSynchronize(stream);  // no event: order by waiting
   b.in_use = false;
+  s.in_use -= b.bytes;
 }
 
 std::size_t pool_cached_bytes() {
@@ -159,6 +167,18 @@ std::size_t pool_idle_bytes() {
   for (const auto& [ptr, b] : s.blocks)
     if (!b->in_use) total += b->bytes;
   return total;
+}
+
+std::size_t pool_in_use_high() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.in_use_high;
+}
+
+void pool_reset_in_use_high() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.in_use_high = s.in_use;
 }
 
 void pool_release_cached() {

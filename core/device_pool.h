@@ -45,6 +45,13 @@ void pool_free(void* ptr, cudaStream_t stream) noexcept;
 std::size_t pool_cached_bytes();
 std::size_t pool_idle_bytes();
 
+// The most bytes of large blocks in use at once since the last
+// pool_reset_in_use_high (the small ones, each < 2 MiB, come on top), and
+// that reset, which restarts the count from what is in use now. A step's
+// workspace peak, as statescan-bench --backward --keep-prepared reports it.
+std::size_t pool_in_use_high();
+void pool_reset_in_use_high();
+
 // Waits for the idle cached blocks' last users and frees them (cudaFree).
 void pool_release_cached();
 

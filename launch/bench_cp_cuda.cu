@@ -152,8 +152,8 @@ struct Measured {
   double cp1_step_ms = std::numeric_limits<double>::quiet_NaN();
   double plain_step_ms = std::numeric_limits<double>::quiet_NaN();
   double cp1_unchecked_ms = std::numeric_limits<double>::quiet_NaN();  // check_finite off
-  double cp1_min_ms = 0, cp1_max_ms = 0;                              // CpMixer's spread
-  double plain_fwd_gpu_ms = 0, plain_bwd_gpu_ms = 0;                  // by events
+  double cp1_min_ms = 0, cp1_max_ms = 0;                               // CpMixer's spread
+  double plain_fwd_gpu_ms = 0, plain_bwd_gpu_ms = 0;                   // by events
   double cp1_overhead() const { return (cp1_step_ms - plain_step_ms) / plain_step_ms; }
   double cp1_unchecked_overhead() const {
     return (cp1_unchecked_ms - plain_step_ms) / plain_step_ms;
@@ -227,8 +227,7 @@ void measure_cp_single_rank(const CpMeasureOptions& o, Variant variant, const Mi
   const auto wall = [](auto&& fn) {
     const auto t0 = std::chrono::steady_clock::now();
     fn();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-        .count();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   };
   for (int i = 0; i < o.warmup + o.iters; ++i) {
     const double t_plain = wall([&] {
@@ -526,16 +525,16 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
                     "backward through CpMixer %.3f ms (%.3f-%.3f), the plain mixer %.3f ms -> "
                     "overhead %s%%; without the NaN/Inf scan (check_finite off) %.3f ms -> %s%%\n",
                     m.cp1_step_ms, m.cp1_min_ms, m.cp1_max_ms, m.plain_step_ms,
-                    fmt("%.2f", 100 * m.cp1_overhead()).c_str(),
-                    m.cp1_unchecked_ms, fmt("%.2f", 100 * m.cp1_unchecked_overhead()).c_str());
+                    fmt("%.2f", 100 * m.cp1_overhead()).c_str(), m.cp1_unchecked_ms,
+                    fmt("%.2f", 100 * m.cp1_unchecked_overhead()).c_str());
       out << line;
-      std::snprintf(line, sizeof line,
-                    "#     GPU time by events: plain forward %.3f, backward %.3f ms; CpMixer's last "
-                    "step: forward %.3f ms wall (local %.3f), backward %.3f ms wall (local %.3f "
-                    "+ prepare %.3f)\n",
-                    m.plain_fwd_gpu_ms, m.plain_bwd_gpu_ms, 1e3 * m.cp1_fwd.total_s,
-                    1e3 * m.cp1_fwd.local_s, 1e3 * m.cp1_bwd.total_s, 1e3 * m.cp1_bwd.local_s,
-                    1e3 * m.cp1_bwd.prepare_s);
+      std::snprintf(
+          line, sizeof line,
+          "#     GPU time by events: plain forward %.3f, backward %.3f ms; CpMixer's last "
+          "step: forward %.3f ms wall (local %.3f), backward %.3f ms wall (local %.3f "
+          "+ prepare %.3f)\n",
+          m.plain_fwd_gpu_ms, m.plain_bwd_gpu_ms, 1e3 * m.cp1_fwd.total_s, 1e3 * m.cp1_fwd.local_s,
+          1e3 * m.cp1_bwd.total_s, 1e3 * m.cp1_bwd.local_s, 1e3 * m.cp1_bwd.prepare_s);
       out << line;
     }
     rows.push_back(m);

@@ -206,9 +206,9 @@ const std::vector<OptionSpec>& option_specs() {
          o.lact_config.schedule = parse_lact_schedule(v, f.c_str());
        }},
       {"--muon-steps", true, false,
-       [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.lact_config.muon_steps = static_cast<int>(parse_int(f, v, 0, 100));
-       }},
+       [](RunOptions& o, const std::string& f,
+          const std::string&
+              v) { o.lact_config.muon_steps = static_cast<int>(parse_int(f, v, 0, 100)); }},
       {"--momentum", true, false,
        [](RunOptions& o, const std::string& f,
           const std::string& v) { o.lact_config.momentum = parse_unit_interval(f, v); }},

@@ -47,12 +47,12 @@
 // --keep-prepared: the step is cuda::PreparedForward -> PreparedBackward, the
 // backward adopting the forward's prepared tiles (Q^, K_, W, U, A, decay:
 // 72 KB per chunk and head at D = 128, bf16) instead of re-running the
-// prepare stage; its peak adds the stream-ordered pool's high watermark,
-// where those classes take their workspace. By default the forward of a
-// delta rule without a vector gate also writes T = (I + diag(beta) KK)^{-1}
-// in two parts into MixerParams::saved_t and the backward's prepare re-run
-// reads it instead of forming KK and solving, as MixerConfig::save_t does in
-// the layer; --no-save-t: not saved, the re-run solves again)
+// prepare stage; its peak adds the high watermark of statescan's workspace
+// allocator (core/device_pool.h), where those classes take their workspace.
+// By default the forward of a delta rule without a vector gate also writes
+// T = (I + diag(beta) KK)^{-1} in two parts into MixerParams::saved_t and the
+// backward's prepare re-run reads it instead of forming KK and solving, as
+// MixerConfig::save_t does in the layer; --no-save-t: not saved, the re-run solves again)
 // Per variant and T: median forward time (saving chunk_states), median
 // forward+backward time, tokens/s of the pair, TFLOP/s and GB/s of the pair
 // against the counted models below, the peak device memory of the step
@@ -89,6 +89,7 @@
 
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
+#include "core/device_pool.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/options.h"
@@ -599,7 +600,7 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
   size_t free_before = 0, free_tensors = 0, free_after = 0, total = 0;
   SS_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   BwdRow r;
-  uint64_t pool_high = 0;  // --keep-prepared: the step's pool workspace
+  std::size_t pool_high = 0;  // --keep-prepared: the step's workspace (core/device_pool.h)
   {
     // --recompute: forward keeps no chunk states; backward re-derives them.
     StepTensors x(variant, B, T, H, D, t, opt.recompute ? 0 : num_chunks);
@@ -635,19 +636,14 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
       cuda::mixer_backward(p, workspace.data(), workspace.size(), stream);
     };
     r.ms_fwd = median_ms(forward, opt.warmup, opt.iters, stream);
-    cudaMemPool_t pool = nullptr;
     if (opt.keep_prepared) {
-      int device = 0;
-      SS_CUDA_CHECK(cudaGetDevice(&device));
-      SS_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
       SS_CUDA_CHECK(cudaStreamSynchronize(stream));
-      uint64_t zero = 0;  // the high watermark restarts from what is in use now
-      SS_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+      pool_reset_in_use_high();  // the high watermark restarts from what is in use now
     }
     r.ms_fwd_bwd = median_ms(step, opt.warmup, opt.iters, stream);
     if (opt.keep_prepared) {
       SS_CUDA_CHECK(cudaStreamSynchronize(stream));
-      SS_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &pool_high));
+      pool_high = pool_in_use_high();
     }
     SS_CUDA_CHECK(cudaStreamDestroy(stream));
   }

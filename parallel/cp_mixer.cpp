@@ -121,18 +121,23 @@ void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfi
     cu_last = cu[g.sequences];
   }
   const int64_t kFields = 12;
-  const int64_t mine[kFields] = {g.batch,     g.heads,
-                                 g.dk,        g.dv,
-                                 g.sequences, static_cast<int64_t>(cfg.variant),
-                                 cfg.chunk,   a.initial_state.defined() ? 1 : 0,
-                                 cu_sum,      on_device ? 1 : 0,
+  const int64_t mine[kFields] = {g.batch,
+                                 g.heads,
+                                 g.dk,
+                                 g.dv,
+                                 g.sequences,
+                                 static_cast<int64_t>(cfg.variant),
+                                 cfg.chunk,
+                                 a.initial_state.defined() ? 1 : 0,
+                                 cu_sum,
+                                 on_device ? 1 : 0,
                                  cfg.check_finite ? 1 : 0,
                                  g.local_len};
   std::vector<int64_t> all(static_cast<std::size_t>(kFields * comm.size()));
   comm.all_gather(mine, all.data(), kFields, CommType::i64);
   collective_check(comm, [&] {
-    static const char* kNames[] = {"batch",      "heads",   "dk",    "dv",
-                                   "cu_seqlens", "variant", "chunk", "initial_state",
+    static const char* kNames[] = {"batch",      "heads",   "dk",          "dv",
+                                   "cu_seqlens", "variant", "chunk",       "initial_state",
                                    "cu_seqlens", "memory",  "check_finite"};
     for (int r = 0; r < comm.size(); ++r)
       for (int64_t f = 0; f + 1 < kFields; ++f)

@@ -324,12 +324,12 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     check_supported(g.dk, g.dv);
     if (config_.check_finite)
       check_finite_device({{&a.q, "q"},
-                         {&a.k, "k"},
-                         {&a.v, "v"},
-                         {&a.g, "g"},
-                         {&a.beta, "beta"},
-                         {&a.initial_state, "initial_state"}},
-                        cs);
+                           {&a.k, "k"},
+                           {&a.v, "v"},
+                           {&a.g, "g"},
+                           {&a.beta, "beta"},
+                           {&a.initial_state, "initial_state"}},
+                          cs);
   });
   cp_detail::agree_geometry(ctl, ha, config_, /*on_device=*/true, g);
 

@@ -761,6 +761,8 @@ TEST_F(DevicePool, AllocationsAreUsableInStreamOrder) {
 TEST_F(DevicePool, LargeBlocksAreReusedInOrderAcrossStreams) {
   const std::size_t n = std::size_t{64} << 20;
   pool_release_cached();  // no other test's idle blocks to pick instead
+  pool_reset_in_use_high();
+  const std::size_t before = pool_in_use_high();  // blocks other tests still hold
   cudaStream_t s1 = nullptr, s2 = nullptr;
   SS_CUDA_CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
   SS_CUDA_CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
@@ -779,6 +781,7 @@ TEST_F(DevicePool, LargeBlocksAreReusedInOrderAcrossStreams) {
   for (std::size_t i = 0; i < host.size(); i += 4093) ASSERT_EQ(host[i], 0x11) << i;
   void* c = pool_alloc(n / 2, s2);  // much smaller: a block of its own
   EXPECT_NE(c, a);
+  EXPECT_EQ(pool_in_use_high(), before + n + n / 2);  // both blocks, whole
   pool_free(b, s2);
   pool_free(c, s2);
   SS_CUDA_CHECK(cudaStreamSynchronize(s2));

@@ -120,8 +120,8 @@ class PreparedForward {
 // A rank that waits for the exchange constructs it before the wait, so the
 // prepare stage runs meanwhile. run() takes the problem of the construction
 // (same sizes, inputs, initial state and chunk states; its outputs and
-// gradients may differ) on the same stream. The workspace comes from the
-// stream-ordered pool and frees on that stream.
+// gradients may differ) on the same stream. The workspace comes from
+// statescan's workspace allocator (core/device_pool.h), freed on that stream.
 class PreparedBackward {
  public:
   PreparedBackward(const MixerBwdParams& p, cudaStream_t stream);

@@ -357,8 +357,7 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, PreparedForward& for
 PreparedBackward::~PreparedBackward() {
   if (!impl_) return;
   if (impl_->workspace != nullptr) pool_free(impl_->workspace, impl_->stream);
-  if (impl_->forward_workspace != nullptr)
-    pool_free(impl_->forward_workspace, impl_->stream);
+  if (impl_->forward_workspace != nullptr) pool_free(impl_->forward_workspace, impl_->stream);
 }
 
 void PreparedBackward::run(const MixerBwdParams& p, cudaStream_t stream) {

@@ -16,8 +16,8 @@
 namespace statescan::cuda {
 
 // Chunkwise forward: writes o, and final_state / chunk_states when given.
-// Temporary per-chunk intermediates are taken from the stream-ordered pool
-// (cudaMallocAsync) and released on the same stream.
+// Temporary per-chunk intermediates are taken from statescan's workspace
+// allocator (core/device_pool.h) and released on the same stream.
 void mixer_forward(const MixerParams& p, cudaStream_t stream);
 
 // Bytes of device workspace mixer_forward needs for `p` (host-readable

@@ -13,7 +13,8 @@
 //         (hi + lo) operands, ~fp32 accurate (STATESCAN_LACT_NS=fp32: fp32
 //         CUDA-core GEMMs; lact_cuda_impl.cuh).
 // All pointers are device pointers; all tensors of one call share `dtype`.
-// Work is enqueued on `stream`; scratch comes from the stream-ordered pool.
+// Work is enqueued on `stream`; scratch comes from statescan's workspace
+// allocator (core/device_pool.h).
 // The all-reduce callback receives device fp32 buffers and must sum them over
 // the group in stream order (NCCL on the same stream, or a host round trip).
 #pragma once
