@@ -97,8 +97,13 @@ void* pool_alloc(std::size_t bytes, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(s.mutex);
   if (bytes < kLargeBytes) {
     void* ptr = nullptr;
-    const cudaError_t rc = cudaMallocFromPoolAsync(&ptr, bytes, small_pool(s, device), stream);
-    if (rc != cudaSuccess) out_of_memory(bytes, rc);
+    cudaError_t rc = cudaMallocFromPoolAsync(&ptr, bytes, small_pool(s, device), stream);
+    if (rc != cudaSuccess) {
+      (void)cudaGetLastError();
+      release_idle(s, device);  // the cache may hold what the device lacks
+      rc = cudaMallocFromPoolAsync(&ptr, bytes, small_pool(s, device), stream);
+      if (rc != cudaSuccess) out_of_memory(bytes, rc);
+    }
     return ptr;
   }
   // Best fit among idle blocks of this device no more than 1/8 larger.
