@@ -78,7 +78,7 @@ void release_idle(State& s, int device) {
     }
     if (b.has_event) SS_CUDA_CHECK(cudaEventSynchronize(b.freed));
     SS_CUDA_CHECK(cudaFree(b.ptr));
-    if (b.freed != nullptr) (void)cudaEventDestroy(b.freed);
+    (void)cudaEventDestroy(b.freed);  // every cached block has one
     it = s.blocks.erase(it);
   }
 }

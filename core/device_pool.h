@@ -27,6 +27,9 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <utility>
+
+#include "core/cuda_check.h"
 
 namespace statescan {
 
@@ -54,5 +57,46 @@ void pool_reset_in_use_high();
 
 // Waits for the idle cached blocks' last users and frees them (cudaFree).
 void pool_release_cached();
+
+// `count` elements of T from pool_alloc, given back with pool_free on the same
+// stream when the array goes out of scope (also when an exception unwinds) or
+// is assigned over. Move-only; an empty one (count 0) holds nullptr.
+template <typename T>
+class PoolArray {
+ public:
+  PoolArray() = default;
+  PoolArray(std::size_t count, cudaStream_t stream)
+      : data_(static_cast<T*>(pool_alloc(count * sizeof(T), stream))),
+        stream_(stream),
+        count_(count) {}
+  ~PoolArray() { pool_free(data_, stream_); }
+  PoolArray(const PoolArray&) = delete;
+  PoolArray& operator=(const PoolArray&) = delete;
+  PoolArray(PoolArray&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)),
+        stream_(o.stream_),
+        count_(std::exchange(o.count_, 0)) {}
+  PoolArray& operator=(PoolArray&& o) noexcept {
+    if (this != &o) {
+      pool_free(data_, stream_);
+      data_ = std::exchange(o.data_, nullptr);
+      stream_ = o.stream_;
+      count_ = std::exchange(o.count_, 0);
+    }
+    return *this;
+  }
+
+  T* get() const { return data_; }
+  std::size_t size() const { return count_; }
+  // Zeroes the elements, ordered on the array's stream.
+  void zero() {
+    if (count_ > 0) SS_CUDA_CHECK(cudaMemsetAsync(data_, 0, count_ * sizeof(T), stream_));
+  }
+
+ private:
+  T* data_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::size_t count_ = 0;
+};
 
 }  // namespace statescan

@@ -51,44 +51,9 @@ using cp_detail::TensorRules;
 
 namespace {
 
-// Device memory from statescan's pool (core/device_pool.h), released on the
-// same stream.
-class StreamBuffer {
- public:
-  StreamBuffer() = default;
-  StreamBuffer(std::size_t bytes, cudaStream_t stream) : stream_(stream), bytes_(bytes) {
-    data_ = pool_alloc(bytes, stream);
-  }
-  ~StreamBuffer() { release(); }
-  StreamBuffer(StreamBuffer&& o) noexcept { *this = std::move(o); }
-  StreamBuffer& operator=(StreamBuffer&& o) noexcept {
-    if (this != &o) {
-      release();
-      data_ = std::exchange(o.data_, nullptr);
-      stream_ = o.stream_;
-      bytes_ = std::exchange(o.bytes_, 0);
-    }
-    return *this;
-  }
-  template <typename T = float>
-  T* get() const {
-    return static_cast<T*>(data_);
-  }
-  std::size_t bytes() const { return bytes_; }
-
- private:
-  void release() {
-    if (data_ != nullptr) pool_free(data_, stream_);
-    data_ = nullptr;
-  }
-  void* data_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-StreamBuffer zeros(std::size_t floats, cudaStream_t stream) {
-  StreamBuffer b(floats * sizeof(float), stream);
-  if (floats > 0) SS_CUDA_CHECK(cudaMemsetAsync(b.get(), 0, floats * sizeof(float), stream));
+PoolArray<float> zeros(std::size_t floats, cudaStream_t stream) {
+  PoolArray<float> b(floats, stream);
+  b.zero();
   return b;
 }
 
@@ -131,18 +96,18 @@ struct CpMixer::DeviceState {
   Geometry geo;
   std::vector<LocalSegment> segs;
   std::vector<int64_t> local_cu;  // host copy of the local offsets (packed)
-  StreamBuffer local_cu_dev;      // the same on the device
+  PoolArray<int64_t> local_cu_dev;  // the same on the device
   MixerParams params;             // the local problem (device pointers)
-  StreamBuffer init;              // [nseg, H, Dk, Dv] states entering the local segments
-  StreamBuffer chunk_states;      // [chunks, H, Dk, Dv]
-  StreamBuffer saved_t;           // MixerConfig::save_t: T's two parts, or empty
-  StreamBuffer maps_M;            // this rank's M [rows, H, m_size]
+  PoolArray<float> init;          // [nseg, H, Dk, Dv] states entering the local segments
+  PoolArray<float> chunk_states;  // [chunks, H, Dk, Dv]
+  PoolArray<std::byte> saved_t;   // MixerConfig::save_t: T's two parts, or empty
+  PoolArray<float> maps_M;        // this rank's M [rows, H, m_size]
   // Delta rules on ranks whose first segments continue from the previous
   // rank: those segments' maps (cuda::FirstSegmentMaps), from which backward
   // forms its pre-pass result with one GEMM per row instead of a reverse scan.
   bool first_maps = false;
-  StreamBuffer first_P;  // [rows, H, Dk, Dk] fp32
-  StreamBuffer first_H;  // [B, L, H, Dk] in the input dtype
+  PoolArray<float> first_P;      // [rows, H, Dk, Dk] fp32
+  PoolArray<std::byte> first_H;  // [B, L, H, Dk] in the input dtype
   // MixerConfig::keep_prepared: the forward's prepared workspace, handed to
   // the backward's PreparedBackward (null when not kept).
   std::unique_ptr<cuda::PreparedForward> kept;
@@ -161,13 +126,13 @@ struct CpMixer::DeviceState {
     (void)cudaStreamSynchronize(exchange);
     (void)cudaStreamSynchronize(compute);
     kept.reset();
-    local_cu_dev = StreamBuffer();
-    init = StreamBuffer();
-    chunk_states = StreamBuffer();
-    saved_t = StreamBuffer();
-    maps_M = StreamBuffer();
-    first_P = StreamBuffer();
-    first_H = StreamBuffer();
+    local_cu_dev = {};
+    init = {};
+    chunk_states = {};
+    saved_t = {};
+    maps_M = {};
+    first_P = {};
+    first_H = {};
     (void)cudaStreamSynchronize(compute);
     (void)cudaStreamDestroy(exchange);
     (void)cudaStreamDestroy(compute);
@@ -237,15 +202,14 @@ void check_device(const TensorView& t, const char* name) {
 // on all of them.
 void check_finite_device(const std::vector<std::pair<const TensorView*, const char*>>& inputs,
                          cudaStream_t stream) {
-  StreamBuffer counts(inputs.size() * sizeof(int64_t), stream);
-  SS_CUDA_CHECK(cudaMemsetAsync(counts.get<int64_t>(), 0, inputs.size() * sizeof(int64_t), stream));
+  PoolArray<int64_t> counts(inputs.size(), stream);
+  SS_CUDA_CHECK(cudaMemsetAsync(counts.get(), 0, inputs.size() * sizeof(int64_t), stream));
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const TensorView& t = *inputs[i].first;
-    if (t.defined())
-      cuda::count_nonfinite(t.data, t.numel(), t.dtype, counts.get<int64_t>() + i, stream);
+    if (t.defined()) cuda::count_nonfinite(t.data, t.numel(), t.dtype, counts.get() + i, stream);
   }
   std::vector<int64_t> host(inputs.size());
-  SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), counts.get<int64_t>(), host.size() * sizeof(int64_t),
+  SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), counts.get(), host.size() * sizeof(int64_t),
                                 cudaMemcpyDeviceToHost, stream));
   SS_CUDA_CHECK(cudaStreamSynchronize(stream));
   for (std::size_t i = 0; i < inputs.size(); ++i)
@@ -375,13 +339,13 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     chunks = count_chunks(host_view);
   });
   if (!ds.local_cu.empty()) {
-    ds.local_cu_dev = StreamBuffer(ds.local_cu.size() * sizeof(int64_t), cs);
-    SS_CUDA_CHECK(cudaMemcpyAsync(ds.local_cu_dev.get<int64_t>(), ds.local_cu.data(),
+    ds.local_cu_dev = PoolArray<int64_t>(ds.local_cu.size(), cs);
+    SS_CUDA_CHECK(cudaMemcpyAsync(ds.local_cu_dev.get(), ds.local_cu.data(),
                                   ds.local_cu.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
                                   cs));
-    p.cu_seqlens = ds.local_cu_dev.get<int64_t>();
+    p.cu_seqlens = ds.local_cu_dev.get();
   } else {
-    ds.local_cu_dev = StreamBuffer();
+    ds.local_cu_dev = {};
   }
 
   Events& ev = ds.events;
@@ -394,28 +358,27 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     if (!segs[i].from_prev && h0 != nullptr)
       copy_floats(ds.init.get() + i * H * state, h0 + segs[i].seq * H * state, H * state, cs);
   // With recompute_chunk_states backward re-runs the scan from ds.init instead.
-  ds.chunk_states =
-      config_.recompute_chunk_states
-          ? StreamBuffer()
-          : StreamBuffer(static_cast<std::size_t>(chunks * H * state) * sizeof(float), cs);
-  StreamBuffer finals(static_cast<std::size_t>(nseg * H * state) * sizeof(float), cs);
+  ds.chunk_states = config_.recompute_chunk_states
+                        ? PoolArray<float>()
+                        : PoolArray<float>(static_cast<std::size_t>(chunks * H * state), cs);
+  PoolArray<float> finals(static_cast<std::size_t>(nseg * H * state), cs);
   p.initial_state = ds.init.get();
   p.final_state = finals.get();
   p.chunk_states = ds.chunk_states.get();
   // T from the forward's prepare for the backward's re-run (and the
   // pre-pass's): MixerParams::saved_t, where the variant and dtype have one.
   ds.saved_t = config_.save_t && cuda::saved_t_supported(p)
-                   ? StreamBuffer(cuda::saved_t_bytes(p), cs)
-                   : StreamBuffer();
-  p.saved_t = ds.saved_t.get<void>();  // null when empty
+                   ? PoolArray<std::byte>(cuda::saved_t_bytes(p), cs)
+                   : PoolArray<std::byte>();
+  p.saved_t = ds.saved_t.get();  // null when empty
 
   ds.exchange_used = exchange_;
   const int64_t m_size = ds.diagonal ? Dk : Dk * Dk;
-  StreamBuffer maps_E, incoming;
+  PoolArray<float> maps_E, incoming;
   if (P > 1) {
-    ds.maps_M = StreamBuffer(static_cast<std::size_t>(rows * H * m_size) * sizeof(float), cs);
-    maps_E = StreamBuffer(static_cast<std::size_t>(rows * H * state) * sizeof(float), cs);
-    incoming = StreamBuffer(static_cast<std::size_t>(rows * H * state) * sizeof(float), cs);
+    ds.maps_M = PoolArray<float>(static_cast<std::size_t>(rows * H * m_size), cs);
+    maps_E = PoolArray<float>(static_cast<std::size_t>(rows * H * state), cs);
+    incoming = PoolArray<float>(static_cast<std::size_t>(rows * H * state), cs);
   }
   // The backward's pre-pass folded into the summary (delta rules): the maps
   // of the segments that continue from the previous rank. Additive rules keep
@@ -423,13 +386,13 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   ds.first_maps =
       P > 1 && !ds.diagonal &&
       std::any_of(segs.begin(), segs.end(), [](const LocalSegment& s) { return s.from_prev; });
-  ds.first_P = ds.first_maps
-                   ? StreamBuffer(static_cast<std::size_t>(rows * H * Dk * Dk) * sizeof(float), cs)
-                   : StreamBuffer();
-  ds.first_H = ds.first_maps ? StreamBuffer(static_cast<std::size_t>(g.batch * g.local_len * H * Dk) *
-                                                size_of(p.dtype),
-                                            cs)
-                             : StreamBuffer();
+  ds.first_P = ds.first_maps ? PoolArray<float>(static_cast<std::size_t>(rows * H * Dk * Dk), cs)
+                             : PoolArray<float>();
+  ds.first_H =
+      ds.first_maps
+          ? PoolArray<std::byte>(
+                static_cast<std::size_t>(g.batch * g.local_len * H * Dk) * size_of(p.dtype), cs)
+          : PoolArray<std::byte>();
   SS_CUDA_CHECK(cudaEventRecord(ev.e[1], cs));  // buffers allocated
   auto prepared = std::make_unique<cuda::PreparedForward>(p, cs);
   SS_CUDA_CHECK(cudaEventRecord(ev.e[8], cs));  // prepare done
@@ -445,16 +408,13 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     bool any_single = false;
     for (int64_t r = 0; r < rows; ++r) any_single |= cp_detail::single_continuing(segs, r);
     const bool need_M = need_E && rank != 0 && any_single;
-    const std::size_t m_bytes = static_cast<std::size_t>(rows * H * m_size) * sizeof(float);
     if (need_E || ds.first_maps) {
-      const cuda::FirstSegmentMaps first{ds.first_P.get(), ds.first_H.get<void>()};
+      const cuda::FirstSegmentMaps first{ds.first_P.get(), ds.first_H.get()};
       prepared->summary(ds.maps_M.get(), need_E ? maps_E.get() : nullptr, cs, need_M,
                         ds.first_maps ? &first : nullptr);
     }
-    if (!need_E)
-      SS_CUDA_CHECK(cudaMemsetAsync(
-          maps_E.get(), 0, static_cast<std::size_t>(rows * H * state) * sizeof(float), cs));
-    if (!need_M) SS_CUDA_CHECK(cudaMemsetAsync(ds.maps_M.get(), 0, m_bytes, cs));
+    if (!need_E) maps_E.zero();
+    if (!need_M) ds.maps_M.zero();
     for (int64_t r = 0; r < rows; ++r)
       if (!cp_detail::single_continuing(segs, r))
         SS_CUDA_CHECK(cudaMemsetAsync(ds.maps_M.get() + r * H * m_size, 0,
@@ -595,23 +555,22 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
   SS_CUDA_CHECK(cudaEventRecord(ev.e[0], cs));
   // Gradient entering each local segment's final state: the user's dht where
   // the sequence ends here, the next rank's dS_in where it continues.
-  StreamBuffer dfinal = zeros(static_cast<std::size_t>(nseg * H * state), cs);
+  PoolArray<float> dfinal = zeros(static_cast<std::size_t>(nseg * H * state), cs);
   const float* dht = a.d_final_state.defined() ? a.d_final_state.as<const float>() : nullptr;
   for (int64_t i = 0; i < nseg; ++i)
     if (!ds.segs[i].to_next && dht != nullptr)
       copy_floats(dfinal.get() + i * H * state, dht + ds.segs[i].seq * H * state, H * state, cs);
   bp.d_final_state = dfinal.get();
-  StreamBuffer dinit = zeros(static_cast<std::size_t>(nseg * H * state), cs);
+  PoolArray<float> dinit = zeros(static_cast<std::size_t>(nseg * H * state), cs);
   bp.d_initial_state = dinit.get();
 
   const int64_t rows = ds.rows;
   const int64_t m_size = ds.diagonal ? Dk : Dk * Dk;
-  StreamBuffer back_E, back_M, incoming;
+  PoolArray<float> back_E, back_M, incoming;
   if (P > 1) {
     back_E = zeros(static_cast<std::size_t>(rows * H * state), cs);
-    if (!ds.diagonal)
-      back_M = StreamBuffer(static_cast<std::size_t>(rows * H * m_size) * sizeof(float), cs);
-    incoming = StreamBuffer(static_cast<std::size_t>(rows * H * state) * sizeof(float), cs);
+    if (!ds.diagonal) back_M = PoolArray<float>(static_cast<std::size_t>(rows * H * m_size), cs);
+    incoming = PoolArray<float>(static_cast<std::size_t>(rows * H * state), cs);
   }
   SS_CUDA_CHECK(cudaEventRecord(ev.e[1], cs));  // buffers allocated
   // The state-independent tiles, prepared once for the pre-pass and the local
@@ -650,8 +609,8 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
         const LocalSegment& s = ds.segs[i];
         if (!s.from_prev) continue;
         const float* d_end = !s.to_next && dht != nullptr ? dfinal.get() + i * H * state : nullptr;
-        cuda::first_segment_state_grad(sp, ds.first_H.get<void>(), a.d_o.data, s.row, s.begin,
-                                       s.end, ds.first_P.get() + s.row * H * Dk * Dk, d_end,
+        cuda::first_segment_state_grad(sp, ds.first_H.get(), a.d_o.data, s.row, s.begin, s.end,
+                                       ds.first_P.get() + s.row * H * Dk * Dk, d_end,
                                        back_E.get() + s.row * H * state, maps_stream);
       }
     } else if (comm_.rank() != 0) {
@@ -691,8 +650,7 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
       if (ds.segs[i].to_next)
         copy_floats(dfinal.get() + i * H * state, incoming.get() + ds.segs[i].row * H * state,
                     H * state, cs);
-    SS_CUDA_CHECK(cudaMemsetAsync(dinit.get(), 0,
-                                  static_cast<std::size_t>(nseg * H * state) * sizeof(float), cs));
+    dinit.zero();
   } else {
     for (int i : {2, 3, 4}) SS_CUDA_CHECK(cudaEventRecord(ev.e[i], cs));
   }

@@ -28,25 +28,6 @@ struct Order {
   }
 };
 
-// fp32 device memory from statescan's pool (core/device_pool.h), released on
-// the same stream.
-class StreamFloats {
- public:
-  StreamFloats(std::size_t count, cudaStream_t stream) : stream_(stream) {
-    data_ = static_cast<float*>(pool_alloc(count * sizeof(float), stream));
-  }
-  ~StreamFloats() {
-    if (data_ != nullptr) pool_free(data_, stream_);
-  }
-  StreamFloats(const StreamFloats&) = delete;
-  StreamFloats& operator=(const StreamFloats&) = delete;
-  float* get() const { return data_; }
-
- private:
-  float* data_ = nullptr;
-  cudaStream_t stream_;
-};
-
 void copy_d2d(float* dst, const float* src, int64_t count, cudaStream_t stream) {
   if (count > 0)
     SS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(count) * sizeof(float),
@@ -118,7 +99,7 @@ int64_t scan_allgather(NcclCommunicator& comm, const DeviceScanMaps& d, const Or
                        cudaStream_t stream) {
   const int64_t n = d.maps() * (d.m_size() + d.dk * d.dv);
   const int64_t state = d.maps() * d.dk * d.dv;
-  StreamFloats all(static_cast<std::size_t>(n * ord.size), stream), next(state, stream);
+  PoolArray<float> all(static_cast<std::size_t>(n * ord.size), stream), next(state, stream);
   // In place: this rank's maps already sit at their slot of the result.
   float* mine = all.get() + n * comm.rank();
   pack(d, mine, stream);
@@ -143,7 +124,7 @@ int64_t scan_ring(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& 
   const int64_t blocks = std::min<int64_t>(4, d.dv);
   const int64_t width = (d.dv + blocks - 1) / blocks;
   const int64_t block_max = d.maps() * d.dk * width;
-  StreamFloats in(block_max, stream), out(block_max, stream);
+  PoolArray<float> in(block_max, stream), out(block_max, stream);
   cuda::DeviceMaps mine;
   mine.maps = d.maps();
   mine.dk = d.dk;
@@ -176,7 +157,7 @@ int64_t scan_tree(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& 
                   cudaStream_t stream) {
   const int64_t m_floats = d.maps() * d.m_size(), state = d.maps() * d.dk * d.dv;
   const int64_t n = m_floats + state;
-  StreamFloats acc(n, stream), got(n, stream), scratch(n, stream);
+  PoolArray<float> acc(n, stream), got(n, stream), scratch(n, stream);
   pack(d, acc.get(), stream);
   int64_t sent = 0;
   // Inclusive Kogge-Stone scan: after the round with distance `dist`, acc at

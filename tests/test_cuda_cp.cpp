@@ -793,6 +793,36 @@ TEST_F(DevicePool, LargeBlocksAreReusedInOrderAcrossStreams) {
   SS_CUDA_CHECK(cudaStreamDestroy(s2));
 }
 
+// PoolArray owns its block: a move hands it over (the source is left empty),
+// an assignment over a full array gives the old block back, zero() clears
+// every element in stream order.
+TEST_F(DevicePool, PoolArrayMovesOwnershipAndZeroes) {
+  const std::size_t n = std::size_t{1} << 20;  // 4 MiB of floats: a cached block
+  pool_release_cached();
+  PoolArray<float> a(n, nullptr);
+  ASSERT_NE(a.get(), nullptr);
+  EXPECT_EQ(a.size(), n);
+  SS_CUDA_CHECK(cudaMemsetAsync(a.get(), 0xFF, n * sizeof(float), nullptr));
+  float* const block = a.get();
+  PoolArray<float> b(std::move(a));
+  EXPECT_EQ(a.get(), nullptr);
+  EXPECT_EQ(a.size(), 0u);
+  EXPECT_EQ(b.get(), block);
+  b.zero();
+  std::vector<float> host(n, 1.f);
+  SS_CUDA_CHECK(
+      cudaMemcpyAsync(host.data(), b.get(), n * sizeof(float), cudaMemcpyDeviceToHost, nullptr));
+  SS_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  for (std::size_t i = 0; i < n; i += 997) ASSERT_EQ(host[i], 0.f) << i;
+  EXPECT_EQ(pool_idle_bytes(), 0u);
+  b = PoolArray<float>(n / 4, nullptr);             // 1 MiB: from the small pool
+  EXPECT_EQ(pool_idle_bytes(), n * sizeof(float));  // the 4 MiB block is back in the cache
+  b = PoolArray<float>();
+  EXPECT_EQ(b.get(), nullptr);
+  b.zero();  // nothing to clear
+  SS_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+}
+
 // Out of memory names the size and leaves the device usable.
 TEST_F(DevicePool, OutOfMemoryIsAnErrorNamingTheSize) {
   try {

@@ -348,7 +348,7 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, PreparedForward& for
     if (p.dtype != DType::f32) a.ws_states = nullptr;
     m.prep.chunk_states = p.chunk_states;
   } catch (...) {
-    if (m.workspace != nullptr) pool_free(m.workspace, stream);
+    pool_free(m.workspace, stream);
     pool_free(m.forward_workspace, f.stream);
     throw;
   }
@@ -356,8 +356,8 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, PreparedForward& for
 
 PreparedBackward::~PreparedBackward() {
   if (!impl_) return;
-  if (impl_->workspace != nullptr) pool_free(impl_->workspace, impl_->stream);
-  if (impl_->forward_workspace != nullptr) pool_free(impl_->forward_workspace, impl_->stream);
+  pool_free(impl_->workspace, impl_->stream);
+  pool_free(impl_->forward_workspace, impl_->stream);
 }
 
 void PreparedBackward::run(const MixerBwdParams& p, cudaStream_t stream) {

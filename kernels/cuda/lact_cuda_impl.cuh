@@ -188,40 +188,6 @@ static __global__ void split_k_sum_kernel(const float* partial, int slices, int 
 
 // ---- stream-ordered scratch -------------------------------------------------
 
-// An array from the stream-ordered pool, released on the same stream when it
-// goes out of scope (also when an exception unwinds).
-template <typename T>
-class Scratch {
- public:
-  Scratch() = default;
-  Scratch(std::size_t count, cudaStream_t stream) : stream_(stream), count_(count) {
-    if (count > 0) data_ = static_cast<T*>(pool_alloc(count * sizeof(T), stream));
-  }
-  ~Scratch() {
-    if (data_ != nullptr) pool_free(data_, stream_);
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  Scratch(Scratch&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), stream_(o.stream_), count_(o.count_) {}
-  Scratch& operator=(Scratch&& o) noexcept {
-    std::swap(data_, o.data_);
-    std::swap(stream_, o.stream_);
-    std::swap(count_, o.count_);
-    return *this;
-  }
-  T* get() const { return data_; }
-  std::size_t size() const { return count_; }
-  void zero() {
-    if (count_ > 0) SS_CUDA_CHECK(cudaMemsetAsync(data_, 0, count_ * sizeof(T), stream_));
-  }
-
- private:
-  T* data_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  std::size_t count_ = 0;
-};
-
 // Row kernels: one block per token row (grid-strided beyond 2^20 rows),
 // kRowThreads threads over its columns.
 constexpr int kRowThreads = 128;
@@ -269,8 +235,8 @@ inline int64_t split_k_slices(int64_t m, int64_t n, int64_t k, int64_t batch) {
 // largest split so far (a few shapes per layer; the pool's stream order keeps
 // old arrays alive for queued work).
 struct SplitKScratch {
-  Scratch<float> partial;
-  Scratch<uintptr_t> pointers;
+  PoolArray<float> partial;
+  PoolArray<uintptr_t> pointers;
 };
 
 // gemm() with the contraction in split_k_slices(m, n, k, batch) slices when C
@@ -290,9 +256,9 @@ inline void gemm_sliced(cublasHandle_t h, cudaStream_t stream, bool ta, bool tb,
   if (m == 0 || n == 0 || batch == 0) return;
   const int64_t ks = k / S, parts = batch * S;
   if (scratch.partial.size() < static_cast<std::size_t>(parts * m * n))
-    scratch.partial = Scratch<float>(static_cast<std::size_t>(parts * m * n), stream);
+    scratch.partial = PoolArray<float>(static_cast<std::size_t>(parts * m * n), stream);
   if (scratch.pointers.size() < static_cast<std::size_t>(3 * parts))
-    scratch.pointers = Scratch<uintptr_t>(static_cast<std::size_t>(3 * parts), stream);
+    scratch.pointers = PoolArray<uintptr_t>(static_cast<std::size_t>(3 * parts), stream);
   const void** pa = reinterpret_cast<const void**>(scratch.pointers.get());
   const void** pb = reinterpret_cast<const void**>(scratch.pointers.get() + parts);
   void** pc = reinterpret_cast<void**>(scratch.pointers.get() + 2 * parts);
@@ -1316,13 +1282,13 @@ class NewtonSchulz {
                  ", D = ", g.D);
     if (split_) {
       // The largest operand is m x n (m <= n).
-      split_a_ = Scratch<bf16>(3 * mats_ * m_ * n_, stream);
-      split_b_ = Scratch<bf16>(3 * mats_ * m_ * n_, stream);
+      split_a_ = PoolArray<bf16>(3 * mats_ * m_ * n_, stream);
+      split_b_ = PoolArray<bf16>(3 * mats_ * m_ * n_, stream);
     }
     if (keep_iterates) {
-      iterates_ = Scratch<U>(steps_ * mats_ * m_ * n_, stream);
-      dA_ = Scratch<U>(mats_ * m_ * m_, stream);
-      dB_ = Scratch<U>(mats_ * m_ * m_, stream);
+      iterates_ = PoolArray<U>(steps_ * mats_ * m_ * n_, stream);
+      dA_ = PoolArray<U>(mats_ * m_ * m_, stream);
+      dB_ = PoolArray<U>(mats_ * m_ * m_, stream);
     }
   }
   ~NewtonSchulz() {
@@ -1655,14 +1621,14 @@ class NewtonSchulz {
   int64_t M_, D_, m_, n_, mats_;
   int steps_;
   cudaStream_t stream_;
-  Scratch<U> X_, Y_, A_, Bm_, scale_, iterates_, dA_, dB_;
+  PoolArray<U> X_, Y_, A_, Bm_, scale_, iterates_, dA_, dB_;
   // Per-slice partial sums of the Frobenius norms: [mats, kNsSlices, 2].
-  Scratch<double> sums_;
+  PoolArray<double> sums_;
   bool split_ = std::is_same<U, float>::value && ns_gemms_requested() != NsGemms::fp32;
   // STATESCAN_LACT_NS=fused: split-mode products through ns_gemm_fused_kernel
   // where fused_fits (opt-in: passes the GPU suite, slower on an H200; README).
   bool fused_ = split_ && ns_gemms_requested() == NsGemms::fused;
-  Scratch<bf16> split_a_, split_b_;
+  PoolArray<bf16> split_a_, split_b_;
   SplitKey split_a_key_, split_b_key_;
   SplitKScratch split_k_;  // the split-mode GEMMs' split-K partials and pointers
 };
@@ -1689,31 +1655,31 @@ class LactGpu {
         w_init_.get(), g_.H, g_.M, g_.D, norm0_.get());
     SS_LAUNCH_CHECK("row_norms_kernel");
     const std::size_t nm = static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M);
-    h_ = Scratch<float>(2 * nm, stream);
-    e_ = Scratch<float>(nm, stream);
-    z_ = Scratch<T>(2 * nm, stream);
-    gate_ = Scratch<T>(nm, stream);
+    h_ = PoolArray<float>(2 * nm, stream);
+    e_ = PoolArray<float>(nm, stream);
+    z_ = PoolArray<T>(2 * nm, stream);
+    gate_ = PoolArray<T>(nm, stream);
     if (split_update_) {
-      z_lo_ = Scratch<T>(2 * nm, stream);
-      gate_lo_ = Scratch<T>(nm, stream);
+      z_lo_ = PoolArray<T>(2 * nm, stream);
+      gate_lo_ = PoolArray<T>(nm, stream);
     }
-    if (!std::is_same<T, float>::value) w_op_ = Scratch<T>(g_.state(), stream);
+    if (!std::is_same<T, float>::value) w_op_ = PoolArray<T>(g_.state(), stream);
   }
 
   void forward(const LactDeviceAllReduce& all_reduce, LactCudaSaved* saved) {
     const std::size_t state = static_cast<std::size_t>(g_.state());
-    Scratch<float> W(state, stream_), grads(state, stream_), vel, step;
+    PoolArray<float> W(state, stream_), grads(state, stream_), vel, step;
     load_weights_kernel<T><<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
         tok(p_.w0), tok(p_.w1), tok(p_.w2), g_.pairs, g_.H, g_.md(), W.get());
     SS_LAUNCH_CHECK("load_weights_kernel");
     if (momentum_) {
-      vel = Scratch<float>(state, stream_);
+      vel = PoolArray<float>(state, stream_);
       vel.zero();
     }
     const bool muon = p_.config.muon_steps > 0;
     std::unique_ptr<NewtonSchulz<U>> ns;
     if (muon) {
-      step = Scratch<float>(state, stream_);
+      step = PoolArray<float>(state, stream_);
       ns = std::make_unique<NewtonSchulz<U>>(g_, p_.config.muon_steps, false, stream_);
     }
     // Checkpoints: reused when a previous forward of the same size left them
@@ -1762,33 +1728,33 @@ class LactGpu {
     SS_CHECK_ARG(saved.weights.size() == static_cast<std::size_t>(g_.chunks) * state &&
                      saved.updates.size() == saved.weights.size(),
                  "saved", "checkpoints do not match this problem (run lact_cuda_forward first)");
-    Scratch<float> dW(state, stream_), dG(state, stream_), d_step(state, stream_), dvel, step,
+    PoolArray<float> dW(state, stream_), dG(state, stream_), d_step(state, stream_), dvel, step,
         w_next;
-    Scratch<float> d_norm0(g_.pairs * g_.norms(), stream_);
+    PoolArray<float> d_norm0(g_.pairs * g_.norms(), stream_);
     dW.zero();
     d_norm0.zero();
     if (momentum_) {
-      dvel = Scratch<float>(state, stream_);
+      dvel = PoolArray<float>(state, stream_);
       dvel.zero();
     }
     const bool muon = p_.config.muon_steps > 0;
     std::unique_ptr<NewtonSchulz<U>> ns;
-    Scratch<float> p_stage;
+    PoolArray<float> p_stage;
     if (muon) {
-      step = Scratch<float>(state, stream_);
-      p_stage = Scratch<float>(state, stream_);
+      step = PoolArray<float>(state, stream_);
+      p_stage = PoolArray<float>(state, stream_);
       ns = std::make_unique<NewtonSchulz<U>>(g_, p_.config.muon_steps, true, stream_);
     }
-    if (!causal_) w_next = Scratch<float>(state, stream_);
-    Scratch<T> dG_op;
-    if (!std::is_same<T, float>::value) dG_op = Scratch<T>(state, stream_);
-    u_ = Scratch<float>(2 * nm, stream_);
-    u1_ = Scratch<float>(nm, stream_);
-    de_ = Scratch<T>(nm, stream_);
-    dh_ = Scratch<T>(2 * nm, stream_);
-    dq_acc_ = Scratch<float>(tokens, stream_);
-    dk_acc_ = Scratch<float>(tokens, stream_);
-    dv_acc_ = Scratch<float>(tokens, stream_);
+    if (!causal_) w_next = PoolArray<float>(state, stream_);
+    PoolArray<T> dG_op;
+    if (!std::is_same<T, float>::value) dG_op = PoolArray<T>(state, stream_);
+    u_ = PoolArray<float>(2 * nm, stream_);
+    u1_ = PoolArray<float>(nm, stream_);
+    de_ = PoolArray<T>(nm, stream_);
+    dh_ = PoolArray<T>(2 * nm, stream_);
+    dq_acc_ = PoolArray<float>(tokens, stream_);
+    dk_acc_ = PoolArray<float>(tokens, stream_);
+    dv_acc_ = PoolArray<float>(tokens, stream_);
 
     for (int64_t c = g_.chunks - 1; c >= 0; --c) {
       const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
@@ -1838,7 +1804,7 @@ class LactGpu {
       if (causal_) apply_backward(gr, w_op, n, t0, dW.get());
     }
 
-    Scratch<float> d_init(g_.H * g_.block(), stream_);
+    PoolArray<float> d_init(g_.H * g_.block(), stream_);
     initial_grad_kernel<<<grid_for(d_init.size(), kThreads), kThreads, 0, stream_>>>(
         dW.get(), d_norm0.get(), w_init_.get(), norm0_.get(), g_.B, g_.H, g_.M, g_.D,
         p_.config.renorm, d_init.get());
@@ -2042,11 +2008,11 @@ class LactGpu {
   // 8e-3 and 2e-2). Costs 6 M D more forward GEMM FLOPs per token (18 -> 24),
   // with Muon only.
   bool split_update_;
-  Scratch<float> w_init_, norm0_;
+  PoolArray<float> w_init_, norm0_;
   // Rows of 2M: h_, u_ (fp32), z_, dh_ (operands); rows of M: e_, u1_ (fp32),
   // gate_, de_ (operands).
-  Scratch<float> h_, e_, u_, u1_, dq_acc_, dk_acc_, dv_acc_;
-  Scratch<T> z_, gate_, de_, dh_, w_op_, z_lo_, gate_lo_;
+  PoolArray<float> h_, e_, u_, u1_, dq_acc_, dk_acc_, dv_acc_;
+  PoolArray<T> z_, gate_, de_, dh_, w_op_, z_lo_, gate_lo_;
   SplitKScratch split_k_;  // gemm_t's split-K partials and pointer arrays
 };
 

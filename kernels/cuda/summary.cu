@@ -479,8 +479,8 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
                                                     p.dk, begin, end, M);
     SS_LAUNCH_CHECK("additive_decay_kernel");
   }
-  if (zero_u != nullptr) pool_free(zero_u, stream);
-  if (ident != nullptr) pool_free(ident, stream);
+  pool_free(zero_u, stream);
+  pool_free(ident, stream);
 }
 
 }  // namespace
@@ -530,7 +530,7 @@ PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
 }
 
 PreparedForward::~PreparedForward() {
-  if (impl_ && impl_->workspace != nullptr) pool_free(impl_->workspace, impl_->stream);
+  if (impl_) pool_free(impl_->workspace, impl_->stream);
 }
 
 void PreparedForward::summary(float* M, float* E, cudaStream_t stream, bool with_linear_part,
