@@ -68,6 +68,21 @@ cudaMemPool_t small_pool(State& s, int device) {
   return pool;
 }
 
+// Makes `device` current until destroyed, then restores the previous one
+// (cudaFree of a block is issued on the device that allocated it).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) : previous_(current_device()) {
+    if (device != previous_) SS_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceScope() { (void)cudaSetDevice(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_;
+};
+
 // Frees the idle blocks of `device` (all devices when < 0). Caller holds the lock.
 void release_idle(State& s, int device) {
   for (auto it = s.blocks.begin(); it != s.blocks.end();) {
@@ -76,6 +91,7 @@ void release_idle(State& s, int device) {
       ++it;
       continue;
     }
+    const DeviceScope scope(b.device);
     if (b.has_event) SS_CUDA_CHECK(cudaEventSynchronize(b.freed));
     SS_CUDA_CHECK(cudaFree(b.ptr));
     (void)cudaEventDestroy(b.freed);  // every cached block has one

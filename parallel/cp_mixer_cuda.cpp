@@ -216,6 +216,12 @@ void check_finite_device(const std::vector<std::pair<const TensorView*, const ch
     SS_CHECK_ARG(host[i] == 0, inputs[i].second, "has ", host[i], " non-finite (NaN/Inf) elements");
 }
 
+// The forward inputs the NaN/Inf check covers, with their argument names.
+std::vector<std::pair<const TensorView*, const char*>> forward_inputs(const CpForwardArgs& a) {
+  return {{&a.q, "q"}, {&a.k, "k"},       {&a.v, "v"},
+          {&a.g, "g"}, {&a.beta, "beta"}, {&a.initial_state, "initial_state"}};
+}
+
 // The communicator the mixer's host-side agreement uses: the one given to
 // set_control, else `comm` itself, or over NCCL a staged view of it (created
 // once in `slot`).
@@ -255,6 +261,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   Geometry g;
   std::vector<int64_t> host_cu;
   CpForwardArgs ha = a;  // a.cu_seqlens replaced by a host copy
+  bool prepare_checks = false;
   collective_check(ctl, [&] {
     check_device(a.q, "q");
     check_device(a.k, "k");
@@ -286,14 +293,16 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     rules.check_values = false;
     g = cp_detail::check_forward_local(ha, config_, rules);
     check_supported(g.dk, g.dv);
-    if (config_.check_finite)
-      check_finite_device({{&a.q, "q"},
-                           {&a.k, "k"},
-                           {&a.v, "v"},
-                           {&a.g, "g"},
-                           {&a.beta, "beta"},
-                           {&a.initial_state, "initial_state"}},
-                          cs);
+    if (config_.check_finite) {
+      // Where the prepare stage reads all of q, k, v, g, beta (16-bit inputs)
+      // it checks them itself (prepare_checks): no pass of their own.
+      MixerParams probe;
+      probe.variant = config_.variant;
+      probe.dtype = x;
+      probe.l2norm_qk = config_.l2norm_qk;
+      prepare_checks = cuda::prepare_checks_finite(probe);
+      if (!prepare_checks) check_finite_device(forward_inputs(a), cs);
+    }
   });
   cp_detail::agree_geometry(ctl, ha, config_, /*on_device=*/true, g);
 
@@ -393,9 +402,41 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
           ? PoolArray<std::byte>(
                 static_cast<std::size_t>(g.batch * g.local_len * H * Dk) * size_of(p.dtype), cs)
           : PoolArray<std::byte>();
+  PoolArray<unsigned> nonfinite;    // the prepare stage's NonFiniteInput bits
+  PoolArray<int64_t> nonfinite_h0;  // initial_state's NaN/Inf count
+  if (prepare_checks) {
+    nonfinite = PoolArray<unsigned>(1, cs);
+    nonfinite.zero();
+    nonfinite_h0 = PoolArray<int64_t>(1, cs);
+    nonfinite_h0.zero();
+  }
   SS_CUDA_CHECK(cudaEventRecord(ev.e[1], cs));  // buffers allocated
-  auto prepared = std::make_unique<cuda::PreparedForward>(p, cs);
+  auto prepared = std::make_unique<cuda::PreparedForward>(p, cs, nonfinite.get());
   SS_CUDA_CHECK(cudaEventRecord(ev.e[8], cs));  // prepare done
+  if (config_.check_finite) {
+    // The prepare stage's verdict on q, k, v, g, beta, agreed before anything
+    // leaves the rank (only the workspace is written so far). Every rank
+    // agrees here, also one whose check ran before (prepare_checks is local:
+    // STATESCAN_PREPARE may differ between processes).
+    unsigned bits = 0;
+    int64_t h0_count = 0;
+    if (prepare_checks) {  // initial_state (not read by the prepare) counted here: one sync
+      if (a.initial_state.defined())
+        cuda::count_nonfinite(a.initial_state.data, a.initial_state.numel(), DType::f32,
+                              nonfinite_h0.get(), cs);
+      SS_CUDA_CHECK(
+          cudaMemcpyAsync(&bits, nonfinite.get(), sizeof(bits), cudaMemcpyDeviceToHost, cs));
+      SS_CUDA_CHECK(cudaMemcpyAsync(&h0_count, nonfinite_h0.get(), sizeof(h0_count),
+                                    cudaMemcpyDeviceToHost, cs));
+      SS_CUDA_CHECK(cudaStreamSynchronize(cs));
+    }
+    collective_check(ctl, [&] {
+      if (bits == 0 && h0_count == 0) return;
+      check_finite_device(forward_inputs(a), cs);  // counts them, names the first
+      SS_FAIL("nonfinite", "the prepare stage flagged inputs (bits ", bits,
+              ") in which the count finds no NaN/Inf");
+    });
+  }
   if (P > 1) {
     // 1. summary from the prepared tiles. The last rank's map reaches no one
     // and the first rank's M only ever multiplies the zero state entering the

@@ -67,10 +67,12 @@ class DeviceTensor {
 // Runs forward (and backward when `backward`) of `mixer` on tokens [t0, t1)
 // of problem p, every tensor on the device in `dtype` (g and states fp32),
 // cotangents d_o (full [B,T,H,Dv]) and dht ([N,H,Dk,Dv] or empty). Outputs
-// are poisoned with NaN first so that unwritten elements show.
+// are poisoned with NaN first so that unwritten elements show. With
+// `o_on_error`, an error from the forward leaves o there before it propagates.
 inline CpOutputs run_cp_device(CpMixer& mixer, const ref::Problem& p, DType dtype, int64_t t0,
                                int64_t t1, const std::vector<double>& d_o,
-                               const std::vector<double>& dht, bool backward) {
+                               const std::vector<double>& dht, bool backward,
+                               std::vector<float>* o_on_error = nullptr) {
   const int64_t B = p.batch, T = p.seq_len, H = p.heads, Dk = p.dk, Dv = p.dv, L = t1 - t0;
   const int64_t N = p.num_sequences();
   const bool vec = vector_gate(p.variant);
@@ -106,7 +108,12 @@ inline CpOutputs run_cp_device(CpMixer& mixer, const ref::Problem& p, DType dtyp
   fa.initial_state = h0.view();
   fa.o = o.view();
   fa.final_state = ht.view();
-  mixer.forward(fa);
+  try {
+    mixer.forward(fa);
+  } catch (...) {
+    if (o_on_error != nullptr) *o_on_error = o.to_host();
+    throw;
+  }
 
   CpOutputs out;
   out.o = o.to_host();

@@ -449,6 +449,28 @@ TEST(AffineMapKernels, CountsNonFiniteElements) {
   }
 }
 
+// The prepare stage checks the inputs itself exactly where it reads them all:
+// 16-bit inputs through chunk_prepare16_kernel. fp32 inputs and linear
+// attention's raw path (no prepare stage) keep the separate count, and
+// PreparedForward refuses the flag word there (no device needed for either).
+TEST(CudaPrepareChecks, CoverTheSixteenBitPrepareOnly) {
+  MixerParams p;
+  for (Variant v : kAllVariants) {
+    p.variant = v;
+    p.l2norm_qk = false;
+    p.dtype = DType::bf16;
+    EXPECT_EQ(cuda::prepare_checks_finite(p), v != Variant::linear) << to_string(v);
+    p.dtype = DType::f16;
+    EXPECT_EQ(cuda::prepare_checks_finite(p), v != Variant::linear) << to_string(v);
+    p.l2norm_qk = true;  // the norm rewrites q, k: linear attention prepares too
+    EXPECT_TRUE(cuda::prepare_checks_finite(p)) << to_string(v);
+    p.dtype = DType::f32;
+    EXPECT_FALSE(cuda::prepare_checks_finite(p)) << to_string(v);
+  }
+  unsigned word = 0;  // never written: refused before anything is queued
+  expect_error([&] { cuda::PreparedForward(p, nullptr, &word); }, "nonfinite");
+}
+
 TEST(AffineMapKernels, FillsIdentity) {
   if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
   DeviceBuffer<float> out(2 * 8 * 8);
@@ -471,24 +493,31 @@ std::string mixer_name(const ::testing::TestParamInfo<MixerParam>& info) {
          (std::get<2>(info.param) == Layout::packed ? "_packed" : "_rows");
 }
 
+// The one-rank GPU suites' problem: two heads of 64, an initial state, the L2
+// norm for KDA; two rows of 150 tokens, or three sequences packed in 200.
+ProblemSpec one_rank_spec(Variant variant, Layout layout) {
+  ProblemSpec s;
+  s.variant = variant;
+  s.heads = 2;
+  s.dk = s.dv = 64;
+  s.with_h0 = true;
+  s.l2norm_qk = variant == Variant::kda;
+  if (layout == Layout::packed) {
+    s.seq_len = 200;
+    s.cu_seqlens = {0, 30, 131, 200};
+  } else {
+    s.batch = 2;
+    s.seq_len = 150;
+  }
+  return s;
+}
+
 class CpGpuSingleRank : public ::testing::TestWithParam<MixerParam> {
  protected:
   void SetUp() override {
     if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
     const auto [variant, dtype, layout] = GetParam();
-    ProblemSpec s;
-    s.variant = variant;
-    s.heads = 2;
-    s.dk = s.dv = 64;
-    s.with_h0 = true;
-    s.l2norm_qk = variant == Variant::kda;
-    if (layout == Layout::packed) {
-      s.seq_len = 200;
-      s.cu_seqlens = {0, 30, 131, 200};
-    } else {
-      s.batch = 2;
-      s.seq_len = 150;
-    }
+    const ProblemSpec s = one_rank_spec(variant, layout);
     const uint64_t seed = 300 + 31 * static_cast<uint64_t>(variant) +
                           7 * static_cast<uint64_t>(dtype) + (layout == Layout::packed ? 1 : 0);
     p_ = random_problem(s, seed);
@@ -729,6 +758,77 @@ TEST_F(CpGpuErrors, RefusesUnsupportedHeadDim) {
   round_problem(p_, DType::bf16);
   expect_refused("dk", [](CpForwardArgs&, std::vector<float>&) {});
 }
+
+// ---- the forward's NaN/Inf check, input by input ---------------------------------
+
+// Forward of `p` (every tensor on the device, q, k, v, beta in `dtype`) through
+// a fresh one-rank CpMixer with `cfg`: the argument its error names ("" when
+// it succeeds), and o, poisoned with NaN before the call, in *o.
+std::string forward_error(const ref::Problem& p, DType dtype, const MixerConfig& cfg,
+                          std::vector<float>* o) {
+  SingleRankCommunicator comm;
+  CpMixer mixer(comm, cfg, Exchange::ring);
+  try {
+    *o = run_cp_device(mixer, p, dtype, 0, p.seq_len, {}, {}, /*backward=*/false, o).o;
+  } catch (const Error& e) {
+    return e.argument();
+  }
+  return "";
+}
+
+class CpGpuNonFinite : public ::testing::TestWithParam<MixerParam> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+// A NaN or an Inf anywhere in any forward input is refused naming that input,
+// with o left unwritten: for 16-bit inputs the prepare stage finds it as it
+// reads (cuda::prepare_checks_finite; bf16 and f16 have different exponent
+// fields), for fp32 inputs and linear attention's raw path a separate count
+// does. Positions: the first element, one in the middle, the last (the last,
+// partial chunk of the last head's last dimension). The same inputs without
+// the bad value pass, every output written.
+TEST_P(CpGpuNonFinite, ForwardRefusesNanOrInfInAnyInputNamingIt) {
+  const auto [variant, dtype, layout] = GetParam();
+  const ProblemSpec s = one_rank_spec(variant, layout);
+  ref::Problem base = random_problem(s, 900 + 13 * static_cast<uint64_t>(variant));
+  round_problem(base, dtype);
+  MixerConfig cfg;
+  cfg.variant = variant;
+  cfg.chunk = 64;
+  cfg.l2norm_qk = s.l2norm_qk;
+  std::vector<float> o;
+  ASSERT_EQ(forward_error(base, dtype, cfg, &o), "");
+  for (float x : o) ASSERT_TRUE(std::isfinite(x)) << "o not written";
+
+  using Field = std::vector<double> ref::Problem::*;
+  const std::vector<std::pair<std::string, Field>> inputs = {
+      {"q", &ref::Problem::q}, {"k", &ref::Problem::k},       {"v", &ref::Problem::v},
+      {"g", &ref::Problem::g}, {"beta", &ref::Problem::beta}, {"initial_state", &ref::Problem::h0}};
+  int checked = 0;
+  for (const auto& [name, field] : inputs) {
+    const std::size_t n = (base.*field).size();
+    if (n == 0) continue;  // the variant has no such input
+    for (const std::size_t at : {std::size_t{0}, n / 2 + 1, n - 1}) {
+      SCOPED_TRACE(name + "[" + std::to_string(at) + "]");
+      ref::Problem p = base;
+      (p.*field)[at] = at % 2 == 1 ? std::numeric_limits<double>::infinity()
+                                   : std::numeric_limits<double>::quiet_NaN();
+      EXPECT_EQ(forward_error(p, dtype, cfg, &o), name);
+      for (float x : o) ASSERT_TRUE(std::isnan(x)) << "o written despite the error";
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 4 * 3);  // q, k, v, initial_state at least
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, CpGpuNonFinite,
+                         ::testing::Combine(::testing::ValuesIn(kAllVariants),
+                                            ::testing::Values(DType::f32, DType::bf16, DType::f16),
+                                            ::testing::Values(Layout::rows, Layout::packed)),
+                         mixer_name);
 
 // ---- statescan's device pool (core/device_pool.h) ----------------------------------
 

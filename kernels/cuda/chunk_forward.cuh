@@ -92,6 +92,11 @@ struct ForwardArgs : MixerTensors {
   int num_sms = 132;
   int scan_block_cols = 0;          // 16 or 32 to force the scan's Dv block; 0 = by occupancy
   bool prepare_fp32_tiles = false;  // 16-bit inputs through chunk_prepare_kernel (A/B knob)
+  // The NaN/Inf check inside chunk_prepare16_kernel (PreparedForward's
+  // `nonfinite`, cp_kernels.h): where non-null, a thread that reads a
+  // non-finite element of q, k, v, g or beta ORs that input's NonFiniteInput
+  // bit into it. Only the 16-bit prepare reads it (prepare_checks_finite).
+  unsigned* nonfinite = nullptr;
   bool scan_wmma = false;           // 16-bit inputs through chunk_state_scan_kernel (A/B knob)
   // A scan that keeps only the final state (no chunk states, V' or output:
   // the CP summary's E and M) as one CTA per head and segment

@@ -47,6 +47,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/chunk_tile_ops.cuh"
+#include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/warp_mma.cuh"
 
 namespace statescan::cuda::detail {
@@ -105,6 +106,46 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uin
 template <typename T>
 __device__ __forceinline__ void split_store(T* p_hi, T* p_lo, float x0, float x1) {
   split_pair<T>(x0, x1, *reinterpret_cast<uint32_t*>(p_hi), *reinterpret_cast<uint32_t*>(p_lo));
+}
+
+// The CP mixer's NaN/Inf check inside the prepare stage (ForwardArgs::
+// nonfinite): the prepare reads every element of q, k, v, g and beta once
+// anyway, so testing them as they arrive replaces a separate pass over the
+// inputs (~0.7 ms of a 28 ms KDA step at 128K tokens, H = 16: PERF_NOTES,
+// twenty-third session). A value is non-finite when its exponent bits are
+// all set.
+// nonfinite_bits: bit 15 (31) set where the low (high) 16-bit half of w has
+// every exponent bit set, i.e. is NaN or Inf: the exponent's lowest bit added
+// to an all-ones exponent carries into the sign position; smaller exponents
+// stay below it, and no carry crosses from the low half into the high one.
+// Three instructions per pair (and, add, or into the accumulator): the
+// prepare stage issues an instruction on most cycles.
+template <typename T>
+__device__ __forceinline__ uint32_t nonfinite_bits(uint32_t w) {
+  constexpr uint32_t e = std::is_same_v<T, __half> ? 0x7C00u : 0x7F80u;
+  constexpr uint32_t one = std::is_same_v<T, __half> ? 0x0400u : 0x0080u;
+  return (w & (e | e << 16)) + (one | one << 16);
+}
+template <typename T>
+__device__ __forceinline__ uint32_t nonfinite_bits(uint4 w) {
+  return nonfinite_bits<T>(w.x) | nonfinite_bits<T>(w.y) | nonfinite_bits<T>(w.z) |
+         nonfinite_bits<T>(w.w);
+}
+// The same for an fp32 value: bit 31.
+__device__ __forceinline__ uint32_t nonfinite_bits(float x) {
+  return (__float_as_uint(x) & 0x7F800000u) + 0x00800000u;
+}
+__device__ __forceinline__ uint32_t nonfinite_bits(float4 x) {
+  return nonfinite_bits(x.x) | nonfinite_bits(x.y) | nonfinite_bits(x.z) | nonfinite_bits(x.w);
+}
+// Whether an OR of nonfinite_bits results saw a NaN or Inf.
+__device__ __forceinline__ bool any_nonfinite(uint32_t acc) {
+  return (acc & 0x80008000u) != 0;
+}
+// ORs `bit` (NonFiniteInput) into *flags: only threads that saw a non-finite
+// value get here, so a finite chunk issues no atomics.
+__device__ __forceinline__ void flag_nonfinite(unsigned* flags, bool bad, unsigned bit) {
+  if (flags != nullptr && bad) atomicOr(flags, bit);
 }
 
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm, int kChunk>
@@ -180,6 +221,18 @@ __global__ void __launch_bounds__(512, 2)
   // reads them; their loads are issued first.
   QKRows<kWarps, Dk, T> qk;
   qk.load(q_in, k_in, row, C, L);
+  if (a.nonfinite != nullptr) {  // rows past the chunk's end are zeros
+    uint32_t bad_q = 0, bad_k = 0;
+#pragma unroll
+    for (int i = 0; i < decltype(qk)::kRows; ++i)
+#pragma unroll
+      for (int e = 0; e < decltype(qk)::kPairs; ++e) {
+        bad_q |= nonfinite_bits<T>(qk.wq[i][e]);
+        bad_k |= nonfinite_bits<T>(qk.wk[i][e]);
+      }
+    flag_nonfinite(a.nonfinite, any_nonfinite(bad_q), kNonFiniteQ);
+    flag_nonfinite(a.nonfinite, any_nonfinite(bad_k), kNonFiniteK);
+  }
   // Delta rules without vector gates: v's raw rows (U's exact operand) by
   // cp.async into S3, and a saved T's two parts (ForwardArgs::t_given: the
   // backward's re-run; the host refuses it with vector gates) into
@@ -201,23 +254,27 @@ __global__ void __launch_bounds__(512, 2)
 #pragma unroll 4  // independent loads in flight together
     for (int idx = tid; idx < C * kRowVecs; idx += kThreads) {
       const int t = idx / kRowVecs, j = (idx % kRowVecs) * kVec;
-      *reinterpret_cast<uint4*>(out_u + t * Dv + j) =
-          t < L ? *reinterpret_cast<const uint4*>(v_in + row(t) * Dv + j)
-                : make_uint4(0u, 0u, 0u, 0u);
+      const uint4 x = t < L ? *reinterpret_cast<const uint4*>(v_in + row(t) * Dv + j)
+                            : make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(out_u + t * Dv + j) = x;
+      flag_nonfinite(a.nonfinite, any_nonfinite(nonfinite_bits<T>(x)), kNonFiniteV);
     }
   }
   if constexpr (kVector) {
 #pragma unroll 4  // independent loads in flight together
     for (int idx = tid; idx < C * Dk / 4; idx += kThreads) {
       const int t = idx / (Dk / 4), d = (idx % (Dk / 4)) * 4;
-      *reinterpret_cast<float4*>(sB + t * kLdB + d) =
-          t < L ? load4(a.g + row(t) * Dk + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float4 x = t < L ? load4(a.g + row(t) * Dk + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+      *reinterpret_cast<float4*>(sB + t * kLdB + d) = x;
+      flag_nonfinite(a.nonfinite, any_nonfinite(nonfinite_bits(x)), kNonFiniteG);
     }
   }
   if (tid < kMC) {
     const bool valid = tid < L;
     sBeta[tid] = kDelta && valid ? to_float(static_cast<const T*>(a.beta)[row(tid)]) : 0.f;
     sG[tid] = kScalar && valid ? a.g[row(tid)] : 0.f;
+    flag_nonfinite(a.nonfinite, any_nonfinite(nonfinite_bits(sBeta[tid])), kNonFiniteBeta);
+    flag_nonfinite(a.nonfinite, any_nonfinite(nonfinite_bits(sG[tid])), kNonFiniteG);
   }
   qk.template normalise<kL2Norm>();
   qk.store_factors(sRq, sRk, C);
@@ -412,6 +469,14 @@ __global__ void __launch_bounds__(512, 2)
                                                                          Rows::col_of(e))
                                     : 0u;
       }
+      if (a.nonfinite != nullptr) {
+        uint32_t bad_v = 0;
+#pragma unroll
+        for (int i = 0; i < Rows::kRows; ++i)
+#pragma unroll
+          for (int e = 0; e < Rows::kPairs; ++e) bad_v |= nonfinite_bits<T>(wv[i][e]);
+        flag_nonfinite(a.nonfinite, any_nonfinite(bad_v), kNonFiniteV);
+      }
       for_own_pairs([&](int t, int i, int e, int d) {
         const float2 k2 = qk.k(i, e), up = up2(t, d);
         split_store(s1 + t * kLdK + d, sLoK + t * kLdK + d, sBeta[t] * k2.x * up.x,
@@ -434,6 +499,14 @@ __global__ void __launch_bounds__(512, 2)
       }
       cp_async_wait<0>();  // v's rows, a saved T's parts
       __syncthreads();
+      if (a.nonfinite != nullptr) {  // v's raw rows, now in S3 (zeros past the end)
+        constexpr int kRowVecs = Dv / 8;
+        uint32_t bad_v = 0;
+        for (int idx = tid; idx < C * kRowVecs; idx += kThreads)
+          bad_v |= nonfinite_bits<T>(
+              *reinterpret_cast<const uint4*>(s3 + (idx / kRowVecs) * kLdK + (idx % kRowVecs) * 8));
+        flag_nonfinite(a.nonfinite, any_nonfinite(bad_v), kNonFiniteV);
+      }
       // T as its two 16-bit parts (solved here or saved: the same values
       // either way), then T diag(c) into hT, hTlo and T diag(beta) into hU,
       // hUlo (in place of a saved T's parts: each pair is read, then written,

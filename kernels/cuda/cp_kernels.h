@@ -51,6 +51,12 @@ enum class SummaryScan { automatic, per_head, blocks };
 SummaryScan summary_scan();
 void set_summary_scan(SummaryScan scan);
 
+// Whether PreparedForward's prepare stage reads all of q, k, v, g and beta
+// and can check them for NaN/Inf (its `nonfinite`): 16-bit inputs through
+// chunk_prepare16_kernel, i.e. not fp32, not linear attention's raw path (no
+// prepare stage: cuda::reads_inputs_directly), not STATESCAN_PREPARE=fp32.
+bool prepare_checks_finite(const MixerParams& p);
+
 // PreparedBackward's adopting constructor takes a PreparedForward's
 // workspace through this (summary.cu; AdoptedForward in forward_plan.cuh).
 class PreparedForward;
@@ -79,14 +85,28 @@ struct AdoptedForward;
 AdoptedForward adopt(PreparedForward& forward);
 }  // namespace detail
 
+// Bits of PreparedForward's `nonfinite` word, one per input the prepare
+// stage checks.
+enum NonFiniteInput : unsigned {
+  kNonFiniteQ = 1u,
+  kNonFiniteK = 2u,
+  kNonFiniteV = 4u,
+  kNonFiniteG = 8u,
+  kNonFiniteBeta = 16u,
+};
+
 class PreparedForward {
  public:
   // Validates `p` (device pointers, cu_seqlens included; synchronises `stream`
-  // once in packed mode to read it), takes the workspace from the stream-
-  // ordered pool and queues the prepare stage. p.o, p.final_state,
+  // once in packed mode to read it), takes the workspace from statescan's
+  // pool and queues the prepare stage. p.o, p.final_state,
   // p.chunk_states and p.initial_state are the pointers finish() uses; the
   // *contents* of p.initial_state may change until finish() is queued.
-  PreparedForward(const MixerParams& p, cudaStream_t stream);
+  // With `nonfinite` (a device word, zeroed by the caller; only where
+  // prepare_checks_finite(p)), the prepare stage also ORs into it the
+  // NonFiniteInput bit of every input among q, k, v, g, beta in which it
+  // reads a NaN or Inf: the CP mixer's input check without a pass of its own.
+  PreparedForward(const MixerParams& p, cudaStream_t stream, unsigned* nonfinite = nullptr);
   ~PreparedForward();  // frees the workspace on the construction stream
   PreparedForward(const PreparedForward&) = delete;
   PreparedForward& operator=(const PreparedForward&) = delete;

@@ -221,6 +221,10 @@ bool reads_inputs_directly(const MixerParams& p) {
          !k.prepare_fp32_tiles && !k.scan_wmma && !k.linear_tiles;
 }
 
+bool prepare_checks_finite(const MixerParams& p) {
+  return p.dtype != DType::f32 && !reads_inputs_directly(p) && !kernel_knobs().prepare_fp32_tiles;
+}
+
 namespace {
 
 bool aligned16(const void* ptr) {

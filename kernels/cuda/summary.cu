@@ -509,8 +509,10 @@ struct PreparedForward::Impl {
   ForwardPlan plan;
 };
 
-PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
+PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream, unsigned* nonfinite)
     : impl_(std::make_unique<Impl>()) {
+  SS_CHECK_ARG(nonfinite == nullptr || prepare_checks_finite(p), "nonfinite",
+               "the prepare stage checks 16-bit inputs only (prepare_checks_finite)");
   Impl& s = *impl_;
   s.params = p;
   s.stream = stream;
@@ -521,8 +523,11 @@ PreparedForward::PreparedForward(const MixerParams& p, cudaStream_t stream)
                                   /*for_backward=*/true);
     // Kernels that read the inputs need no tiles: not for the summary, not
     // for finish(), not for a backward that adopts this workspace.
-    if (detail::forward_stages(s.plan.args) & detail::kStagePrepare)
-      detail::launch_forward_stages(p, s.plan.args, detail::kStagePrepare, stream);
+    if (detail::forward_stages(s.plan.args) & detail::kStagePrepare) {
+      ForwardArgs prep = s.plan.args;
+      prep.nonfinite = nonfinite;
+      detail::launch_forward_stages(p, prep, detail::kStagePrepare, stream);
+    }
   } catch (...) {
     pool_free(s.workspace, stream);
     throw;
