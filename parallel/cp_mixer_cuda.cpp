@@ -203,7 +203,7 @@ void check_device(const TensorView& t, const char* name) {
 void check_finite_device(const std::vector<std::pair<const TensorView*, const char*>>& inputs,
                          cudaStream_t stream) {
   PoolArray<int64_t> counts(inputs.size(), stream);
-  SS_CUDA_CHECK(cudaMemsetAsync(counts.get(), 0, inputs.size() * sizeof(int64_t), stream));
+  counts.zero();
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const TensorView& t = *inputs[i].first;
     if (t.defined()) cuda::count_nonfinite(t.data, t.numel(), t.dtype, counts.get() + i, stream);
@@ -295,7 +295,8 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     check_supported(g.dk, g.dv);
     if (config_.check_finite) {
       // Where the prepare stage reads all of q, k, v, g, beta (16-bit inputs)
-      // it checks them itself (prepare_checks): no pass of their own.
+      // it checks them itself (prepare_checks): no pass of their own here;
+      // initial_state is counted after the prepare, in the same host sync.
       MixerParams probe;
       probe.variant = config_.variant;
       probe.dtype = x;
