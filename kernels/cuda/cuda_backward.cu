@@ -377,15 +377,8 @@ void PreparedBackward::run(const MixerBwdParams& p, cudaStream_t stream) {
 void mixer_backward(const MixerBwdParams& p, cudaStream_t stream) {
   check_backward_args(p);
   const size_t bytes = backward_workspace_bytes(p, p.recompute_chunk_states && !p.state_grad_only);
-  void* workspace = nullptr;
-  workspace = pool_alloc(bytes, stream);
-  try {
-    mixer_backward(p, workspace, bytes, stream);
-  } catch (...) {
-    pool_free(workspace, stream);
-    throw;
-  }
-  pool_free(workspace, stream);
+  const PoolArray<std::byte> workspace(bytes, stream);
+  mixer_backward(p, workspace.get(), bytes, stream);
 }
 
 }  // namespace statescan::cuda

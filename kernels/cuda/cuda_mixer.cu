@@ -448,15 +448,8 @@ void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes
 void mixer_forward(const MixerParams& p, cudaStream_t stream) {
   check_supported(p);
   const size_t bytes = forward_workspace_bytes(p);
-  void* workspace = nullptr;
-  workspace = pool_alloc(bytes, stream);
-  try {
-    mixer_forward(p, workspace, bytes, stream);
-  } catch (...) {
-    pool_free(workspace, stream);
-    throw;
-  }
-  pool_free(workspace, stream);
+  const PoolArray<std::byte> workspace(bytes, stream);
+  mixer_forward(p, workspace.get(), bytes, stream);
 }
 
 }  // namespace statescan::cuda

@@ -54,7 +54,8 @@ __global__ void first_bad_kernel(const T* x, int64_t n, bool positive, unsigned 
 template <typename T>
 void check_elements(const T* x, int64_t n, bool positive, const char* name, cudaStream_t stream) {
   if (n <= 0) return;
-  auto* first = static_cast<unsigned long long*>(pool_alloc(sizeof(unsigned long long), stream));
+  const PoolArray<unsigned long long> slot(1, stream);
+  unsigned long long* first = slot.get();
   const unsigned long long none = static_cast<unsigned long long>(n);
   unsigned long long found = none;
   T bad{};
@@ -69,7 +70,6 @@ void check_elements(const T* x, int64_t n, bool positive, const char* name, cuda
   if (rc == cudaSuccess)
     rc = cudaMemcpyAsync(&found, first, sizeof(found), cudaMemcpyDeviceToHost, stream);
   if (rc == cudaSuccess) rc = cudaStreamSynchronize(stream);
-  pool_free(first, stream);
   SS_CUDA_CHECK(rc);
   if (found == none) return;
   SS_CUDA_CHECK(cudaMemcpy(&bad, x + found, sizeof(T), cudaMemcpyDeviceToHost));

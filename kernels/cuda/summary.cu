@@ -179,14 +179,10 @@ void summary_by_products(const MixerParams& p, const ForwardArgs& a, int64_t fir
   SS_CUBLAS_CHECK(cublasSetStream(handle, stream));
   // Two levels' worth of maps: level L in (m_a, e_a) or (m_b, e_b) alternately.
   const int64_t half = (count + 1) / 2;
-  float *m_a = nullptr, *e_a = nullptr, *m_b = nullptr, *e_b = nullptr;
-  auto alloc = [&](float** ptr, int64_t floats) {
-    *ptr = static_cast<float*>(pool_alloc(static_cast<size_t>(floats) * sizeof(float), stream));
-  };
-  alloc(&m_a, count * H * D2);
-  alloc(&e_a, count * H * DE);
-  alloc(&m_b, half * H * D2);
-  alloc(&e_b, half * H * DE);
+  auto floats = [&](int64_t n) { return PoolArray<float>(static_cast<size_t>(n), stream); };
+  const PoolArray<float> maps_a = floats(count * H * D2), adds_a = floats(count * H * DE),
+                         maps_b = floats(half * H * D2), adds_b = floats(half * H * DE);
+  float *m_a = maps_a.get(), *e_a = adds_a.get(), *m_b = maps_b.get(), *e_b = adds_b.get();
   const int64_t n = count * H * D2;
   diag_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(m_a, a.ws_decay,
                                                                           first * H, count * H, D);
@@ -216,8 +212,8 @@ void summary_by_products(const MixerParams& p, const ForwardArgs& a, int64_t fir
       p.dtype == DType::f32 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
   // Device pointer arrays of one level: M pairs (A, B, C) then E pairs (A, B, C).
   const int64_t max_batch = (count / 2 + 1) * H;
-  auto** ptrs =
-      static_cast<void**>(pool_alloc(static_cast<size_t>(6 * max_batch) * sizeof(void*), stream));
+  const PoolArray<void*> pointers(static_cast<size_t>(6 * max_batch), stream);
+  void** ptrs = pointers.get();
   std::vector<void*> host;
   float *cur_m = m_a, *cur_e = e_a, *nxt_m = m_b, *nxt_e = e_b;
   int64_t m = count;
@@ -283,9 +279,6 @@ void summary_by_products(const MixerParams& p, const ForwardArgs& a, int64_t fir
                                   cudaMemcpyDeviceToDevice, stream));
   SS_CUDA_CHECK(cudaMemcpyAsync(E_out, cur_e, static_cast<size_t>(H * DE) * sizeof(float),
                                 cudaMemcpyDeviceToDevice, stream));
-  for (void* ptr : {static_cast<void*>(ptrs), static_cast<void*>(m_a), static_cast<void*>(e_a),
-                    static_cast<void*>(m_b), static_cast<void*>(e_b)})
-    pool_free(ptr, stream);
 }
 
 // A stream forked from `origin` (it starts after everything queued there so
@@ -382,16 +375,14 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   // A delta rule's linear part is the scan of the identity with U = 0: M's
   // (last segment, outputs off), or the first segments' maps (outputs on).
   const bool m_scan = delta && with_linear_part && first == nullptr && !products;
-  void* zero_u = nullptr;
-  float* ident = nullptr;
+  PoolArray<std::byte> zero_u;
+  PoolArray<float> ident;
   if (m_scan || first != nullptr) {
-    const size_t u_bytes =
-        static_cast<size_t>(plan.num_chunks) * p.heads * p.chunk * p.dv * size_of(p.dtype);
-    const size_t ident_floats = static_cast<size_t>(rows * p.heads * p.dk * p.dv);
-    zero_u = pool_alloc(u_bytes, stream);
-    ident = static_cast<float*>(pool_alloc(ident_floats * sizeof(float), stream));
-    SS_CUDA_CHECK(cudaMemsetAsync(zero_u, 0, u_bytes, stream));
-    fill_identity(ident, rows * p.heads, p.dk, p.dv, stream);
+    zero_u = PoolArray<std::byte>(
+        static_cast<size_t>(plan.num_chunks) * p.heads * p.chunk * p.dv * size_of(p.dtype), stream);
+    ident = PoolArray<float>(static_cast<size_t>(rows * p.heads * p.dk * p.dv), stream);
+    zero_u.zero();
+    fill_identity(ident.get(), rows * p.heads, p.dk, p.dv, stream);
   }
   ForwardArgs a = last_segment_args(p, plan);
   a.final_state = E;
@@ -399,12 +390,12 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   ForwardArgs m;  // the linear part's scan, when there is one
   int m_stages = detail::kStageScan;
   if (first != nullptr) {
-    m = first_segment_args(p, plan, *first, zero_u, ident);
+    m = first_segment_args(p, plan, *first, zero_u.get(), ident.get());
     m_stages |= detail::kStageOutput;
   } else if (m_scan) {
     m = last_segment_args(p, plan);
-    m.ws_u = zero_u;
-    m.initial_state = ident;
+    m.ws_u = zero_u.get();
+    m.initial_state = ident.get();
     m.final_state = M;
   }
   // E and M (outputs off) as one CTA per head and segment where supported:
@@ -479,8 +470,6 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
                                                     p.dk, begin, end, M);
     SS_LAUNCH_CHECK("additive_decay_kernel");
   }
-  pool_free(zero_u, stream);
-  pool_free(ident, stream);
 }
 
 }  // namespace
