@@ -287,8 +287,20 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
       first_P(H * D * D);
   const bool delta = has_beta(variant);
   DeviceBuffer<unsigned char> first_H(delta ? tokens * D * elem : 1);
-  const cuda::FirstSegmentMaps first{first_P.data(), first_H.data()};
-  const cuda::FirstSegmentMaps* first_maps = delta ? &first : nullptr;
+  // The first segment's maps as the summary about to run makes them (its
+  // piece count depends on whether E runs beside, and on the method); the
+  // pre-pass below reads the last ones made.
+  cuda::FirstSegmentMaps first{first_P.data(), first_H.data()};
+  std::unique_ptr<DeviceBuffer<float>> piece_P;
+  auto first_maps_for = [&](const MixerParams& mp, bool with_E) -> cuda::FirstSegmentMaps* {
+    if (!delta) return nullptr;
+    first.pieces = cuda::summary_pieces(mp, with_E);
+    const std::size_t need = static_cast<std::size_t>(first.pieces * H * D * D);
+    if (first.pieces > 1 && (!piece_P || piece_P->size() < need))
+      piece_P = std::make_unique<DeviceBuffer<float>>(need);
+    first.piece_P = first.pieces > 1 ? piece_P->data() : nullptr;
+    return &first;
+  };
   fill(q.data(), tokens * D, o.dtype, 1, Fill::normal);
   fill(k.data(), tokens * D, o.dtype, 2, Fill::normal);
   fill(v.data(), tokens * D, o.dtype, 3, Fill::normal);
@@ -332,7 +344,7 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
         mark();
         cuda::PreparedForward prepared(p, stream);
         mark();
-        prepared.summary(M.data(), E.data(), stream, true, first_maps);
+        prepared.summary(M.data(), E.data(), stream, true, first_maps_for(p, true));
         mark();
         prepared.finish(stream);
         mark();
@@ -351,7 +363,7 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
       m.summary_scan_ms = median_ms(o.warmup, o.iters, stream,
                                     [&] { prepared.summary(M.data(), E.data(), stream); });
       m.summary_first_ms = median_ms(o.warmup, o.iters, stream, [&] {
-        prepared.summary(M.data(), nullptr, stream, false, first_maps);
+        prepared.summary(M.data(), nullptr, stream, false, first_maps_for(p, false));
       });
     }
   }
@@ -362,10 +374,12 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
                                                                   : cuda::LinearPart::scan);
     cuda::PreparedForward prepared(p, stream);
     m.summary_other_ms = median_ms(o.warmup, o.iters, stream, [&] {
-      prepared.summary(M.data(), E.data(), stream, true, first_maps);
+      prepared.summary(M.data(), E.data(), stream, true, first_maps_for(p, true));
     });
     cuda::set_summary_linear_part(saved);
     m.other_name = saved == cuda::LinearPart::scan ? "products" : "scan";
+    // Back to the default method's maps (and M, E) for the pre-pass below.
+    prepared.summary(M.data(), E.data(), stream, true, first_maps_for(p, true));
   }
 
   // Merge-side map work: S_in = M S + E for every head (forward), plus M^T
@@ -419,8 +433,8 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
       // A middle rank's pre-pass from the maps of the last summary above.
       m.prepass_scan_ms = bwd_pieces[1];
       m.prepass_ms = median_ms(o.warmup, o.iters, stream, [&] {
-        cuda::first_segment_state_grad(p, first_H.data(), d_o.data(), 0, 0, T, first_P.data(),
-                                       nullptr, d_init.data(), stream);
+        cuda::first_segment_state_grad(p, first, d_o.data(), 0, 0, T, nullptr, d_init.data(),
+                                       stream);
       });
     }
     measure_cp_single_rank(o, variant, p, bp, stream, m);

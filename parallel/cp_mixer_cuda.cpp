@@ -108,6 +108,13 @@ struct CpMixer::DeviceState {
   bool first_maps = false;
   PoolArray<float> first_P;      // [rows, H, Dk, Dk] fp32
   PoolArray<std::byte> first_H;  // [B, L, H, Dk] in the input dtype
+  // Two-level summary (cuda::summary_pieces > 1): the maps of each row's runs
+  // [rows, pieces, H, Dk, Dk] fp32; empty with one piece.
+  PoolArray<float> first_piece_P;
+  int64_t first_pieces = 1;
+  cuda::FirstSegmentMaps first_segment_maps() const {
+    return {first_P.get(), first_H.get(), first_piece_P.get(), first_pieces};
+  }
   // MixerConfig::keep_prepared: the forward's prepared workspace, handed to
   // the backward's PreparedBackward (null when not kept).
   std::unique_ptr<cuda::PreparedForward> kept;
@@ -133,6 +140,7 @@ struct CpMixer::DeviceState {
     maps_M = {};
     first_P = {};
     first_H = {};
+    first_piece_P = {};
     (void)cudaStreamSynchronize(compute);
     (void)cudaStreamDestroy(exchange);
     (void)cudaStreamDestroy(compute);
@@ -396,6 +404,8 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   ds.first_maps =
       P > 1 && !ds.diagonal &&
       std::any_of(segs.begin(), segs.end(), [](const LocalSegment& s) { return s.from_prev; });
+  ds.first_piece_P = {};  // sized at the summary (cuda::summary_pieces)
+  ds.first_pieces = 1;
   ds.first_P = ds.first_maps ? PoolArray<float>(static_cast<std::size_t>(rows * H * Dk * Dk), cs)
                              : PoolArray<float>();
   ds.first_H =
@@ -450,8 +460,15 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     bool any_single = false;
     for (int64_t r = 0; r < rows; ++r) any_single |= cp_detail::single_continuing(segs, r);
     const bool need_M = need_E && rank != 0 && any_single;
+    if (ds.first_maps) {
+      ds.first_pieces = cuda::summary_pieces(p, need_E);
+      ds.first_piece_P =
+          ds.first_pieces > 1
+              ? PoolArray<float>(static_cast<std::size_t>(rows * ds.first_pieces * H * Dk * Dk), cs)
+              : PoolArray<float>();
+    }
     if (need_E || ds.first_maps) {
-      const cuda::FirstSegmentMaps first{ds.first_P.get(), ds.first_H.get()};
+      const cuda::FirstSegmentMaps first = ds.first_segment_maps();
       prepared->summary(ds.maps_M.get(), need_E ? maps_E.get() : nullptr, cs, need_M,
                         ds.first_maps ? &first : nullptr);
     }
@@ -651,9 +668,8 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
         const LocalSegment& s = ds.segs[i];
         if (!s.from_prev) continue;
         const float* d_end = !s.to_next && dht != nullptr ? dfinal.get() + i * H * state : nullptr;
-        cuda::first_segment_state_grad(sp, ds.first_H.get(), a.d_o.data, s.row, s.begin, s.end,
-                                       ds.first_P.get() + s.row * H * Dk * Dk, d_end,
-                                       back_E.get() + s.row * H * state, maps_stream);
+        cuda::first_segment_state_grad(sp, ds.first_segment_maps(), a.d_o.data, s.row, s.begin,
+                                       s.end, d_end, back_E.get() + s.row * H * state, maps_stream);
       }
     } else if (comm_.rank() != 0) {
       prepare();

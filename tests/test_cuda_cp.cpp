@@ -90,12 +90,43 @@ class CudaSummary : public ::testing::TestWithParam<SummaryParam> {
   void expect_summary_matches_cpu();
 };
 
-// Runs the summary comparison once per way of computing M, and the scans
-// once per kernel (per head where it applies: delta rules, bf16, D = 128).
-TEST_P(CudaSummary, MatchesCpuSummary) {
-  for (cuda::SummaryScan scan : {cuda::SummaryScan::blocks, cuda::SummaryScan::per_head}) {
-    SCOPED_TRACE(scan == cuda::SummaryScan::per_head ? "per-head scans" : "column-block scans");
+// Sets the process-wide summary scan for a scope, and restores it.
+class SummaryScanScope {
+ public:
+  explicit SummaryScanScope(cuda::SummaryScan scan) : saved_(cuda::summary_scan()) {
     cuda::set_summary_scan(scan);
+  }
+  ~SummaryScanScope() { cuda::set_summary_scan(saved_); }
+  SummaryScanScope(const SummaryScanScope&) = delete;
+  SummaryScanScope& operator=(const SummaryScanScope&) = delete;
+
+ private:
+  cuda::SummaryScan saved_;
+};
+
+const char* scan_name(cuda::SummaryScan scan) {
+  switch (scan) {
+    case cuda::SummaryScan::per_head:
+      return "per-head scans";
+    case cuda::SummaryScan::blocks:
+      return "column-block scans";
+    case cuda::SummaryScan::two_level:
+      return "two-level scans";
+    default:
+      return "automatic";
+  }
+}
+
+constexpr cuda::SummaryScan kSummaryScans[] = {
+    cuda::SummaryScan::blocks, cuda::SummaryScan::per_head, cuda::SummaryScan::two_level};
+
+// Runs the summary comparison once per way of computing M, and the scans
+// once per kernel (per head and two-level where they apply: delta rules,
+// 16-bit, D = 128; two-level with one segment per row).
+TEST_P(CudaSummary, MatchesCpuSummary) {
+  for (cuda::SummaryScan scan : kSummaryScans) {
+    SCOPED_TRACE(scan_name(scan));
+    const SummaryScanScope scope(scan);
     for (cuda::LinearPart part : {cuda::LinearPart::scan, cuda::LinearPart::products}) {
       SCOPED_TRACE(part == cuda::LinearPart::scan ? "M by scan" : "M by products");
       cuda::set_summary_linear_part(part);
@@ -104,7 +135,6 @@ TEST_P(CudaSummary, MatchesCpuSummary) {
       if (!has_beta(std::get<0>(GetParam()))) break;  // additive M has one way only
     }
   }
-  cuda::set_summary_scan(cuda::SummaryScan::automatic);
 }
 
 void CudaSummary::expect_summary_matches_cpu() {
@@ -186,37 +216,19 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, CudaSummary,
 
 using FirstMapsParam = std::tuple<Variant, DType, int64_t, Layout>;
 
-class CudaFirstSegmentMaps : public ::testing::TestWithParam<FirstMapsParam> {
- protected:
-  void SetUp() override {
-    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
-  }
-};
-
-TEST_P(CudaFirstSegmentMaps, GiveThePrePassStateGradient) {
-  const auto [variant, dtype, dim, layout] = GetParam();
-  const bool packed = layout == Layout::packed;
-  ProblemSpec s;
-  s.variant = variant;
-  s.heads = 3;
-  s.dk = s.dv = dim;
-  s.with_h0 = true;
-  s.l2norm_qk = variant == Variant::kda;
-  if (packed) {
-    s.seq_len = 230;
-    s.cu_seqlens = {0, 101, 150, 230};
-  } else {
-    s.batch = 2;
-    s.seq_len = 150;
-  }
-  const uint64_t seed = 900 + 1000 * static_cast<uint64_t>(variant) +
-                        100 * static_cast<uint64_t>(dtype) + static_cast<uint64_t>(dim) +
-                        (packed ? 7 : 0);
+// The summary of problem `s` in `dtype` with the first segments' maps (E
+// beside them where with_E, as on a middle rank; alone as on the last):
+// dS0 from first_segment_state_grad against the reference's dh0 of every
+// row's first segment, with and without dht; E against the reference's final
+// state of every row's last segment; M = P where the first segment is the
+// row's only one. Returns the summary's piece count (cuda::summary_pieces).
+int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t seed, bool with_E) {
+  const bool packed = !s.cu_seqlens.empty();
   ref::Problem p = random_problem(s, seed);
   round_problem(p, dtype);
   std::mt19937_64 rng(seed + 1);
   const std::vector<double> d_o = round_to_dtype(randn(p.v.size(), rng), dtype);
-  const int64_t N = p.num_sequences(), H = s.heads, state = dim * dim;
+  const int64_t N = p.num_sequences(), H = s.heads, dim = s.dk, state = dim * dim;
   const std::vector<double> dht = round_f32(randn(static_cast<std::size_t>(N * H * state), rng));
   const std::vector<double> no_dht(dht.size(), 0.0);
 
@@ -238,20 +250,35 @@ TEST_P(CudaFirstSegmentMaps, GiveThePrePassStateGradient) {
   dev.o = o.view().data;
 
   const int64_t rows = packed ? 1 : p.batch;
+  // M = P needs the first segment to be the row's last.
+  const bool with_M = !packed || N == 1;
+  const int64_t pieces = cuda::summary_pieces(dev, with_E);
   DeviceBuffer<float> P(static_cast<std::size_t>(rows * H * state)),
-      M(static_cast<std::size_t>(rows * H * state)),
-      dS0(static_cast<std::size_t>(rows * H * state));
+      M(static_cast<std::size_t>(rows * H * state)), E(static_cast<std::size_t>(rows * H * state)),
+      dS0(static_cast<std::size_t>(rows * H * state)),
+      piece_P(static_cast<std::size_t>(std::max<int64_t>(1, rows * pieces * H * state)));
   DeviceBuffer<unsigned char> Hmaps(p.q.size() * size_of(dtype));
   P.fill_bytes(0xFF);
+  E.fill_bytes(0xFF);
   Hmaps.fill_bytes(0xFF);
+  piece_P.fill_bytes(0xFF);
+  cuda::FirstSegmentMaps first{P.data(), Hmaps.data()};
+  if (pieces > 1) {
+    first.piece_P = piece_P.data();
+    first.pieces = pieces;
+  }
   {
     cuda::PreparedForward prepared(dev, nullptr);
-    const cuda::FirstSegmentMaps first{P.data(), Hmaps.data()};
-    // M is the first segment's P where that is the row's only segment.
-    prepared.summary(M.data(), nullptr, nullptr, !packed, &first);
+    prepared.summary(M.data(), with_E ? E.data() : nullptr, nullptr, with_M, &first);
   }
   sync_or_fail();
-  if (!packed) EXPECT_TRUE(bitwise_equal(M.to_host(), P.to_host())) << "M = P";
+  if (with_M) EXPECT_TRUE(bitwise_equal(M.to_host(), P.to_host())) << "M = P";
+  if (with_E) {
+    // E: the last segment's final state from its initial state.
+    const std::vector<double> ht = ref::forward(p).ht;
+    const std::vector<double> want(ht.end() - rows * H * state, ht.end());
+    EXPECT_LE(rel_rms(E.to_host(), want), state_tol(dtype)) << "E";
+  }
 
   for (const bool with_dht : {true, false}) {
     SCOPED_TRACE(with_dht ? "with dht" : "without dht");
@@ -263,14 +290,51 @@ TEST_P(CudaFirstSegmentMaps, GiveThePrePassStateGradient) {
       const int64_t end = packed ? p.cu_seqlens[1] : p.seq_len;
       const float* d_end =
           with_dht ? static_cast<const float*>(d_ht.view().data) + r * H * state : nullptr;
-      cuda::first_segment_state_grad(dev, Hmaps.data(), dO.view().data, r, 0, end,
-                                     P.data() + r * H * state, d_end, dS0.data() + r * H * state,
-                                     nullptr);
+      cuda::first_segment_state_grad(dev, first, dO.view().data, r, 0, end, d_end,
+                                     dS0.data() + r * H * state, nullptr);
       want.insert(want.end(), ref_grads.dh0.begin() + r * H * state,
                   ref_grads.dh0.begin() + (r + 1) * H * state);
     }
     sync_or_fail();
     EXPECT_LE(rel_rms(dS0.to_host(), want), state_tol(dtype)) << "dS0";
+  }
+  return pieces;
+}
+
+class CudaFirstSegmentMaps : public ::testing::TestWithParam<FirstMapsParam> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+// Short rows: two-level runs of at most one chunk (most of them empty).
+TEST_P(CudaFirstSegmentMaps, GiveThePrePassStateGradient) {
+  const auto [variant, dtype, dim, layout] = GetParam();
+  const bool packed = layout == Layout::packed;
+  ProblemSpec s;
+  s.variant = variant;
+  s.heads = 3;
+  s.dk = s.dv = dim;
+  s.with_h0 = true;
+  s.l2norm_qk = variant == Variant::kda;
+  if (packed) {
+    s.seq_len = 230;
+    s.cu_seqlens = {0, 101, 150, 230};
+  } else {
+    s.batch = 2;
+    s.seq_len = 150;
+  }
+  const uint64_t seed = 900 + 1000 * static_cast<uint64_t>(variant) +
+                        100 * static_cast<uint64_t>(dtype) + static_cast<uint64_t>(dim) +
+                        (packed ? 7 : 0);
+  for (cuda::SummaryScan scan : kSummaryScans) {
+    SCOPED_TRACE(scan_name(scan));
+    const SummaryScanScope scope(scan);
+    for (const bool with_E : {false, true}) {
+      SCOPED_TRACE(with_E ? "E beside" : "maps alone");
+      expect_first_maps_give_dh0(s, dtype, seed, with_E);
+    }
   }
 }
 
@@ -282,6 +346,100 @@ INSTANTIATE_TEST_SUITE_P(DeltaRules, CudaFirstSegmentMaps,
                                             ::testing::Values(int64_t{64}, int64_t{128}),
                                             ::testing::Values(Layout::rows, Layout::packed)),
                          summary_name);
+
+// ---- the two-level summary: runs of several chunks each --------------------------
+//
+// Sixteen heads, so that the runs per row (cuda::summary_pieces: one CTA per
+// run and head on the GPU) hold several chunks, the last partial; E beside
+// the maps and the maps alone (different run counts). The same checks as
+// CudaFirstSegmentMaps, plus the plain summary (M, E) against the CPU's.
+
+using TwoLevelParam = std::tuple<Variant, DType, Layout>;
+
+std::string two_level_name(const ::testing::TestParamInfo<TwoLevelParam>& info) {
+  return std::string(to_string(std::get<0>(info.param))) + "_" +
+         to_string(std::get<1>(info.param)) +
+         (std::get<2>(info.param) == Layout::packed ? "_packed" : "_rows");
+}
+
+class CudaTwoLevelSummary : public ::testing::TestWithParam<TwoLevelParam> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(CudaTwoLevelSummary, MatchesTheReference) {
+  const auto [variant, dtype, layout] = GetParam();
+  const SummaryScanScope scope(cuda::SummaryScan::two_level);
+  ProblemSpec s;
+  s.variant = variant;
+  s.heads = 16;
+  s.dk = s.dv = 128;
+  s.with_h0 = true;
+  s.l2norm_qk = true;
+  s.seq_len = 64 * 21 + 23;  // 22 chunks, the last partial
+  if (layout == Layout::packed)
+    s.cu_seqlens = {0, s.seq_len};  // one segment: the two-level layout
+  else
+    s.batch = 2;
+  const uint64_t seed = 4100 + 1000 * static_cast<uint64_t>(variant) +
+                        100 * static_cast<uint64_t>(dtype) + (layout == Layout::packed ? 7 : 0);
+  for (const bool with_E : {false, true}) {
+    SCOPED_TRACE(with_E ? "E beside" : "maps alone");
+    const int64_t pieces = expect_first_maps_give_dh0(s, dtype, seed, with_E);
+    if (pieces == 1) GTEST_SKIP() << "no per-head scans here (needs an sm_90a build on a 9.0 GPU)";
+    EXPECT_LE(pieces, 22) << "more runs than chunks";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DeltaRules, CudaTwoLevelSummary,
+    ::testing::Combine(::testing::Values(Variant::deltanet, Variant::gated_deltanet, Variant::kda),
+                       ::testing::Values(DType::bf16, DType::f16),
+                       ::testing::Values(Layout::rows, Layout::packed)),
+    two_level_name);
+
+// A FirstSegmentMaps whose piece count is not the summary's is refused by
+// name, and so are piece maps over part of a row.
+TEST(CudaTwoLevelSummaryErrors, RefusesMismatchedPieces) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  const SummaryScanScope scope(cuda::SummaryScan::two_level);
+  ProblemSpec s;
+  s.variant = Variant::deltanet;
+  s.heads = 16;
+  s.dk = s.dv = 128;
+  s.seq_len = 640;
+  ref::Problem p = random_problem(s, 5);
+  const DeviceTensor q(as_float(p.q), DType::bf16, {}), k(as_float(p.k), DType::bf16, {}),
+      v(as_float(p.v), DType::bf16, {}), beta(as_float(p.beta), DType::bf16, {});
+  const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), DType::bf16, {});
+  MixerParams dev = params_of(p, DType::bf16);
+  dev.q = q.view().data;
+  dev.k = k.view().data;
+  dev.v = v.view().data;
+  dev.beta = beta.view().data;
+  dev.o = o.view().data;
+  const int64_t pieces = cuda::summary_pieces(dev, false);
+  if (pieces == 1) GTEST_SKIP() << "no per-head scans here (needs an sm_90a build on a 9.0 GPU)";
+  const int64_t state = s.dk * s.dv;
+  DeviceBuffer<float> M(s.heads * state), P(s.heads * state), piece_P(pieces * s.heads * state),
+      dS0(s.heads * state);
+  DeviceBuffer<unsigned char> Hmaps(p.q.size() * 2);
+  cuda::PreparedForward prepared(dev, nullptr);
+  cuda::FirstSegmentMaps first{P.data(), Hmaps.data()};  // one piece: not the summary's
+  expect_error([&] { prepared.summary(M.data(), nullptr, nullptr, true, &first); }, "first");
+  first.piece_P = piece_P.data();
+  first.pieces = pieces;
+  prepared.summary(M.data(), nullptr, nullptr, true, &first);
+  expect_error(
+      [&] {
+        cuda::first_segment_state_grad(dev, first, q.view().data, 0, 0, s.seq_len - 64, nullptr,
+                                       dS0.data(), nullptr);
+      },
+      "t_begin");
+  sync_or_fail();
+}
 
 // Additive rules keep the pre-pass: the summary refuses to make their maps.
 TEST(CudaFirstSegmentMapsErrors, RefusesAdditiveRules) {

@@ -104,6 +104,11 @@ struct ForwardArgs : MixerTensors {
   // build for sm_90a. Never set by plan_forward; summary.cu sets it where
   // per_head_scan() says so.
   bool scan_per_head = false;
+  // With scan_per_head: scan the linear part of the update instead (S from
+  // the identity, U = 0; ws_u and initial_state are not read), the
+  // summary's M and piece maps; with the output stage its outputs are the
+  // first segments' H (WgmmaScan::maps_out).
+  bool scan_identity = false;
   // CTAs per cluster of the 16-bit delta scans (cluster_copy.cuh): 0 = the
   // largest that keeps every CTA co-resident (scan_cluster_ctas), else 1, 2,
   // 4 or 8 (STATESCAN_SCAN_CLUSTER).
@@ -1194,21 +1199,35 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
   }
   if constexpr (kRule == Rule::delta && !std::is_same_v<Elem, float> && Dk == 128 && Dv == 128) {
     if (a.scan_per_head && (stages & kStageScan)) {
-      SS_CHECK_ARG(!(stages & kStageOutput) && a.chunk_states == nullptr && a.ws_states == nullptr &&
-                       a.ws_vnew == nullptr,
-                   "scan_per_head", "the per-head scan keeps only the final state");
-      SS_CHECK_ARG(a.chunk == ScanWgmmaTraits::kChunk && !a.scan_wmma, "scan_per_head",
-                   "needs chunk ", ScanWgmmaTraits::kChunk, " (got ", a.chunk,
+      const bool out = (stages & kStageOutput) != 0;
+      SS_CHECK_ARG((!out || a.scan_identity) && a.chunk_states == nullptr &&
+                       a.ws_states == nullptr && a.ws_vnew == nullptr,
+                   "scan_per_head",
+                   "the per-head scan keeps only the final state (and the identity scan's "
+                   "outputs)");
+      SS_CHECK_ARG(a.chunk == 64 && !a.scan_wmma, "scan_per_head", "needs chunk 64 (got ", a.chunk,
                    ") and not the STATESCAN_SCAN A/B knob");
+      SS_CHECK_ARG(!out || (a.o != nullptr && a.ws_q != nullptr && a.ws_a != nullptr),
+                   "scan_per_head", "the identity scan's outputs need o, Q^ and A");
       const dim3 grid(static_cast<unsigned>(a.heads), static_cast<unsigned>(a.num_segments));
-      launch_kernel(chunk_state_scan_wgmma_kernel<Elem, kDecay != Decay::none>, grid,
-                    ScanWgmmaTraits::kThreads, ScanWgmmaTraits::kBytes, stream,
-                    "chunk_state_scan_wgmma_kernel", a);
+      auto launch = [&](auto mode) {
+        using Tr = ScanWgmmaTraits<decltype(mode)::value>;
+        launch_kernel(
+            chunk_state_scan_wgmma_kernel<Elem, kDecay != Decay::none, decltype(mode)::value>, grid,
+            Tr::kThreads, Tr::kBytes, stream, "chunk_state_scan_wgmma_kernel", a);
+      };
+      if (out)
+        launch(std::integral_constant<WgmmaScan, WgmmaScan::maps_out>{});
+      else if (a.scan_identity)
+        launch(std::integral_constant<WgmmaScan, WgmmaScan::maps>{});
+      else
+        launch(std::integral_constant<WgmmaScan, WgmmaScan::state>{});
       return;
     }
   }
   SS_CHECK_ARG(!(a.scan_per_head && (stages & kStageScan)), "scan_per_head",
                "set for a variant, dtype or head dim without the per-head scan");
+  SS_CHECK_ARG(!a.scan_identity, "scan_identity", "needs the per-head scan");
   const int scan_bv = a.scan_block_cols != 0                              ? a.scan_block_cols
                       : a.heads * a.num_segments * (Dv / 16) <= a.num_sms ? 16
                                                                           : 32;

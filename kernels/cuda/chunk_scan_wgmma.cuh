@@ -1,6 +1,8 @@
 // chunk_state_scan_wgmma_kernel: a delta rule's state scan that keeps only
-// the final state (the CP summary's E, and M's identity scan), one CTA per
-// head and segment holding the whole 128 x 128 fp32 state.
+// the final state, one CTA per head and segment (or run of chunks) holding
+// the whole 128 x 128 fp32 state: the CP summary's E, M's identity scan, and
+// the two-level summary's runs (summary.cu), whose identity scans also write
+// the first segments' H (WgmmaScan::maps_out).
 //
 // Why: chunk_state_scan16_kernel splits a head's state into 16- or 32-column
 // blocks, one CTA each, so a summary scan at H = 16 fills the GPU (128 CTAs
@@ -11,63 +13,88 @@
 // tiles are loaded once per head instead of once per column block:
 //   V' = U - W S            (64 x 128: warpgroup wg forms columns 64 wg ..)
 //   S  = diag(e^{b_C}) S + K_^T V'   (warpgroup wg holds rows 64 wg ..)
+//   maps_out: o = Q^ S + A V'  (columns 64 wg .., beside the two above)
 // The arithmetic is the other scans': S stays fp32 in the accumulators, the
 // products read a copy of S rounded to T, V' is rounded to T once.
-// Measured (H200): 2.6-2.7 us a step against the column blocks' ~1.0 (16
+// Measured (H200): 2.5-2.7 us a step against the column blocks' ~1.0 (16
 // columns, one wave), because a step's two halves and their waits run in
 // series on one CTA; but on 4-8 times fewer multiprocessors, so it wins once
-// the column blocks need several waves: E at H = 64 (32K tokens) 1.30 ms
-// against 1.49, at H = 128 (16K) 0.63 against 1.49, and loses at H = 16
-// (128K) 5.1 against 2.0. summary.cu picks it by that rule (PERF_NOTES,
-// twentieth session).
-//   grid (H, N segments), 256 threads (two warpgroups), ScanWgmmaTraits::kBytes
-//   of shared memory: the S copy (S^T in the core-matrix layout of
-//   wgmma.cuh), V'^T, and three cp.async stages of K_, W (both in the core
-//   layout of the row-major [chunk][Dk] tile: W S reads it K-major, K_^T V'
-//   MN-major), U (row-major, padded) and the decay.
+// there are CTAs enough to fill the GPU: E at H = 64 (32K tokens) 1.30 ms
+// against 1.49, at H = 128 (16K) 0.63 against 1.49; at H = 16 (128K) 5.1
+// against 2.0 as one chain per head, 1.29 as four (two-level; PERF_NOTES,
+// twentieth and twenty-fourth sessions). maps_out: ~3.6 us a step.
+//   grid (H, N segments or runs), 256 threads (two warpgroups),
+//   ScanWgmmaTraits<mode>::kBytes of shared memory: the S copy (S^T in the
+//   core-matrix layout of wgmma.cuh), V'^T, and three cp.async stages of K_,
+//   W (both in the core layout of the row-major [chunk][Dk] tile: W S reads
+//   it K-major, K_^T V' MN-major), U (state: row-major, padded), Q^ and A
+//   (maps_out: core layout, K-major) and the decay.
 // Included by chunk_forward.cuh after segment_chunks.
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/cluster_copy.cuh"  // named_barrier_sync
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/warp_mma.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace statescan::cuda::detail {
 
+// What a per-head scan computes. `state`: S from initial_state (zero where
+// null) through S <- diag(d) S + K_^T (U - W S), keeping the final state
+// (the summary's E). `maps`: the linear part of that update, S from the
+// identity with U = 0, so V' = -W S and no U tile is read (M, and the
+// two-level summary's piece maps). `maps_out`: the same with the output
+// stage on, o = Q^ S_c + A V' into a.o for every valid row (the first
+// segments' H: d o_t / d S0).
+enum class WgmmaScan { state, maps, maps_out };
+
+template <WgmmaScan kMode>
 struct ScanWgmmaTraits {
   static constexpr int kDk = 128, kDv = 128, kChunk = 64;
   static constexpr int kThreads = 256;
   static constexpr int kStages = 3;
+  static constexpr bool kU = kMode == WgmmaScan::state;
+  static constexpr bool kOut = kMode == WgmmaScan::maps_out;
   static constexpr int kLdU = kDv + 8;  // conflict-free 32-bit reads of U pairs
   static constexpr size_t kSCopyBytes = 2 * kDk * kDv;
   static constexpr size_t kVnBytes = 2 * kChunk * kDv;
-  static constexpr size_t kTileBytes = 2 * kChunk * kDk;  // K_ or W
-  static constexpr size_t kUBytes = 2 * kChunk * kLdU;
-  static constexpr size_t kStageBytes = 2 * kTileBytes + kUBytes + sizeof(float) * kDk;
+  static constexpr size_t kTileBytes = 2 * kChunk * kDk;  // K_, W or Q^
+  // Offsets inside a stage: K_, W, then U (state), Q^ and A (maps_out), decay.
+  static constexpr size_t kUOffset = 2 * kTileBytes;
+  static constexpr size_t kQOffset = kUOffset + (kU ? 2 * kChunk * kLdU : 0);
+  static constexpr size_t kAOffset = kQOffset + (kOut ? kTileBytes : 0);
+  static constexpr size_t kDecayOffset = kAOffset + (kOut ? 2 * kChunk * kChunk : 0);
+  static constexpr size_t kStageBytes = kDecayOffset + sizeof(float) * kDk;
   static constexpr size_t kBytes = kSCopyBytes + kVnBytes + kStages * kStageBytes;
+  static_assert(kStageBytes % 128 == 0, "stages must keep the tiles' 128-byte alignment");
   static_assert(kBytes <= 227 * 1024, "chunk_state_scan_wgmma_kernel exceeds shared memory");
 };
 
-template <typename T, bool kDecayed>
-__global__ void __launch_bounds__(ScanWgmmaTraits::kThreads, 1)
+template <typename T, bool kDecayed, WgmmaScan kMode>
+__global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
     chunk_state_scan_wgmma_kernel(const __grid_constant__ ForwardArgs a) {
-  using Tr = ScanWgmmaTraits;
+  using Tr = ScanWgmmaTraits<kMode>;
   constexpr int D = Tr::kDk, C = Tr::kChunk, kLdU = Tr::kLdU;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  constexpr bool kIdentity = kMode != WgmmaScan::state;
   static_assert(kBf16 || std::is_same_v<T, __half>, "16-bit tiles only");
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   T* sS = reinterpret_cast<T*>(smem_bytes);                      // S^T [Dv][Dk], core layout
   T* sV = reinterpret_cast<T*>(smem_bytes + Tr::kSCopyBytes);    // V'^T [Dv][C], core layout
   unsigned char* stages = smem_bytes + Tr::kSCopyBytes + Tr::kVnBytes;
-  auto stage_k = [&](int st) { return reinterpret_cast<T*>(stages + st * Tr::kStageBytes); };
-  auto stage_w = [&](int st) { return stage_k(st) + C * D; };
-  auto stage_u = [&](int st) { return stage_k(st) + 2 * C * D; };
+  auto stage_at = [&](int st, size_t offset) {
+    return reinterpret_cast<T*>(stages + st * Tr::kStageBytes + offset);
+  };
+  auto stage_k = [&](int st) { return stage_at(st, 0); };
+  auto stage_w = [&](int st) { return stage_at(st, Tr::kTileBytes); };
+  auto stage_u = [&](int st) { return stage_at(st, Tr::kUOffset); };
+  auto stage_q = [&](int st) { return stage_at(st, Tr::kQOffset); };
+  auto stage_a = [&](int st) { return stage_at(st, Tr::kAOffset); };
   auto stage_decay = [&](int st) {
-    return reinterpret_cast<float*>(stages + st * Tr::kStageBytes + 2 * Tr::kTileBytes +
-                                    Tr::kUBytes);
+    return reinterpret_cast<float*>(stages + st * Tr::kStageBytes + Tr::kDecayOffset);
   };
 
   const int64_t h = blockIdx.x, n = blockIdx.y, H = a.heads;
@@ -81,8 +108,12 @@ __global__ void __launch_bounds__(ScanWgmmaTraits::kThreads, 1)
   const int64_t first_tile = first_chunk * H + h;
   const T* ws_k = static_cast<const T*>(a.ws_k) + first_tile * C * D;
   const T* ws_w = static_cast<const T*>(a.ws_w) + first_tile * C * D;
-  const T* ws_u = static_cast<const T*>(a.ws_u) + first_tile * C * D;
+  const T* ws_u = Tr::kU ? static_cast<const T*>(a.ws_u) + first_tile * C * D : nullptr;
+  const T* ws_q = Tr::kOut ? static_cast<const T*>(a.ws_q) + first_tile * C * D : nullptr;
+  const T* ws_a = Tr::kOut ? static_cast<const T*>(a.ws_a) + first_tile * C * C : nullptr;
   const float* ws_decay = kDecayed ? a.ws_decay + first_tile * D : nullptr;
+  [[maybe_unused]] const SegmentTokens seg =
+      Tr::kOut ? segment_tokens(a, first_chunk, num_chunks) : SegmentTokens{};
 
   // Chunk cl into stage st: 16-byte pieces, piece p of tile row r to (r, 8 p)
   // of the core layout (U row-major). One group per chunk from every thread
@@ -95,7 +126,18 @@ __global__ void __launch_bounds__(ScanWgmmaTraits::kThreads, 1)
         const int i = tid + it * Tr::kThreads, r = i / 16, p = i % 16;
         cp_async16(stage_k(st) + core_offset(r, 8 * p, D), ws_k + step + r * D + 8 * p);
         cp_async16(stage_w(st) + core_offset(r, 8 * p, D), ws_w + step + r * D + 8 * p);
-        cp_async16(stage_u(st) + r * kLdU + 8 * p, ws_u + step + r * D + 8 * p);
+        if constexpr (Tr::kU)
+          cp_async16(stage_u(st) + r * kLdU + 8 * p, ws_u + step + r * D + 8 * p);
+        if constexpr (Tr::kOut)
+          cp_async16(stage_q(st) + core_offset(r, 8 * p, D), ws_q + step + r * D + 8 * p);
+      }
+      if constexpr (Tr::kOut) {
+        const int64_t step_a = int64_t{cl} * H * C * C;
+#pragma unroll
+        for (int it = 0; it < C * (C / 8) / Tr::kThreads; ++it) {
+          const int i = tid + it * Tr::kThreads, r = i / (C / 8), p = i % (C / 8);
+          cp_async16(stage_a(st) + core_offset(r, 8 * p, C), ws_a + step_a + r * C + 8 * p);
+        }
       }
       if constexpr (kDecayed)
         if (tid < D / 4) cp_async16(stage_decay(st) + 4 * tid, ws_decay + int64_t{cl} * H * D + 4 * tid);
@@ -111,10 +153,14 @@ __global__ void __launch_bounds__(ScanWgmmaTraits::kThreads, 1)
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      S[4 * j + e] = a.initial_state != nullptr
-                         ? a.initial_state[state_base + (row0 + 8 * (e / 2)) * D + 8 * j + i2 + e % 2]
-                         : 0.f;
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + 8 * (e / 2), col = 8 * j + i2 + e % 2;
+      if constexpr (kIdentity)
+        S[4 * j + e] = row == col ? 1.f : 0.f;
+      else
+        S[4 * j + e] =
+            a.initial_state != nullptr ? a.initial_state[state_base + row * D + col] : 0.f;
+    }
   // The rounded copy S^T: stmatrix matrix m holds column block j + m / 2,
   // rows 8 (m % 2) .. of the warp's 16.
   auto store_copy = [&] {
@@ -134,28 +180,44 @@ __global__ void __launch_bounds__(ScanWgmmaTraits::kThreads, 1)
   __syncthreads();
   for (int cl = 0, st = 0; cl < chunks; ++cl, st = st + 1 == Tr::kStages ? 0 : st + 1) {
     // V' columns [64 wg, 64 wg + 64) = U - W S: K = Dk in 8 steps of 16.
+    // maps_out: the output's columns of Q^ S_c from the same S copy, in the
+    // same group (8 more MMAs back to back cost ~0.15 us; a second group
+    // left running across the barrier would still read the S copy when the
+    // other warpgroup rewrites it, and waiting on it separately made ptxas
+    // insert its own waits).
+    // The chains' first products write their accumulators (scale-d 0).
     float v[32];
+    [[maybe_unused]] float o[Tr::kOut ? 32 : 1];
+    auto chain_s = [&](float(&acc)[32], const T* tile) {
+      wgmma_m64n64k16_first<kBf16, false>(
+          acc, wgmma_desc(tile, 128, D / 8 * 128),
+          wgmma_desc(sS + core_offset(64 * wg, 0, D), 128, D / 8 * 128));
 #pragma unroll
-    for (int i = 0; i < 32; ++i) v[i] = 0.f;
+      for (int kk = 1; kk < D / 16; ++kk)
+        wgmma_m64n64k16<kBf16, false>(
+            acc, wgmma_desc(tile + core_offset(0, 16 * kk, D), 128, D / 8 * 128),
+            wgmma_desc(sS + core_offset(64 * wg, 16 * kk, D), 128, D / 8 * 128));
+    };
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_m64n64k16<kBf16, false>(
-          v, wgmma_desc(stage_w(st) + core_offset(0, 16 * kk, D), 128, D / 8 * 128),
-          wgmma_desc(sS + core_offset(64 * wg, 16 * kk, D), 128, D / 8 * 128));
+    chain_s(v, stage_w(st));
+    if constexpr (Tr::kOut) chain_s(o, stage_q(st));
     wgmma_commit();
-    wgmma_wait_all();
+    wgmma_wait<0>();
     // V' rounded to T once, stored transposed (the next product's B operand).
-    const T* u = stage_u(st);
+    [[maybe_unused]] const T* u = Tr::kU ? stage_u(st) : nullptr;
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       uint32_t r[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const int jj = j + m / 2, e = 2 * (m % 2);
-        const int row = 16 * warp + g + 4 * e, col = 64 * wg + 8 * jj + i2;
-        const float2 uu = unpack2<T>(*reinterpret_cast<const uint32_t*>(u + row * kLdU + col));
-        r[m] = pack2<T>(uu.x - v[4 * jj + e], uu.y - v[4 * jj + e + 1]);
+        if constexpr (Tr::kU) {
+          const int row = 16 * warp + g + 4 * e, col = 64 * wg + 8 * jj + i2;
+          const float2 uu = unpack2<T>(*reinterpret_cast<const uint32_t*>(u + row * kLdU + col));
+          r[m] = pack2<T>(uu.x - v[4 * jj + e], uu.y - v[4 * jj + e + 1]);
+        } else {
+          r[m] = pack2<T>(-v[4 * jj + e], -v[4 * jj + e + 1]);
+        }
       }
       const int jm = j + mat / 2, hm = mat % 2;
       stmatrix_x4_trans(sV + core_offset(64 * wg + 8 * jm + mrow, 16 * warp + 8 * hm, C), r[0],
@@ -175,14 +237,54 @@ __global__ void __launch_bounds__(ScanWgmmaTraits::kThreads, 1)
     }
     // S += K_^T V': A = K_^T is the K_ tile read MN-major (M = key dims
     // 64 wg .., K = the chunk's rows), K = C in 4 steps of 16.
+    // maps_out: o += A V' for the warpgroup's columns (A K-major, K = C).
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C / 16; ++kk)
       wgmma_m64n128k16<kBf16, true>(
           S, wgmma_desc(stage_k(st) + core_offset(16 * kk, 64 * wg, D), D / 8 * 128, 128),
           wgmma_desc(sV + core_offset(0, 16 * kk, C), 128, C / 8 * 128));
+    if constexpr (Tr::kOut)
+#pragma unroll
+      for (int kk = 0; kk < C / 16; ++kk)
+        wgmma_m64n64k16<kBf16, false>(
+            o, wgmma_desc(stage_a(st) + core_offset(0, 16 * kk, C), 128, C / 8 * 128),
+            wgmma_desc(sV + core_offset(64 * wg, 16 * kk, C), 128, C / 8 * 128));
     wgmma_commit();
-    wgmma_wait_all();
+    wgmma_wait<0>();
+    if constexpr (Tr::kOut) {
+      // The warpgroup's 64 x 64 output tile through shared memory, so that
+      // global memory sees whole 128-byte row pieces (the fragment layout
+      // stores 4 bytes to each of 8 rows per instruction: 8 transactions).
+      // Staged in the S copy: nothing reads it between the V' barrier and
+      // store_copy, and the bytes used here are those only this warpgroup's
+      // store_copy rewrites (key dims 64 wg ..: 1 KB of every 2 KB block).
+      // Row r at block r / 8, 128 bytes per row, its 16-byte pieces
+      // swizzled by r % 8 against bank conflicts.
+      unsigned char* stage = reinterpret_cast<unsigned char*>(sS) + 1024 * wg;
+      auto piece_at = [&](int r, int c) {
+        return stage + (r / 8) * 2048 + (r % 8) * 128 + 16 * (c ^ (r % 8));
+      };
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = 16 * warp + g + 8 * hr;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          *reinterpret_cast<uint32_t*>(piece_at(r, j) + 2 * i2) =
+              pack2<T>(o[4 * j + 2 * hr], o[4 * j + 2 * hr + 1]);
+      }
+      named_barrier_sync(1 + wg, 128);
+      const int rows = seg.length(cl, C), wt = tid % 128;
+      T* out = static_cast<T*>(a.o) + (seg.token0(cl, C) * H + h) * D + 64 * wg;
+#pragma unroll
+      for (int it = 0; it < 4; ++it) {
+        const int r = wt / 8 + 16 * it, c = wt % 8;
+        if (r < rows)
+          *reinterpret_cast<uint4*>(out + static_cast<int64_t>(r) * H * D + 8 * c) =
+              *reinterpret_cast<const uint4*>(piece_at(r, c));
+      }
+      named_barrier_sync(1 + wg, 128);  // read back before store_copy rewrites it
+    }
     store_copy();
     cp_async_wait<Tr::kStages - 2>();  // chunk cl + 1 landed (this thread's part)
     fence_proxy_async_shared();

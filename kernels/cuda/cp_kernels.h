@@ -35,21 +35,33 @@ enum class LinearPart { scan, products };
 LinearPart summary_linear_part();
 void set_summary_linear_part(LinearPart part);
 
-// How the summary runs its scans that keep only a final state (E, and M's
-// scan), where the per-head kernel applies (delta rules, 16-bit, Dk = Dv =
-// 128, chunk 64, sm_90a):
-//   blocks     the forward's column-block scan, the GPU shared in halves with
-//              the scan beside it;
-//   per_head   one CTA per head and segment holding the whole state, its
-//              products as warpgroup MMAs (chunk_scan_wgmma.cuh): a longer
-//              step (~2.6 us against ~1.0) on far fewer multiprocessors;
-//   automatic  per_head where the column blocks need more than one wave even
-//              at 32 columns (heads x segments x Dv / 32 > SMs), else blocks.
+// How the summary runs its scans (E, M's, the first segments' maps), where
+// the per-head kernel applies (delta rules, 16-bit, Dk = Dv = 128, chunk 64,
+// sm_90a):
+//   blocks     the forward's column-block scans, the GPU shared in halves
+//              between E and the linear part;
+//   per_head   E and M's scans (final state only) as one CTA per head and
+//              segment holding the whole state, its products as warpgroup
+//              MMAs (chunk_scan_wgmma.cuh): a longer step (~2.6 us against
+//              ~1.0) on far fewer multiprocessors;
+//   two_level  every row (one segment each; else as automatic) cut into
+//              summary_pieces() runs of chunks, each run's E (from zero) and
+//              map (from the identity, with its H for the first segments'
+//              maps) by the per-head kernel, all runs at once, then composed
+//              in order per row (fp32 GEMMs);
+//   automatic  two_level where it applies; else per_head where the column
+//              blocks need more than one wave even at 32 columns
+//              (heads x segments x Dv / 32 > SMs), else blocks.
 // Elsewhere all mean `blocks`. Process-wide; the default comes from
-// STATESCAN_SUMMARY_SCAN=auto|per-head|blocks (unset: auto).
-enum class SummaryScan { automatic, per_head, blocks };
+// STATESCAN_SUMMARY_SCAN=auto|per-head|blocks|two-level (unset: auto).
+enum class SummaryScan { automatic, per_head, blocks, two_level };
 SummaryScan summary_scan();
 void set_summary_scan(SummaryScan scan);
+
+// The runs per row of the two-level summary of `p` (1 where it does not
+// apply), with E computed beside the maps (with_E) or not: what
+// FirstSegmentMaps::pieces must be for PreparedForward::summary.
+int64_t summary_pieces(const MixerParams& p, bool with_E);
 
 // Whether PreparedForward's prepare stage reads all of q, k, v, g and beta
 // and can check them for NaN/Inf (its `nonfinite`): 16-bit inputs through
@@ -75,9 +87,15 @@ class PreparedForward;
 // Both come from one scan of the identity with U = 0 (as M's, see
 // summary()) with the output stage on: its outputs are H, its final state P.
 // Tokens of H outside the first segments are left unwritten.
+// Two-level summary (pieces = summary_pieces(p, E != null) > 1): each row's
+// chunks in `pieces` runs, each scanned from its own identity, so H holds
+// every run's own outputs and piece_P [rows, pieces, H, Dk, Dk] fp32 their
+// maps (P is still their product); first_segment_state_grad composes them.
 struct FirstSegmentMaps {
   float* P = nullptr;
   void* H = nullptr;
+  float* piece_P = nullptr;
+  int64_t pieces = 1;
 };
 
 namespace detail {
@@ -188,14 +206,17 @@ void compose_affine_maps(int64_t maps, int64_t dk, int64_t dv, bool diagonal, fl
                          float* scratch, cudaStream_t stream);
 
 // The pre-pass's result for batch row `row` from a forward's
-// FirstSegmentMaps (`P` = maps.P + row * H * Dk * Dk, `H` = maps.H):
+// FirstSegmentMaps:
 //   dS0[h] = sum over local tokens t in [t_begin, t_end) of H_t[h]^T dO_t[h]
 //            + P[h]^T dS_end[h]   (the second term only where dS_end != null),
-// dS0 and dS_end [H, Dk, Dv] fp32, d_o [B, L, H, Dv] in p.dtype. cuBLAS, fp32
-// accumulation; the per-head GEMMs contract over the segment's tokens.
-void first_segment_state_grad(const MixerParams& p, const void* H, const void* d_o, int64_t row,
-                              int64_t t_begin, int64_t t_end, const float* P,
-                              const float* dS_end, float* dS0, cudaStream_t stream);
+// with P = maps.P + row * H * Dk * Dk; dS0 and dS_end [H, Dk, Dv] fp32, d_o
+// [B, L, H, Dv] in p.dtype. cuBLAS, fp32 accumulation; the per-head GEMMs
+// contract over the segment's tokens. With maps.pieces > 1 (the whole row,
+// t_begin = 0, t_end = L) the runs are composed from the last:
+// dS <- sum over the run of H_t^T dO_t + P_g^T dS.
+void first_segment_state_grad(const MixerParams& p, const FirstSegmentMaps& maps, const void* d_o,
+                              int64_t row, int64_t t_begin, int64_t t_end, const float* dS_end,
+                              float* dS0, cudaStream_t stream);
 
 // Mt[m] = M[m]^T for [maps, Dk, Dk]; Mt must not alias M.
 void transpose_maps(const float* M, float* Mt, int64_t maps, int64_t dk, cudaStream_t stream);

@@ -92,11 +92,13 @@ bool linear_part_by_products_enabled() {
 
 SummaryScan& summary_scan_setting() {
   static SummaryScan scan = [] {
-    switch (env_choice("STATESCAN_SUMMARY_SCAN", {"auto", "per-head", "blocks"})) {
+    switch (env_choice("STATESCAN_SUMMARY_SCAN", {"auto", "per-head", "blocks", "two-level"})) {
       case 1:
         return SummaryScan::per_head;
       case 2:
         return SummaryScan::blocks;
+      case 3:
+        return SummaryScan::two_level;
       default:
         return SummaryScan::automatic;
     }
@@ -104,10 +106,27 @@ SummaryScan& summary_scan_setting() {
   return scan;
 }
 
+// Whether the per-head scans (chunk_scan_wgmma.cuh) can run `p`: delta
+// rules, 16-bit, Dk = Dv = 128, chunk 64, a build with sm_90a code on a 9.0
+// device.
+bool per_head_supported(const MixerParams& p) {
+#ifdef STATESCAN_CUDA_SM90A
+  // Two attribute queries once per summary: cheap enough not to cache.
+  int device = 0, major = 0, minor = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0 && has_beta(p.variant) && p.dtype != DType::f32 && p.dk == 128 &&
+         p.dv == 128 && p.chunk == 64;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
 // Whether the summary's final-state-only scans (E, and M's identity scan) run
-// as one CTA per head and segment (chunk_scan_wgmma.cuh): delta rules,
-// 16-bit, Dk = Dv = 128, chunk 64, a build with sm_90a code on a 9.0 device,
-// and summary_scan() asks for it. `automatic` takes it where the column
+// as one CTA per head and segment (chunk_scan_wgmma.cuh) where
+// summary_scan() asks for it. `automatic` takes it where the column
 // blocks would need more than one wave even at 32 columns
 // (heads x segments x Dv / 32 > SMs): a per-head step is ~2.6 us against
 // ~1.0 (16 columns, one wave) or ~1.45 us per wave (32 columns), so it loses
@@ -116,23 +135,31 @@ SummaryScan& summary_scan_setting() {
 // 2026-12-03, PERF_NOTES).
 bool per_head_scan(const MixerParams& p, int64_t heads_segments, int num_sms) {
   const SummaryScan want = summary_scan_setting();
-  if (want == SummaryScan::blocks) return false;
-#ifdef STATESCAN_CUDA_SM90A
-  // Two attribute queries once per summary: cheap enough not to cache.
-  int device = 0, major = 0, minor = 0;
-  SS_CUDA_CHECK(cudaGetDevice(&device));
-  SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  SS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  const bool supported = major == 9 && minor == 0 && has_beta(p.variant) &&
-                         p.dtype != DType::f32 && p.dk == 128 && p.dv == 128 && p.chunk == 64;
-  if (!supported) return false;
+  if (want == SummaryScan::blocks || !per_head_supported(p)) return false;
   return want == SummaryScan::per_head || heads_segments * (p.dv / 32) > num_sms;
-#else
-  (void)p;
-  (void)heads_segments;
-  (void)num_sms;
-  return false;
-#endif
+}
+
+// The two-level summary's piece count: every row (one segment each) split
+// into G runs of chunks, each run scanned by the per-head kernels from zero
+// (E) and from the identity (its map) in parallel, then composed in order.
+// G fills the multiprocessors with one CTA each: kinds x rows x H x G <= SMs,
+// kinds = 2 with E (E's runs beside the maps'), else 1. 1 = not two-level
+// (setting, shape, or rows x H already filling the GPU).
+int64_t pieces_for(const MixerParams& p, bool with_E) {
+  const SummaryScan want = summary_scan_setting();
+  if (want != SummaryScan::two_level && want != SummaryScan::automatic) return 1;
+  if (p.cu_seqlens != nullptr && p.num_segments != 1) return 1;
+  if (!per_head_supported(p)) return 1;
+  const int64_t rows = p.cu_seqlens != nullptr ? 1 : p.batch;
+  const int64_t per_piece = (with_E ? 2 : 1) * rows * p.heads;
+  const int64_t pieces = std::min<int64_t>(multiprocessor_count() / per_piece, 64);
+  return pieces >= 2 ? pieces : 1;
+}
+
+// Run g of `pieces` nearly equal runs of n chunks: chunks [first, first + count).
+void piece_chunks(int64_t n, int64_t pieces, int64_t g, int64_t& first, int64_t& count) {
+  first = n * g / pieces;
+  count = n * (g + 1) / pieces - first;
 }
 
 // One cuBLAS handle per device, made on first use (cublasCreate is slow).
@@ -354,6 +381,115 @@ ForwardArgs first_segment_args(const MixerParams& p, const ForwardPlan& plan,
   return h;
 }
 
+// Y = A X (+ Y where accumulate) for H row-major Dk x Dk maps A and states
+// X, Y (Dv == Dk), fp32 (no TF32: these compose a handful of maps whose
+// errors the scans do not repeat). Column-major: Y^T = X^T A^T.
+void maps_product(cublasHandle_t handle, const float* A, const float* X, float* Y, int64_t heads,
+                  int64_t dk, bool accumulate) {
+  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
+  const int d = static_cast<int>(dk);
+  SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      handle, CUBLAS_OP_N, CUBLAS_OP_N, d, d, d, &one, X, CUDA_R_32F, d, dk * dk, A, CUDA_R_32F, d,
+      dk * dk, &beta, Y, CUDA_R_32F, d, dk * dk, static_cast<int>(heads), CUBLAS_COMPUTE_32F,
+      CUBLAS_GEMM_DEFAULT));
+}
+
+// The two-level summary (pieces_for > 1; delta rules, one segment per row,
+// per-head scans): every row's chunks in `pieces` runs, each run scanned
+// from the identity with U = 0 (its map P_g; with `first` also its outputs,
+// each run's own H) and, for E, from zero (E_g), the two grids side by side
+// with one CTA per run and head; then, per row, in fp32:
+//   P = P_{G-1} ... P_0,   E = P_{G-1} (... (P_0 S0 + E_0) ...) + E_{G-1}.
+// A sequential chain of n chunk steps becomes G chains of n / G on G times
+// the multiprocessors, plus 2 (G - 1) small GEMMs per row.
+void summary_two_level(const MixerParams& p, const ForwardPlan& plan, float* M, float* E,
+                       bool with_linear_part, const FirstSegmentMaps* first, int64_t pieces,
+                       cudaStream_t stream) {
+  const int64_t rows = p.cu_seqlens != nullptr ? 1 : p.batch;
+  const int64_t H = p.heads, D = p.dk, map = H * D * D;  // Dv == Dk (per_head_supported)
+  // Chunks of a row: row r's start at r n (packed: the one segment's at 0).
+  const int64_t n = p.cu_seqlens != nullptr ? plan.num_chunks : plan.args.chunks_per_row;
+  std::vector<int64_t> table(static_cast<size_t>(2 * rows * pieces));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < pieces; ++g) {
+      int64_t f = 0, c = 0;
+      piece_chunks(n, pieces, g, f, c);
+      table[static_cast<size_t>(2 * (r * pieces + g))] = r * n + f;
+      table[static_cast<size_t>(2 * (r * pieces + g) + 1)] = c;
+    }
+  const PoolArray<int64_t> runs(table.size(), stream);
+  // Pageable host -> device: staged before the call returns.
+  SS_CUDA_CHECK(cudaMemcpyAsync(runs.get(), table.data(), table.size() * sizeof(int64_t),
+                                cudaMemcpyHostToDevice, stream));
+  ForwardArgs base = plan.args;
+  base.o = nullptr;
+  base.chunk_states = nullptr;
+  base.final_state = nullptr;
+  base.ws_states = nullptr;
+  base.ws_vnew = nullptr;
+  base.initial_state = nullptr;
+  base.segment_table = runs.get();
+  base.group_table = nullptr;
+  base.num_segments = rows * pieces;
+  base.scan_per_head = true;
+
+  PoolArray<float> own_maps;
+  if (first == nullptr)
+    own_maps = PoolArray<float>(static_cast<size_t>(rows * pieces * map), stream);
+  float* piece_P = first != nullptr ? first->piece_P : own_maps.get();
+  ForwardArgs m = base;
+  m.scan_identity = true;
+  m.final_state = piece_P;
+  int m_stages = detail::kStageScan;
+  if (first != nullptr) {
+    m.o = first->H;
+    m_stages |= detail::kStageOutput;
+  }
+  PoolArray<float> piece_E;
+  if (E != nullptr) {
+    piece_E = PoolArray<float>(static_cast<size_t>(rows * pieces * map), stream);
+    SideStream side(stream);  // the maps' runs beside E's
+    detail::launch_forward_stages(p, m, m_stages, side.stream());
+    ForwardArgs e = base;
+    e.final_state = piece_E.get();
+    detail::launch_forward_stages(p, e, detail::kStageScan, stream);
+    side.join();
+  } else {
+    detail::launch_forward_stages(p, m, m_stages, stream);
+  }
+
+  cublasHandle_t handle = cublas_handle();
+  SS_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  const PoolArray<float> tmp(static_cast<size_t>(2 * map), stream);  // ping-pong partial results
+  auto partial = [&](int64_t g) { return tmp.get() + (g % 2) * map; };
+  for (int64_t r = 0; r < rows; ++r) {
+    auto P_g = [&](int64_t g) { return piece_P + (r * pieces + g) * map; };
+    float* p_out = first != nullptr ? first->P + r * map : with_linear_part ? M + r * map : nullptr;
+    if (p_out != nullptr) {
+      const float* cur = P_g(0);
+      for (int64_t g = 1; g < pieces; ++g) {
+        float* out = g == pieces - 1 ? p_out : partial(g);
+        maps_product(handle, P_g(g), cur, out, H, D, false);
+        cur = out;
+      }
+    }
+    if (E != nullptr) {
+      const float* cur = p.initial_state != nullptr ? p.initial_state + r * map : nullptr;
+      for (int64_t g = 0; g < pieces; ++g) {
+        float* out = g == pieces - 1 ? E + r * map : partial(g);
+        SS_CUDA_CHECK(cudaMemcpyAsync(out, piece_E.get() + (r * pieces + g) * map,
+                                      static_cast<size_t>(map) * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream));
+        if (cur != nullptr) maps_product(handle, P_g(g), cur, out, H, D, true);
+        cur = out;
+      }
+    }
+  }
+  if (first != nullptr && with_linear_part && M != first->P)
+    SS_CUDA_CHECK(cudaMemcpyAsync(M, first->P, static_cast<size_t>(rows * map) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream));
+}
+
 void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, float* E,
                        bool with_linear_part, const FirstSegmentMaps* first,
                        cudaStream_t stream) {
@@ -372,6 +508,15 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   }
   const int64_t rows = p.cu_seqlens != nullptr ? 1 : p.batch;
   const bool products = delta && linear_part_by_products_enabled();
+  const int64_t pieces = delta && !products ? pieces_for(p, E != nullptr) : 1;
+  if (first != nullptr)
+    SS_CHECK_ARG(first->pieces == pieces && (pieces == 1 || first->piece_P != nullptr), "first",
+                 "holds ", first->pieces, " piece maps where the summary makes ", pieces,
+                 " (cuda::summary_pieces)");
+  if (pieces > 1) {
+    summary_two_level(p, plan, M, E, with_linear_part, first, pieces, stream);
+    return;
+  }
   // A delta rule's linear part is the scan of the identity with U = 0: M's
   // (last segment, outputs off), or the first segments' maps (outputs on).
   const bool m_scan = delta && with_linear_part && first == nullptr && !products;
@@ -402,7 +547,10 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   // a short chain on few multiprocessors, the rest left to the scan beside.
   const bool per_head = per_head_scan(p, p.heads * a.num_segments, a.num_sms);
   a.scan_per_head = per_head;
-  if (m_scan) m.scan_per_head = per_head;
+  if (m_scan) {
+    m.scan_per_head = per_head;
+    m.scan_identity = per_head;  // reads neither zero_u nor ident
+  }
   const bool linear_scan = first != nullptr || m_scan;
   if (linear_scan && E != nullptr && !products) {
     // E's scan and the linear part's are independent sequential chains over
@@ -474,6 +622,10 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
 
 }  // namespace
 
+int64_t summary_pieces(const MixerParams& p, bool with_E) {
+  return has_beta(p.variant) && !linear_part_by_products_enabled() ? pieces_for(p, with_E) : 1;
+}
+
 LinearPart summary_linear_part() {
   return linear_part_setting();
 }
@@ -537,42 +689,71 @@ void PreparedForward::finish(cudaStream_t stream) {
                                 detail::kStageScan | detail::kStageOutput, stream);
 }
 
-void first_segment_state_grad(const MixerParams& p, const void* H, const void* d_o, int64_t row,
-                              int64_t t_begin, int64_t t_end, const float* P,
-                              const float* dS_end, float* dS0, cudaStream_t stream) {
-  SS_CHECK_ARG(H != nullptr && d_o != nullptr && dS0 != nullptr, "H",
-               "H, d_o and dS0 must not be null");
+void first_segment_state_grad(const MixerParams& p, const FirstSegmentMaps& maps, const void* d_o,
+                              int64_t row, int64_t t_begin, int64_t t_end, const float* dS_end,
+                              float* dS0, cudaStream_t stream) {
+  SS_CHECK_ARG(maps.H != nullptr && maps.P != nullptr && d_o != nullptr && dS0 != nullptr, "maps",
+               "maps.H, maps.P, d_o and dS0 must not be null");
   SS_CHECK_ARG(0 <= t_begin && t_begin < t_end && t_end <= p.seq_len, "t_begin",
                "token range [", t_begin, ", ", t_end, ") outside the local length ", p.seq_len);
   SS_CHECK_ARG(row >= 0 && row < p.batch, "row", row, " outside the batch of ", p.batch);
-  SS_CHECK_ARG(dS_end == nullptr || P != nullptr, "P", "must not be null with dS_end");
-  const int64_t Hh = p.heads, Dk = p.dk, Dv = p.dv;
-  const int64_t tokens = t_end - t_begin;
-  SS_CHECK_ARG(tokens <= INT32_MAX, "t_end", "more than 2^31 - 1 tokens in one segment");
+  const int64_t pieces = maps.pieces;
+  SS_CHECK_ARG(pieces >= 1 && (pieces == 1 || maps.piece_P != nullptr), "maps", "pieces ", pieces,
+               " without piece maps");
+  // The summary splits whole rows (one segment each) into its runs.
+  SS_CHECK_ARG(pieces == 1 || (t_begin == 0 && t_end == p.seq_len), "t_begin",
+               "a two-level summary's maps cover whole rows, got tokens [", t_begin, ", ", t_end,
+               ") of ", p.seq_len);
+  const int64_t Hh = p.heads, Dk = p.dk, Dv = p.dv, C = p.chunk;
+  SS_CHECK_ARG(t_end - t_begin <= INT32_MAX, "t_end", "more than 2^31 - 1 tokens in one segment");
   cublasHandle_t handle = cublas_handle();
   SS_CUBLAS_CHECK(cublasSetStream(handle, stream));
   const size_t elem = size_of(p.dtype);
-  const int64_t first_token = row * p.seq_len + t_begin;
-  const char* h_ptr = static_cast<const char*>(H) + first_token * Hh * Dk * elem;
-  const char* o_ptr = static_cast<const char*>(d_o) + first_token * Hh * Dv * elem;
   const cudaDataType_t t = cuda_type(p.dtype);
   const float one = 1.f, zero = 0.f;
-  // Column-major: dO of head h is a Dv x tokens matrix (ld H Dv), H's a
-  // Dk x tokens one (ld H Dk), and row-major dS0 [Dk, Dv] is its Dv x Dk
-  // transpose: dS0^T = dO H^T, one GEMM per head contracting over tokens.
-  SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-      handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(Dv), static_cast<int>(Dk),
-      static_cast<int>(tokens), &one, o_ptr, t, static_cast<int>(Hh * Dv), Dv, h_ptr, t,
-      static_cast<int>(Hh * Dk), Dk, &zero, dS0, CUDA_R_32F, static_cast<int>(Dv), Dk * Dv,
-      static_cast<int>(Hh), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  // + P^T dS_end:  (P^T dS_end)^T = dS_end^T P, with row-major P read as
-  // its column-major transpose.
-  if (dS_end != nullptr)
+  // The runs with tokens, in order: [begin, end) and the run's map.
+  struct Run {
+    int64_t begin, end;
+    const float* P;
+  };
+  std::vector<Run> runs;
+  const int64_t n = (t_end - t_begin + C - 1) / C;
+  for (int64_t g = 0; g < pieces; ++g) {
+    int64_t f = 0, c = 0;
+    piece_chunks(n, pieces, g, f, c);
+    const int64_t b = t_begin + f * C, e = std::min(t_begin + (f + c) * C, t_end);
+    const float* P = pieces == 1 ? maps.P + row * Hh * Dk * Dk
+                                 : maps.piece_P + (row * pieces + g) * Hh * Dk * Dk;
+    if (b < e) runs.push_back({b, e, P});
+  }
+  // Horner from the last run: dS <- X_g + P_g^T dS with X_g = sum over the
+  // run's tokens of H_t^T dO_t (each run's H starts from its own identity).
+  const PoolArray<float> tmp(runs.size() > 1 ? static_cast<size_t>(2 * Hh * Dk * Dv) : 0, stream);
+  const float* cur = dS_end;
+  for (size_t i = runs.size(); i-- > 0;) {
+    const Run& run = runs[i];
+    float* out = i == 0 ? dS0 : tmp.get() + (i % 2) * Hh * Dk * Dv;
+    const int64_t first_token = row * p.seq_len + run.begin;
+    const char* h_ptr = static_cast<const char*>(maps.H) + first_token * Hh * Dk * elem;
+    const char* o_ptr = static_cast<const char*>(d_o) + first_token * Hh * Dv * elem;
+    // Column-major: dO of head h is a Dv x tokens matrix (ld H Dv), H's a
+    // Dk x tokens one (ld H Dk), and row-major X [Dk, Dv] is its Dv x Dk
+    // transpose: X^T = dO H^T, one GEMM per head contracting over tokens.
     SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
         handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(Dv), static_cast<int>(Dk),
-        static_cast<int>(Dk), &one, dS_end, CUDA_R_32F, static_cast<int>(Dv), Dk * Dv, P,
-        CUDA_R_32F, static_cast<int>(Dk), Dk * Dk, &one, dS0, CUDA_R_32F, static_cast<int>(Dv),
-        Dk * Dv, static_cast<int>(Hh), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        static_cast<int>(run.end - run.begin), &one, o_ptr, t, static_cast<int>(Hh * Dv), Dv, h_ptr,
+        t, static_cast<int>(Hh * Dk), Dk, &zero, out, CUDA_R_32F, static_cast<int>(Dv), Dk * Dv,
+        static_cast<int>(Hh), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    // + P^T dS:  (P^T dS)^T = dS^T P, with row-major P read as its
+    // column-major transpose.
+    if (cur != nullptr)
+      SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+          handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(Dv), static_cast<int>(Dk),
+          static_cast<int>(Dk), &one, cur, CUDA_R_32F, static_cast<int>(Dv), Dk * Dv, run.P,
+          CUDA_R_32F, static_cast<int>(Dk), Dk * Dk, &one, out, CUDA_R_32F, static_cast<int>(Dv),
+          Dk * Dv, static_cast<int>(Hh), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    cur = out;
+  }
 }
 
 namespace detail {

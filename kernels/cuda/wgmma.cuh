@@ -50,9 +50,12 @@ __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wgmma_wait_all() {
+// Waits until at most N of this warpgroup's committed groups are pending
+// (their accumulators may then be read).
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
 #ifndef SS_WGMMA_UNAVAILABLE
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
 // Generic-proxy shared-memory writes (st.shared, stmatrix, cp.async) made
@@ -97,6 +100,39 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint
 #undef SS_WG64
 #endif
 }
+
+#define SS_WG_F8_OUT(i)                                                                       \
+  "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), \
+      "=f"(d[i + 6]), "=f"(d[i + 7])
+
+// d = A B (scale-d 0: d is written, not read), as wgmma_m64n64k16: the first
+// product of a chain, with no zeroed registers for the compiler to place
+// between the chain's MMAs (where ptxas then inserted waits of its own).
+template <bool kBf16, bool kTransA>
+__device__ __forceinline__ void wgmma_m64n64k16_first(float (&d)[32], uint64_t a, uint64_t b) {
+#ifdef SS_WGMMA_UNAVAILABLE
+  __trap();
+#else
+#define SS_WG64Z(TY, TA)                                                                       \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                         \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+               "%32, %33, 0, 1, 1, " TA ", 0;\n"                                               \
+               : SS_WG_F8_OUT(0), SS_WG_F8_OUT(8), SS_WG_F8_OUT(16), SS_WG_F8_OUT(24)          \
+               : "l"(a), "l"(b))
+  if constexpr (kBf16 && kTransA)
+    SS_WG64Z("bf16", "1");
+  else if constexpr (kBf16)
+    SS_WG64Z("bf16", "0");
+  else if constexpr (kTransA)
+    SS_WG64Z("f16", "1");
+  else
+    SS_WG64Z("f16", "0");
+#undef SS_WG64Z
+#endif
+}
+
+#undef SS_WG_F8_OUT
 
 // d (64 x 128) += A B, as wgmma_m64n64k16.
 template <bool kBf16, bool kTransA>
