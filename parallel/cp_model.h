@@ -74,34 +74,38 @@ double cp_summary_bytes(const CpLayer& layer, bool backward = false);
 
 // Effective summary rates, calibrated on one H200 (141 GB HBM3e) from
 // `statescan-bench --cp-measure`, KDA, B=1, T=131072, H=16, D=128, bf16,
-// chunk 64 (2026-12-02, nineteenth session: the backward's pre-pass taken from
-// the forward's first-segment maps): a middle rank's summary fwd (E beside M's
-// scan with H) 3.888 ms, the first rank's E alone 2.029 ms, the last rank's
-// maps alone 3.016 ms, summary bwd (the H^T dO GEMM) 0.362 ms.
+// chunk 64 (2026-12-03, twenty-fourth session: the two-level summary, every
+// row's chunks in runs scanned at once by the per-head kernel; mean of two
+// runs): a middle rank's summary fwd (E beside the maps with H) 2.005 ms, the
+// first rank's E alone 1.311 ms (its runs need their maps too, without H),
+// the last rank's maps alone 1.064 ms, summary bwd (the H^T dO GEMMs)
+// 0.377 ms.
 // Rate = counted FLOPs of that layer / measured time:
 //   fwd:   2048 chunks x 16 heads x 15,728,640 FLOP = 515,396,075,520 FLOP
 //   first: 2048 chunks x 16 heads x  6,291,456 FLOP = 206,158,430,208 FLOP
 //   maps:  2048 chunks x 16 heads x  9,437,184 FLOP = 309,237,645,312 FLOP
 //   bwd:   2048 chunks x 16 heads x  2,097,152 FLOP =  68,719,476,736 FLOP
-// The forward summaries are sequential scans over chunks (each chunk's
-// composition waits for the previous one), far from throughput-bound: 132.6,
-// 101.6 and 102.5 TFLOP/s against 989 dense bf16 peak; E and the maps run
-// side by side on halves of the GPU (in clusters of two CTAs, summary.cu), so
-// together they cost less than the two alone. The backward's GEMM reads 1.07
-// GB of H and dO (0.224 ms at 4.8 TB/s): 189.8 TFLOP/s. The additive rules' backward keeps the reverse-scan pre-pass,
-// at its rate of the fifteenth session (KDA's scan, 274,877,906,944 FLOP in
-// 2.752 ms: 99.9 TFLOP/s). The check against a second measurement (Gated
-// DeltaNet: 3.886 / 2.036 / 3.007 / 0.360 ms) is in tests/test_cp_model.cpp.
-// (Before: the fifteenth session, the pre-pass a reverse scan, 3.100 / 2.038
-// / 2.752 ms at 133.0, 101.2, 99.9 TFLOP/s; the twelfth 2.988 / 1.882 /
+// The forward summaries are sequential scans over chunks, cut into runs that
+// fill the GPU but each still a chain (each chunk's composition waits for the
+// previous one), far from throughput-bound: 257.1, 157.3 and 290.6 TFLOP/s
+// against 989 dense bf16 peak (the first rank's E pays for its runs' maps,
+// which the counted work leaves out). The backward's GEMMs read 1.07 GB of H
+// and dO (0.224 ms at 4.8 TB/s): 182.3 TFLOP/s. The additive rules' backward
+// keeps the reverse-scan pre-pass, at its rate of the fifteenth session
+// (KDA's scan, 274,877,906,944 FLOP in 2.752 ms: 99.9 TFLOP/s). The check
+// against a second measurement (Gated DeltaNet: 1.973 / 1.305 / 1.068 /
+// 0.377 ms) is in tests/test_cp_model.cpp.
+// (Before: the nineteenth session, one scan per row, 3.888 / 2.029 / 3.016 /
+// 0.362 ms at 132.6, 101.6, 102.5, 189.8 TFLOP/s; the fifteenth, the pre-pass
+// a reverse scan, 3.100 / 2.038 / 2.752 ms; the twelfth 2.988 / 1.882 /
 // 2.962 ms; 2026-12-01 3.135 / 1.916 / 3.897 ms; 2026-11-30 with the wmma
 // scans: 8.07 / 5.53 / 8.21 ms; fourth session: E+M one after the other 11.49
 // ms, E 5.71, a prepare + scan pre-pass 23.53; tests that replay runs of
 // those days use their own figures.)
-inline constexpr double kSummaryFwdFlopsPerS = 515396075520.0 / 3.888e-3;    // 132.6 TFLOP/s
-inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 2.029e-3;  // 101.6 TFLOP/s
-inline constexpr double kSummaryMapsFlopsPerS = 309237645312.0 / 3.016e-3;   // 102.5 TFLOP/s
-inline constexpr double kSummaryBwdFlopsPerS = 68719476736.0 / 0.362e-3;     // 189.8 TFLOP/s
+inline constexpr double kSummaryFwdFlopsPerS = 515396075520.0 / 2.005e-3;    // 257.1 TFLOP/s
+inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 1.311e-3;  // 157.3 TFLOP/s
+inline constexpr double kSummaryMapsFlopsPerS = 309237645312.0 / 1.064e-3;   // 290.6 TFLOP/s
+inline constexpr double kSummaryBwdFlopsPerS = 68719476736.0 / 0.377e-3;     // 182.3 TFLOP/s
 inline constexpr double kPrepassScanFlopsPerS = 274877906944.0 / 2.752e-3;   // 99.9 TFLOP/s
 
 // The GPU the summary and merge run on. Defaults: one H200, 4.8 TB/s HBM3e;
