@@ -238,7 +238,8 @@ unsigned scan_cluster_ctas(Kernel kernel, dim3 grid, int threads, size_t smem, i
 // (box_cols > cols) and those columns arrive as zeros: the tiles' 16 bytes of
 // row padding in shared memory come with the tile in one copy.
 inline CUtensorMap tile_map_2d(const void* base, int64_t rows, int64_t cols, int box_cols,
-                               int box_rows) {
+                               int box_rows,
+                               CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
     void* fn = nullptr;
@@ -259,9 +260,8 @@ inline CUtensorMap tile_map_2d(const void* base, int64_t rows, int64_t cols, int
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t unit[2] = {1, 1};
   const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims,
-                            strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                            strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   SS_CHECK_ARG(r == CUDA_SUCCESS, "workspace", "cuTensorMapEncodeTiled failed (", static_cast<int>(r),
                ") for a [", rows, "][", cols, "] tile array, box ", box_rows, " x ", box_cols);
   return map;
@@ -1210,11 +1210,26 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
       SS_CHECK_ARG(!out || (a.o != nullptr && a.ws_q != nullptr && a.ws_a != nullptr),
                    "scan_per_head", "the identity scan's outputs need o, Q^ and A");
       const dim3 grid(static_cast<unsigned>(a.heads), static_cast<unsigned>(a.num_segments));
+      // The tiles as TMA boxes of 64 x 64, 128-byte swizzled (WgmmaTileMaps).
+      const int64_t rows = a.num_chunks * a.heads * 64;
+      SS_CHECK_ARG(rows < (int64_t{1} << 31), "q",
+                   "too many chunk tiles for the scans' 32-bit tensor coordinates");
+      auto map = [&](const void* tiles, int64_t cols) {
+        return tile_map_2d(tiles, rows, cols, 64, 64, CU_TENSOR_MAP_SWIZZLE_128B);
+      };
+      WgmmaTileMaps maps{};
+      maps.k = map(a.ws_k, Dk);
+      maps.w = map(a.ws_w, Dk);
       auto launch = [&](auto mode) {
-        using Tr = ScanWgmmaTraits<decltype(mode)::value>;
-        launch_kernel(
-            chunk_state_scan_wgmma_kernel<Elem, kDecay != Decay::none, decltype(mode)::value>, grid,
-            Tr::kThreads, Tr::kBytes, stream, "chunk_state_scan_wgmma_kernel", a);
+        constexpr WgmmaScan kMode = decltype(mode)::value;
+        using Tr = ScanWgmmaTraits<kMode>;
+        if constexpr (Tr::kU) maps.u = map(a.ws_u, Dv);
+        if constexpr (Tr::kOut) {
+          maps.q = map(a.ws_q, Dk);
+          maps.a = map(a.ws_a, a.chunk);
+        }
+        launch_kernel(chunk_state_scan_wgmma_kernel<Elem, kDecay != Decay::none, kMode>, grid,
+                      Tr::kThreads, Tr::kBytes, stream, "chunk_state_scan_wgmma_kernel", a, maps);
       };
       if (out)
         launch(std::integral_constant<WgmmaScan, WgmmaScan::maps_out>{});

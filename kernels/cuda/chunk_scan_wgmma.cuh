@@ -25,10 +25,11 @@
 // twentieth and twenty-fourth sessions). maps_out: ~3.6 us a step.
 //   grid (H, N segments or runs), 256 threads (two warpgroups),
 //   ScanWgmmaTraits<mode>::kBytes of shared memory: the S copy (S^T in the
-//   core-matrix layout of wgmma.cuh), V'^T, and three cp.async stages of K_,
-//   W (both in the core layout of the row-major [chunk][Dk] tile: W S reads
-//   it K-major, K_^T V' MN-major), U (state: row-major, padded), Q^ and A
-//   (maps_out: core layout, K-major) and the decay.
+//   core-matrix layout of wgmma.cuh), V'^T, and three stages that thread 0
+//   fills by TMA (WgmmaTileMaps, one mbarrier each): K_, W (64-column halves
+//   in the 128-byte swizzle: W S reads them K-major, K_^T V' MN-major), U
+//   (state; read by the threads through the swizzle), Q^ and A (maps_out,
+//   K-major) and the decay.
 // Included by chunk_forward.cuh after segment_chunks.
 #pragma once
 
@@ -58,43 +59,60 @@ struct ScanWgmmaTraits {
   static constexpr int kStages = 3;
   static constexpr bool kU = kMode == WgmmaScan::state;
   static constexpr bool kOut = kMode == WgmmaScan::maps_out;
-  static constexpr int kLdU = kDv + 8;  // conflict-free 32-bit reads of U pairs
   static constexpr size_t kSCopyBytes = 2 * kDk * kDv;
   static constexpr size_t kVnBytes = 2 * kChunk * kDv;
-  static constexpr size_t kTileBytes = 2 * kChunk * kDk;  // K_, W or Q^
+  // Tiles loaded by TMA in 128-byte-swizzled halves of 64 columns
+  // (kHalfBytes each, 1024-byte aligned): K_, W, U, Q^ two halves, A one.
+  static constexpr size_t kHalfBytes = 2 * kChunk * 64;
+  static constexpr size_t kTileBytes = 2 * kHalfBytes;  // K_, W, U or Q^
   // Offsets inside a stage: K_, W, then U (state), Q^ and A (maps_out), decay.
   static constexpr size_t kUOffset = 2 * kTileBytes;
-  static constexpr size_t kQOffset = kUOffset + (kU ? 2 * kChunk * kLdU : 0);
+  static constexpr size_t kQOffset = kUOffset + (kU ? kTileBytes : 0);
   static constexpr size_t kAOffset = kQOffset + (kOut ? kTileBytes : 0);
-  static constexpr size_t kDecayOffset = kAOffset + (kOut ? 2 * kChunk * kChunk : 0);
-  static constexpr size_t kStageBytes = kDecayOffset + sizeof(float) * kDk;
-  static constexpr size_t kBytes = kSCopyBytes + kVnBytes + kStages * kStageBytes;
-  static_assert(kStageBytes % 128 == 0, "stages must keep the tiles' 128-byte alignment");
+  static constexpr size_t kDecayOffset = kAOffset + (kOut ? kHalfBytes : 0);
+  static constexpr size_t kStageBytes = (kDecayOffset + sizeof(float) * kDk + 1023) / 1024 * 1024;
+  // What TMA writes into a stage's tiles (the decay's bytes come on top
+  // where the variant decays).
+  static constexpr uint32_t kTileLoadBytes = static_cast<uint32_t>(kDecayOffset);
+  static constexpr size_t kBarrierOffset = kSCopyBytes + kVnBytes + kStages * kStageBytes;
+  // + the stages' mbarriers, + 1 KB to align the base to the swizzle's 1024 bytes.
+  static constexpr size_t kBytes = kBarrierOffset + 8 * kStages + 1024;
+  static_assert((kSCopyBytes + kVnBytes) % 1024 == 0, "stages must start 1024-byte aligned");
   static_assert(kBytes <= 227 * 1024, "chunk_state_scan_wgmma_kernel exceeds shared memory");
+};
+
+// The tile arrays as TMA sees them: [tiles * C][cols] row-major 16-bit,
+// boxes of 64 x 64 with the 128-byte swizzle (wgmma_desc_sw128). u only for
+// WgmmaScan::state, q and a only for maps_out (else unset, never read).
+struct WgmmaTileMaps {
+  CUtensorMap k, w, u, q, a;
 };
 
 template <typename T, bool kDecayed, WgmmaScan kMode>
 __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
-    chunk_state_scan_wgmma_kernel(const __grid_constant__ ForwardArgs a) {
+    chunk_state_scan_wgmma_kernel(const __grid_constant__ ForwardArgs a,
+                                  const __grid_constant__ WgmmaTileMaps maps) {
   using Tr = ScanWgmmaTraits<kMode>;
-  constexpr int D = Tr::kDk, C = Tr::kChunk, kLdU = Tr::kLdU;
+  constexpr int D = Tr::kDk, C = Tr::kChunk;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   constexpr bool kIdentity = kMode != WgmmaScan::state;
   static_assert(kBf16 || std::is_same_v<T, __half>, "16-bit tiles only");
-  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // The 128-byte swizzle repeats every 1024 bytes: align the base to that.
+  unsigned char* smem_bytes = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   T* sS = reinterpret_cast<T*>(smem_bytes);                      // S^T [Dv][Dk], core layout
   T* sV = reinterpret_cast<T*>(smem_bytes + Tr::kSCopyBytes);    // V'^T [Dv][C], core layout
   unsigned char* stages = smem_bytes + Tr::kSCopyBytes + Tr::kVnBytes;
-  auto stage_at = [&](int st, size_t offset) {
-    return reinterpret_cast<T*>(stages + st * Tr::kStageBytes + offset);
-  };
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_bytes + Tr::kBarrierOffset);
+  auto stage_at = [&](int st, size_t offset) { return stages + st * Tr::kStageBytes + offset; };
   auto stage_k = [&](int st) { return stage_at(st, 0); };
   auto stage_w = [&](int st) { return stage_at(st, Tr::kTileBytes); };
   auto stage_u = [&](int st) { return stage_at(st, Tr::kUOffset); };
   auto stage_q = [&](int st) { return stage_at(st, Tr::kQOffset); };
   auto stage_a = [&](int st) { return stage_at(st, Tr::kAOffset); };
   auto stage_decay = [&](int st) {
-    return reinterpret_cast<float*>(stages + st * Tr::kStageBytes + Tr::kDecayOffset);
+    return reinterpret_cast<float*>(stage_at(st, Tr::kDecayOffset));
   };
 
   const int64_t h = blockIdx.x, n = blockIdx.y, H = a.heads;
@@ -106,43 +124,34 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
   segment_chunks(a, n, first_chunk, num_chunks);
   const int chunks = static_cast<int>(num_chunks);
   const int64_t first_tile = first_chunk * H + h;
-  const T* ws_k = static_cast<const T*>(a.ws_k) + first_tile * C * D;
-  const T* ws_w = static_cast<const T*>(a.ws_w) + first_tile * C * D;
-  const T* ws_u = Tr::kU ? static_cast<const T*>(a.ws_u) + first_tile * C * D : nullptr;
-  const T* ws_q = Tr::kOut ? static_cast<const T*>(a.ws_q) + first_tile * C * D : nullptr;
-  const T* ws_a = Tr::kOut ? static_cast<const T*>(a.ws_a) + first_tile * C * C : nullptr;
   const float* ws_decay = kDecayed ? a.ws_decay + first_tile * D : nullptr;
   [[maybe_unused]] const SegmentTokens seg =
       Tr::kOut ? segment_tokens(a, first_chunk, num_chunks) : SegmentTokens{};
 
-  // Chunk cl into stage st: 16-byte pieces, piece p of tile row r to (r, 8 p)
-  // of the core layout (U row-major). One group per chunk from every thread
-  // (empty past the end), so the wait counts below hold for all.
+  // Chunk cl into stage st, issued by thread 0: each tile as TMA boxes of
+  // 64 rows x 64 columns, 128-byte swizzled, all completing on full[st]
+  // (armed with the stage's bytes). The 12-14 cp.async per thread a step of
+  // the first version held ~40 % of the kernel's stall samples: the
+  // load/store path, not the products, bounded the step (PERF_NOTES,
+  // twenty-fourth session).
   auto prefetch = [&](int cl, int st) {
-    if (cl < chunks) {
-      const int64_t step = int64_t{cl} * H * C * D;
-#pragma unroll
-      for (int it = 0; it < C * 16 / Tr::kThreads; ++it) {
-        const int i = tid + it * Tr::kThreads, r = i / 16, p = i % 16;
-        cp_async16(stage_k(st) + core_offset(r, 8 * p, D), ws_k + step + r * D + 8 * p);
-        cp_async16(stage_w(st) + core_offset(r, 8 * p, D), ws_w + step + r * D + 8 * p);
-        if constexpr (Tr::kU)
-          cp_async16(stage_u(st) + r * kLdU + 8 * p, ws_u + step + r * D + 8 * p);
-        if constexpr (Tr::kOut)
-          cp_async16(stage_q(st) + core_offset(r, 8 * p, D), ws_q + step + r * D + 8 * p);
-      }
-      if constexpr (Tr::kOut) {
-        const int64_t step_a = int64_t{cl} * H * C * C;
-#pragma unroll
-        for (int it = 0; it < C * (C / 8) / Tr::kThreads; ++it) {
-          const int i = tid + it * Tr::kThreads, r = i / (C / 8), p = i % (C / 8);
-          cp_async16(stage_a(st) + core_offset(r, 8 * p, C), ws_a + step_a + r * C + 8 * p);
-        }
-      }
-      if constexpr (kDecayed)
-        if (tid < D / 4) cp_async16(stage_decay(st) + 4 * tid, ws_decay + int64_t{cl} * H * D + 4 * tid);
+    if (tid != 0 || cl >= chunks) return;
+    mbarrier_arrive_expect_tx(full + st, Tr::kTileLoadBytes + (kDecayed ? sizeof(float) * D : 0));
+    const int row = static_cast<int>((first_tile + int64_t{cl} * H) * C);
+    auto tile = [&](unsigned char* dst, const CUtensorMap& map) {
+      tensor_copy_to_shared(dst, &map, 0, row, full + st);
+      tensor_copy_to_shared(dst + Tr::kHalfBytes, &map, 64, row, full + st);
+    };
+    tile(stage_k(st), maps.k);
+    tile(stage_w(st), maps.w);
+    if constexpr (Tr::kU) tile(stage_u(st), maps.u);
+    if constexpr (Tr::kOut) {
+      tile(stage_q(st), maps.q);
+      tensor_copy_to_shared(stage_a(st), &maps.a, 0, row, full + st);
     }
-    cp_async_commit();
+    if constexpr (kDecayed)
+      bulk_copy_to_shared(stage_decay(st), ws_decay + int64_t{cl} * H * D, sizeof(float) * D,
+                          full + st);
   };
 
   // This thread's part of S: rows row0 and row0 + 8, columns 8 j + i2 (+1),
@@ -173,12 +182,17 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
     }
   };
 
+  if (tid == 0) {
+    for (int st = 0; st < Tr::kStages; ++st) mbarrier_init(full + st, 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();  // barriers initialised before any copy completes on them
   for (int st = 0; st < Tr::kStages; ++st) prefetch(st, st);
   store_copy();
-  cp_async_wait<Tr::kStages - 1>();
   fence_proxy_async_shared();
   __syncthreads();
   for (int cl = 0, st = 0; cl < chunks; ++cl, st = st + 1 == Tr::kStages ? 0 : st + 1) {
+    mbarrier_wait(full + st, (cl / Tr::kStages) & 1);  // chunk cl has landed
     // V' columns [64 wg, 64 wg + 64) = U - W S: K = Dk in 8 steps of 16.
     // maps_out: the output's columns of Q^ S_c from the same S copy, in the
     // same group (8 more MMAs back to back cost ~0.15 us; a second group
@@ -188,15 +202,18 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
     // The chains' first products write their accumulators (scale-d 0).
     float v[32];
     [[maybe_unused]] float o[Tr::kOut ? 32 : 1];
-    auto chain_s = [&](float(&acc)[32], const T* tile) {
+    // The swizzled K-major tile: k16 step kk is 32 bytes into its half
+    // (the hardware applies the swizzle to the address it forms).
+    auto chain_s = [&](float(&acc)[32], const unsigned char* tile) {
+      auto a_desc = [&](int kk) {
+        return wgmma_desc_sw128(tile + (kk / 4) * Tr::kHalfBytes + 32 * (kk % 4), 1024);
+      };
       wgmma_m64n64k16_first<kBf16, false>(
-          acc, wgmma_desc(tile, 128, D / 8 * 128),
-          wgmma_desc(sS + core_offset(64 * wg, 0, D), 128, D / 8 * 128));
+          acc, a_desc(0), wgmma_desc(sS + core_offset(64 * wg, 0, D), 128, D / 8 * 128));
 #pragma unroll
       for (int kk = 1; kk < D / 16; ++kk)
         wgmma_m64n64k16<kBf16, false>(
-            acc, wgmma_desc(tile + core_offset(0, 16 * kk, D), 128, D / 8 * 128),
-            wgmma_desc(sS + core_offset(64 * wg, 16 * kk, D), 128, D / 8 * 128));
+            acc, a_desc(kk), wgmma_desc(sS + core_offset(64 * wg, 16 * kk, D), 128, D / 8 * 128));
     };
     wgmma_fence();
     chain_s(v, stage_w(st));
@@ -204,7 +221,7 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
     wgmma_commit();
     wgmma_wait<0>();
     // V' rounded to T once, stored transposed (the next product's B operand).
-    [[maybe_unused]] const T* u = Tr::kU ? stage_u(st) : nullptr;
+    [[maybe_unused]] const unsigned char* u = Tr::kU ? stage_u(st) : nullptr;
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       uint32_t r[4];
@@ -212,8 +229,10 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
       for (int m = 0; m < 4; ++m) {
         const int jj = j + m / 2, e = 2 * (m % 2);
         if constexpr (Tr::kU) {
-          const int row = 16 * warp + g + 4 * e, col = 64 * wg + 8 * jj + i2;
-          const float2 uu = unpack2<T>(*reinterpret_cast<const uint32_t*>(u + row * kLdU + col));
+          // U's half wg, row `row`, 16-byte piece jj (swizzled by row % 8 = g).
+          const int row = 16 * warp + g + 4 * e;
+          const float2 uu = unpack2<T>(*reinterpret_cast<const uint32_t*>(
+              u + wg * Tr::kHalfBytes + row * 128 + 16 * (jj ^ g) + 2 * i2));
           r[m] = pack2<T>(uu.x - v[4 * jj + e], uu.y - v[4 * jj + e + 1]);
         } else {
           r[m] = pack2<T>(-v[4 * jj + e], -v[4 * jj + e + 1]);
@@ -239,16 +258,18 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
     // 64 wg .., K = the chunk's rows), K = C in 4 steps of 16.
     // maps_out: o += A V' for the warpgroup's columns (A K-major, K = C).
     wgmma_fence();
+    // K_^T: half wg of the K_ tile (key dims 64 wg ..) read MN-major; a k16
+    // step is 16 of its 128-byte rows, 8-row swizzle atoms 1024 bytes apart.
 #pragma unroll
     for (int kk = 0; kk < C / 16; ++kk)
       wgmma_m64n128k16<kBf16, true>(
-          S, wgmma_desc(stage_k(st) + core_offset(16 * kk, 64 * wg, D), D / 8 * 128, 128),
+          S, wgmma_desc_sw128(stage_k(st) + wg * Tr::kHalfBytes + 2048 * kk, 1024),
           wgmma_desc(sV + core_offset(0, 16 * kk, C), 128, C / 8 * 128));
     if constexpr (Tr::kOut)
 #pragma unroll
       for (int kk = 0; kk < C / 16; ++kk)
         wgmma_m64n64k16<kBf16, false>(
-            o, wgmma_desc(stage_a(st) + core_offset(0, 16 * kk, C), 128, C / 8 * 128),
+            o, wgmma_desc_sw128(stage_a(st) + 32 * kk, 1024),
             wgmma_desc(sV + core_offset(64 * wg, 16 * kk, C), 128, C / 8 * 128));
     wgmma_commit();
     wgmma_wait<0>();
@@ -286,12 +307,10 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
       named_barrier_sync(1 + wg, 128);  // read back before store_copy rewrites it
     }
     store_copy();
-    cp_async_wait<Tr::kStages - 2>();  // chunk cl + 1 landed (this thread's part)
     fence_proxy_async_shared();
-    __syncthreads();  // S copy complete; chunk cl + 1 visible; stage st free
+    __syncthreads();  // S copy complete; stage st free
     prefetch(cl + Tr::kStages, st);
   }
-  cp_async_wait<0>();
   if (a.final_state != nullptr) {
 #pragma unroll
     for (int j = 0; j < 16; ++j)

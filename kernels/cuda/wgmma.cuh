@@ -40,6 +40,19 @@ __device__ __forceinline__ uint64_t wgmma_desc(const void* smem, uint32_t lbo_by
          (static_cast<uint64_t>(sbo_bytes >> 4) << 32);
 }
 
+// A descriptor for the 128-byte-swizzled layout TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B: rows of 64 16-bit elements (128 bytes), the
+// 16-byte pieces of row r at piece index ^ (r % 8), 8-row atoms of 1024
+// bytes (1024-byte aligned) `sbo` bytes apart. K-major (rows = M or N): the
+// k16 slice kk of a 64-wide atom starts 32 kk bytes in; MN-major (rows = K,
+// the 64 columns M): the atoms run along K, a k16 step is two of them. LBO
+// is unused for either with one atom across (encoded 1, as CUTLASS does).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* smem, uint32_t sbo_bytes) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
+         (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t{1} << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #ifndef SS_WGMMA_UNAVAILABLE
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
