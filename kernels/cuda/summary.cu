@@ -345,9 +345,9 @@ class SideStream {
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
 };
 
-// The scan arguments that cover only the last segment of every batch row:
-// all rows without cu_seqlens, the last segment (as segment 0) with it.
-ForwardArgs last_segment_args(const MixerParams& p, const ForwardPlan& plan) {
+// The plan's scan arguments with every output off; the caller points
+// final_state (and o, for the first segments' maps) where it wants them.
+ForwardArgs final_state_only_args(const ForwardPlan& plan) {
   ForwardArgs a = plan.args;
   a.o = nullptr;
   a.chunk_states = nullptr;
@@ -356,6 +356,13 @@ ForwardArgs last_segment_args(const MixerParams& p, const ForwardPlan& plan) {
   // an output kernel that does not run (less traffic per chunk step).
   a.ws_states = nullptr;
   a.ws_vnew = nullptr;
+  return a;
+}
+
+// The scan arguments that cover only the last segment of every batch row:
+// all rows without cu_seqlens, the last segment (as segment 0) with it.
+ForwardArgs last_segment_args(const MixerParams& p, const ForwardPlan& plan) {
+  ForwardArgs a = final_state_only_args(plan);
   if (p.cu_seqlens != nullptr) {
     const int64_t last = p.num_segments - 1;
     a.segment_table += 2 * last;
@@ -421,12 +428,7 @@ void summary_two_level(const MixerParams& p, const ForwardPlan& plan, float* M, 
   // Pageable host -> device: staged before the call returns.
   SS_CUDA_CHECK(cudaMemcpyAsync(runs.get(), table.data(), table.size() * sizeof(int64_t),
                                 cudaMemcpyHostToDevice, stream));
-  ForwardArgs base = plan.args;
-  base.o = nullptr;
-  base.chunk_states = nullptr;
-  base.final_state = nullptr;
-  base.ws_states = nullptr;
-  base.ws_vnew = nullptr;
+  ForwardArgs base = final_state_only_args(plan);
   base.initial_state = nullptr;
   base.segment_table = runs.get();
   base.group_table = nullptr;
