@@ -16,13 +16,15 @@
 //   maps_out: o = Q^ S + A V'  (columns 64 wg .., beside the two above)
 // The arithmetic is the other scans': S stays fp32 in the accumulators, the
 // products read a copy of S rounded to T, V' is rounded to T once.
-// Measured (H200): 2.5-2.7 us a step against the column blocks' ~1.0 (16
-// columns, one wave), because a step's two halves and their waits run in
-// series on one CTA; but on 4-8 times fewer multiprocessors, so it wins once
-// there are CTAs enough to fill the GPU: E at H = 64 (32K tokens) 1.30 ms
-// against 1.49, at H = 128 (16K) 0.63 against 1.49; at H = 16 (128K) 5.1
-// against 2.0 as one chain per head, 1.29 as four (two-level; PERF_NOTES,
-// twentieth and twenty-fourth sessions). maps_out: ~3.6 us a step.
+// Measured (H200, 128K, H = 16): ~1.5 us a step for E (~2.1 us for the maps
+// with H), against the column blocks' ~1.0 (16 columns, one wave), because a
+// step's two halves and their waits run in series on one CTA; but on 4-8
+// times fewer multiprocessors, so it wins once there are CTAs enough to fill
+// the GPU: many heads, or the two-level summary's runs (E at H = 16, 128K:
+// 2.0 ms as column blocks, 0.79 ms as four runs per row). Loading the tiles
+// by cp.async (12-14 copies per thread a step) the steps were 2.5-2.7 and
+// ~3.7 us: the load/store path bounded them (PERF_NOTES, twentieth and
+// twenty-fourth sessions).
 //   grid (H, N segments or runs), 256 threads (two warpgroups),
 //   ScanWgmmaTraits<mode>::kBytes of shared memory: the S copy (S^T in the
 //   core-matrix layout of wgmma.cuh), V'^T, and three stages that thread 0

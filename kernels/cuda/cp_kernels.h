@@ -42,7 +42,7 @@ void set_summary_linear_part(LinearPart part);
 //              between E and the linear part;
 //   per_head   E and M's scans (final state only) as one CTA per head and
 //              segment holding the whole state, its products as warpgroup
-//              MMAs (chunk_scan_wgmma.cuh): a longer step (~2.6 us against
+//              MMAs (chunk_scan_wgmma.cuh): a longer step (~1.5 us against
 //              ~1.0) on far fewer multiprocessors;
 //   two_level  every row (one segment each; else as automatic) cut into
 //              summary_pieces() runs of chunks, each run's E (from zero) and

@@ -128,11 +128,12 @@ bool per_head_supported(const MixerParams& p) {
 // as one CTA per head and segment (chunk_scan_wgmma.cuh) where
 // summary_scan() asks for it. `automatic` takes it where the column
 // blocks would need more than one wave even at 32 columns
-// (heads x segments x Dv / 32 > SMs): a per-head step is ~2.6 us against
-// ~1.0 (16 columns, one wave) or ~1.45 us per wave (32 columns), so it loses
-// at H = 16 (E 5.1 ms against 2.0 at 128K tokens) and wins from H = 64
+// (heads x segments x Dv / 32 > SMs): a per-head step was ~2.6 us against
+// ~1.0 (16 columns, one wave) or ~1.45 us per wave (32 columns), so it lost
+// at H = 16 (E 5.1 ms against 2.0 at 128K tokens) and won from H = 64
 // (1.30 against 1.49 ms at 32K; 0.63 against 1.49 at H = 128, 16K: H200,
-// 2026-12-03, PERF_NOTES).
+// 2026-12-03, PERF_NOTES). Its tiles now come by TMA (~1.5 us a step): the
+// threshold may now be conservative, not re-measured.
 bool per_head_scan(const MixerParams& p, int64_t heads_segments, int num_sms) {
   const SummaryScan want = summary_scan_setting();
   if (want == SummaryScan::blocks || !per_head_supported(p)) return false;
