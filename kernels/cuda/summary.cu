@@ -140,23 +140,6 @@ bool per_head_scan(const MixerParams& p, int64_t heads_segments, int num_sms) {
   return want == SummaryScan::per_head || heads_segments * (p.dv / 32) > num_sms;
 }
 
-// The two-level summary's piece count: every row (one segment each) split
-// into G runs of chunks, each run scanned by the per-head kernels from zero
-// (E) and from the identity (its map) in parallel, then composed in order.
-// G fills the multiprocessors with one CTA each: kinds x rows x H x G <= SMs,
-// kinds = 2 with E (E's runs beside the maps'), else 1. 1 = not two-level
-// (setting, shape, or rows x H already filling the GPU).
-int64_t pieces_for(const MixerParams& p, bool with_E) {
-  const SummaryScan want = summary_scan_setting();
-  if (want != SummaryScan::two_level && want != SummaryScan::automatic) return 1;
-  if (p.cu_seqlens != nullptr && p.num_segments != 1) return 1;
-  if (!per_head_supported(p)) return 1;
-  const int64_t rows = p.cu_seqlens != nullptr ? 1 : p.batch;
-  const int64_t per_piece = (with_E ? 2 : 1) * rows * p.heads;
-  const int64_t pieces = std::min<int64_t>(multiprocessor_count() / per_piece, 64);
-  return pieces >= 2 ? pieces : 1;
-}
-
 // Run g of `pieces` nearly equal runs of n chunks: chunks [first, first + count).
 void piece_chunks(int64_t n, int64_t pieces, int64_t g, int64_t& first, int64_t& count) {
   first = n * g / pieces;
@@ -389,6 +372,15 @@ ForwardArgs first_segment_args(const MixerParams& p, const ForwardPlan& plan,
   return h;
 }
 
+// With the first segments' maps, M (`floats` of them) is their P: copied
+// where the caller gave separate buffers.
+void copy_m_from_first_maps(float* M, const FirstSegmentMaps* first, bool with_linear_part,
+                            int64_t floats, cudaStream_t stream) {
+  if (first != nullptr && with_linear_part && M != first->P)
+    SS_CUDA_CHECK(cudaMemcpyAsync(M, first->P, static_cast<size_t>(floats) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream));
+}
+
 // Y = A X (+ Y where accumulate) for H row-major Dk x Dk maps A and states
 // X, Y (Dv == Dk), fp32 (no TF32: these compose a handful of maps whose
 // errors the scans do not repeat). Column-major: Y^T = X^T A^T.
@@ -402,7 +394,7 @@ void maps_product(cublasHandle_t handle, const float* A, const float* X, float* 
       CUBLAS_GEMM_DEFAULT));
 }
 
-// The two-level summary (pieces_for > 1; delta rules, one segment per row,
+// The two-level summary (summary_pieces > 1; delta rules, one segment per row,
 // per-head scans): every row's chunks in `pieces` runs, each run scanned
 // from the identity with U = 0 (its map P_g; with `first` also its outputs,
 // each run's own H) and, for E, from zero (E_g), the two grids side by side
@@ -488,9 +480,7 @@ void summary_two_level(const MixerParams& p, const ForwardPlan& plan, float* M, 
       }
     }
   }
-  if (first != nullptr && with_linear_part && M != first->P)
-    SS_CUDA_CHECK(cudaMemcpyAsync(M, first->P, static_cast<size_t>(rows * map) * sizeof(float),
-                                  cudaMemcpyDeviceToDevice, stream));
+  copy_m_from_first_maps(M, first, with_linear_part, rows * map, stream);
 }
 
 void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, float* E,
@@ -511,7 +501,7 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   }
   const int64_t rows = p.cu_seqlens != nullptr ? 1 : p.batch;
   const bool products = delta && linear_part_by_products_enabled();
-  const int64_t pieces = delta && !products ? pieces_for(p, E != nullptr) : 1;
+  const int64_t pieces = summary_pieces(p, E != nullptr);
   if (first != nullptr)
     SS_CHECK_ARG(first->pieces == pieces && (pieces == 1 || first->piece_P != nullptr), "first",
                  "holds ", first->pieces, " piece maps where the summary makes ", pieces,
@@ -606,10 +596,7 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
   // scan has the whole GPU.
   if (linear_scan && !side) detail::launch_forward_stages(p, m, m_stages, stream);
   if (side) side->join();  // `stream` waits for the side scan
-  if (first != nullptr && with_linear_part && M != first->P)
-    SS_CUDA_CHECK(cudaMemcpyAsync(M, first->P,
-                                  static_cast<size_t>(rows * p.heads * p.dk * p.dk) * sizeof(float),
-                                  cudaMemcpyDeviceToDevice, stream));
+  copy_m_from_first_maps(M, first, with_linear_part, rows * p.heads * p.dk * p.dk, stream);
   if (!delta && with_linear_part) {
     int64_t begin = 0, end = p.seq_len;
     if (p.cu_seqlens != nullptr) {
@@ -625,8 +612,23 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
 
 }  // namespace
 
+// The two-level summary's piece count (delta rules, M by scan): every row
+// (one segment each) split into G runs of chunks, each run scanned by the
+// per-head kernels from zero (E) and from the identity (its map) in
+// parallel, then composed in order.
+// G fills the multiprocessors with one CTA each: kinds x rows x H x G <= SMs,
+// kinds = 2 with E (E's runs beside the maps'), else 1. 1 = not two-level
+// (setting, shape, or rows x H already filling the GPU).
 int64_t summary_pieces(const MixerParams& p, bool with_E) {
-  return has_beta(p.variant) && !linear_part_by_products_enabled() ? pieces_for(p, with_E) : 1;
+  if (!has_beta(p.variant) || linear_part_by_products_enabled()) return 1;
+  const SummaryScan want = summary_scan_setting();
+  if (want != SummaryScan::two_level && want != SummaryScan::automatic) return 1;
+  if (p.cu_seqlens != nullptr && p.num_segments != 1) return 1;
+  if (!per_head_supported(p)) return 1;
+  const int64_t rows = p.cu_seqlens != nullptr ? 1 : p.batch;
+  const int64_t per_piece = (with_E ? 2 : 1) * rows * p.heads;
+  const int64_t pieces = std::min<int64_t>(multiprocessor_count() / per_piece, 64);
+  return pieces >= 2 ? pieces : 1;
 }
 
 LinearPart summary_linear_part() {

@@ -91,6 +91,31 @@ __device__ __forceinline__ void stmatrix_x4_trans(const void* row, uint32_t r0, 
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
 
+#define SS_WG_F8_OUT(i)                                                                       \
+  "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), \
+      "=f"(d[i + 6]), "=f"(d[i + 7])
+
+// One m64n64k16 MMA of 16-bit type TY, A MN-major where TA is "1", scale-d
+// SCALE ("1": d += A B, d read and written; "0": d = A B, d written only,
+// F8 the matching constraint list), inside a function with kBf16, kTransA,
+// d, a and b.
+#define SS_WG64(TY, TA, SCALE, F8)                                                             \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                         \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+               "%32, %33, " SCALE ", 1, 1, " TA ", 0;\n"                                       \
+               : F8(0), F8(8), F8(16), F8(24)                                                  \
+               : "l"(a), "l"(b))
+#define SS_WG64_TYPED(SCALE, F8)     \
+  if constexpr (kBf16 && kTransA)    \
+    SS_WG64("bf16", "1", SCALE, F8); \
+  else if constexpr (kBf16)          \
+    SS_WG64("bf16", "0", SCALE, F8); \
+  else if constexpr (kTransA)        \
+    SS_WG64("f16", "1", SCALE, F8);  \
+  else                               \
+    SS_WG64("f16", "0", SCALE, F8)
+
 // d (64 x 64, fp32, the m64nNk16 accumulator layout) += A B, both 16-bit
 // from shared memory, A K-major (kTransA: MN-major), B K-major.
 // 16-bit type: bf16 (kBf16) or fp16.
@@ -99,24 +124,9 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint
 #ifdef SS_WGMMA_UNAVAILABLE
   __trap();
 #else
-#define SS_WG64(TY, TA)                                                                          \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                           \
-               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "   \
-               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "    \
-               "%32, %33, 1, 1, 1, " TA ", 0;\n"                                                 \
-               : SS_WG_F8(0), SS_WG_F8(8), SS_WG_F8(16), SS_WG_F8(24)                             \
-               : "l"(a), "l"(b))
-  if constexpr (kBf16 && kTransA) SS_WG64("bf16", "1");
-  else if constexpr (kBf16) SS_WG64("bf16", "0");
-  else if constexpr (kTransA) SS_WG64("f16", "1");
-  else SS_WG64("f16", "0");
-#undef SS_WG64
+  SS_WG64_TYPED("1", SS_WG_F8);
 #endif
 }
-
-#define SS_WG_F8_OUT(i)                                                                       \
-  "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), \
-      "=f"(d[i + 6]), "=f"(d[i + 7])
 
 // d = A B (scale-d 0: d is written, not read), as wgmma_m64n64k16: the first
 // product of a chain, with no zeroed registers for the compiler to place
@@ -126,25 +136,12 @@ __device__ __forceinline__ void wgmma_m64n64k16_first(float (&d)[32], uint64_t a
 #ifdef SS_WGMMA_UNAVAILABLE
   __trap();
 #else
-#define SS_WG64Z(TY, TA)                                                                       \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                         \
-               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
-               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
-               "%32, %33, 0, 1, 1, " TA ", 0;\n"                                               \
-               : SS_WG_F8_OUT(0), SS_WG_F8_OUT(8), SS_WG_F8_OUT(16), SS_WG_F8_OUT(24)          \
-               : "l"(a), "l"(b))
-  if constexpr (kBf16 && kTransA)
-    SS_WG64Z("bf16", "1");
-  else if constexpr (kBf16)
-    SS_WG64Z("bf16", "0");
-  else if constexpr (kTransA)
-    SS_WG64Z("f16", "1");
-  else
-    SS_WG64Z("f16", "0");
-#undef SS_WG64Z
+  SS_WG64_TYPED("0", SS_WG_F8_OUT);
 #endif
 }
 
+#undef SS_WG64_TYPED
+#undef SS_WG64
 #undef SS_WG_F8_OUT
 
 // d (64 x 128) += A B, as wgmma_m64n64k16.
