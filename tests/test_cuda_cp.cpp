@@ -557,6 +557,92 @@ INSTANTIATE_TEST_SUITE_P(FullAndDiagonal, AffineMaps, ::testing::Values(false, t
                            return std::string(i.param ? "diagonal" : "full");
                          });
 
+// multiply_maps: out = op(A) B + bias over tiles of 32 x 32, so shapes
+// smaller than a tile, not multiples of it and the summary's 128 x 128;
+// B and out with row strides wider than their width; bias none, separate
+// or out itself (the pre-pass's in-place Horner step).
+enum class Bias { none, separate, in_place };
+struct MapsProductParam {
+  int64_t dk, width;
+  bool transpose;
+  Bias bias;
+};
+
+class MultiplyMaps : public ::testing::TestWithParam<MapsProductParam> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(MultiplyMaps, MatchesHost) {
+  const auto [dk, width, transpose, bias] = GetParam();
+  const int64_t maps = 3, ld = width + 3;  // rows padded: strides apart from the width
+  std::mt19937_64 rng(static_cast<uint64_t>(dk * 1000 + width));
+  const auto A = as_float(randn(static_cast<std::size_t>(maps * dk * dk), rng));
+  const auto B = as_float(randn(static_cast<std::size_t>(maps * dk * ld), rng));
+  const auto C = as_float(randn(static_cast<std::size_t>(maps * dk * ld), rng));
+  std::vector<double> want(static_cast<std::size_t>(maps * dk * ld));
+  for (std::size_t i = 0; i < want.size(); ++i) want[i] = bias == Bias::in_place ? C[i] : -1.0;
+  for (int64_t m = 0; m < maps; ++m)
+    for (int64_t i = 0; i < dk; ++i)
+      for (int64_t c = 0; c < width; ++c) {
+        double acc = bias == Bias::none ? 0.0 : C[(m * dk + i) * ld + c];
+        for (int64_t j = 0; j < dk; ++j) {
+          const double a = transpose ? A[(m * dk + j) * dk + i] : A[(m * dk + i) * dk + j];
+          acc += a * B[(m * dk + j) * ld + c];
+        }
+        want[(m * dk + i) * ld + c] = acc;
+      }
+  // out starts as C (in place) or -1: the padding must stay as it was.
+  DeviceBuffer<float> dA(A), dB(B), dC(C),
+      out(bias == Bias::in_place ? C : std::vector<float>(want.size(), -1.f));
+  cuda::MapsProduct mp;
+  mp.maps = maps;
+  mp.dk = dk;
+  mp.width = width;
+  mp.A = dA.data();
+  mp.transpose_a = transpose;
+  mp.B = dB.data();
+  mp.bias = bias == Bias::none ? nullptr : bias == Bias::separate ? dC.data() : out.data();
+  mp.out = out.data();
+  mp.ld_b = mp.ld_bias = mp.ld_out = ld;
+  mp.stride_b = mp.stride_bias = mp.stride_out = dk * ld;
+  cuda::multiply_maps(mp, nullptr);
+  sync_or_fail();
+  EXPECT_LE(rel_rms(out.to_host(), want), 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MultiplyMaps,
+                         ::testing::Values(MapsProductParam{16, 12, false, Bias::none},
+                                           MapsProductParam{16, 12, true, Bias::separate},
+                                           MapsProductParam{40, 72, false, Bias::separate},
+                                           MapsProductParam{40, 72, true, Bias::in_place},
+                                           MapsProductParam{128, 128, false, Bias::in_place},
+                                           MapsProductParam{128, 128, true, Bias::none},
+                                           MapsProductParam{130, 33, true, Bias::separate}),
+                         [](const ::testing::TestParamInfo<MapsProductParam>& i) {
+                           const char* bias = i.param.bias == Bias::none       ? "none"
+                                              : i.param.bias == Bias::separate ? "bias"
+                                                                               : "inplace";
+                           return "dk" + std::to_string(i.param.dk) + "_w" +
+                                  std::to_string(i.param.width) +
+                                  (i.param.transpose ? "_AT_" : "_A_") + bias;
+                         });
+
+TEST(AffineMapKernels, MultiplyMapsRefusesOutAliasingB) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  DeviceBuffer<float> A(16 * 16), B(16 * 16);
+  cuda::MapsProduct mp;
+  mp.maps = 1;
+  mp.dk = mp.width = mp.ld_b = mp.ld_out = 16;
+  mp.stride_b = mp.stride_out = 256;
+  mp.A = A.data();
+  mp.B = B.data();
+  mp.out = B.data();
+  expect_error([&] { cuda::multiply_maps(mp, nullptr); }, "out");
+}
+
 TEST(AffineMapKernels, TransposeMatchesHost) {
   if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
   const int64_t maps = 2, dk = 24;

@@ -1,9 +1,14 @@
 // Small fp32 kernels on batches of affine maps S_out = M S_in + E (DESIGN §5):
-// what the device exchange composes and applies, and the finiteness count
-// the CP mixer's input checks use. The maps are tiny (Dk <= 256 per head), so
-// these are plain CUDA-core kernels: one thread per output element, the
-// contraction over Dk in a register loop; they are never on the critical
-// path of a step for long.
+// what the device exchange composes and applies, the two-level summary's
+// fold and the pre-pass's Horner steps compose, and the finiteness count the
+// CP mixer's input checks use. The maps are tiny (Dk <= 256 per head), so
+// these are plain CUDA-core kernels in fp32 (no TF32: a handful of products
+// whose errors nothing repeats). Full maps go through 32 x 32 output tiles
+// with the operands staged in shared memory (map_product_kernel): one
+// thread per output element took 21 us for 16 maps of 128 x 128 (a merge),
+// the tiles 14; cuBLAS's fp32 batched GEMM, which the summary's fold and the
+// pre-pass's Horner steps used before, about the same as the tiles in
+// place (PERF_NOTES, twenty-fifth session).
 
 #include <algorithm>
 #include <cstdint>
@@ -43,6 +48,57 @@ __global__ void affine_apply_kernel(int64_t maps, int64_t dk, int64_t width, boo
     }
   }
   out[idx] = acc;
+}
+
+// map_product_kernel: out[m][i][c] = bias[m][i][c] + sum_j op(A)[m][i][j] B[m][j][c]
+// with op(A) = A or A^T (kTransA), A Dk x Dk per map. Grid (width / 32,
+// Dk / 32, maps), rounded up; 16 x 16 threads, each owning rows ty, ty + 16
+// and columns tx, tx + 16 of the CTA's tile. The contraction runs through
+// 32 x 32 slices of op(A) and B in shared memory (padded rows: the
+// transposed loads write columns without bank conflicts). A 4 x 4 block per
+// thread (64 threads a CTA, float4 shared reads) took twice as long: the
+// slices' global loads, not the shared reads, bound it (ncu, twenty-fifth
+// session).
+template <bool kTransA>
+__global__ void __launch_bounds__(256) map_product_kernel(MapsProduct p) {
+  constexpr int kTile = 32;
+  __shared__ float sa[kTile][kTile + 1], sb[kTile][kTile + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 16 + tx;
+  const int64_t m = blockIdx.z, i0 = int64_t{blockIdx.y} * kTile, c0 = int64_t{blockIdx.x} * kTile;
+  const float* A = p.A + m * p.dk * p.dk;
+  const float* B = p.B + m * p.stride_b;
+  float acc[2][2] = {};
+  for (int64_t j0 = 0; j0 < p.dk; j0 += kTile) {
+    for (int e = tid; e < kTile * kTile; e += 256) {
+      const int r = e / kTile, q = e % kTile;
+      // op(A)[i0 + a][j0 + b] into sa[a][b]; reads run along A's rows.
+      if constexpr (kTransA)
+        sa[q][r] = j0 + r < p.dk && i0 + q < p.dk ? A[(j0 + r) * p.dk + i0 + q] : 0.f;
+      else
+        sa[r][q] = i0 + r < p.dk && j0 + q < p.dk ? A[(i0 + r) * p.dk + j0 + q] : 0.f;
+      sb[r][q] = j0 + r < p.dk && c0 + q < p.width ? B[(j0 + r) * p.ld_b + c0 + q] : 0.f;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int j = 0; j < kTile; ++j) {
+      const float a0 = sa[ty][j], a1 = sa[ty + 16][j], b0 = sb[j][tx], b1 = sb[j][tx + 16];
+      acc[0][0] = fmaf(a0, b0, acc[0][0]);
+      acc[0][1] = fmaf(a0, b1, acc[0][1]);
+      acc[1][0] = fmaf(a1, b0, acc[1][0]);
+      acc[1][1] = fmaf(a1, b1, acc[1][1]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int64_t i = i0 + ty + 16 * a, c = c0 + tx + 16 * b;
+      if (i >= p.dk || c >= p.width) continue;
+      // bias may be out itself: this thread alone reads and writes (i, c).
+      const float add = p.bias != nullptr ? p.bias[m * p.stride_bias + i * p.ld_bias + c] : 0.f;
+      p.out[m * p.stride_out + i * p.ld_out + c] = acc[a][b] + add;
+    }
 }
 
 // elementwise_product_kernel: out[i] = a[i] * b[i] (diagonal maps compose).
@@ -124,12 +180,47 @@ __global__ void nonfinite_kernel(const unsigned char* data, int64_t n, int64_t h
 
 }  // namespace
 
+void multiply_maps(const MapsProduct& p, cudaStream_t stream) {
+  SS_CHECK_ARG(p.maps >= 0 && p.dk >= 1 && p.width >= 1, "maps", "maps ", p.maps, ", Dk ", p.dk,
+               ", width ", p.width);
+  SS_CHECK_ARG(p.A != nullptr && p.B != nullptr && p.out != nullptr, "A",
+               "A, B and out must not be null");
+  SS_CHECK_ARG(p.B != p.out, "out", "must not alias B (other tiles still read it)");
+  SS_CHECK_ARG(p.maps <= 65535, "maps", p.maps, " maps in one call (at most 65535)");
+  if (p.maps == 0) return;
+  const dim3 grid(static_cast<unsigned>((p.width + 31) / 32),
+                  static_cast<unsigned>((p.dk + 31) / 32), static_cast<unsigned>(p.maps));
+  if (p.transpose_a)
+    map_product_kernel<true><<<grid, dim3(16, 16), 0, stream>>>(p);
+  else
+    map_product_kernel<false><<<grid, dim3(16, 16), 0, stream>>>(p);
+  SS_LAUNCH_CHECK("map_product_kernel");
+}
+
 void apply_affine_maps(const DeviceMaps& maps, const float* in, float* out, int64_t col0,
                        int64_t width, cudaStream_t stream) {
   SS_CHECK_ARG(col0 >= 0 && width >= 1 && col0 + width <= maps.dv, "width", "columns [", col0, ", ",
                col0 + width, ") outside Dv = ", maps.dv);
   const int64_t n = maps.maps * maps.dk * width;
   if (n == 0) return;
+  if (!maps.diagonal && in != nullptr) {
+    MapsProduct mp;
+    mp.maps = maps.maps;
+    mp.dk = maps.dk;
+    mp.width = width;
+    mp.A = maps.M;
+    mp.B = in;
+    mp.ld_b = width;
+    mp.stride_b = maps.dk * width;
+    mp.bias = maps.E + col0;
+    mp.ld_bias = maps.dv;
+    mp.stride_bias = maps.dk * maps.dv;
+    mp.out = out;
+    mp.ld_out = width;
+    mp.stride_out = maps.dk * width;
+    multiply_maps(mp, stream);
+    return;
+  }
   affine_apply_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
       maps.maps, maps.dk, width, maps.diagonal, maps.M, in, width, maps.dk * width, maps.E + col0,
       maps.dv, maps.dk * maps.dv, out);
@@ -144,19 +235,34 @@ void compose_affine_maps(int64_t maps, int64_t dk, int64_t dv, bool diagonal, fl
   float* new_M = scratch + maps * dk * dv;
   const int64_t ne = maps * dk * dv;
   if (ne == 0) return;
-  // E first: it reads M_l before M_l is replaced.
-  affine_apply_kernel<<<blocks_for(ne), kThreads, 0, stream>>>(
-      maps, dk, dv, diagonal, later_M, earlier_E, dv, dk * dv, later_E, dv, dk * dv, new_E);
-  SS_LAUNCH_CHECK("affine_apply_kernel");
   const int64_t nm = maps * m_size;
   if (diagonal) {
+    // E first: it reads M_l before M_l is replaced.
+    affine_apply_kernel<<<blocks_for(ne), kThreads, 0, stream>>>(
+        maps, dk, dv, true, later_M, earlier_E, dv, dk * dv, later_E, dv, dk * dv, new_E);
+    SS_LAUNCH_CHECK("affine_apply_kernel");
     elementwise_product_kernel<<<blocks_for(nm), kThreads, 0, stream>>>(nm, later_M, earlier_M,
                                                                         new_M);
     SS_LAUNCH_CHECK("elementwise_product_kernel");
   } else {
-    affine_apply_kernel<<<blocks_for(nm), kThreads, 0, stream>>>(
-        maps, dk, dk, false, later_M, earlier_M, dk, dk * dk, nullptr, 0, 0, new_M);
-    SS_LAUNCH_CHECK("affine_apply_kernel");
+    MapsProduct mp;
+    mp.maps = maps;
+    mp.dk = dk;
+    mp.A = later_M;
+    mp.width = dv;  // E' = M_l E_e + E_l
+    mp.B = earlier_E;
+    mp.ld_b = mp.ld_bias = mp.ld_out = dv;
+    mp.stride_b = mp.stride_bias = mp.stride_out = dk * dv;
+    mp.bias = later_E;
+    mp.out = new_E;
+    multiply_maps(mp, stream);
+    mp.width = dk;  // M' = M_l M_e
+    mp.B = earlier_M;
+    mp.ld_b = mp.ld_out = dk;
+    mp.stride_b = mp.stride_out = dk * dk;
+    mp.bias = nullptr;
+    mp.out = new_M;
+    multiply_maps(mp, stream);
   }
   SS_CUDA_CHECK(
       cudaMemcpyAsync(later_E, new_E, ne * sizeof(float), cudaMemcpyDeviceToDevice, stream));

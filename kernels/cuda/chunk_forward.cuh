@@ -109,6 +109,11 @@ struct ForwardArgs : MixerTensors {
   // summary's M and piece maps; with the output stage its outputs are the
   // first segments' H (WgmmaScan::maps_out).
   bool scan_identity = false;
+  // With scan_identity (one segment per row or the two-level summary's runs):
+  // also scan every segment from zero, E's runs, into this [N, H, Dk, Dv]
+  // fp32, beside the identity scan in clusters of two CTAs that share the
+  // chunks' loads through L2 (chunk_state_scan_wgmma_pair_kernel).
+  float* scan_pair_state = nullptr;
   // CTAs per cluster of the 16-bit delta scans (cluster_copy.cuh): 0 = the
   // largest that keeps every CTA co-resident (scan_cluster_ctas), else 1, 2,
   // 4 or 8 (STATESCAN_SCAN_CLUSTER).
@@ -1220,13 +1225,30 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
       WgmmaTileMaps maps{};
       maps.k = map(a.ws_k, Dk);
       maps.w = map(a.ws_w, Dk);
+      const bool pair = a.scan_pair_state != nullptr;
+      SS_CHECK_ARG(!pair || a.scan_identity, "scan_pair_state",
+                   "E beside the maps needs the identity scan (scan_identity)");
       auto launch = [&](auto mode) {
         constexpr WgmmaScan kMode = decltype(mode)::value;
         using Tr = ScanWgmmaTraits<kMode>;
-        if constexpr (Tr::kU) maps.u = map(a.ws_u, Dv);
+        if (Tr::kU || pair) maps.u = map(a.ws_u, Dv);
         if constexpr (Tr::kOut) {
           maps.q = map(a.ws_q, Dk);
           maps.a = map(a.ws_a, a.chunk);
+        }
+        if constexpr (kMode != WgmmaScan::state) {
+          if (pair) {
+            auto kernel = chunk_state_scan_wgmma_pair_kernel<Elem, kDecay != Decay::none, kMode>;
+            constexpr size_t bytes = pair_scan_bytes<kMode>();
+            const int64_t clusters = a.heads * a.num_segments;
+            static const int fit = active_clusters(kernel, Tr::kThreads, bytes, 2);
+            SS_CHECK_ARG(clusters <= fit, "scan_pair_state", clusters,
+                         " pairs of CTAs do not fit the GPU at once (cuda::summary_pieces "
+                         "sizes the runs so that they do)");
+            launch_kernel_cluster(kernel, dim3(2, grid.x, grid.y), Tr::kThreads, bytes, 2, stream,
+                                  "chunk_state_scan_wgmma_pair_kernel", a, maps);
+            return;
+          }
         }
         launch_kernel(chunk_state_scan_wgmma_kernel<Elem, kDecay != Decay::none, kMode>, grid,
                       Tr::kThreads, Tr::kBytes, stream, "chunk_state_scan_wgmma_kernel", a, maps);
@@ -1243,6 +1265,7 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
   SS_CHECK_ARG(!(a.scan_per_head && (stages & kStageScan)), "scan_per_head",
                "set for a variant, dtype or head dim without the per-head scan");
   SS_CHECK_ARG(!a.scan_identity, "scan_identity", "needs the per-head scan");
+  SS_CHECK_ARG(a.scan_pair_state == nullptr, "scan_pair_state", "needs the per-head scan");
   const int scan_bv = a.scan_block_cols != 0                              ? a.scan_block_cols
                       : a.heads * a.num_segments * (Dv / 16) <= a.num_sms ? 16
                                                                           : 32;

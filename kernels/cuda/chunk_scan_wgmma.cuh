@@ -90,10 +90,15 @@ struct WgmmaTileMaps {
   CUtensorMap k, w, u, q, a;
 };
 
-template <typename T, bool kDecayed, WgmmaScan kMode>
-__global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
-    chunk_state_scan_wgmma_kernel(const __grid_constant__ ForwardArgs a,
-                                  const __grid_constant__ WgmmaTileMaps maps) {
+// One CTA's scan of head h, segment (or run) n: from initial_state (state
+// mode; zero where null) or the identity, into final_state where non-null.
+// kLockstep: the CTA is one of a cluster of two scanning the same chunks
+// (chunk_state_scan_wgmma_pair_kernel), and neither runs more than a step
+// ahead of the other.
+template <typename T, bool kDecayed, WgmmaScan kMode, bool kLockstep>
+__device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const WgmmaTileMaps& maps,
+                                               int64_t h, int64_t n, const float* initial_state,
+                                               float* final_state) {
   using Tr = ScanWgmmaTraits<kMode>;
   constexpr int D = Tr::kDk, C = Tr::kChunk;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -117,7 +122,7 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
     return reinterpret_cast<float*>(stage_at(st, Tr::kDecayOffset));
   };
 
-  const int64_t h = blockIdx.x, n = blockIdx.y, H = a.heads;
+  const int64_t H = a.heads;
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int g = lane / 4, i2 = 2 * (lane % 4);
   // stmatrix: lane gives stored row lane % 8 of matrix lane / 8.
@@ -169,8 +174,7 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
       if constexpr (kIdentity)
         S[4 * j + e] = row == col ? 1.f : 0.f;
       else
-        S[4 * j + e] =
-            a.initial_state != nullptr ? a.initial_state[state_base + row * D + col] : 0.f;
+        S[4 * j + e] = initial_state != nullptr ? initial_state[state_base + row * D + col] : 0.f;
     }
   // The rounded copy S^T: stmatrix matrix m holds column block j + m / 2,
   // rows 8 (m % 2) .. of the warp's 16.
@@ -312,14 +316,64 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
     fence_proxy_async_shared();
     __syncthreads();  // S copy complete; stage st free
     prefetch(cl + Tr::kStages, st);
+    if constexpr (kLockstep) {
+      // Wait for the other CTA's end of the previous step, then mark this
+      // one's: the CTA ahead (E's, whose steps are shorter) stays within a
+      // step of the other, so the chunks' K_ and W tiles that both load are
+      // read from HBM once and found in L2 the second time.
+      if (cl > 0) cluster_wait();
+      cluster_arrive_relaxed();
+    }
   }
-  if (a.final_state != nullptr) {
+  if (final_state != nullptr) {
 #pragma unroll
     for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        a.final_state[state_base + (row0 + 8 * (e / 2)) * D + 8 * j + i2 + e % 2] = S[4 * j + e];
+        final_state[state_base + (row0 + 8 * (e / 2)) * D + 8 * j + i2 + e % 2] = S[4 * j + e];
   }
+}
+
+//   grid (H, N segments or runs), ScanWgmmaTraits<kMode>::kBytes.
+template <typename T, bool kDecayed, WgmmaScan kMode>
+__global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
+    chunk_state_scan_wgmma_kernel(const __grid_constant__ ForwardArgs a,
+                                  const __grid_constant__ WgmmaTileMaps maps) {
+  wgmma_scan_cta<T, kDecayed, kMode, false>(a, maps, blockIdx.x, blockIdx.y, a.initial_state,
+                                            a.final_state);
+}
+
+// The two-level summary's E beside its maps, one cluster of two CTAs per head
+// and run: rank 0 scans from zero into a.scan_pair_state (E's runs), rank 1
+// the identity (kMaps: maps or maps_out) into a.final_state, in lockstep.
+// Why: run side by side as two grids the two scans drift apart (E's step is
+// ~1.5 us, the maps' with H ~2.1) and every chunk's K_ and W (32 KB a chunk
+// and head) is read from HBM twice; in lockstep the second read is an L2 hit
+// (KDA, 128K, H = 16: 3.4 -> 2.43 GB read from HBM, ncu), one launch instead
+// of two on two streams. The time hardly moved (1.118 -> 1.10 ms): the
+// maps' step is bound by its own chain, not by HBM (3.5 TB/s was reached,
+// but not the limit; PERF_NOTES, twenty-fifth session). What it buys is a
+// gigabyte less HBM traffic beside whatever else runs.
+//   grid (2, H, N runs), clusters of 2 along x, the larger kBytes of the two.
+template <typename T, bool kDecayed, WgmmaScan kMaps>
+__global__ void __launch_bounds__(ScanWgmmaTraits<kMaps>::kThreads, 1)
+    chunk_state_scan_wgmma_pair_kernel(const __grid_constant__ ForwardArgs a,
+                                       const __grid_constant__ WgmmaTileMaps maps) {
+  static_assert(kMaps != WgmmaScan::state, "the pair is E beside a linear part's scan");
+  if (blockIdx.x == 0)
+    wgmma_scan_cta<T, kDecayed, WgmmaScan::state, true>(a, maps, blockIdx.y, blockIdx.z, nullptr,
+                                                        a.scan_pair_state);
+  else
+    wgmma_scan_cta<T, kDecayed, kMaps, true>(a, maps, blockIdx.y, blockIdx.z, nullptr,
+                                             a.final_state);
+}
+
+// Shared memory of chunk_state_scan_wgmma_pair_kernel<..., kMaps>.
+template <WgmmaScan kMaps>
+constexpr size_t pair_scan_bytes() {
+  return ScanWgmmaTraits<WgmmaScan::state>::kBytes > ScanWgmmaTraits<kMaps>::kBytes
+             ? ScanWgmmaTraits<WgmmaScan::state>::kBytes
+             : ScanWgmmaTraits<kMaps>::kBytes;
 }
 
 }  // namespace statescan::cuda::detail

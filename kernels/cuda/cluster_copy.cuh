@@ -59,6 +59,16 @@ __device__ __forceinline__ void cluster_sync_all() {
                ::: "memory");
 }
 
+// The two halves of a cluster barrier, split so that work can run between
+// a CTA's arrival and its wait (every thread of the cluster arrives, then
+// waits, then may arrive again). Relaxed: it orders progress, not memory.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+}
+
 // A barrier over the first `threads` threads of the block (a multiple of 32),
 // id 1..15 (0 is __syncthreads'): the consumers' step barriers when a
 // producer warp runs its own loop.

@@ -182,6 +182,24 @@ class PreparedBackward {
   std::unique_ptr<Impl> impl_;
 };
 
+// out[m] = op(A[m]) B[m] + bias[m] for `maps` full Dk x Dk maps A (op: A, or
+// A^T where transpose_a; [maps, Dk, Dk] contiguous) and Dk x width matrices
+// B, bias and out (row strides ld_*, one matrix to the next stride_*), fp32
+// (multiply_maps). bias may be null (zero) or out itself (accumulate in
+// place); B must not alias out.
+struct MapsProduct {
+  int64_t maps = 0, dk = 0, width = 0;
+  const float* A = nullptr;
+  bool transpose_a = false;
+  const float* B = nullptr;
+  int64_t ld_b = 0, stride_b = 0;
+  const float* bias = nullptr;
+  int64_t ld_bias = 0, stride_bias = 0;
+  float* out = nullptr;
+  int64_t ld_out = 0, stride_out = 0;
+};
+void multiply_maps(const MapsProduct& p, cudaStream_t stream);
+
 // One batch of affine maps S_out = M S_in + E, [maps] of them, contiguous:
 // M [maps, Dk, Dk] (or [maps, Dk] when diagonal), E [maps, Dk, Dv].
 struct DeviceMaps {

@@ -140,6 +140,25 @@ bool per_head_scan(const MixerParams& p, int64_t heads_segments, int num_sms) {
   return want == SummaryScan::per_head || heads_segments * (p.dv / 32) > num_sms;
 }
 
+// Occupancy probe for the pair kernel's shape: one CTA of 256 threads per
+// multiprocessor, bound by shared memory whatever the instance (every one
+// needs fewer than 256 registers a thread, so registers never bind).
+__global__ void pair_scan_probe_kernel() {}
+
+// Pairs of CTAs (E's run beside its maps, chunk_state_scan_wgmma_pair_kernel)
+// the device holds at once: clusters of two must fit inside a GPC, so this
+// can be less than half the multiprocessors. Once per process.
+int64_t pair_scan_capacity() {
+  static const int64_t pairs = [] {
+    constexpr size_t bytes = std::max(detail::pair_scan_bytes<detail::WgmmaScan::maps>(),
+                                      detail::pair_scan_bytes<detail::WgmmaScan::maps_out>());
+    return static_cast<int64_t>(detail::active_clusters(
+        pair_scan_probe_kernel, detail::ScanWgmmaTraits<detail::WgmmaScan::state>::kThreads, bytes,
+        2));
+  }();
+  return pairs;
+}
+
 // Run g of `pieces` nearly equal runs of n chunks: chunks [first, first + count).
 void piece_chunks(int64_t n, int64_t pieces, int64_t g, int64_t& first, int64_t& count) {
   first = n * g / pieces;
@@ -381,24 +400,27 @@ void copy_m_from_first_maps(float* M, const FirstSegmentMaps* first, bool with_l
                                   cudaMemcpyDeviceToDevice, stream));
 }
 
-// Y = A X (+ Y where accumulate) for H row-major Dk x Dk maps A and states
-// X, Y (Dv == Dk), fp32 (no TF32: these compose a handful of maps whose
-// errors the scans do not repeat). Column-major: Y^T = X^T A^T.
-void maps_product(cublasHandle_t handle, const float* A, const float* X, float* Y, int64_t heads,
-                  int64_t dk, bool accumulate) {
-  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
-  const int d = static_cast<int>(dk);
-  SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-      handle, CUBLAS_OP_N, CUBLAS_OP_N, d, d, d, &one, X, CUDA_R_32F, d, dk * dk, A, CUDA_R_32F, d,
-      dk * dk, &beta, Y, CUDA_R_32F, d, dk * dk, static_cast<int>(heads), CUBLAS_COMPUTE_32F,
-      CUBLAS_GEMM_DEFAULT));
+// Y = A X + bias (bias null: none) for `heads` row-major Dk x Dk maps A and
+// states X, Y, bias (Dv == Dk), fp32 (multiply_maps).
+void maps_product(const float* A, const float* X, const float* bias, float* Y, int64_t heads,
+                  int64_t dk, cudaStream_t stream) {
+  MapsProduct mp;
+  mp.maps = heads;
+  mp.dk = mp.width = dk;
+  mp.A = A;
+  mp.B = X;
+  mp.bias = bias;
+  mp.out = Y;
+  mp.ld_b = mp.ld_bias = mp.ld_out = dk;
+  mp.stride_b = mp.stride_bias = mp.stride_out = dk * dk;
+  multiply_maps(mp, stream);
 }
 
 // The two-level summary (summary_pieces > 1; delta rules, one segment per row,
 // per-head scans): every row's chunks in `pieces` runs, each run scanned
 // from the identity with U = 0 (its map P_g; with `first` also its outputs,
-// each run's own H) and, for E, from zero (E_g), the two grids side by side
-// with one CTA per run and head; then, per row, in fp32:
+// each run's own H) and, for E, from zero (E_g), the two scans of a run and
+// head as one cluster of two CTAs in lockstep; then, per row, in fp32:
 //   P = P_{G-1} ... P_0,   E = P_{G-1} (... (P_0 S0 + E_0) ...) + E_{G-1}.
 // A sequential chain of n chunk steps becomes G chains of n / G on G times
 // the multiprocessors, plus 2 (G - 1) small GEMMs per row.
@@ -440,21 +462,14 @@ void summary_two_level(const MixerParams& p, const ForwardPlan& plan, float* M, 
     m.o = first->H;
     m_stages |= detail::kStageOutput;
   }
+  // E's runs beside the maps', one cluster of two CTAs per run and head.
   PoolArray<float> piece_E;
   if (E != nullptr) {
     piece_E = PoolArray<float>(static_cast<size_t>(rows * pieces * map), stream);
-    SideStream side(stream);  // the maps' runs beside E's
-    detail::launch_forward_stages(p, m, m_stages, side.stream());
-    ForwardArgs e = base;
-    e.final_state = piece_E.get();
-    detail::launch_forward_stages(p, e, detail::kStageScan, stream);
-    side.join();
-  } else {
-    detail::launch_forward_stages(p, m, m_stages, stream);
+    m.scan_pair_state = piece_E.get();
   }
+  detail::launch_forward_stages(p, m, m_stages, stream);
 
-  cublasHandle_t handle = cublas_handle();
-  SS_CUBLAS_CHECK(cublasSetStream(handle, stream));
   const PoolArray<float> tmp(static_cast<size_t>(2 * map), stream);  // ping-pong partial results
   auto partial = [&](int64_t g) { return tmp.get() + (g % 2) * map; };
   for (int64_t r = 0; r < rows; ++r) {
@@ -464,18 +479,18 @@ void summary_two_level(const MixerParams& p, const ForwardPlan& plan, float* M, 
       const float* cur = P_g(0);
       for (int64_t g = 1; g < pieces; ++g) {
         float* out = g == pieces - 1 ? p_out : partial(g);
-        maps_product(handle, P_g(g), cur, out, H, D, false);
+        maps_product(P_g(g), cur, nullptr, out, H, D, stream);
         cur = out;
       }
     }
     if (E != nullptr) {
-      const float* cur = p.initial_state != nullptr ? p.initial_state + r * map : nullptr;
-      for (int64_t g = 0; g < pieces; ++g) {
+      // Without S0 the first run's E_0 is the running value as it stands.
+      auto E_g = [&](int64_t g) { return piece_E.get() + (r * pieces + g) * map; };
+      const float* s0 = p.initial_state != nullptr ? p.initial_state + r * map : nullptr;
+      const float* cur = s0 != nullptr ? nullptr : E_g(0);
+      for (int64_t g = s0 != nullptr ? 0 : 1; g < pieces; ++g) {
         float* out = g == pieces - 1 ? E + r * map : partial(g);
-        SS_CUDA_CHECK(cudaMemcpyAsync(out, piece_E.get() + (r * pieces + g) * map,
-                                      static_cast<size_t>(map) * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream));
-        if (cur != nullptr) maps_product(handle, P_g(g), cur, out, H, D, true);
+        maps_product(P_g(g), s0 != nullptr && g == 0 ? s0 : cur, E_g(g), out, H, D, stream);
         cur = out;
       }
     }
@@ -616,8 +631,9 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
 // (one segment each) split into G runs of chunks, each run scanned by the
 // per-head kernels from zero (E) and from the identity (its map) in
 // parallel, then composed in order.
-// G fills the multiprocessors with one CTA each: kinds x rows x H x G <= SMs,
-// kinds = 2 with E (E's runs beside the maps'), else 1. 1 = not two-level
+// G fills the multiprocessors with one CTA each: rows x H x G <= SMs alone,
+// or, with E, rows x H x G pairs of CTAs (E's run beside its maps, in
+// clusters of two) <= the pairs the GPCs hold at once. 1 = not two-level
 // (setting, shape, or rows x H already filling the GPU).
 int64_t summary_pieces(const MixerParams& p, bool with_E) {
   if (!has_beta(p.variant) || linear_part_by_products_enabled()) return 1;
@@ -626,8 +642,8 @@ int64_t summary_pieces(const MixerParams& p, bool with_E) {
   if (p.cu_seqlens != nullptr && p.num_segments != 1) return 1;
   if (!per_head_supported(p)) return 1;
   const int64_t rows = p.cu_seqlens != nullptr ? 1 : p.batch;
-  const int64_t per_piece = (with_E ? 2 : 1) * rows * p.heads;
-  const int64_t pieces = std::min<int64_t>(multiprocessor_count() / per_piece, 64);
+  const int64_t slots = with_E ? pair_scan_capacity() : multiprocessor_count();
+  const int64_t pieces = std::min<int64_t>(slots / (rows * p.heads), 64);
   return pieces >= 2 ? pieces : 1;
 }
 
@@ -733,30 +749,78 @@ void first_segment_state_grad(const MixerParams& p, const FirstSegmentMaps& maps
   }
   // Horner from the last run: dS <- X_g + P_g^T dS with X_g = sum over the
   // run's tokens of H_t^T dO_t (each run's H starts from its own identity).
-  const PoolArray<float> tmp(runs.size() > 1 ? static_cast<size_t>(2 * Hh * Dk * Dv) : 0, stream);
+  // Column-major: dO of head h is a Dv x tokens matrix (ld H Dv), H's a
+  // Dk x tokens one (ld H Dk), and row-major X [Dk, Dv] is its Dv x Dk
+  // transpose: X^T = dO H^T, one GEMM per run and head contracting over
+  // tokens. Every run's GEMMs go in one batched call per run length (runs
+  // differ by at most a chunk, the last may be partial): at 128K, H = 16,
+  // four runs, one call of 64 reads H and dO in 0.259 ms (4.15 TB/s) where a
+  // strided call of 16 heads per run took 0.348 in all (3.09 TB/s; H200,
+  // PERF_NOTES, twenty-fifth session). X_0 lands in dS0, the others in `xs`,
+  // and the Horner steps accumulate into them in place.
+  const size_t state = static_cast<size_t>(Hh * Dk * Dv);
+  const PoolArray<float> xs(runs.size() > 1 ? (runs.size() - 1) * state : 0, stream);
+  auto x_of = [&](size_t i) { return i == 0 ? dS0 : xs.get() + (i - 1) * state; };
+  const PoolArray<void*> pointers(3 * runs.size() * static_cast<size_t>(Hh), stream);
+  std::vector<void*> host(3 * runs.size() * static_cast<size_t>(Hh));
+  std::vector<int64_t> lengths;  // distinct run lengths, in order of first use
+  std::vector<size_t> order;     // runs grouped by length
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const int64_t len = runs[i].end - runs[i].begin;
+    if (std::find(lengths.begin(), lengths.end(), len) == lengths.end()) lengths.push_back(len);
+  }
+  for (const int64_t len : lengths)
+    for (size_t i = 0; i < runs.size(); ++i)
+      if (runs[i].end - runs[i].begin == len) order.push_back(i);
+  const size_t batch_all = order.size() * static_cast<size_t>(Hh);
+  for (size_t k = 0; k < order.size(); ++k) {
+    const Run& run = runs[order[k]];
+    const int64_t first_token = row * p.seq_len + run.begin;
+    for (int64_t h = 0; h < Hh; ++h) {
+      const size_t b = k * static_cast<size_t>(Hh) + static_cast<size_t>(h);
+      host[b] =
+          const_cast<char*>(static_cast<const char*>(d_o)) + (first_token * Hh + h) * Dv * elem;
+      host[batch_all + b] =
+          const_cast<char*>(static_cast<const char*>(maps.H)) + (first_token * Hh + h) * Dk * elem;
+      host[2 * batch_all + b] = x_of(order[k]) + h * Dk * Dv;
+    }
+  }
+  // Pageable host -> device: staged before the call returns.
+  SS_CUDA_CHECK(cudaMemcpyAsync(pointers.get(), host.data(), host.size() * sizeof(void*),
+                                cudaMemcpyHostToDevice, stream));
+  size_t done = 0;
+  for (const int64_t len : lengths) {
+    size_t count = 0;
+    while (done + count < order.size() &&
+           runs[order[done + count]].end - runs[order[done + count]].begin == len)
+      ++count;
+    const size_t b0 = done * static_cast<size_t>(Hh), nb = count * static_cast<size_t>(Hh);
+    void** ptrs = pointers.get();
+    SS_CUBLAS_CHECK(cublasGemmBatchedEx(
+        handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(Dv), static_cast<int>(Dk),
+        static_cast<int>(len), &one, const_cast<const void**>(ptrs + b0), t,
+        static_cast<int>(Hh * Dv), const_cast<const void**>(ptrs + batch_all + b0), t,
+        static_cast<int>(Hh * Dk), &zero, ptrs + 2 * batch_all + b0, CUDA_R_32F,
+        static_cast<int>(Dv), static_cast<int>(nb), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    done += count;
+  }
+  // + P_g^T dS, accumulated into X_g in place.
+  MapsProduct mp;
+  mp.maps = Hh;
+  mp.dk = Dk;
+  mp.width = Dv;
+  mp.transpose_a = true;
+  mp.ld_b = mp.ld_bias = mp.ld_out = Dv;
+  mp.stride_b = mp.stride_bias = mp.stride_out = Dk * Dv;
   const float* cur = dS_end;
   for (size_t i = runs.size(); i-- > 0;) {
-    const Run& run = runs[i];
-    float* out = i == 0 ? dS0 : tmp.get() + (i % 2) * Hh * Dk * Dv;
-    const int64_t first_token = row * p.seq_len + run.begin;
-    const char* h_ptr = static_cast<const char*>(maps.H) + first_token * Hh * Dk * elem;
-    const char* o_ptr = static_cast<const char*>(d_o) + first_token * Hh * Dv * elem;
-    // Column-major: dO of head h is a Dv x tokens matrix (ld H Dv), H's a
-    // Dk x tokens one (ld H Dk), and row-major X [Dk, Dv] is its Dv x Dk
-    // transpose: X^T = dO H^T, one GEMM per head contracting over tokens.
-    SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-        handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(Dv), static_cast<int>(Dk),
-        static_cast<int>(run.end - run.begin), &one, o_ptr, t, static_cast<int>(Hh * Dv), Dv, h_ptr,
-        t, static_cast<int>(Hh * Dk), Dk, &zero, out, CUDA_R_32F, static_cast<int>(Dv), Dk * Dv,
-        static_cast<int>(Hh), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    // + P^T dS:  (P^T dS)^T = dS^T P, with row-major P read as its
-    // column-major transpose.
-    if (cur != nullptr)
-      SS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-          handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(Dv), static_cast<int>(Dk),
-          static_cast<int>(Dk), &one, cur, CUDA_R_32F, static_cast<int>(Dv), Dk * Dv, run.P,
-          CUDA_R_32F, static_cast<int>(Dk), Dk * Dk, &one, out, CUDA_R_32F, static_cast<int>(Dv),
-          Dk * Dv, static_cast<int>(Hh), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    float* out = x_of(i);
+    if (cur != nullptr) {
+      mp.A = runs[i].P;
+      mp.B = cur;
+      mp.bias = mp.out = out;
+      multiply_maps(mp, stream);
+    }
     cur = out;
   }
 }
