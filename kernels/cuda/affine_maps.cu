@@ -204,20 +204,13 @@ void apply_affine_maps(const DeviceMaps& maps, const float* in, float* out, int6
   const int64_t n = maps.maps * maps.dk * width;
   if (n == 0) return;
   if (!maps.diagonal && in != nullptr) {
-    MapsProduct mp;
-    mp.maps = maps.maps;
-    mp.dk = maps.dk;
-    mp.width = width;
+    MapsProduct mp = packed_maps_product(maps.maps, maps.dk, width);
     mp.A = maps.M;
     mp.B = in;
-    mp.ld_b = width;
-    mp.stride_b = maps.dk * width;
-    mp.bias = maps.E + col0;
+    mp.bias = maps.E + col0;  // columns [col0, col0 + width) of E's Dv
     mp.ld_bias = maps.dv;
     mp.stride_bias = maps.dk * maps.dv;
     mp.out = out;
-    mp.ld_out = width;
-    mp.stride_out = maps.dk * width;
     multiply_maps(mp, stream);
     return;
   }
@@ -245,24 +238,17 @@ void compose_affine_maps(int64_t maps, int64_t dk, int64_t dv, bool diagonal, fl
                                                                         new_M);
     SS_LAUNCH_CHECK("elementwise_product_kernel");
   } else {
-    MapsProduct mp;
-    mp.maps = maps;
-    mp.dk = dk;
-    mp.A = later_M;
-    mp.width = dv;  // E' = M_l E_e + E_l
-    mp.B = earlier_E;
-    mp.ld_b = mp.ld_bias = mp.ld_out = dv;
-    mp.stride_b = mp.stride_bias = mp.stride_out = dk * dv;
-    mp.bias = later_E;
-    mp.out = new_E;
-    multiply_maps(mp, stream);
-    mp.width = dk;  // M' = M_l M_e
-    mp.B = earlier_M;
-    mp.ld_b = mp.ld_out = dk;
-    mp.stride_b = mp.stride_out = dk * dk;
-    mp.bias = nullptr;
-    mp.out = new_M;
-    multiply_maps(mp, stream);
+    MapsProduct e = packed_maps_product(maps, dk, dv);  // E' = M_l E_e + E_l
+    e.A = later_M;
+    e.B = earlier_E;
+    e.bias = later_E;
+    e.out = new_E;
+    multiply_maps(e, stream);
+    MapsProduct m = packed_maps_product(maps, dk, dk);  // M' = M_l M_e
+    m.A = later_M;
+    m.B = earlier_M;
+    m.out = new_M;
+    multiply_maps(m, stream);
   }
   SS_CUDA_CHECK(
       cudaMemcpyAsync(later_E, new_E, ne * sizeof(float), cudaMemcpyDeviceToDevice, stream));

@@ -199,6 +199,17 @@ struct MapsProduct {
   int64_t ld_out = 0, stride_out = 0;
 };
 void multiply_maps(const MapsProduct& p, cudaStream_t stream);
+// A MapsProduct over packed matrices (rows of `width`, Dk x width per map);
+// the caller sets A, B, bias and out.
+inline MapsProduct packed_maps_product(int64_t maps, int64_t dk, int64_t width) {
+  MapsProduct mp;
+  mp.maps = maps;
+  mp.dk = dk;
+  mp.width = width;
+  mp.ld_b = mp.ld_bias = mp.ld_out = width;
+  mp.stride_b = mp.stride_bias = mp.stride_out = dk * width;
+  return mp;
+}
 
 // One batch of affine maps S_out = M S_in + E, [maps] of them, contiguous:
 // M [maps, Dk, Dk] (or [maps, Dk] when diagonal), E [maps, Dk, Dv].

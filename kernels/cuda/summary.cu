@@ -404,15 +404,11 @@ void copy_m_from_first_maps(float* M, const FirstSegmentMaps* first, bool with_l
 // states X, Y, bias (Dv == Dk), fp32 (multiply_maps).
 void maps_product(const float* A, const float* X, const float* bias, float* Y, int64_t heads,
                   int64_t dk, cudaStream_t stream) {
-  MapsProduct mp;
-  mp.maps = heads;
-  mp.dk = mp.width = dk;
+  MapsProduct mp = packed_maps_product(heads, dk, dk);
   mp.A = A;
   mp.B = X;
   mp.bias = bias;
   mp.out = Y;
-  mp.ld_b = mp.ld_bias = mp.ld_out = dk;
-  mp.stride_b = mp.stride_bias = mp.stride_out = dk * dk;
   multiply_maps(mp, stream);
 }
 
@@ -805,13 +801,8 @@ void first_segment_state_grad(const MixerParams& p, const FirstSegmentMaps& maps
     done += count;
   }
   // + P_g^T dS, accumulated into X_g in place.
-  MapsProduct mp;
-  mp.maps = Hh;
-  mp.dk = Dk;
-  mp.width = Dv;
+  MapsProduct mp = packed_maps_product(Hh, Dk, Dv);
   mp.transpose_a = true;
-  mp.ld_b = mp.ld_bias = mp.ld_out = Dv;
-  mp.stride_b = mp.stride_bias = mp.stride_out = Dk * Dv;
   const float* cur = dS_end;
   for (size_t i = runs.size(); i-- > 0;) {
     float* out = x_of(i);
