@@ -26,27 +26,20 @@ unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>((n + kThreads - 1) / kThreads);
 }
 
-// affine_apply_kernel: out[m][i][c] = bias[m][i][c] + sum_j A[m][i][j] B[m][j][c]
-// (A diagonal: A[m][i] B[m][i][c]). One thread per (m, i, c); B, bias and out
-// are Dk x width per map with row strides ld_b, ld_bias, width; bias and B
-// may be null (zero).
-__global__ void affine_apply_kernel(int64_t maps, int64_t dk, int64_t width, bool diagonal,
-                                    const float* A, const float* B, int64_t ld_b, int64_t stride_b,
+// affine_apply_kernel: out[m][i][c] = bias[m][i][c] + A[m][i] B[m][i][c] for
+// diagonal maps A ([maps, Dk]); one thread per (m, i, c). B, bias and out are
+// Dk x width per map with row strides ld_b, ld_bias, width; bias and B may be
+// null (zero; with B null A is not read, which also serves full maps applied
+// to a zero state). Full maps with a state go through map_product_kernel.
+__global__ void affine_apply_kernel(int64_t maps, int64_t dk, int64_t width, const float* A,
+                                    const float* B, int64_t ld_b, int64_t stride_b,
                                     const float* bias, int64_t ld_bias, int64_t stride_bias,
                                     float* out) {
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= maps * dk * width) return;
   const int64_t m = idx / (dk * width), i = (idx / width) % dk, c = idx % width;
   float acc = bias != nullptr ? bias[m * stride_bias + i * ld_bias + c] : 0.f;
-  if (B != nullptr) {
-    const float* b = B + m * stride_b + c;
-    if (diagonal) {
-      acc += A[m * dk + i] * b[i * ld_b];
-    } else {
-      const float* a = A + (m * dk + i) * dk;
-      for (int64_t j = 0; j < dk; ++j) acc = fmaf(a[j], b[j * ld_b], acc);
-    }
-  }
+  if (B != nullptr) acc += A[m * dk + i] * B[m * stride_b + i * ld_b + c];
   out[idx] = acc;
 }
 
@@ -214,9 +207,10 @@ void apply_affine_maps(const DeviceMaps& maps, const float* in, float* out, int6
     multiply_maps(mp, stream);
     return;
   }
-  affine_apply_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
-      maps.maps, maps.dk, width, maps.diagonal, maps.M, in, width, maps.dk * width, maps.E + col0,
-      maps.dv, maps.dk * maps.dv, out);
+  // Diagonal maps, or no incoming state (out = E's columns).
+  affine_apply_kernel<<<blocks_for(n), kThreads, 0, stream>>>(maps.maps, maps.dk, width, maps.M, in,
+                                                              width, maps.dk * width, maps.E + col0,
+                                                              maps.dv, maps.dk * maps.dv, out);
   SS_LAUNCH_CHECK("affine_apply_kernel");
 }
 
@@ -232,7 +226,7 @@ void compose_affine_maps(int64_t maps, int64_t dk, int64_t dv, bool diagonal, fl
   if (diagonal) {
     // E first: it reads M_l before M_l is replaced.
     affine_apply_kernel<<<blocks_for(ne), kThreads, 0, stream>>>(
-        maps, dk, dv, true, later_M, earlier_E, dv, dk * dv, later_E, dv, dk * dv, new_E);
+        maps, dk, dv, later_M, earlier_E, dv, dk * dv, later_E, dv, dk * dv, new_E);
     SS_LAUNCH_CHECK("affine_apply_kernel");
     elementwise_product_kernel<<<blocks_for(nm), kThreads, 0, stream>>>(nm, later_M, earlier_M,
                                                                         new_M);

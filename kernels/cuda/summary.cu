@@ -419,7 +419,7 @@ void maps_product(const float* A, const float* X, const float* bias, float* Y, i
 // head as one cluster of two CTAs in lockstep; then, per row, in fp32:
 //   P = P_{G-1} ... P_0,   E = P_{G-1} (... (P_0 S0 + E_0) ...) + E_{G-1}.
 // A sequential chain of n chunk steps becomes G chains of n / G on G times
-// the multiprocessors, plus 2 (G - 1) small GEMMs per row.
+// the multiprocessors, plus 2 (G - 1) small fp32 map products per row.
 void summary_two_level(const MixerParams& p, const ForwardPlan& plan, float* M, float* E,
                        bool with_linear_part, const FirstSegmentMaps* first, int64_t pieces,
                        cudaStream_t stream) {
