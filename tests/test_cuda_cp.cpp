@@ -643,6 +643,154 @@ TEST(AffineMapKernels, MultiplyMapsRefusesOutAliasingB) {
   expect_error([&] { cuda::multiply_maps(mp, nullptr); }, "out");
 }
 
+// chain_maps: X <- op(A_s) X + bias_s through every step in one launch,
+// against the same chain in fp64 on the host. Shapes: the summary's fold
+// (128 x 128, two chains of different widths, the second without biases),
+// the pre-pass's Horner steps (A^T, out aliasing the last step's bias),
+// widths that are not multiples of the kernel's 32 columns, Dk under its
+// 32-row slices, and zero steps (a copy). A is scaled by 1 / sqrt(Dk) so
+// that X keeps its size along the chain, as the scans' maps do; each step
+// adds one fp32 product's rounding, so the bound is that of multiply_maps
+// (1e-6) times the steps.
+struct MapsChainParam {
+  int64_t dk, width;
+  int steps;
+  bool transpose;
+  Bias bias;             // none, separate, or in_place: out aliases the last step's bias
+  int64_t second_width;  // > 0: a second chain (no biases) of this width in the same launch
+};
+
+class ChainMaps : public ::testing::TestWithParam<MapsChainParam> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(ChainMaps, MatchesHost) {
+  const auto [dk, width, steps, transpose, bias, second_width] = GetParam();
+  const int64_t maps = 3;
+  std::mt19937_64 rng(static_cast<uint64_t>(dk * 7919 + width * 31 + steps));
+  const float scale = static_cast<float>(1.0 / std::sqrt(double(dk)));
+  auto random_floats = [&](int64_t n, float s) {
+    auto v = as_float(randn(static_cast<std::size_t>(n), rng));
+    for (float& x : v) x *= s;
+    return v;
+  };
+  // One chain's inputs on the host and the device, and its fp64 result.
+  struct Chain {
+    int64_t width;
+    std::vector<float> x0;
+    std::vector<std::vector<float>> A, bias;
+    std::vector<double> want;
+    std::vector<DeviceBuffer<float>> dA, dbias;
+    DeviceBuffer<float> dx0, out;
+  };
+  auto make = [&](int64_t w, bool with_bias) {
+    Chain c;
+    c.width = w;
+    c.x0 = random_floats(maps * dk * w, 1.f);
+    std::vector<double> X(c.x0.begin(), c.x0.end());
+    for (int s = 0; s < steps; ++s) {
+      c.A.push_back(random_floats(maps * dk * dk, scale));
+      c.bias.push_back(with_bias ? random_floats(maps * dk * w, 1.f) : std::vector<float>{});
+      std::vector<double> Y(X.size());
+      for (int64_t m = 0; m < maps; ++m)
+        for (int64_t i = 0; i < dk; ++i)
+          for (int64_t col = 0; col < w; ++col) {
+            double acc = with_bias ? double(c.bias.back()[(m * dk + i) * w + col]) : 0.0;
+            for (int64_t j = 0; j < dk; ++j) {
+              const float a =
+                  transpose ? c.A.back()[(m * dk + j) * dk + i] : c.A.back()[(m * dk + i) * dk + j];
+              acc += double(a) * X[(m * dk + j) * w + col];
+            }
+            Y[(m * dk + i) * w + col] = acc;
+          }
+      X = std::move(Y);
+    }
+    c.want = std::move(X);
+    for (int s = 0; s < steps; ++s) {
+      c.dA.emplace_back(c.A[static_cast<std::size_t>(s)]);
+      if (with_bias) c.dbias.emplace_back(c.bias[static_cast<std::size_t>(s)]);
+    }
+    c.dx0 = DeviceBuffer<float>(c.x0);
+    c.out = DeviceBuffer<float>(std::vector<float>(c.x0.size(), -1.f));
+    return c;
+  };
+  std::vector<Chain> chains;
+  chains.push_back(make(width, bias != Bias::none));
+  if (second_width > 0) chains.push_back(make(second_width, false));
+  cuda::MapsChain mc[2];
+  for (std::size_t i = 0; i < chains.size(); ++i) {
+    Chain& c = chains[i];
+    mc[i].maps = maps;
+    mc[i].dk = dk;
+    mc[i].width = c.width;
+    mc[i].transpose_a = transpose;
+    mc[i].steps = steps;
+    mc[i].x0 = c.dx0.data();
+    for (int s = 0; s < steps; ++s) {
+      mc[i].A[s] = c.dA[static_cast<std::size_t>(s)].data();
+      mc[i].bias[s] = c.dbias.empty() ? nullptr : c.dbias[static_cast<std::size_t>(s)].data();
+    }
+    mc[i].out = c.out.data();
+  }
+  // In place: out is the last step's bias (the pre-pass writes dS0 over X_0).
+  if (bias == Bias::in_place && steps > 0) mc[0].out = chains[0].dbias.back().data();
+  cuda::chain_maps(mc, static_cast<int>(chains.size()), nullptr);
+  sync_or_fail();
+  const double bound = 1e-6 * std::max(steps, 1);
+  EXPECT_LE(rel_rms(bias == Bias::in_place && steps > 0 ? chains[0].dbias.back().to_host()
+                                                        : chains[0].out.to_host(),
+                    chains[0].want),
+            bound);
+  if (chains.size() > 1)
+    EXPECT_LE(rel_rms(chains[1].out.to_host(), chains[1].want), bound) << "second chain";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ChainMaps,
+    ::testing::Values(MapsChainParam{128, 128, 3, false, Bias::separate, 128},
+                      MapsChainParam{128, 128, 4, true, Bias::in_place, 0},
+                      MapsChainParam{128, 72, 2, false, Bias::none, 33},
+                      MapsChainParam{64, 40, 1, false, Bias::none, 0},
+                      MapsChainParam{64, 33, 5, true, Bias::separate, 0},
+                      MapsChainParam{16, 12, 3, true, Bias::in_place, 0},
+                      MapsChainParam{16, 12, 0, false, Bias::none, 0}),
+    [](const ::testing::TestParamInfo<MapsChainParam>& i) {
+      const char* bias = i.param.bias == Bias::none       ? "none"
+                         : i.param.bias == Bias::separate ? "bias"
+                                                          : "inplace";
+      return "dk" + std::to_string(i.param.dk) + "_w" + std::to_string(i.param.width) + "_s" +
+             std::to_string(i.param.steps) + (i.param.transpose ? "_AT_" : "_A_") + bias +
+             (i.param.second_width > 0 ? "_two" + std::to_string(i.param.second_width) : "");
+    });
+
+TEST(AffineMapKernels, ChainMapsRefusesBadArguments) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  DeviceBuffer<float> A(136 * 136), X(136 * 136), out(136 * 136);
+  cuda::MapsChain c;
+  c.maps = 1;
+  c.dk = c.width = 128;
+  c.steps = 1;
+  c.A[0] = A.data();
+  c.x0 = X.data();
+  c.out = out.data();
+  cuda::MapsChain bad = c;
+  bad.dk = 136;
+  expect_error([&] { cuda::chain_maps(&bad, 1, nullptr); }, "dk");
+  bad = c;
+  bad.steps = cuda::kMaxChainSteps + 1;
+  expect_error([&] { cuda::chain_maps(&bad, 1, nullptr); }, "steps");
+  bad = c;
+  bad.A[0] = nullptr;
+  expect_error([&] { cuda::chain_maps(&bad, 1, nullptr); }, "A");
+  bad = c;
+  bad.x0 = nullptr;
+  expect_error([&] { cuda::chain_maps(&bad, 1, nullptr); }, "x0");
+  expect_error([&] { cuda::chain_maps(&c, 3, nullptr); }, "count");
+}
+
 TEST(AffineMapKernels, TransposeMatchesHost) {
   if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
   const int64_t maps = 2, dk = 24;

@@ -94,6 +94,119 @@ __global__ void __launch_bounds__(256) map_product_kernel(MapsProduct p) {
     }
 }
 
+// maps_chain_kernel: chain_maps (cp_kernels.h). Grid (width / 32 rounded up,
+// maps, chains), 256 threads: a CTA carries columns [32 x, 32 x + 32) of one
+// map's X (all Dk <= 128 rows, zero-padded, in shared memory) through every
+// step; thread (ty, tx) = (t / 8, t % 8) owns rows 4 ty .. and columns
+// 4 tx .. of the product. op(A_s) streams through shared memory in slices of
+// 32 contraction indices, the next slice (across step boundaries too: A does
+// not depend on X) loaded into registers while the current one is used;
+// step s's bias is loaded when the step starts and added when it ends.
+struct MapsChainLaunch {
+  MapsChain chain[2];
+};
+
+constexpr int kChainCols = 32, kChainRows = 128, kChainK = 32;
+
+__global__ void __launch_bounds__(256)
+    maps_chain_kernel(const __grid_constant__ MapsChainLaunch l) {
+  const MapsChain& c = l.chain[blockIdx.z];
+  const int64_t m = blockIdx.y, c0 = int64_t{blockIdx.x} * kChainCols;
+  if (m >= c.maps || c0 >= c.width) return;  // the other chain is wider or has more maps
+  __shared__ __align__(16) float xs[kChainRows][kChainCols + 4];
+  __shared__ __align__(16) float as[kChainK][kChainRows + 4];  // op(A)^T slice: [k][row]
+  const int t = threadIdx.x, ty = t / 8, tx = t % 8;
+  const int dk = static_cast<int>(c.dk);
+  const int cols = c.width - c0 < kChainCols ? static_cast<int>(c.width - c0) : kChainCols;
+  const int64_t state = m * c.dk * c.width + c0;  // (row 0, column c0) of this map's X
+  for (int e = t; e < kChainRows * kChainCols; e += 256) {
+    const int r = e / kChainCols, q = e % kChainCols;
+    xs[r][q] = r < dk && q < cols ? c.x0[state + r * c.width + q] : 0.f;
+  }
+  const int ktiles = (dk + kChainK - 1) / kChainK, total = c.steps * ktiles;
+  // Slice `it` (step it / ktiles, contraction indices k0 ..) into registers:
+  // four float4 a thread, read along A's rows (coalesced either way).
+  float4 pre[4];
+  auto load_slice = [&](int it) {
+    const float* A = c.A[it / ktiles] + m * c.dk * c.dk;
+    const int k0 = (it % ktiles) * kChainK;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int e = t + 256 * r;
+      int row, col;  // of A
+      if (c.transpose_a) {
+        row = k0 + e / 32;  // op(A)[i][k] = A[k][i]: as[k][i] is A's row k
+        col = 4 * (e % 32);
+      } else {
+        row = e / 8;  // as[k][i] = A[i][k]: A's row i, 4 contraction indices
+        col = k0 + 4 * (e % 8);
+      }
+      pre[r] = row < dk && col < dk ? *reinterpret_cast<const float4*>(A + row * dk + col)
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  auto store_slice = [&] {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int e = t + 256 * r;
+      if (c.transpose_a) {
+        *reinterpret_cast<float4*>(&as[e / 32][4 * (e % 32)]) = pre[r];
+      } else {
+        const int i = e / 8, k = 4 * (e % 8);
+        as[k][i] = pre[r].x;
+        as[k + 1][i] = pre[r].y;
+        as[k + 2][i] = pre[r].z;
+        as[k + 3][i] = pre[r].w;
+      }
+    }
+  };
+  float acc[4][4] = {}, add[4][4] = {};
+  if (total > 0) load_slice(0);
+  for (int it = 0; it < total; ++it) {
+    const int s = it / ktiles, kt = it % ktiles;
+    if (kt == 0 && c.bias[s] != nullptr) {
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const int row = 4 * ty + a, col = 4 * tx + b;
+          add[a][b] = row < dk && col < cols ? c.bias[s][state + row * c.width + col] : 0.f;
+        }
+    }
+    __syncthreads();  // the previous slice's reads done (and the previous step's X written)
+    store_slice();
+    __syncthreads();
+    if (it + 1 < total) load_slice(it + 1);
+    const int k0 = kt * kChainK;
+#pragma unroll 8
+    for (int k = 0; k < kChainK; ++k) {
+      const float4 a4 = *reinterpret_cast<const float4*>(&as[k][4 * ty]);
+      const float4 x4 = *reinterpret_cast<const float4*>(&xs[k0 + k][4 * tx]);
+      const float av[4] = {a4.x, a4.y, a4.z, a4.w}, xv[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) acc[a][b] = fmaf(av[a], xv[b], acc[a][b]);
+    }
+    if (kt == ktiles - 1) {
+      __syncthreads();  // every read of step s's X done
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          // Rows past Dk stay zero: op(A)'s rows there were loaded as zeros.
+          xs[4 * ty + a][4 * tx + b] = acc[a][b] + add[a][b];
+          acc[a][b] = add[a][b] = 0.f;
+        }
+    }
+  }
+  __syncthreads();
+  for (int e = t; e < kChainRows * kChainCols; e += 256) {
+    const int r = e / kChainCols, q = e % kChainCols;
+    if (r < dk && q < cols) c.out[state + r * c.width + q] = xs[r][q];
+  }
+}
+
 // elementwise_product_kernel: out[i] = a[i] * b[i] (diagonal maps compose).
 __global__ void elementwise_product_kernel(int64_t n, const float* a, const float* b, float* out) {
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -188,6 +301,33 @@ void multiply_maps(const MapsProduct& p, cudaStream_t stream) {
   else
     map_product_kernel<false><<<grid, dim3(16, 16), 0, stream>>>(p);
   SS_LAUNCH_CHECK("map_product_kernel");
+}
+
+void chain_maps(const MapsChain* chains, int count, cudaStream_t stream) {
+  SS_CHECK_ARG(chains != nullptr && (count == 1 || count == 2), "count", count,
+               " chains in one launch (1 or 2)");
+  MapsChainLaunch l;
+  int64_t max_maps = 0, max_width = 0;
+  for (int i = 0; i < count; ++i) {
+    const MapsChain& c = chains[i];
+    SS_CHECK_ARG(c.maps >= 0 && c.maps <= 65535, "maps", c.maps, " maps (at most 65535)");
+    SS_CHECK_ARG(c.dk >= 1 && c.dk <= kChainRows && c.dk % 4 == 0, "dk",
+                 "chained map products take Dk <= 128, a multiple of 4, got ", c.dk);
+    SS_CHECK_ARG(c.width >= 1, "width", "must be positive, got ", c.width);
+    SS_CHECK_ARG(c.steps >= 0 && c.steps <= kMaxChainSteps, "steps", c.steps, " steps (at most ",
+                 kMaxChainSteps, ")");
+    SS_CHECK_ARG(c.x0 != nullptr && c.out != nullptr, "x0", "x0 and out must not be null");
+    for (int s = 0; s < c.steps; ++s)
+      SS_CHECK_ARG(c.A[s] != nullptr, "A", "step ", s, "'s maps must not be null");
+    l.chain[i] = c;
+    max_maps = std::max(max_maps, c.maps);
+    max_width = std::max(max_width, c.width);
+  }
+  if (max_maps == 0) return;
+  const dim3 grid(static_cast<unsigned>((max_width + kChainCols - 1) / kChainCols),
+                  static_cast<unsigned>(max_maps), static_cast<unsigned>(count));
+  maps_chain_kernel<<<grid, 256, 0, stream>>>(l);
+  SS_LAUNCH_CHECK("maps_chain_kernel");
 }
 
 void apply_affine_maps(const DeviceMaps& maps, const float* in, float* out, int64_t col0,

@@ -211,6 +211,30 @@ inline MapsProduct packed_maps_product(int64_t maps, int64_t dk, int64_t width) 
   return mp;
 }
 
+// A chain of map products applied to states, in one launch:
+//   X <- op(A_s) X + bias_s,  s = 0 .. steps - 1,  X from x0, the result into out,
+// `maps` of them side by side: op(A_s) = A_s or A_s^T (transpose_a), packed
+// Dk x Dk per map; x0, every bias_s (null: none) and out packed Dk x width
+// per map. Each column of X only ever meets the same column of the biases
+// (the products are separable by columns), so each CTA carries its columns
+// of X through the whole chain in shared memory: the two-level summary's
+// fold (P_{G-1} ... P_0, and E) and the pre-pass's Horner steps, which were
+// 2 (G - 1) and G - 1 launches of ~10 us each (PERF_NOTES, twenty-fifth
+// session). out may alias its chain's x0 or biases (a CTA reads its columns
+// of those before it writes them), not another chain's. fp32, Dk <= 128.
+constexpr int kMaxChainSteps = 64;
+struct MapsChain {
+  int64_t maps = 0, dk = 0, width = 0;
+  bool transpose_a = false;
+  int steps = 0;
+  const float* x0 = nullptr;
+  const float* A[kMaxChainSteps] = {};
+  const float* bias[kMaxChainSteps] = {};
+  float* out = nullptr;
+};
+// `count` (1 or 2) independent chains, one launch.
+void chain_maps(const MapsChain* chains, int count, cudaStream_t stream);
+
 // One batch of affine maps S_out = M S_in + E, [maps] of them, contiguous:
 // M [maps, Dk, Dk] (or [maps, Dk] when diagonal), E [maps, Dk, Dv].
 struct DeviceMaps {

@@ -400,18 +400,6 @@ void copy_m_from_first_maps(float* M, const FirstSegmentMaps* first, bool with_l
                                   cudaMemcpyDeviceToDevice, stream));
 }
 
-// Y = A X + bias (bias null: none) for `heads` row-major Dk x Dk maps A and
-// states X, Y, bias (Dv == Dk), fp32 (multiply_maps).
-void maps_product(const float* A, const float* X, const float* bias, float* Y, int64_t heads,
-                  int64_t dk, cudaStream_t stream) {
-  MapsProduct mp = packed_maps_product(heads, dk, dk);
-  mp.A = A;
-  mp.B = X;
-  mp.bias = bias;
-  mp.out = Y;
-  multiply_maps(mp, stream);
-}
-
 // The two-level summary (summary_pieces > 1; delta rules, one segment per row,
 // per-head scans): every row's chunks in `pieces` runs, each run scanned
 // from the identity with U = 0 (its map P_g; with `first` also its outputs,
@@ -419,7 +407,8 @@ void maps_product(const float* A, const float* X, const float* bias, float* Y, i
 // head as one cluster of two CTAs in lockstep; then, per row, in fp32:
 //   P = P_{G-1} ... P_0,   E = P_{G-1} (... (P_0 S0 + E_0) ...) + E_{G-1}.
 // A sequential chain of n chunk steps becomes G chains of n / G on G times
-// the multiprocessors, plus 2 (G - 1) small fp32 map products per row.
+// the multiprocessors, plus one launch of 2 (G - 1) small fp32 map products
+// per row (chain_maps).
 void summary_two_level(const MixerParams& p, const ForwardPlan& plan, float* M, float* E,
                        bool with_linear_part, const FirstSegmentMaps* first, int64_t pieces,
                        cudaStream_t stream) {
@@ -466,30 +455,36 @@ void summary_two_level(const MixerParams& p, const ForwardPlan& plan, float* M, 
   }
   detail::launch_forward_stages(p, m, m_stages, stream);
 
-  const PoolArray<float> tmp(static_cast<size_t>(2 * map), stream);  // ping-pong partial results
-  auto partial = [&](int64_t g) { return tmp.get() + (g % 2) * map; };
+  // The fold, per row: P as the chain P_0 -> P_1 P_0 -> ..., E as
+  // E_0 (or S0) -> P_1 E_0 + E_1 -> ..., both in one launch.
   for (int64_t r = 0; r < rows; ++r) {
     auto P_g = [&](int64_t g) { return piece_P + (r * pieces + g) * map; };
+    auto E_g = [&](int64_t g) { return piece_E.get() + (r * pieces + g) * map; };
+    MapsChain chains[2];
+    int count = 0;
     float* p_out = first != nullptr ? first->P + r * map : with_linear_part ? M + r * map : nullptr;
     if (p_out != nullptr) {
-      const float* cur = P_g(0);
-      for (int64_t g = 1; g < pieces; ++g) {
-        float* out = g == pieces - 1 ? p_out : partial(g);
-        maps_product(P_g(g), cur, nullptr, out, H, D, stream);
-        cur = out;
-      }
+      MapsChain& c = chains[count++];
+      c.maps = H;
+      c.dk = c.width = D;
+      c.x0 = P_g(0);
+      for (int64_t g = 1; g < pieces; ++g) c.A[c.steps++] = P_g(g);
+      c.out = p_out;
     }
     if (E != nullptr) {
       // Without S0 the first run's E_0 is the running value as it stands.
-      auto E_g = [&](int64_t g) { return piece_E.get() + (r * pieces + g) * map; };
       const float* s0 = p.initial_state != nullptr ? p.initial_state + r * map : nullptr;
-      const float* cur = s0 != nullptr ? nullptr : E_g(0);
+      MapsChain& c = chains[count++];
+      c.maps = H;
+      c.dk = c.width = D;
+      c.x0 = s0 != nullptr ? s0 : E_g(0);
       for (int64_t g = s0 != nullptr ? 0 : 1; g < pieces; ++g) {
-        float* out = g == pieces - 1 ? E + r * map : partial(g);
-        maps_product(P_g(g), s0 != nullptr && g == 0 ? s0 : cur, E_g(g), out, H, D, stream);
-        cur = out;
+        c.A[c.steps] = P_g(g);
+        c.bias[c.steps++] = E_g(g);
       }
+      c.out = E + r * map;
     }
+    if (count > 0) chain_maps(chains, count, stream);
   }
   copy_m_from_first_maps(M, first, with_linear_part, rows * map, stream);
 }
@@ -800,19 +795,22 @@ void first_segment_state_grad(const MixerParams& p, const FirstSegmentMaps& maps
         static_cast<int>(Dv), static_cast<int>(nb), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     done += count;
   }
-  // + P_g^T dS, accumulated into X_g in place.
-  MapsProduct mp = packed_maps_product(Hh, Dk, Dv);
-  mp.transpose_a = true;
-  const float* cur = dS_end;
-  for (size_t i = runs.size(); i-- > 0;) {
-    float* out = x_of(i);
-    if (cur != nullptr) {
-      mp.A = runs[i].P;
-      mp.B = cur;
-      mp.bias = mp.out = out;
-      multiply_maps(mp, stream);
+  // + P_g^T dS from the last run back, adding each run's X_g: one chain
+  // into dS0 (X_0, the last step's bias, read before it is overwritten).
+  const size_t last = runs.size() - 1;
+  if (last > 0 || dS_end != nullptr) {
+    MapsChain c;
+    c.maps = Hh;
+    c.dk = Dk;
+    c.width = Dv;
+    c.transpose_a = true;
+    c.x0 = dS_end != nullptr ? dS_end : x_of(last);
+    for (size_t i = dS_end != nullptr ? runs.size() : last; i-- > 0;) {
+      c.A[c.steps] = runs[i].P;
+      c.bias[c.steps++] = x_of(i);
     }
-    cur = out;
+    c.out = dS0;
+    chain_maps(&c, 1, stream);
   }
 }
 
