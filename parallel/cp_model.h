@@ -74,13 +74,15 @@ double cp_summary_bytes(const CpLayer& layer, bool backward = false);
 
 // Effective summary rates, calibrated on one H200 (141 GB HBM3e) from
 // `statescan-bench --cp-measure`, KDA, B=1, T=131072, H=16, D=128, bf16,
-// chunk 64 (2026-12-03, twenty-fifth session: the two-level summary, every
+// chunk 64 (2026-12-03, twenty-sixth session: the two-level summary, every
 // row's chunks in runs scanned at once by the per-head kernel, its tiles
-// loaded by TMA, a run's E and maps as one cluster of two CTAs; the pre-pass
-// GEMMs of every run in one batched call): a middle rank's summary fwd (E
-// beside the maps with H) 1.113 ms, the first rank's E alone 0.790 ms (its
-// runs need their maps too, without H), the last rank's maps alone 0.678 ms,
-// summary bwd (the H^T dO GEMMs) 0.290 ms.
+// loaded by TMA, a run's E and maps as one cluster of two CTAs, the fold of
+// the runs one launch (chain_maps); the pre-pass GEMMs of every run in one
+// batched call, its Horner steps one launch): a middle rank's summary fwd (E
+// beside the maps with H) 1.078 ms, the first rank's E alone 0.787 ms (its
+// runs need their maps too, without H), the last rank's maps alone 0.663 ms,
+// summary bwd (the H^T dO GEMMs) 0.284 ms (the mean of four runs in two
+// calls, 0.278-0.290: this one moves with the machine by a few per cent).
 // Rate = counted FLOPs of that layer / measured time:
 //   fwd:   2048 chunks x 16 heads x 15,728,640 FLOP = 515,396,075,520 FLOP
 //   first: 2048 chunks x 16 heads x  6,291,456 FLOP = 206,158,430,208 FLOP
@@ -88,27 +90,29 @@ double cp_summary_bytes(const CpLayer& layer, bool backward = false);
 //   bwd:   2048 chunks x 16 heads x  2,097,152 FLOP =  68,719,476,736 FLOP
 // The forward summaries are sequential scans over chunks, cut into runs that
 // fill the GPU but each still a chain (each chunk's composition waits for the
-// previous one), far from throughput-bound: 463.1, 261.0 and 456.1 TFLOP/s
+// previous one), far from throughput-bound: 478.1, 262.0 and 466.4 TFLOP/s
 // against 989 dense bf16 peak (the first rank's E pays for its runs' maps,
 // which the counted work leaves out). The backward's GEMMs read 1.07 GB of H
-// and dO (0.224 ms at 4.8 TB/s): 237.0 TFLOP/s. The additive rules' backward
+// and dO (0.224 ms at 4.8 TB/s): 242.0 TFLOP/s. The additive rules' backward
 // keeps the reverse-scan pre-pass, at its rate of the fifteenth session
 // (KDA's scan, 274,877,906,944 FLOP in 2.752 ms: 99.9 TFLOP/s). The check
-// against a second measurement (Gated DeltaNet: 1.111 / 0.794 / 0.682 /
-// 0.293 ms) is in tests/test_cp_model.cpp.
-// (Before: the twenty-fourth session, E and the maps as two grids and the
-// pre-pass one GEMM call per run, 1.118 / 0.787 / 0.663 / 0.374 ms, and with
-// cp.async loads 2.005 / 1.311 / 1.064 / 0.377 ms; the nineteenth, one scan
-// per row, 3.888 / 2.029 / 3.016 / 0.362 ms at 132.6, 101.6, 102.5, 189.8
-// TFLOP/s; the fifteenth, the pre-pass a reverse scan, 3.100 / 2.038 / 2.752
-// ms; the twelfth 2.988 / 1.882 / 2.962 ms; 2026-12-01 3.135 / 1.916 / 3.897
-// ms; 2026-11-30 with the wmma scans: 8.07 / 5.53 / 8.21 ms; fourth session:
-// E+M one after the other 11.49 ms, E 5.71, a prepare + scan pre-pass 23.53;
-// tests that replay runs of those days use their own figures.)
-inline constexpr double kSummaryFwdFlopsPerS = 515396075520.0 / 1.113e-3;    // 463.1 TFLOP/s
-inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 0.790e-3;  // 261.0 TFLOP/s
-inline constexpr double kSummaryMapsFlopsPerS = 309237645312.0 / 0.678e-3;   // 456.1 TFLOP/s
-inline constexpr double kSummaryBwdFlopsPerS = 68719476736.0 / 0.290e-3;     // 237.0 TFLOP/s
+// against a second measurement (Gated DeltaNet: 1.078 / 0.778 / 0.278 ms) is
+// in tests/test_cp_model.cpp.
+// (Before: the twenty-fifth session, the fold and the Horner steps one launch
+// per map product, 1.113 / 0.790 / 0.678 / 0.290 ms; the twenty-fourth, E and
+// the maps as two grids and the pre-pass one GEMM call per run, 1.118 / 0.787
+// / 0.663 / 0.374 ms, and with cp.async loads 2.005 / 1.311 / 1.064 / 0.377
+// ms; the nineteenth, one scan per row, 3.888 / 2.029 / 3.016 / 0.362 ms at
+// 132.6, 101.6, 102.5, 189.8 TFLOP/s; the fifteenth, the pre-pass a reverse
+// scan, 3.100 / 2.038 / 2.752 ms; the twelfth 2.988 / 1.882 / 2.962 ms;
+// 2026-12-01 3.135 / 1.916 / 3.897 ms; 2026-11-30 with the wmma scans: 8.07 /
+// 5.53 / 8.21 ms; fourth session: E+M one after the other 11.49 ms, E 5.71, a
+// prepare + scan pre-pass 23.53; tests that replay runs of those days use
+// their own figures.)
+inline constexpr double kSummaryFwdFlopsPerS = 515396075520.0 / 1.078e-3;    // 478.1 TFLOP/s
+inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 0.787e-3;  // 262.0 TFLOP/s
+inline constexpr double kSummaryMapsFlopsPerS = 309237645312.0 / 0.663e-3;   // 466.4 TFLOP/s
+inline constexpr double kSummaryBwdFlopsPerS = 68719476736.0 / 0.284e-3;     // 242.0 TFLOP/s
 inline constexpr double kPrepassScanFlopsPerS = 274877906944.0 / 2.752e-3;   // 99.9 TFLOP/s
 
 // The GPU the summary and merge run on. Defaults: one H200, 4.8 TB/s HBM3e;
