@@ -6,9 +6,9 @@
 // whose errors nothing repeats). Full maps go through 32 x 32 output tiles
 // with the operands staged in shared memory (map_product_kernel): one
 // thread per output element took 21 us for 16 maps of 128 x 128 (a merge),
-// the tiles 14; cuBLAS's fp32 batched GEMM, which the summary's fold and the
-// pre-pass's Horner steps used before, about the same as the tiles in
-// place (PERF_NOTES, twenty-fifth session).
+// the tiles 14; cuBLAS's fp32 batched GEMM about the same (PERF_NOTES,
+// twenty-fifth session). The summary's fold and the pre-pass's Horner steps,
+// chains of such products, run as one launch each (maps_chain_kernel).
 
 #include <algorithm>
 #include <cstdint>

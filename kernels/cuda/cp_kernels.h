@@ -48,7 +48,7 @@ void set_summary_linear_part(LinearPart part);
 //              summary_pieces() runs of chunks, each run's E (from zero) and
 //              map (from the identity, with its H for the first segments'
 //              maps) by the per-head kernel, all runs at once, then composed
-//              in order per row (fp32 map products, multiply_maps);
+//              in order per row (fp32 map products, chain_maps);
 //   automatic  two_level where it applies; else per_head where the column
 //              blocks need more than one wave even at 32 columns
 //              (heads x segments x Dv / 32 > SMs), else blocks.
@@ -264,7 +264,7 @@ void compose_affine_maps(int64_t maps, int64_t dk, int64_t dv, bool diagonal, fl
 //            + P[h]^T dS_end[h]   (the second term only where dS_end != null),
 // with P = maps.P + row * H * Dk * Dk; dS0 and dS_end [H, Dk, Dv] fp32, d_o
 // [B, L, H, Dv] in p.dtype. fp32 accumulation: cuBLAS GEMMs per head (and
-// run) contract over the tokens, the P^T terms are multiply_maps. With
+// run) contract over the tokens, the P^T terms one chain_maps launch. With
 // maps.pieces > 1 (the whole row,
 // t_begin = 0, t_end = L) the runs are composed from the last:
 // dS <- sum over the run of H_t^T dO_t + P_g^T dS.
