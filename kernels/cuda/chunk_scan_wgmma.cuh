@@ -7,31 +7,36 @@
 // Why: chunk_state_scan16_kernel splits a head's state into 16- or 32-column
 // blocks, one CTA each, so a summary scan at H = 16 fills the GPU (128 CTAs
 // of ~120 KB) for a sequential chain of ~1 us a chunk, and nothing else can
-// run beside it (PERF_NOTES, twentieth session). Here the two products of a
-// step are warpgroup MMAs from shared memory, which read each operand tile
-// once per warpgroup instead of once per 16 x 8 fragment, and every chunk's
-// tiles are loaded once per head instead of once per column block:
-//   V' = U - W S            (64 x 128: warpgroup wg forms columns 64 wg ..)
-//   S  = diag(e^{b_C}) S + K_^T V'   (warpgroup wg holds rows 64 wg ..)
-//   maps_out: o = Q^ S + A V'  (columns 64 wg .., beside the two above)
-// The arithmetic is the other scans': S stays fp32 in the accumulators, the
-// products read a copy of S rounded to T, V' is rounded to T once.
-// Measured (H200, 128K, H = 16): ~1.5 us a step for E (~2.1 us for the maps
+// run beside it (PERF_NOTES, twentieth session). Here the products of a step
+// are warpgroup MMAs, and every chunk's tiles are loaded once per head
+// instead of once per column block. The scan runs transposed: warpgroup wg
+// holds S^T's rows 64 wg .. (S's value columns) and every product of a step
+// is separable by them:
+//   V'^T = U^T - S^T W^T                  (A = S^T rounded to T, registers)
+//   S^T  = S^T diag(e^{b_C}) + V'^T K_    (A = V'^T rounded to T, registers)
+//   maps_out: o^T = S^T Q^T + V'^T A^T
+// so the warpgroups share only the stages. The arithmetic is the other
+// scans': S stays fp32 in the accumulators, the products read S rounded to T,
+// V' is rounded to T once.
+// Measured (H200, 128K, H = 16): ~1.5 us a step for E (~2.0 us for the maps
 // with H), against the column blocks' ~1.0 (16 columns, one wave), because a
-// step's two halves and their waits run in series on one CTA; but on 4-8
-// times fewer multiprocessors, so it wins once there are CTAs enough to fill
-// the GPU: many heads, or the two-level summary's runs (E at H = 16, 128K:
-// 2.0 ms as column blocks, 0.79 ms as four runs per row). Loading the tiles
-// by cp.async (12-14 copies per thread a step) the steps were 2.5-2.7 and
-// ~3.7 us: the load/store path bounded them (PERF_NOTES, twentieth and
-// twenty-fourth sessions).
+// step's two products and their waits run in series; but on 4-8 times fewer
+// multiprocessors, so it wins once there are CTAs enough to fill the GPU:
+// many heads, or the two-level summary's runs (E at H = 16, 128K: 2.0 ms as
+// column blocks, 0.75 ms as four runs per row). Untransposed (each
+// warpgroup holding S's rows, an S copy and V' written to shared memory by
+// each warpgroup and read by both, two CTA barriers a step) the summary took
+// 1.078 ms instead of 1.005 (PERF_NOTES, twenty-seventh session); loading the
+// tiles by cp.async (12-14 copies per thread a step) the steps were 2.5-2.7
+// and ~3.7 us: the load/store path bounded them (twentieth and twenty-fourth
+// sessions).
 //   grid (H, N segments or runs), 256 threads (two warpgroups),
-//   ScanWgmmaTraits<mode>::kBytes of shared memory: the S copy (S^T in the
-//   core-matrix layout of wgmma.cuh), V'^T, and three stages that thread 0
-//   fills by TMA (WgmmaTileMaps, one mbarrier each): K_, W (64-column halves
-//   in the 128-byte swizzle: W S reads them K-major, K_^T V' MN-major), U
-//   (state; read by the threads through the swizzle), Q^ and A (maps_out,
-//   K-major) and the decay.
+//   ScanWgmmaTraits<mode>::kBytes of shared memory: four stages (three for
+//   maps_out) that thread 0 fills by TMA (WgmmaTileMaps; a full and an empty
+//   mbarrier each): K_, W (64-column halves in the 128-byte swizzle: W^T and
+//   Q^T read K-major, K_ MN-major), U (state; read by the threads through
+//   the swizzle), Q^ and A (maps_out) and the decay; maps_out also stages
+//   each warpgroup's output tile.
 // Included by chunk_forward.cuh after segment_chunks.
 #pragma once
 
@@ -58,11 +63,8 @@ template <WgmmaScan kMode>
 struct ScanWgmmaTraits {
   static constexpr int kDk = 128, kDv = 128, kChunk = 64;
   static constexpr int kThreads = 256;
-  static constexpr int kStages = 3;
   static constexpr bool kU = kMode == WgmmaScan::state;
   static constexpr bool kOut = kMode == WgmmaScan::maps_out;
-  static constexpr size_t kSCopyBytes = 2 * kDk * kDv;
-  static constexpr size_t kVnBytes = 2 * kChunk * kDv;
   // Tiles loaded by TMA in 128-byte-swizzled halves of 64 columns
   // (kHalfBytes each, 1024-byte aligned): K_, W, U, Q^ two halves, A one.
   static constexpr size_t kHalfBytes = 2 * kChunk * 64;
@@ -73,13 +75,18 @@ struct ScanWgmmaTraits {
   static constexpr size_t kAOffset = kQOffset + (kOut ? kTileBytes : 0);
   static constexpr size_t kDecayOffset = kAOffset + (kOut ? kHalfBytes : 0);
   static constexpr size_t kStageBytes = (kDecayOffset + sizeof(float) * kDk + 1023) / 1024 * 1024;
+  // Four stages (three with the outputs' Q^ and A, which must leave room for
+  // the output's staging): a step is short, the copies need the lead.
+  static constexpr int kStages = kOut ? 3 : 4;
   // What TMA writes into a stage's tiles (the decay's bytes come on top
   // where the variant decays).
   static constexpr uint32_t kTileLoadBytes = static_cast<uint32_t>(kDecayOffset);
-  static constexpr size_t kBarrierOffset = kSCopyBytes + kVnBytes + kStages * kStageBytes;
-  // + the stages' mbarriers, + 1 KB to align the base to the swizzle's 1024 bytes.
-  static constexpr size_t kBytes = kBarrierOffset + 8 * kStages + 1024;
-  static_assert((kSCopyBytes + kVnBytes) % 1024 == 0, "stages must start 1024-byte aligned");
+  // maps_out: each warpgroup's 64 x 64 output tile, staged for row stores.
+  static constexpr size_t kOutStageBytes = kOut ? 2 * 2 * kChunk * 64 : 0;
+  static constexpr size_t kBarrierOffset = kStages * kStageBytes + kOutStageBytes;
+  // + full and empty mbarriers per stage, + 1 KB to align the base to the
+  // swizzle's 1024 bytes.
+  static constexpr size_t kBytes = kBarrierOffset + 16 * kStages + 1024;
   static_assert(kBytes <= 227 * 1024, "chunk_state_scan_wgmma_kernel exceeds shared memory");
 };
 
@@ -90,11 +97,35 @@ struct WgmmaTileMaps {
   CUtensorMap k, w, u, q, a;
 };
 
+// The m64nNk16 accumulator's k16 column slice kk as wgmma's A operand from
+// registers (16-bit pairs: rows g and g + 8, then the next 8 columns).
+template <typename T, int kSlices>
+__device__ __forceinline__ void accumulator_fragments(const float* acc, uint32_t* frag) {
+#pragma unroll
+  for (int kk = 0; kk < kSlices; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      frag[4 * kk + r] = pack2<T>(acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]);
+}
+
 // One CTA's scan of head h, segment (or run) n: from initial_state (state
 // mode; zero where null) or the identity, into final_state where non-null.
 // kLockstep: the CTA is one of a cluster of two scanning the same chunks
 // (chunk_state_scan_wgmma_pair_kernel), and neither runs more than a step
 // ahead of the other.
+//
+// Transposed, so that the two warpgroups never wait for each other: warpgroup
+// wg holds S^T's rows dv in [64 wg, 64 wg + 64) (S's columns) as an m64n128
+// fp32 accumulator, and everything in a step is separable by those columns:
+//   V'^T = U^T - S^T W^T          (A = S^T rounded to T, from registers)
+//   S^T  = S^T diag(d) + V'^T K_  (A = V'^T rounded to T, from registers)
+//   maps_out: o^T = S^T Q^T + V'^T A^T
+// With both A operands in registers no S copy or V' goes through shared
+// memory and no barrier joins the warpgroups inside a step; only the stages
+// are shared (full: TMA landed; empty: both warpgroups done with them).
+// Why: the untransposed scan's step (S copy and V' written by each warpgroup
+// and read by both, two CTA barriers) was bound by shared memory traffic and
+// those joins, not by its products (PERF_NOTES, twenty-seventh session).
 template <typename T, bool kDecayed, WgmmaScan kMode, bool kLockstep>
 __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const WgmmaTileMaps& maps,
                                                int64_t h, int64_t n, const float* initial_state,
@@ -108,10 +139,10 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
   // The 128-byte swizzle repeats every 1024 bytes: align the base to that.
   unsigned char* smem_bytes = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  T* sS = reinterpret_cast<T*>(smem_bytes);                      // S^T [Dv][Dk], core layout
-  T* sV = reinterpret_cast<T*>(smem_bytes + Tr::kSCopyBytes);    // V'^T [Dv][C], core layout
-  unsigned char* stages = smem_bytes + Tr::kSCopyBytes + Tr::kVnBytes;
+  unsigned char* stages = smem_bytes;
+  unsigned char* out_stage = smem_bytes + Tr::kStages * Tr::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem_bytes + Tr::kBarrierOffset);
+  uint64_t* empty = full + Tr::kStages;
   auto stage_at = [&](int st, size_t offset) { return stages + st * Tr::kStageBytes + offset; };
   auto stage_k = [&](int st) { return stage_at(st, 0); };
   auto stage_w = [&](int st) { return stage_at(st, Tr::kTileBytes); };
@@ -119,7 +150,7 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
   auto stage_q = [&](int st) { return stage_at(st, Tr::kQOffset); };
   auto stage_a = [&](int st) { return stage_at(st, Tr::kAOffset); };
   auto stage_decay = [&](int st) {
-    return reinterpret_cast<float*>(stage_at(st, Tr::kDecayOffset));
+    return reinterpret_cast<const float*>(stage_at(st, Tr::kDecayOffset));
   };
 
   const int64_t H = a.heads;
@@ -157,148 +188,139 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
       tensor_copy_to_shared(stage_a(st), &maps.a, 0, row, full + st);
     }
     if constexpr (kDecayed)
-      bulk_copy_to_shared(stage_decay(st), ws_decay + int64_t{cl} * H * D, sizeof(float) * D,
-                          full + st);
+      bulk_copy_to_shared(const_cast<float*>(stage_decay(st)), ws_decay + int64_t{cl} * H * D,
+                          sizeof(float) * D, full + st);
   };
 
-  // This thread's part of S: rows row0 and row0 + 8, columns 8 j + i2 (+1),
-  // j = 0..15 (the m64n128 accumulator layout of warpgroup wg).
-  const int row0 = 64 * wg + 16 * warp + g;
+  // This thread's part of S^T: rows (value dims) dv0 and dv0 + 8, columns
+  // (key dims) 8 j + i2 (+1), j = 0..15 (the m64n128 accumulator layout of
+  // warpgroup wg); S^T[dv][dk] = S[dk][dv].
+  const int dv0 = 64 * wg + 16 * warp + g;
   const int64_t state_base = (n * H + h) * D * D;
   float S[64];
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int row = row0 + 8 * (e / 2), col = 8 * j + i2 + e % 2;
+      const int dv = dv0 + 8 * (e / 2), dk = 8 * j + i2 + e % 2;
       if constexpr (kIdentity)
-        S[4 * j + e] = row == col ? 1.f : 0.f;
+        S[4 * j + e] = dv == dk ? 1.f : 0.f;
       else
-        S[4 * j + e] = initial_state != nullptr ? initial_state[state_base + row * D + col] : 0.f;
+        S[4 * j + e] = initial_state != nullptr ? initial_state[state_base + dk * D + dv] : 0.f;
     }
-  // The rounded copy S^T: stmatrix matrix m holds column block j + m / 2,
-  // rows 8 (m % 2) .. of the warp's 16.
-  auto store_copy = [&] {
-#pragma unroll
-    for (int j = 0; j < 16; j += 2) {
-      const int jm = j + mat / 2, hm = mat % 2;
-      stmatrix_x4_trans(sS + core_offset(8 * jm + mrow, 64 * wg + 16 * warp + 8 * hm, D),
-                        pack2<T>(S[4 * j], S[4 * j + 1]), pack2<T>(S[4 * j + 2], S[4 * j + 3]),
-                        pack2<T>(S[4 * j + 4], S[4 * j + 5]), pack2<T>(S[4 * j + 6], S[4 * j + 7]));
-    }
-  };
+  // S^T's key-dim halves as m64n64 accumulators (the S update's products).
+  float(&S_lo)[32] = *reinterpret_cast<float(*)[32]>(S);
+  float(&S_hi)[32] = *reinterpret_cast<float(*)[32]>(S + 32);
 
   if (tid == 0) {
-    for (int st = 0; st < Tr::kStages; ++st) mbarrier_init(full + st, 1);
+    for (int st = 0; st < Tr::kStages; ++st) {
+      mbarrier_init(full + st, 1);
+      mbarrier_init(empty + st, 8);  // one arrival per warp
+    }
     fence_mbarrier_init();
   }
   __syncthreads();  // barriers initialised before any copy completes on them
   for (int st = 0; st < Tr::kStages; ++st) prefetch(st, st);
-  store_copy();
-  fence_proxy_async_shared();
-  __syncthreads();
   for (int cl = 0, st = 0; cl < chunks; ++cl, st = st + 1 == Tr::kStages ? 0 : st + 1) {
     mbarrier_wait(full + st, (cl / Tr::kStages) & 1);  // chunk cl has landed
-    // V' columns [64 wg, 64 wg + 64) = U - W S: K = Dk in 8 steps of 16.
-    // maps_out: the output's columns of Q^ S_c from the same S copy, in the
-    // same group (8 more MMAs back to back cost ~0.15 us; a second group
-    // left running across the barrier would still read the S copy when the
-    // other warpgroup rewrites it, and waiting on it separately made ptxas
-    // insert its own waits).
-    // The chains' first products write their accumulators (scale-d 0).
-    float v[32];
+    // S^T rounded to T once, as the A operand of this step's first products.
+    uint32_t sf[32];
+    accumulator_fragments<T, 8>(S, sf);
+    // The swizzled K-major tile (W, or Q^) as B, N = the chunk's rows: k16
+    // step kk is 32 bytes into its half (the hardware applies the swizzle).
+    auto kmajor = [&](const unsigned char* tile, int kk) {
+      return wgmma_desc_sw128(tile + (kk / 4) * Tr::kHalfBytes + 32 * (kk % 4), 1024);
+    };
+    float vt[32];
     [[maybe_unused]] float o[Tr::kOut ? 32 : 1];
-    // The swizzled K-major tile: k16 step kk is 32 bytes into its half
-    // (the hardware applies the swizzle to the address it forms).
-    auto chain_s = [&](float(&acc)[32], const unsigned char* tile) {
-      auto a_desc = [&](int kk) {
-        return wgmma_desc_sw128(tile + (kk / 4) * Tr::kHalfBytes + 32 * (kk % 4), 1024);
-      };
-      wgmma_m64n64k16_first<kBf16, false>(
-          acc, a_desc(0), wgmma_desc(sS + core_offset(64 * wg, 0, D), 128, D / 8 * 128));
+    wgmma_fence();
+    wgmma_m64n64k16_rs_first<kBf16, false>(vt, sf, kmajor(stage_w(st), 0));
+#pragma unroll
+    for (int kk = 1; kk < D / 16; ++kk)
+      wgmma_m64n64k16_rs<kBf16, false>(vt, sf + 4 * kk, kmajor(stage_w(st), kk));
+    if constexpr (Tr::kOut) {
+      wgmma_m64n64k16_rs_first<kBf16, false>(o, sf, kmajor(stage_q(st), 0));
 #pragma unroll
       for (int kk = 1; kk < D / 16; ++kk)
-        wgmma_m64n64k16<kBf16, false>(
-            acc, a_desc(kk), wgmma_desc(sS + core_offset(64 * wg, 16 * kk, D), 128, D / 8 * 128));
-    };
-    wgmma_fence();
-    chain_s(v, stage_w(st));
-    if constexpr (Tr::kOut) chain_s(o, stage_q(st));
+        wgmma_m64n64k16_rs<kBf16, false>(o, sf + 4 * kk, kmajor(stage_q(st), kk));
+    }
     wgmma_commit();
     wgmma_wait<0>();
-    // V' rounded to T once, stored transposed (the next product's B operand).
-    [[maybe_unused]] const unsigned char* u = Tr::kU ? stage_u(st) : nullptr;
+    // V'^T = U^T - S^T W^T (maps: -S^T W^T), rounded to T once: the A
+    // operand of the S update (and of the output's A V'). U^T[dv][t] is
+    // U's row t, column dv (half wg, 16-byte piece (dv % 64) / 8 swizzled
+    // by t % 8).
+    uint32_t vf[16];
 #pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      uint32_t r[4];
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int jj = j + m / 2, e = 2 * (m % 2);
+      for (int hr = 0; hr < 2; ++hr) {
+        float x0 = -vt[4 * j + 2 * hr], x1 = -vt[4 * j + 2 * hr + 1];
         if constexpr (Tr::kU) {
-          // U's half wg, row `row`, 16-byte piece jj (swizzled by row % 8 = g).
-          const int row = 16 * warp + g + 4 * e;
-          const float2 uu = unpack2<T>(*reinterpret_cast<const uint32_t*>(
-              u + wg * Tr::kHalfBytes + row * 128 + 16 * (jj ^ g) + 2 * i2));
-          r[m] = pack2<T>(uu.x - v[4 * jj + e], uu.y - v[4 * jj + e + 1]);
-        } else {
-          r[m] = pack2<T>(-v[4 * jj + e], -v[4 * jj + e + 1]);
+          const unsigned char* u = stage_u(st) + wg * Tr::kHalfBytes;
+          const int piece = 2 * warp + hr;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int t = 8 * j + i2 + e;
+            const float uu =
+                to_float(*reinterpret_cast<const T*>(u + t * 128 + 16 * (piece ^ (t % 8)) + 2 * g));
+            (e == 0 ? x0 : x1) += uu;
+          }
         }
+        vf[2 * j + hr] = pack2<T>(x0, x1);
       }
-      const int jm = j + mat / 2, hm = mat % 2;
-      stmatrix_x4_trans(sV + core_offset(64 * wg + 8 * jm + mrow, 16 * warp + 8 * hm, C), r[0],
-                        r[1], r[2], r[3]);
-    }
-    fence_proxy_async_shared();
-    __syncthreads();  // V' complete; every read of the S copy done
     if constexpr (kDecayed) {
-      const float d0 = stage_decay(st)[row0], d1 = stage_decay(st)[row0 + 8];
+      const float* dd = stage_decay(st);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        S[4 * j] *= d0;
-        S[4 * j + 1] *= d0;
-        S[4 * j + 2] *= d1;
-        S[4 * j + 3] *= d1;
+        const float2 d = *reinterpret_cast<const float2*>(dd + 8 * j + i2);
+        S[4 * j] *= d.x;
+        S[4 * j + 1] *= d.y;
+        S[4 * j + 2] *= d.x;
+        S[4 * j + 3] *= d.y;
       }
     }
-    // S += K_^T V': A = K_^T is the K_ tile read MN-major (M = key dims
-    // 64 wg .., K = the chunk's rows), K = C in 4 steps of 16.
-    // maps_out: o += A V' for the warpgroup's columns (A K-major, K = C).
+    // S^T += V'^T K_: K_ as B read MN-major (N = key dims, half by half;
+    // K = the chunk's rows, a k16 step 16 of its 128-byte rows, 8-row
+    // swizzle atoms 1024 bytes apart). maps_out: o^T += V'^T A^T (A's
+    // query rows as N, K-major).
     wgmma_fence();
-    // K_^T: half wg of the K_ tile (key dims 64 wg ..) read MN-major; a k16
-    // step is 16 of its 128-byte rows, 8-row swizzle atoms 1024 bytes apart.
 #pragma unroll
-    for (int kk = 0; kk < C / 16; ++kk)
-      wgmma_m64n128k16<kBf16, true>(
-          S, wgmma_desc_sw128(stage_k(st) + wg * Tr::kHalfBytes + 2048 * kk, 1024),
-          wgmma_desc(sV + core_offset(0, 16 * kk, C), 128, C / 8 * 128));
+    for (int kk = 0; kk < C / 16; ++kk) {
+      wgmma_m64n64k16_rs<kBf16, true>(S_lo, vf + 4 * kk,
+                                      wgmma_desc_sw128(stage_k(st) + 2048 * kk, 1024));
+      wgmma_m64n64k16_rs<kBf16, true>(
+          S_hi, vf + 4 * kk, wgmma_desc_sw128(stage_k(st) + Tr::kHalfBytes + 2048 * kk, 1024));
+    }
     if constexpr (Tr::kOut)
 #pragma unroll
       for (int kk = 0; kk < C / 16; ++kk)
-        wgmma_m64n64k16<kBf16, false>(
-            o, wgmma_desc_sw128(stage_a(st) + 32 * kk, 1024),
-            wgmma_desc(sV + core_offset(64 * wg, 16 * kk, C), 128, C / 8 * 128));
+        wgmma_m64n64k16_rs<kBf16, false>(o, vf + 4 * kk,
+                                         wgmma_desc_sw128(stage_a(st) + 32 * kk, 1024));
     wgmma_commit();
     wgmma_wait<0>();
+    // This warp is done with stage st (its products waited on, its U and
+    // decay reads consumed).
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(empty + st);
     if constexpr (Tr::kOut) {
-      // The warpgroup's 64 x 64 output tile through shared memory, so that
-      // global memory sees whole 128-byte row pieces (the fragment layout
-      // stores 4 bytes to each of 8 rows per instruction: 8 transactions).
-      // Staged in the S copy: nothing reads it between the V' barrier and
-      // store_copy, and the bytes used here are those only this warpgroup's
-      // store_copy rewrites (key dims 64 wg ..: 1 KB of every 2 KB block).
-      // Row r at block r / 8, 128 bytes per row, its 16-byte pieces
-      // swizzled by r % 8 against bank conflicts.
-      unsigned char* stage = reinterpret_cast<unsigned char*>(sS) + 1024 * wg;
-      auto piece_at = [&](int r, int c) {
-        return stage + (r / 8) * 2048 + (r % 8) * 128 + 16 * (c ^ (r % 8));
-      };
+      // o^T's tile (value dims 64 wg .., the chunk's rows) to o[t][dv]
+      // through shared memory: stmatrix.trans writes o's rows, 128 bytes
+      // each, their 16-byte pieces swizzled by row % 8; then whole 128-byte
+      // row pieces to global memory (the fragment layout would store 4
+      // bytes to each of 8 rows per instruction).
+      unsigned char* staged = out_stage + wg * (2 * C * 64);
+      auto piece_at = [&](int r, int c) { return staged + r * 128 + 16 * (c ^ (r % 8)); };
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = 16 * warp + g + 8 * hr;
+      for (int j = 0; j < 8; j += 2) {
+        uint32_t r[4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          *reinterpret_cast<uint32_t*>(piece_at(r, j) + 2 * i2) =
-              pack2<T>(o[4 * j + 2 * hr], o[4 * j + 2 * hr + 1]);
+        for (int m = 0; m < 4; ++m) {
+          const int jj = j + m / 2, e = 2 * (m % 2);
+          r[m] = pack2<T>(o[4 * jj + e], o[4 * jj + e + 1]);
+        }
+        const int jm = j + mat / 2, hm = mat % 2;
+        stmatrix_x4_trans(piece_at(8 * jm + mrow, 2 * warp + hm), r[0], r[1], r[2], r[3]);
       }
       named_barrier_sync(1 + wg, 128);
       const int rows = seg.length(cl, C), wt = tid % 128;
@@ -310,12 +332,13 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
           *reinterpret_cast<uint4*>(out + static_cast<int64_t>(r) * H * D + 8 * c) =
               *reinterpret_cast<const uint4*>(piece_at(r, c));
       }
-      named_barrier_sync(1 + wg, 128);  // read back before store_copy rewrites it
+      named_barrier_sync(1 + wg, 128);  // read back before the next chunk's staging
     }
-    store_copy();
-    fence_proxy_async_shared();
-    __syncthreads();  // S copy complete; stage st free
-    prefetch(cl + Tr::kStages, st);
+    // Refill stage st once both warpgroups are done with it.
+    if (tid == 0 && cl + Tr::kStages < chunks) {
+      mbarrier_wait(empty + st, (cl / Tr::kStages) & 1);
+      prefetch(cl + Tr::kStages, st);
+    }
     if constexpr (kLockstep) {
       // Wait for the other CTA's end of the previous step, then mark this
       // one's: the CTA ahead (E's, whose steps are shorter) stays within a
@@ -330,7 +353,7 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
     for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        final_state[state_base + (row0 + 8 * (e / 2)) * D + 8 * j + i2 + e % 2] = S[4 * j + e];
+        final_state[state_base + (8 * j + i2 + e % 2) * D + dv0 + 8 * (e / 2)] = S[4 * j + e];
   }
 }
 
@@ -347,7 +370,7 @@ __global__ void __launch_bounds__(ScanWgmmaTraits<kMode>::kThreads, 1)
 // and run: rank 0 scans from zero into a.scan_pair_state (E's runs), rank 1
 // the identity (kMaps: maps or maps_out) into a.final_state, in lockstep.
 // Why: run side by side as two grids the two scans drift apart (E's step is
-// ~1.5 us, the maps' with H ~2.1) and every chunk's K_ and W (32 KB a chunk
+// ~1.5 us, the maps' with H ~2.0) and every chunk's K_ and W (32 KB a chunk
 // and head) is read from HBM twice; in lockstep the second read is an L2 hit
 // (KDA, 128K, H = 16: 3.4 -> 2.43 GB read from HBM, ncu), one launch instead
 // of two on two streams. The time hardly moved (1.118 -> 1.10 ms): the

@@ -95,6 +95,13 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
+// Arrives once on this CTA's barrier (release: this thread's shared memory
+// reads and writes before it are ordered before the phase completes).
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar))
+               : "memory");
+}
+
 // Arrives once on the barrier at the same offset in CTA `cta` of the cluster.
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
   uint32_t remote;

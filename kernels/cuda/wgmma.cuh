@@ -168,6 +168,57 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uin
 #endif
 }
 
+// One m64n64k16 MMA with A from registers (four .b32 of 16-bit pairs a
+// thread, the layout of the m64nNk16 accumulator's k16 column slice: a0 row
+// g, a1 row g + 8, a2 / a3 the same 8 columns on), B from shared memory,
+// MN-major where TB is "1"; scale-d SCALE, F8 as SS_WG64.
+#define SS_WGRS(TY, TB, SCALE, F8)                                                             \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                         \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+               "{%32, %33, %34, %35}, %36, " SCALE ", 1, 1, " TB ";\n"                         \
+               : F8(0), F8(8), F8(16), F8(24)                                                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+#define SS_WGRS_TYPED(SCALE, F8)     \
+  if constexpr (kBf16 && kTransB)    \
+    SS_WGRS("bf16", "1", SCALE, F8); \
+  else if constexpr (kBf16)          \
+    SS_WGRS("bf16", "0", SCALE, F8); \
+  else if constexpr (kTransB)        \
+    SS_WGRS("f16", "1", SCALE, F8);  \
+  else                               \
+    SS_WGRS("f16", "0", SCALE, F8)
+
+// d (64 x 64, fp32) += A B, A (64 x 16) from registers, B from shared memory
+// (K-major, or MN-major where kTransB). The registers must stay unchanged
+// until the MMA's group has been waited on.
+template <bool kBf16, bool kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t* a, uint64_t b) {
+#ifdef SS_WGMMA_UNAVAILABLE
+  __trap();
+#else
+  SS_WGRS_TYPED("1", SS_WG_F8);
+#endif
+}
+
+// d = A B (scale-d 0), as wgmma_m64n64k16_rs.
+template <bool kBf16, bool kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16_rs_first(float (&d)[32], const uint32_t* a,
+                                                         uint64_t b) {
+#ifdef SS_WGMMA_UNAVAILABLE
+  __trap();
+#else
+#define SS_WG_F8_OUT_RS(i)                                                                    \
+  "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), \
+      "=f"(d[i + 6]), "=f"(d[i + 7])
+  SS_WGRS_TYPED("0", SS_WG_F8_OUT_RS);
+#undef SS_WG_F8_OUT_RS
+#endif
+}
+
+#undef SS_WGRS_TYPED
+#undef SS_WGRS
+
 #undef SS_WG_F8
 
 }  // namespace statescan::cuda::detail
