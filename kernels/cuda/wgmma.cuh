@@ -1,21 +1,12 @@
-// Hopper warpgroup MMA (wgmma) from shared memory, and the pieces around it:
-// matrix descriptors for the no-swizzle core-matrix layout, the fences, and
-// stmatrix (transposed) for writing an accumulator back as the next
-// product's operand. sm_90a only: the host picks these kernels only in a
-// build for 90a (STATESCAN_CUDA_SM90A) on a device of compute capability 9.0,
-// and anything else traps rather than computing garbage.
-//
-// Layout (no swizzle): a tile of R rows (the M or N index) by K columns, K
-// contiguous in 16-byte core-matrix rows of 8 elements, a core matrix being 8
-// such rows (128 bytes):
-//   element (r, k) at ((r / 8) * (K / 8) + k / 8) * 64 + (r % 8) * 8 + k % 8.
-// As wgmma's K-major operand (rows = M or N) its descriptor has LBO = 128
-// bytes (the next core matrix along K) and SBO = K / 8 * 128 bytes (the next
-// 8 rows). The same bytes also serve as an MN-major operand (the trans flag)
-// when the tile's rows are the product's K index and its columns M: then the
-// core matrices adjacent along K are K_cols / 8 * 128 bytes apart (LBO) and
-// those along M 128 bytes (SBO). chunk_scan_wgmma.cuh reads a row-major
-// [chunk][Dk] tile both ways.
+// Hopper warpgroup MMA (wgmma) with A from registers and B from shared
+// memory, and the pieces around it: the descriptor for the 128-byte-swizzled
+// layout TMA writes, the fences, and stmatrix (transposed) for staging an
+// accumulator through shared memory. sm_90a only: the host picks these
+// kernels only in a build for 90a (STATESCAN_CUDA_SM90A) on a device of
+// compute capability 9.0, and anything else traps rather than computing
+// garbage. (The no-swizzle core-matrix layout and the MMAs with A from shared
+// memory went with the untransposed per-head scan, their only user:
+// PERF_NOTES, twenty-seventh session.)
 #pragma once
 
 #include <cstdint>
@@ -25,20 +16,6 @@ namespace statescan::cuda::detail {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SS_WGMMA_UNAVAILABLE 1
 #endif
-
-// Offset (in elements) of (r, k) in a core-matrix tile of `k_cols` columns.
-__host__ __device__ constexpr int core_offset(int r, int k, int k_cols) {
-  return ((r >> 3) * (k_cols >> 3) + (k >> 3)) * 64 + (r & 7) * 8 + (k & 7);
-}
-
-// A shared-memory matrix descriptor (no swizzle, base offset 0).
-__device__ __forceinline__ uint64_t wgmma_desc(const void* smem, uint32_t lbo_bytes,
-                                               uint32_t sbo_bytes) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
-         (static_cast<uint64_t>(sbo_bytes >> 4) << 32);
-}
 
 // A descriptor for the 128-byte-swizzled layout TMA writes with
 // CU_TENSOR_MAP_SWIZZLE_128B: rows of 64 16-bit elements (128 bytes), the
@@ -87,91 +64,21 @@ __device__ __forceinline__ void stmatrix_x4_trans(const void* row, uint32_t r0, 
                : "memory");
 }
 
-#define SS_WG_F8(i)                                                                        \
+// The accumulator's eight registers from i as asm operands: read and written
+// (scale-d 1: d += A B) or written only (scale-d 0: d = A B, the first
+// product of a chain, with no zeroed registers for the compiler to place
+// between the chain's MMAs, where ptxas then inserted waits of its own).
+#define SS_WG_F8(i)                                                                           \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
-
 #define SS_WG_F8_OUT(i)                                                                       \
   "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), \
       "=f"(d[i + 6]), "=f"(d[i + 7])
 
-// One m64n64k16 MMA of 16-bit type TY, A MN-major where TA is "1", scale-d
-// SCALE ("1": d += A B, d read and written; "0": d = A B, d written only,
-// F8 the matching constraint list), inside a function with kBf16, kTransA,
-// d, a and b.
-#define SS_WG64(TY, TA, SCALE, F8)                                                             \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                         \
-               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
-               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
-               "%32, %33, " SCALE ", 1, 1, " TA ", 0;\n"                                       \
-               : F8(0), F8(8), F8(16), F8(24)                                                  \
-               : "l"(a), "l"(b))
-#define SS_WG64_TYPED(SCALE, F8)     \
-  if constexpr (kBf16 && kTransA)    \
-    SS_WG64("bf16", "1", SCALE, F8); \
-  else if constexpr (kBf16)          \
-    SS_WG64("bf16", "0", SCALE, F8); \
-  else if constexpr (kTransA)        \
-    SS_WG64("f16", "1", SCALE, F8);  \
-  else                               \
-    SS_WG64("f16", "0", SCALE, F8)
-
-// d (64 x 64, fp32, the m64nNk16 accumulator layout) += A B, both 16-bit
-// from shared memory, A K-major (kTransA: MN-major), B K-major.
-// 16-bit type: bf16 (kBf16) or fp16.
-template <bool kBf16, bool kTransA>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b) {
-#ifdef SS_WGMMA_UNAVAILABLE
-  __trap();
-#else
-  SS_WG64_TYPED("1", SS_WG_F8);
-#endif
-}
-
-// d = A B (scale-d 0: d is written, not read), as wgmma_m64n64k16: the first
-// product of a chain, with no zeroed registers for the compiler to place
-// between the chain's MMAs (where ptxas then inserted waits of its own).
-template <bool kBf16, bool kTransA>
-__device__ __forceinline__ void wgmma_m64n64k16_first(float (&d)[32], uint64_t a, uint64_t b) {
-#ifdef SS_WGMMA_UNAVAILABLE
-  __trap();
-#else
-  SS_WG64_TYPED("0", SS_WG_F8_OUT);
-#endif
-}
-
-#undef SS_WG64_TYPED
-#undef SS_WG64
-#undef SS_WG_F8_OUT
-
-// d (64 x 128) += A B, as wgmma_m64n64k16.
-template <bool kBf16, bool kTransA>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uint64_t b) {
-#ifdef SS_WGMMA_UNAVAILABLE
-  __trap();
-#else
-#define SS_WG128(TY, TA)                                                                         \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY                          \
-               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "   \
-               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "     \
-               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "      \
-               "%63}, %64, %65, 1, 1, 1, " TA ", 0;\n"                                            \
-               : SS_WG_F8(0), SS_WG_F8(8), SS_WG_F8(16), SS_WG_F8(24), SS_WG_F8(32),             \
-                 SS_WG_F8(40), SS_WG_F8(48), SS_WG_F8(56)                                        \
-               : "l"(a), "l"(b))
-  if constexpr (kBf16 && kTransA) SS_WG128("bf16", "1");
-  else if constexpr (kBf16) SS_WG128("bf16", "0");
-  else if constexpr (kTransA) SS_WG128("f16", "1");
-  else SS_WG128("f16", "0");
-#undef SS_WG128
-#endif
-}
-
 // One m64n64k16 MMA with A from registers (four .b32 of 16-bit pairs a
 // thread, the layout of the m64nNk16 accumulator's k16 column slice: a0 row
 // g, a1 row g + 8, a2 / a3 the same 8 columns on), B from shared memory,
-// MN-major where TB is "1"; scale-d SCALE, F8 as SS_WG64.
+// MN-major where TB is "1"; scale-d SCALE with the matching operand list F8.
 #define SS_WGRS(TY, TB, SCALE, F8)                                                             \
   asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                         \
                " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
@@ -190,8 +97,8 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uin
     SS_WGRS("f16", "0", SCALE, F8)
 
 // d (64 x 64, fp32) += A B, A (64 x 16) from registers, B from shared memory
-// (K-major, or MN-major where kTransB). The registers must stay unchanged
-// until the MMA's group has been waited on.
+// (K-major, or MN-major where kTransB). 16-bit type: bf16 (kBf16) or fp16.
+// The registers must stay unchanged until the MMA's group has been waited on.
 template <bool kBf16, bool kTransB>
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t* a, uint64_t b) {
 #ifdef SS_WGMMA_UNAVAILABLE
@@ -208,17 +115,13 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_first(float (&d)[32], const u
 #ifdef SS_WGMMA_UNAVAILABLE
   __trap();
 #else
-#define SS_WG_F8_OUT_RS(i)                                                                    \
-  "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), \
-      "=f"(d[i + 6]), "=f"(d[i + 7])
-  SS_WGRS_TYPED("0", SS_WG_F8_OUT_RS);
-#undef SS_WG_F8_OUT_RS
+  SS_WGRS_TYPED("0", SS_WG_F8_OUT);
 #endif
 }
 
 #undef SS_WGRS_TYPED
 #undef SS_WGRS
-
+#undef SS_WG_F8_OUT
 #undef SS_WG_F8
 
 }  // namespace statescan::cuda::detail
