@@ -150,7 +150,7 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
   auto stage_q = [&](int st) { return stage_at(st, Tr::kQOffset); };
   auto stage_a = [&](int st) { return stage_at(st, Tr::kAOffset); };
   auto stage_decay = [&](int st) {
-    return reinterpret_cast<const float*>(stage_at(st, Tr::kDecayOffset));
+    return reinterpret_cast<float*>(stage_at(st, Tr::kDecayOffset));
   };
 
   const int64_t H = a.heads;
@@ -188,8 +188,8 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
       tensor_copy_to_shared(stage_a(st), &maps.a, 0, row, full + st);
     }
     if constexpr (kDecayed)
-      bulk_copy_to_shared(const_cast<float*>(stage_decay(st)), ws_decay + int64_t{cl} * H * D,
-                          sizeof(float) * D, full + st);
+      bulk_copy_to_shared(stage_decay(st), ws_decay + int64_t{cl} * H * D, sizeof(float) * D,
+                          full + st);
   };
 
   // This thread's part of S^T: rows (value dims) dv0 and dv0 + 8, columns
