@@ -18,8 +18,8 @@
 // so the warpgroups share only the stages. The arithmetic is the other
 // scans': S stays fp32 in the accumulators, the products read S rounded to T,
 // V' is rounded to T once.
-// Measured (H200, 128K, H = 16): ~1.5 us a step for E (~2.0 us for the maps
-// with H), against the column blocks' ~1.0 (16 columns, one wave), because a
+// Measured (H200, 128K, H = 16): ~1.3 us a step for E (~1.75 us for the maps
+// with H, the pair's pace), against the column blocks' ~1.0 (16 columns, one wave), because a
 // step's two products and their waits run in series; but on 4-8 times fewer
 // multiprocessors, so it wins once there are CTAs enough to fill the GPU:
 // many heads, or the two-level summary's runs (E at H = 16, 128K: 2.0 ms as
@@ -221,6 +221,17 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
   }
   __syncthreads();  // barriers initialised before any copy completes on them
   for (int st = 0; st < Tr::kStages; ++st) prefetch(st, st);
+  // Ping-pong: a warpgroup issues its products only in its turn (named
+  // barrier kTurn + wg) and hands the turn over as soon as they are issued,
+  // so the tensor pipe runs one warpgroup's products while the other rounds,
+  // subtracts and waits. Left to themselves the two ran in phase, both
+  // products queued at once and both epilogues with the pipe idle (with U^T
+  // read by ldmatrix and the refill a step later, GDN at 128K: summary 0.976
+  // -> 0.89 ms, E alone 0.75 -> 0.68; PERF_NOTES, twenty-eighth session).
+  constexpr int kTurn = 3;  // 1 and 2 are the output staging's
+  auto take_turn = [&] { named_barrier_sync(kTurn + wg, 2 * 128); };
+  auto pass_turn = [&] { named_barrier_arrive(kTurn + 1 - wg, 2 * 128); };
+  if (wg == 1 && chunks > 0) pass_turn();  // warpgroup 0 goes first
   for (int cl = 0, st = 0; cl < chunks; ++cl, st = st + 1 == Tr::kStages ? 0 : st + 1) {
     mbarrier_wait(full + st, (cl / Tr::kStages) & 1);  // chunk cl has landed
     // S^T rounded to T once, as the A operand of this step's first products.
@@ -233,42 +244,47 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
     };
     float vt[32];
     [[maybe_unused]] float o[Tr::kOut ? 32 : 1];
+    take_turn();
     wgmma_fence();
     wgmma_m64n64k16_rs_first<kBf16, false>(vt, sf, kmajor(stage_w(st), 0));
 #pragma unroll
     for (int kk = 1; kk < D / 16; ++kk)
       wgmma_m64n64k16_rs<kBf16, false>(vt, sf + 4 * kk, kmajor(stage_w(st), kk));
+    wgmma_commit();
+    // maps_out: o = S^T Q^T as a group of its own that the chain does not
+    // wait for (its next products accumulate into o in issue order).
     if constexpr (Tr::kOut) {
       wgmma_m64n64k16_rs_first<kBf16, false>(o, sf, kmajor(stage_q(st), 0));
 #pragma unroll
       for (int kk = 1; kk < D / 16; ++kk)
         wgmma_m64n64k16_rs<kBf16, false>(o, sf + 4 * kk, kmajor(stage_q(st), kk));
+      wgmma_commit();
     }
-    wgmma_commit();
-    wgmma_wait<0>();
+    pass_turn();
+    wgmma_wait<Tr::kOut ? 1 : 0>();
     // V'^T = U^T - S^T W^T (maps: -S^T W^T), rounded to T once: the A
     // operand of the S update (and of the output's A V'). U^T[dv][t] is
     // U's row t, column dv (half wg, 16-byte piece (dv % 64) / 8 swizzled
     // by t % 8).
     uint32_t vf[16];
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        float x0 = -vt[4 * j + 2 * hr], x1 = -vt[4 * j + 2 * hr + 1];
-        if constexpr (Tr::kU) {
-          const unsigned char* u = stage_u(st) + wg * Tr::kHalfBytes;
-          const int piece = 2 * warp + hr;
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int t = 8 * j + i2 + e;
-            const float uu =
-                to_float(*reinterpret_cast<const T*>(u + t * 128 + 16 * (piece ^ (t % 8)) + 2 * g));
-            (e == 0 ? x0 : x1) += uu;
-          }
-        }
-        vf[2 * j + hr] = pack2<T>(x0, x1);
+    for (int kk = 0; kk < C / 16; ++kk) {
+      // U^T's four 8 x 8 blocks of k16 slice kk in the fragment layout: one
+      // ldmatrix.trans, lane l giving row t = 16 kk + 8 (m / 2) + l % 8 of
+      // block m = l / 8 (value dims 16 warp + 8 (m % 2) ..).
+      uint32_t u4[4] = {0u, 0u, 0u, 0u};
+      if constexpr (Tr::kU) {
+        const int m = lane / 8, t = 16 * kk + 8 * (m / 2) + lane % 8;
+        ldmatrix_x4<true>(
+            u4, stage_u(st) + wg * Tr::kHalfBytes + t * 128 + 16 * ((2 * warp + m % 2) ^ (t % 8)));
       }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int at = 8 * kk + 2 * r;  // vt's pair behind fragment register r
+        const float2 uu = Tr::kU ? unpack2<T>(u4[r]) : float2{0.f, 0.f};
+        vf[4 * kk + r] = pack2<T>(uu.x - vt[at], uu.y - vt[at + 1]);
+      }
+    }
     if constexpr (kDecayed) {
       const float* dd = stage_decay(st);
 #pragma unroll
@@ -284,6 +300,7 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
     // K = the chunk's rows, a k16 step 16 of its 128-byte rows, 8-row
     // swizzle atoms 1024 bytes apart). maps_out: o^T += V'^T A^T (A's
     // query rows as N, K-major).
+    take_turn();
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C / 16; ++kk) {
@@ -298,6 +315,17 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
         wgmma_m64n64k16_rs<kBf16, false>(o, vf + 4 * kk,
                                          wgmma_desc_sw128(stage_a(st) + 32 * kk, 1024));
     wgmma_commit();
+    // Warpgroup 1's last turn hands nothing over: warpgroup 0 has had its last.
+    if (wg == 0 || cl + 1 < chunks) pass_turn();
+    // Refill the stage of chunk cl - 1 (thread 0, warpgroup 0): in this turn
+    // warpgroup 1 has issued chunk cl's first products, so both are done
+    // with it and the wait does not stall (waiting on chunk cl's stage here
+    // would hold warpgroup 0 until warpgroup 1 caught up, in phase again).
+    if (tid == 0 && cl >= 1 && cl - 1 + Tr::kStages < chunks) {
+      const int prev = st == 0 ? Tr::kStages - 1 : st - 1;
+      mbarrier_wait(empty + prev, ((cl - 1) / Tr::kStages) & 1);
+      prefetch(cl - 1 + Tr::kStages, prev);
+    }
     wgmma_wait<0>();
     // This warp is done with stage st (its products waited on, its U and
     // decay reads consumed).
@@ -333,11 +361,6 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
               *reinterpret_cast<const uint4*>(piece_at(r, c));
       }
       named_barrier_sync(1 + wg, 128);  // read back before the next chunk's staging
-    }
-    // Refill stage st once both warpgroups are done with it.
-    if (tid == 0 && cl + Tr::kStages < chunks) {
-      mbarrier_wait(empty + st, (cl / Tr::kStages) & 1);
-      prefetch(cl + Tr::kStages, st);
     }
     if constexpr (kLockstep) {
       // Wait for the other CTA's end of the previous step, then mark this
