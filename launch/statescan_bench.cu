@@ -807,12 +807,12 @@ int run_cp_model(const Options& opt) {
   notes.push_back(line);
   std::snprintf(line, sizeof line,
                 "MODELLED = counted work at the summary rates calibrated on KDA's measured "
-                "summary (H200, 2026-12-03: fwd %.1f, first rank %.1f, last rank's maps %.1f, "
+                "summary (%s: fwd %.1f, first rank %.1f, last rank's maps %.1f, "
                 "bwd %.1f TFLOP/s effective), %.1f TB/s HBM floor, %.0f us launch; see "
                 "parallel/cp_model.h",
-                gpu.summary_fwd_flops_per_s / 1e12, gpu.summary_first_flops_per_s / 1e12,
-                gpu.summary_maps_flops_per_s / 1e12, gpu.summary_bwd_flops_per_s / 1e12,
-                gpu.hbm_Bps / 1e12, gpu.launch_s * 1e6);
+                kSummaryCalibration, gpu.summary_fwd_flops_per_s / 1e12,
+                gpu.summary_first_flops_per_s / 1e12, gpu.summary_maps_flops_per_s / 1e12,
+                gpu.summary_bwd_flops_per_s / 1e12, gpu.hbm_Bps / 1e12, gpu.launch_s * 1e6);
   notes.push_back(line);
 
   CpModelConfig config;

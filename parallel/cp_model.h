@@ -74,18 +74,19 @@ double cp_summary_bytes(const CpLayer& layer, bool backward = false);
 
 // Effective summary rates, calibrated on one H200 (141 GB HBM3e) from
 // `statescan-bench --cp-measure`, KDA, B=1, T=131072, H=16, D=128, bf16,
-// chunk 64 (2026-12-03, twenty-seventh session: the two-level summary, every
+// chunk 64 (2026-12-04, twenty-eighth session: the two-level summary, every
 // row's chunks in runs scanned at once by the per-head kernel, transposed so
 // that each warpgroup carries its own value columns with both products' A
-// operands in registers, its tiles loaded by TMA, a run's E and maps as one
-// cluster of two CTAs, the fold of the runs one launch (chain_maps); the
-// pre-pass GEMMs of every run in one batched call, its Horner steps one
-// launch): a middle rank's summary fwd (E beside the maps with H) 1.005 ms,
-// the first rank's E alone 0.754 ms (its runs need their maps too, without
-// H), the last rank's maps alone 0.654 ms (each the mean of three runs),
-// summary bwd (the H^T dO GEMMs, unchanged since the twenty-sixth session)
-// 0.284 ms (the mean of its four runs then, 0.278-0.290: this one moves with
-// the machine by a few per cent; 0.276-0.297 in this session's).
+// operands in registers, the two warpgroups in ping-pong, its tiles loaded by
+// TMA, a run's E and maps as one cluster of two CTAs, the fold of the runs one
+// launch (chain_maps); the pre-pass GEMMs of every run in one batched call,
+// its Horner steps one launch): a middle rank's summary fwd (E beside the
+// maps with H) 0.910 ms, the first rank's E alone 0.683 ms (its runs need
+// their maps too, without H), the last rank's maps alone 0.648 ms (each the
+// mean of two runs: 0.910 / 0.910, 0.677 / 0.688, 0.644 / 0.652), summary
+// bwd (the H^T dO GEMMs, unchanged since the twenty-sixth session) 0.284 ms
+// (the mean of its four runs then, 0.278-0.290: this one moves with the
+// machine by a few per cent; 0.284 / 0.290 in this session's).
 // Rate = counted FLOPs of that layer / measured time:
 //   fwd:   2048 chunks x 16 heads x 15,728,640 FLOP = 515,396,075,520 FLOP
 //   first: 2048 chunks x 16 heads x  6,291,456 FLOP = 206,158,430,208 FLOP
@@ -93,18 +94,23 @@ double cp_summary_bytes(const CpLayer& layer, bool backward = false);
 //   bwd:   2048 chunks x 16 heads x  2,097,152 FLOP =  68,719,476,736 FLOP
 // The forward summaries are sequential scans over chunks, cut into runs that
 // fill the GPU but each still a chain (each chunk's composition waits for the
-// previous one), far from throughput-bound: 512.8, 273.4 and 472.8 TFLOP/s
+// previous one), far from throughput-bound: 566.4, 301.8 and 477.2 TFLOP/s
 // against 989 dense bf16 peak (the first rank's E pays for its runs' maps,
-// which the counted work leaves out). The backward's GEMMs read 1.07 GB of H
-// and dO (0.224 ms at 4.8 TB/s): 242.0 TFLOP/s. The additive rules' backward
-// keeps the reverse-scan pre-pass, at its rate of the fifteenth session
-// (KDA's scan, 274,877,906,944 FLOP in 2.752 ms: 99.9 TFLOP/s). The check
-// against a second measurement (Gated DeltaNet: 0.978 / 0.759 / 0.276 ms) is
-// in tests/test_cp_model.cpp.
-// (Before: the twenty-sixth session, the scan untransposed (an S copy and V'
-// through shared memory, two CTA barriers a step), 1.078 / 0.787 / 0.663 /
-// 0.284 ms; the twenty-fifth, the fold and the Horner steps one launch per
-// map product, 1.113 / 0.790 / 0.678 / 0.290 ms; the twenty-fourth, E and
+// which the counted work leaves out). They are near HBM's, though: the
+// middle rank's summary moves ~2.9 GB (K_, W, U, Q^, A in, H out; ncu), ~3.4
+// TB/s at this pace, so the next gains need fewer bytes rather than shorter
+// chains (kernels/cuda/PERF_NOTES.md, twenty-eighth session). The
+// backward's GEMMs read 1.07 GB of H and dO (0.224 ms at 4.8 TB/s): 242.0
+// TFLOP/s. The additive rules' backward keeps the reverse-scan pre-pass, at
+// its rate of the fifteenth session (KDA's scan, 274,877,906,944 FLOP in
+// 2.752 ms: 99.9 TFLOP/s). The check against a second measurement (Gated
+// DeltaNet: 0.892 / 0.683 / 0.287 ms) is in tests/test_cp_model.cpp.
+// (Before: the twenty-seventh session, the warpgroups in phase, 1.005 / 0.754
+// / 0.654 / 0.284 ms at 512.8, 273.4, 472.8, 242.0 TFLOP/s; the twenty-sixth,
+// the scan untransposed (an S copy and V' through shared memory, two CTA
+// barriers a step), 1.078 / 0.787 / 0.663 / 0.284 ms; the twenty-fifth, the
+// fold and the Horner steps one launch per map product, 1.113 / 0.790 / 0.678
+// / 0.290 ms; the twenty-fourth, E and
 // the maps as two grids and the pre-pass one GEMM call per run, 1.118 / 0.787
 // / 0.663 / 0.374 ms, and with cp.async loads 2.005 / 1.311 / 1.064 / 0.377
 // ms; the nineteenth, one scan per row, 3.888 / 2.029 / 3.016 / 0.362 ms at
@@ -114,11 +120,13 @@ double cp_summary_bytes(const CpLayer& layer, bool backward = false);
 // 5.53 / 8.21 ms; fourth session: E+M one after the other 11.49 ms, E 5.71, a
 // prepare + scan pre-pass 23.53; tests that replay runs of those days use
 // their own figures.)
-inline constexpr double kSummaryFwdFlopsPerS = 515396075520.0 / 1.005e-3;    // 512.8 TFLOP/s
-inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 0.754e-3;  // 273.4 TFLOP/s
-inline constexpr double kSummaryMapsFlopsPerS = 309237645312.0 / 0.654e-3;   // 472.8 TFLOP/s
+inline constexpr double kSummaryFwdFlopsPerS = 515396075520.0 / 0.910e-3;    // 566.4 TFLOP/s
+inline constexpr double kSummaryFirstFlopsPerS = 206158430208.0 / 0.683e-3;  // 301.8 TFLOP/s
+inline constexpr double kSummaryMapsFlopsPerS = 309237645312.0 / 0.648e-3;   // 477.2 TFLOP/s
 inline constexpr double kSummaryBwdFlopsPerS = 68719476736.0 / 0.284e-3;     // 242.0 TFLOP/s
 inline constexpr double kPrepassScanFlopsPerS = 274877906944.0 / 2.752e-3;   // 99.9 TFLOP/s
+// Where and when the rates above were measured (for the bench's notes).
+inline constexpr char kSummaryCalibration[] = "H200, 2026-12-04";
 
 // The GPU the summary and merge run on. Defaults: one H200, 4.8 TB/s HBM3e;
 // the calibrated summary rates above; 5 us per kernel launch.
