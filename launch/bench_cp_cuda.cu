@@ -142,6 +142,12 @@ struct Measured {
   double summary_first_ms = std::numeric_limits<double>::quiet_NaN();  // the maps alone
   double prepass_alone_ms = std::numeric_limits<double>::quiet_NaN();
   double bwd_prepare_ms = std::numeric_limits<double>::quiet_NaN();
+  // Delta rules: what the pre-pass adds where CpMixer runs it, on the
+  // exchange stream beside the backward's prepare stage (both queued at once;
+  // the prepare's time alone subtracted, both medians of the same loop).
+  // prepass_ms, the GEMMs on an idle GPU, is the figure `overhead` uses.
+  double prepass_beside_ms = std::numeric_limits<double>::quiet_NaN();
+  double beside_prepare_ms = std::numeric_limits<double>::quiet_NaN();
   double merge_fwd_ms = 0, merge_bwd_ms = 0;
   double summary_other_ms = std::numeric_limits<double>::quiet_NaN();
   double summary_e_ms = 0;  // E only (no M), the default method
@@ -166,6 +172,44 @@ struct Measured {
     return (summary_ms + prepass_ms + merge_fwd_ms + merge_bwd_ms) / (fwd_ms + bwd_ms);
   }
 };
+
+// The delta rules' pre-pass as CpMixer schedules it (parallel/cp_mixer_cuda.cpp,
+// backward step 1): first_segment_state_grad on a second stream, forked when
+// the backward's prepare stage is queued on `stream`, joined after it. Each
+// iteration times the prepare stage alone, then both; the difference of the
+// medians is the pre-pass's cost there (the exchange that follows it at P > 1
+// is not included: none runs on one GPU).
+void measure_prepass_beside_prepare(const CpMeasureOptions& o, const MixerParams& p,
+                                    const MixerBwdParams& bp, const cuda::FirstSegmentMaps& first,
+                                    const void* d_o, float* d_init, cudaStream_t stream,
+                                    Measured& m) {
+  struct Side {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
+    ~Side() {
+      if (join != nullptr) cudaEventDestroy(join);
+      if (fork != nullptr) cudaEventDestroy(fork);
+      if (stream != nullptr) cudaStreamDestroy(stream);
+    }
+  } side;
+  SS_CUDA_CHECK(cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking));
+  SS_CUDA_CHECK(cudaEventCreateWithFlags(&side.fork, cudaEventDisableTiming));
+  SS_CUDA_CHECK(cudaEventCreateWithFlags(&side.join, cudaEventDisableTiming));
+  const std::vector<double> ms = median_stage_ms(o.warmup, o.iters, stream, 2, [&](auto&& mark) {
+    mark();
+    { cuda::PreparedBackward alone(bp, stream); }
+    mark();
+    SS_CUDA_CHECK(cudaEventRecord(side.fork, stream));
+    SS_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
+    cuda::first_segment_state_grad(p, first, d_o, 0, 0, p.seq_len, nullptr, d_init, side.stream);
+    { cuda::PreparedBackward beside(bp, stream); }
+    SS_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
+    SS_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+    mark();
+  });
+  m.beside_prepare_ms = ms[0];
+  m.prepass_beside_ms = ms[1] - ms[0];
+}
 
 // P = 1, the issue's measured case: forward + backward through CpMixer on
 // one rank (SingleRankCommunicator: what a one-GPU user of the CP layer runs)
@@ -436,6 +480,7 @@ Measured measure(const CpMeasureOptions& o, Variant variant, cudaStream_t stream
         cuda::first_segment_state_grad(p, first, d_o.data(), 0, 0, T, nullptr, d_init.data(),
                                        stream);
       });
+      measure_prepass_beside_prepare(o, p, bp, first, d_o.data(), d_init.data(), stream, m);
     }
     measure_cp_single_rank(o, variant, p, bp, stream, m);
   } catch (const Error& err) {
@@ -524,6 +569,16 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
                     fmt("%.2f", 100 * before).c_str());
       out << line;
     }
+    if (std::isfinite(m.prepass_beside_ms)) {
+      const double beside = (m.summary_ms + m.prepass_beside_ms + m.merge_fwd_ms + m.merge_bwd_ms) /
+                            (m.fwd_ms + m.bwd_ms);
+      std::snprintf(line, sizeof line,
+                    "#   pre-pass beside the backward's prepare stage, as CpMixer runs it (a "
+                    "second stream): adds %.3f ms to the prepare's %.3f -> overhead %s%% with "
+                    "that figure (the exchange after it, at P > 1, not included)\n",
+                    m.prepass_beside_ms, m.beside_prepare_ms, fmt("%.2f", 100 * beside).c_str());
+      out << line;
+    }
     if (std::isfinite(m.summary_other_ms)) {
       const double other = (m.summary_other_ms + m.prepass_ms + m.merge_fwd_ms + m.merge_bwd_ms) /
                            (m.fwd_ms + m.bwd_ms);
@@ -603,6 +658,7 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
         << ", \"summary_ms\": " << num(m.summary_ms) << ", \"scan_output_ms\": " << num(m.finish_ms)
         << ", \"prepass_ms\": " << num(m.prepass_ms)
         << ", \"prepass_alone_ms\": " << num(m.prepass_alone_ms)
+        << ", \"prepass_beside_ms\": " << num(m.prepass_beside_ms)
         << ", \"cp1_step_ms\": " << num(m.cp1_step_ms)
         << ", \"plain_step_ms\": " << num(m.plain_step_ms)
         << ", \"cp1_unchecked_ms\": " << num(m.cp1_unchecked_ms)
