@@ -18,8 +18,9 @@
 // so the warpgroups share only the stages. The arithmetic is the other
 // scans': S stays fp32 in the accumulators, the products read S rounded to T,
 // V' is rounded to T once.
-// Measured (H200, 128K, H = 16): ~1.3 us a step for E (~1.75 us for the maps
-// with H, the pair's pace), against the column blocks' ~1.0 (16 columns, one wave), because a
+// Measured (H200, 128K, H = 16, the warpgroups in ping-pong): ~1.65 us a step
+// for a pair of E and the maps with H (E waits for the maps at the cluster
+// barrier), against the column blocks' ~1.0 (16 columns, one wave), because a
 // step's two products and their waits run in series; but on 4-8 times fewer
 // multiprocessors, so it wins once there are CTAs enough to fill the GPU:
 // many heads, or the two-level summary's runs (E at H = 16, 128K: 2.0 ms as
@@ -114,15 +115,16 @@ __device__ __forceinline__ void accumulator_fragments(const float* acc, uint32_t
 // (chunk_state_scan_wgmma_pair_kernel), and neither runs more than a step
 // ahead of the other.
 //
-// Transposed, so that the two warpgroups never wait for each other: warpgroup
+// Transposed, so that the two warpgroups need nothing from each other: warpgroup
 // wg holds S^T's rows dv in [64 wg, 64 wg + 64) (S's columns) as an m64n128
 // fp32 accumulator, and everything in a step is separable by those columns:
 //   V'^T = U^T - S^T W^T          (A = S^T rounded to T, from registers)
 //   S^T  = S^T diag(d) + V'^T K_  (A = V'^T rounded to T, from registers)
 //   maps_out: o^T = S^T Q^T + V'^T A^T
 // With both A operands in registers no S copy or V' goes through shared
-// memory and no barrier joins the warpgroups inside a step; only the stages
-// are shared (full: TMA landed; empty: both warpgroups done with them).
+// memory and no data passes between the warpgroups; only the stages are
+// shared (full: TMA landed; empty: both warpgroups done with them), and turn
+// barriers interleave their products on the tensor pipe (ping-pong, below).
 // Why: the untransposed scan's step (S copy and V' written by each warpgroup
 // and read by both, two CTA barriers) was bound by shared memory traffic and
 // those joins, not by its products (PERF_NOTES, twenty-seventh session).
