@@ -629,6 +629,9 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
                                      ? std::max(m.summary_e_ms, m.summary_first_ms)
                                      : m.summary_e_ms;
     if (std::isfinite(m.prepass_ms)) times.summary_bwd_ms = m.prepass_ms;
+    // The reverse exchange hides behind the backward's prepare stage (delta
+    // rules, CpLocalTimes): the one measured now.
+    if (std::isfinite(m.beside_prepare_ms)) times.bwd_prepare_ms = m.beside_prepare_ms;
     times.merge_ms = 0.5 * (m.merge_fwd_ms + m.merge_bwd_ms);
     CpModelConfig config;
     config.link = link_preset(o.link, o.gpus_per_node);
@@ -640,6 +643,10 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
                  : "bwd: ASSUMED from the README's bwd/fwd ratio, summary bwd MODELLED (the GPU "
                    "backward did not run)",
         std::string("link preset: ") + to_string(o.link)};
+    if (std::isfinite(m.beside_prepare_ms))
+      notes.push_back("bwd prepare (the reverse exchange hides behind it): measured now");
+    else if (times.bwd_prepare_ms > 0)
+      notes.push_back("bwd prepare: NOT measured here: the README H200 share of bwd");
     const CpModelResult result = predict_cp_scaling(layer, times, config);
     out << format_cp_model_table(layer, times, config, result, notes);
   }

@@ -20,7 +20,7 @@
 //                   [--ib-latency-us X] [--compose-TFLOPs X] [--overlap F]
 //                   [--fwd-ms X] [--bwd-ms X] [--summary-fwd-ms X]
 //                   [--summary-fwd-first-ms X] [--summary-bwd-ms X] [--merge-ms X]
-//                   [--cp-measure] [--json F]
+//                   [--bwd-prepare-ms X] [--cp-measure] [--json F]
 // It never touches CUDA (it runs on machines without a GPU); the local forward
 // and backward times are --fwd-ms / --bwd-ms, else the H200 figures measured
 // in README.md for the variant (scaled linearly in B*T*H; D=128, chunk 64,
@@ -130,7 +130,7 @@ struct Options {
   double link_bw_GBps = -1, link_latency_us = -1, ib_bw_GBps = -1, ib_latency_us = -1;
   double compose_tflops = -1, overlap = 0;
   double fwd_ms = -1, bwd_ms = -1, summary_fwd_ms = -1, summary_fwd_first_ms = -1,
-         summary_bwd_ms = -1, merge_ms = -1;
+         summary_bwd_ms = -1, merge_ms = -1, bwd_prepare_ms = -1;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -227,6 +227,8 @@ Options parse(int argc, char** argv) {
       o.summary_bwd_ms = parse_positive_number(value(), "--summary-bwd-ms");
     } else if (arg == "--merge-ms") {
       o.merge_ms = parse_positive_number(value(), "--merge-ms");
+    } else if (arg == "--bwd-prepare-ms") {
+      o.bwd_prepare_ms = parse_positive_number(value(), "--bwd-prepare-ms");
     } else if (arg == "-h" || arg == "--help") {
       o.help = true;
     } else {
@@ -793,6 +795,18 @@ int run_cp_model(const Options& opt) {
   }
   if (opt.summary_bwd_ms > 0) times.summary_bwd_ms = opt.summary_bwd_ms;
   if (opt.merge_ms > 0) times.merge_ms = opt.merge_ms;
+  // The backward's prepare stage (delta rules; the reverse exchange hides
+  // behind it): given, else the reference's share of bwd where measured.
+  if (opt.bwd_prepare_ms > 0) {
+    times.bwd_prepare_ms = opt.bwd_prepare_ms;
+    notes.push_back("bwd prepare: given by --bwd-prepare-ms");
+  } else if (times.bwd_prepare_ms > 0) {
+    std::snprintf(line, sizeof line,
+                  "bwd prepare: NOT measured here: %.1f %% of bwd, its share in an H200 "
+                  "--cp-measure run of %s at T=131072 (%.3f ms)",
+                  100 * ref.bwd_prepare_share, to_string(layer.variant), times.bwd_prepare_ms);
+    notes.push_back(line);
+  }
   auto source = [](bool given) { return given ? "given" : "MODELLED"; };
   char first_source[64];
   std::snprintf(first_source, sizeof first_source, "%s",
@@ -860,7 +874,7 @@ int run(int argc, char** argv) {
         "                       [--ib-latency-us X] [--compose-TFLOPs X] [--overlap F]\n"
         "                       [--fwd-ms X] [--bwd-ms X] [--summary-fwd-ms X]\n"
         "                       [--summary-fwd-first-ms X] [--summary-bwd-ms X] [--merge-ms X]\n"
-        "                       [--cp-measure] [--json F]\n");
+        "                       [--bwd-prepare-ms X] [--cp-measure] [--json F]\n");
     return 0;
   }
   // --cp-measure times every CP piece on this GPU (launch/bench_cp_cuda.h)

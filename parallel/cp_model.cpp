@@ -39,6 +39,15 @@ void check_link(const LinkModel& m) {
   }
 }
 
+// What the reverse exchange can hide behind (CpLocalTimes::bwd_prepare_ms):
+// the backward's prepare stage less the pre-pass queued beside it (counted
+// whole: beside the prepare it shares HBM and hides little, PERF_NOTES,
+// twenty-eighth session). Zero for additive rules and where not known.
+double prepare_slack_ms(const CpLayer& layer, const CpLocalTimes& t) {
+  if (diagonal_maps(layer) || t.bwd_prepare_ms <= 0) return 0;
+  return std::max(0.0, t.bwd_prepare_ms - t.summary_bwd_ms);
+}
+
 // The forward summary P = 2 waits for (CpLocalTimes); when not known (< 0),
 // the full one; never more than the full one.
 double first_rank_summary_ms(const CpLocalTimes& t) {
@@ -117,12 +126,16 @@ CpReferenceTimes cp_h200_reference_128k(Variant v) {
       return {4.520, 11.701};
     case Variant::gla:
       return {5.948, 18.809};
+    // The backward's prepare stage as a share of the local backward:
+    // --cp-measure on one H200, same shape, 2026-12-04 (twenty-eighth
+    // session; medians of 20): KDA 4.272 of 19.868 ms, Gated DeltaNet 2.636
+    // of 13.300 and 2.646 of 13.296 (DeltaNet not measured).
     case Variant::deltanet:
       return {5.622, 16.392};
     case Variant::gated_deltanet:
-      return {5.794, 18.407};
+      return {5.794, 18.407, 0.1986};
     case Variant::kda:
-      return {7.402, 27.170};
+      return {7.402, 27.170, 0.2150};
   }
   SS_FAIL("variant", "no H200 reference times");
 }
@@ -140,6 +153,8 @@ CpLocalTimes estimate_local_times(const CpLayer& layer, double fwd_ms, double bw
   t.fwd_ms = fwd_ms;
   const CpReferenceTimes ref = cp_h200_reference_128k(layer.variant);
   t.bwd_ms = bwd_ms < 0 ? fwd_ms * ref.bwd_ms() / ref.fwd_ms : bwd_ms;
+  if (!diagonal_maps(layer) && ref.bwd_prepare_share > 0)
+    t.bwd_prepare_ms = ref.bwd_prepare_share * t.bwd_ms;
   // Counted FLOPs at the rate calibrated on the measured summary (a sequential
   // scan over chunks); the reads of k, v, gates, beta are the floor when the
   // FLOPs are few (additive rules).
@@ -174,6 +189,9 @@ CpModelResult predict_cp_scaling(const CpLayer& layer, const CpLocalTimes& times
   SS_CHECK_ARG(times.summary_fwd_ms >= 0 && times.summary_bwd_ms >= 0, "summary-ms",
                "must be >= 0");
   SS_CHECK_ARG(times.merge_ms >= 0, "merge-ms", "must be >= 0");
+  SS_CHECK_ARG(times.bwd_prepare_ms <= times.bwd_ms, "bwd-prepare-ms",
+               "must not exceed the backward it is part of: ", times.bwd_prepare_ms, " > ",
+               times.bwd_ms);
   SS_CHECK_ARG(config.overlap >= 0 && config.overlap <= 1, "overlap", "must be in [0, 1], got ",
                config.overlap);
   SS_CHECK_ARG(config.max_ranks >= 2, "P", "must be >= 2, got ", config.max_ranks);
@@ -185,12 +203,13 @@ CpModelResult predict_cp_scaling(const CpLayer& layer, const CpLocalTimes& times
   // P = 2 waits for the first rank's E alone, P >= 3 for a middle rank's E
   // and M (see the header); E is a part of the middle rank's work.
   const double first_ms = first_rank_summary_ms(times);
+  const double bwd_slack = prepare_slack_ms(layer, times);
   auto step = [&](int P, double exchange_ms, double overlap) {
     const double summary_fwd_ms = P == 2 ? first_ms : times.summary_fwd_ms;
     // Backward's reverse scan has the same sizes as forward's scan.
     return out.single_ms + summary_fwd_ms + times.summary_bwd_ms + 2 * times.merge_ms +
            std::max(0.0, exchange_ms - overlap * times.fwd_ms) +
-           std::max(0.0, exchange_ms - overlap * times.bwd_ms);
+           std::max(0.0, exchange_ms - std::max(overlap * times.bwd_ms, bwd_slack));
   };
   for (int P = 2; P <= config.max_ranks; P *= 2) {
     const Exchange pick =
@@ -296,7 +315,16 @@ std::string format_cp_model_table(const CpLayer& layer, const CpLocalTimes& time
   s += "#  link: " + link_text(config.link) +
        fmt("; compose %.0f TFLOP/s\n", config.link.compose_flops_per_s / 1e12);
   s += "#  t(1) = fwd + bwd; t(P) = t(1) + summary fwd(P) + summary bwd + 2 merge\n";
-  s += "#         + max(0, exch - overlap*fwd) + max(0, exch - overlap*bwd)\n";
+  s += "#         + max(0, exch - overlap*fwd) + max(0, exch - max(overlap*bwd, slack))\n";
+  const double slack = prepare_slack_ms(layer, times);
+  if (slack > 0)
+    s +=
+        fmt("#  slack %.3f ms = the backward's prepare stage (%.3f ms) less the pre-pass, which\n"
+            "#  CpMixer runs beside it with the reverse exchange after it (delta rules)\n",
+            slack, times.bwd_prepare_ms);
+  else
+    s +=
+        "#  slack 0: no prepare stage beside the reverse exchange (additive rules, or not known)\n";
   s += "#  summary fwd(2) = the first rank's E or the last rank's maps (delta rules), the slower;\n";
   s += "#  summary fwd(P >= 3) = a middle rank's E beside its maps; summary bwd = delta rules:\n";
   s += "#  one H^T dO GEMM from the forward's maps, additive rules: the reverse-scan pre-pass\n";

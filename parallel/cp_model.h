@@ -6,7 +6,8 @@
 // forward + backward:
 //   t(1) = fwd + bwd
 //   t(P) = fwd + bwd + summary_fwd(P) + summary_bwd + 2 * merge
-//          + max(0, exchange_fwd - overlap * fwd) + max(0, exchange_bwd - overlap * bwd)
+//          + max(0, exchange_fwd - overlap * fwd)
+//          + max(0, exchange_bwd - max(overlap * bwd, slack))
 //   summary_fwd(2) = summary_fwd_first (the first rank's E only),
 //   summary_fwd(P >= 3) = summary_fwd (a middle rank's E and M).
 // Why P = 2 differs: the first rank has no incoming state, so it sends E alone
@@ -18,7 +19,9 @@
 // is always on the critical path. State-independent local work (A, W, U of the
 // chunkwise pass) may run while the exchange is in flight; `overlap` is the
 // fraction of the local pass assumed to hide it (default 0, conservative). The
-// "hidden" columns give the optimistic bound overlap = 1.
+// "hidden" columns give the optimistic bound overlap = 1. slack (delta rules):
+// the backward's prepare stage less the pre-pass, which CpMixer queues beside
+// the pre-pass and the reverse exchange by construction (CpLocalTimes).
 #pragma once
 
 #include <cstdint>
@@ -144,8 +147,12 @@ struct CpGpuModel {
 // (B=1, T=131072, H=16, D=128, bf16, chunk 64; README.md's Performance
 // table, cp_model.cpp names the session): the local forward, and forward +
 // backward.
+// bwd_prepare_share: the backward's prepare stage (its state-independent
+// tiles) as a share of the local backward, both from one --cp-measure run
+// (delta rules; 0 where not measured).
 struct CpReferenceTimes {
   double fwd_ms = 0, fwd_bwd_ms = 0;
+  double bwd_prepare_share = 0;
   double bwd_ms() const { return fwd_bwd_ms - fwd_ms; }
 };
 CpReferenceTimes cp_h200_reference_128k(Variant variant);
@@ -157,17 +164,26 @@ CpReferenceTimes cp_h200_reference_128k(Variant variant);
 // the same time on the two ranks); < 0 means not known, and P = 2 then pays
 // summary_fwd_ms (never a silent zero). A P = 2 time above the middle rank's
 // is capped at it (both are parts of the middle rank's work).
+// bwd_prepare_ms (delta rules): the backward's prepare stage, part of bwd_ms.
+// CpMixer queues it on the compute stream while the pre-pass GEMMs and then
+// the reverse exchange run on the exchange stream (parallel/cp_mixer_cuda.cpp,
+// backward steps 1 and 2), and the local backward waits for both: the
+// reverse exchange hides behind what is left of it after the pre-pass. < 0:
+// not known, nothing hidden there. Additive rules run their pre-pass scan on
+// the prepared tiles, so it is never beside anything.
 struct CpLocalTimes {
   double fwd_ms = 0, bwd_ms = 0;
   double summary_fwd_ms = 0, summary_fwd_first_ms = -1, summary_bwd_ms = 0;
   double merge_ms = 0;
+  double bwd_prepare_ms = -1;
 };
 
 // Fills the summary and merge times from the counted work (the larger of the
 // FLOP time at the calibrated rate and the HBM time, plus one launch; merge:
 // read and write one state in HBM, plus one launch), and, when bwd_ms < 0,
 // bwd = fwd x the variant's measured bwd/fwd ratio of cp_h200_reference_128k
-// (an assumption for other shapes, which the output must label).
+// (an assumption for other shapes, which the output must label); the
+// backward's prepare stage as the reference's share of bwd, where measured.
 CpLocalTimes estimate_local_times(const CpLayer& layer, double fwd_ms, double bwd_ms,
                                   const CpGpuModel& gpu = {});
 

@@ -141,9 +141,11 @@ INSTANTIATE_TEST_SUITE_P(Links, CpModelGrowth,
 //                reads take 0.224 ms at 4.8 TB/s)
 //   merge:       2 x 1 MiB at 4.8 TB/s + 5 us = 0.0054369 ms, twice
 //   exchange:    auto = allgather: 8 us + 2 MiB / 360 GB/s + 6.7e7 FLOP / 300 TFLOP/s
-//                = 14.049 us per direction
+//                = 14.049 us per direction; the reverse one hides behind the
+//                backward's prepare stage (0.2150 x 19.768 = 4.250 ms, the
+//                reference's share, less the 0.289 ms pre-pass: 3.961 ms)
 //   P = 2 overhead
-//     = (0.688 + 0.289 + 0.010874 + 0.028098) / 27.170 = 3.739 %
+//     = (0.688 + 0.289 + 0.010874 + 0.014049) / 27.170 = 3.688 %
 TEST(CpModel, KdaOverheadMatchesHandCalculation) {
   const CpLayer l = layer_of(Variant::kda);
   const CpReferenceTimes ref = cp_h200_reference_128k(Variant::kda);
@@ -153,6 +155,7 @@ TEST(CpModel, KdaOverheadMatchesHandCalculation) {
   EXPECT_NEAR(t.summary_fwd_first_ms, 0.688, 1e-9);
   EXPECT_NEAR(t.summary_bwd_ms, 0.289, 1e-9);
   EXPECT_NEAR(t.merge_ms, 0.0054369, 1e-7);
+  EXPECT_NEAR(t.bwd_prepare_ms, 0.2150 * 19.768, 1e-9);
   CpModelConfig config;  // NVLink preset, overlap 0
   const CpModelResult r = predict_cp_scaling(l, t, config);
   EXPECT_NEAR(r.single_ms, 27.170, 1e-9);
@@ -161,8 +164,8 @@ TEST(CpModel, KdaOverheadMatchesHandCalculation) {
   ASSERT_EQ(p2.exchange, Exchange::allgather);
   EXPECT_TRUE(p2.auto_pick);
   EXPECT_NEAR(p2.exchange_fwd_ms, 0.014049, 1e-6);
-  EXPECT_NEAR(p2.overhead, 0.03739, 5e-5);
-  EXPECT_NEAR(p2.efficiency, 1 / 1.03739, 5e-5);
+  EXPECT_NEAR(p2.overhead, 0.03688, 5e-5);
+  EXPECT_NEAR(p2.efficiency, 1 / 1.03688, 5e-5);
   // With the exchange hidden, only the summaries and the merges remain.
   EXPECT_NEAR(p2.step_hidden_ms, 27.170 + 0.688 + 0.289 + 2 * 0.0054369, 1e-6);
 }
@@ -295,11 +298,57 @@ TEST(CpModel, PredictsMeasuredStrongScalingStep) {
   that_day.summary_first_flops_per_s = 412316860416.0 / 11.49e-3;
   that_day.summary_maps_flops_per_s = std::numeric_limits<double>::infinity();
   that_day.summary_bwd_flops_per_s = cp_summary_flops(l128, true) / 23.53e-3;
-  const CpLocalTimes t = estimate_local_times(l, 141.8 / 2, 1337.0 / 2, that_day);
+  CpLocalTimes t = estimate_local_times(l, 141.8 / 2, 1337.0 / 2, that_day);
+  // That day's CpMixer ran the pre-pass scan on the compute stream after the
+  // prepare stage: nothing was beside the reverse exchange.
+  t.bwd_prepare_ms = -1;
   const CpModelResult r = predict_cp_scaling(l, t, CpModelConfig{});
   ASSERT_EQ(r.rows[0].ranks, 2);
   ASSERT_TRUE(r.rows[0].auto_pick);
   EXPECT_NEAR(r.rows[0].step_ms / 865.2, 1.0, 0.03) << r.rows[0].step_ms;
+}
+
+// Delta rules: the reverse exchange hides behind the backward's prepare stage
+// less the pre-pass (CpMixer queues them side by side); what is left of it is
+// paid. Unknown prepare, or an additive rule: all of it is paid.
+TEST(CpModel, ReverseExchangeHidesBehindTheBackwardPrepare) {
+  const CpLayer l = layer_of(Variant::gated_deltanet);
+  CpLocalTimes t = estimate_local_times(l, 5.794, -1);
+  EXPECT_NEAR(t.bwd_prepare_ms, 0.1986 * 12.613, 1e-9);  // the reference's share of bwd
+  CpModelConfig config;
+  config.link = link_preset(LinkPreset::ib);  // slow enough to leave some exposed
+  auto paid_bwd = [&](const CpLocalTimes& times, const CpModelRow& row) {
+    const double first = times.summary_fwd_first_ms < 0
+                             ? times.summary_fwd_ms
+                             : std::min(times.summary_fwd_first_ms, times.summary_fwd_ms);
+    const double summary_fwd = row.ranks == 2 ? first : times.summary_fwd_ms;
+    return row.step_ms - (times.fwd_ms + times.bwd_ms + summary_fwd + times.summary_bwd_ms +
+                          2 * times.merge_ms + row.exchange_fwd_ms);
+  };
+  // A prepare stage just 0.1 ms longer than the pre-pass hides 0.1 ms of it.
+  t.bwd_prepare_ms = t.summary_bwd_ms + 0.1;
+  int partly = 0;
+  for (const CpModelRow& row : predict_cp_scaling(l, t, config).rows) {
+    EXPECT_NEAR(paid_bwd(t, row), std::max(0.0, row.exchange_bwd_ms - 0.1), 1e-9)
+        << row.ranks << " " << to_string(row.exchange);
+    partly += row.exchange_bwd_ms > 0.1;
+  }
+  EXPECT_GT(partly, 0);
+  // Not known: all of it.
+  t.bwd_prepare_ms = -1;
+  for (const CpModelRow& row : predict_cp_scaling(l, t, config).rows)
+    EXPECT_NEAR(paid_bwd(t, row), row.exchange_bwd_ms, 1e-9);
+  // Additive rules have no reference prepare, and one given does not count.
+  const CpLayer gla = layer_of(Variant::gla);
+  CpLocalTimes a = estimate_local_times(gla, 5.948, -1);
+  EXPECT_LT(a.bwd_prepare_ms, 0);
+  a.bwd_prepare_ms = 0.5 * a.bwd_ms;
+  for (const CpModelRow& row : predict_cp_scaling(gla, a, config).rows)
+    EXPECT_NEAR(paid_bwd(a, row), row.exchange_bwd_ms, 1e-9);
+  // A prepare stage longer than the backward it is part of is refused.
+  CpLocalTimes bad = estimate_local_times(l, 5.794, -1);
+  bad.bwd_prepare_ms = bad.bwd_ms + 1;
+  expect_error_naming("bwd-prepare-ms", [&] { predict_cp_scaling(l, bad, config); });
 }
 
 // Overlap hides the exchange behind the local pass, never the summary.
