@@ -646,7 +646,9 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
     if (std::isfinite(m.beside_prepare_ms))
       notes.push_back("bwd prepare (the reverse exchange hides behind it): measured now");
     else if (times.bwd_prepare_ms > 0)
-      notes.push_back("bwd prepare: NOT measured here: the README H200 share of bwd");
+      notes.push_back(
+          "bwd prepare: NOT measured here: its share of bwd in an H200 --cp-measure run "
+          "(parallel/cp_model.cpp)");
     const CpModelResult result = predict_cp_scaling(layer, times, config);
     out << format_cp_model_table(layer, times, config, result, notes);
   }
