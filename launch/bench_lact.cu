@@ -493,8 +493,9 @@ int run_lact_bench(int argc, char** argv, std::ostream& out) {
   out << line;
   out << "# FLOP model: token GEMMs 18 M D per token-head forward, 64 M D forward+backward; NS = "
          "Muon Newton-Schulz GEMM FLOPs (not in TFLOP/s)"
-      << (o.muon_steps > 0 ? std::string("; NS GEMMs ") + cuda::lact_cuda_ns_gemms(o.dtype)
-                           : std::string())
+      << (o.muon_steps > 0
+              ? std::string("; NS GEMMs ") + cuda::lact_cuda_ns_gemms(o.dtype, o.dim, o.hidden)
+              : std::string())
       << (o.dtype == DType::bf16 && o.muon_steps > 0
               ? "; bf16 + Muon also runs 6 M D per token-head of hi+lo update GEMMs (not counted)"
               : "")

@@ -27,7 +27,7 @@
 #                    32K and 128K into bench_linear_scan.log
 #   OPT_IN=0         skip the opt-in paths not yet made the default and the
 #                    forced ones: their ctest entries (`_ds_f32`: STATESCAN_BWD_DS=f32; `_t_solve`: STATESCAN_BWD_T=solve;
-#                    `test_cuda_lact_ns_*`: STATESCAN_LACT_NS=fp32 / fused;
+#                    `test_cuda_lact_ns_*`: STATESCAN_LACT_NS=fp32 / fused / cluster;
 #                    `test_cuda_lact_split_k`: STATESCAN_LACT_SPLIT_K=4;
 #                    `_output_kernel` / `_output_scan`: where delta rules form o;
 #                    `_cluster_1` / `_2` / `_8`: STATESCAN_SCAN_CLUSTER)
@@ -121,6 +121,7 @@ if [[ "${OPT_IN:-1}" != 0 ]]; then
     "$BUILD/launch/statescan-bench" --backward --no-save-t -v deltanet,gated_deltanet -t 32768,131072
     "$BUILD/launch/statescan-bench" --lact
     STATESCAN_LACT_NS=fused "$BUILD/launch/statescan-bench" --lact
+    STATESCAN_LACT_NS=cluster "$BUILD/launch/statescan-bench" --lact
     STATESCAN_LACT_SPLIT_K=0 "$BUILD/launch/statescan-bench" --lact
     STATESCAN_FWD_OUTPUT=kernel "$BUILD/launch/statescan-bench" -v deltanet,kda -t 32768,131072
   } >"$OUT/bench_opt_in.log" 2>&1 || status=1

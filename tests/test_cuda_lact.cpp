@@ -10,12 +10,14 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "core/error.h"
 #include "kernels/cuda/cuda_mixer.h"
+#include "kernels/cuda/lact_ns_cluster.cuh"
 #include "tests/lact_cuda_test_util.h"
 
 namespace statescan::test {
@@ -178,6 +180,94 @@ TEST_P(LactCudaBf16, LayerOnDeviceTensorsMatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Subset, LactCudaBf16, ::testing::ValuesIn(bf16_cases()), case_name);
+
+// ---- Newton-Schulz alone ---------------------------------------------------------
+
+// Muon's Newton-Schulz of a bf16 layer (lact_detail::newton_schulz_bf16_layer,
+// in the mode STATESCAN_LACT_NS picks: the split path by default; ctest's
+// test_cuda_lact_ns_cluster runs it with the cluster kernel for the forward's
+// steps where the shape allows; the backward from the forward's iterates)
+// against the fp64 reference, matrix by matrix, outputs poisoned with NaN.
+// Shapes: the Gram side m = min(M, D) in {32, 64, 128, 256} with n = 2 m
+// (the cluster kernel: 1, 2, 4 and 8 CTAs; M < D transposes W0 and W2
+// instead of W1), and m = 48 (the split path). Tolerances: the host model of
+// the two-part products (tests/test_lact_ns_model.cpp) puts NS(P) at 4.6e-5
+// and its gradient at 8.4e-5 of the fp64 values for P's of this conditioning
+// (Gaussian, n = 2 m: singular values within a factor ~6); 4x that margin.
+struct NsShape {
+  int64_t pairs, M, D;
+};
+
+class LactCudaNewtonSchulz : public ::testing::TestWithParam<NsShape> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+constexpr double kNsTol = 2e-4, kNsGradTol = 4e-4;
+constexpr int kNsSteps = 5;
+
+TEST_P(LactCudaNewtonSchulz, MatchesReference) {
+  const NsShape s = GetParam();
+  const int64_t md = s.M * s.D, block = 3 * md, n = s.pairs * block;
+  std::mt19937_64 rng(1234 + s.M + 7 * s.D);
+  const std::vector<double> P = randn(static_cast<std::size_t>(n), rng, 0.02);
+  const std::vector<double> d_out = randn(static_cast<std::size_t>(n), rng);
+  DeviceTensor dP_in(P, DType::f32), d_d_out(d_out, DType::f32);
+  DeviceTensor out(static_cast<std::size_t>(n), DType::f32),
+      dP(static_cast<std::size_t>(n), DType::f32);
+  cuda::lact_detail::newton_schulz_bf16_layer(static_cast<const float*>(dP_in.data()), s.pairs, s.M,
+                                              s.D, kNsSteps, static_cast<float*>(out.data()),
+                                              static_cast<const float*>(d_d_out.data()),
+                                              static_cast<float*>(dP.data()), nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<double> got = out.read(), got_dP = dP.read();
+  // Blocks [W0 | W2 | W1]: M x D, M x D, D x M.
+  for (int64_t pair = 0; pair < s.pairs; ++pair)
+    for (int slot = 0; slot < 3; ++slot) {
+      const int64_t off = pair * block + slot * md;
+      const int64_t rows = slot < 2 ? s.M : s.D, cols = slot < 2 ? s.D : s.M;
+      std::vector<double> ref(static_cast<std::size_t>(md)), ref_dP(ref.size());
+      lact_newton_schulz(P.data() + off, rows, cols, kNsSteps, ref.data());
+      lact_newton_schulz_backward(P.data() + off, rows, cols, kNsSteps, d_out.data() + off,
+                                  ref_dP.data());
+      const std::vector<double> mine(got.begin() + off, got.begin() + off + md);
+      const std::vector<double> mine_dP(got_dP.begin() + off, got_dP.begin() + off + md);
+      EXPECT_LE(rel_rms(mine, ref), kNsTol) << "NS, pair " << pair << " slot " << slot;
+      EXPECT_LE(rel_rms(mine_dP, ref_dP), kNsGradTol) << "dP, pair " << pair << " slot " << slot;
+    }
+}
+
+// Which path ran is what lact_cuda_ns_gemms reports; on a Hopper device every
+// shape above but m = 48 must fit the cluster kernel (a build without sm_90
+// code, or a kernel that stopped fitting, fails here rather than letting
+// STATESCAN_LACT_NS=cluster silently run the split path).
+TEST_P(LactCudaNewtonSchulz, ReportsThePath) {
+  const NsShape s = GetParam();
+  const int64_t m = std::min(s.M, s.D), n = std::max(s.M, s.D);
+  const std::string path = cuda::lact_cuda_ns_gemms(DType::bf16, s.D, s.M);
+  EXPECT_EQ(path == "bf16x3-cluster",
+            cuda::lact_detail::ns_cluster_supported(m, n) &&
+                cuda::lact_detail::ns_gemms_requested() == cuda::lact_detail::NsGemms::cluster);
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  const bool cluster_shape =
+      m % 32 == 0 && m <= 256 && (m & (m - 1)) == 0 && n % m == 0 && n <= 512;
+  if (major >= 9) EXPECT_EQ(cuda::lact_detail::ns_cluster_supported(m, n), cluster_shape);
+}
+
+std::string ns_shape_name(const ::testing::TestParamInfo<NsShape>& info) {
+  return "pairs" + std::to_string(info.param.pairs) + "_M" + std::to_string(info.param.M) + "_D" +
+         std::to_string(info.param.D);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LactCudaNewtonSchulz,
+                         ::testing::Values(NsShape{3, 64, 32}, NsShape{2, 128, 64},
+                                           NsShape{2, 256, 128}, NsShape{4, 512, 256},
+                                           NsShape{1, 256, 512}, NsShape{2, 96, 48}),
+                         ns_shape_name);
 
 // ---- bad input --------------------------------------------------------------------
 

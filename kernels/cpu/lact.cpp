@@ -511,6 +511,15 @@ void check_learning_rates(const T* x, int64_t n, const char* name) {
 
 }  // namespace
 
+void lact_newton_schulz(const double* P, int64_t rows, int64_t cols, int steps, double* out) {
+  newton_schulz(P, rows, cols, steps, out, nullptr);
+}
+
+void lact_newton_schulz_backward(const double* P, int64_t rows, int64_t cols, int steps,
+                                 const double* d_out, double* dP) {
+  newton_schulz_backward(P, rows, cols, steps, d_out, dP);
+}
+
 const char* to_string(LactSchedule s) {
   return s == LactSchedule::apply_then_update ? "apply_then_update" : "update_then_apply";
 }

@@ -76,6 +76,14 @@ struct LactConfig {
 // Throws naming "chunk", "momentum" or "muon_steps" when out of range.
 void check_lact_config(const LactConfig& config);
 
+// Muon's orthogonalisation NS_steps(P) of one rows x cols matrix in fp64, as
+// the layer runs it (Frobenius normalisation, then the steps on the side
+// whose Gram matrix is smaller), and its vector-Jacobian product
+// dP = (dNS/dP)^T d_out. The GPU tests' oracle for the Newton-Schulz kernels.
+void lact_newton_schulz(const double* P, int64_t rows, int64_t cols, int steps, double* out);
+void lact_newton_schulz_backward(const double* P, int64_t rows, int64_t cols, int steps,
+                                 const double* d_out, double* dP);
+
 // Sizes, sharding and pointers of one call. Every array is contiguous.
 template <typename T>
 struct LactParams {

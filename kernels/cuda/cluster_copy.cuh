@@ -117,6 +117,37 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t 
                : "memory");
 }
 
+// Arrives once on the barrier at the same offset in CTA `cta`, ordering only
+// this CTA's earlier shared-memory accesses (release at CTA scope, as
+// CUTLASS's pipelines release a stage): a consumer handing a stage back.
+// The cluster-scope release above is a memory barrier on every call; a
+// per-stage release of it dominated LaCT's Newton-Schulz kernel (ncu: "stall
+// membar").
+__device__ __forceinline__ void mbarrier_arrive_cluster_cta(uint64_t* bar, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote)
+               : "r"(shared_address(bar)), "r"(cta));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// Waits for the phase of parity `parity` with CTA-scope acquire: for stages
+// filled by bulk copies (their bytes complete the phase) and stage hand-backs
+// arriving through mbarrier_arrive_cluster_cta.
+__device__ __forceinline__ void mbarrier_wait_cta(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = shared_address(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
 // Waits until the barrier's phase of parity `parity` has completed. Acquire
 // at cluster scope: the arrivals may come from other CTAs.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
@@ -142,6 +173,23 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
           "r"(shared_address(dst)),
       "l"(src), "r"(bytes), "r"(shared_address(bar))
       : "memory");
+}
+
+// The same bytes into the same offset of every CTA in `mask` (cluster ranks),
+// each completed on the barrier at `bar`'s offset in that CTA.
+__device__ __forceinline__ void bulk_copy_multicast(void* dst, const void* src, uint32_t bytes,
+                                                    uint64_t* bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1], %2, [%3], %4;" ::"r"(shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(bar)), "h"(mask)
+      : "memory");
+}
+
+// Orders this thread's generic-proxy global writes before later async-proxy
+// (bulk copy) reads of them: writers fence, then release to the readers.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 // A box of a 2D tensor map (tensor_map_2d) at column c0, row c1 into this

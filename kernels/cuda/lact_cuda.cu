@@ -10,6 +10,7 @@
 #include "core/env_knob.h"
 #include "core/error.h"
 #include "kernels/cuda/lact_cuda.h"
+#include "kernels/cuda/lact_ns_cluster.cuh"
 
 namespace statescan::cuda {
 namespace lact_detail {
@@ -22,8 +23,9 @@ void backward_impl(const LactCudaParams&, const LactCudaGrads&, const LactCudaSa
 
 NsGemms ns_gemms_requested() {
   static const NsGemms mode = [] {
-    const int choice = env_choice("STATESCAN_LACT_NS", {"bf16x3", "fp32", "fused"});
-    return choice == 1 ? NsGemms::fp32 : choice == 2 ? NsGemms::fused : NsGemms::bf16x3;
+    const int choice = env_choice("STATESCAN_LACT_NS", {"bf16x3", "fp32", "fused", "cluster"});
+    constexpr NsGemms kModes[] = {NsGemms::bf16x3, NsGemms::fp32, NsGemms::fused, NsGemms::cluster};
+    return choice < 0 ? NsGemms::bf16x3 : kModes[choice];  // -1: unset
   }();
   return mode;
 }
@@ -140,7 +142,7 @@ void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* n
   check_any(x, dtype, n, false, name, stream);
 }
 
-const char* lact_cuda_ns_gemms(DType dtype) {
+const char* lact_cuda_ns_gemms(DType dtype, int64_t dim, int64_t hidden) {
   if (dtype == DType::f32) return "fp64";
   switch (lact_detail::ns_gemms_requested()) {
     case lact_detail::NsGemms::fp32:
@@ -149,6 +151,11 @@ const char* lact_cuda_ns_gemms(DType dtype) {
       // The mode, not every call: shapes the fused kernel does not take (M,
       // N or K not a multiple of 16) still run split3 + cuBLAS.
       return "bf16x3-fused";
+    case lact_detail::NsGemms::cluster:
+      // Per shape: others run the forward's steps on the split path too.
+      return lact_detail::ns_cluster_supported(std::min(dim, hidden), std::max(dim, hidden))
+                 ? "bf16x3-cluster"
+                 : "bf16x3";
     case lact_detail::NsGemms::bf16x3:
       break;
   }

@@ -73,10 +73,14 @@ void lact_cuda_check_sizes(const LactCudaParams& p);
 // learning rates finite and > 0. Synchronises `stream`; throws naming the
 // first faulty tensor and element.
 void lact_cuda_check_data(const LactCudaParams& p, cudaStream_t stream);
-// How a layer of `dtype` runs Muon's Newton-Schulz products, for reports:
-// "fp64", "bf16x3" (two-part bf16 operands), "bf16x3-fused" (the same products in
-// one kernel, STATESCAN_LACT_NS=fused; opt-in) or "fp32" (STATESCAN_LACT_NS=fp32).
-const char* lact_cuda_ns_gemms(DType dtype);
+// How a layer of `dtype` with head dim `dim` and hidden width `hidden` runs
+// Muon's Newton-Schulz products, for reports: "fp64" (f32 layers), and for
+// bf16: "bf16x3" (two-part bf16 operands through split3 + cuBLAS),
+// "bf16x3-cluster" (STATESCAN_LACT_NS=cluster where the shape and device
+// allow: the forward's steps in one clustered launch, lact_ns_cluster.cuh;
+// opt-in), "bf16x3-fused" (the same products in one kernel,
+// STATESCAN_LACT_NS=fused; opt-in) or "fp32" (STATESCAN_LACT_NS=fp32).
+const char* lact_cuda_ns_gemms(DType dtype, int64_t dim, int64_t hidden);
 // d_o finite (synchronises `stream`).
 void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* name,
                             cudaStream_t stream);
@@ -95,12 +99,24 @@ namespace lact_detail {
 // STATESCAN_LACT_NS picks how bf16 layers run their Newton-Schulz products
 // (lact_cuda_impl.cuh, NewtonSchulz), read once per process: unset or
 // "bf16x3" two-part bf16 operands through split3_kernel + one cuBLAS GEMM;
-// "fp32" fp32 GEMMs; "fused" the same two-part products in
-// ns_gemm_fused_kernel (opt-in: passes the GPU suite but measured ~10 %
-// slower on an H200, 2026-12-02; shapes it does not take fall back to the
-// split path per call). Any other value is an error naming the variable.
-enum class NsGemms { bf16x3, fp32, fused };
+// "fp32" fp32 GEMMs; "fused" the two-part products in ns_gemm_fused_kernel
+// (opt-in: passes the GPU suite but measured ~10 % slower on an H200,
+// 2026-12-02; shapes it does not take fall back to the split path per call);
+// "cluster" the forward's steps (also the backward's recomputation of them)
+// in ns_cluster_kernel where ns_cluster_supported (lact_ns_cluster.cuh)
+// holds for the layer's shape, everything else as bf16x3 (opt-in: passes the
+// GPU suite, on par with bf16x3 on an H200, 2026-12-04; README). Any other
+// value is an error naming the variable.
+enum class NsGemms { bf16x3, fp32, fused, cluster };
 NsGemms ns_gemms_requested();
+
+// Muon's Newton-Schulz as a bf16 layer runs it (NewtonSchulz<float>, in the
+// mode ns_gemms_requested() picks), for tests: out = NS_steps of every matrix
+// of P, [pairs, 3 M D] fp32 blocks [W0 | W2 | W1]; with d_out (same layout)
+// also dP = (dNS/dP)^T d_out, else dP is not touched. Device pointers,
+// ordered on `stream`.
+void newton_schulz_bf16_layer(const float* P, int64_t pairs, int64_t M, int64_t D, int steps,
+                              float* out, const float* d_out, float* dP, cudaStream_t stream);
 }  // namespace lact_detail
 
 }  // namespace statescan::cuda

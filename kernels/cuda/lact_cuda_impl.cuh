@@ -36,6 +36,7 @@
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/lact_cuda.h"
+#include "kernels/cuda/lact_ns_cluster.cuh"
 #include "kernels/cuda/warp_mma.cuh"
 
 namespace statescan::cuda {
@@ -1285,6 +1286,12 @@ class NewtonSchulz {
       split_a_ = PoolArray<bf16>(3 * mats_ * m_ * n_, stream);
       split_b_ = PoolArray<bf16>(3 * mats_ * m_ * n_, stream);
     }
+    if (cluster_) {
+      const int m = static_cast<int>(m_), n = static_cast<int>(n_);
+      cluster_gx_ = PoolArray<bf16>(NsClusterTile::gram_images(mats_, m, n), stream);
+      cluster_ax_ = PoolArray<bf16>(NsClusterTile::apply_images(mats_, m, n), stream);
+      cluster_ag_ = PoolArray<bf16>(NsClusterTile::poly_images(mats_, m), stream);
+    }
     if (keep_iterates) {
       iterates_ = PoolArray<U>(steps_ * mats_ * m_ * n_, stream);
       dA_ = PoolArray<U>(mats_ * m_ * m_, stream);
@@ -1386,8 +1393,20 @@ class NewtonSchulz {
     ns_load_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
         P, scale_.get(), mats_, static_cast<int>(M_), static_cast<int>(D_), X_.get());
     SS_LAUNCH_CHECK("ns_load_kernel");
+    if constexpr (std::is_same<U, float>::value) {
+      if (cluster_) {
+        // Every step in one launch (lact_ns_cluster.cuh); X_ in place.
+        NsClusterParams c;
+        c.X = X_.get(), c.iterates = iterates_.get();
+        c.gx = cluster_gx_.get(), c.ax = cluster_ax_.get(), c.ag = cluster_ag_.get();
+        c.mats = mats_, c.m = static_cast<int>(m_), c.n = static_cast<int>(n_), c.steps = steps_;
+        c.a = static_cast<float>(kMuonA), c.b = static_cast<float>(kMuonB);
+        c.c = static_cast<float>(kMuonC);
+        ns_cluster_launch(c, stream_);
+      }
+    }
     cublasHandle_t h = blas_handle(stream_);
-    for (int s = 0; s < steps_; ++s) {
+    for (int s = 0; s < (cluster_ ? 0 : steps_); ++s) {
       if (iterates_.get())
         SS_CUDA_CHECK(cudaMemcpyAsync(iterates_.get() + s * mats_ * mn, X_.get(),
                                       mats_ * mn * sizeof(U), cudaMemcpyDeviceToDevice, stream_));
@@ -1628,6 +1647,12 @@ class NewtonSchulz {
   // STATESCAN_LACT_NS=fused: split-mode products through ns_gemm_fused_kernel
   // where fused_fits (opt-in: passes the GPU suite, slower on an H200; README).
   bool fused_ = split_ && ns_gemms_requested() == NsGemms::fused;
+  // STATESCAN_LACT_NS=cluster: the forward's steps in ns_cluster_kernel where
+  // the shape and device allow (opt-in; the backward's steps stay on the
+  // split path).
+  bool cluster_ =
+      split_ && ns_gemms_requested() == NsGemms::cluster && ns_cluster_supported(m_, n_);
+  PoolArray<bf16> cluster_gx_, cluster_ax_, cluster_ag_;  // its stage images (NsClusterParams)
   PoolArray<bf16> split_a_, split_b_;
   SplitKey split_a_key_, split_b_key_;
   SplitKScratch split_k_;  // the split-mode GEMMs' split-K partials and pointers

@@ -40,6 +40,22 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
   }
 }
 
+// ldmatrix_x4 from a shared-window address (shared_address()), for loops that
+// step one base address by constants instead of converting a generic pointer
+// per load.
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t addr) {
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+}
+
 // Two transposed 8 x 8 matrices: lanes 0-7 give the rows of the first,
 // lanes 8-15 of the second (the other lanes' addresses are not read).
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* row) {

@@ -1,0 +1,74 @@
+// Kernel launches with checked errors: a raised dynamic shared memory limit,
+// clusters (sm_90) and the occupancy of a cluster shape. Shared by the chunk
+// kernels (chunk_forward.cuh) and LaCT's Newton-Schulz (lact_ns_cluster.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "core/cuda_check.h"
+
+namespace statescan::cuda::detail {
+
+// Launches `kernel` on `stream` with `smem` bytes of dynamic shared memory
+// (raising the kernel's limit to that first: above 48 KB it must be asked
+// for) and checks the launch, naming `name` in the error.
+template <typename Kernel, typename... Args>
+void launch_kernel(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                   const char* name, const Args&... args) {
+  SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+  kernel<<<grid, threads, smem, stream>>>(args...);
+  SS_LAUNCH_CHECK(name);
+}
+
+// A launch configuration in clusters of `cluster` CTAs along x, with
+// `kernel`'s dynamic shared memory limit raised to `smem` (non-copyable: the
+// configuration points at its own attribute).
+struct ClusterLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  template <typename Kernel>
+  ClusterLaunch(Kernel kernel, dim3 grid, int threads, size_t smem, unsigned cluster,
+                cudaStream_t stream) {
+    SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(static_cast<unsigned>(threads));
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
+// launch_kernel in clusters of `cluster` CTAs along x.
+template <typename Kernel, typename... Args>
+void launch_kernel_cluster(Kernel kernel, dim3 grid, int threads, size_t smem, unsigned cluster,
+                           cudaStream_t stream, const char* name, const Args&... args) {
+  const ClusterLaunch launch(kernel, grid, threads, smem, cluster, stream);
+  SS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, args...));
+  SS_LAUNCH_CHECK(name);
+}
+
+// Clusters that fit on the device at once for `kernel` (0 when the shape
+// cannot be clustered at all), from the occupancy API.
+template <typename Kernel>
+int active_clusters(Kernel kernel, int threads, size_t smem, unsigned cluster) {
+  const ClusterLaunch launch(kernel, dim3(cluster), threads, smem, cluster, nullptr);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &launch.cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+}  // namespace statescan::cuda::detail
