@@ -131,37 +131,40 @@ __device__ __forceinline__ void mbarrier_arrive_cluster_cta(uint64_t* bar, uint3
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
-// Waits for the phase of parity `parity` with CTA-scope acquire: for stages
-// filled by bulk copies (their bytes complete the phase) and stage hand-backs
-// arriving through mbarrier_arrive_cluster_cta.
-__device__ __forceinline__ void mbarrier_wait_cta(uint64_t* bar, uint32_t parity) {
+// Waits until the barrier's phase of parity `parity` has completed, with an
+// acquire at cluster scope (kCluster: the arrivals may come from other CTAs
+// and order their memory accesses at that scope) or at CTA scope (stages
+// filled by bulk copies, whose bytes complete the phase, and stage hand-backs
+// through mbarrier_arrive_cluster_cta, as CUTLASS's pipelines wait).
+template <bool kCluster>
+__device__ __forceinline__ void mbarrier_wait_scoped(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = shared_address(bar);
   uint32_t done = 0;
   do {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
+    if constexpr (kCluster) {
+      asm volatile(
+          "{\n\t.reg .pred p;\n\t"
+          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+          "selp.u32 %0, 1, 0, p;\n\t}"
+          : "=r"(done)
+          : "r"(addr), "r"(parity)
+          : "memory");
+    } else {
+      asm volatile(
+          "{\n\t.reg .pred p;\n\t"
+          "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+          "selp.u32 %0, 1, 0, p;\n\t}"
+          : "=r"(done)
+          : "r"(addr), "r"(parity)
+          : "memory");
+    }
   } while (!done);
 }
-
-// Waits until the barrier's phase of parity `parity` has completed. Acquire
-// at cluster scope: the arrivals may come from other CTAs.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-  const uint32_t addr = shared_address(bar);
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  } while (!done);
+  mbarrier_wait_scoped<true>(bar, parity);
+}
+__device__ __forceinline__ void mbarrier_wait_cta(uint64_t* bar, uint32_t parity) {
+  mbarrier_wait_scoped<false>(bar, parity);
 }
 
 // bytes (a multiple of 16; both addresses 16-byte aligned) from global to this

@@ -245,22 +245,32 @@ __global__ void __launch_bounds__(NsClusterTile::kThreads, 1)
         }
       };
 
-      // gram: A_i = X_i X^T, kept in registers for poly's b A_i.
+      // The parts of out(j, h) = f(accumulator pair) into sA and, when `tile`
+      // is given, the same place of that row tile.
+      const auto store_row_tile = [&](bf16* tile, auto&& f) {
+#pragma unroll
+        for (int j = 0; j < kT; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int at = out_row(h) * kLdR + out_col(j);
+            const float2 v = f(j, h);
+            uint32_t hi, lo;
+            ns_cluster_split(v.x, v.y, hi, lo);
+            for (bf16* dst : {sA, tile}) {
+              if (dst == nullptr) continue;
+              store_pair(dst, at, hi);
+              store_pair(dst, kRowPlane + at, lo);
+            }
+          }
+      };
+
+      // gram: A_i = X_i X^T, kept in registers for poly's b A_i; its parts
+      // go to sA and to poly's row tile `rank`.
       float a_acc[kT][4];
       consume(std::true_type{}, a_acc, 0, gram_tiles);
-#pragma unroll
-      for (int j = 0; j < kT; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int at = out_row(h) * kLdR + out_col(j);
-          uint32_t hi, lo;
-          ns_cluster_split(a_acc[j][2 * h], a_acc[j][2 * h + 1], hi, lo);
-          store_pair(sA, at, hi);
-          store_pair(sA, kRowPlane + at, lo);
-          bf16* tile = ag + rank * 2 * kRowPlane;  // poly's row tile `rank`
-          store_pair(tile, at, hi);
-          store_pair(tile, kRowPlane + at, lo);
-        }
+      store_row_tile(ag + rank * 2 * kRowPlane, [&](int j, int h) {
+        return make_float2(a_acc[j][2 * h], a_acc[j][2 * h + 1]);
+      });
       detail::fence_proxy_async_global();
       // Every CTA's rows of A are out (release / acquire across the cluster;
       // a block barrier too, for sA).
@@ -272,17 +282,10 @@ __global__ void __launch_bounds__(NsClusterTile::kThreads, 1)
         float acc[kT][4];
         consume(std::false_type{}, acc, gram_tiles, kT);
         __syncthreads();
-#pragma unroll
-        for (int j = 0; j < kT; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int at = out_row(h) * kLdR + out_col(j);
-            uint32_t hi, lo;
-            ns_cluster_split(p.b * a_acc[j][2 * h] + p.c * acc[j][2 * h],
-                             p.b * a_acc[j][2 * h + 1] + p.c * acc[j][2 * h + 1], hi, lo);
-            store_pair(sA, at, hi);
-            store_pair(sA, kRowPlane + at, lo);
-          }
+        store_row_tile(nullptr, [&](int j, int h) {
+          return make_float2(p.b * a_acc[j][2 * h] + p.c * acc[j][2 * h],
+                             p.b * a_acc[j][2 * h + 1] + p.c * acc[j][2 * h + 1]);
+        });
         __syncthreads();  // B_i complete before apply reads it
       }
 
