@@ -1406,7 +1406,8 @@ class NewtonSchulz {
       }
     }
     cublasHandle_t h = blas_handle(stream_);
-    for (int s = 0; s < (cluster_ ? 0 : steps_); ++s) {
+    const int split_steps = cluster_ ? 0 : steps_;  // the cluster kernel ran them all
+    for (int s = 0; s < split_steps; ++s) {
       if (iterates_.get())
         SS_CUDA_CHECK(cudaMemcpyAsync(iterates_.get() + s * mats_ * mn, X_.get(),
                                       mats_ * mn * sizeof(U), cudaMemcpyDeviceToDevice, stream_));

@@ -358,7 +358,8 @@ void with_ns_cluster_kernel(int64_t m, F&& f) {
 // The uncached check of ns_cluster_supported on `device`.
 bool ns_cluster_fits(int device, int64_t m, int64_t n) {
   using Tile = NsClusterTile;
-  if (!(m == 32 || m == 64 || m == 128 || m == 256) || n % m != 0 || n > Tile::kMaxN) return false;
+  if (!(m == 32 || m == 64 || m == 128 || m == Tile::kMaxM) || n % m != 0 || n > Tile::kMaxN)
+    return false;
   int major = 0, smem_optin = 0;
   SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   SS_CUDA_CHECK(
