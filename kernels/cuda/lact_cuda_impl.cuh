@@ -150,7 +150,7 @@ constexpr cublasComputeType_t wide_compute() {
 // written for "one cuBLAS kernel taking 11 of 28 ms in 142 calls" in a
 // per-kernel ncu summary of the benchmark; a per-launch listing in the
 // eighteenth session showed ~100 of those calls, at ~228 us, to be the
-// benchmark's own 4096^3 reference GEMM: README, LaCT on the GPU.)
+// benchmark's own 4096^3 reference GEMM: docs/performance-history.md, LaCT.)
 
 inline int64_t bytes_of(cudaDataType_t t) {
   return t == CUDA_R_64F ? 8 : t == CUDA_R_32F ? 4 : 2;
