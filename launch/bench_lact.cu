@@ -79,11 +79,32 @@ double median(std::vector<double> v) {
 
 // ---- FLOP model ---------------------------------------------------------------------
 
-// Newton-Schulz FLOPs of one chunk over every pair: 3 matrices m x n
-// (m = min(M, D), n = max) per pair; a step is X X^T, A A, B X.
+// Newton-Schulz FLOPs of one step of one m x n matrix (m = min(M, D), n =
+// max): X X^T, A A, B X.
 double ns_step_flops(const LactBenchOptions& o) {
   const double m = double(std::min(o.dim, o.hidden)), n = double(std::max(o.dim, o.hidden));
   return 2.0 * (m * m * n + m * m * m + m * m * n);
+}
+
+// Newton-Schulz FLOPs of one call (one chunk) over its 3 B H matrices: the
+// forward's s steps; forward + backward: the forward recomputed (s steps),
+// then per step the Gram products again (X X^T, A A) and the adjoint
+// products (B dX, dX X^T, dB A, A dB, S X). The math's FLOPs: the two-part
+// bf16 modes execute three times as many on the tensor cores.
+struct NsCallFlops {
+  double fwd = 0, fwd_bwd = 0;
+};
+NsCallFlops ns_call_flops(const LactBenchOptions& o) {
+  const double mats = 3.0 * double(o.batch * o.heads);
+  const double m = double(std::min(o.dim, o.hidden)), n = double(std::max(o.dim, o.hidden));
+  const double step = ns_step_flops(o);
+  const double gram = 2.0 * (m * m * n + m * m * m);
+  const double back_step = 2.0 * (3.0 * m * m * n + 2.0 * m * m * m);
+  const double s = double(o.muon_steps);
+  NsCallFlops f;
+  f.fwd = mats * s * step;
+  f.fwd_bwd = f.fwd + mats * s * (step + gram + back_step);
+  return f;
 }
 
 // ---- the cuBLAS reference rate --------------------------------------------------------
@@ -290,7 +311,7 @@ LactBenchOptions parse_lact_bench_options(int argc, char** argv) {
       SS_CHECK_ARG(i + 1 < argc, a.c_str(), "needs a value");
       return argv[++i];
     };
-    if (a == "--lact") continue;
+    if (a == "--lact" || a == "--lact-ns") continue;
     if (a == "--batch" || a == "-B") {
       o.batch = parse_int(a, value());
     } else if (a == "--seq-len" || a == "-T") {
@@ -344,17 +365,9 @@ LactBenchResult measure_lact(const LactBenchOptions& o) {
   r.fwd_flops = lact_step_flops(tokens, o.dim, o.hidden, false);
   r.fwd_bwd_flops = lact_step_flops(tokens, o.dim, o.hidden, true);
   const double chunks = double(lact_num_chunks(o.seq_len, o.chunk));
-  const double mats = 3.0 * double(o.batch * o.heads);
-  const double m = double(std::min(o.dim, o.hidden)), n = double(std::max(o.dim, o.hidden));
-  // Forward: s steps (X X^T, A A, B X). Backward: the forward recomputed
-  // (s steps), then per step the Gram products again (X X^T, A A) and the
-  // adjoint products (B dX, dX X^T, dB A, A dB, S X).
-  const double step = ns_step_flops(o);
-  const double gram = 2.0 * (m * m * n + m * m * m);
-  const double back_step = 2.0 * (3.0 * m * m * n + 2.0 * m * m * m);
-  const double s = double(o.muon_steps);
-  r.ns_fwd_flops = chunks * mats * s * step;
-  r.ns_fwd_bwd_flops = r.ns_fwd_flops + chunks * mats * s * (step + gram + back_step);
+  const NsCallFlops ns = ns_call_flops(o);
+  r.ns_fwd_flops = chunks * ns.fwd;
+  r.ns_fwd_bwd_flops = chunks * ns.fwd_bwd;
 
   cuda::LactCudaParams p;
   p.config.chunk = o.chunk;
@@ -527,6 +540,114 @@ int run_lact_bench(int argc, char** argv, std::ostream& out) {
         << err_raw << (err_norm <= 1.0 ? " (within tolerance)\n" : " (OVER TOLERANCE)\n");
   }
   return err_norm <= 1.0 || !o.check ? 0 : 1;
+}
+
+// ---- statescan-bench --lact-ns --------------------------------------------------------
+
+namespace {
+
+// Median forward and forward + backward times (us) of one Newton-Schulz mode
+// on the same inputs, CUDA events around each call; at least two warm-up
+// calls, so that the timed ones replay the captured graph as in a layer.
+struct NsTimes {
+  double fwd_us = 0, fwd_bwd_us = 0;
+};
+NsTimes time_ns_mode(const LactBenchOptions& o, cuda::lact_detail::NsGemms mode, const float* P,
+                     float* out, const float* d_out, float* dP, cudaStream_t stream) {
+  cuda::lact_detail::NewtonSchulzBf16 ns(o.batch * o.heads, o.hidden, o.dim, o.muon_steps,
+                                         o.backward, mode, stream);
+  cudaEvent_t start, mid, stop;
+  SS_CUDA_CHECK(cudaEventCreate(&start));
+  SS_CUDA_CHECK(cudaEventCreate(&mid));
+  SS_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> fwd, fwd_bwd;
+  const int warmup = std::max(o.warmup, 2);
+  for (int it = 0; it < warmup + o.iters; ++it) {
+    SS_CUDA_CHECK(cudaEventRecord(start, stream));
+    ns.forward(P, out);
+    SS_CUDA_CHECK(cudaEventRecord(mid, stream));
+    if (o.backward) ns.backward(P, d_out, dP);
+    SS_CUDA_CHECK(cudaEventRecord(stop, stream));
+    SS_CUDA_CHECK(cudaEventSynchronize(stop));
+    float f = 0, fb = 0;
+    SS_CUDA_CHECK(cudaEventElapsedTime(&f, start, mid));
+    SS_CUDA_CHECK(cudaEventElapsedTime(&fb, start, stop));
+    if (it >= warmup) {
+      fwd.push_back(1e3 * f);
+      fwd_bwd.push_back(1e3 * fb);
+    }
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(mid);
+  (void)cudaEventDestroy(stop);
+  return {median(fwd), o.backward ? median(fwd_bwd) : 0.0};
+}
+
+}  // namespace
+
+int run_lact_ns_bench(int argc, char** argv, std::ostream& out) {
+  using cuda::lact_detail::NsGemms;
+  LactBenchOptions o;
+  try {
+    o = parse_lact_bench_options(argc, argv);
+    SS_CHECK_ARG(o.dtype == DType::bf16, "--dtype",
+                 "--lact-ns times a bf16 layer's Newton-Schulz (f32 layers run it in fp64)");
+    SS_CHECK_ARG(o.muon_steps > 0, "--muon-steps", "--lact-ns needs at least one step");
+  } catch (const Error& e) {
+    out << "statescan-bench --lact-ns: " << e.what() << "\n";
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    out << "statescan-bench --lact-ns: no CUDA device\n";
+    return 1;
+  }
+  const int64_t count = o.batch * o.heads * 3 * o.hidden * o.dim;
+  Filled P(count, DType::f32, 31, 1.0f, 0), d_out(count, DType::f32, 32, 1.0f, 0);
+  Filled ns_out(count, DType::f32, 0, 0.f, 0.f), dP(count, DType::f32, 0, 0.f, 0.f);
+  SS_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaStream_t stream;
+  SS_CUDA_CHECK(cudaStreamCreate(&stream));
+  const NsCallFlops flops = ns_call_flops(o);
+  char line[512];
+  out << "# statescan-bench --lact-ns: Muon's Newton-Schulz of a bf16 LaCT layer, one chunk's "
+         "call, on "
+      << prop.name << " (" << prop.multiProcessorCount << " SMs)\n";
+  std::snprintf(line, sizeof line,
+                "# %lld matrices (B %lld x H %lld x 3) of %lld x %lld (D %lld, M %lld), %d steps, "
+                "warm-up %d, timed %d (median); TFLOP/s = the products' math FLOPs (%.3g fwd, "
+                "%.3g fwd+bwd GFLOP; the bf16x3 paths execute 3x on the tensor cores)\n",
+                (long long)(3 * o.batch * o.heads), (long long)o.batch, (long long)o.heads,
+                (long long)std::min(o.dim, o.hidden), (long long)std::max(o.dim, o.hidden),
+                (long long)o.dim, (long long)o.hidden, o.muon_steps, std::max(o.warmup, 2), o.iters,
+                flops.fwd / 1e9, flops.fwd_bwd / 1e9);
+  out << line;
+  std::snprintf(line, sizeof line, "# %-8s %-15s %10s %9s %12s %9s\n", "mode", "path", "fwd_us",
+                "TFLOP/s", "fwd+bwd_us", "TFLOP/s");
+  out << line;
+  struct Mode {
+    const char* name;
+    NsGemms mode;
+  };
+  const Mode modes[] = {{"bf16x3", NsGemms::bf16x3},
+                        {"cluster", NsGemms::cluster},
+                        {"fused", NsGemms::fused},
+                        {"fp32", NsGemms::fp32}};
+  for (const Mode& m : modes) {
+    const NsTimes t = time_ns_mode(
+        o, m.mode, static_cast<const float*>(P.data()), static_cast<float*>(ns_out.data()),
+        static_cast<const float*>(d_out.data()), static_cast<float*>(dP.data()), stream);
+    const double tf = flops.fwd / (t.fwd_us * 1e-6) / 1e12;
+    const double tfb = o.backward ? flops.fwd_bwd / (t.fwd_bwd_us * 1e-6) / 1e12 : 0.0;
+    std::snprintf(line, sizeof line, "  %-8s %-15s %10.1f %9.1f %12.1f %9.1f\n", m.name,
+                  cuda::lact_detail::ns_gemms_name(m.mode, o.dim, o.hidden), t.fwd_us, tf,
+                  t.fwd_bwd_us, tfb);
+    out << line;
+  }
+  (void)cudaStreamDestroy(stream);
+  return 0;
 }
 
 }  // namespace statescan

@@ -63,4 +63,14 @@ LactBenchResult measure_lact(const LactBenchOptions& options);
 // correctness check failed or the arguments were bad (message on `out`).
 int run_lact_bench(int argc, char** argv, std::ostream& out);
 
+// statescan-bench --lact-ns: Muon's Newton-Schulz of one chunk alone (the
+// bf16 layer's 3 B H matrices of min(D, M) x max(D, M), --muon-steps steps)
+// in every mode of STATESCAN_LACT_NS (bf16x3, cluster, fused, fp32) in one
+// process, forward and forward + backward, median of --iters after at least
+// two warm-up calls. Takes the flags above (--batch, --heads, --dim,
+// --hidden, --muon-steps, --warmup, --iters, --forward-only; --dtype must be
+// bf16; the sequence flags are accepted and unused). Returns 0, or 1 on bad
+// arguments or without a device (message on `out`).
+int run_lact_ns_bench(int argc, char** argv, std::ostream& out);
+
 }  // namespace statescan

@@ -31,6 +31,7 @@
 //
 // --lact (as the first argument) benchmarks the LaCT layer instead, with its
 // own flags (launch/bench_lact.h), e.g. statescan-bench --lact --muon-steps 0.
+// --lact-ns times the layer's Newton-Schulz alone in every mode (same flags).
 //
 // FLOP model (multiply-add = 2 FLOP, per token and head, Dk = Dv = D, chunk C):
 //   additive: intra-chunk Q K^T and A V over the causal half, 2*(C/2)*D each,
@@ -961,6 +962,8 @@ int main(int argc, char** argv) {
     // The LaCT layer's benchmark has its own flags (launch/bench_lact.h).
     if (argc > 1 && std::string(argv[1]) == "--lact")
       return statescan::run_lact_bench(argc, argv, std::cout);
+    if (argc > 1 && std::string(argv[1]) == "--lact-ns")
+      return statescan::run_lact_ns_bench(argc, argv, std::cout);
     return statescan::run(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "statescan-bench: %s\n", e.what());

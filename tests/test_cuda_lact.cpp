@@ -10,8 +10,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -183,22 +185,27 @@ INSTANTIATE_TEST_SUITE_P(Subset, LactCudaBf16, ::testing::ValuesIn(bf16_cases())
 
 // ---- Newton-Schulz alone ---------------------------------------------------------
 
-// Muon's Newton-Schulz of a bf16 layer (lact_detail::newton_schulz_bf16_layer,
-// in the mode STATESCAN_LACT_NS picks: the split path by default; ctest's
-// test_cuda_lact_ns_cluster runs it with the cluster kernel for the forward's
-// steps where the shape allows; the backward from the forward's iterates)
-// against the fp64 reference, matrix by matrix, outputs poisoned with NaN.
-// Shapes: the Gram side m = min(M, D) in {32, 64, 128, 256} with n = 2 m
-// (the cluster kernel: 1, 2, 4 and 8 CTAs; M < D transposes W0 and W2
-// instead of W1), and m = 48 (the split path). Tolerances: the host model of
-// the two-part products (tests/test_lact_ns_model.cpp) puts NS(P) at 4.6e-5
-// and its gradient at 8.4e-5 of the fp64 values for P's of this conditioning
-// (Gaussian, n = 2 m: singular values within a factor ~6); 4x that margin.
+// Muon's Newton-Schulz of a bf16 layer alone (lact_detail::NewtonSchulzBf16)
+// in every mode of STATESCAN_LACT_NS, named per test rather than through the
+// environment: bf16x3 (split3 + cuBLAS, the default), cluster (the forward's
+// steps in ns_cluster_kernel where the shape allows), fused and fp32; the
+// backward from the forward's iterates. Against the fp64 reference matrix by
+// matrix, outputs poisoned with NaN. Shapes: the Gram side m = min(M, D) in
+// {32, 64, 128, 256} with n = 2 m (the cluster kernel: 1, 2, 4 and 8 CTAs;
+// M < D transposes W0 and W2 instead of W1), and m = 48 (no cluster kernel).
+// Tolerances: the host model of the two-part products
+// (tests/test_lact_ns_model.cpp) puts NS(P) at 4.6e-5 and its gradient at
+// 8.4e-5 of the fp64 values for P's of this conditioning (Gaussian, n = 2 m:
+// singular values within a factor ~6); 4x that margin.
+using cuda::lact_detail::NsGemms;
+
 struct NsShape {
   int64_t pairs, M, D;
 };
 
-class LactCudaNewtonSchulz : public ::testing::TestWithParam<NsShape> {
+using NsParam = std::tuple<NsShape, NsGemms>;
+
+class LactCudaNewtonSchulz : public ::testing::TestWithParam<NsParam> {
  protected:
   void SetUp() override {
     if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
@@ -208,66 +215,104 @@ class LactCudaNewtonSchulz : public ::testing::TestWithParam<NsShape> {
 constexpr double kNsTol = 2e-4, kNsGradTol = 4e-4;
 constexpr int kNsSteps = 5;
 
-TEST_P(LactCudaNewtonSchulz, MatchesReference) {
-  const NsShape s = GetParam();
+// A shape's random P and d_out and their fp64 NS and dP, computed once per
+// shape (the 256 x 512 reference takes seconds) and shared by the modes.
+struct NsReference {
+  std::vector<double> P, d_out, out, dP;
+};
+
+const NsReference& ns_reference(const NsShape& s) {
+  static std::map<std::tuple<int64_t, int64_t, int64_t>, NsReference> cache;
+  const auto key = std::make_tuple(s.pairs, s.M, s.D);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
   const int64_t md = s.M * s.D, block = 3 * md, n = s.pairs * block;
   std::mt19937_64 rng(1234 + s.M + 7 * s.D);
-  const std::vector<double> P = randn(static_cast<std::size_t>(n), rng, 0.02);
-  const std::vector<double> d_out = randn(static_cast<std::size_t>(n), rng);
-  DeviceTensor dP_in(P, DType::f32), d_d_out(d_out, DType::f32);
-  DeviceTensor out(static_cast<std::size_t>(n), DType::f32),
-      dP(static_cast<std::size_t>(n), DType::f32);
-  cuda::lact_detail::newton_schulz_bf16_layer(static_cast<const float*>(dP_in.data()), s.pairs, s.M,
-                                              s.D, kNsSteps, static_cast<float*>(out.data()),
-                                              static_cast<const float*>(d_d_out.data()),
-                                              static_cast<float*>(dP.data()), nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<double> got = out.read(), got_dP = dP.read();
+  NsReference r;
+  r.P = randn(static_cast<std::size_t>(n), rng, 0.02);
+  r.d_out = randn(static_cast<std::size_t>(n), rng);
+  r.out.resize(r.P.size());
+  r.dP.resize(r.P.size());
   // Blocks [W0 | W2 | W1]: M x D, M x D, D x M.
   for (int64_t pair = 0; pair < s.pairs; ++pair)
     for (int slot = 0; slot < 3; ++slot) {
       const int64_t off = pair * block + slot * md;
       const int64_t rows = slot < 2 ? s.M : s.D, cols = slot < 2 ? s.D : s.M;
-      std::vector<double> ref(static_cast<std::size_t>(md)), ref_dP(ref.size());
-      lact_newton_schulz(P.data() + off, rows, cols, kNsSteps, ref.data());
-      lact_newton_schulz_backward(P.data() + off, rows, cols, kNsSteps, d_out.data() + off,
-                                  ref_dP.data());
-      const std::vector<double> mine(got.begin() + off, got.begin() + off + md);
-      const std::vector<double> mine_dP(got_dP.begin() + off, got_dP.begin() + off + md);
-      EXPECT_LE(rel_rms(mine, ref), kNsTol) << "NS, pair " << pair << " slot " << slot;
-      EXPECT_LE(rel_rms(mine_dP, ref_dP), kNsGradTol) << "dP, pair " << pair << " slot " << slot;
+      lact_newton_schulz(r.P.data() + off, rows, cols, kNsSteps, r.out.data() + off);
+      lact_newton_schulz_backward(r.P.data() + off, rows, cols, kNsSteps, r.d_out.data() + off,
+                                  r.dP.data() + off);
+    }
+  return cache.emplace(key, std::move(r)).first->second;
+}
+
+TEST_P(LactCudaNewtonSchulz, MatchesReference) {
+  const NsShape s = std::get<0>(GetParam());
+  const NsGemms mode = std::get<1>(GetParam());
+  const NsReference& ref = ns_reference(s);
+  const int64_t md = s.M * s.D, block = 3 * md;
+  DeviceTensor P(ref.P, DType::f32), d_out(ref.d_out, DType::f32);
+  DeviceTensor out(ref.P.size(), DType::f32), dP(ref.P.size(), DType::f32);
+  {
+    cuda::lact_detail::NewtonSchulzBf16 ns(s.pairs, s.M, s.D, kNsSteps, true, mode, nullptr);
+    ns.forward(static_cast<const float*>(P.data()), static_cast<float*>(out.data()));
+    ns.backward(static_cast<const float*>(P.data()), static_cast<const float*>(d_out.data()),
+                static_cast<float*>(dP.data()));
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<double> got = out.read(), got_dP = dP.read();
+  for (int64_t pair = 0; pair < s.pairs; ++pair)
+    for (int slot = 0; slot < 3; ++slot) {
+      const auto from = static_cast<std::ptrdiff_t>(pair * block + slot * md);
+      const auto to = from + static_cast<std::ptrdiff_t>(md);
+      EXPECT_LE(rel_rms(std::vector<double>(got.begin() + from, got.begin() + to),
+                        std::vector<double>(ref.out.begin() + from, ref.out.begin() + to)),
+                kNsTol)
+          << "NS, pair " << pair << " slot " << slot;
+      EXPECT_LE(rel_rms(std::vector<double>(got_dP.begin() + from, got_dP.begin() + to),
+                        std::vector<double>(ref.dP.begin() + from, ref.dP.begin() + to)),
+                kNsGradTol)
+          << "dP, pair " << pair << " slot " << slot;
     }
 }
 
-// Which path ran is what lact_cuda_ns_gemms reports; on a Hopper device every
-// shape above but m = 48 must fit the cluster kernel (a build without sm_90
-// code, or a kernel that stopped fitting, fails here rather than letting
-// STATESCAN_LACT_NS=cluster silently run the split path).
+// Which path a mode runs is what lact_cuda_ns_gemms reports for it; on a
+// Hopper device every shape above but m = 48 must fit the cluster kernel (a
+// build without sm_90 code, or a kernel that stopped fitting, fails here
+// rather than letting STATESCAN_LACT_NS=cluster silently run the split path).
 TEST_P(LactCudaNewtonSchulz, ReportsThePath) {
-  const NsShape s = GetParam();
+  const NsShape s = std::get<0>(GetParam());
+  const NsGemms mode = std::get<1>(GetParam());
   const int64_t m = std::min(s.M, s.D), n = std::max(s.M, s.D);
-  const std::string path = cuda::lact_cuda_ns_gemms(DType::bf16, s.D, s.M);
-  EXPECT_EQ(path == "bf16x3-cluster",
-            cuda::lact_detail::ns_cluster_supported(m, n) &&
-                cuda::lact_detail::ns_gemms_requested() == cuda::lact_detail::NsGemms::cluster);
+  const bool cluster = mode == NsGemms::cluster && cuda::lact_detail::ns_cluster_supported(m, n);
+  const char* expected = mode == NsGemms::fp32    ? "fp32"
+                         : mode == NsGemms::fused ? "bf16x3-fused"
+                         : cluster                ? "bf16x3-cluster"
+                                                  : "bf16x3";
+  EXPECT_STREQ(cuda::lact_detail::ns_gemms_name(mode, s.D, s.M), expected);
   int device = 0, major = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
   const bool cluster_shape =
       m % 32 == 0 && m <= 256 && (m & (m - 1)) == 0 && n % m == 0 && n <= 512;
-  if (major >= 9) EXPECT_EQ(cuda::lact_detail::ns_cluster_supported(m, n), cluster_shape);
+  if (major >= 9) {
+    EXPECT_EQ(cuda::lact_detail::ns_cluster_supported(m, n), cluster_shape);
+  }
 }
 
-std::string ns_shape_name(const ::testing::TestParamInfo<NsShape>& info) {
-  return "pairs" + std::to_string(info.param.pairs) + "_M" + std::to_string(info.param.M) + "_D" +
-         std::to_string(info.param.D);
+std::string ns_param_name(const ::testing::TestParamInfo<NsParam>& info) {
+  const NsShape& s = std::get<0>(info.param);
+  const char* modes[] = {"bf16x3", "fp32", "fused", "cluster"};
+  return "pairs" + std::to_string(s.pairs) + "_M" + std::to_string(s.M) + "_D" +
+         std::to_string(s.D) + "_" + modes[static_cast<int>(std::get<1>(info.param))];
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, LactCudaNewtonSchulz,
-                         ::testing::Values(NsShape{3, 64, 32}, NsShape{2, 128, 64},
-                                           NsShape{2, 256, 128}, NsShape{4, 512, 256},
-                                           NsShape{1, 256, 512}, NsShape{2, 96, 48}),
-                         ns_shape_name);
+INSTANTIATE_TEST_SUITE_P(
+    ShapesAndModes, LactCudaNewtonSchulz,
+    ::testing::Combine(
+        ::testing::Values(NsShape{3, 64, 32}, NsShape{2, 128, 64}, NsShape{2, 256, 128},
+                          NsShape{4, 512, 256}, NsShape{1, 256, 512}, NsShape{2, 96, 48}),
+        ::testing::Values(NsGemms::bf16x3, NsGemms::cluster, NsGemms::fused, NsGemms::fp32)),
+    ns_param_name);
 
 // ---- bad input --------------------------------------------------------------------
 

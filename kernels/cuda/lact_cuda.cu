@@ -142,24 +142,29 @@ void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* n
   check_any(x, dtype, n, false, name, stream);
 }
 
-const char* lact_cuda_ns_gemms(DType dtype, int64_t dim, int64_t hidden) {
-  if (dtype == DType::f32) return "fp64";
-  switch (lact_detail::ns_gemms_requested()) {
-    case lact_detail::NsGemms::fp32:
+namespace lact_detail {
+const char* ns_gemms_name(NsGemms mode, int64_t dim, int64_t hidden) {
+  switch (mode) {
+    case NsGemms::fp32:
       return "fp32";
-    case lact_detail::NsGemms::fused:
+    case NsGemms::fused:
       // The mode, not every call: shapes the fused kernel does not take (M,
       // N or K not a multiple of 16) still run split3 + cuBLAS.
       return "bf16x3-fused";
-    case lact_detail::NsGemms::cluster:
+    case NsGemms::cluster:
       // Per shape: others run the forward's steps on the split path too.
-      return lact_detail::ns_cluster_supported(std::min(dim, hidden), std::max(dim, hidden))
-                 ? "bf16x3-cluster"
-                 : "bf16x3";
-    case lact_detail::NsGemms::bf16x3:
+      return ns_cluster_supported(std::min(dim, hidden), std::max(dim, hidden)) ? "bf16x3-cluster"
+                                                                                : "bf16x3";
+    case NsGemms::bf16x3:
       break;
   }
   return "bf16x3";
+}
+}  // namespace lact_detail
+
+const char* lact_cuda_ns_gemms(DType dtype, int64_t dim, int64_t hidden) {
+  if (dtype == DType::f32) return "fp64";
+  return lact_detail::ns_gemms_name(lact_detail::ns_gemms_requested(), dim, hidden);
 }
 
 void lact_cuda_forward(const LactCudaParams& p, const LactDeviceAllReduce& all_reduce,

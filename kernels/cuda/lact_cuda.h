@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 #include "core/device_buffer.h"
 #include "core/dtype.h"
@@ -110,13 +111,31 @@ namespace lact_detail {
 enum class NsGemms { bf16x3, fp32, fused, cluster };
 NsGemms ns_gemms_requested();
 
-// Muon's Newton-Schulz as a bf16 layer runs it (NewtonSchulz<float>, in the
-// mode ns_gemms_requested() picks), for tests: out = NS_steps of every matrix
-// of P, [pairs, 3 M D] fp32 blocks [W0 | W2 | W1]; with d_out (same layout)
-// also dP = (dNS/dP)^T d_out, else dP is not touched. Device pointers,
-// ordered on `stream`.
-void newton_schulz_bf16_layer(const float* P, int64_t pairs, int64_t M, int64_t D, int steps,
-                              float* out, const float* d_out, float* dP, cudaStream_t stream);
+// What lact_cuda_ns_gemms reports for a bf16 layer run in `mode`.
+const char* ns_gemms_name(NsGemms mode, int64_t dim, int64_t hidden);
+
+// Muon's Newton-Schulz alone, as a bf16 layer runs it (NewtonSchulz<float> in
+// lact_cuda_impl.cuh), in a given mode: for the tests and statescan-bench
+// --lact-ns, which compare the modes in one process. P, out, d_out, dP are
+// [pairs, 3 M D] fp32 device arrays of blocks [W0 | W2 | W1] (M x D, M x D,
+// D x M); out = NS_steps of every matrix of P. backward() needs
+// keep_iterates and follows a forward() of the same P: dP = (dNS/dP)^T d_out.
+// Ordered on `stream`; repeated calls on the same pointers replay one CUDA
+// graph, as in the layer.
+class NewtonSchulzBf16 {
+ public:
+  NewtonSchulzBf16(int64_t pairs, int64_t M, int64_t D, int steps, bool keep_iterates, NsGemms mode,
+                   cudaStream_t stream);
+  ~NewtonSchulzBf16();
+  NewtonSchulzBf16(const NewtonSchulzBf16&) = delete;
+  NewtonSchulzBf16& operator=(const NewtonSchulzBf16&) = delete;
+  void forward(const float* P, float* out);
+  void backward(const float* P, const float* d_out, float* dP);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 }  // namespace lact_detail
 
 }  // namespace statescan::cuda

@@ -8,12 +8,30 @@ template void backward_impl<bf16, float>(const LactCudaParams&, const LactCudaGr
                                          const LactCudaSaved&, const LactDeviceAllReduce&,
                                          cudaStream_t);
 
-void newton_schulz_bf16_layer(const float* P, int64_t pairs, int64_t M, int64_t D, int steps,
-                              float* out, const float* d_out, float* dP, cudaStream_t stream) {
-  Geo g{};
-  g.pairs = pairs, g.M = M, g.D = D;
-  NewtonSchulz<float> ns(g, steps, d_out != nullptr, stream);
-  ns.forward(P, out);
-  if (d_out != nullptr) ns.backward(P, d_out, dP);
+struct NewtonSchulzBf16::Impl {
+  NewtonSchulz<float> ns;
+  static Geo geo(int64_t pairs, int64_t M, int64_t D) {
+    Geo g{};
+    g.pairs = pairs, g.M = M, g.D = D;
+    return g;
+  }
+  Impl(int64_t pairs, int64_t M, int64_t D, int steps, bool keep_iterates, NsGemms mode,
+       cudaStream_t stream)
+      : ns(geo(pairs, M, D), steps, keep_iterates, stream, mode) {}
+};
+
+NewtonSchulzBf16::NewtonSchulzBf16(int64_t pairs, int64_t M, int64_t D, int steps,
+                                   bool keep_iterates, NsGemms mode, cudaStream_t stream) {
+  SS_CHECK_ARG(pairs > 0 && M > 0 && D > 0, "w0", "Newton-Schulz needs pairs, M, D > 0, got ",
+               pairs, ", ", M, ", ", D);
+  SS_CHECK_ARG(steps > 0, "muon_steps", "Newton-Schulz needs at least one step, got ", steps);
+  impl_ = std::make_unique<Impl>(pairs, M, D, steps, keep_iterates, mode, stream);
+}
+NewtonSchulzBf16::~NewtonSchulzBf16() = default;
+void NewtonSchulzBf16::forward(const float* P, float* out) {
+  impl_->ns.forward(P, out);
+}
+void NewtonSchulzBf16::backward(const float* P, const float* d_out, float* dP) {
+  impl_->ns.backward(P, d_out, dP);
 }
 }  // namespace statescan::cuda::lact_detail

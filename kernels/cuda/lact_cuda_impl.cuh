@@ -1263,7 +1263,10 @@ __global__ void __launch_bounds__(NsFusedTile::kThreads)
 template <typename U>
 class NewtonSchulz {
  public:
-  NewtonSchulz(const Geo& g, int steps, bool keep_iterates, cudaStream_t stream)
+  // `mode`: how a bf16 layer (U = float) runs the products, STATESCAN_LACT_NS
+  // unless a caller (the tests, statescan-bench --lact-ns) names one.
+  NewtonSchulz(const Geo& g, int steps, bool keep_iterates, cudaStream_t stream,
+               NsGemms mode = ns_gemms_requested())
       : compute_(wide_compute<U>()),
         M_(g.M),
         D_(g.D),
@@ -1277,7 +1280,8 @@ class NewtonSchulz {
         A_(mats_ * m_ * m_, stream),
         Bm_(mats_ * m_ * m_, stream),
         scale_(mats_, stream),
-        sums_(mats_ * kNsSlices * 2, stream) {
+        sums_(mats_ * kNsSlices * 2, stream),
+        mode_(mode) {
     // The kernels index within one matrix (and its three bf16 parts) in 32 bits.
     SS_CHECK_ARG(3 * g.M * g.D < (int64_t(1) << 31), "w0", "Muon needs 3 M D < 2^31, got M = ", g.M,
                  ", D = ", g.D);
@@ -1644,15 +1648,15 @@ class NewtonSchulz {
   PoolArray<U> X_, Y_, A_, Bm_, scale_, iterates_, dA_, dB_;
   // Per-slice partial sums of the Frobenius norms: [mats, kNsSlices, 2].
   PoolArray<double> sums_;
-  bool split_ = std::is_same<U, float>::value && ns_gemms_requested() != NsGemms::fp32;
+  NsGemms mode_;
+  bool split_ = std::is_same<U, float>::value && mode_ != NsGemms::fp32;
   // STATESCAN_LACT_NS=fused: split-mode products through ns_gemm_fused_kernel
   // where fused_fits (opt-in: passes the GPU suite, slower on an H200; README).
-  bool fused_ = split_ && ns_gemms_requested() == NsGemms::fused;
+  bool fused_ = split_ && mode_ == NsGemms::fused;
   // STATESCAN_LACT_NS=cluster: the forward's steps in ns_cluster_kernel where
   // the shape and device allow (opt-in; the backward's steps stay on the
   // split path).
-  bool cluster_ =
-      split_ && ns_gemms_requested() == NsGemms::cluster && ns_cluster_supported(m_, n_);
+  bool cluster_ = split_ && mode_ == NsGemms::cluster && ns_cluster_supported(m_, n_);
   PoolArray<bf16> cluster_gx_, cluster_ax_, cluster_ag_;  // its stage images (NsClusterParams)
   PoolArray<bf16> split_a_, split_b_;
   SplitKey split_a_key_, split_b_key_;
