@@ -467,21 +467,38 @@ LactBenchResult measure_lact(const LactBenchOptions& o) {
   return r;
 }
 
-int run_lact_bench(int argc, char** argv, std::ostream& out) {
-  LactBenchOptions o;
+namespace {
+
+// The options (checked further by `check`, which may throw statescan::Error
+// too) and the current device's properties of a `mode` run
+// ("--lact", "--lact-ns"); false after writing why not to `out`.
+template <typename Check>
+bool lact_bench_setup(int argc, char** argv, const char* mode, Check&& check, std::ostream& out,
+                      LactBenchOptions& o, cudaDeviceProp& prop) {
   try {
     o = parse_lact_bench_options(argc, argv);
+    check(o);
   } catch (const Error& e) {
-    out << "statescan-bench --lact: " << e.what() << "\n";
-    return 1;
+    out << "statescan-bench " << mode << ": " << e.what() << "\n";
+    return false;
   }
-  cudaDeviceProp prop{};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
-    out << "statescan-bench --lact: no CUDA device\n";
-    return 1;
+    out << "statescan-bench " << mode << ": no CUDA device\n";
+    return false;
   }
+  return true;
+}
+
+}  // namespace
+
+int run_lact_bench(int argc, char** argv, std::ostream& out) {
+  LactBenchOptions o;
+  cudaDeviceProp prop{};
+  if (!lact_bench_setup(
+          argc, argv, "--lact", [](const LactBenchOptions&) {}, out, o, prop))
+    return 1;
   const LactBenchResult r = measure_lact(o);
   double err_raw = -1, err_norm = -1;
   if (o.check) err_norm = small_problem_error(o, &err_raw);
@@ -588,22 +605,13 @@ NsTimes time_ns_mode(const LactBenchOptions& o, cuda::lact_detail::NsGemms mode,
 int run_lact_ns_bench(int argc, char** argv, std::ostream& out) {
   using cuda::lact_detail::NsGemms;
   LactBenchOptions o;
-  try {
-    o = parse_lact_bench_options(argc, argv);
-    SS_CHECK_ARG(o.dtype == DType::bf16, "--dtype",
-                 "--lact-ns times a bf16 layer's Newton-Schulz (f32 layers run it in fp64)");
-    SS_CHECK_ARG(o.muon_steps > 0, "--muon-steps", "--lact-ns needs at least one step");
-  } catch (const Error& e) {
-    out << "statescan-bench --lact-ns: " << e.what() << "\n";
-    return 1;
-  }
   cudaDeviceProp prop{};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
-    out << "statescan-bench --lact-ns: no CUDA device\n";
-    return 1;
-  }
+  const auto check = [](const LactBenchOptions& opt) {
+    SS_CHECK_ARG(opt.dtype == DType::bf16, "--dtype",
+                 "--lact-ns times a bf16 layer's Newton-Schulz (f32 layers run it in fp64)");
+    SS_CHECK_ARG(opt.muon_steps > 0, "--muon-steps", "--lact-ns needs at least one step");
+  };
+  if (!lact_bench_setup(argc, argv, "--lact-ns", check, out, o, prop)) return 1;
   const int64_t count = o.batch * o.heads * 3 * o.hidden * o.dim;
   Filled P(count, DType::f32, 31, 1.0f, 0), d_out(count, DType::f32, 32, 1.0f, 0);
   Filled ns_out(count, DType::f32, 0, 0.f, 0.f), dP(count, DType::f32, 0, 0.f, 0.f);
