@@ -332,6 +332,20 @@ __global__ void __launch_bounds__(NsClusterTile::kThreads, 1)
 
 // ---- host side ------------------------------------------------------------------
 
+// Every CTA's slice of a stage image is a whole number of 16-byte units (the
+// bulk copies' granule) for each supported Gram side m (cluster of m / 32).
+constexpr bool ns_slices_aligned(int m) {
+  using Tile = NsClusterTile;
+  const int ctas = m / Tile::kRows, elem = int(sizeof(__nv_bfloat16));
+  return (2 * Tile::gram_plane(m) * elem) % (16 * ctas) == 0 &&
+         (2 * Tile::row_plane(m) * elem) % (16 * ctas) == 0;
+}
+static_assert(ns_slices_aligned(32) && ns_slices_aligned(64) && ns_slices_aligned(128) &&
+                  ns_slices_aligned(256),
+              "stage image slices must be 16-byte multiples");
+static_assert(NsClusterTile::smem_bytes(NsClusterTile::kMaxM) <= 227 * 1024,
+              "the largest cluster kernel fits an sm_90 CTA's shared memory");
+
 namespace {
 
 // Calls f(kernel) with ns_cluster_kernel<m / 32>; m in {32, 64, 128, 256}.
