@@ -1430,32 +1430,38 @@ template <Decay kDecay, Rule kRule>
 void launch_chunk_backward(const BackwardArgs& a, DType dtype, int64_t head_dim, bool l2norm,
                            bool state_grad_only, int grad_blocks, cudaStream_t stream);
 
+// One element type of a variant over head dim x l2norm.
+template <Decay kDecay, Rule kRule, typename Elem>
+void launch_chunk_backward_elem(const BackwardArgs& a, int64_t head_dim, bool l2norm,
+                                bool state_grad_only, int grad_blocks, cudaStream_t stream) {
+  SS_DISPATCH_BOOL(l2norm, kL2Norm, [&] {
+    if (head_dim == 64) {
+      launch_backward_kernels<kDecay, kRule, Elem, 64, 64, kL2Norm>(a, state_grad_only, grad_blocks,
+                                                                    stream);
+    } else if (head_dim == 128) {
+      launch_backward_kernels<kDecay, kRule, Elem, 128, 128, kL2Norm>(a, state_grad_only,
+                                                                      grad_blocks, stream);
+    } else {
+      SS_FAIL("dk", "CUDA backward supports Dk == Dv in {64, 128}, got ", head_dim);
+    }
+  });
+}
+
 template <Decay kDecay, Rule kRule>
 void launch_chunk_backward_impl(const BackwardArgs& a, DType dtype, int64_t head_dim, bool l2norm,
                                 bool state_grad_only, int grad_blocks, cudaStream_t stream) {
-  auto with_dim = [&](auto elem_tag) {
-    using Elem = decltype(elem_tag);
-    SS_DISPATCH_BOOL(l2norm, kL2Norm, [&] {
-      if (head_dim == 64) {
-        launch_backward_kernels<kDecay, kRule, Elem, 64, 64, kL2Norm>(a, state_grad_only,
-                                                                      grad_blocks, stream);
-      } else if (head_dim == 128) {
-        launch_backward_kernels<kDecay, kRule, Elem, 128, 128, kL2Norm>(a, state_grad_only,
-                                                                        grad_blocks, stream);
-      } else {
-        SS_FAIL("dk", "CUDA backward supports Dk == Dv in {64, 128}, got ", head_dim);
-      }
-    });
-  };
   switch (dtype) {
     case DType::f32:
-      with_dim(float{});
+      launch_chunk_backward_elem<kDecay, kRule, float>(a, head_dim, l2norm, state_grad_only,
+                                                       grad_blocks, stream);
       break;
     case DType::bf16:
-      with_dim(__nv_bfloat16{});
+      launch_chunk_backward_elem<kDecay, kRule, __nv_bfloat16>(a, head_dim, l2norm, state_grad_only,
+                                                               grad_blocks, stream);
       break;
     case DType::f16:
-      with_dim(__half{});
+      launch_chunk_backward_elem<kDecay, kRule, __half>(a, head_dim, l2norm, state_grad_only,
+                                                        grad_blocks, stream);
       break;
   }
 }
@@ -1468,5 +1474,19 @@ void launch_chunk_backward_impl(const BackwardArgs& a, DType dtype, int64_t head
     launch_chunk_backward_impl<kDecay, kRule>(a, dtype, head_dim, l2norm, state_grad_only,        \
                                               grad_blocks, stream);                               \
   }
+
+// The delta rules' fp32 kernels (split-tf32 products) take as long to compile
+// as their two 16-bit types together (~33 of ~56 s for KDA on one core), so
+// they are instantiated in a TU of their own (chunk_backward_<variant>_f32.cu)
+// that the device's parallel build runs beside the variant's main TU: the
+// library's longest compile drops from ~56 to ~33 s. The main TU declares them
+// (EXTERN) so that it does not instantiate them again.
+#define SS_CHUNK_BACKWARD_ELEM_SIGNATURE(kDecay, kRule, Elem)                                    \
+  void launch_chunk_backward_elem<kDecay, kRule, Elem>(const BackwardArgs&, int64_t, bool, bool, \
+                                                       int, cudaStream_t)
+#define SS_EXTERN_CHUNK_BACKWARD_ELEM(kDecay, kRule, Elem) \
+  extern template SS_CHUNK_BACKWARD_ELEM_SIGNATURE(kDecay, kRule, Elem);
+#define SS_INSTANTIATE_CHUNK_BACKWARD_ELEM(kDecay, kRule, Elem) \
+  template SS_CHUNK_BACKWARD_ELEM_SIGNATURE(kDecay, kRule, Elem);
 
 }  // namespace statescan::cuda::detail

@@ -1,7 +1,10 @@
 // Instantiations of the chunkwise backward for variant "gated_deltanet" (decay scalar,
-// rule delta): dtype in {f32, bf16, f16} x Dk == Dv in {64, 128} x l2norm.
+// rule delta): dtype in {bf16, f16} (f32: chunk_backward_gated_deltanet_f32.cu) x Dk == Dv in {64,
+// 128} x l2norm.
 #include "kernels/cuda/chunk_backward.cuh"
 
 namespace statescan::cuda::detail {
+SS_EXTERN_CHUNK_BACKWARD_ELEM(Decay::scalar, Rule::delta,
+                              float)  // chunk_backward_gated_deltanet_f32.cu
 SS_INSTANTIATE_CHUNK_BACKWARD(Decay::scalar, Rule::delta)
 }  // namespace statescan::cuda::detail
