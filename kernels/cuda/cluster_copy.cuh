@@ -108,12 +108,19 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
                : "memory");
 }
 
+// The shared::cluster address of `local`'s offset in CTA `cta` of the cluster.
+__device__ __forceinline__ uint32_t cluster_shared_address(const void* local, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote)
+               : "r"(shared_address(local)), "r"(cta));
+  return remote;
+}
+
 // Arrives once on the barrier at the same offset in CTA `cta` of the cluster.
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(bar)),
-               "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
+                   cluster_shared_address(bar, cta))
                : "memory");
 }
 
@@ -124,11 +131,9 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t 
 // per-stage release of it dominated LaCT's Newton-Schulz kernel (ncu: "stall
 // membar").
 __device__ __forceinline__ void mbarrier_arrive_cluster_cta(uint64_t* bar, uint32_t cta) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-               : "=r"(remote)
-               : "r"(shared_address(bar)), "r"(cta));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+  asm volatile(
+      "mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_shared_address(bar, cta))
+      : "memory");
 }
 
 // Waits until the barrier's phase of parity `parity` has completed, with an

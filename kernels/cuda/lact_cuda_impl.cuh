@@ -1104,13 +1104,11 @@ __device__ __forceinline__ float2 ns_fused_pair(const float* s, int mn, int k) {
   }
 }
 
-// x = hi + lo as split3_kernel forms them (hi = bf16_rn(x), lo = bf16_rn(x -
-// hi); the subtraction is exact), two elements per 32-bit register, the first
-// in the low half as mma expects: bitwise the split path's operands.
+// x = hi + lo as split3_kernel forms them (detail::split_bf16x2), two
+// elements per 32-bit register, the first in the low half as mma expects:
+// bitwise the split path's operands.
 __device__ __forceinline__ void ns_fused_split(float2 v, uint32_t& hi, uint32_t& lo) {
-  hi = detail::pack2<bf16>(v.x, v.y);
-  const float2 h = detail::unpack2<bf16>(hi);
-  lo = detail::pack2<bf16>(v.x - h.x, v.y - h.y);
+  detail::split_bf16x2(v.x, v.y, hi, lo);
 }
 
 // For every matrix b < mats: C_b = alpha op(A_b) op(B_b) + beta C_b on bf16

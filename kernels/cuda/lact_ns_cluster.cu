@@ -18,14 +18,6 @@ namespace statescan::cuda::lact_detail {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-// hi = bf16(x), lo = bf16(x - hi) for two adjacent elements, each pair packed
-// as mma operands (the first element in the low half): split3_kernel's parts.
-__device__ __forceinline__ void ns_cluster_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  hi = detail::pack2<__nv_bfloat16>(x0, x1);
-  const float2 h = detail::unpack2<__nv_bfloat16>(hi);
-  lo = detail::pack2<__nv_bfloat16>(x0 - h.x, x1 - h.y);
-}
-
 __device__ __forceinline__ void store_pair(__nv_bfloat16* base, int64_t at, uint32_t v) {
   *reinterpret_cast<uint32_t*>(base + at) = v;
 }
@@ -172,7 +164,7 @@ __global__ void __launch_bounds__(NsClusterTile::kThreads, 1)
           const int q = q0 + u * Tile::kThreads;
           if (q >= pairs) continue;
           uint32_t hi, lo;
-          ns_cluster_split(x[u].x, x[u].y, hi, lo);
+          detail::split_bf16x2(x[u].x, x[u].y, hi, lo);
           store_x(0, (2 * q) / n, (2 * q) % n, hi, lo);
         }
       }
@@ -255,7 +247,7 @@ __global__ void __launch_bounds__(NsClusterTile::kThreads, 1)
             const int at = out_row(h) * kLdR + out_col(j);
             const float2 v = f(j, h);
             uint32_t hi, lo;
-            ns_cluster_split(v.x, v.y, hi, lo);
+            detail::split_bf16x2(v.x, v.y, hi, lo);
             for (bf16* dst : {sA, tile}) {
               if (dst == nullptr) continue;
               store_pair(dst, at, hi);
@@ -314,7 +306,7 @@ __global__ void __launch_bounds__(NsClusterTile::kThreads, 1)
             const float2 y = make_float2(acc[j][2 * h] + p.a * x.x, acc[j][2 * h + 1] + p.a * x.y);
             *reinterpret_cast<float2*>(X + at) = y;
             uint32_t hi, lo;
-            ns_cluster_split(y.x, y.y, hi, lo);
+            detail::split_bf16x2(y.x, y.y, hi, lo);
             store_x(cur ^ 1, r, c, hi, lo);
           }
       }

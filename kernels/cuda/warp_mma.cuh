@@ -25,24 +25,10 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Four 8 x 8 matrices of 16-bit elements; lane l gives the address of row
-// (l % 8) of matrix l / 8. kTrans transposes each matrix on the way.
-template <bool kTrans>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-  if constexpr (kTrans) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
-  } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
-  }
-}
-
-// ldmatrix_x4 from a shared-window address (shared_address()), for loops that
-// step one base address by constants instead of converting a generic pointer
-// per load.
+// Four 8 x 8 matrices of 16-bit elements from a shared-window address
+// (shared_address()); lane l gives the address of row (l % 8) of matrix l / 8.
+// kTrans transposes each matrix on the way. Loops that step one base address
+// by constants call this directly instead of converting a pointer per load.
 template <bool kTrans>
 __device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t addr) {
   if constexpr (kTrans) {
@@ -54,6 +40,12 @@ __device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t addr) 
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
   }
+}
+
+// The same from a generic pointer into shared memory.
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  ldmatrix_x4_at<kTrans>(r, shared_address(row));
 }
 
 // Two transposed 8 x 8 matrices: lanes 0-7 give the rows of the first,
@@ -135,6 +127,15 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   } else {
     return __half22float2(*reinterpret_cast<const __half2*>(&x));
   }
+}
+
+// x = hi + lo for two adjacent fp32 values as bf16 pairs (hi = bf16_rn(x), lo =
+// bf16_rn(x - hi); the subtraction is exact), each pair packed as pack2 does:
+// the two-part operands of LaCT's Newton-Schulz products.
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = pack2<__nv_bfloat16>(x0, x1);
+  const float2 h = unpack2<__nv_bfloat16>(hi);
+  lo = pack2<__nv_bfloat16>(x0 - h.x, x1 - h.y);
 }
 
 // acc's kNT tiles += the A fragment `a` (16 x 16, k0 .. k0+16) times Y's
