@@ -14,11 +14,13 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "core/error.h"
 #include "kernels/cuda/cuda_mixer.h"
+#include "kernels/cuda/lact_hidden.cuh"
 #include "kernels/cuda/lact_ns_cluster.cuh"
 #include "tests/lact_cuda_test_util.h"
 
@@ -167,6 +169,17 @@ TEST_P(LactCudaBf16, PartialLastChunkMatchesReference) {
   compare(LactSizes{1, 200, 2, 32, 64}, 128, DType::bf16, kBf16, 6000);
 }
 
+// D = 64, M = 128: a shape the fused hidden layer takes (lact_hidden.cuh; the
+// ones above stay on cuBLAS), the last chunk (144 tokens) ending inside a
+// 128-token tile. test_cuda_lact_hidden_cublas runs them on cuBLAS.
+TEST_P(LactCudaBf16, FusedHiddenShapeMatchesReference) {
+  compare(LactSizes{2, 256, 2, 64, 128}, 128, DType::bf16, kBf16, 5500);
+}
+
+TEST_P(LactCudaBf16, FusedHiddenShapePartialChunkMatchesReference) {
+  compare(LactSizes{1, 400, 2, 64, 128}, 256, DType::bf16, kBf16, 6500);
+}
+
 TEST_P(LactCudaBf16, RunsRepeatBitwise) {
   expect_repeatable(LactSizes{1, 256, 2, 32, 64}, 128, DType::bf16, 9000);
 }
@@ -313,6 +326,196 @@ INSTANTIATE_TEST_SUITE_P(
                           NsShape{4, 512, 256}, NsShape{1, 256, 512}, NsShape{2, 96, 48}),
         ::testing::Values(NsGemms::bf16x3, NsGemms::cluster, NsGemms::fused, NsGemms::fp32)),
     ns_param_name);
+
+// ---- the fused hidden layer alone -------------------------------------------------
+
+// lact_hidden_kernel (kernels/cuda/lact_hidden.cuh) against the fp64 values of
+// its outputs from the same bf16 inputs: gate = silu(h0) h2 (apply) and, on
+// the key side, z0 = lr0 e h2 silu'(h0), z2 = lr2 e silu(h0), gate =
+// lr1 silu(h0) h2 with e = -v W1, with and without the low bf16 terms.
+// Shapes: D = 64, 128, 256 (one to four k-blocks), M = 64 to 512, slices
+// that end inside a 128-token tile and start at t0 > 0 inside a longer
+// sequence (B 2, H 2: the tensor maps' row and column offsets). Outputs are
+// poisoned with NaN and followed by a poisoned guard region: every element of
+// the slice must be written, nothing after it. Tolerances: a bf16 value
+// rounds to within 2^-9 relative (RMS ~1.1e-3 over the array), 4e-3 is a
+// margin a misplaced block or column would exceed by orders of magnitude;
+// hi + lo carries the fp32 value to ~2^-17, and the fp32 products over D
+// leave ~1e-6, so 3e-5.
+using cuda::lact_detail::LactHiddenMode;
+
+struct HiddenCase {
+  int64_t D, M, n, local_len, t0;
+  LactHiddenMode mode;
+  bool lo;
+};
+
+class LactCudaHidden : public ::testing::TestWithParam<HiddenCase> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+    if (!cuda::lact_detail::lact_hidden_supported(GetParam().D, GetParam().M))
+      GTEST_SKIP() << "no fused hidden layer on this device or build (ReportsThePath checks 9.0)";
+  }
+};
+
+constexpr double kHiddenTol = 4e-3, kHiddenSplitTol = 3e-5;
+constexpr int64_t kHiddenB = 2, kHiddenH = 2, kHiddenGuard = 4096;
+
+TEST_P(LactCudaHidden, MatchesReference) {
+  const HiddenCase c = GetParam();
+  const bool key = c.mode == LactHiddenMode::key_side;
+  const int64_t pairs = kHiddenB * kHiddenH, D = c.D, M = c.M, n = c.n, L = c.local_len;
+  const int64_t hd = kHiddenH * D, tokens = kHiddenB * L;
+  std::mt19937_64 rng(4242 + D + 3 * M + n);
+  std::uniform_real_distribution<double> rate(0.05, 1.0);
+  auto rates = [&] {
+    std::vector<double> r(static_cast<std::size_t>(tokens * kHiddenH));
+    for (double& e : r) e = rate(rng);
+    return r;
+  };
+  // Uploading rounds to bf16; the reference reads the rounded values back.
+  DeviceTensor x(randn(static_cast<std::size_t>(tokens * hd), rng), DType::bf16);
+  DeviceTensor v(randn(static_cast<std::size_t>(tokens * hd), rng), DType::bf16);
+  DeviceTensor w(randn(static_cast<std::size_t>(pairs * 3 * M * D), rng, 1.0 / std::sqrt(D)),
+                 DType::bf16);
+  DeviceTensor lr0(rates(), DType::bf16), lr1(rates(), DType::bf16), lr2(rates(), DType::bf16);
+  const std::size_t rows = static_cast<std::size_t>(pairs * n);
+  DeviceTensor z(rows * 2 * M + kHiddenGuard, DType::bf16),
+      gate(rows * M + kHiddenGuard, DType::bf16);
+  DeviceTensor z_lo(rows * 2 * M + kHiddenGuard, DType::bf16),
+      gate_lo(rows * M + kHiddenGuard, DType::bf16);
+
+  cuda::lact_detail::LactHiddenParams p;
+  p.mode = c.mode;
+  p.x = static_cast<const __nv_bfloat16*>(x.data());
+  p.v = static_cast<const __nv_bfloat16*>(v.data());
+  p.w = static_cast<const __nv_bfloat16*>(w.data());
+  p.lr0 = static_cast<const __nv_bfloat16*>(lr0.data());
+  p.lr1 = static_cast<const __nv_bfloat16*>(lr1.data());
+  p.lr2 = static_cast<const __nv_bfloat16*>(lr2.data());
+  p.z = static_cast<__nv_bfloat16*>(z.data());
+  p.gate = static_cast<__nv_bfloat16*>(gate.data());
+  if (c.lo) {
+    p.z_lo = static_cast<__nv_bfloat16*>(z_lo.data());
+    p.gate_lo = static_cast<__nv_bfloat16*>(gate_lo.data());
+  }
+  p.B = kHiddenB, p.H = kHiddenH, p.D = D, p.M = M, p.local_len = L, p.t0 = c.t0, p.n = n;
+  cuda::lact_detail::lact_hidden_launch(p, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  const std::vector<double> X = x.read(), V = v.read(), W = w.read(), R0 = lr0.read(),
+                            R1 = lr1.read(), R2 = lr2.read();
+  std::vector<double> want_gate(rows * M), want_z(key ? rows * 2 * M : 0);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t b = pair / kHiddenH, h = pair % kHiddenH;
+    const double* w0 = W.data() + pair * 3 * M * D;
+    const double* w2 = w0 + M * D;
+    const double* w1 = w2 + M * D;  // D x M
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t tok = b * L + c.t0 + t;
+      const double* xr = X.data() + tok * hd + h * D;
+      const double* vr = V.data() + tok * hd + h * D;
+      const int64_t row = pair * n + t, lr = tok * kHiddenH + h;
+      for (int64_t m = 0; m < M; ++m) {
+        double h0 = 0, h2 = 0, e = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          h0 += xr[d] * w0[m * D + d];
+          h2 += xr[d] * w2[m * D + d];
+          e -= vr[d] * w1[d * M + m];
+        }
+        const double s = 1 / (1 + std::exp(-h0)), silu = h0 * s, d1 = s * (1 + h0 * (1 - s));
+        if (!key) {
+          want_gate[row * M + m] = silu * h2;
+        } else {
+          want_z[row * 2 * M + m] = R0[lr] * e * h2 * d1;
+          want_z[row * 2 * M + M + m] = R2[lr] * e * silu;
+          want_gate[row * M + m] = R1[lr] * silu * h2;
+        }
+      }
+    }
+  }
+  auto slice = [](const std::vector<double>& a, std::size_t count) {
+    return std::vector<double>(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(count));
+  };
+  auto guard_untouched = [&](const std::vector<double>& a, std::size_t count) {
+    return std::all_of(a.begin() + static_cast<std::ptrdiff_t>(count), a.end(),
+                       [](double e) { return std::isnan(e); });
+  };
+  auto sum = [](const std::vector<double>& a, const std::vector<double>& b) {
+    std::vector<double> s(a.size());
+    for (std::size_t i = 0; i < a.size(); ++i) s[i] = a[i] + b[i];
+    return s;
+  };
+  const std::vector<double> got_gate = gate.read(), got_z = z.read();
+  EXPECT_LE(rel_rms(slice(got_gate, rows * M), want_gate), kHiddenTol) << "gate";
+  EXPECT_TRUE(guard_untouched(got_gate, rows * M)) << "gate written past the slice";
+  if (key) {
+    EXPECT_LE(rel_rms(slice(got_z, rows * 2 * M), want_z), kHiddenTol) << "z";
+    EXPECT_TRUE(guard_untouched(got_z, rows * 2 * M)) << "z written past the slice";
+  } else {
+    EXPECT_TRUE(guard_untouched(got_z, 0)) << "apply wrote z";
+  }
+  const std::vector<double> got_z_lo = z_lo.read(), got_gate_lo = gate_lo.read();
+  if (c.lo) {
+    EXPECT_LE(rel_rms(sum(slice(got_gate, rows * M), slice(got_gate_lo, rows * M)), want_gate),
+              kHiddenSplitTol)
+        << "gate hi + lo";
+    EXPECT_LE(rel_rms(sum(slice(got_z, rows * 2 * M), slice(got_z_lo, rows * 2 * M)), want_z),
+              kHiddenSplitTol)
+        << "z hi + lo";
+    EXPECT_TRUE(guard_untouched(got_gate_lo, rows * M) && guard_untouched(got_z_lo, rows * 2 * M))
+        << "low terms written past the slice";
+  } else {
+    EXPECT_TRUE(guard_untouched(got_gate_lo, 0) && guard_untouched(got_z_lo, 0))
+        << "low terms written though not asked for";
+  }
+}
+
+// The path is what lact_cuda_hidden_path reports; on a 9.0 device every shape
+// above fits (a build without sm_90a code fails here rather than letting the
+// layer silently run cuBLAS), and shapes off the 64-grid or past D = 256 never do.
+TEST(LactCudaHiddenPath, ReportsThePath) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  EXPECT_STREQ(cuda::lact_cuda_hidden_path(DType::f32, 256, 512), "cublas");
+  EXPECT_FALSE(cuda::lact_detail::lact_hidden_supported(32, 64));
+  EXPECT_FALSE(cuda::lact_detail::lact_hidden_supported(64, 96));
+  EXPECT_FALSE(cuda::lact_detail::lact_hidden_supported(320, 512));
+  const bool fused = cuda::lact_detail::lact_hidden_supported(256, 512);
+  EXPECT_STREQ(cuda::lact_cuda_hidden_path(DType::bf16, 256, 512),
+               fused && cuda::lact_detail::hidden_fused_requested() ? "fused" : "cublas");
+  int device = 0, major = 0, minor = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), cudaSuccess);
+  if (major == 9 && minor == 0)
+    for (const auto& [D, M] : {std::pair<int64_t, int64_t>{64, 64}, {128, 192}, {256, 512}})
+      EXPECT_TRUE(cuda::lact_detail::lact_hidden_supported(D, M)) << "D " << D << ", M " << M;
+}
+
+std::vector<HiddenCase> hidden_cases() {
+  std::vector<HiddenCase> cases;
+  const HiddenCase shapes[] = {{64, 64, 100, 160, 37, LactHiddenMode::apply, false},
+                               {128, 192, 256, 300, 0, LactHiddenMode::apply, false},
+                               {256, 512, 300, 400, 64, LactHiddenMode::apply, false}};
+  for (HiddenCase s : shapes) {
+    cases.push_back(s);
+    s.mode = LactHiddenMode::key_side;
+    cases.push_back(s);
+    s.lo = true;
+    cases.push_back(s);
+  }
+  return cases;
+}
+
+std::string hidden_case_name(const ::testing::TestParamInfo<HiddenCase>& info) {
+  const HiddenCase& c = info.param;
+  return std::string(c.mode == LactHiddenMode::apply ? "apply" : "key_side") + (c.lo ? "_lo" : "") +
+         "_D" + std::to_string(c.D) + "_M" + std::to_string(c.M) + "_n" + std::to_string(c.n);
+}
+
+INSTANTIATE_TEST_SUITE_P(ShapesAndModes, LactCudaHidden, ::testing::ValuesIn(hidden_cases()),
+                         hidden_case_name);
 
 // ---- bad input --------------------------------------------------------------------
 

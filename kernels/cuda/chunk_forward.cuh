@@ -39,7 +39,6 @@
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <algorithm>
 #include <cstdint>
@@ -53,6 +52,7 @@
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mixer_tensors.cuh"
+#include "kernels/cuda/tensor_map.h"
 
 namespace statescan::cuda::detail {
 
@@ -177,40 +177,6 @@ unsigned scan_cluster_ctas(Kernel kernel, dim3 grid, int threads, size_t smem, i
     }
   cache.emplace(key, pick);
   return pick;
-}
-
-// A 2D tensor map (TMA) over a row-major [rows][cols] array of 16-bit
-// elements, boxes of box_rows x box_cols; a box may reach past a row's end
-// (box_cols > cols) and those columns arrive as zeros: the tiles' 16 bytes of
-// row padding in shared memory come with the tile in one copy.
-inline CUtensorMap tile_map_2d(const void* base, int64_t rows, int64_t cols, int box_cols,
-                               int box_rows,
-                               CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
-  using Encode = PFN_cuTensorMapEncodeTiled_v12000;
-  static const Encode encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    SS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                                   cudaEnableDefault, &found));
-#else  // deprecated from 12.5 on
-    SS_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
-#endif
-    SS_CHECK_ARG(found == cudaDriverEntryPointSuccess && fn != nullptr, "driver",
-                 "has no cuTensorMapEncodeTiled (needs CUDA 12)");
-    return reinterpret_cast<Encode>(fn);
-  }();
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t unit[2] = {1, 1};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims,
-                            strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  SS_CHECK_ARG(r == CUDA_SUCCESS, "workspace", "cuTensorMapEncodeTiled failed (", static_cast<int>(r),
-               ") for a [", rows, "][", cols, "] tile array, box ", box_rows, " x ", box_cols);
-  return map;
 }
 
 // The delta scans' tensor maps (chunk_state_scan16_kernel, kBulk): K_, W, Q^

@@ -10,6 +10,7 @@
 #include "core/env_knob.h"
 #include "core/error.h"
 #include "kernels/cuda/lact_cuda.h"
+#include "kernels/cuda/lact_hidden.cuh"
 #include "kernels/cuda/lact_ns_cluster.cuh"
 
 namespace statescan::cuda {
@@ -28,6 +29,11 @@ NsGemms ns_gemms_requested() {
     return choice < 0 ? NsGemms::bf16x3 : kModes[choice];  // -1: unset
   }();
   return mode;
+}
+
+bool hidden_fused_requested() {
+  static const bool fused = env_choice("STATESCAN_LACT_HIDDEN", {"fused", "cublas"}) != 1;
+  return fused;
 }
 }  // namespace lact_detail
 
@@ -165,6 +171,12 @@ const char* ns_gemms_name(NsGemms mode, int64_t dim, int64_t hidden) {
 const char* lact_cuda_ns_gemms(DType dtype, int64_t dim, int64_t hidden) {
   if (dtype == DType::f32) return "fp64";
   return lact_detail::ns_gemms_name(lact_detail::ns_gemms_requested(), dim, hidden);
+}
+
+const char* lact_cuda_hidden_path(DType dtype, int64_t dim, int64_t hidden) {
+  const bool fused = dtype == DType::bf16 && lact_detail::hidden_fused_requested() &&
+                     lact_detail::lact_hidden_supported(dim, hidden);
+  return fused ? "fused" : "cublas";
 }
 
 void lact_cuda_forward(const LactCudaParams& p, const LactDeviceAllReduce& all_reduce,

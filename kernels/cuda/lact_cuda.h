@@ -82,6 +82,16 @@ void lact_cuda_check_data(const LactCudaParams& p, cudaStream_t stream);
 // opt-in), "bf16x3-fused" (the same products in one kernel,
 // STATESCAN_LACT_NS=fused; opt-in) or "fp32" (STATESCAN_LACT_NS=fp32).
 const char* lact_cuda_ns_gemms(DType dtype, int64_t dim, int64_t hidden);
+// How a layer of `dtype`, `dim`, `hidden` forms its forward's hidden layer
+// (h0 = x W0^T, h2 = x W2^T, e = -v W1 and the elementwise step after them),
+// for reports: "fused" (bf16 layers with dim a multiple of 64 up to 256 and
+// hidden a multiple of 64, on a 9.0 device of an sm_90a build: one kernel
+// that writes only gate and z, lact_hidden.cuh; token arrays not 16-byte
+// aligned take the cuBLAS path) or "cublas" (cuBLAS GEMMs into fp32 h and e,
+// then the elementwise kernels; f32 layers, other shapes, and
+// STATESCAN_LACT_HIDDEN=cublas). The backward recomputes h through cuBLAS
+// either way.
+const char* lact_cuda_hidden_path(DType dtype, int64_t dim, int64_t hidden);
 // d_o finite (synchronises `stream`).
 void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* name,
                             cudaStream_t stream);
@@ -110,6 +120,11 @@ namespace lact_detail {
 // value is an error naming the variable.
 enum class NsGemms { bf16x3, fp32, fused, cluster };
 NsGemms ns_gemms_requested();
+
+// STATESCAN_LACT_HIDDEN: unset or "fused" lets bf16 layers take the fused
+// hidden-layer kernel where it fits (lact_cuda_hidden_path), "cublas" keeps
+// them on cuBLAS; read once per process, any other value an error naming it.
+bool hidden_fused_requested();
 
 // What lact_cuda_ns_gemms reports for a bf16 layer run in `mode`.
 const char* ns_gemms_name(NsGemms mode, int64_t dim, int64_t hidden);

@@ -36,6 +36,8 @@
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/lact_cuda.h"
+#include "kernels/cuda/lact_hidden.cuh"
+#include "kernels/cuda/lact_math.cuh"
 #include "kernels/cuda/lact_ns_cluster.cuh"
 #include "kernels/cuda/warp_mma.cuh"
 
@@ -332,17 +334,6 @@ __device__ __forceinline__ P slot_array(int64_t slot, P w0, P w1, P w2) {
   return slot == 0 ? w0 : (slot == 1 ? w2 : w1);
 }
 
-// silu and its first two derivatives in fp32.
-struct SiluF {
-  float value, d1, d2;
-  __device__ __forceinline__ explicit SiluF(float x) {
-    const float s = 1.0f / (1.0f + expf(-x));
-    value = x * s;
-    d1 = s * (1.0f + x * (1.0f - s));
-    d2 = s * (1.0f - s) * (2.0f + x * (1.0f - 2.0f * s));
-  }
-};
-
 // Sum over the 32 lanes of a warp (every lane gets it): the fp64 overload
 // beside device_math.cuh's fp32 one (Newton-Schulz in double for f32 layers).
 __device__ __forceinline__ double warp_sum(double x) {
@@ -508,14 +499,6 @@ __global__ void store_weight_grads_kernel(const float* d_init, int64_t H, int64_
 }
 
 // ---- token kernels ------------------------------------------------------------
-
-// Learning rate of row t of pair i in this chunk slice.
-template <typename T>
-__device__ __forceinline__ float lr_at(const T* lr, int64_t pair, int64_t t, int64_t H,
-                                       int64_t local_len, int64_t t0) {
-  const int64_t b = pair / H, h = pair % H;
-  return to_float(lr[(b * local_len + t0 + t) * H + h]);
-}
 
 // Apply forward: gate = silu(h0) h2 (operand type, rows of M) from the
 // hidden rows h = [h0 | h2] (rows of 2M). Blocks stride over rows, threads
@@ -1674,6 +1657,8 @@ class LactGpu {
         causal_(p.config.schedule == LactSchedule::apply_then_update),
         momentum_(p.config.momentum > 0),
         split_update_(!std::is_same<T, float>::value && p.config.muon_steps > 0),
+        fused_hidden_(std::is_same<T, bf16>::value && hidden_fused_requested() &&
+                      lact_hidden_supported(g_.D, g_.M) && lact_hidden_aligned(p.q, p.k, p.v)),
         w_init_(g_.H * g_.block(), stream),
         norm0_(g_.H * g_.norms(), stream) {
     load_weights_kernel<T><<<grid_for(w_init_.size(), kThreads), kThreads, 0, stream_>>>(
@@ -1910,13 +1895,36 @@ class LactGpu {
              rows_out(h_.get(), b, n, M2));
   }
 
+  // The fused hidden-layer kernel's launch for the slice (lact_hidden.cuh).
+  LactHiddenParams hidden_params(LactHiddenMode mode, const T* w, int64_t n, int64_t t0) const {
+    if constexpr (std::is_same<T, bf16>::value) {
+      LactHiddenParams h;
+      h.mode = mode;
+      h.x = tok(mode == LactHiddenMode::apply ? p_.q : p_.k);
+      h.v = tok(p_.v);
+      h.w = w;
+      h.lr0 = tok(p_.lr0), h.lr1 = tok(p_.lr1), h.lr2 = tok(p_.lr2);
+      h.z = z_.get(), h.gate = gate_.get(), h.z_lo = z_lo_.get(), h.gate_lo = gate_lo_.get();
+      h.B = g_.B, h.H = g_.H, h.D = g_.D, h.M = g_.M;
+      h.local_len = g_.local_len, h.t0 = t0, h.n = n;
+      return h;
+    } else {
+      SS_CHECK_ARG(false, "dtype", "the fused hidden layer takes bf16 layers only");
+      return {};
+    }
+  }
+
   // o = f_W(q) for the slice.
   void apply_forward(const T* w, int64_t n, int64_t t0) {
     const int64_t rows = g_.pairs * n, M = g_.M, hd = g_.H * g_.D;
-    hidden(p_.q, w, n, t0);
-    apply_gate_kernel<T>
-        <<<row_grid(rows), kRowThreads, 0, stream_>>>(h_.get(), rows, M, gate_.get());
-    SS_LAUNCH_CHECK("apply_gate_kernel");
+    if (fused_hidden_) {
+      lact_hidden_launch(hidden_params(LactHiddenMode::apply, w, n, t0), stream_);
+    } else {
+      hidden(p_.q, w, n, t0);
+      apply_gate_kernel<T>
+          <<<row_grid(rows), kRowThreads, 0, stream_>>>(h_.get(), rows, M, gate_.get());
+      SS_LAUNCH_CHECK("apply_gate_kernel");
+    }
     for (int64_t b = 0; b < g_.B; ++b)
       gemm_t(false, true, n, g_.D, M, 1.0, rows_in<T>(gate_.get(), b, n, M), weights(w, b, 2), 0.0,
              Output{static_cast<T*>(p_.o) + (b * g_.local_len + t0) * hd, kT, hd, g_.D});
@@ -1933,11 +1941,15 @@ class LactGpu {
   // G = [G0 | G2 | G1] of the slice at W (this rank's partial sum).
   void partial_gradients(const T* w, int64_t n, int64_t t0, float* G) {
     const int64_t M = g_.M, M2 = 2 * g_.M;
-    key_side(w, n, t0);
-    key_side_kernel<T><<<row_grid(g_.pairs * n), kRowThreads, 0, stream_>>>(
-        h_.get(), e_.get(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), g_.pairs, n, M, g_.H,
-        g_.local_len, t0, z_.get(), gate_.get(), z_lo_.get(), gate_lo_.get());
-    SS_LAUNCH_CHECK("key_side_kernel");
+    if (fused_hidden_) {
+      lact_hidden_launch(hidden_params(LactHiddenMode::key_side, w, n, t0), stream_);
+    } else {
+      key_side(w, n, t0);
+      key_side_kernel<T><<<row_grid(g_.pairs * n), kRowThreads, 0, stream_>>>(
+          h_.get(), e_.get(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), g_.pairs, n, M, g_.H,
+          g_.local_len, t0, z_.get(), gate_.get(), z_lo_.get(), gate_lo_.get());
+      SS_LAUNCH_CHECK("key_side_kernel");
+    }
     for (int64_t b = 0; b < g_.B; ++b) {
       // [G0; G2] = [z0 | z2]^T k,  G1 = -v^T gate (+ the low bf16 terms).
       gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(z_.get(), b, n, M2), tokens(p_.k, b, t0),
@@ -2036,6 +2048,9 @@ class LactGpu {
   // 8e-3 and 2e-2). Costs 6 M D more forward GEMM FLOPs per token (18 -> 24),
   // with Muon only.
   bool split_update_;
+  // The forward's hidden layer in lact_hidden_kernel (lact_cuda_hidden_path):
+  // gate, z (and their low terms) straight from the MMAs, no fp32 h or e.
+  bool fused_hidden_;
   PoolArray<float> w_init_, norm0_;
   // Rows of 2M: h_, u_ (fp32), z_, dh_ (operands); rows of M: e_, u1_ (fp32),
   // gate_, de_ (operands).

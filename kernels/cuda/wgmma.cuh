@@ -1,5 +1,5 @@
-// Hopper warpgroup MMA (wgmma) with A from registers and B from shared
-// memory, and the pieces around it: the descriptor for the 128-byte-swizzled
+// Hopper warpgroup MMA (wgmma) with A from registers or shared memory and B
+// from shared memory, and the pieces around it: the descriptor for the 128-byte-swizzled
 // layout TMA writes, the fences, and stmatrix (transposed) for staging an
 // accumulator through shared memory. sm_90a only: the host picks these
 // kernels only in a build for 90a (STATESCAN_CUDA_SM90A) on a device of
@@ -119,6 +119,43 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_first(float (&d)[32], const u
 #endif
 }
 
+// One m64n64k16 MMA with both operands from shared memory: A K-major (its
+// descriptor a), B K-major or MN-major where TB is "1".
+#define SS_WGSS(TY, TB, SCALE, F8)                                                             \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                         \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+               "%32, %33, " SCALE ", 1, 1, 0, " TB ";\n"                                       \
+               : F8(0), F8(8), F8(16), F8(24)                                                  \
+               : "l"(a), "l"(b))
+#define SS_WGSS_TYPED(SCALE, F8)     \
+  if constexpr (kBf16 && kTransB)    \
+    SS_WGSS("bf16", "1", SCALE, F8); \
+  else if constexpr (kBf16)          \
+    SS_WGSS("bf16", "0", SCALE, F8); \
+  else if constexpr (kTransB)        \
+    SS_WGSS("f16", "1", SCALE, F8);  \
+  else                               \
+    SS_WGSS("f16", "0", SCALE, F8)
+
+// d (64 x 64, fp32) += A B with A (64 x 16, K-major) and B from shared
+// memory by their descriptors; scale_d 0 (kFirst) writes d = A B instead, as
+// wgmma_m64n64k16_rs_first does.
+template <bool kBf16, bool kTransB, bool kFirst = false>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a, uint64_t b) {
+#ifdef SS_WGMMA_UNAVAILABLE
+  __trap();
+#else
+  if constexpr (kFirst) {
+    SS_WGSS_TYPED("0", SS_WG_F8_OUT);
+  } else {
+    SS_WGSS_TYPED("1", SS_WG_F8);
+  }
+#endif
+}
+
+#undef SS_WGSS_TYPED
+#undef SS_WGSS
 #undef SS_WGRS_TYPED
 #undef SS_WGRS
 #undef SS_WG_F8_OUT

@@ -1,0 +1,350 @@
+// lact_hidden_kernel (lact_hidden.cuh): LaCT's hidden layer on the token side,
+// products and elementwise step in one kernel.
+//
+// One CTA per 128 tokens of a (batch row, head) pair: two consumer
+// warpgroups of 64 token rows and a producer warp. The CTA's tokens (x, and v
+// on the key side) are loaded once by TMA and stay in shared memory; the
+// weights stream through a 4-stage pipeline in 64 x 64 boxes, one stage per
+// (64 hidden columns j, 64 of D kb): W0's and W2's rows j (K-major) and, on
+// the key side, W1's columns j (MN-major). For each j a warpgroup runs the
+// m64n64 products over all of D with both operands from shared memory
+// (wgmma), h0, h2 (and e) in fp32 accumulators, then writes that 64 x 64
+// block of gate (and z) in bf16 straight from the registers: the fp32
+// h = [h0 | h2] and e of the cuBLAS path never exist.
+//
+// Shared memory: tokens 128 x D bf16 (x2 on the key side: 128 KB at D = 256),
+// stages 16 KB (24 KB), all 128-byte swizzled as TMA writes them: 224 KB at
+// the key side's largest D, one CTA per multiprocessor. At the issue's shape
+// (4,096 tokens a slice, H 4) that is 128 CTAs: one wave on an H200.
+#include <cuda.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/cuda/cluster_copy.cuh"
+#include "kernels/cuda/lact_hidden.cuh"
+#include "kernels/cuda/lact_math.cuh"
+#include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/tensor_map.h"
+#include "kernels/cuda/warp_mma.cuh"
+#include "kernels/cuda/wgmma.cuh"
+
+namespace statescan::cuda::lact_detail {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+struct HiddenTile {
+  static constexpr int kRows = 128;  // tokens per CTA: two warpgroups of 64
+  static constexpr int kCols = 64;   // hidden columns per pass (m64n64 accumulators)
+  static constexpr int kK = 64;      // D per stage: one 128-byte swizzle row
+  static constexpr int kMaxD = 256;
+  static constexpr int kStages = 4;
+  static constexpr int kConsumers = 256;
+  static constexpr int kThreads = kConsumers + 32;  // + the producer warp
+  static constexpr int kConsumerWarps = kConsumers / 32;
+  static constexpr size_t kTokenBox = size_t{kRows} * kK * 2;   // 16 KB
+  static constexpr size_t kWeightBox = size_t{kCols} * kK * 2;  // 8 KB
+
+  static constexpr int token_arrays(LactHiddenMode mode) {
+    return mode == LactHiddenMode::key_side ? 2 : 1;
+  }
+  static constexpr size_t stage_bytes(LactHiddenMode mode) {
+    return (mode == LactHiddenMode::key_side ? 3 : 2) * kWeightBox;
+  }
+  static constexpr size_t tokens_bytes(LactHiddenMode mode, int D) {
+    return token_arrays(mode) * (D / kK) * kTokenBox;
+  }
+  // + full, empty per stage and the tokens' barrier, + 1 KB to align the base
+  // to the swizzle's 1024 bytes.
+  static constexpr size_t smem_bytes(LactHiddenMode mode, int D) {
+    return tokens_bytes(mode, D) + kStages * stage_bytes(mode) + 8 * (2 * kStages + 1) + 1024;
+  }
+};
+static_assert(HiddenTile::smem_bytes(LactHiddenMode::key_side, HiddenTile::kMaxD) <= 227 * 1024,
+              "lact_hidden_kernel exceeds shared memory at the largest D");
+
+// The tensor maps: x and v as [B * local_len][H * D] boxes of 128 rows x 64;
+// the weights twice over the same bytes, as rows of D (W0, W2: boxes of 64
+// rows x 64) and as rows of M (W1: 64 of its D rows x 64 columns).
+struct HiddenMaps {
+  CUtensorMap x, v, w02, w1;
+};
+
+template <LactHiddenMode kMode>
+__global__ void __launch_bounds__(HiddenTile::kThreads, 1)
+    lact_hidden_kernel(const __grid_constant__ LactHiddenParams p,
+                       const __grid_constant__ HiddenMaps maps) {
+  using Tile = HiddenTile;
+  using detail::wgmma_desc_sw128;
+  constexpr bool kKey = kMode == LactHiddenMode::key_side;
+  constexpr size_t kStageBytes = Tile::stage_bytes(kMode);
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* base = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int D = static_cast<int>(p.D), M = static_cast<int>(p.M);
+  const int kbs = D / Tile::kK, js = M / Tile::kCols, steps = js * kbs;
+  const size_t token_bytes = size_t(kbs) * Tile::kTokenBox;
+  unsigned char* xs = base;
+  unsigned char* vs = base + token_bytes;  // key side only
+  unsigned char* stages = base + Tile::tokens_bytes(kMode, D);
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + Tile::kStages * kStageBytes);
+  uint64_t* empty = full + Tile::kStages;
+  uint64_t* tokens_full = empty + Tile::kStages;
+
+  const int tid = threadIdx.x;
+  const int64_t pair = blockIdx.y, b = pair / p.H, h = pair % p.H;
+  const int row0 = blockIdx.x * Tile::kRows;  // first token of the tile in the slice
+  if (tid == 0) {
+    for (int st = 0; st < Tile::kStages; ++st) {
+      detail::mbarrier_init(full + st, 1);
+      detail::mbarrier_init(empty + st, Tile::kConsumerWarps);
+    }
+    detail::mbarrier_init(tokens_full, 1);
+    detail::fence_mbarrier_init();
+  }
+  __syncthreads();  // barriers initialised before any copy completes on them
+
+  if (tid >= Tile::kConsumers) {
+    // Producer: the tokens once, then the weights' stages in the consumers'
+    // order (j outer, kb inner), each stage refilled once both warpgroups'
+    // eight warps have handed it back.
+    if (tid != Tile::kConsumers) return;
+    const int token_row = static_cast<int>(b * p.local_len + p.t0 + row0);
+    const int token_col = static_cast<int>(h * D);
+    detail::mbarrier_arrive_expect_tx(tokens_full,
+                                      static_cast<uint32_t>(Tile::tokens_bytes(kMode, D)));
+    for (int kb = 0; kb < kbs; ++kb) {
+      detail::tensor_copy_to_shared(xs + kb * Tile::kTokenBox, &maps.x, token_col + Tile::kK * kb,
+                                    token_row, tokens_full);
+      if constexpr (kKey)
+        detail::tensor_copy_to_shared(vs + kb * Tile::kTokenBox, &maps.v, token_col + Tile::kK * kb,
+                                      token_row, tokens_full);
+    }
+    const int w_row = static_cast<int>(pair * 3 * M);           // W0's first row (rows of D)
+    const int w1_row = static_cast<int>(pair * 3 * D + 2 * D);  // W1's first row (rows of M)
+    for (int i = 0; i < steps; ++i) {
+      const int st = i % Tile::kStages, j = i / kbs, kb = i % kbs;
+      if (i >= Tile::kStages) detail::mbarrier_wait_cta(empty + st, (i / Tile::kStages - 1) & 1);
+      unsigned char* s = stages + st * kStageBytes;
+      detail::mbarrier_arrive_expect_tx(full + st, static_cast<uint32_t>(kStageBytes));
+      detail::tensor_copy_to_shared(s, &maps.w02, Tile::kK * kb, w_row + Tile::kCols * j,
+                                    full + st);
+      detail::tensor_copy_to_shared(s + Tile::kWeightBox, &maps.w02, Tile::kK * kb,
+                                    w_row + M + Tile::kCols * j, full + st);
+      if constexpr (kKey)
+        detail::tensor_copy_to_shared(s + 2 * Tile::kWeightBox, &maps.w1, Tile::kCols * j,
+                                      w1_row + Tile::kK * kb, full + st);
+    }
+    return;
+  }
+
+  // Consumers: warpgroup wg owns the tile's token rows 64 wg .. 64 wg + 63;
+  // this thread's accumulator rows are r and r + 8 (m64n64 layout), its
+  // columns 8 c8 + i2 (+1) of each pass.
+  const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int g = lane / 4, i2 = 2 * (lane % 4);
+  const int r = row0 + 64 * wg + 16 * warp + g;
+  float l0[2] = {0.f, 0.f}, l1[2] = {0.f, 0.f}, l2[2] = {0.f, 0.f};
+  if constexpr (kKey)
+    for (int e = 0; e < 2; ++e)
+      if (r + 8 * e < p.n) {
+        l0[e] = lr_at(p.lr0, pair, r + 8 * e, p.H, p.local_len, p.t0);
+        l1[e] = lr_at(p.lr1, pair, r + 8 * e, p.H, p.local_len, p.t0);
+        l2[e] = lr_at(p.lr2, pair, r + 8 * e, p.H, p.local_len, p.t0);
+      }
+
+  float h0[32], h2[32], ev[kKey ? 32 : 1];
+  // A: this warpgroup's 64 rows of a token box, k16 slice kk 32 bytes into
+  // the 128-byte rows (8-row atoms 1024 bytes apart; the hardware applies the
+  // swizzle). W0, W2 as B K-major the same way; W1 MN-major (rows = D, a
+  // k16 step is 16 of its 128-byte rows).
+  auto token_desc = [&](const unsigned char* tokens, int kb, int kk) {
+    return wgmma_desc_sw128(tokens + kb * Tile::kTokenBox + wg * 64 * 128 + 32 * kk, 1024);
+  };
+  // The k16 slice kk of a stage's products; kFirst overwrites the
+  // accumulators (scale-d 0: the pass's first slice).
+  auto slice = [&](const unsigned char* s, int kb, int kk, auto first) {
+    constexpr bool kFirst = decltype(first)::value;
+    const uint64_t ax = token_desc(xs, kb, kk);
+    detail::wgmma_m64n64k16_ss<true, false, kFirst>(h0, ax, wgmma_desc_sw128(s + 32 * kk, 1024));
+    detail::wgmma_m64n64k16_ss<true, false, kFirst>(
+        h2, ax, wgmma_desc_sw128(s + Tile::kWeightBox + 32 * kk, 1024));
+    if constexpr (kKey)
+      detail::wgmma_m64n64k16_ss<true, true, kFirst>(
+          ev, token_desc(vs, kb, kk), wgmma_desc_sw128(s + 2 * Tile::kWeightBox + 2048 * kk, 1024));
+  };
+  auto products = [&](const unsigned char* s, int kb, auto first) {
+    slice(s, kb, 0, first);
+#pragma unroll
+    for (int kk = 1; kk < 4; ++kk) slice(s, kb, kk, std::false_type{});
+  };
+  // This warp is done reading stage st (its products waited on).
+  auto release = [&](int st) {
+    __syncwarp();
+    if (lane == 0) detail::mbarrier_arrive(empty + st);
+  };
+
+  // Stage i's products (kFirst: the pass's first, which overwrites h0, h2, e);
+  // the first of a pass is peeled off the loop rather than branched to:
+  // behind a branch ptxas serialises the wgmmas.
+  auto step = [&](int i, int kb, auto first) {
+    const int st = i % Tile::kStages;
+    detail::mbarrier_wait_cta(full + st, (i / Tile::kStages) & 1);
+    detail::wgmma_fence();
+    products(stages + st * kStageBytes, kb, first);
+    detail::wgmma_commit();
+  };
+  detail::mbarrier_wait_cta(tokens_full, 0);
+  for (int j = 0, i = 0; j < js; ++j) {
+    step(i++, 0, std::true_type{});
+    for (int kb = 1; kb < kbs; ++kb) {
+      step(i++, kb, std::false_type{});
+      // The previous stage's products are done once at most this group is
+      // pending: hand that stage back while these run.
+      detail::wgmma_wait<1>();
+      release((i - 2) % Tile::kStages);
+    }
+    detail::wgmma_wait<0>();
+    release((i - 1) % Tile::kStages);
+
+    // The 64 x 64 block of columns 64 j .. from the accumulators: element
+    // 4 c8 + 2 e + u is row r + 8 e, column 8 c8 + i2 + u.
+    const int64_t col = int64_t{Tile::kCols} * j + i2;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = r + 8 * e;
+      if (t >= p.n) continue;
+      const int64_t row = pair * p.n + t;
+#pragma unroll
+      for (int c8 = 0; c8 < 8; ++c8) {
+        const int a = 4 * c8 + 2 * e;
+        const int64_t c = col + 8 * c8;
+        if constexpr (!kKey) {
+          // apply_gate_kernel's formula.
+          const float x0 = h0[a], x1 = h0[a + 1];
+          *reinterpret_cast<uint32_t*>(p.gate + row * M + c) = detail::pack2<bf16>(
+              x0 / (1.0f + expf(-x0)) * h2[a], x1 / (1.0f + expf(-x1)) * h2[a + 1]);
+        } else {
+          // key_side_kernel's formulas, e = -v W1.
+          float z0[2], z2[2], gt[2];
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const SiluF s(h0[a + u]);
+            const float evu = -ev[a + u], hv = h2[a + u];
+            z0[u] = l0[e] * evu * hv * s.d1;
+            z2[u] = l2[e] * evu * s.value;
+            gt[u] = l1[e] * s.value * hv;
+          }
+          bf16* zr = p.z + row * 2 * M + c;
+          bf16* gr = p.gate + row * M + c;
+          if (p.z_lo == nullptr) {
+            *reinterpret_cast<uint32_t*>(zr) = detail::pack2<bf16>(z0[0], z0[1]);
+            *reinterpret_cast<uint32_t*>(zr + M) = detail::pack2<bf16>(z2[0], z2[1]);
+            *reinterpret_cast<uint32_t*>(gr) = detail::pack2<bf16>(gt[0], gt[1]);
+          } else {
+            uint32_t hi, lo;
+            detail::split_bf16x2(z0[0], z0[1], hi, lo);
+            *reinterpret_cast<uint32_t*>(zr) = hi;
+            *reinterpret_cast<uint32_t*>(p.z_lo + row * 2 * M + c) = lo;
+            detail::split_bf16x2(z2[0], z2[1], hi, lo);
+            *reinterpret_cast<uint32_t*>(zr + M) = hi;
+            *reinterpret_cast<uint32_t*>(p.z_lo + row * 2 * M + M + c) = lo;
+            detail::split_bf16x2(gt[0], gt[1], hi, lo);
+            *reinterpret_cast<uint32_t*>(gr) = hi;
+            *reinterpret_cast<uint32_t*>(p.gate_lo + row * M + c) = lo;
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename F>
+void with_hidden_kernel(LactHiddenMode mode, F&& f) {
+  if (mode == LactHiddenMode::key_side)
+    f(lact_hidden_kernel<LactHiddenMode::key_side>);
+  else
+    f(lact_hidden_kernel<LactHiddenMode::apply>);
+}
+
+// The uncached check of lact_hidden_supported on `device`.
+bool hidden_fits(int device, int64_t D, int64_t M) {
+#ifdef STATESCAN_CUDA_SM90A
+  if (D <= 0 || D % HiddenTile::kK != 0 || D > HiddenTile::kMaxD || M <= 0 ||
+      M % HiddenTile::kCols != 0)
+    return false;
+  int major = 0, minor = 0, smem_optin = 0;
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  SS_CUDA_CHECK(
+      cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return major == 9 && minor == 0 &&
+         HiddenTile::smem_bytes(LactHiddenMode::key_side, static_cast<int>(D)) <=
+             static_cast<size_t>(smem_optin);
+#else
+  (void)device, (void)D, (void)M;
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool lact_hidden_supported(int64_t D, int64_t M) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int64_t, int64_t>, bool> cache;
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, D, M);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const bool ok = hidden_fits(device, D, M);
+  cache.emplace(key, ok);
+  return ok;
+}
+
+bool lact_hidden_aligned(const void* q, const void* k, const void* v) {
+  auto aligned = [](const void* x) { return reinterpret_cast<uintptr_t>(x) % 16 == 0; };
+  return aligned(q) && aligned(k) && aligned(v);
+}
+
+void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
+  using Tile = HiddenTile;
+  const bool key = p.mode == LactHiddenMode::key_side;
+  SS_CHECK_ARG(lact_hidden_supported(p.D, p.M), "dim", "lact_hidden_kernel cannot run D = ", p.D,
+               ", M = ", p.M, " on this device");
+  SS_CHECK_ARG(lact_hidden_aligned(p.x, key ? p.v : p.x, p.w), key ? "k" : "q",
+               "lact_hidden_kernel needs 16-byte aligned token and weight arrays");
+  const int64_t token_rows = p.B * p.local_len, pairs = p.B * p.H;
+  SS_CHECK_ARG(
+      token_rows < (int64_t{1} << 31) && pairs * 3 * std::max(p.M, p.D) < (int64_t{1} << 31),
+      "seq_len", "too many tokens or heads for the 32-bit tensor coordinates");
+  if (p.n <= 0) return;
+  HiddenMaps maps{};
+  const auto swz = CU_TENSOR_MAP_SWIZZLE_128B;
+  maps.x =
+      detail::tile_map_2d(p.x, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, key ? "k" : "q");
+  maps.v = key ? detail::tile_map_2d(p.v, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, "v")
+               : maps.x;
+  maps.w02 = detail::tile_map_2d(p.w, pairs * 3 * p.M, p.D, Tile::kK, Tile::kCols, swz, "w0");
+  maps.w1 = detail::tile_map_2d(p.w, pairs * 3 * p.D, p.M, Tile::kCols, Tile::kK, swz, "w1");
+  const int64_t tiles = (p.n + Tile::kRows - 1) / Tile::kRows;
+  SS_CHECK_ARG(pairs <= 65535, "heads",
+               "lact_hidden_kernel takes at most 65535 (batch, head) pairs, got ", pairs);
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(pairs));
+  with_hidden_kernel(p.mode, [&](auto kernel) {
+    detail::launch_kernel(kernel, grid, Tile::kThreads,
+                          Tile::smem_bytes(p.mode, static_cast<int>(p.D)), stream,
+                          "lact_hidden_kernel", p, maps);
+  });
+}
+
+}  // namespace statescan::cuda::lact_detail

@@ -1,0 +1,53 @@
+// LaCT's hidden layer on the token side in one kernel for bf16 layers: the
+// products h0 = x W0^T, h2 = x W2^T (and the key side's e = -v W1) of a tile
+// of tokens, and the elementwise step that consumes them, with nothing but
+// the bf16 results written:
+//   apply:    gate = silu(h0) h2                       (x = q; then o = gate W1^T)
+//   key side: z0 = lr0 e h2 silu'(h0), z2 = lr2 e silu(h0),
+//             gate = lr1 silu(h0) h2                   (x = k; then G = z^T k, -v^T gate)
+//             and, for Muon's two-part update, each as hi + lo bf16 terms.
+// Why: the cuBLAS path writes h = [h0 | h2] (and e) in fp32 and reads them
+// back in an elementwise kernel: ~270 MB a chunk of the ~500 MB that bound the
+// forward at the issue's shape (PERF_NOTES, twenty-ninth session); here h and
+// e live in the MMAs' accumulators. The weight-gradient and output GEMMs stay
+// on cuBLAS, reading the same bf16 arrays as before.
+//
+// Shapes (lact_hidden_supported): D a multiple of 64 up to 256 (the tokens of
+// a tile stay in shared memory for all of M), M a multiple of 64; a build with
+// sm_90a code on a 9.0 device. Other layers, and STATESCAN_LACT_HIDDEN=cublas,
+// take the cuBLAS path (lact_cuda_hidden_path reports which).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace statescan::cuda::lact_detail {
+
+enum class LactHiddenMode { apply, key_side };
+
+// One launch: a slice of n tokens per (batch row, head) pair.
+struct LactHiddenParams {
+  LactHiddenMode mode = LactHiddenMode::apply;
+  // x = q (apply) or k (key side), v (key side): [B * local_len][H * D];
+  // w: the operand weights, per pair a block [W0 | W2 | W1] (M x D, M x D,
+  // D x M), 16-byte aligned.
+  const __nv_bfloat16 *x = nullptr, *v = nullptr, *w = nullptr;
+  // Learning rates [B, local_len, H] (key side).
+  const __nv_bfloat16 *lr0 = nullptr, *lr1 = nullptr, *lr2 = nullptr;
+  // Outputs, pair-major rows of the slice: z (2M: z0 | z2) and gate (M);
+  // z_lo and gate_lo the low terms (key side, null when not wanted).
+  __nv_bfloat16 *z = nullptr, *gate = nullptr, *z_lo = nullptr, *gate_lo = nullptr;
+  int64_t B = 0, H = 0, D = 0, M = 0, local_len = 0, t0 = 0, n = 0;
+};
+
+// Whether lact_hidden_launch can run layers of this D and M here.
+bool lact_hidden_supported(int64_t D, int64_t M);
+
+// Whether the token arrays are aligned for the kernel's tensor maps.
+bool lact_hidden_aligned(const void* q, const void* k, const void* v);
+
+void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream);
+
+}  // namespace statescan::cuda::lact_detail

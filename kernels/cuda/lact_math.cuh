@@ -1,0 +1,31 @@
+// Scalar pieces of LaCT's token kernels shared by the elementwise kernels
+// (lact_cuda_impl.cuh) and the fused hidden-layer kernel (lact_hidden.cu), so
+// that both paths compute silu and read the learning rates the same way.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/device_math.cuh"
+
+namespace statescan::cuda::lact_detail {
+
+// silu and its first two derivatives in fp32.
+struct SiluF {
+  float value, d1, d2;
+  __device__ __forceinline__ explicit SiluF(float x) {
+    const float s = 1.0f / (1.0f + expf(-x));
+    value = x * s;
+    d1 = s * (1.0f + x * (1.0f - s));
+    d2 = s * (1.0f - s) * (2.0f + x * (1.0f - 2.0f * s));
+  }
+};
+
+// Learning rate of row t of pair i in this chunk slice.
+template <typename T>
+__device__ __forceinline__ float lr_at(const T* lr, int64_t pair, int64_t t, int64_t H,
+                                       int64_t local_len, int64_t t0) {
+  const int64_t b = pair / H, h = pair % H;
+  return detail::to_float(lr[(b * local_len + t0 + t) * H + h]);
+}
+
+}  // namespace statescan::cuda::lact_detail
