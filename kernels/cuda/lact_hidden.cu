@@ -43,10 +43,9 @@ using bf16 = __nv_bfloat16;
 
 struct HiddenTile {
   static constexpr int kRows = 128;  // tokens per CTA: two warpgroups of 64
-  static constexpr int kCols = 64;   // hidden columns per pass (m64n64 accumulators)
+  static constexpr int kCols = 64;   // hidden columns per pass (h0 | h2: one m64n128)
   static constexpr int kK = 64;      // D per stage: one 128-byte swizzle row
   static constexpr int kMaxD = 256;
-  static constexpr int kStages = 4;
   static constexpr int kConsumers = 256;
   static constexpr int kThreads = kConsumers + 32;  // + the producer warp
   static constexpr int kConsumerWarps = kConsumers / 32;
@@ -56,8 +55,16 @@ struct HiddenTile {
   static constexpr int token_arrays(LactHiddenMode mode) {
     return mode == LactHiddenMode::key_side ? 2 : 1;
   }
+  // A stage: W0's and W2's 64 rows (adjacent: one 128-row K-major B operand)
+  // and on the key side W1's 64 columns.
   static constexpr size_t stage_bytes(LactHiddenMode mode) {
     return (mode == LactHiddenMode::key_side ? 3 : 2) * kWeightBox;
+  }
+  // Two passes of D = 256 buffered where shared memory allows (apply), so
+  // that the warpgroup a turn behind does not hold the next pass's refills;
+  // the key side's resident k and v leave room for one.
+  static constexpr int stages(LactHiddenMode mode) {
+    return mode == LactHiddenMode::key_side ? 4 : 8;
   }
   static constexpr size_t tokens_bytes(LactHiddenMode mode, int D) {
     return token_arrays(mode) * (D / kK) * kTokenBox;
@@ -65,11 +72,60 @@ struct HiddenTile {
   // + full, empty per stage and the tokens' barrier, + 1 KB to align the base
   // to the swizzle's 1024 bytes.
   static constexpr size_t smem_bytes(LactHiddenMode mode, int D) {
-    return tokens_bytes(mode, D) + kStages * stage_bytes(mode) + 8 * (2 * kStages + 1) + 1024;
+    return tokens_bytes(mode, D) + stages(mode) * stage_bytes(mode) + 8 * (2 * stages(mode) + 1) +
+           1024;
   }
 };
-static_assert(HiddenTile::smem_bytes(LactHiddenMode::key_side, HiddenTile::kMaxD) <= 227 * 1024,
+static_assert(HiddenTile::smem_bytes(LactHiddenMode::key_side, HiddenTile::kMaxD) <= 227 * 1024 &&
+                  HiddenTile::smem_bytes(LactHiddenMode::apply, HiddenTile::kMaxD) <= 227 * 1024,
               "lact_hidden_kernel exceeds shared memory at the largest D");
+
+// silu(x) and silu'(x) with the fast exponential and division: the
+// epilogue's arithmetic competes with the other warpgroup's MMAs for issue
+// slots (relative error ~1e-6, far inside bf16's rounding of the results).
+struct SiluFast {
+  float value, d1;
+  __device__ __forceinline__ explicit SiluFast(float x) {
+    const float s = __fdividef(1.0f, 1.0f + __expf(-x));
+    value = x * s;
+    d1 = s * (1.0f + x * (1.0f - s));
+  }
+};
+
+// Stores 64 bf16 columns of one row that a quad of lanes holds in the m64nN
+// accumulator layout (lane q: the pairs at columns 8 c8 + 2 q, c8 = 0..7, as
+// w[c8]) as 32 contiguous bytes a lane: two butterfly exchanges (lane bit 0
+// with c8's bit 1, lane bit 1 with c8's bit 2) leave lane q the pairs
+// 8 q .. 8 q + 7 in the slot order 0 4 1 5 2 6 3 7. Why: stored straight from
+// the layout each instruction writes 4 bytes into each of 8 rows, and the
+// key side with its low terms (six arrays) took 151 us a chunk against 63
+// without them (ncu, H200).
+__device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[8], int q, bool store) {
+  const bool odd = q & 1, upper = q & 2;
+#pragma unroll
+  for (int lo = 0; lo < 8; ++lo) {
+    if (lo & 2) continue;
+    const int hi = lo | 2;
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[lo] : w[hi], 1);
+    if (odd)
+      w[lo] = got;
+    else
+      w[hi] = got;
+  }
+#pragma unroll
+  for (int lo = 0; lo < 4; ++lo) {
+    const int hi = lo | 4;
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? w[lo] : w[hi], 2);
+    if (upper)
+      w[lo] = got;
+    else
+      w[hi] = got;
+  }
+  if (store) {
+    *reinterpret_cast<uint4*>(row + 16 * q) = make_uint4(w[0], w[2], w[4], w[6]);
+    *reinterpret_cast<uint4*>(row + 16 * q + 8) = make_uint4(w[1], w[3], w[5], w[7]);
+  }
+}
 
 // The tensor maps: x and v as [B * local_len][H * D] boxes of 128 rows x 64;
 // the weights twice over the same bytes, as rows of D (W0, W2: boxes of 64
@@ -86,6 +142,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   using detail::wgmma_desc_sw128;
   constexpr bool kKey = kMode == LactHiddenMode::key_side;
   constexpr size_t kStageBytes = Tile::stage_bytes(kMode);
+  constexpr int kStages = Tile::stages(kMode);
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -95,15 +152,15 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   unsigned char* xs = base;
   unsigned char* vs = base + token_bytes;  // key side only
   unsigned char* stages = base + Tile::tokens_bytes(kMode, D);
-  uint64_t* full = reinterpret_cast<uint64_t*>(stages + Tile::kStages * kStageBytes);
-  uint64_t* empty = full + Tile::kStages;
-  uint64_t* tokens_full = empty + Tile::kStages;
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  uint64_t* tokens_full = empty + kStages;
 
   const int tid = threadIdx.x;
   const int64_t pair = blockIdx.y, b = pair / p.H, h = pair % p.H;
   const int row0 = blockIdx.x * Tile::kRows;  // first token of the tile in the slice
   if (tid == 0) {
-    for (int st = 0; st < Tile::kStages; ++st) {
+    for (int st = 0; st < kStages; ++st) {
       detail::mbarrier_init(full + st, 1);
       detail::mbarrier_init(empty + st, Tile::kConsumerWarps);
     }
@@ -131,8 +188,8 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     const int w_row = static_cast<int>(pair * 3 * M);           // W0's first row (rows of D)
     const int w1_row = static_cast<int>(pair * 3 * D + 2 * D);  // W1's first row (rows of M)
     for (int i = 0; i < steps; ++i) {
-      const int st = i % Tile::kStages, j = i / kbs, kb = i % kbs;
-      if (i >= Tile::kStages) detail::mbarrier_wait_cta(empty + st, (i / Tile::kStages - 1) & 1);
+      const int st = i % kStages, j = i / kbs, kb = i % kbs;
+      if (i >= kStages) detail::mbarrier_wait_cta(empty + st, (i / kStages - 1) & 1);
       unsigned char* s = stages + st * kStageBytes;
       detail::mbarrier_arrive_expect_tx(full + st, static_cast<uint32_t>(kStageBytes));
       detail::tensor_copy_to_shared(s, &maps.w02, Tile::kK * kb, w_row + Tile::kCols * j,
@@ -147,11 +204,10 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   }
 
   // Consumers: warpgroup wg owns the tile's token rows 64 wg .. 64 wg + 63;
-  // this thread's accumulator rows are r and r + 8 (m64n64 layout), its
-  // columns 8 c8 + i2 (+1) of each pass.
+  // this thread's accumulator rows are r and r + 8, its columns
+  // 8 c8 + 2 (lane % 4) (+1) of each pass (the m64nN layout).
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
-  const int g = lane / 4, i2 = 2 * (lane % 4);
-  const int r = row0 + 64 * wg + 16 * warp + g;
+  const int r = row0 + 64 * wg + 16 * warp + lane / 4;
   float l0[2] = {0.f, 0.f}, l1[2] = {0.f, 0.f}, l2[2] = {0.f, 0.f};
   if constexpr (kKey)
     for (int e = 0; e < 2; ++e)
@@ -161,11 +217,12 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
         l2[e] = lr_at(p.lr2, pair, r + 8 * e, p.H, p.local_len, p.t0);
       }
 
-  float h0[32], h2[32], ev[kKey ? 32 : 1];
+  // hh = [h0 | h2] (m64n128: columns 0-63 h0, 64-127 h2), ev = v W1 (m64n64).
+  float hh[64], ev[kKey ? 32 : 1];
   // A: this warpgroup's 64 rows of a token box, k16 slice kk 32 bytes into
   // the 128-byte rows (8-row atoms 1024 bytes apart; the hardware applies the
-  // swizzle). W0, W2 as B K-major the same way; W1 MN-major (rows = D, a
-  // k16 step is 16 of its 128-byte rows).
+  // swizzle). W0 | W2 as one 128-row B, K-major the same way; W1 MN-major
+  // (rows = D, a k16 step is 16 of its 128-byte rows).
   auto token_desc = [&](const unsigned char* tokens, int kb, int kk) {
     return wgmma_desc_sw128(tokens + kb * Tile::kTokenBox + wg * 64 * 128 + 32 * kk, 1024);
   };
@@ -173,10 +230,8 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   // accumulators (scale-d 0: the pass's first slice).
   auto slice = [&](const unsigned char* s, int kb, int kk, auto first) {
     constexpr bool kFirst = decltype(first)::value;
-    const uint64_t ax = token_desc(xs, kb, kk);
-    detail::wgmma_m64n64k16_ss<true, false, kFirst>(h0, ax, wgmma_desc_sw128(s + 32 * kk, 1024));
-    detail::wgmma_m64n64k16_ss<true, false, kFirst>(
-        h2, ax, wgmma_desc_sw128(s + Tile::kWeightBox + 32 * kk, 1024));
+    detail::wgmma_m64n128k16_ss_bf16<kFirst>(hh, token_desc(xs, kb, kk),
+                                             wgmma_desc_sw128(s + 32 * kk, 1024));
     if constexpr (kKey)
       detail::wgmma_m64n64k16_ss<true, true, kFirst>(
           ev, token_desc(vs, kb, kk), wgmma_desc_sw128(s + 2 * Tile::kWeightBox + 2048 * kk, 1024));
@@ -191,77 +246,92 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     __syncwarp();
     if (lane == 0) detail::mbarrier_arrive(empty + st);
   };
-
-  // Stage i's products (kFirst: the pass's first, which overwrites h0, h2, e);
-  // the first of a pass is peeled off the loop rather than branched to:
-  // behind a branch ptxas serialises the wgmmas.
+  // Stage i's products (kFirst: the pass's first, which overwrites the
+  // accumulators); the first of a pass is peeled off the loop rather than
+  // branched to: behind a branch ptxas serialises the wgmmas.
   auto step = [&](int i, int kb, auto first) {
-    const int st = i % Tile::kStages;
-    detail::mbarrier_wait_cta(full + st, (i / Tile::kStages) & 1);
+    const int st = i % kStages;
+    detail::mbarrier_wait_cta(full + st, (i / kStages) & 1);
     detail::wgmma_fence();
     products(stages + st * kStageBytes, kb, first);
     detail::wgmma_commit();
   };
+  // Ping-pong: a warpgroup runs a pass's products only in its turn (named
+  // barrier kTurn + wg) and hands the turn over once they are issued, so that
+  // the tensor pipe runs one warpgroup's products while the other computes
+  // and stores its epilogue (left alone, the two wait on the same stages and
+  // run their epilogues at the same time, the pipe idle).
+  constexpr int kTurn = 1;
+  auto take_turn = [&] { detail::named_barrier_sync(kTurn + wg, Tile::kConsumers); };
+  auto pass_turn = [&] { detail::named_barrier_arrive(kTurn + 1 - wg, Tile::kConsumers); };
+  if (wg == 1) pass_turn();  // warpgroup 0 goes first
+
   detail::mbarrier_wait_cta(tokens_full, 0);
   for (int j = 0, i = 0; j < js; ++j) {
+    take_turn();
     step(i++, 0, std::true_type{});
     for (int kb = 1; kb < kbs; ++kb) {
       step(i++, kb, std::false_type{});
       // The previous stage's products are done once at most this group is
       // pending: hand that stage back while these run.
       detail::wgmma_wait<1>();
-      release((i - 2) % Tile::kStages);
+      release((i - 2) % kStages);
     }
+    // Issued: the other warpgroup's products may queue behind these.
+    // Warpgroup 1's last turn hands nothing over: warpgroup 0 has had its last.
+    if (wg == 0 || j + 1 < js) pass_turn();
     detail::wgmma_wait<0>();
-    release((i - 1) % Tile::kStages);
+    release((i - 1) % kStages);
 
     // The 64 x 64 block of columns 64 j .. from the accumulators: element
-    // 4 c8 + 2 e + u is row r + 8 e, column 8 c8 + i2 + u.
-    const int64_t col = int64_t{Tile::kCols} * j + i2;
+    // 4 c8 + 2 e + u of h0 (+ 32: h2; ev) is row r + 8 e, column
+    // 8 c8 + i2 + u of the pass. Rows past the slice are computed (the quad
+    // shuffles need every lane) but not stored.
+    const int q = lane % 4;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int t = r + 8 * e;
-      if (t >= p.n) continue;
-      const int64_t row = pair * p.n + t;
+      const bool valid = t < p.n;
+      const int64_t row = pair * p.n + t, col = int64_t{Tile::kCols} * j;
+      if constexpr (!kKey) {
+        uint32_t gw[8];
 #pragma unroll
-      for (int c8 = 0; c8 < 8; ++c8) {
-        const int a = 4 * c8 + 2 * e;
-        const int64_t c = col + 8 * c8;
-        if constexpr (!kKey) {
-          // apply_gate_kernel's formula.
-          const float x0 = h0[a], x1 = h0[a + 1];
-          *reinterpret_cast<uint32_t*>(p.gate + row * M + c) = detail::pack2<bf16>(
-              x0 / (1.0f + expf(-x0)) * h2[a], x1 / (1.0f + expf(-x1)) * h2[a + 1]);
-        } else {
-          // key_side_kernel's formulas, e = -v W1.
-          float z0[2], z2[2], gt[2];
+        for (int c8 = 0; c8 < 8; ++c8) {
+          const int a = 4 * c8 + 2 * e;
+          const SiluFast s0(hh[a]), s1(hh[a + 1]);
+          gw[c8] = detail::pack2<bf16>(s0.value * hh[a + 32], s1.value * hh[a + 33]);
+        }
+        store_quad_row(p.gate + row * M + col, gw, q, valid);
+      } else {
+        // key_side_kernel's formulas, e = -v W1.
+        float z0[16], z2[16], gt[16];
+#pragma unroll
+        for (int c8 = 0; c8 < 8; ++c8)
 #pragma unroll
           for (int u = 0; u < 2; ++u) {
-            const SiluF s(h0[a + u]);
-            const float evu = -ev[a + u], hv = h2[a + u];
-            z0[u] = l0[e] * evu * hv * s.d1;
-            z2[u] = l2[e] * evu * s.value;
-            gt[u] = l1[e] * s.value * hv;
+            const int a = 4 * c8 + 2 * e + u;
+            const SiluFast s(hh[a]);
+            const float evu = -ev[a], hv = hh[a + 32];
+            z0[2 * c8 + u] = l0[e] * evu * hv * s.d1;
+            z2[2 * c8 + u] = l2[e] * evu * s.value;
+            gt[2 * c8 + u] = l1[e] * s.value * hv;
           }
-          bf16* zr = p.z + row * 2 * M + c;
-          bf16* gr = p.gate + row * M + c;
-          if (p.z_lo == nullptr) {
-            *reinterpret_cast<uint32_t*>(zr) = detail::pack2<bf16>(z0[0], z0[1]);
-            *reinterpret_cast<uint32_t*>(zr + M) = detail::pack2<bf16>(z2[0], z2[1]);
-            *reinterpret_cast<uint32_t*>(gr) = detail::pack2<bf16>(gt[0], gt[1]);
-          } else {
-            uint32_t hi, lo;
-            detail::split_bf16x2(z0[0], z0[1], hi, lo);
-            *reinterpret_cast<uint32_t*>(zr) = hi;
-            *reinterpret_cast<uint32_t*>(p.z_lo + row * 2 * M + c) = lo;
-            detail::split_bf16x2(z2[0], z2[1], hi, lo);
-            *reinterpret_cast<uint32_t*>(zr + M) = hi;
-            *reinterpret_cast<uint32_t*>(p.z_lo + row * 2 * M + M + c) = lo;
-            detail::split_bf16x2(gt[0], gt[1], hi, lo);
-            *reinterpret_cast<uint32_t*>(gr) = hi;
-            *reinterpret_cast<uint32_t*>(p.gate_lo + row * M + c) = lo;
+        auto store = [&](const float* x, bf16* hi_row, bf16* lo_row) {
+          uint32_t hi[8], lo[8];
+#pragma unroll
+          for (int c8 = 0; c8 < 8; ++c8) {
+            if (lo_row != nullptr)
+              detail::split_bf16x2(x[2 * c8], x[2 * c8 + 1], hi[c8], lo[c8]);
+            else
+              hi[c8] = detail::pack2<bf16>(x[2 * c8], x[2 * c8 + 1]);
           }
-        }
+          store_quad_row(hi_row, hi, q, valid);
+          if (lo_row != nullptr) store_quad_row(lo_row, lo, q, valid);
+        };
+        const bool split = p.z_lo != nullptr;
+        store(z0, p.z + row * 2 * M + col, split ? p.z_lo + row * 2 * M + col : nullptr);
+        store(z2, p.z + row * 2 * M + M + col, split ? p.z_lo + row * 2 * M + M + col : nullptr);
+        store(gt, p.gate + row * M + col, split ? p.gate_lo + row * M + col : nullptr);
       }
     }
   }

@@ -154,6 +154,36 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a, u
 #endif
 }
 
+// One m64n128k16 bf16 MMA, both operands from shared memory, K-major.
+#define SS_WGSS128(SCALE, F8)                                         \
+  asm volatile(                                                       \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, " \
+      "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, "  \
+      "%26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "  \
+      "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
+      "%62, %63}, %64, %65, " SCALE ", 1, 1, 0, 0;\n"                 \
+      : F8(0), F8(8), F8(16), F8(24), F8(32), F8(40), F8(48), F8(56)  \
+      : "l"(a), "l"(b))
+
+// d (64 x 128, fp32) += A B, bf16, A (64 x 16) and B (128 x 16) K-major from
+// shared memory by their descriptors; kFirst: d = A B (scale-d 0). The
+// accumulator layout is m64n64's with 16 column blocks of 8.
+template <bool kFirst = false>
+__device__ __forceinline__ void wgmma_m64n128k16_ss_bf16(float (&d)[64], uint64_t a, uint64_t b) {
+#ifdef SS_WGMMA_UNAVAILABLE
+  __trap();
+#else
+  if constexpr (kFirst) {
+    SS_WGSS128("0", SS_WG_F8_OUT);
+  } else {
+    SS_WGSS128("1", SS_WG_F8);
+  }
+#endif
+}
+
+#undef SS_WGSS128
 #undef SS_WGSS_TYPED
 #undef SS_WGSS
 #undef SS_WGRS_TYPED
