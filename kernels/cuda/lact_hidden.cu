@@ -4,18 +4,27 @@
 // One CTA per 128 tokens of a (batch row, head) pair: two consumer
 // warpgroups of 64 token rows and a producer warp. The CTA's tokens (x, and v
 // on the key side) are loaded once by TMA and stay in shared memory; the
-// weights stream through a 4-stage pipeline in 64 x 64 boxes, one stage per
-// (64 hidden columns j, 64 of D kb): W0's and W2's rows j (K-major) and, on
-// the key side, W1's columns j (MN-major). For each j a warpgroup runs the
-// m64n64 products over all of D with both operands from shared memory
-// (wgmma), h0, h2 (and e) in fp32 accumulators, then writes that 64 x 64
-// block of gate (and z) in bf16 straight from the registers: the fp32
-// h = [h0 | h2] and e of the cuBLAS path never exist.
+// weights stream through a pipeline of stages (8 for the apply, 4 on the key
+// side, whose resident k and v take 128 KB at D = 256), one stage per 64
+// hidden columns j and 64 of D kb: W0's and W2's rows j, adjacent, as one
+// 128-row K-major operand, and on the key side W1's columns j (MN-major). For
+// each j a warpgroup runs the products over all of D with both operands from
+// shared memory (wgmma m64n128 for [h0 | h2], m64n64 for e), fp32
+// accumulators, then writes that 64 x 64 block of gate (and z) in bf16 from
+// the registers, 32 contiguous bytes a lane after two quad butterflies. The
+// warpgroups take turns at issuing their products (ping-pong), so that one's
+// epilogue runs beside the other's MMAs.
 //
-// Shared memory: tokens 128 x D bf16 (x2 on the key side: 128 KB at D = 256),
-// stages 16 KB (24 KB), all 128-byte swizzled as TMA writes them: 224 KB at
-// the key side's largest D, one CTA per multiprocessor. At the issue's shape
-// (4,096 tokens a slice, H 4) that is 128 CTAs: one wave on an H200.
+// Measured (H200, ncu, 4,096-token slices, H 4, D 256, M 512; 2026-12-04):
+// apply 27 us (8.6 GFLOP, 318 TFLOP/s), key side 53 us (12.9 GFLOP, 243
+// TFLOP/s), 60 us with Muon's low terms. v1 (m64n64 products, 4 stages, no
+// turns, 4-byte stores from the accumulator layout) took 47 / 78 / 160 us:
+// the epilogue ran beside nothing, and the low terms' stores, 4 bytes into
+// each of 8 rows per instruction, doubled the key side. Left to try: a
+// producer warpgroup with setmaxnreg and two accumulator sets, so that a
+// warpgroup's own epilogue overlaps its next products; the key side's 4
+// stages are one pass of D = 256, so its turns wait on refills.
+
 #include <cuda.h>
 
 #include <algorithm>
@@ -79,18 +88,6 @@ struct HiddenTile {
 static_assert(HiddenTile::smem_bytes(LactHiddenMode::key_side, HiddenTile::kMaxD) <= 227 * 1024 &&
                   HiddenTile::smem_bytes(LactHiddenMode::apply, HiddenTile::kMaxD) <= 227 * 1024,
               "lact_hidden_kernel exceeds shared memory at the largest D");
-
-// silu(x) and silu'(x) with the fast exponential and division: the
-// epilogue's arithmetic competes with the other warpgroup's MMAs for issue
-// slots (relative error ~1e-6, far inside bf16's rounding of the results).
-struct SiluFast {
-  float value, d1;
-  __device__ __forceinline__ explicit SiluFast(float x) {
-    const float s = __fdividef(1.0f, 1.0f + __expf(-x));
-    value = x * s;
-    d1 = s * (1.0f + x * (1.0f - s));
-  }
-};
 
 // Stores 64 bf16 columns of one row that a quad of lanes holds in the m64nN
 // accumulator layout (lane q: the pairs at columns 8 c8 + 2 q, c8 = 0..7, as
