@@ -398,9 +398,12 @@ static __global__ void momentum_backward_kernel(float* dg, int64_t n, float mu, 
 }
 
 // W <- renorm(W - step), in place; one warp per row. norm0: [H, 2M + D].
-static __global__ void step_renorm_kernel(float* W, const float* step, const float* norm0,
-                                          int64_t pairs, int64_t H, int64_t M, int64_t D,
-                                          bool renorm) {
+// Where op is set, also op <- W rounded to T (the GEMM operand copy that
+// convert_kernel would make in a pass of its own: ~7 us a chunk at the
+// benchmark's shape).
+template <typename T>
+__global__ void step_renorm_kernel(float* W, const float* step, const float* norm0, int64_t pairs,
+                                   int64_t H, int64_t M, int64_t D, bool renorm, T* op) {
   const int64_t nr = 2 * M + D;
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -409,17 +412,23 @@ static __global__ void step_renorm_kernel(float* W, const float* step, const flo
   const RowPlace rp = row_place(r, M, D);
   float* row = W + pair * 3 * M * D + rp.offset;
   const float* d = step + pair * 3 * M * D + rp.offset;
+  T* op_row = op != nullptr ? op + pair * 3 * M * D + rp.offset : nullptr;
   float s = 0;
   for (int64_t j = lane; j < rp.cols; j += 32) {
     const float x = row[j] - d[j];
     row[j] = x;
     s += x * x;
+    if (!renorm && op_row != nullptr) op_row[j] = from_float<T>(x);
   }
   if (!renorm) return;
   s = warp_sum(s);
   const float scale = norm0[(pair % H) * nr + r] / (sqrtf(s) + float(kLactEps));
   __syncwarp();
-  for (int64_t j = lane; j < rp.cols; j += 32) row[j] *= scale;
+  for (int64_t j = lane; j < rp.cols; j += 32) {
+    const float x = row[j] * scale;
+    row[j] = x;
+    if (op_row != nullptr) op_row[j] = from_float<T>(x);
+  }
 }
 
 // Backward of step_renorm for one chunk: x = W - step, dy = dW (adjoint of
@@ -1704,12 +1713,15 @@ class LactGpu {
       saved->weights = DeviceBuffer<float>(saved_count);
       saved->updates = DeviceBuffer<float>(saved_count);
     }
+    const T* w_op = nullptr;
     for (int64_t c = 0; c < g_.chunks; ++c) {
       const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
       if (saved)
         SS_CUDA_CHECK(cudaMemcpyAsync(saved->weights.data() + c * state, W.get(),
                                       state * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-      const T* w_op = operand_weights(W.get());
+      // The operand copy of W: made here for the first chunk, after that by
+      // the previous chunk's step_renorm.
+      if (c == 0) w_op = operand_weights(W.get());
       if (causal_) apply_forward(w_op, n, t0);
       partial_gradients(w_op, n, t0, grads.get());
       if (all_reduce) all_reduce(grads.get(), state, stream_);
@@ -1728,8 +1740,8 @@ class LactGpu {
         ns->forward(update, step.get());
         d = step.get();
       }
-      step_renorm(W.get(), d);
-      if (!causal_) apply_forward(operand_weights(W.get()), n, t0);
+      w_op = step_renorm(W.get(), d);
+      if (!causal_) apply_forward(w_op, n, t0);
     }
   }
 
@@ -1785,8 +1797,7 @@ class LactGpu {
       if (!causal_) {
         SS_CUDA_CHECK(cudaMemcpyAsync(w_next.get(), Wc, state * sizeof(float),
                                       cudaMemcpyDeviceToDevice, stream_));
-        step_renorm(w_next.get(), d);
-        apply_backward(gr, operand_weights(w_next.get()), n, t0, dW.get());
+        apply_backward(gr, step_renorm(w_next.get(), d), n, t0, dW.get());
       }
       step_renorm_backward_kernel<<<grid_for(g_.pairs * g_.norms() * 32, kThreads), kThreads, 0,
                                     stream_>>>(Wc, d, norm0_.get(), g_.pairs, g_.H, g_.M, g_.D,
@@ -1881,10 +1892,18 @@ class LactGpu {
     }
   }
 
-  void step_renorm(float* W, const float* step) {
-    step_renorm_kernel<<<grid_for(g_.pairs * g_.norms() * 32, kThreads), kThreads, 0, stream_>>>(
-        W, step, norm0_.get(), g_.pairs, g_.H, g_.M, g_.D, p_.config.renorm);
+  // W <- renorm(W - step); returns the GEMM operand copy of the new W
+  // (written by the same kernel for bf16: operand_weights without its pass).
+  const T* step_renorm(float* W, const float* step) {
+    T* op = nullptr;
+    if constexpr (!std::is_same<T, float>::value) op = w_op_.get();
+    step_renorm_kernel<T><<<grid_for(g_.pairs * g_.norms() * 32, kThreads), kThreads, 0, stream_>>>(
+        W, step, norm0_.get(), g_.pairs, g_.H, g_.M, g_.D, p_.config.renorm, op);
     SS_LAUNCH_CHECK("step_renorm_kernel");
+    if constexpr (std::is_same<T, float>::value)
+      return W;
+    else
+      return op;
   }
 
   // h = [h0 | h2] = X [W0; W2]^T (rows of 2M) for the tokens X (q or k).
