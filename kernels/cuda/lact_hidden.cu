@@ -30,9 +30,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 #include "core/cuda_check.h"
@@ -89,6 +86,23 @@ static_assert(HiddenTile::smem_bytes(LactHiddenMode::key_side, HiddenTile::kMaxD
                   HiddenTile::smem_bytes(LactHiddenMode::apply, HiddenTile::kMaxD) <= 227 * 1024,
               "lact_hidden_kernel exceeds shared memory at the largest D");
 
+// One exchange of store_quad_row: lanes q and q ^ kLane swap the words whose
+// slot bit kSlot differs from their lane bit kLane (both bit masks).
+template <int kLane, int kSlot>
+__device__ __forceinline__ void quad_butterfly(uint32_t (&w)[8], int q) {
+  const bool upper = q & kLane;
+#pragma unroll
+  for (int lo = 0; lo < 8; ++lo) {
+    if (lo & kSlot) continue;
+    const int hi = lo | kSlot;
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? w[lo] : w[hi], kLane);
+    if (upper)
+      w[lo] = got;
+    else
+      w[hi] = got;
+  }
+}
+
 // Stores 64 bf16 columns of one row that a quad of lanes holds in the m64nN
 // accumulator layout (lane q: the pairs at columns 8 c8 + 2 q, c8 = 0..7, as
 // w[c8]) as 32 contiguous bytes a lane: two butterfly exchanges (lane bit 0
@@ -98,26 +112,8 @@ static_assert(HiddenTile::smem_bytes(LactHiddenMode::key_side, HiddenTile::kMaxD
 // key side with its low terms (six arrays) took 151 us a chunk against 63
 // without them (ncu, H200).
 __device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[8], int q, bool store) {
-  const bool odd = q & 1, upper = q & 2;
-#pragma unroll
-  for (int lo = 0; lo < 8; ++lo) {
-    if (lo & 2) continue;
-    const int hi = lo | 2;
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[lo] : w[hi], 1);
-    if (odd)
-      w[lo] = got;
-    else
-      w[hi] = got;
-  }
-#pragma unroll
-  for (int lo = 0; lo < 4; ++lo) {
-    const int hi = lo | 4;
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? w[lo] : w[hi], 2);
-    if (upper)
-      w[lo] = got;
-    else
-      w[hi] = got;
-  }
+  quad_butterfly<1, 2>(w, q);
+  quad_butterfly<2, 4>(w, q);
   if (store) {
     *reinterpret_cast<uint4*>(row + 16 * q) = make_uint4(w[0], w[2], w[4], w[6]);
     *reinterpret_cast<uint4*>(row + 16 * q + 8) = make_uint4(w[1], w[3], w[5], w[7]);
@@ -365,17 +361,7 @@ bool hidden_fits(int device, int64_t D, int64_t M) {
 }  // namespace
 
 bool lact_hidden_supported(int64_t D, int64_t M) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int64_t, int64_t>, bool> cache;
-  int device = 0;
-  SS_CUDA_CHECK(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, D, M);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  const bool ok = hidden_fits(device, D, M);
-  cache.emplace(key, ok);
-  return ok;
+  return detail::cached_device_check<HiddenTile>(D, M, hidden_fits);
 }
 
 bool lact_hidden_aligned(const void* q, const void* k, const void* v) {

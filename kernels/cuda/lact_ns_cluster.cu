@@ -1,9 +1,6 @@
 // ns_cluster_kernel: Muon's Newton-Schulz steps of a bf16 LaCT layer, one
 // cluster per matrix (lact_ns_cluster.cuh says what and why).
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 #include "core/cuda_check.h"
@@ -386,17 +383,7 @@ bool ns_cluster_fits(int device, int64_t m, int64_t n) {
 }  // namespace
 
 bool ns_cluster_supported(int64_t m, int64_t n) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int64_t, int64_t>, bool> cache;
-  int device = 0;
-  SS_CUDA_CHECK(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, m, n);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  const bool ok = ns_cluster_fits(device, m, n);
-  cache.emplace(key, ok);
-  return ok;
+  return detail::cached_device_check<NsClusterTile>(m, n, ns_cluster_fits);
 }
 
 void ns_cluster_launch(const NsClusterParams& p, cudaStream_t stream) {

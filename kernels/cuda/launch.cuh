@@ -1,11 +1,16 @@
 // Kernel launches with checked errors: a raised dynamic shared memory limit,
-// clusters (sm_90) and the occupancy of a cluster shape. Shared by the chunk
-// kernels (chunk_forward.cuh) and LaCT's Newton-Schulz (lact_ns_cluster.cuh).
+// clusters (sm_90), the occupancy of a cluster shape, and cached per-device
+// shape checks. Shared by the chunk kernels (chunk_forward.cuh) and LaCT's
+// kernels (lact_ns_cluster.cu, lact_hidden.cu).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "core/cuda_check.h"
 
@@ -69,6 +74,26 @@ int active_clusters(Kernel kernel, int threads, size_t smem, unsigned cluster) {
     return 0;
   }
   return n;
+}
+
+// fits(device, a, b) for the current device, evaluated once per (device, a,
+// b) and cached, thread-safe: the kernels' shape checks, which query device
+// attributes and the occupancy API. Tag (the kernel's tile type) keeps each
+// kernel's cache apart: two checks with the same signature would otherwise
+// share one.
+template <typename Tag, typename Fits>
+bool cached_device_check(int64_t a, int64_t b, Fits&& fits) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int64_t, int64_t>, bool> cache;
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, a, b);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const bool ok = fits(device, a, b);
+  cache.emplace(key, ok);
+  return ok;
 }
 
 }  // namespace statescan::cuda::detail
