@@ -66,12 +66,16 @@ struct ShardCase {
   int64_t seq_len, chunk;  // every chunk divisible by 2
   DType dtype;
   bool over_nccl;  // else the MPI communicator (host-staged all-reduce)
+  // bf16 at D 64, M 128 (else 32, 64): a shape the fused hidden layer takes
+  // (kernels/cuda/lact_hidden.cuh), each rank's slice a partial 128-token tile.
+  bool wide = false;
 };
 
 std::string shard_case_name(const ::testing::TestParamInfo<ShardCase>& info) {
   const ShardCase& c = info.param;
   return lact_case_name(c.options) + "_T" + std::to_string(c.seq_len) + "_C" +
-         std::to_string(c.chunk) + "_" + to_string(c.dtype) + (c.over_nccl ? "_nccl" : "_mpi");
+         std::to_string(c.chunk) + "_" + to_string(c.dtype) + (c.wide ? "_wide" : "") +
+         (c.over_nccl ? "_nccl" : "_mpi");
 }
 
 void PrintTo(const ShardCase& c, std::ostream* os) {
@@ -92,8 +96,8 @@ TEST_P(LactCudaSharding, ShardedLayerMatchesUnshardedReference) {
   Communicator& comm = c.over_nccl ? static_cast<Communicator&>(*world().nccl)
                                    : static_cast<Communicator&>(*world().mpi);
   const int P = comm.size(), r = comm.rank();
-  const LactSizes s{2, c.seq_len, 2, c.dtype == DType::f32 ? 8 : 32,
-                    c.dtype == DType::f32 ? 16 : 64};
+  const int64_t D = c.dtype == DType::f32 ? 8 : (c.wide ? 64 : 32);
+  const LactSizes s{2, c.seq_len, 2, D, 2 * D};
   const LactProblem p = rounded_to(random_lact_problem(s, 9100 + c.seq_len * 7 + c.chunk), c.dtype);
   const LactConfig cfg = c.options.config(c.chunk);
   LactLayer layer(comm, cfg);
@@ -130,6 +134,8 @@ std::vector<ShardCase> shard_cases() {
   // bf16: chunks of at least 2 min(D, M) tokens (tests/test_cuda_lact.cpp says why).
   cases.push_back({{S::apply_then_update, true, true, true}, 256, 128, DType::bf16, true});
   cases.push_back({{S::update_then_apply, false, true, true}, 256, 128, DType::bf16, true});
+  cases.push_back({{S::apply_then_update, true, true, true}, 400, 200, DType::bf16, true, true});
+  cases.push_back({{S::update_then_apply, false, true, true}, 400, 200, DType::bf16, true, true});
   return cases;
 }
 
