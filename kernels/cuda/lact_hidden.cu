@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
 
     // The 64 x 64 block of columns 64 j .. from the accumulators: element
     // 4 c8 + 2 e + u of h0 (+ 32: h2; ev) is row r + 8 e, column
-    // 8 c8 + i2 + u of the pass. Rows past the slice are computed (the quad
+    // 8 c8 + 2 q + u of the pass (q = lane % 4). Rows past the slice are computed (the quad
     // shuffles need every lane) but not stored.
     const int q = lane % 4;
 #pragma unroll
