@@ -85,6 +85,12 @@ struct HiddenTile {
 static_assert(HiddenTile::smem_bytes(LactHiddenMode::key_side, HiddenTile::kMaxD) <= 227 * 1024 &&
                   HiddenTile::smem_bytes(LactHiddenMode::apply, HiddenTile::kMaxD) <= 227 * 1024,
               "lact_hidden_kernel exceeds shared memory at the largest D");
+// The warpgroup a turn behind still reads the previous pass's stages while
+// the other's next pass waits on its refills: fewer stages than one pass over
+// D would deadlock the turns.
+static_assert(HiddenTile::stages(LactHiddenMode::key_side) >= HiddenTile::kMaxD / HiddenTile::kK &&
+                  HiddenTile::stages(LactHiddenMode::apply) >= HiddenTile::kMaxD / HiddenTile::kK,
+              "lact_hidden_kernel needs a pass of D in stages");
 
 // One exchange of store_quad_row: lanes q and q ^ kLane swap the words whose
 // slot bit kSlot differs from their lane bit kLane (both bit masks).
