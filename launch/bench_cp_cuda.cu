@@ -16,6 +16,7 @@
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
+#include "core/side_stream.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "launch/bench_cp_cuda.h"
@@ -183,28 +184,15 @@ void measure_prepass_beside_prepare(const CpMeasureOptions& o, const MixerParams
                                     const MixerBwdParams& bp, const cuda::FirstSegmentMaps& first,
                                     const void* d_o, float* d_init, cudaStream_t stream,
                                     Measured& m) {
-  struct Side {
-    cudaStream_t stream = nullptr;
-    cudaEvent_t fork = nullptr, join = nullptr;
-    ~Side() {
-      if (join != nullptr) cudaEventDestroy(join);
-      if (fork != nullptr) cudaEventDestroy(fork);
-      if (stream != nullptr) cudaStreamDestroy(stream);
-    }
-  } side;
-  SS_CUDA_CHECK(cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking));
-  SS_CUDA_CHECK(cudaEventCreateWithFlags(&side.fork, cudaEventDisableTiming));
-  SS_CUDA_CHECK(cudaEventCreateWithFlags(&side.join, cudaEventDisableTiming));
+  SideStream side(stream);
   const std::vector<double> ms = median_stage_ms(o.warmup, o.iters, stream, 2, [&](auto&& mark) {
     mark();
     { cuda::PreparedBackward alone(bp, stream); }
     mark();
-    SS_CUDA_CHECK(cudaEventRecord(side.fork, stream));
-    SS_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
-    cuda::first_segment_state_grad(p, first, d_o, 0, 0, p.seq_len, nullptr, d_init, side.stream);
+    side.fork();
+    cuda::first_segment_state_grad(p, first, d_o, 0, 0, p.seq_len, nullptr, d_init, side.stream());
     { cuda::PreparedBackward beside(bp, stream); }
-    SS_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
-    SS_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+    side.join();
     mark();
   });
   m.beside_prepare_ms = ms[0];

@@ -29,6 +29,7 @@
 #include "core/cuda_check.h"
 #include "core/device_pool.h"
 #include "core/env_knob.h"
+#include "core/side_stream.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/forward_plan.cuh"
@@ -310,43 +311,6 @@ void summary_by_products(const MixerParams& p, const ForwardArgs& a, int64_t fir
   SS_CUDA_CHECK(cudaMemcpyAsync(E_out, cur_e, static_cast<size_t>(H * DE) * sizeof(float),
                                 cudaMemcpyDeviceToDevice, stream));
 }
-
-// A stream forked from `origin` (it starts after everything queued there so
-// far) and joined back by join(): `origin` then waits for its work. Created
-// per use (microseconds; a summary is milliseconds); destroying it with work
-// pending is fine, CUDA releases it when that work completes.
-class SideStream {
- public:
-  explicit SideStream(cudaStream_t origin) : origin_(origin) {
-    SS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
-    try {
-      SS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-      SS_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
-      SS_CUDA_CHECK(cudaEventRecord(fork_, origin_));
-      SS_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-    } catch (...) {
-      release();
-      throw;
-    }
-  }
-  ~SideStream() { release(); }
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
-  cudaStream_t stream() const { return side_; }
-  void join() {
-    SS_CUDA_CHECK(cudaEventRecord(join_, side_));
-    SS_CUDA_CHECK(cudaStreamWaitEvent(origin_, join_, 0));
-  }
-
- private:
-  void release() noexcept {
-    if (join_ != nullptr) (void)cudaEventDestroy(join_);
-    if (fork_ != nullptr) (void)cudaEventDestroy(fork_);
-    if (side_ != nullptr) (void)cudaStreamDestroy(side_);
-  }
-  cudaStream_t origin_ = nullptr, side_ = nullptr;
-  cudaEvent_t fork_ = nullptr, join_ = nullptr;
-};
 
 // The plan's scan arguments with every output off; the caller points
 // final_state (and o, for the first segments' maps) where it wants them.
