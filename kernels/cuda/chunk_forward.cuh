@@ -52,7 +52,7 @@
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mixer_tensors.cuh"
-#include "kernels/cuda/tensor_map.h"
+#include "kernels/cuda/tensor_map.cuh"
 
 namespace statescan::cuda::detail {
 

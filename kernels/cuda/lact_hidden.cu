@@ -38,7 +38,7 @@
 #include "kernels/cuda/lact_hidden.cuh"
 #include "kernels/cuda/lact_math.cuh"
 #include "kernels/cuda/launch.cuh"
-#include "kernels/cuda/tensor_map.h"
+#include "kernels/cuda/tensor_map.cuh"
 #include "kernels/cuda/warp_mma.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
