@@ -77,6 +77,49 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+// A CUDA event, destroyed with its owner (an error in a timing loop leaks none).
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() { SS_CUDA_CHECK(cudaEventCreate(&e)); }
+  ~Event() {
+    if (e != nullptr) (void)cudaEventDestroy(e);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
+// Medians over `iters` runs after `warmup` of a two-phase step on `stream`:
+// GPU time (CUDA events) of `first` and of `first` then `second`, and the
+// host time to enqueue each.
+struct PhaseTimes {
+  double first_ms = 0, both_ms = 0, host_first_ms = 0, host_second_ms = 0;
+};
+template <typename First, typename Second>
+PhaseTimes time_phases(cudaStream_t stream, int warmup, int iters, First&& first, Second&& second) {
+  Event start, mid, stop;
+  std::vector<double> gpu_first, gpu_both, host_first, host_second;
+  for (int it = 0; it < warmup + iters; ++it) {
+    SS_CUDA_CHECK(cudaEventRecord(start.e, stream));
+    const auto h0 = std::chrono::steady_clock::now();
+    first();
+    const auto h1 = std::chrono::steady_clock::now();
+    SS_CUDA_CHECK(cudaEventRecord(mid.e, stream));
+    second();
+    const auto h2 = std::chrono::steady_clock::now();
+    SS_CUDA_CHECK(cudaEventRecord(stop.e, stream));
+    SS_CUDA_CHECK(cudaEventSynchronize(stop.e));
+    float f = 0, fb = 0;
+    SS_CUDA_CHECK(cudaEventElapsedTime(&f, start.e, mid.e));
+    SS_CUDA_CHECK(cudaEventElapsedTime(&fb, start.e, stop.e));
+    if (it < warmup) continue;
+    gpu_first.push_back(f);
+    gpu_both.push_back(fb);
+    host_first.push_back(std::chrono::duration<double, std::milli>(h1 - h0).count());
+    host_second.push_back(std::chrono::duration<double, std::milli>(h2 - h1).count());
+  }
+  return {median(gpu_first), median(gpu_both), median(host_first), median(host_second)};
+}
+
 // ---- FLOP model ---------------------------------------------------------------------
 
 // Newton-Schulz FLOPs of one step of one m x n matrix (m = min(M, D), n =
@@ -129,21 +172,19 @@ double gemm_rate(int64_t m, int64_t n, int64_t k, int64_t batch, int64_t lda, in
         static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   };
   call();
-  cudaEvent_t start, stop;
-  SS_CUDA_CHECK(cudaEventCreate(&start));
-  SS_CUDA_CHECK(cudaEventCreate(&stop));
   std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    SS_CUDA_CHECK(cudaEventRecord(start));
-    for (int r = 0; r < 10; ++r) call();
-    SS_CUDA_CHECK(cudaEventRecord(stop));
-    SS_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0;
-    SS_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t / 10.0);
+  {
+    Event start, stop;
+    for (int i = 0; i < iters; ++i) {
+      SS_CUDA_CHECK(cudaEventRecord(start.e));
+      for (int r = 0; r < 10; ++r) call();
+      SS_CUDA_CHECK(cudaEventRecord(stop.e));
+      SS_CUDA_CHECK(cudaEventSynchronize(stop.e));
+      float t = 0;
+      SS_CUDA_CHECK(cudaEventElapsedTime(&t, start.e, stop.e));
+      ms.push_back(t / 10.0);
+    }
   }
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(stop);
   (void)cublasDestroy(h);
   return 2.0 * double(m) * double(n) * double(k) * double(batch) / (median(ms) * 1e-3) / 1e12;
 }
@@ -403,11 +444,6 @@ LactBenchResult measure_lact(const LactBenchOptions& o) {
 
   cudaStream_t stream;
   SS_CUDA_CHECK(cudaStreamCreate(&stream));
-  cudaEvent_t start, mid, stop;
-  SS_CUDA_CHECK(cudaEventCreate(&start));
-  SS_CUDA_CHECK(cudaEventCreate(&mid));
-  SS_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> fwd_ms, fwd_bwd_ms;
   {
     cuda::LactCudaSaved saved;
     std::unique_ptr<Filled> dq, dk, dv, dl0, dl1, dl2, dw0, dw1, dw2;
@@ -425,38 +461,18 @@ LactBenchResult measure_lact(const LactBenchOptions& o) {
       g = cuda::LactCudaGrads{d_o.data(),  dq->data(),  dk->data(),  dv->data(),  dl0->data(),
                               dl1->data(), dl2->data(), dw0->data(), dw1->data(), dw2->data()};
     }
-    std::vector<double> host_fwd, host_bwd;
-    for (int it = 0; it < o.warmup + o.iters; ++it) {
-      SS_CUDA_CHECK(cudaEventRecord(start, stream));
-      const auto h0 = std::chrono::steady_clock::now();
-      cuda::lact_cuda_forward(p, {}, o.backward ? &saved : nullptr, stream);
-      const auto h1 = std::chrono::steady_clock::now();
-      SS_CUDA_CHECK(cudaEventRecord(mid, stream));
-      if (o.backward) cuda::lact_cuda_backward(p, g, saved, {}, stream);
-      const auto h2 = std::chrono::steady_clock::now();
-      SS_CUDA_CHECK(cudaEventRecord(stop, stream));
-      if (it >= o.warmup) {
-        host_fwd.push_back(std::chrono::duration<double, std::milli>(h1 - h0).count());
-        host_bwd.push_back(std::chrono::duration<double, std::milli>(h2 - h1).count());
-      }
-      SS_CUDA_CHECK(cudaEventSynchronize(stop));
-      float f = 0, fb = 0;
-      SS_CUDA_CHECK(cudaEventElapsedTime(&f, start, mid));
-      SS_CUDA_CHECK(cudaEventElapsedTime(&fb, start, stop));
-      if (it >= o.warmup) {
-        fwd_ms.push_back(f);
-        fwd_bwd_ms.push_back(fb);
-      }
-    }
-    r.host_fwd_ms = median(host_fwd);
-    r.host_bwd_ms = median(host_bwd);
+    const PhaseTimes t = time_phases(
+        stream, o.warmup, o.iters,
+        [&] { cuda::lact_cuda_forward(p, {}, o.backward ? &saved : nullptr, stream); },
+        [&] {
+          if (o.backward) cuda::lact_cuda_backward(p, g, saved, {}, stream);
+        });
+    r.fwd_ms = t.first_ms;
+    r.fwd_bwd_ms = o.backward ? t.both_ms : 0.0;
+    r.host_fwd_ms = t.host_first_ms;
+    r.host_bwd_ms = t.host_second_ms;
   }
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(mid);
-  (void)cudaEventDestroy(stop);
   (void)cudaStreamDestroy(stream);
-  r.fwd_ms = median(fwd_ms);
-  r.fwd_bwd_ms = o.backward ? median(fwd_bwd_ms) : 0.0;
 
   r.gemm_square_tflops = gemm_rate(4096, 4096, 4096, 1, 4096, 0, 4096, 0, 5);
   // LaCT's hidden projection h0 = X W0^T of one chunk slice: n x M x D per
@@ -574,31 +590,12 @@ NsTimes time_ns_mode(const LactBenchOptions& o, cuda::lact_detail::NsGemms mode,
                      float* out, const float* d_out, float* dP, cudaStream_t stream) {
   cuda::lact_detail::NewtonSchulzBf16 ns(o.batch * o.heads, o.hidden, o.dim, o.muon_steps,
                                          o.backward, mode, stream);
-  cudaEvent_t start, mid, stop;
-  SS_CUDA_CHECK(cudaEventCreate(&start));
-  SS_CUDA_CHECK(cudaEventCreate(&mid));
-  SS_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> fwd, fwd_bwd;
-  const int warmup = std::max(o.warmup, 2);
-  for (int it = 0; it < warmup + o.iters; ++it) {
-    SS_CUDA_CHECK(cudaEventRecord(start, stream));
-    ns.forward(P, out);
-    SS_CUDA_CHECK(cudaEventRecord(mid, stream));
-    if (o.backward) ns.backward(P, d_out, dP);
-    SS_CUDA_CHECK(cudaEventRecord(stop, stream));
-    SS_CUDA_CHECK(cudaEventSynchronize(stop));
-    float f = 0, fb = 0;
-    SS_CUDA_CHECK(cudaEventElapsedTime(&f, start, mid));
-    SS_CUDA_CHECK(cudaEventElapsedTime(&fb, start, stop));
-    if (it >= warmup) {
-      fwd.push_back(1e3 * f);
-      fwd_bwd.push_back(1e3 * fb);
-    }
-  }
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(mid);
-  (void)cudaEventDestroy(stop);
-  return {median(fwd), o.backward ? median(fwd_bwd) : 0.0};
+  const PhaseTimes t = time_phases(
+      stream, std::max(o.warmup, 2), o.iters, [&] { ns.forward(P, out); },
+      [&] {
+        if (o.backward) ns.backward(P, d_out, dP);
+      });
+  return {1e3 * t.first_ms, o.backward ? 1e3 * t.both_ms : 0.0};
 }
 
 }  // namespace
