@@ -493,6 +493,17 @@ TEST(LactCudaHiddenPath, ReportsThePath) {
       EXPECT_TRUE(cuda::lact_detail::lact_hidden_supported(D, M)) << "D " << D << ", M " << M;
 }
 
+// Past its addressing the layer takes the cuBLAS path instead of failing
+// (host-only: runs without a GPU).
+TEST(LactCudaHiddenPath, AddressesAtMost65535PairsAnd32BitRows) {
+  using cuda::lact_detail::lact_hidden_addressable;
+  EXPECT_TRUE(lact_hidden_addressable(4, 1 << 20, 256, 512));
+  EXPECT_TRUE(lact_hidden_addressable(65535, 1 << 20, 64, 64));
+  EXPECT_FALSE(lact_hidden_addressable(65536, 1 << 20, 64, 64));
+  EXPECT_FALSE(lact_hidden_addressable(4, int64_t{1} << 31, 256, 512));
+  EXPECT_FALSE(lact_hidden_addressable(20000, 1024, 256, 65536));  // weight rows past 2^31
+}
+
 std::vector<HiddenCase> hidden_cases() {
   std::vector<HiddenCase> cases;
   const HiddenCase shapes[] = {{64, 64, 100, 160, 37, LactHiddenMode::apply, false},

@@ -87,7 +87,9 @@ const char* lact_cuda_ns_gemms(DType dtype, int64_t dim, int64_t hidden);
 // for reports: "fused" (bf16 layers with dim a multiple of 64 up to 256 and
 // hidden a multiple of 64, on a 9.0 device of an sm_90a build: one kernel
 // that writes only gate and z, lact_hidden.cuh; token arrays not 16-byte
-// aligned take the cuBLAS path) or "cublas" (cuBLAS GEMMs into fp32 h and e,
+// aligned, and problems past its addressing (lact_hidden_addressable: more
+// than 65535 (batch, head) pairs), take the cuBLAS path) or "cublas" (cuBLAS
+// GEMMs into fp32 h and e,
 // then the elementwise kernels; f32 layers, other shapes, and
 // STATESCAN_LACT_HIDDEN=cublas). The backward recomputes h through cuBLAS
 // either way.

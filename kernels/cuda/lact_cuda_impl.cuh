@@ -1692,7 +1692,8 @@ class LactGpu {
         momentum_(p.config.momentum > 0),
         split_update_(!std::is_same<T, float>::value && p.config.muon_steps > 0),
         fused_hidden_(std::is_same<T, bf16>::value && hidden_fused_requested() &&
-                      lact_hidden_supported(g_.D, g_.M) && lact_hidden_aligned(p.q, p.k, p.v)),
+                      lact_hidden_supported(g_.D, g_.M) && lact_hidden_aligned(p.q, p.k, p.v) &&
+                      lact_hidden_addressable(g_.pairs, g_.B * g_.local_len, g_.D, g_.M)),
         w_init_(g_.H * g_.block(), stream),
         norm0_(g_.H * g_.norms(), stream) {
     load_weights_kernel<T><<<grid_for(w_init_.size(), kThreads), kThreads, 0, stream_>>>(

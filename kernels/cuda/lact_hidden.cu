@@ -375,6 +375,11 @@ bool lact_hidden_aligned(const void* q, const void* k, const void* v) {
   return aligned(q) && aligned(k) && aligned(v);
 }
 
+bool lact_hidden_addressable(int64_t pairs, int64_t token_rows, int64_t D, int64_t M) {
+  constexpr int64_t kCoord = int64_t{1} << 31;
+  return pairs <= 65535 && token_rows < kCoord && pairs * 3 * std::max(M, D) < kCoord;
+}
+
 void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   using Tile = HiddenTile;
   const bool key = p.mode == LactHiddenMode::key_side;
@@ -383,9 +388,9 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   SS_CHECK_ARG(lact_hidden_aligned(p.x, key ? p.v : p.x, p.w), key ? "k" : "q",
                "lact_hidden_kernel needs 16-byte aligned token and weight arrays");
   const int64_t token_rows = p.B * p.local_len, pairs = p.B * p.H;
-  SS_CHECK_ARG(
-      token_rows < (int64_t{1} << 31) && pairs * 3 * std::max(p.M, p.D) < (int64_t{1} << 31),
-      "seq_len", "too many tokens or heads for the 32-bit tensor coordinates");
+  SS_CHECK_ARG(lact_hidden_addressable(pairs, token_rows, p.D, p.M), "seq_len",
+               "lact_hidden_kernel cannot address ", pairs, " (batch, head) pairs of ", token_rows,
+               " token rows (at most 65535 pairs, 32-bit tensor coordinates)");
   if (p.n <= 0) return;
   HiddenMaps maps{};
   const auto swz = CU_TENSOR_MAP_SWIZZLE_128B;
@@ -396,8 +401,6 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   maps.w02 = detail::tile_map_2d(p.w, pairs * 3 * p.M, p.D, Tile::kK, Tile::kCols, swz, "w0");
   maps.w1 = detail::tile_map_2d(p.w, pairs * 3 * p.D, p.M, Tile::kCols, Tile::kK, swz, "w1");
   const int64_t tiles = (p.n + Tile::kRows - 1) / Tile::kRows;
-  SS_CHECK_ARG(pairs <= 65535, "heads",
-               "lact_hidden_kernel takes at most 65535 (batch, head) pairs, got ", pairs);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(pairs));
   with_hidden_kernel(p.mode, [&](auto kernel) {
     detail::launch_kernel(kernel, grid, Tile::kThreads,

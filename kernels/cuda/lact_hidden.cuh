@@ -48,6 +48,11 @@ bool lact_hidden_supported(int64_t D, int64_t M);
 // Whether the token arrays are aligned for the kernel's tensor maps.
 bool lact_hidden_aligned(const void* q, const void* k, const void* v);
 
+// Whether the kernel can address the problem: at most 65535 (batch, head)
+// pairs (its grid's y) and token and weight rows within the tensor maps'
+// 32-bit coordinates (B local_len tokens; pairs 3 max(M, D) weight rows).
+bool lact_hidden_addressable(int64_t pairs, int64_t token_rows, int64_t D, int64_t M);
+
 void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream);
 
 }  // namespace statescan::cuda::lact_detail
