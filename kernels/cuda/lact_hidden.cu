@@ -346,22 +346,14 @@ void with_hidden_kernel(LactHiddenMode mode, F&& f) {
 
 // The uncached check of lact_hidden_supported on `device`.
 bool hidden_fits(int device, int64_t D, int64_t M) {
-#ifdef STATESCAN_CUDA_SM90A
   if (D <= 0 || D % HiddenTile::kK != 0 || D > HiddenTile::kMaxD || M <= 0 ||
-      M % HiddenTile::kCols != 0)
+      M % HiddenTile::kCols != 0 || !detail::wgmma_device(device))
     return false;
-  int major = 0, minor = 0, smem_optin = 0;
-  SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  SS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  int smem_optin = 0;
   SS_CUDA_CHECK(
       cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return major == 9 && minor == 0 &&
-         HiddenTile::smem_bytes(LactHiddenMode::key_side, static_cast<int>(D)) <=
-             static_cast<size_t>(smem_optin);
-#else
-  (void)device, (void)D, (void)M;
-  return false;
-#endif
+  return HiddenTile::smem_bytes(LactHiddenMode::key_side, static_cast<int>(D)) <=
+         static_cast<size_t>(smem_optin);
 }
 
 }  // namespace

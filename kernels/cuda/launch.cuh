@@ -76,6 +76,21 @@ int active_clusters(Kernel kernel, int threads, size_t smem, unsigned cluster) {
   return n;
 }
 
+// Whether `device` runs this build's warpgroup-MMA kernels (wgmma.cuh): the
+// build has sm_90a code (STATESCAN_CUDA_SM90A) and the device is compute
+// capability 9.0; elsewhere those kernels trap, so the host must not pick them.
+inline bool wgmma_device(int device) {
+#ifdef STATESCAN_CUDA_SM90A
+  int major = 0, minor = 0;
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
 // fits(device, a, b) for the current device, evaluated once per (device, a,
 // b) and cached, thread-safe: the kernels' shape checks, which query device
 // attributes and the occupancy API. Tag (the kernel's tile type) keeps each

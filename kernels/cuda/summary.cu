@@ -33,6 +33,7 @@
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/forward_plan.cuh"
+#include "kernels/cuda/launch.cuh"
 
 namespace statescan::cuda {
 namespace {
@@ -111,18 +112,11 @@ SummaryScan& summary_scan_setting() {
 // rules, 16-bit, Dk = Dv = 128, chunk 64, a build with sm_90a code on a 9.0
 // device.
 bool per_head_supported(const MixerParams& p) {
-#ifdef STATESCAN_CUDA_SM90A
   // Two attribute queries once per summary: cheap enough not to cache.
-  int device = 0, major = 0, minor = 0;
+  int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));
-  SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  SS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0 && has_beta(p.variant) && p.dtype != DType::f32 && p.dk == 128 &&
-         p.dv == 128 && p.chunk == 64;
-#else
-  (void)p;
-  return false;
-#endif
+  return detail::wgmma_device(device) && has_beta(p.variant) && p.dtype != DType::f32 &&
+         p.dk == 128 && p.dv == 128 && p.chunk == 64;
 }
 
 // Whether the summary's final-state-only scans (E, and M's identity scan) run
