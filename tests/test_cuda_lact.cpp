@@ -332,7 +332,9 @@ INSTANTIATE_TEST_SUITE_P(
 // lact_hidden_kernel (kernels/cuda/lact_hidden.cuh) against the fp64 values of
 // its outputs from the same bf16 inputs: gate = silu(h0) h2 (apply) and, on
 // the key side, z0 = lr0 e h2 silu'(h0), z2 = lr2 e silu(h0), gate =
-// lr1 silu(h0) h2 with e = -v W1, with and without the low bf16 terms.
+// lr1 silu(h0) h2 with e = -v W1, with and without the low bf16 terms; in
+// the backward's apply (v as d_o) gate and dh = [dg h2 silu'(h0) | dg silu(h0)]
+// with dg = d_o W1.
 // Shapes: D = 64, 128, 256 (one to four k-blocks), M = 64 to 512, slices
 // that end inside a 128-token tile and start at t0 > 0 inside a longer
 // sequence (B 2, H 2: the tensor maps' row and column offsets). Outputs are
@@ -365,6 +367,8 @@ constexpr int64_t kHiddenB = 2, kHiddenH = 2, kHiddenGuard = 4096;
 TEST_P(LactCudaHidden, MatchesReference) {
   const HiddenCase c = GetParam();
   const bool key = c.mode == LactHiddenMode::key_side;
+  // apply_backward: v plays d_o, and z's buffer takes dh (rows of 2M).
+  const bool back = c.mode == LactHiddenMode::apply_backward, two_out = key || back;
   const int64_t pairs = kHiddenB * kHiddenH, D = c.D, M = c.M, n = c.n, L = c.local_len;
   const int64_t hd = kHiddenH * D, tokens = kHiddenB * L;
   std::mt19937_64 rng(4242 + D + 3 * M + n);
@@ -395,6 +399,7 @@ TEST_P(LactCudaHidden, MatchesReference) {
   p.lr1 = static_cast<const __nv_bfloat16*>(lr1.data());
   p.lr2 = static_cast<const __nv_bfloat16*>(lr2.data());
   p.z = static_cast<__nv_bfloat16*>(z.data());
+  if (back) p.dh = p.z, p.z = nullptr;
   p.gate = static_cast<__nv_bfloat16*>(gate.data());
   if (c.lo) {
     p.z_lo = static_cast<__nv_bfloat16*>(z_lo.data());
@@ -406,7 +411,7 @@ TEST_P(LactCudaHidden, MatchesReference) {
 
   const std::vector<double> X = x.read(), V = v.read(), W = w.read(), R0 = lr0.read(),
                             R1 = lr1.read(), R2 = lr2.read();
-  std::vector<double> want_gate(rows * M), want_z(key ? rows * 2 * M : 0);
+  std::vector<double> want_gate(rows * M), want_z(two_out ? rows * 2 * M : 0);
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t b = pair / kHiddenH, h = pair % kHiddenH;
     const double* w0 = W.data() + pair * 3 * M * D;
@@ -425,7 +430,11 @@ TEST_P(LactCudaHidden, MatchesReference) {
           e -= vr[d] * w1[d * M + m];
         }
         const double s = 1 / (1 + std::exp(-h0)), silu = h0 * s, d1 = s * (1 + h0 * (1 - s));
-        if (!key) {
+        if (back) {  // dgate = d_o W1 = -e
+          want_gate[row * M + m] = silu * h2;
+          want_z[row * 2 * M + m] = -e * h2 * d1;
+          want_z[row * 2 * M + M + m] = -e * silu;
+        } else if (!key) {
           want_gate[row * M + m] = silu * h2;
         } else {
           want_z[row * 2 * M + m] = R0[lr] * e * h2 * d1;
@@ -450,9 +459,9 @@ TEST_P(LactCudaHidden, MatchesReference) {
   const std::vector<double> got_gate = gate.read(), got_z = z.read();
   EXPECT_LE(rel_rms(slice(got_gate, rows * M), want_gate), kHiddenTol) << "gate";
   EXPECT_TRUE(guard_untouched(got_gate, rows * M)) << "gate written past the slice";
-  if (key) {
-    EXPECT_LE(rel_rms(slice(got_z, rows * 2 * M), want_z), kHiddenTol) << "z";
-    EXPECT_TRUE(guard_untouched(got_z, rows * 2 * M)) << "z written past the slice";
+  if (two_out) {
+    EXPECT_LE(rel_rms(slice(got_z, rows * 2 * M), want_z), kHiddenTol) << (key ? "z" : "dh");
+    EXPECT_TRUE(guard_untouched(got_z, rows * 2 * M)) << "z / dh written past the slice";
   } else {
     EXPECT_TRUE(guard_untouched(got_z, 0)) << "apply wrote z";
   }
@@ -511,6 +520,8 @@ std::vector<HiddenCase> hidden_cases() {
                                {256, 512, 300, 400, 64, LactHiddenMode::apply, false}};
   for (HiddenCase s : shapes) {
     cases.push_back(s);
+    s.mode = LactHiddenMode::apply_backward;
+    cases.push_back(s);
     s.mode = LactHiddenMode::key_side;
     cases.push_back(s);
     s.lo = true;
@@ -521,12 +532,165 @@ std::vector<HiddenCase> hidden_cases() {
 
 std::string hidden_case_name(const ::testing::TestParamInfo<HiddenCase>& info) {
   const HiddenCase& c = info.param;
-  return std::string(c.mode == LactHiddenMode::apply ? "apply" : "key_side") + (c.lo ? "_lo" : "") +
-         "_D" + std::to_string(c.D) + "_M" + std::to_string(c.M) + "_n" + std::to_string(c.n);
+  const char* mode = c.mode == LactHiddenMode::apply            ? "apply"
+                     : c.mode == LactHiddenMode::apply_backward ? "apply_backward"
+                                                                : "key_side";
+  return std::string(mode) + (c.lo ? "_lo" : "") + "_D" + std::to_string(c.D) + "_M" +
+         std::to_string(c.M) + "_n" + std::to_string(c.n);
 }
 
 INSTANTIATE_TEST_SUITE_P(ShapesAndModes, LactCudaHidden, ::testing::ValuesIn(hidden_cases()),
                          hidden_case_name);
+
+// lact_hidden_grad_kernel (the backward's update-gradient rows) against the
+// fp64 values from the same bf16 inputs: z = [lr0 z0 | lr2 z2], gate, de,
+// dh = [dh0 | dh2] and dlr0..2 (gradients_backward_rows_kernel's formulas,
+// written out here in double), W1 and dG1 transposed by
+// lact_hidden_transpose_w1. Slices ending inside a tile, t0 > 0; outputs
+// poisoned with guard regions, dlr arrays poisoned outside the slice.
+struct HiddenGradCase {
+  int64_t D, M, n, local_len, t0;
+};
+
+class LactCudaHiddenGrad : public ::testing::TestWithParam<HiddenGradCase> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+    if (!cuda::lact_detail::lact_hidden_supported(GetParam().D, GetParam().M))
+      GTEST_SKIP() << "no fused hidden layer on this device or build (ReportsThePath checks 9.0)";
+  }
+};
+
+TEST_P(LactCudaHiddenGrad, MatchesReference) {
+  const HiddenGradCase c = GetParam();
+  const int64_t pairs = kHiddenB * kHiddenH, D = c.D, M = c.M, n = c.n, L = c.local_len;
+  const int64_t hd = kHiddenH * D, tokens = kHiddenB * L, md = M * D;
+  std::mt19937_64 rng(5151 + D + 3 * M + n);
+  std::uniform_real_distribution<double> rate(0.05, 1.0);
+  auto rates = [&] {
+    std::vector<double> r(static_cast<std::size_t>(tokens * kHiddenH));
+    for (double& e : r) e = rate(rng);
+    return r;
+  };
+  const auto block_values = static_cast<std::size_t>(pairs * 3 * md);
+  DeviceTensor k(randn(static_cast<std::size_t>(tokens * hd), rng), DType::bf16);
+  DeviceTensor v(randn(static_cast<std::size_t>(tokens * hd), rng), DType::bf16);
+  DeviceTensor w(randn(block_values, rng, 1.0 / std::sqrt(D)), DType::bf16);
+  DeviceTensor dg(randn(block_values, rng, 1.0 / std::sqrt(D)), DType::bf16);
+  DeviceTensor lr0(rates(), DType::bf16), lr1(rates(), DType::bf16), lr2(rates(), DType::bf16);
+  DeviceTensor w1t(static_cast<std::size_t>(pairs * md), DType::bf16),
+      dg1t(static_cast<std::size_t>(pairs * md), DType::bf16);
+  const std::size_t rows = static_cast<std::size_t>(pairs * n), nlr = tokens * kHiddenH;
+  DeviceTensor z(rows * 2 * M + kHiddenGuard, DType::bf16),
+      gate(rows * M + kHiddenGuard, DType::bf16);
+  DeviceTensor de(rows * M + kHiddenGuard, DType::bf16),
+      dh(rows * 2 * M + kHiddenGuard, DType::bf16);
+  DeviceTensor dlr0(nlr, DType::bf16), dlr1(nlr, DType::bf16), dlr2(nlr, DType::bf16);
+
+  auto bf = [](DeviceTensor& t) { return static_cast<__nv_bfloat16*>(t.data()); };
+  cuda::lact_detail::lact_hidden_transpose_w1(bf(w), pairs, M, D, bf(w1t), nullptr);
+  cuda::lact_detail::lact_hidden_transpose_w1(bf(dg), pairs, M, D, bf(dg1t), nullptr);
+  cuda::lact_detail::LactHiddenGradParams p;
+  p.k = bf(k), p.v = bf(v), p.w = bf(w), p.dg = bf(dg), p.w1t = bf(w1t), p.dg1t = bf(dg1t);
+  p.lr0 = bf(lr0), p.lr1 = bf(lr1), p.lr2 = bf(lr2);
+  p.dlr0 = bf(dlr0), p.dlr1 = bf(dlr1), p.dlr2 = bf(dlr2);
+  p.z = bf(z), p.gate = bf(gate), p.de = bf(de), p.dh = bf(dh);
+  p.B = kHiddenB, p.H = kHiddenH, p.D = D, p.M = M, p.local_len = L, p.t0 = c.t0, p.n = n;
+  cuda::lact_detail::lact_hidden_grad_launch(p, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  const std::vector<double> K = k.read(), V = v.read(), W = w.read(), G = dg.read(),
+                            R0 = lr0.read(), R1 = lr1.read(), R2 = lr2.read();
+  std::vector<double> want_z(rows * 2 * M), want_gate(rows * M), want_de(rows * M),
+      want_dh(rows * 2 * M);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> want_dlr0(nlr, nan), want_dlr1(nlr, nan), want_dlr2(nlr, nan);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t b = pair / kHiddenH, h = pair % kHiddenH;
+    const double* w0 = W.data() + pair * 3 * md;
+    const double* w2 = w0 + md;
+    const double* w1 = w2 + md;  // D x M
+    const double* g0 = G.data() + pair * 3 * md;
+    const double* g2 = g0 + md;
+    const double* g1 = g2 + md;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t tok = b * L + c.t0 + t, row = pair * n + t, li = tok * kHiddenH + h;
+      const double* kr = K.data() + tok * hd + h * D;
+      const double* vr = V.data() + tok * hd + h * D;
+      const double l0 = R0[li], l1 = R1[li], l2 = R2[li];
+      double s0 = 0, s1 = 0, s2 = 0;
+      for (int64_t m = 0; m < M; ++m) {
+        double h0 = 0, h2 = 0, e = 0, u0 = 0, u2 = 0, u1 = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          h0 += kr[d] * w0[m * D + d];
+          h2 += kr[d] * w2[m * D + d];
+          u0 += kr[d] * g0[m * D + d];
+          u2 += kr[d] * g2[m * D + d];
+          e -= vr[d] * w1[d * M + m];
+          u1 += vr[d] * g1[d * M + m];
+        }
+        const double sg = 1 / (1 + std::exp(-h0)), silu = h0 * sg;
+        const double d1 = sg * (1 + h0 * (1 - sg));
+        const double d2 = sg * (1 - sg) * (2 + h0 * (1 - 2 * sg));
+        const double g = silu * h2, z0 = e * h2 * d1, z2 = e * silu;
+        s0 += z0 * u0;
+        s2 += z2 * u2;
+        s1 -= g * u1;
+        want_z[row * 2 * M + m] = l0 * z0;
+        want_z[row * 2 * M + M + m] = l2 * z2;
+        want_gate[row * M + m] = l1 * g;
+        const double dz0 = l0 * u0, dz2 = l2 * u2, dgate = -l1 * u1;
+        want_de[row * M + m] = dz2 * silu + dz0 * h2 * d1;
+        const double dact = dz2 * e + dgate * h2;
+        want_dh[row * 2 * M + M + m] = dz0 * e * d1 + dgate * silu;
+        want_dh[row * 2 * M + m] = dz0 * e * h2 * d2 + dact * d1;
+      }
+      want_dlr0[li] = s0, want_dlr1[li] = s1, want_dlr2[li] = s2;
+    }
+  }
+  auto check = [&](DeviceTensor& t, const std::vector<double>& want, const char* name) {
+    const std::vector<double> got = t.read();
+    EXPECT_LE(rel_rms(std::vector<double>(got.begin(),
+                                          got.begin() + static_cast<std::ptrdiff_t>(want.size())),
+                      want),
+              kHiddenTol)
+        << name;
+    EXPECT_TRUE(std::all_of(got.begin() + static_cast<std::ptrdiff_t>(want.size()), got.end(),
+                            [](double x) { return std::isnan(x); }))
+        << name << " written past the slice";
+  };
+  check(z, want_z, "z");
+  check(gate, want_gate, "gate");
+  check(de, want_de, "de");
+  check(dh, want_dh, "dh");
+  // dlr: the slice's rows against the reference, every other row untouched.
+  auto check_rates = [&](DeviceTensor& t, const std::vector<double>& want, const char* name) {
+    const std::vector<double> got = t.read();
+    std::vector<double> a, ref;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (std::isnan(want[i])) {
+        EXPECT_TRUE(std::isnan(got[i])) << name << " written outside the slice at " << i;
+      } else {
+        a.push_back(got[i]);
+        ref.push_back(want[i]);
+      }
+    }
+    EXPECT_LE(rel_rms(a, ref), kHiddenTol) << name;
+  };
+  check_rates(dlr0, want_dlr0, "dlr0");
+  check_rates(dlr1, want_dlr1, "dlr1");
+  check_rates(dlr2, want_dlr2, "dlr2");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LactCudaHiddenGrad,
+                         ::testing::Values(HiddenGradCase{64, 64, 100, 160, 37},
+                                           HiddenGradCase{128, 192, 256, 300, 0},
+                                           HiddenGradCase{256, 512, 300, 400, 64}),
+                         [](const ::testing::TestParamInfo<HiddenGradCase>& info) {
+                           const HiddenGradCase& c = info.param;
+                           return "D" + std::to_string(c.D) + "_M" + std::to_string(c.M) + "_n" +
+                                  std::to_string(c.n);
+                         });
 
 // ---- bad input --------------------------------------------------------------------
 

@@ -1703,8 +1703,6 @@ class LactGpu {
         w_init_.get(), g_.H, g_.M, g_.D, norm0_.get());
     SS_LAUNCH_CHECK("row_norms_kernel");
     const std::size_t nm = static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M);
-    h_ = PoolArray<float>(2 * nm, stream);
-    e_ = PoolArray<float>(nm, stream);
     z_ = PoolArray<T>(2 * nm, stream);
     gate_ = PoolArray<T>(nm, stream);
     if (split_update_) {
@@ -1906,6 +1904,19 @@ class LactGpu {
                 split_k_);
   }
 
+  // The cuBLAS path's fp32 h = [h0 | h2] (rows of 2M) and e (rows of M),
+  // allocated on first use: a forward through lact_hidden_kernel never needs
+  // them (100 MB at the benchmark's shape).
+  float* h_buf() {
+    if (h_.get() == nullptr) h_ = PoolArray<float>(2 * rows_alloc(), stream_);
+    return h_.get();
+  }
+  float* e_buf() {
+    if (e_.get() == nullptr) e_ = PoolArray<float>(rows_alloc(), stream_);
+    return e_.get();
+  }
+  std::size_t rows_alloc() const { return static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M); }
+
   // The GEMM operand copy of fp32 weights: themselves for f32, bf16 else.
   const T* operand_weights(const float* W) {
     if constexpr (std::is_same<T, float>::value) {
@@ -1937,16 +1948,19 @@ class LactGpu {
     const int64_t M2 = 2 * g_.M;
     for (int64_t b = 0; b < g_.B; ++b)
       gemm_t(false, true, n, M2, g_.D, 1.0, tokens(x, b, t0), weights(w, b, 0), 0.0,
-             rows_out(h_.get(), b, n, M2));
+             rows_out(h_buf(), b, n, M2));
   }
 
-  // The fused hidden-layer kernel's launch for the slice (lact_hidden.cuh).
-  LactHiddenParams hidden_params(LactHiddenMode mode, const T* w, int64_t n, int64_t t0) const {
+  // The fused hidden-layer kernel's launch for the slice (lact_hidden.cuh);
+  // d_o: apply_backward's second token operand.
+  LactHiddenParams hidden_params(LactHiddenMode mode, const T* w, int64_t n, int64_t t0,
+                                 const void* d_o = nullptr) const {
     if constexpr (std::is_same<T, bf16>::value) {
       LactHiddenParams h;
       h.mode = mode;
-      h.x = tok(mode == LactHiddenMode::apply ? p_.q : p_.k);
-      h.v = tok(p_.v);
+      h.x = tok(mode == LactHiddenMode::key_side ? p_.k : p_.q);
+      h.v = tok(mode == LactHiddenMode::apply_backward ? d_o : p_.v);
+      h.dh = dh_.get();
       h.w = w;
       h.lr0 = tok(p_.lr0), h.lr1 = tok(p_.lr1), h.lr2 = tok(p_.lr2);
       h.z = z_.get(), h.gate = gate_.get(), h.z_lo = z_lo_.get(), h.gate_lo = gate_lo_.get();
@@ -1967,7 +1981,7 @@ class LactGpu {
     } else {
       hidden(p_.q, w, n, t0);
       apply_gate_kernel<T>
-          <<<row_grid(rows), kRowThreads, 0, stream_>>>(h_.get(), rows, M, gate_.get());
+          <<<row_grid(rows), kRowThreads, 0, stream_>>>(h_buf(), rows, M, gate_.get());
       SS_LAUNCH_CHECK("apply_gate_kernel");
     }
     for (int64_t b = 0; b < g_.B; ++b)
@@ -1980,7 +1994,7 @@ class LactGpu {
     hidden(p_.k, w, n, t0);
     for (int64_t b = 0; b < g_.B; ++b)
       gemm_t(false, false, n, g_.M, g_.D, -1.0, tokens(p_.v, b, t0), weights(w, b, 2), 0.0,
-             rows_out(e_.get(), b, n, g_.M));
+             rows_out(e_buf(), b, n, g_.M));
   }
 
   // G = [G0 | G2 | G1] of the slice at W (this rank's partial sum).
@@ -1991,7 +2005,7 @@ class LactGpu {
     } else {
       key_side(w, n, t0);
       key_side_kernel<T><<<row_grid(g_.pairs * n), kRowThreads, 0, stream_>>>(
-          h_.get(), e_.get(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), g_.pairs, n, M, g_.H,
+          h_buf(), e_buf(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), g_.pairs, n, M, g_.H,
           g_.local_len, t0, z_.get(), gate_.get(), z_lo_.get(), gate_lo_.get());
       SS_LAUNCH_CHECK("key_side_kernel");
     }
@@ -2020,13 +2034,18 @@ class LactGpu {
   // Backward of apply_forward at w: writes dq of the slice, adds to dW.
   void apply_backward(const LactCudaGrads& gr, const T* w, int64_t n, int64_t t0, float* dW) {
     const int64_t rows = g_.pairs * n, M = g_.M, M2 = 2 * g_.M;
-    hidden(p_.q, w, n, t0);
-    for (int64_t b = 0; b < g_.B; ++b)  // dgate = W1^T do (as rows), in u1's buffer
-      gemm_t(false, false, n, M, g_.D, 1.0, tokens(gr.d_o, b, t0), weights(w, b, 2), 0.0,
-             rows_out(u1_.get(), b, n, M));
-    apply_backward_kernel<T><<<row_grid(rows), kRowThreads, 0, stream_>>>(
-        h_.get(), u1_.get(), rows, M, gate_.get(), dh_.get());
-    SS_LAUNCH_CHECK("apply_backward_kernel");
+    // d_o is the caller's: the fused kernel's tensor maps need it aligned too.
+    if (fused_hidden_ && lact_hidden_aligned(gr.d_o, gr.d_o, gr.d_o)) {
+      lact_hidden_launch(hidden_params(LactHiddenMode::apply_backward, w, n, t0, gr.d_o), stream_);
+    } else {
+      hidden(p_.q, w, n, t0);
+      for (int64_t b = 0; b < g_.B; ++b)  // dgate = W1^T do (as rows), in u1's buffer
+        gemm_t(false, false, n, M, g_.D, 1.0, tokens(gr.d_o, b, t0), weights(w, b, 2), 0.0,
+               rows_out(u1_.get(), b, n, M));
+      apply_backward_kernel<T><<<row_grid(rows), kRowThreads, 0, stream_>>>(
+          h_buf(), u1_.get(), rows, M, gate_.get(), dh_.get());
+      SS_LAUNCH_CHECK("apply_backward_kernel");
+    }
     for (int64_t b = 0; b < g_.B; ++b) {
       // o = W1 gate: dW1 += do gate^T;  [h0; h2] = [W0; W2] q: d[W0; W2] += dh^T q,
       // dq = dh [W0; W2].
@@ -2040,24 +2059,56 @@ class LactGpu {
     store_tokens(dq_acc_.get(), n, t0, gr.dq);
   }
 
+  // gradients_backward's rows (z, gate, de, dh, dlr) by lact_hidden_grad_kernel
+  // where the fused hidden layer runs; false: the caller runs the cuBLAS path.
+  bool fused_gradient_rows(const LactCudaGrads& gr, const T* w, const T* dg, int64_t n,
+                           int64_t t0) {
+    if constexpr (std::is_same<T, bf16>::value) {
+      if (!fused_hidden_) return false;
+      const std::size_t md = static_cast<std::size_t>(g_.pairs * g_.M * g_.D);
+      if (w1t_.get() == nullptr) {
+        w1t_ = PoolArray<T>(md, stream_);
+        dg1t_ = PoolArray<T>(md, stream_);
+      }
+      lact_hidden_transpose_w1(w, g_.pairs, g_.M, g_.D, w1t_.get(), stream_);
+      lact_hidden_transpose_w1(dg, g_.pairs, g_.M, g_.D, dg1t_.get(), stream_);
+      LactHiddenGradParams h;
+      h.k = tok(p_.k), h.v = tok(p_.v), h.w = w, h.dg = dg, h.w1t = w1t_.get(),
+      h.dg1t = dg1t_.get();
+      h.lr0 = tok(p_.lr0), h.lr1 = tok(p_.lr1), h.lr2 = tok(p_.lr2);
+      h.dlr0 = static_cast<T*>(gr.dlr0), h.dlr1 = static_cast<T*>(gr.dlr1),
+      h.dlr2 = static_cast<T*>(gr.dlr2);
+      h.z = z_.get(), h.gate = gate_.get(), h.de = de_.get(), h.dh = dh_.get();
+      h.B = g_.B, h.H = g_.H, h.D = g_.D, h.M = g_.M, h.local_len = g_.local_len, h.t0 = t0,
+      h.n = n;
+      lact_hidden_grad_launch(h, stream_);
+      return true;
+    } else {
+      (void)gr, (void)w, (void)dg, (void)n, (void)t0;
+      return false;
+    }
+  }
+
   // Backward of partial_gradients given the all-reduced dG (operand type):
   // writes dk, dv, dlr0..2 of the slice, adds the second-order part to dW.
   void gradients_backward(const LactCudaGrads& gr, const T* w, const T* dg, int64_t n, int64_t t0,
                           float* dW) {
     const int64_t M = g_.M, M2 = 2 * g_.M;
-    key_side(w, n, t0);
-    for (int64_t b = 0; b < g_.B; ++b) {
-      // [u0 | u2] = k [dG0; dG2]^T, u1 = v dG1 (as rows).
-      gemm_t(false, true, n, M2, g_.D, 1.0, tokens(p_.k, b, t0), weights(dg, b, 0), 0.0,
-             rows_out(u_.get(), b, n, M2));
-      gemm_t(false, false, n, M, g_.D, 1.0, tokens(p_.v, b, t0), weights(dg, b, 2), 0.0,
-             rows_out(u1_.get(), b, n, M));
+    if (!fused_gradient_rows(gr, w, dg, n, t0)) {
+      key_side(w, n, t0);
+      for (int64_t b = 0; b < g_.B; ++b) {
+        // [u0 | u2] = k [dG0; dG2]^T, u1 = v dG1 (as rows).
+        gemm_t(false, true, n, M2, g_.D, 1.0, tokens(p_.k, b, t0), weights(dg, b, 0), 0.0,
+               rows_out(u_.get(), b, n, M2));
+        gemm_t(false, false, n, M, g_.D, 1.0, tokens(p_.v, b, t0), weights(dg, b, 2), 0.0,
+               rows_out(u1_.get(), b, n, M));
+      }
+      gradients_backward_rows_kernel<T><<<static_cast<unsigned>(g_.pairs * n), 128, 0, stream_>>>(
+          h_buf(), e_buf(), u_.get(), u1_.get(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), n, M, g_.H,
+          g_.local_len, t0, static_cast<T*>(gr.dlr0), static_cast<T*>(gr.dlr1),
+          static_cast<T*>(gr.dlr2), z_.get(), gate_.get(), de_.get(), dh_.get());
+      SS_LAUNCH_CHECK("gradients_backward_rows_kernel");
     }
-    gradients_backward_rows_kernel<T><<<static_cast<unsigned>(g_.pairs * n), 128, 0, stream_>>>(
-        h_.get(), e_.get(), u_.get(), u1_.get(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), n, M, g_.H,
-        g_.local_len, t0, static_cast<T*>(gr.dlr0), static_cast<T*>(gr.dlr1),
-        static_cast<T*>(gr.dlr2), z_.get(), gate_.get(), de_.get(), dh_.get());
-    SS_LAUNCH_CHECK("gradients_backward_rows_kernel");
     for (int64_t b = 0; b < g_.B; ++b) {
       // dk = [lr0 z0 | lr2 z2] [dG0; dG2] + [dh0 | dh2] [W0; W2];
       // dv = -lr1 gate dG1^T - de W1^T.
@@ -2101,6 +2152,8 @@ class LactGpu {
   // gate_, de_ (operands).
   PoolArray<float> h_, e_, u_, u1_, dq_acc_, dk_acc_, dv_acc_;
   PoolArray<T> z_, gate_, de_, dh_, w_op_, z_lo_, gate_lo_;
+  // W1^T and dG1^T for lact_hidden_grad_kernel ([pairs][M][D]), on first use.
+  PoolArray<T> w1t_, dg1t_;
   SplitKScratch split_k_;  // gemm_t's split-K partials and pointer arrays
 };
 

@@ -58,20 +58,18 @@ struct HiddenTile {
   static constexpr size_t kTokenBox = size_t{kRows} * kK * 2;   // 16 KB
   static constexpr size_t kWeightBox = size_t{kCols} * kK * 2;  // 8 KB
 
-  static constexpr int token_arrays(LactHiddenMode mode) {
-    return mode == LactHiddenMode::key_side ? 2 : 1;
-  }
+  // Whether the mode has a second token operand (v, or d_o) and W1's product.
+  static constexpr bool two_products(LactHiddenMode mode) { return mode != LactHiddenMode::apply; }
+  static constexpr int token_arrays(LactHiddenMode mode) { return two_products(mode) ? 2 : 1; }
   // A stage: W0's and W2's 64 rows (adjacent: one 128-row K-major B operand)
   // and on the key side W1's 64 columns.
   static constexpr size_t stage_bytes(LactHiddenMode mode) {
-    return (mode == LactHiddenMode::key_side ? 3 : 2) * kWeightBox;
+    return (two_products(mode) ? 3 : 2) * kWeightBox;
   }
   // Two passes of D = 256 buffered where shared memory allows (apply), so
   // that the warpgroup a turn behind does not hold the next pass's refills;
   // the key side's resident k and v leave room for one.
-  static constexpr int stages(LactHiddenMode mode) {
-    return mode == LactHiddenMode::key_side ? 4 : 8;
-  }
+  static constexpr int stages(LactHiddenMode mode) { return two_products(mode) ? 4 : 8; }
   static constexpr size_t tokens_bytes(LactHiddenMode mode, int D) {
     return token_arrays(mode) * (D / kK) * kTokenBox;
   }
@@ -83,22 +81,26 @@ struct HiddenTile {
   }
 };
 static_assert(HiddenTile::smem_bytes(LactHiddenMode::key_side, HiddenTile::kMaxD) <= 227 * 1024 &&
+                  HiddenTile::smem_bytes(LactHiddenMode::apply_backward, HiddenTile::kMaxD) <=
+                      227 * 1024 &&
                   HiddenTile::smem_bytes(LactHiddenMode::apply, HiddenTile::kMaxD) <= 227 * 1024,
               "lact_hidden_kernel exceeds shared memory at the largest D");
 // The warpgroup a turn behind still reads the previous pass's stages while
 // the other's next pass waits on its refills: fewer stages than one pass over
 // D would deadlock the turns.
 static_assert(HiddenTile::stages(LactHiddenMode::key_side) >= HiddenTile::kMaxD / HiddenTile::kK &&
+                  HiddenTile::stages(LactHiddenMode::apply_backward) >=
+                      HiddenTile::kMaxD / HiddenTile::kK &&
                   HiddenTile::stages(LactHiddenMode::apply) >= HiddenTile::kMaxD / HiddenTile::kK,
               "lact_hidden_kernel needs a pass of D in stages");
 
 // One exchange of store_quad_row: lanes q and q ^ kLane swap the words whose
 // slot bit kSlot differs from their lane bit kLane (both bit masks).
-template <int kLane, int kSlot>
-__device__ __forceinline__ void quad_butterfly(uint32_t (&w)[8], int q) {
+template <int kLane, int kSlot, int N>
+__device__ __forceinline__ void quad_butterfly(uint32_t (&w)[N], int q) {
   const bool upper = q & kLane;
 #pragma unroll
-  for (int lo = 0; lo < 8; ++lo) {
+  for (int lo = 0; lo < N; ++lo) {
     if (lo & kSlot) continue;
     const int hi = lo | kSlot;
     const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? w[lo] : w[hi], kLane);
@@ -126,6 +128,14 @@ __device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[8], int 
   }
 }
 
+// The same for 32 columns (w[c8], c8 = 0..3): a full 4 x 4 transpose of the
+// quad's words leaves lane q the pairs 4 q .. 4 q + 3 in order, 16 bytes.
+__device__ __forceinline__ void store_quad_row32(bf16* row, uint32_t (&w)[4], int q, bool store) {
+  quad_butterfly<1, 1>(w, q);
+  quad_butterfly<2, 2>(w, q);
+  if (store) *reinterpret_cast<uint4*>(row + 8 * q) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // The tensor maps: x and v as [B * local_len][H * D] boxes of 128 rows x 64;
 // the weights twice over the same bytes, as rows of D (W0, W2: boxes of 64
 // rows x 64) and as rows of M (W1: 64 of its D rows x 64 columns).
@@ -140,6 +150,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   using Tile = HiddenTile;
   using detail::wgmma_desc_sw128;
   constexpr bool kKey = kMode == LactHiddenMode::key_side;
+  constexpr bool kTwo = Tile::two_products(kMode);
   constexpr size_t kStageBytes = Tile::stage_bytes(kMode);
   constexpr int kStages = Tile::stages(kMode);
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -180,7 +191,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     for (int kb = 0; kb < kbs; ++kb) {
       detail::tensor_copy_to_shared(xs + kb * Tile::kTokenBox, &maps.x, token_col + Tile::kK * kb,
                                     token_row, tokens_full);
-      if constexpr (kKey)
+      if constexpr (kTwo)
         detail::tensor_copy_to_shared(vs + kb * Tile::kTokenBox, &maps.v, token_col + Tile::kK * kb,
                                       token_row, tokens_full);
     }
@@ -195,7 +206,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
                                     full + st);
       detail::tensor_copy_to_shared(s + Tile::kWeightBox, &maps.w02, Tile::kK * kb,
                                     w_row + M + Tile::kCols * j, full + st);
-      if constexpr (kKey)
+      if constexpr (kTwo)
         detail::tensor_copy_to_shared(s + 2 * Tile::kWeightBox, &maps.w1, Tile::kCols * j,
                                       w1_row + Tile::kK * kb, full + st);
     }
@@ -217,7 +228,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
       }
 
   // hh = [h0 | h2] (m64n128: columns 0-63 h0, 64-127 h2), ev = v W1 (m64n64).
-  float hh[64], ev[kKey ? 32 : 1];
+  float hh[64], ev[kTwo ? 32 : 1];
   // A: this warpgroup's 64 rows of a token box, k16 slice kk 32 bytes into
   // the 128-byte rows (8-row atoms 1024 bytes apart; the hardware applies the
   // swizzle). W0 | W2 as one 128-row B, K-major the same way; W1 MN-major
@@ -231,7 +242,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     constexpr bool kFirst = decltype(first)::value;
     detail::wgmma_m64n128k16_ss_bf16<kFirst>(hh, token_desc(xs, kb, kk),
                                              wgmma_desc_sw128(s + 32 * kk, 1024));
-    if constexpr (kKey)
+    if constexpr (kTwo)
       detail::wgmma_m64n64k16_ss<true, true, kFirst>(
           ev, token_desc(vs, kb, kk), wgmma_desc_sw128(s + 2 * Tile::kWeightBox + 2048 * kk, 1024));
   };
@@ -292,7 +303,29 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
       const int t = r + 8 * e;
       const bool valid = t < p.n;
       const int64_t row = pair * p.n + t, col = int64_t{Tile::kCols} * j;
-      if constexpr (!kKey) {
+      if constexpr (kMode == LactHiddenMode::apply_backward) {
+        // apply_backward_kernel's formulas, dgate = d_o W1.
+        uint32_t gw[8], d0[8], d2[8];
+#pragma unroll
+        for (int c8 = 0; c8 < 8; ++c8) {
+          float g2[2], a0[2], a2[2];
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const int a = 4 * c8 + 2 * e + u;
+            const SiluFast s(hh[a]);
+            const float hv = hh[a + 32], dg = ev[a];
+            g2[u] = s.value * hv;
+            a0[u] = dg * hv * s.d1;
+            a2[u] = dg * s.value;
+          }
+          gw[c8] = detail::pack2<bf16>(g2[0], g2[1]);
+          d0[c8] = detail::pack2<bf16>(a0[0], a0[1]);
+          d2[c8] = detail::pack2<bf16>(a2[0], a2[1]);
+        }
+        store_quad_row(p.gate + row * M + col, gw, q, valid);
+        store_quad_row(p.dh + row * 2 * M + col, d0, q, valid);
+        store_quad_row(p.dh + row * 2 * M + M + col, d2, q, valid);
+      } else if constexpr (!kKey) {
         uint32_t gw[8];
 #pragma unroll
         for (int c8 = 0; c8 < 8; ++c8) {
@@ -336,10 +369,249 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   }
 }
 
+// ---- the backward's update-gradient rows ----------------------------------------
+
+// lact_hidden_grad_kernel: one CTA per 128 tokens of a pair, as
+// lact_hidden_kernel's key side (k and v resident, weights streamed, two
+// consumer warpgroups in turns, a producer warp), but four products a pass:
+// [h0 | h2 | u0 | u2] = k [W0; W2; dG0; dG2]_j^T (m64n128) and
+// [v W1 | u1] = v [W1^T; dG1^T]_j^T (m64n64) over 32 hidden columns j, 96
+// accumulator registers (64 columns would need 192). W1 and dG1 come
+// transposed (lact_hidden_transpose_w1) so that every B operand is K-major in
+// the 128-byte swizzle: a stage is six 32-row boxes, 24 KB.
+struct GradTile {
+  static constexpr int kRows = HiddenTile::kRows, kK = HiddenTile::kK;
+  static constexpr int kCols = 32;
+  static constexpr int kStages = 4;
+  static constexpr int kConsumers = HiddenTile::kConsumers, kThreads = HiddenTile::kThreads;
+  static constexpr size_t kTokenBox = HiddenTile::kTokenBox;
+  static constexpr size_t kBox = size_t{kCols} * kK * 2;  // 4 KB
+  static constexpr size_t kStageBytes = 6 * kBox;
+  static constexpr size_t tokens_bytes(int D) { return 2 * (D / kK) * kTokenBox; }
+  static constexpr size_t smem_bytes(int D) {
+    return tokens_bytes(D) + kStages * kStageBytes + 8 * (2 * kStages + 1) + 1024;
+  }
+};
+static_assert(GradTile::smem_bytes(HiddenTile::kMaxD) <= 227 * 1024 &&
+                  GradTile::kStages >= HiddenTile::kMaxD / GradTile::kK,
+              "lact_hidden_grad_kernel: shared memory, or fewer stages than a pass of D");
+
+// k, v boxes of 128 rows x 64; W0, W2 (and dG0, dG2) as rows of D in boxes of
+// 32 rows x 64; W1^T and dG1^T ([pairs * M][D]) the same.
+struct GradMaps {
+  CUtensorMap k, v, w, dg, w1t, dg1t;
+};
+
+__global__ void __launch_bounds__(GradTile::kThreads, 1)
+    lact_hidden_grad_kernel(const __grid_constant__ LactHiddenGradParams p,
+                            const __grid_constant__ GradMaps maps) {
+  using Tile = GradTile;
+  using detail::wgmma_desc_sw128;
+  constexpr int kStages = Tile::kStages;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* base = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int D = static_cast<int>(p.D), M = static_cast<int>(p.M);
+  const int kbs = D / Tile::kK, js = M / Tile::kCols, steps = js * kbs;
+  unsigned char* ks = base;
+  unsigned char* vs = base + size_t(kbs) * Tile::kTokenBox;
+  unsigned char* stages = base + Tile::tokens_bytes(D);
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * Tile::kStageBytes);
+  uint64_t* empty = full + kStages;
+  uint64_t* tokens_full = empty + kStages;
+
+  const int tid = threadIdx.x;
+  const int64_t pair = blockIdx.y, b = pair / p.H, h = pair % p.H;
+  const int row0 = blockIdx.x * Tile::kRows;
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      detail::mbarrier_init(full + st, 1);
+      detail::mbarrier_init(empty + st, HiddenTile::kConsumerWarps);
+    }
+    detail::mbarrier_init(tokens_full, 1);
+    detail::fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (tid >= Tile::kConsumers) {
+    if (tid != Tile::kConsumers) return;
+    const int token_row = static_cast<int>(b * p.local_len + p.t0 + row0);
+    const int token_col = static_cast<int>(h * D);
+    detail::mbarrier_arrive_expect_tx(tokens_full, static_cast<uint32_t>(Tile::tokens_bytes(D)));
+    for (int kb = 0; kb < kbs; ++kb) {
+      detail::tensor_copy_to_shared(ks + kb * Tile::kTokenBox, &maps.k, token_col + Tile::kK * kb,
+                                    token_row, tokens_full);
+      detail::tensor_copy_to_shared(vs + kb * Tile::kTokenBox, &maps.v, token_col + Tile::kK * kb,
+                                    token_row, tokens_full);
+    }
+    const int w_row = static_cast<int>(pair * 3 * M);  // W0's (dG0's) first row, rows of D
+    const int t_row = static_cast<int>(pair * M);      // W1^T's (dG1^T's) first row
+    for (int i = 0; i < steps; ++i) {
+      const int st = i % kStages, j = i / kbs, kb = i % kbs;
+      if (i >= kStages) detail::mbarrier_wait_cta(empty + st, (i / kStages - 1) & 1);
+      unsigned char* s = stages + st * Tile::kStageBytes;
+      const int c = Tile::kK * kb, r = Tile::kCols * j;
+      detail::mbarrier_arrive_expect_tx(full + st, static_cast<uint32_t>(Tile::kStageBytes));
+      detail::tensor_copy_to_shared(s, &maps.w, c, w_row + r, full + st);
+      detail::tensor_copy_to_shared(s + Tile::kBox, &maps.w, c, w_row + M + r, full + st);
+      detail::tensor_copy_to_shared(s + 2 * Tile::kBox, &maps.dg, c, w_row + r, full + st);
+      detail::tensor_copy_to_shared(s + 3 * Tile::kBox, &maps.dg, c, w_row + M + r, full + st);
+      detail::tensor_copy_to_shared(s + 4 * Tile::kBox, &maps.w1t, c, t_row + r, full + st);
+      detail::tensor_copy_to_shared(s + 5 * Tile::kBox, &maps.dg1t, c, t_row + r, full + st);
+    }
+    return;
+  }
+
+  const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
+  const int r = row0 + 64 * wg + 16 * warp + lane / 4;
+  float l0[2] = {0.f, 0.f}, l1[2] = {0.f, 0.f}, l2[2] = {0.f, 0.f};
+  for (int e = 0; e < 2; ++e)
+    if (r + 8 * e < p.n) {
+      l0[e] = lr_at(p.lr0, pair, r + 8 * e, p.H, p.local_len, p.t0);
+      l1[e] = lr_at(p.lr1, pair, r + 8 * e, p.H, p.local_len, p.t0);
+      l2[e] = lr_at(p.lr2, pair, r + 8 * e, p.H, p.local_len, p.t0);
+    }
+  // dlr sums of rows r and r + 8, this lane's columns; the quad adds them up
+  // at the end.
+  float s0[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f}, s2[2] = {0.f, 0.f};
+
+  // ak = [h0 | h2 | u0 | u2] (8 columns each per c8 block of 4), av = [v W1 | u1].
+  float ak[64], av[32];
+  auto token_desc = [&](const unsigned char* tokens, int kb, int kk) {
+    return wgmma_desc_sw128(tokens + kb * Tile::kTokenBox + wg * 64 * 128 + 32 * kk, 1024);
+  };
+  auto slice = [&](const unsigned char* s, int kb, int kk, auto first) {
+    constexpr bool kFirst = decltype(first)::value;
+    detail::wgmma_m64n128k16_ss_bf16<kFirst>(ak, token_desc(ks, kb, kk),
+                                             wgmma_desc_sw128(s + 32 * kk, 1024));
+    detail::wgmma_m64n64k16_ss<true, false, kFirst>(
+        av, token_desc(vs, kb, kk), wgmma_desc_sw128(s + 4 * Tile::kBox + 32 * kk, 1024));
+  };
+  auto products = [&](const unsigned char* s, int kb, auto first) {
+    slice(s, kb, 0, first);
+#pragma unroll
+    for (int kk = 1; kk < 4; ++kk) slice(s, kb, kk, std::false_type{});
+  };
+  auto release = [&](int st) {
+    __syncwarp();
+    if (lane == 0) detail::mbarrier_arrive(empty + st);
+  };
+  auto step = [&](int i, int kb, auto first) {
+    const int st = i % kStages;
+    detail::mbarrier_wait_cta(full + st, (i / kStages) & 1);
+    detail::wgmma_fence();
+    products(stages + st * Tile::kStageBytes, kb, first);
+    detail::wgmma_commit();
+  };
+  constexpr int kTurn = 1;
+  auto take_turn = [&] { detail::named_barrier_sync(kTurn + wg, Tile::kConsumers); };
+  auto pass_turn = [&] { detail::named_barrier_arrive(kTurn + 1 - wg, Tile::kConsumers); };
+  if (wg == 1) pass_turn();
+
+  detail::mbarrier_wait_cta(tokens_full, 0);
+  for (int j = 0, i = 0; j < js; ++j) {
+    take_turn();
+    step(i++, 0, std::true_type{});
+    for (int kb = 1; kb < kbs; ++kb) {
+      step(i++, kb, std::false_type{});
+      detail::wgmma_wait<1>();
+      release((i - 2) % kStages);
+    }
+    if (wg == 0 || j + 1 < js) pass_turn();
+    detail::wgmma_wait<0>();
+    release((i - 1) % kStages);
+
+    // Element a = 4 c8 + 2 e + u (c8 = 0..3) of each 32-column block is row
+    // r + 8 e, column 32 j + 8 c8 + 2 q + u: h0 ak[a], h2 ak[a + 16],
+    // u0 ak[a + 32], u2 ak[a + 48], v W1 av[a], u1 av[a + 16].
+    // gradients_backward_rows_kernel's formulas.
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = r + 8 * e;
+      const bool valid = t < p.n;
+      const int64_t row = pair * p.n + t, col = int64_t{Tile::kCols} * j;
+      uint32_t wz0[4], wz2[4], wg1[4], wde[4], wd0[4], wd2[4];
+#pragma unroll
+      for (int c8 = 0; c8 < 4; ++c8) {
+        float z0o[2], z2o[2], go[2], deo[2], dh0o[2], dh2o[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int a = 4 * c8 + 2 * e + u;
+          const SiluFast sl(ak[a]);
+          const float hv = ak[a + 16], u0 = ak[a + 32], u2 = ak[a + 48];
+          const float ev = -av[a], v1 = av[a + 16];
+          const float gate = sl.value * hv, z0 = ev * hv * sl.d1, z2 = ev * sl.value;
+          s0[e] += z0 * u0;
+          s2[e] += z2 * u2;
+          s1[e] -= gate * v1;
+          z0o[u] = l0[e] * z0;
+          z2o[u] = l2[e] * z2;
+          go[u] = l1[e] * gate;
+          const float dz0 = l0[e] * u0, dz2 = l2[e] * u2, dgate = -l1[e] * v1;
+          deo[u] = dz2 * sl.value + dz0 * hv * sl.d1;
+          const float dact = dz2 * ev + dgate * hv;
+          dh2o[u] = dz0 * ev * sl.d1 + dgate * sl.value;
+          dh0o[u] = dz0 * ev * hv * sl.d2 + dact * sl.d1;
+        }
+        wz0[c8] = detail::pack2<bf16>(z0o[0], z0o[1]);
+        wz2[c8] = detail::pack2<bf16>(z2o[0], z2o[1]);
+        wg1[c8] = detail::pack2<bf16>(go[0], go[1]);
+        wde[c8] = detail::pack2<bf16>(deo[0], deo[1]);
+        wd0[c8] = detail::pack2<bf16>(dh0o[0], dh0o[1]);
+        wd2[c8] = detail::pack2<bf16>(dh2o[0], dh2o[1]);
+      }
+      store_quad_row32(p.z + row * 2 * M + col, wz0, q, valid);
+      store_quad_row32(p.z + row * 2 * M + M + col, wz2, q, valid);
+      store_quad_row32(p.gate + row * M + col, wg1, q, valid);
+      store_quad_row32(p.de + row * M + col, wde, q, valid);
+      store_quad_row32(p.dh + row * 2 * M + col, wd0, q, valid);
+      store_quad_row32(p.dh + row * 2 * M + M + col, wd2, q, valid);
+    }
+  }
+  // The rows' sums over all M columns: this lane's, then the quad's.
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      s0[e] += __shfl_xor_sync(0xffffffffu, s0[e], o);
+      s1[e] += __shfl_xor_sync(0xffffffffu, s1[e], o);
+      s2[e] += __shfl_xor_sync(0xffffffffu, s2[e], o);
+    }
+    const int t = r + 8 * e;
+    if (q == 0 && t < p.n) {
+      const int64_t idx = (b * p.local_len + p.t0 + t) * p.H + h;
+      p.dlr0[idx] = __float2bfloat16_rn(s0[e]);
+      p.dlr1[idx] = __float2bfloat16_rn(s1[e]);
+      p.dlr2[idx] = __float2bfloat16_rn(s2[e]);
+    }
+  }
+}
+
+// out[pair][m][d] = W1[pair][d][m] through 32 x 32 tiles in shared memory.
+__global__ void transpose_w1_kernel(const bf16* __restrict__ blocks, int64_t M, int64_t D,
+                                    bf16* __restrict__ out) {
+  __shared__ bf16 tile[32][33];
+  const int64_t pair = blockIdx.z;
+  const bf16* w1 = blocks + pair * 3 * M * D + 2 * M * D;  // D x M
+  bf16* o = out + pair * M * D;                            // M x D
+  const int64_t m0 = int64_t{blockIdx.x} * 32, d0 = int64_t{blockIdx.y} * 32;
+  for (int y = threadIdx.y; y < 32; y += blockDim.y) {
+    const int64_t d = d0 + y, m = m0 + threadIdx.x;
+    if (d < D && m < M) tile[y][threadIdx.x] = w1[d * M + m];
+  }
+  __syncthreads();
+  for (int y = threadIdx.y; y < 32; y += blockDim.y) {
+    const int64_t m = m0 + y, d = d0 + threadIdx.x;
+    if (m < M && d < D) o[m * D + d] = tile[threadIdx.x][y];
+  }
+}
+
 template <typename F>
 void with_hidden_kernel(LactHiddenMode mode, F&& f) {
   if (mode == LactHiddenMode::key_side)
     f(lact_hidden_kernel<LactHiddenMode::key_side>);
+  else if (mode == LactHiddenMode::apply_backward)
+    f(lact_hidden_kernel<LactHiddenMode::apply_backward>);
   else
     f(lact_hidden_kernel<LactHiddenMode::apply>);
 }
@@ -358,6 +630,41 @@ bool hidden_fits(int device, int64_t D, int64_t M) {
 
 }  // namespace
 
+void lact_hidden_transpose_w1(const __nv_bfloat16* blocks, int64_t pairs, int64_t M, int64_t D,
+                              __nv_bfloat16* out, cudaStream_t stream) {
+  SS_CHECK_ARG(pairs <= 65535, "heads", "lact_hidden_transpose_w1 takes at most 65535 pairs");
+  const dim3 grid(static_cast<unsigned>((M + 31) / 32), static_cast<unsigned>((D + 31) / 32),
+                  static_cast<unsigned>(pairs));
+  transpose_w1_kernel<<<grid, dim3(32, 8), 0, stream>>>(blocks, M, D, out);
+  SS_LAUNCH_CHECK("transpose_w1_kernel");
+}
+
+void lact_hidden_grad_launch(const LactHiddenGradParams& p, cudaStream_t stream) {
+  using Tile = GradTile;
+  SS_CHECK_ARG(lact_hidden_supported(p.D, p.M), "dim",
+               "lact_hidden_grad_kernel cannot run D = ", p.D, ", M = ", p.M, " on this device");
+  SS_CHECK_ARG(lact_hidden_aligned(p.k, p.v, p.w) && lact_hidden_aligned(p.dg, p.w1t, p.dg1t), "k",
+               "lact_hidden_grad_kernel needs 16-byte aligned token and weight arrays");
+  const int64_t token_rows = p.B * p.local_len, pairs = p.B * p.H;
+  SS_CHECK_ARG(lact_hidden_addressable(pairs, token_rows, p.D, p.M), "seq_len",
+               "lact_hidden_grad_kernel cannot address ", pairs, " (batch, head) pairs of ",
+               token_rows, " token rows (at most 65535 pairs, 32-bit tensor coordinates)");
+  if (p.n <= 0) return;
+  GradMaps maps{};
+  const auto swz = CU_TENSOR_MAP_SWIZZLE_128B;
+  maps.k = detail::tile_map_2d(p.k, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, "k");
+  maps.v = detail::tile_map_2d(p.v, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, "v");
+  maps.w = detail::tile_map_2d(p.w, pairs * 3 * p.M, p.D, Tile::kK, Tile::kCols, swz, "w0");
+  maps.dg = detail::tile_map_2d(p.dg, pairs * 3 * p.M, p.D, Tile::kK, Tile::kCols, swz, "w0");
+  maps.w1t = detail::tile_map_2d(p.w1t, pairs * p.M, p.D, Tile::kK, Tile::kCols, swz, "w1");
+  maps.dg1t = detail::tile_map_2d(p.dg1t, pairs * p.M, p.D, Tile::kK, Tile::kCols, swz, "w1");
+  const dim3 grid(static_cast<unsigned>((p.n + Tile::kRows - 1) / Tile::kRows),
+                  static_cast<unsigned>(pairs));
+  detail::launch_kernel(lact_hidden_grad_kernel, grid, Tile::kThreads,
+                        Tile::smem_bytes(static_cast<int>(p.D)), stream, "lact_hidden_grad_kernel",
+                        p, maps);
+}
+
 bool lact_hidden_supported(int64_t D, int64_t M) {
   return detail::cached_device_check<HiddenTile>(D, M, hidden_fits);
 }
@@ -374,10 +681,12 @@ bool lact_hidden_addressable(int64_t pairs, int64_t token_rows, int64_t D, int64
 
 void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   using Tile = HiddenTile;
-  const bool key = p.mode == LactHiddenMode::key_side;
+  const bool key = p.mode == LactHiddenMode::key_side, two = HiddenTile::two_products(p.mode);
+  const char* x_name = key ? "k" : "q";
+  const char* v_name = key ? "v" : "d_o";
   SS_CHECK_ARG(lact_hidden_supported(p.D, p.M), "dim", "lact_hidden_kernel cannot run D = ", p.D,
                ", M = ", p.M, " on this device");
-  SS_CHECK_ARG(lact_hidden_aligned(p.x, key ? p.v : p.x, p.w), key ? "k" : "q",
+  SS_CHECK_ARG(lact_hidden_aligned(p.x, two ? p.v : p.x, p.w), two ? v_name : x_name,
                "lact_hidden_kernel needs 16-byte aligned token and weight arrays");
   const int64_t token_rows = p.B * p.local_len, pairs = p.B * p.H;
   SS_CHECK_ARG(lact_hidden_addressable(pairs, token_rows, p.D, p.M), "seq_len",
@@ -386,9 +695,8 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   if (p.n <= 0) return;
   HiddenMaps maps{};
   const auto swz = CU_TENSOR_MAP_SWIZZLE_128B;
-  maps.x =
-      detail::tile_map_2d(p.x, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, key ? "k" : "q");
-  maps.v = key ? detail::tile_map_2d(p.v, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, "v")
+  maps.x = detail::tile_map_2d(p.x, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, x_name);
+  maps.v = two ? detail::tile_map_2d(p.v, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, v_name)
                : maps.x;
   maps.w02 = detail::tile_map_2d(p.w, pairs * 3 * p.M, p.D, Tile::kK, Tile::kCols, swz, "w0");
   maps.w1 = detail::tile_map_2d(p.w, pairs * 3 * p.D, p.M, Tile::kCols, Tile::kK, swz, "w1");

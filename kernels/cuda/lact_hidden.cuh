@@ -25,7 +25,10 @@
 
 namespace statescan::cuda::lact_detail {
 
-enum class LactHiddenMode { apply, key_side };
+// apply_backward: h from q and dgate = d_o W1 (in the key side's place of
+// e), writing gate = silu(h0) h2 and dh = [dgate h2 silu'(h0) | dgate silu(h0)]
+// (the backward's apply_backward_kernel), x = q, v = d_o.
+enum class LactHiddenMode { apply, key_side, apply_backward };
 
 // One launch: a slice of n tokens per (batch row, head) pair.
 struct LactHiddenParams {
@@ -39,8 +42,33 @@ struct LactHiddenParams {
   // Outputs, pair-major rows of the slice: z (2M: z0 | z2) and gate (M);
   // z_lo and gate_lo the low terms (key side, null when not wanted).
   __nv_bfloat16 *z = nullptr, *gate = nullptr, *z_lo = nullptr, *gate_lo = nullptr;
+  // apply_backward: dh, rows of 2M (dh0 | dh2).
+  __nv_bfloat16* dh = nullptr;
   int64_t B = 0, H = 0, D = 0, M = 0, local_len = 0, t0 = 0, n = 0;
 };
+
+// The backward's update-gradient rows in one kernel (lact_hidden_grad_kernel,
+// gradients_backward_rows_kernel's outputs without its fp32 inputs): from
+// the slice's k and v, the weights W and the all-reduced update gradient dG
+// (both blocks [W0 | W2 | W1], operand type), W1^T and dG1^T ([pairs][M][D],
+// lact_hidden_transpose_w1), it forms h = k [W0; W2]^T, e = -v W1,
+// u = k [dG0; dG2]^T and u1 = v dG1 in accumulators and writes
+// z = [lr0 z0 | lr2 z2], gate = lr1 silu(h0) h2, de, dh = [dh0 | dh2] (rows of
+// 2M, M, M, 2M) and the learning rates' gradients dlr0..2 ([B, local_len, H]).
+struct LactHiddenGradParams {
+  const __nv_bfloat16 *k = nullptr, *v = nullptr, *w = nullptr, *dg = nullptr;
+  const __nv_bfloat16 *w1t = nullptr, *dg1t = nullptr;
+  const __nv_bfloat16 *lr0 = nullptr, *lr1 = nullptr, *lr2 = nullptr;
+  __nv_bfloat16 *dlr0 = nullptr, *dlr1 = nullptr, *dlr2 = nullptr;
+  __nv_bfloat16 *z = nullptr, *gate = nullptr, *de = nullptr, *dh = nullptr;
+  int64_t B = 0, H = 0, D = 0, M = 0, local_len = 0, t0 = 0, n = 0;
+};
+
+// out[pair][m][d] = W1 of blocks[pair] ([W0 | W2 | W1], W1 D x M) at [d][m].
+void lact_hidden_transpose_w1(const __nv_bfloat16* blocks, int64_t pairs, int64_t M, int64_t D,
+                              __nv_bfloat16* out, cudaStream_t stream);
+
+void lact_hidden_grad_launch(const LactHiddenGradParams& p, cudaStream_t stream);
 
 // Whether lact_hidden_launch can run layers of this D and M here.
 bool lact_hidden_supported(int64_t D, int64_t M);
