@@ -547,9 +547,12 @@ INSTANTIATE_TEST_SUITE_P(ShapesAndModes, LactCudaHidden, ::testing::ValuesIn(hid
 // dh = [dh0 | dh2] and dlr0..2 (gradients_backward_rows_kernel's formulas,
 // written out here in double), W1 and dG1 transposed by
 // lact_hidden_transpose_w1. Slices ending inside a tile, t0 > 0; outputs
-// poisoned with guard regions, dlr arrays poisoned outside the slice.
+// poisoned with guard regions, dlr arrays poisoned outside the slice. Packed:
+// the layer's layout, rows [z | dh] of 4M and [gate | de] of 2M, and
+// [dG1^T; W1^T] per pair (row pitches, t_pitch 2M, transposes' pair stride).
 struct HiddenGradCase {
   int64_t D, M, n, local_len, t0;
+  bool packed = false;
 };
 
 class LactCudaHiddenGrad : public ::testing::TestWithParam<HiddenGradCase> {
@@ -578,24 +581,42 @@ TEST_P(LactCudaHiddenGrad, MatchesReference) {
   DeviceTensor w(randn(block_values, rng, 1.0 / std::sqrt(D)), DType::bf16);
   DeviceTensor dg(randn(block_values, rng, 1.0 / std::sqrt(D)), DType::bf16);
   DeviceTensor lr0(rates(), DType::bf16), lr1(rates(), DType::bf16), lr2(rates(), DType::bf16);
-  DeviceTensor w1t(static_cast<std::size_t>(pairs * md), DType::bf16),
-      dg1t(static_cast<std::size_t>(pairs * md), DType::bf16);
+  // Transposes: separate arrays, or one [dG1^T; W1^T] block per pair.
+  const int64_t t_stride = c.packed ? 2 * md : md;
+  DeviceTensor t1(static_cast<std::size_t>(pairs * t_stride + (c.packed ? 0 : pairs * md)),
+                  DType::bf16);
   const std::size_t rows = static_cast<std::size_t>(pairs * n), nlr = tokens * kHiddenH;
-  DeviceTensor z(rows * 2 * M + kHiddenGuard, DType::bf16),
-      gate(rows * M + kHiddenGuard, DType::bf16);
-  DeviceTensor de(rows * M + kHiddenGuard, DType::bf16),
-      dh(rows * 2 * M + kHiddenGuard, DType::bf16);
+  // An output's buffer, first column and row pitch; packed: z and dh share
+  // one buffer, gate and de another.
+  struct Out {
+    DeviceTensor* buf;
+    int64_t col, ld;
+  };
+  DeviceTensor zdh(rows * (c.packed ? 4 * M : 2 * M) + kHiddenGuard, DType::bf16),
+      gde(rows * (c.packed ? 2 * M : M) + kHiddenGuard, DType::bf16);
+  DeviceTensor de_own(c.packed ? 1 : rows * M + kHiddenGuard, DType::bf16),
+      dh_own(c.packed ? 1 : rows * 2 * M + kHiddenGuard, DType::bf16);
+  const Out oz{&zdh, 0, c.packed ? 4 * M : 2 * M}, ogate{&gde, 0, c.packed ? 2 * M : M};
+  const Out ode = c.packed ? Out{&gde, M, 2 * M} : Out{&de_own, 0, M};
+  const Out odh = c.packed ? Out{&zdh, 2 * M, 4 * M} : Out{&dh_own, 0, 2 * M};
   DeviceTensor dlr0(nlr, DType::bf16), dlr1(nlr, DType::bf16), dlr2(nlr, DType::bf16);
 
   auto bf = [](DeviceTensor& t) { return static_cast<__nv_bfloat16*>(t.data()); };
-  cuda::lact_detail::lact_hidden_transpose_w1(bf(w), pairs, M, D, bf(w1t), nullptr);
-  cuda::lact_detail::lact_hidden_transpose_w1(bf(dg), pairs, M, D, bf(dg1t), nullptr);
+  auto at = [&](const Out& o) { return bf(*o.buf) + o.col; };
+  __nv_bfloat16* dg1t = bf(t1);
+  __nv_bfloat16* w1t = bf(t1) + (c.packed ? md : pairs * md);
+  cuda::lact_detail::lact_hidden_transpose_w1(bf(w), pairs, M, D, w1t, t_stride, nullptr);
+  cuda::lact_detail::lact_hidden_transpose_w1(bf(dg), pairs, M, D, dg1t, t_stride, nullptr);
   cuda::lact_detail::LactHiddenGradParams p;
-  p.k = bf(k), p.v = bf(v), p.w = bf(w), p.dg = bf(dg), p.w1t = bf(w1t), p.dg1t = bf(dg1t);
+  p.k = bf(k), p.v = bf(v), p.w = bf(w), p.dg = bf(dg), p.w1t = w1t, p.dg1t = dg1t;
   p.lr0 = bf(lr0), p.lr1 = bf(lr1), p.lr2 = bf(lr2);
   p.dlr0 = bf(dlr0), p.dlr1 = bf(dlr1), p.dlr2 = bf(dlr2);
-  p.z = bf(z), p.gate = bf(gate), p.de = bf(de), p.dh = bf(dh);
+  p.z = at(oz), p.gate = at(ogate), p.de = at(ode), p.dh = at(odh);
   p.B = kHiddenB, p.H = kHiddenH, p.D = D, p.M = M, p.local_len = L, p.t0 = c.t0, p.n = n;
+  if (c.packed) {
+    p.z_ld = p.dh_ld = 4 * M, p.gate_ld = p.de_ld = 2 * M;
+    p.t_pitch = 2 * M;
+  }
   cuda::lact_detail::lact_hidden_grad_launch(p, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -648,21 +669,25 @@ TEST_P(LactCudaHiddenGrad, MatchesReference) {
       want_dlr0[li] = s0, want_dlr1[li] = s1, want_dlr2[li] = s2;
     }
   }
-  auto check = [&](DeviceTensor& t, const std::vector<double>& want, const char* name) {
-    const std::vector<double> got = t.read();
-    EXPECT_LE(rel_rms(std::vector<double>(got.begin(),
-                                          got.begin() + static_cast<std::ptrdiff_t>(want.size())),
-                      want),
-              kHiddenTol)
-        << name;
-    EXPECT_TRUE(std::all_of(got.begin() + static_cast<std::ptrdiff_t>(want.size()), got.end(),
+  // Rows of `width` at o's column and pitch; the guard past the buffer's
+  // rows poisoned still.
+  auto check = [&](const Out& o, const std::vector<double>& want, const char* name) {
+    const std::vector<double> all = o.buf->read();
+    const int64_t width = static_cast<int64_t>(want.size() / rows);
+    std::vector<double> got;
+    for (std::size_t r = 0; r < rows; ++r)
+      for (int64_t m = 0; m < width; ++m)
+        got.push_back(
+            all[r * static_cast<std::size_t>(o.ld) + static_cast<std::size_t>(o.col + m)]);
+    EXPECT_LE(rel_rms(got, want), kHiddenTol) << name;
+    EXPECT_TRUE(std::all_of(all.begin() + static_cast<std::ptrdiff_t>(rows * o.ld), all.end(),
                             [](double x) { return std::isnan(x); }))
         << name << " written past the slice";
   };
-  check(z, want_z, "z");
-  check(gate, want_gate, "gate");
-  check(de, want_de, "de");
-  check(dh, want_dh, "dh");
+  check(oz, want_z, "z");
+  check(ogate, want_gate, "gate");
+  check(ode, want_de, "de");
+  check(odh, want_dh, "dh");
   // dlr: the slice's rows against the reference, every other row untouched.
   auto check_rates = [&](DeviceTensor& t, const std::vector<double>& want, const char* name) {
     const std::vector<double> got = t.read();
@@ -685,11 +710,13 @@ TEST_P(LactCudaHiddenGrad, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Shapes, LactCudaHiddenGrad,
                          ::testing::Values(HiddenGradCase{64, 64, 100, 160, 37},
                                            HiddenGradCase{128, 192, 256, 300, 0},
-                                           HiddenGradCase{256, 512, 300, 400, 64}),
+                                           HiddenGradCase{256, 512, 300, 400, 64},
+                                           HiddenGradCase{64, 128, 200, 260, 13, true},
+                                           HiddenGradCase{256, 512, 300, 400, 64, true}),
                          [](const ::testing::TestParamInfo<HiddenGradCase>& info) {
                            const HiddenGradCase& c = info.param;
                            return "D" + std::to_string(c.D) + "_M" + std::to_string(c.M) + "_n" +
-                                  std::to_string(c.n);
+                                  std::to_string(c.n) + (c.packed ? "_packed" : "");
                          });
 
 // ---- bad input --------------------------------------------------------------------

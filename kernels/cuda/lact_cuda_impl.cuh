@@ -1773,7 +1773,6 @@ class LactGpu {
                 const LactDeviceAllReduce& all_reduce) {
     const std::size_t state = static_cast<std::size_t>(g_.state());
     const std::size_t nm = static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M);
-    const std::size_t tokens = static_cast<std::size_t>(g_.B * g_.max_n * g_.H * g_.D);
     SS_CHECK_ARG(saved.weights.size() == static_cast<std::size_t>(g_.chunks) * state &&
                      saved.updates.size() == saved.weights.size(),
                  "saved", "checkpoints do not match this problem (run lact_cuda_forward first)");
@@ -1797,13 +1796,7 @@ class LactGpu {
     if (!causal_) w_next = PoolArray<float>(state, stream_);
     PoolArray<T> dG_op;
     if (!std::is_same<T, float>::value) dG_op = PoolArray<T>(state, stream_);
-    u_ = PoolArray<float>(2 * nm, stream_);
-    u1_ = PoolArray<float>(nm, stream_);
-    de_ = PoolArray<T>(nm, stream_);
     dh_ = PoolArray<T>(2 * nm, stream_);
-    dq_acc_ = PoolArray<float>(tokens, stream_);
-    dk_acc_ = PoolArray<float>(tokens, stream_);
-    dv_acc_ = PoolArray<float>(tokens, stream_);
 
     for (int64_t c = g_.chunks - 1; c >= 0; --c) {
       const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
@@ -1897,6 +1890,12 @@ class LactGpu {
     const int64_t hd = g_.H * g_.D;
     return {buf + b * n * hd, CUDA_R_32F, hd, g_.D};
   }
+  // A token gradient of batch row b from local row t0, written by a GEMM in
+  // the storage type (one rounding of its fp32 sum, as store_tokens).
+  Output tokens_out(void* base, int64_t b, int64_t t0) const {
+    const int64_t hd = g_.H * g_.D;
+    return {static_cast<T*>(base) + (b * g_.local_len + t0) * hd, kT, hd, g_.D};
+  }
 
   void gemm_t(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const Operand& A,
               const Operand& B, double beta, const Output& C) {
@@ -1916,6 +1915,19 @@ class LactGpu {
     return e_.get();
   }
   std::size_t rows_alloc() const { return static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M); }
+  // The same, on first use, for the backward's cuBLAS path: u = [u0 | u2],
+  // u1 (fp32), de; and the token gradients' fp32 sums of its GEMM pairs.
+  template <typename X>
+  static X* lazy(PoolArray<X>& a, std::size_t size, cudaStream_t stream) {
+    if (a.get() == nullptr) a = PoolArray<X>(size, stream);
+    return a.get();
+  }
+  float* u_buf() { return lazy(u_, 2 * rows_alloc(), stream_); }
+  float* u1_buf() { return lazy(u1_, rows_alloc(), stream_); }
+  T* de_buf() { return lazy(de_, rows_alloc(), stream_); }
+  float* token_acc(PoolArray<float>& a) {
+    return lazy(a, static_cast<std::size_t>(g_.B * g_.max_n * g_.H * g_.D), stream_);
+  }
 
   // The GEMM operand copy of fp32 weights: themselves for f32, bf16 else.
   const T* operand_weights(const float* W) {
@@ -2041,9 +2053,9 @@ class LactGpu {
       hidden(p_.q, w, n, t0);
       for (int64_t b = 0; b < g_.B; ++b)  // dgate = W1^T do (as rows), in u1's buffer
         gemm_t(false, false, n, M, g_.D, 1.0, tokens(gr.d_o, b, t0), weights(w, b, 2), 0.0,
-               rows_out(u1_.get(), b, n, M));
+               rows_out(u1_buf(), b, n, M));
       apply_backward_kernel<T><<<row_grid(rows), kRowThreads, 0, stream_>>>(
-          h_buf(), u1_.get(), rows, M, gate_.get(), dh_.get());
+          h_buf(), u1_buf(), rows, M, gate_.get(), dh_.get());
       SS_LAUNCH_CHECK("apply_backward_kernel");
     }
     for (int64_t b = 0; b < g_.B; ++b) {
@@ -2054,31 +2066,44 @@ class LactGpu {
       gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(dh_.get(), b, n, M2), tokens(p_.q, b, t0),
              1.0, weight_grad(dW, b, 0));
       gemm_t(false, false, n, g_.D, M2, 1.0, rows_in<T>(dh_.get(), b, n, M2), weights(w, b, 0), 0.0,
-             acc_out(dq_acc_.get(), b, n));
+             tokens_out(gr.dq, b, t0));
     }
-    store_tokens(dq_acc_.get(), n, t0, gr.dq);
   }
 
   // gradients_backward's rows (z, gate, de, dh, dlr) by lact_hidden_grad_kernel
-  // where the fused hidden layer runs; false: the caller runs the cuBLAS path.
+  // where the fused hidden layer runs, into the packed rows zdh_ = [z | dh]
+  // (4M) and gde_ = [gate | de] (2M), with kw_ = [dG0; dG2; W0; W2] and
+  // t1_ = [dG1^T; W1^T] per pair beside them: dk and dv are then one GEMM
+  // each, straight into the token gradients. False: the caller runs the
+  // cuBLAS path.
   bool fused_gradient_rows(const LactCudaGrads& gr, const T* w, const T* dg, int64_t n,
                            int64_t t0) {
     if constexpr (std::is_same<T, bf16>::value) {
       if (!fused_hidden_) return false;
-      const std::size_t md = static_cast<std::size_t>(g_.pairs * g_.M * g_.D);
-      if (w1t_.get() == nullptr) {
-        w1t_ = PoolArray<T>(md, stream_);
-        dg1t_ = PoolArray<T>(md, stream_);
-      }
-      lact_hidden_transpose_w1(w, g_.pairs, g_.M, g_.D, w1t_.get(), stream_);
-      lact_hidden_transpose_w1(dg, g_.pairs, g_.M, g_.D, dg1t_.get(), stream_);
+      const int64_t md = g_.md(), pairs = g_.pairs;
+      const std::size_t rows = rows_alloc();
+      T* zdh = lazy(zdh_, 4 * rows, stream_);
+      T* gde = lazy(gde_, 2 * rows, stream_);
+      T* kw = lazy(kw_, static_cast<std::size_t>(pairs * 4 * md), stream_);
+      T* t1 = lazy(t1_, static_cast<std::size_t>(pairs * 2 * md), stream_);
+      lact_hidden_transpose_w1(dg, pairs, g_.M, g_.D, t1, 2 * md, stream_);
+      lact_hidden_transpose_w1(w, pairs, g_.M, g_.D, t1 + md, 2 * md, stream_);
+      // [dG0; dG2] and [W0; W2] (slot 0 of each pair's block, 2 M D) side by side.
+      const std::size_t e = sizeof(T);
+      SS_CUDA_CHECK(cudaMemcpy2DAsync(kw, 4 * md * e, dg, g_.block() * e, 2 * md * e,
+                                      static_cast<std::size_t>(pairs), cudaMemcpyDeviceToDevice,
+                                      stream_));
+      SS_CUDA_CHECK(cudaMemcpy2DAsync(kw + 2 * md, 4 * md * e, w, g_.block() * e, 2 * md * e,
+                                      static_cast<std::size_t>(pairs), cudaMemcpyDeviceToDevice,
+                                      stream_));
       LactHiddenGradParams h;
-      h.k = tok(p_.k), h.v = tok(p_.v), h.w = w, h.dg = dg, h.w1t = w1t_.get(),
-      h.dg1t = dg1t_.get();
+      h.k = tok(p_.k), h.v = tok(p_.v), h.w = w, h.dg = dg, h.w1t = t1 + md, h.dg1t = t1;
+      h.t_pitch = 2 * g_.M;
       h.lr0 = tok(p_.lr0), h.lr1 = tok(p_.lr1), h.lr2 = tok(p_.lr2);
       h.dlr0 = static_cast<T*>(gr.dlr0), h.dlr1 = static_cast<T*>(gr.dlr1),
       h.dlr2 = static_cast<T*>(gr.dlr2);
-      h.z = z_.get(), h.gate = gate_.get(), h.de = de_.get(), h.dh = dh_.get();
+      h.z = zdh, h.dh = zdh + 2 * g_.M, h.z_ld = h.dh_ld = 4 * g_.M;
+      h.gate = gde, h.de = gde + g_.M, h.gate_ld = h.de_ld = 2 * g_.M;
       h.B = g_.B, h.H = g_.H, h.D = g_.D, h.M = g_.M, h.local_len = g_.local_len, h.t0 = t0,
       h.n = n;
       lact_hidden_grad_launch(h, stream_);
@@ -2091,43 +2116,60 @@ class LactGpu {
 
   // Backward of partial_gradients given the all-reduced dG (operand type):
   // writes dk, dv, dlr0..2 of the slice, adds the second-order part to dW.
+  //   dk = [lr0 z0 | lr2 z2] [dG0; dG2] + [dh0 | dh2] [W0; W2],
+  //   dv = -lr1 gate dG1^T - de W1^T,
+  //   e = -W1^T v: dW1 -= v de^T;  [h0; h2] = [W0; W2] k: d[W0; W2] += dh^T k.
   void gradients_backward(const LactCudaGrads& gr, const T* w, const T* dg, int64_t n, int64_t t0,
                           float* dW) {
-    const int64_t M = g_.M, M2 = 2 * g_.M;
-    if (!fused_gradient_rows(gr, w, dg, n, t0)) {
-      key_side(w, n, t0);
+    const int64_t M = g_.M, M2 = 2 * g_.M, md = g_.md(), D = g_.D;
+    if (fused_gradient_rows(gr, w, dg, n, t0)) {
+      const T* zdh = zdh_.get();
+      const T* gde = gde_.get();
       for (int64_t b = 0; b < g_.B; ++b) {
-        // [u0 | u2] = k [dG0; dG2]^T, u1 = v dG1 (as rows).
-        gemm_t(false, true, n, M2, g_.D, 1.0, tokens(p_.k, b, t0), weights(dg, b, 0), 0.0,
-               rows_out(u_.get(), b, n, M2));
-        gemm_t(false, false, n, M, g_.D, 1.0, tokens(p_.v, b, t0), weights(dg, b, 2), 0.0,
-               rows_out(u1_.get(), b, n, M));
+        const int64_t pb = b * g_.H;  // the row's first pair
+        gemm_t(false, false, n, D, 2 * M2, 1.0, rows_in<T>(zdh, b, n, 2 * M2),
+               {kw_.get() + pb * 4 * md, kT, D, 4 * md}, 0.0, tokens_out(gr.dk, b, t0));
+        gemm_t(false, false, n, D, M2, -1.0, rows_in<T>(gde, b, n, M2),
+               {t1_.get() + pb * 2 * md, kT, D, 2 * md}, 0.0, tokens_out(gr.dv, b, t0));
+        gemm_t(true, false, D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(gde + M, b, n, M2), 1.0,
+               weight_grad(dW, b, 2));
+        gemm_t(true, false, M2, D, n, 1.0, rows_in<T>(zdh + M2, b, n, 2 * M2), tokens(p_.k, b, t0),
+               1.0, weight_grad(dW, b, 0));
       }
-      gradients_backward_rows_kernel<T><<<static_cast<unsigned>(g_.pairs * n), 128, 0, stream_>>>(
-          h_buf(), e_buf(), u_.get(), u1_.get(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), n, M, g_.H,
-          g_.local_len, t0, static_cast<T*>(gr.dlr0), static_cast<T*>(gr.dlr1),
-          static_cast<T*>(gr.dlr2), z_.get(), gate_.get(), de_.get(), dh_.get());
-      SS_LAUNCH_CHECK("gradients_backward_rows_kernel");
+      return;
     }
+    key_side(w, n, t0);
     for (int64_t b = 0; b < g_.B; ++b) {
-      // dk = [lr0 z0 | lr2 z2] [dG0; dG2] + [dh0 | dh2] [W0; W2];
-      // dv = -lr1 gate dG1^T - de W1^T.
-      gemm_t(false, false, n, g_.D, M2, 1.0, rows_in<T>(z_.get(), b, n, M2), weights(dg, b, 0), 0.0,
-             acc_out(dk_acc_.get(), b, n));
-      gemm_t(false, false, n, g_.D, M2, 1.0, rows_in<T>(dh_.get(), b, n, M2), weights(w, b, 0), 1.0,
-             acc_out(dk_acc_.get(), b, n));
-      gemm_t(false, true, n, g_.D, M, -1.0, rows_in<T>(gate_.get(), b, n, M), weights(dg, b, 2),
-             0.0, acc_out(dv_acc_.get(), b, n));
-      gemm_t(false, true, n, g_.D, M, -1.0, rows_in<T>(de_.get(), b, n, M), weights(w, b, 2), 1.0,
-             acc_out(dv_acc_.get(), b, n));
-      // e = -W1^T v: dW1 -= v de^T;  [h0; h2] = [W0; W2] k: d[W0; W2] += dh^T k.
-      gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(de_.get(), b, n, M),
-             1.0, weight_grad(dW, b, 2));
-      gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(dh_.get(), b, n, M2), tokens(p_.k, b, t0),
-             1.0, weight_grad(dW, b, 0));
+      // [u0 | u2] = k [dG0; dG2]^T, u1 = v dG1 (as rows).
+      gemm_t(false, true, n, M2, D, 1.0, tokens(p_.k, b, t0), weights(dg, b, 0), 0.0,
+             rows_out(u_buf(), b, n, M2));
+      gemm_t(false, false, n, M, D, 1.0, tokens(p_.v, b, t0), weights(dg, b, 2), 0.0,
+             rows_out(u1_buf(), b, n, M));
     }
-    store_tokens(dk_acc_.get(), n, t0, gr.dk);
-    store_tokens(dv_acc_.get(), n, t0, gr.dv);
+    gradients_backward_rows_kernel<T><<<static_cast<unsigned>(g_.pairs * n), 128, 0, stream_>>>(
+        h_buf(), e_buf(), u_buf(), u1_buf(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), n, M, g_.H,
+        g_.local_len, t0, static_cast<T*>(gr.dlr0), static_cast<T*>(gr.dlr1),
+        static_cast<T*>(gr.dlr2), z_.get(), gate_.get(), de_buf(), dh_.get());
+    SS_LAUNCH_CHECK("gradients_backward_rows_kernel");
+    // The rows in separate arrays: dk and dv as two GEMMs each into fp32 sums.
+    float* dk_acc = token_acc(dk_acc_);
+    float* dv_acc = token_acc(dv_acc_);
+    for (int64_t b = 0; b < g_.B; ++b) {
+      gemm_t(false, false, n, D, M2, 1.0, rows_in<T>(z_.get(), b, n, M2), weights(dg, b, 0), 0.0,
+             acc_out(dk_acc, b, n));
+      gemm_t(false, false, n, D, M2, 1.0, rows_in<T>(dh_.get(), b, n, M2), weights(w, b, 0), 1.0,
+             acc_out(dk_acc, b, n));
+      gemm_t(false, true, n, D, M, -1.0, rows_in<T>(gate_.get(), b, n, M), weights(dg, b, 2), 0.0,
+             acc_out(dv_acc, b, n));
+      gemm_t(false, true, n, D, M, -1.0, rows_in<T>(de_.get(), b, n, M), weights(w, b, 2), 1.0,
+             acc_out(dv_acc, b, n));
+      gemm_t(true, false, D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(de_.get(), b, n, M), 1.0,
+             weight_grad(dW, b, 2));
+      gemm_t(true, false, M2, D, n, 1.0, rows_in<T>(dh_.get(), b, n, M2), tokens(p_.k, b, t0), 1.0,
+             weight_grad(dW, b, 0));
+    }
+    store_tokens(dk_acc, n, t0, gr.dk);
+    store_tokens(dv_acc, n, t0, gr.dv);
   }
 
   LactCudaParams p_;
@@ -2150,10 +2192,11 @@ class LactGpu {
   PoolArray<float> w_init_, norm0_;
   // Rows of 2M: h_, u_ (fp32), z_, dh_ (operands); rows of M: e_, u1_ (fp32),
   // gate_, de_ (operands).
-  PoolArray<float> h_, e_, u_, u1_, dq_acc_, dk_acc_, dv_acc_;
+  PoolArray<float> h_, e_, u_, u1_, dk_acc_, dv_acc_;
   PoolArray<T> z_, gate_, de_, dh_, w_op_, z_lo_, gate_lo_;
-  // W1^T and dG1^T for lact_hidden_grad_kernel ([pairs][M][D]), on first use.
-  PoolArray<T> w1t_, dg1t_;
+  // The fused backward's packed rows and weights (fused_gradient_rows), on
+  // first use.
+  PoolArray<T> zdh_, gde_, kw_, t1_;
   SplitKScratch split_k_;  // gemm_t's split-K partials and pointer arrays
 };
 

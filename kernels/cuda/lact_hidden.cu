@@ -445,7 +445,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
                                     token_row, tokens_full);
     }
     const int w_row = static_cast<int>(pair * 3 * M);  // W0's (dG0's) first row, rows of D
-    const int t_row = static_cast<int>(pair * M);      // W1^T's (dG1^T's) first row
+    const int t_row = static_cast<int>(pair * p.t_pitch);  // W1^T's (dG1^T's) first row
     for (int i = 0; i < steps; ++i) {
       const int st = i % kStages, j = i / kbs, kb = i % kbs;
       if (i >= kStages) detail::mbarrier_wait_cta(empty + st, (i / kStages - 1) & 1);
@@ -560,12 +560,12 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
         wd0[c8] = detail::pack2<bf16>(dh0o[0], dh0o[1]);
         wd2[c8] = detail::pack2<bf16>(dh2o[0], dh2o[1]);
       }
-      store_quad_row32(p.z + row * 2 * M + col, wz0, q, valid);
-      store_quad_row32(p.z + row * 2 * M + M + col, wz2, q, valid);
-      store_quad_row32(p.gate + row * M + col, wg1, q, valid);
-      store_quad_row32(p.de + row * M + col, wde, q, valid);
-      store_quad_row32(p.dh + row * 2 * M + col, wd0, q, valid);
-      store_quad_row32(p.dh + row * 2 * M + M + col, wd2, q, valid);
+      store_quad_row32(p.z + row * p.z_ld + col, wz0, q, valid);
+      store_quad_row32(p.z + row * p.z_ld + M + col, wz2, q, valid);
+      store_quad_row32(p.gate + row * p.gate_ld + col, wg1, q, valid);
+      store_quad_row32(p.de + row * p.de_ld + col, wde, q, valid);
+      store_quad_row32(p.dh + row * p.dh_ld + col, wd0, q, valid);
+      store_quad_row32(p.dh + row * p.dh_ld + M + col, wd2, q, valid);
     }
   }
   // The rows' sums over all M columns: this lane's, then the quad's.
@@ -589,11 +589,11 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
 
 // out[pair][m][d] = W1[pair][d][m] through 32 x 32 tiles in shared memory.
 __global__ void transpose_w1_kernel(const bf16* __restrict__ blocks, int64_t M, int64_t D,
-                                    bf16* __restrict__ out) {
+                                    bf16* __restrict__ out, int64_t pair_stride) {
   __shared__ bf16 tile[32][33];
   const int64_t pair = blockIdx.z;
   const bf16* w1 = blocks + pair * 3 * M * D + 2 * M * D;  // D x M
-  bf16* o = out + pair * M * D;                            // M x D
+  bf16* o = out + pair * pair_stride;                      // M x D
   const int64_t m0 = int64_t{blockIdx.x} * 32, d0 = int64_t{blockIdx.y} * 32;
   for (int y = threadIdx.y; y < 32; y += blockDim.y) {
     const int64_t d = d0 + y, m = m0 + threadIdx.x;
@@ -631,20 +631,38 @@ bool hidden_fits(int device, int64_t D, int64_t M) {
 }  // namespace
 
 void lact_hidden_transpose_w1(const __nv_bfloat16* blocks, int64_t pairs, int64_t M, int64_t D,
-                              __nv_bfloat16* out, cudaStream_t stream) {
+                              __nv_bfloat16* out, int64_t pair_stride, cudaStream_t stream) {
   SS_CHECK_ARG(pairs <= 65535, "heads", "lact_hidden_transpose_w1 takes at most 65535 pairs");
+  SS_CHECK_ARG(pair_stride >= M * D, "pair_stride", "lact_hidden_transpose_w1: pair_stride ",
+               pair_stride, " < M D = ", M * D, " (pairs would overlap)");
   const dim3 grid(static_cast<unsigned>((M + 31) / 32), static_cast<unsigned>((D + 31) / 32),
                   static_cast<unsigned>(pairs));
-  transpose_w1_kernel<<<grid, dim3(32, 8), 0, stream>>>(blocks, M, D, out);
+  transpose_w1_kernel<<<grid, dim3(32, 8), 0, stream>>>(blocks, M, D, out, pair_stride);
   SS_LAUNCH_CHECK("transpose_w1_kernel");
 }
 
-void lact_hidden_grad_launch(const LactHiddenGradParams& p, cudaStream_t stream) {
+void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t stream) {
   using Tile = GradTile;
+  LactHiddenGradParams p = given;
+  // Pitches: 0 is the width; else at least the width, in whole 16 bytes.
+  auto pitch = [](int64_t& ld, int64_t width, const char* name) {
+    if (ld == 0) ld = width;
+    SS_CHECK_ARG(ld >= width && ld % 8 == 0, name, "lact_hidden_grad_kernel: row pitch ", ld,
+                 " of ", name, " is under its width ", width, " or not a multiple of 8");
+  };
+  pitch(p.z_ld, 2 * p.M, "z");
+  pitch(p.gate_ld, p.M, "gate");
+  pitch(p.de_ld, p.M, "de");
+  pitch(p.dh_ld, 2 * p.M, "dh");
+  if (p.t_pitch == 0) p.t_pitch = p.M;
+  SS_CHECK_ARG(p.t_pitch >= p.M, "w1t", "lact_hidden_grad_kernel: W1^T's pairs ", p.t_pitch,
+               " rows apart overlap (M = ", p.M, ")");
   SS_CHECK_ARG(lact_hidden_supported(p.D, p.M), "dim",
                "lact_hidden_grad_kernel cannot run D = ", p.D, ", M = ", p.M, " on this device");
   SS_CHECK_ARG(lact_hidden_aligned(p.k, p.v, p.w) && lact_hidden_aligned(p.dg, p.w1t, p.dg1t), "k",
                "lact_hidden_grad_kernel needs 16-byte aligned token and weight arrays");
+  SS_CHECK_ARG(lact_hidden_aligned(p.z, p.gate, p.de) && lact_hidden_aligned(p.dh, p.dh, p.dh), "z",
+               "lact_hidden_grad_kernel needs 16-byte aligned outputs");
   const int64_t token_rows = p.B * p.local_len, pairs = p.B * p.H;
   SS_CHECK_ARG(lact_hidden_addressable(pairs, token_rows, p.D, p.M), "seq_len",
                "lact_hidden_grad_kernel cannot address ", pairs, " (batch, head) pairs of ",
@@ -656,8 +674,12 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& p, cudaStream_t stream)
   maps.v = detail::tile_map_2d(p.v, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, "v");
   maps.w = detail::tile_map_2d(p.w, pairs * 3 * p.M, p.D, Tile::kK, Tile::kCols, swz, "w0");
   maps.dg = detail::tile_map_2d(p.dg, pairs * 3 * p.M, p.D, Tile::kK, Tile::kCols, swz, "w0");
-  maps.w1t = detail::tile_map_2d(p.w1t, pairs * p.M, p.D, Tile::kK, Tile::kCols, swz, "w1");
-  maps.dg1t = detail::tile_map_2d(p.dg1t, pairs * p.M, p.D, Tile::kK, Tile::kCols, swz, "w1");
+  // Rows up to the last pair's last one (pairs t_pitch apart).
+  const int64_t t_rows = (pairs - 1) * p.t_pitch + p.M;
+  SS_CHECK_ARG(t_rows < (int64_t{1} << 31), "w1t", "lact_hidden_grad_kernel: ", t_rows,
+               " rows of W1^T are past 32-bit tensor coordinates");
+  maps.w1t = detail::tile_map_2d(p.w1t, t_rows, p.D, Tile::kK, Tile::kCols, swz, "w1");
+  maps.dg1t = detail::tile_map_2d(p.dg1t, t_rows, p.D, Tile::kK, Tile::kCols, swz, "w1");
   const dim3 grid(static_cast<unsigned>((p.n + Tile::kRows - 1) / Tile::kRows),
                   static_cast<unsigned>(pairs));
   detail::launch_kernel(lact_hidden_grad_kernel, grid, Tile::kThreads,

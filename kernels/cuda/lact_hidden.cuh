@@ -55,6 +55,9 @@ struct LactHiddenParams {
 // u = k [dG0; dG2]^T and u1 = v dG1 in accumulators and writes
 // z = [lr0 z0 | lr2 z2], gate = lr1 silu(h0) h2, de, dh = [dh0 | dh2] (rows of
 // 2M, M, M, 2M) and the learning rates' gradients dlr0..2 ([B, local_len, H]).
+// The row pitches let the layer interleave them: rows [z | dh] of 4M and
+// [gate | de] of 2M make dk = [z | dh] [dG0; dG2; W0; W2] and dv one GEMM each
+// (and W1^T, dG1^T one [dG1^T; W1^T] block per pair, t_pitch 2M).
 struct LactHiddenGradParams {
   const __nv_bfloat16 *k = nullptr, *v = nullptr, *w = nullptr, *dg = nullptr;
   const __nv_bfloat16 *w1t = nullptr, *dg1t = nullptr;
@@ -62,11 +65,16 @@ struct LactHiddenGradParams {
   __nv_bfloat16 *dlr0 = nullptr, *dlr1 = nullptr, *dlr2 = nullptr;
   __nv_bfloat16 *z = nullptr, *gate = nullptr, *de = nullptr, *dh = nullptr;
   int64_t B = 0, H = 0, D = 0, M = 0, local_len = 0, t0 = 0, n = 0;
+  // Row pitches in elements (0: the widths 2M, M, M, 2M; else at least the
+  // width and a multiple of 8, for the kernel's 16-byte stores) and the rows
+  // from one pair's W1^T (dG1^T) to the next (0: M).
+  int64_t z_ld = 0, gate_ld = 0, de_ld = 0, dh_ld = 0, t_pitch = 0;
 };
 
-// out[pair][m][d] = W1 of blocks[pair] ([W0 | W2 | W1], W1 D x M) at [d][m].
+// out[pair][m][d] = W1 of blocks[pair] ([W0 | W2 | W1], W1 D x M) at [d][m],
+// out's pairs `pair_stride` elements apart (M D: contiguous).
 void lact_hidden_transpose_w1(const __nv_bfloat16* blocks, int64_t pairs, int64_t M, int64_t D,
-                              __nv_bfloat16* out, cudaStream_t stream);
+                              __nv_bfloat16* out, int64_t pair_stride, cudaStream_t stream);
 
 void lact_hidden_grad_launch(const LactHiddenGradParams& p, cudaStream_t stream);
 
