@@ -458,11 +458,13 @@ __global__ void step_renorm_kernel(float* W, const float* step, const float* nor
 
 // Backward of step_renorm for one chunk: x = W - step, dy = dW (adjoint of
 // the new weights). Writes dW <- dx (the direct path), d_step = -dx, and adds
-// the renorm target's adjoint x.dy / den to d_norm0 [pairs, 2M + D].
-static __global__ void step_renorm_backward_kernel(const float* W, const float* step,
-                                                   const float* norm0, int64_t pairs, int64_t H,
-                                                   int64_t M, int64_t D, bool renorm, float* dW,
-                                                   float* d_step, float* d_norm0) {
+// the renorm target's adjoint x.dy / den to d_norm0 [pairs, 2M + D]. With
+// w_op, also W's GEMM operand copy (the pass operand_weights would make).
+template <typename T>
+__global__ void step_renorm_backward_kernel(const float* W, const float* step, const float* norm0,
+                                            int64_t pairs, int64_t H, int64_t M, int64_t D,
+                                            bool renorm, float* dW, float* d_step, float* d_norm0,
+                                            T* w_op) {
   const int64_t nr = 2 * M + D;
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -471,7 +473,10 @@ static __global__ void step_renorm_backward_kernel(const float* W, const float* 
   const RowPlace rp = row_place(r, M, D);
   const int64_t base = pair * 3 * M * D + rp.offset;
   if (!renorm) {
-    for (int64_t j = lane; j < rp.cols; j += 32) d_step[base + j] = -dW[base + j];
+    for (int64_t j = lane; j < rp.cols; j += 32) {
+      d_step[base + j] = -dW[base + j];
+      if (w_op != nullptr) w_op[base + j] = from_float<T>(W[base + j]);
+    }
     return;
   }
   float xx = 0, xdy = 0;
@@ -488,10 +493,11 @@ static __global__ void step_renorm_backward_kernel(const float* W, const float* 
   const float radial = s > 0.0f ? n0 * xdy / (den * den * s) : 0.0f;
   __syncwarp();
   for (int64_t j = lane; j < rp.cols; j += 32) {
-    const float x = W[base + j] - step[base + j];
+    const float w = W[base + j], x = w - step[base + j];
     const float dx = n0 / den * dW[base + j] - radial * x;
     dW[base + j] = dx;
     d_step[base + j] = -dx;
+    if (w_op != nullptr) w_op[base + j] = from_float<T>(w);
   }
 }
 
@@ -1776,8 +1782,7 @@ class LactGpu {
     SS_CHECK_ARG(saved.weights.size() == static_cast<std::size_t>(g_.chunks) * state &&
                      saved.updates.size() == saved.weights.size(),
                  "saved", "checkpoints do not match this problem (run lact_cuda_forward first)");
-    PoolArray<float> dW(state, stream_), dG(state, stream_), d_step(state, stream_), dvel, step,
-        w_next;
+    PoolArray<float> dW(state, stream_), dG(state, stream_), d_step, dvel, step, w_next;
     PoolArray<float> d_norm0(g_.pairs * g_.norms(), stream_);
     dW.zero();
     d_norm0.zero();
@@ -1790,6 +1795,7 @@ class LactGpu {
     PoolArray<float> p_stage;
     if (muon) {
       step = PoolArray<float>(state, stream_);
+      d_step = PoolArray<float>(state, stream_);
       p_stage = PoolArray<float>(state, stream_);
       ns = std::make_unique<NewtonSchulz<U>>(g_, p_.config.muon_steps, true, stream_);
     }
@@ -1816,24 +1822,24 @@ class LactGpu {
                                       cudaMemcpyDeviceToDevice, stream_));
         apply_backward(gr, step_renorm(w_next.get(), d), n, t0, dW.get());
       }
-      step_renorm_backward_kernel<<<grid_for(g_.pairs * g_.norms() * 32, kThreads), kThreads, 0,
-                                    stream_>>>(Wc, d, norm0_.get(), g_.pairs, g_.H, g_.M, g_.D,
-                                               p_.config.renorm, dW.get(), d_step.get(),
-                                               d_norm0.get());
+      // Without Muon the step's adjoint is dG itself. For bf16 the kernel
+      // also writes Wc's operand copy (into w_op_, whose copy of the next
+      // weights apply_backward has consumed by now, in stream order).
+      T* w_copy = nullptr;
+      if constexpr (!std::is_same<T, float>::value) w_copy = w_op_.get();
+      step_renorm_backward_kernel<T>
+          <<<grid_for(g_.pairs * g_.norms() * 32, kThreads), kThreads, 0, stream_>>>(
+              Wc, d, norm0_.get(), g_.pairs, g_.H, g_.M, g_.D, p_.config.renorm, dW.get(),
+              muon ? d_step.get() : dG.get(), d_norm0.get(), w_copy);
       SS_LAUNCH_CHECK("step_renorm_backward_kernel");
-      if (muon) {
-        ns->backward(Pc, d_step.get(), dG.get());
-      } else {
-        SS_CUDA_CHECK(cudaMemcpyAsync(dG.get(), d_step.get(), state * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream_));
-      }
+      if (muon) ns->backward(Pc, d_step.get(), dG.get());
       if (momentum_) {
         momentum_backward_kernel<<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
             dG.get(), state, static_cast<float>(p_.config.momentum), dvel.get());
         SS_LAUNCH_CHECK("momentum_backward_kernel");
       }
       if (all_reduce) all_reduce(dG.get(), state, stream_);
-      const T* w_op = operand_weights(Wc);
+      const T* w_op = std::is_same<T, float>::value ? reinterpret_cast<const T*>(Wc) : w_copy;
       const T* dg_op = reinterpret_cast<const T*>(dG.get());
       if (!std::is_same<T, float>::value) {
         convert_kernel<T>

@@ -2,7 +2,8 @@
 // products and elementwise step in one kernel.
 //
 // One CTA per 128 tokens of a (batch row, head) pair: two consumer
-// warpgroups of 64 token rows and a producer warp. The CTA's tokens (x, and v
+// warpgroups of 64 token rows and a producer warpgroup (one thread issues the
+// copies; the others hand their registers to the consumers, setmaxnreg). The CTA's tokens (x, and v
 // on the key side) are loaded once by TMA and stay in shared memory; the
 // weights stream through a pipeline of stages (8 for the apply, 4 on the key
 // side, whose resident k and v take 128 KB at D = 256), one stage per 64
@@ -20,9 +21,9 @@
 // TFLOP/s), 60 us with Muon's low terms. v1 (m64n64 products, 4 stages, no
 // turns, 4-byte stores from the accumulator layout) took 47 / 78 / 160 us:
 // the epilogue ran beside nothing, and the low terms' stores, 4 bytes into
-// each of 8 rows per instruction, doubled the key side. Left to try: a
-// producer warpgroup with setmaxnreg and two accumulator sets, so that a
-// warpgroup's own epilogue overlaps its next products; the key side's 4
+// each of 8 rows per instruction, doubled the key side. Left to try: two
+// accumulator sets, so that a warpgroup's own epilogue overlaps its next
+// products; the key side's 4
 // stages are one pass of D = 256, so its turns wait on refills.
 
 #include <cuda.h>
@@ -53,7 +54,14 @@ struct HiddenTile {
   static constexpr int kK = 64;      // D per stage: one 128-byte swizzle row
   static constexpr int kMaxD = 256;
   static constexpr int kConsumers = 256;
-  static constexpr int kThreads = kConsumers + 32;  // + the producer warp
+  // + a producer warpgroup, of which one thread issues the copies: launched
+  // at 65536 / 384 = 168 registers a thread, the producer gives up all but
+  // kProducerRegs and the consumers take kConsumerRegs (2 x 128 x 232 +
+  // 128 x 40 <= 65536). With a producer warp alone (288 threads) ptxas capped
+  // every thread at 168: the key side sat at the cap and the gradient
+  // kernel's 96 accumulators spilled.
+  static constexpr int kThreads = kConsumers + 128;
+  static constexpr int kConsumerRegs = 232, kProducerRegs = 40;
   static constexpr int kConsumerWarps = kConsumers / 32;
   static constexpr size_t kTokenBox = size_t{kRows} * kK * 2;   // 16 KB
   static constexpr size_t kWeightBox = size_t{kCols} * kK * 2;  // 8 KB
@@ -80,6 +88,8 @@ struct HiddenTile {
            1024;
   }
 };
+static_assert(2 * 128 * HiddenTile::kConsumerRegs + 128 * HiddenTile::kProducerRegs <= 65536,
+              "lact_hidden_kernel: the warpgroups' register budgets exceed the register file");
 static_assert(HiddenTile::smem_bytes(LactHiddenMode::key_side, HiddenTile::kMaxD) <= 227 * 1024 &&
                   HiddenTile::smem_bytes(LactHiddenMode::apply_backward, HiddenTile::kMaxD) <=
                       227 * 1024 &&
@@ -183,6 +193,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     // Producer: the tokens once, then the weights' stages in the consumers'
     // order (j outer, kb inner), each stage refilled once both warpgroups'
     // eight warps have handed it back.
+    detail::setmaxnreg_dec<Tile::kProducerRegs>();
     if (tid != Tile::kConsumers) return;
     const int token_row = static_cast<int>(b * p.local_len + p.t0 + row0);
     const int token_col = static_cast<int>(h * D);
@@ -213,6 +224,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     return;
   }
 
+  detail::setmaxnreg_inc<Tile::kConsumerRegs>();
   // Consumers: warpgroup wg owns the tile's token rows 64 wg .. 64 wg + 63;
   // this thread's accumulator rows are r and r + 8, its columns
   // 8 c8 + 2 (lane % 4) (+1) of each pass (the m64nN layout).
@@ -373,7 +385,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
 
 // lact_hidden_grad_kernel: one CTA per 128 tokens of a pair, as
 // lact_hidden_kernel's key side (k and v resident, weights streamed, two
-// consumer warpgroups in turns, a producer warp), but four products a pass:
+// consumer warpgroups in turns, a producer warpgroup), but four products a pass:
 // [h0 | h2 | u0 | u2] = k [W0; W2; dG0; dG2]_j^T (m64n128) and
 // [v W1 | u1] = v [W1^T; dG1^T]_j^T (m64n64) over 32 hidden columns j, 96
 // accumulator registers (64 columns would need 192). W1 and dG1 come
@@ -434,6 +446,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
   __syncthreads();
 
   if (tid >= Tile::kConsumers) {
+    detail::setmaxnreg_dec<HiddenTile::kProducerRegs>();
     if (tid != Tile::kConsumers) return;
     const int token_row = static_cast<int>(b * p.local_len + p.t0 + row0);
     const int token_col = static_cast<int>(h * D);
@@ -462,6 +475,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
     return;
   }
 
+  detail::setmaxnreg_inc<HiddenTile::kConsumerRegs>();
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
   const int r = row0 + 64 * wg + 16 * warp + lane / 4;
   float l0[2] = {0.f, 0.f}, l1[2] = {0.f, 0.f}, l2[2] = {0.f, 0.f};

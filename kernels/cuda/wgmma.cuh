@@ -30,6 +30,26 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* smem, uint32_t 
          (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t{1} << 62);
 }
 
+// The warpgroup's per-thread register budget, raised (consumers) or lowered
+// (a producer that only issues copies) at run time: every warp of the
+// warpgroup executes the same one. A kernel launched with the budget its
+// thread count allows (65536 / threads) can move registers from its producer
+// warpgroup to its consumers' accumulators this way.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: 24..256, step 8");
+#ifndef SS_WGMMA_UNAVAILABLE
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: 24..256, step 8");
+#ifndef SS_WGMMA_UNAVAILABLE
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #ifndef SS_WGMMA_UNAVAILABLE
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
