@@ -104,46 +104,28 @@ static_assert(HiddenTile::stages(LactHiddenMode::key_side) >= HiddenTile::kMaxD 
                   HiddenTile::stages(LactHiddenMode::apply) >= HiddenTile::kMaxD / HiddenTile::kK,
               "lact_hidden_kernel needs a pass of D in stages");
 
-// One exchange of store_quad_row: lanes q and q ^ kLane swap the words whose
-// slot bit kSlot differs from their lane bit kLane (both bit masks).
-template <int kLane, int kSlot, int N>
-__device__ __forceinline__ void quad_butterfly(uint32_t (&w)[N], int q) {
-  const bool upper = q & kLane;
+// Stores the N / 4 x 8 bf16 columns of one row that a quad of lanes holds in
+// the m64nN accumulator layout (lane q: the pairs at columns 8 c8 + 2 q,
+// c8 = 0 .. N - 1, as w[c8]) in 8-byte pieces that the quad writes as 32
+// contiguous bytes (whole sectors): one exchange between lanes q and q ^ 1
+// leaves the even lane of a pair columns 8 c8 .. + 3 of the even c8 and the
+// odd lane those of the odd c8 (lanes 2, 3: + 4). Why not straight from the
+// layout: each instruction would write 4 bytes into each of 8 rows (half
+// sectors), and the key side with its low terms (six arrays) took 151 us a
+// chunk against 63 without them (ncu, H200). Why not 16-byte pieces: a
+// second exchange costs more instructions than the stores it saves (the
+// epilogue's issue slots bound these kernels).
+template <int N>
+__device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[N], int q, bool store) {
+  static_assert(N % 2 == 0, "pairs of c8 blocks");
+  const bool odd = q & 1;
 #pragma unroll
-  for (int lo = 0; lo < N; ++lo) {
-    if (lo & kSlot) continue;
-    const int hi = lo | kSlot;
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? w[lo] : w[hi], kLane);
-    if (upper)
-      w[lo] = got;
-    else
-      w[hi] = got;
+  for (int m = 0; m < N / 2; ++m) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[2 * m] : w[2 * m + 1], 1);
+    const uint32_t a = odd ? got : w[2 * m], b = odd ? w[2 * m + 1] : got;
+    if (store)
+      *reinterpret_cast<uint2*>(row + 8 * (2 * m + (q & 1)) + 4 * (q >> 1)) = make_uint2(a, b);
   }
-}
-
-// Stores 64 bf16 columns of one row that a quad of lanes holds in the m64nN
-// accumulator layout (lane q: the pairs at columns 8 c8 + 2 q, c8 = 0..7, as
-// w[c8]) as 32 contiguous bytes a lane: two butterfly exchanges (lane bit 0
-// with c8's bit 1, lane bit 1 with c8's bit 2) leave lane q the pairs
-// 8 q .. 8 q + 7 in the slot order 0 4 1 5 2 6 3 7. Why: stored straight from
-// the layout each instruction writes 4 bytes into each of 8 rows, and the
-// key side with its low terms (six arrays) took 151 us a chunk against 63
-// without them (ncu, H200).
-__device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[8], int q, bool store) {
-  quad_butterfly<1, 2>(w, q);
-  quad_butterfly<2, 4>(w, q);
-  if (store) {
-    *reinterpret_cast<uint4*>(row + 16 * q) = make_uint4(w[0], w[2], w[4], w[6]);
-    *reinterpret_cast<uint4*>(row + 16 * q + 8) = make_uint4(w[1], w[3], w[5], w[7]);
-  }
-}
-
-// The same for 32 columns (w[c8], c8 = 0..3): a full 4 x 4 transpose of the
-// quad's words leaves lane q the pairs 4 q .. 4 q + 3 in order, 16 bytes.
-__device__ __forceinline__ void store_quad_row32(bf16* row, uint32_t (&w)[4], int q, bool store) {
-  quad_butterfly<1, 1>(w, q);
-  quad_butterfly<2, 2>(w, q);
-  if (store) *reinterpret_cast<uint4*>(row + 8 * q) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // The tensor maps: x and v as [B * local_len][H * D] boxes of 128 rows x 64;
@@ -245,20 +227,27 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   // the 128-byte rows (8-row atoms 1024 bytes apart; the hardware applies the
   // swizzle). W0 | W2 as one 128-row B, K-major the same way; W1 MN-major
   // (rows = D, a k16 step is 16 of its 128-byte rows).
-  auto token_desc = [&](const unsigned char* tokens, int kb, int kk) {
-    return wgmma_desc_sw128(tokens + kb * Tile::kTokenBox + wg * 64 * 128 + 32 * kk, 1024);
+  // Descriptors from three bases (this warpgroup's rows of x and v, the
+  // stages), advanced by byte offsets.
+  const uint64_t x_desc = wgmma_desc_sw128(xs + wg * 64 * 128, 1024);
+  const uint64_t v_desc = wgmma_desc_sw128(vs + wg * 64 * 128, 1024);
+  const uint64_t stage_desc = wgmma_desc_sw128(stages, 1024);
+  auto token_desc = [&](uint64_t tokens, int kb, int kk) {
+    return detail::wgmma_desc_advance(tokens, kb * uint32_t{Tile::kTokenBox} + 32 * kk);
   };
-  // The k16 slice kk of a stage's products; kFirst overwrites the
-  // accumulators (scale-d 0: the pass's first slice).
-  auto slice = [&](const unsigned char* s, int kb, int kk, auto first) {
+  // The k16 slice kk of the products of the stage `so` bytes into the
+  // stages; kFirst overwrites the accumulators (scale-d 0: the pass's first
+  // slice).
+  auto slice = [&](uint32_t so, int kb, int kk, auto first) {
     constexpr bool kFirst = decltype(first)::value;
-    detail::wgmma_m64n128k16_ss_bf16<kFirst>(hh, token_desc(xs, kb, kk),
-                                             wgmma_desc_sw128(s + 32 * kk, 1024));
+    detail::wgmma_m64n128k16_ss_bf16<kFirst>(hh, token_desc(x_desc, kb, kk),
+                                             detail::wgmma_desc_advance(stage_desc, so + 32 * kk));
     if constexpr (kTwo)
       detail::wgmma_m64n64k16_ss<true, true, kFirst>(
-          ev, token_desc(vs, kb, kk), wgmma_desc_sw128(s + 2 * Tile::kWeightBox + 2048 * kk, 1024));
+          ev, token_desc(v_desc, kb, kk),
+          detail::wgmma_desc_advance(stage_desc, so + 2 * Tile::kWeightBox + 2048 * kk));
   };
-  auto products = [&](const unsigned char* s, int kb, auto first) {
+  auto products = [&](uint32_t s, int kb, auto first) {
     slice(s, kb, 0, first);
 #pragma unroll
     for (int kk = 1; kk < 4; ++kk) slice(s, kb, kk, std::false_type{});
@@ -275,7 +264,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     const int st = i % kStages;
     detail::mbarrier_wait_cta(full + st, (i / kStages) & 1);
     detail::wgmma_fence();
-    products(stages + st * kStageBytes, kb, first);
+    products(st * uint32_t{kStageBytes}, kb, first);
     detail::wgmma_commit();
   };
   // Ping-pong: a warpgroup runs a pass's products only in its turn (named
@@ -491,17 +480,21 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
 
   // ak = [h0 | h2 | u0 | u2] (8 columns each per c8 block of 4), av = [v W1 | u1].
   float ak[64], av[32];
-  auto token_desc = [&](const unsigned char* tokens, int kb, int kk) {
-    return wgmma_desc_sw128(tokens + kb * Tile::kTokenBox + wg * 64 * 128 + 32 * kk, 1024);
+  const uint64_t k_desc = wgmma_desc_sw128(ks + wg * 64 * 128, 1024);
+  const uint64_t v_desc = wgmma_desc_sw128(vs + wg * 64 * 128, 1024);
+  const uint64_t stage_desc = wgmma_desc_sw128(stages, 1024);
+  auto token_desc = [&](uint64_t tokens, int kb, int kk) {
+    return detail::wgmma_desc_advance(tokens, kb * uint32_t{Tile::kTokenBox} + 32 * kk);
   };
-  auto slice = [&](const unsigned char* s, int kb, int kk, auto first) {
+  auto slice = [&](uint32_t so, int kb, int kk, auto first) {
     constexpr bool kFirst = decltype(first)::value;
-    detail::wgmma_m64n128k16_ss_bf16<kFirst>(ak, token_desc(ks, kb, kk),
-                                             wgmma_desc_sw128(s + 32 * kk, 1024));
+    detail::wgmma_m64n128k16_ss_bf16<kFirst>(ak, token_desc(k_desc, kb, kk),
+                                             detail::wgmma_desc_advance(stage_desc, so + 32 * kk));
     detail::wgmma_m64n64k16_ss<true, false, kFirst>(
-        av, token_desc(vs, kb, kk), wgmma_desc_sw128(s + 4 * Tile::kBox + 32 * kk, 1024));
+        av, token_desc(v_desc, kb, kk),
+        detail::wgmma_desc_advance(stage_desc, so + 4 * Tile::kBox + 32 * kk));
   };
-  auto products = [&](const unsigned char* s, int kb, auto first) {
+  auto products = [&](uint32_t s, int kb, auto first) {
     slice(s, kb, 0, first);
 #pragma unroll
     for (int kk = 1; kk < 4; ++kk) slice(s, kb, kk, std::false_type{});
@@ -514,7 +507,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
     const int st = i % kStages;
     detail::mbarrier_wait_cta(full + st, (i / kStages) & 1);
     detail::wgmma_fence();
-    products(stages + st * Tile::kStageBytes, kb, first);
+    products(st * uint32_t{Tile::kStageBytes}, kb, first);
     detail::wgmma_commit();
   };
   constexpr int kTurn = 1;
@@ -574,12 +567,12 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
         wd0[c8] = detail::pack2<bf16>(dh0o[0], dh0o[1]);
         wd2[c8] = detail::pack2<bf16>(dh2o[0], dh2o[1]);
       }
-      store_quad_row32(p.z + row * p.z_ld + col, wz0, q, valid);
-      store_quad_row32(p.z + row * p.z_ld + M + col, wz2, q, valid);
-      store_quad_row32(p.gate + row * p.gate_ld + col, wg1, q, valid);
-      store_quad_row32(p.de + row * p.de_ld + col, wde, q, valid);
-      store_quad_row32(p.dh + row * p.dh_ld + col, wd0, q, valid);
-      store_quad_row32(p.dh + row * p.dh_ld + M + col, wd2, q, valid);
+      store_quad_row(p.z + row * p.z_ld + col, wz0, q, valid);
+      store_quad_row(p.z + row * p.z_ld + M + col, wz2, q, valid);
+      store_quad_row(p.gate + row * p.gate_ld + col, wg1, q, valid);
+      store_quad_row(p.de + row * p.de_ld + col, wde, q, valid);
+      store_quad_row(p.dh + row * p.dh_ld + col, wd0, q, valid);
+      store_quad_row(p.dh + row * p.dh_ld + M + col, wd2, q, valid);
     }
   }
   // The rows' sums over all M columns: this lane's, then the quad's.
