@@ -480,6 +480,37 @@ __global__ void step_renorm_backward_kernel(const float* W, const float* step, c
     return;
   }
   float xx = 0, xdy = 0;
+  const float n0 = norm0[(pair % H) * nr + r];
+  if (rp.cols <= 32 * kStepRenormPerLane) {
+    // The row's W, x and dW in registers: read once (the loop below re-reads
+    // them; step_renorm_kernel's measure). Same arithmetic, so the same bits.
+    float w[kStepRenormPerLane], x[kStepRenormPerLane], dy[kStepRenormPerLane];
+#pragma unroll
+    for (int k = 0; k < kStepRenormPerLane; ++k) {
+      const int64_t j = lane + 32 * k;
+      const bool in = j < rp.cols;
+      w[k] = in ? W[base + j] : 0.f;
+      x[k] = in ? w[k] - step[base + j] : 0.f;
+      dy[k] = in ? dW[base + j] : 0.f;
+      xx += x[k] * x[k];
+      xdy += x[k] * dy[k];
+    }
+    xx = warp_sum(xx);
+    xdy = warp_sum(xdy);
+    const float s = sqrtf(xx), den = s + float(kLactEps);
+    if (lane == 0) d_norm0[pair * nr + r] += xdy / den;
+    const float radial = s > 0.0f ? n0 * xdy / (den * den * s) : 0.0f;
+#pragma unroll
+    for (int k = 0; k < kStepRenormPerLane; ++k) {
+      const int64_t j = lane + 32 * k;
+      if (j >= rp.cols) break;
+      const float dx = n0 / den * dy[k] - radial * x[k];
+      dW[base + j] = dx;
+      d_step[base + j] = -dx;
+      if (w_op != nullptr) w_op[base + j] = from_float<T>(w[k]);
+    }
+    return;
+  }
   for (int64_t j = lane; j < rp.cols; j += 32) {
     const float x = W[base + j] - step[base + j];
     xx += x * x;
@@ -487,7 +518,6 @@ __global__ void step_renorm_backward_kernel(const float* W, const float* step, c
   }
   xx = warp_sum(xx);
   xdy = warp_sum(xdy);
-  const float n0 = norm0[(pair % H) * nr + r];
   const float s = sqrtf(xx), den = s + float(kLactEps);
   if (lane == 0) d_norm0[pair * nr + r] += xdy / den;
   const float radial = s > 0.0f ? n0 * xdy / (den * den * s) : 0.0f;
