@@ -544,7 +544,7 @@ int run_lact_bench(int argc, char** argv, std::ostream& out) {
       (long long)o.dim, (long long)o.heads, r.gemm_lact_tflops);
   out << line;
   out << "# FLOP model: token GEMMs 18 M D per token-head forward, 64 M D forward+backward; NS = "
-         "Muon Newton-Schulz GEMM FLOPs (not in TFLOP/s); forward hidden layer "
+         "Muon Newton-Schulz GEMM FLOPs (not in TFLOP/s); hidden layer "
       << cuda::lact_cuda_hidden_path(o.dtype, o.dim, o.hidden)
       << (o.muon_steps > 0
               ? std::string("; NS GEMMs ") + cuda::lact_cuda_ns_gemms(o.dtype, o.dim, o.hidden)

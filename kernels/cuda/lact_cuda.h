@@ -82,17 +82,19 @@ void lact_cuda_check_data(const LactCudaParams& p, cudaStream_t stream);
 // opt-in), "bf16x3-fused" (the same products in one kernel,
 // STATESCAN_LACT_NS=fused; opt-in) or "fp32" (STATESCAN_LACT_NS=fp32).
 const char* lact_cuda_ns_gemms(DType dtype, int64_t dim, int64_t hidden);
-// How a layer of `dtype`, `dim`, `hidden` forms its forward's hidden layer
-// (h0 = x W0^T, h2 = x W2^T, e = -v W1 and the elementwise step after them),
+// How a layer of `dtype`, `dim`, `hidden` forms its hidden layer, forward and
+// backward (h0 = x W0^T, h2 = x W2^T, e = -v W1 and the elementwise steps
+// after them; in the backward also dgate = d_o W1 and the update gradient's
+// u = k dG^T rows),
 // for reports: "fused" (bf16 layers with dim a multiple of 64 up to 256 and
 // hidden a multiple of 64, on a 9.0 device of an sm_90a build: one kernel
-// that writes only gate and z, lact_hidden.cuh; token arrays not 16-byte
+// that writes only gate and z, and in the backward gate, dh and the update
+// gradient's rows, lact_hidden.cuh; token arrays not 16-byte
 // aligned, and problems past its addressing (lact_hidden_addressable: more
 // than 65535 (batch, head) pairs), take the cuBLAS path) or "cublas" (cuBLAS
 // GEMMs into fp32 h and e,
 // then the elementwise kernels; f32 layers, other shapes, and
-// STATESCAN_LACT_HIDDEN=cublas). The backward recomputes h through cuBLAS
-// either way.
+// STATESCAN_LACT_HIDDEN=cublas).
 const char* lact_cuda_hidden_path(DType dtype, int64_t dim, int64_t hidden);
 // d_o finite (synchronises `stream`).
 void lact_cuda_check_finite(const void* x, DType dtype, int64_t n, const char* name,

@@ -2222,8 +2222,9 @@ class LactGpu {
   // 8e-3 and 2e-2). Costs 6 M D more forward GEMM FLOPs per token (18 -> 24),
   // with Muon only.
   bool split_update_;
-  // The forward's hidden layer in lact_hidden_kernel (lact_cuda_hidden_path):
-  // gate, z (and their low terms) straight from the MMAs, no fp32 h or e.
+  // The hidden layer in lact_hidden_kernel and lact_hidden_grad_kernel
+  // (lact_cuda_hidden_path): gate, z (and their low terms), dh, de straight
+  // from the MMAs, no fp32 h, e or u.
   bool fused_hidden_;
   PoolArray<float> w_init_, norm0_;
   // Rows of 2M: h_, u_ (fp32), z_, dh_ (operands); rows of M: e_, u1_ (fp32),

@@ -16,15 +16,19 @@
 // warpgroups take turns at issuing their products (ping-pong), so that one's
 // epilogue runs beside the other's MMAs.
 //
-// Measured (H200, ncu, 4,096-token slices, H 4, D 256, M 512; 2026-12-04):
-// apply 27 us (8.6 GFLOP, 318 TFLOP/s), key side 53 us (12.9 GFLOP, 243
-// TFLOP/s), 60 us with Muon's low terms. v1 (m64n64 products, 4 stages, no
-// turns, 4-byte stores from the accumulator layout) took 47 / 78 / 160 us:
-// the epilogue ran beside nothing, and the low terms' stores, 4 bytes into
-// each of 8 rows per instruction, doubled the key side. Left to try: two
-// accumulator sets, so that a warpgroup's own epilogue overlaps its next
-// products; the key side's 4
-// stages are one pass of D = 256, so its turns wait on refills.
+// Measured (H200, ncu, 4,096-token slices, H 4, D 256, M 512; 2026-12-04,
+// thirty-first session): apply 24.4 us (8.6 GFLOP, 352 TFLOP/s), key side
+// 49.3 us (12.9 GFLOP, 262 TFLOP/s), apply_backward 42.8 us (12.9 GFLOP),
+// lact_hidden_grad_kernel 93.1 us (25.8 GFLOP, 277 TFLOP/s). v1 (m64n64
+// products, 4 stages, no turns, 4-byte stores from the accumulator layout)
+// took 47 / 78 us for the first two: the epilogue ran beside nothing, and
+// the low terms' stores, 4 bytes into each of 8 rows per instruction,
+// doubled the key side. What bounds them now is the epilogue: ~2,000
+// instructions a warp a pass on the key side, issued by one warp per
+// scheduler at ~0.5 IPC, against ~1,500 cycles of the other warpgroup's
+// MMAs (PERF_NOTES, thirty-first session). Tried and dropped: two
+// accumulator sets for the apply without turns (24.9 -> 30.5 us). The key
+// side's 4 stages are one pass of D = 256, so its turns wait on refills.
 
 #include <cuda.h>
 

@@ -5,12 +5,15 @@
 //   apply:    gate = silu(h0) h2                       (x = q; then o = gate W1^T)
 //   key side: z0 = lr0 e h2 silu'(h0), z2 = lr2 e silu(h0),
 //             gate = lr1 silu(h0) h2                   (x = k; then G = z^T k, -v^T gate)
-//             and, for Muon's two-part update, each as hi + lo bf16 terms.
+//             and, for Muon's two-part update, each as hi + lo bf16 terms;
+//   apply_backward (below), and lact_hidden_grad_kernel for the backward's
+//   update-gradient rows.
 // Why: the cuBLAS path writes h = [h0 | h2] (and e) in fp32 and reads them
 // back in an elementwise kernel: ~270 MB a chunk of the ~500 MB that bound the
 // forward at the issue's shape (PERF_NOTES, twenty-ninth session); here h and
-// e live in the MMAs' accumulators. The weight-gradient and output GEMMs stay
-// on cuBLAS, reading the same bf16 arrays as before.
+// e live in the MMAs' accumulators (in the backward, ~600 MB a chunk of fp32
+// h, dgate, u, u1 went the same way). The weight-gradient, output and token-
+// gradient GEMMs stay on cuBLAS, reading the bf16 arrays.
 //
 // Shapes (lact_hidden_supported): D a multiple of 64 up to 256 (the tokens of
 // a tile stay in shared memory for all of M), M a multiple of 64; a build with
