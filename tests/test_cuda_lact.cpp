@@ -731,6 +731,30 @@ std::string error_argument(F&& f) {
   return "<no error>";
 }
 
+// lact_hidden_grad_launch and lact_hidden_transpose_w1 refuse layouts whose
+// rows or pairs would overlap, naming the argument, before anything touches the
+// device (host-only: runs without a GPU).
+TEST(LactHiddenGradArgs, RejectsOverlappingLayouts) {
+  using cuda::lact_detail::LactHiddenGradParams;
+  LactHiddenGradParams p;
+  p.B = 1, p.H = 1, p.D = 64, p.M = 64, p.local_len = 16, p.n = 16;
+  auto with = [&](auto set) {
+    LactHiddenGradParams q = p;
+    set(q);
+    return error_argument([&] { cuda::lact_detail::lact_hidden_grad_launch(q, nullptr); });
+  };
+  EXPECT_EQ(with([](LactHiddenGradParams& q) { q.z_ld = 64; }), "z");        // under 2M
+  EXPECT_EQ(with([](LactHiddenGradParams& q) { q.dh_ld = 132; }), "dh");     // not 16-byte rows
+  EXPECT_EQ(with([](LactHiddenGradParams& q) { q.gate_ld = 32; }), "gate");  // under M
+  EXPECT_EQ(with([](LactHiddenGradParams& q) { q.de_ld = 60; }), "de");
+  EXPECT_EQ(with([](LactHiddenGradParams& q) { q.t_pitch = 32; }), "w1t");  // pairs overlap
+  EXPECT_EQ(error_argument([] {
+              cuda::lact_detail::lact_hidden_transpose_w1(nullptr, 2, 64, 64, nullptr, 64 * 63,
+                                                          nullptr);
+            }),
+            "pair_stride");
+}
+
 class LactCudaErrors : public ::testing::Test {
  protected:
   void SetUp() override {
