@@ -1942,22 +1942,17 @@ class LactGpu {
   // The cuBLAS path's fp32 h = [h0 | h2] (rows of 2M) and e (rows of M),
   // allocated on first use: a forward through lact_hidden_kernel never needs
   // them (100 MB at the benchmark's shape).
-  float* h_buf() {
-    if (h_.get() == nullptr) h_ = PoolArray<float>(2 * rows_alloc(), stream_);
-    return h_.get();
-  }
-  float* e_buf() {
-    if (e_.get() == nullptr) e_ = PoolArray<float>(rows_alloc(), stream_);
-    return e_.get();
-  }
+  float* h_buf() { return lazy(h_, 2 * rows_alloc(), stream_); }
+  float* e_buf() { return lazy(e_, rows_alloc(), stream_); }
   std::size_t rows_alloc() const { return static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M); }
-  // The same, on first use, for the backward's cuBLAS path: u = [u0 | u2],
-  // u1 (fp32), de; and the token gradients' fp32 sums of its GEMM pairs.
+  // `a`, allocated with `size` elements on first use.
   template <typename X>
   static X* lazy(PoolArray<X>& a, std::size_t size, cudaStream_t stream) {
     if (a.get() == nullptr) a = PoolArray<X>(size, stream);
     return a.get();
   }
+  // The same for the backward's cuBLAS path: u = [u0 | u2], u1 (fp32), de;
+  // and the token gradients' fp32 sums of its GEMM pairs.
   float* u_buf() { return lazy(u_, 2 * rows_alloc(), stream_); }
   float* u1_buf() { return lazy(u1_, rows_alloc(), stream_); }
   T* de_buf() { return lazy(de_, rows_alloc(), stream_); }
