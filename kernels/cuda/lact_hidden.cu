@@ -132,6 +132,90 @@ __device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[N], int 
   }
 }
 
+// The weight-stage pipeline both kernels run: kStages stages in shared
+// memory, filled by the producer thread in (pass, kb) order through `full`
+// (one arrival + the copies' bytes) and handed back through `empty` by each
+// of the eight consumer warps; `tokens_full` for the CTA's resident tokens.
+// The consumers take a pass at a time in turns (ping-pong, named barriers
+// kTurn + wg): a warpgroup issues a pass's products only in its turn and
+// hands the turn over once they are issued, so that the tensor pipe runs one
+// warpgroup's products while the other computes and stores its epilogue (left
+// alone, the two wait on the same stages and run their epilogues at the same
+// time, the pipe idle).
+template <int kStages>
+struct StagePipe {
+  static constexpr int kTurn = 1;
+  uint64_t* full;  // [kStages], then empty [kStages], then tokens_full
+  __device__ __forceinline__ uint64_t* empty() const { return full + kStages; }
+  __device__ __forceinline__ uint64_t* tokens_full() const { return full + 2 * kStages; }
+
+  // By one thread, before a __syncthreads.
+  __device__ __forceinline__ void init() const {
+    for (int st = 0; st < kStages; ++st) {
+      detail::mbarrier_init(full + st, 1);
+      detail::mbarrier_init(empty() + st, HiddenTile::kConsumerWarps);
+    }
+    detail::mbarrier_init(tokens_full(), 1);
+    detail::fence_mbarrier_init();
+  }
+
+  // Producer: stage i's slot once its previous fill has been handed back,
+  // armed for `bytes`; returns the barrier its copies complete on.
+  __device__ __forceinline__ uint64_t* acquire(int i, uint32_t bytes) const {
+    const int st = i % kStages;
+    if (i >= kStages) detail::mbarrier_wait_cta(empty() + st, (i / kStages - 1) & 1);
+    detail::mbarrier_arrive_expect_tx(full + st, bytes);
+    return full + st;
+  }
+
+  // Consumers, warpgroup wg: warpgroup 0 takes the first turn.
+  __device__ __forceinline__ void start_turns(int wg) const {
+    if (wg == 1) pass_turn(wg);
+  }
+  __device__ __forceinline__ void pass_turn(int wg) const {
+    detail::named_barrier_arrive(kTurn + 1 - wg, HiddenTile::kConsumers);
+  }
+  // This warp is done reading stage st (its products waited on).
+  __device__ __forceinline__ void release(int st, int lane) const {
+    __syncwarp();
+    if (lane == 0) detail::mbarrier_arrive(empty() + st);
+  }
+
+  // One pass of warpgroup wg in its turn: stages i .. i + kbs - 1 (i
+  // advances), products(st, kb, first) issuing stage st's wgmmas (first: the
+  // pass's first, which overwrites the accumulators), one commit group a
+  // stage, each stage handed back once the next one's products are issued;
+  // returns with the pass's products complete. hand_over: pass the turn on
+  // (warpgroup 1's last turn does not: warpgroup 0 has had its last). The
+  // first stage is peeled off the loop rather than branched to: behind a
+  // branch ptxas serialises the wgmmas.
+  template <typename Products>
+  __device__ __forceinline__ void pass(int& i, int kbs, int wg, int lane, bool hand_over,
+                                       Products&& products) const {
+    detail::named_barrier_sync(kTurn + wg, HiddenTile::kConsumers);
+    auto step = [&](int kb, auto first) {
+      const int st = i % kStages;
+      detail::mbarrier_wait_cta(full + st, (i / kStages) & 1);
+      detail::wgmma_fence();
+      products(st, kb, first);
+      detail::wgmma_commit();
+      ++i;
+    };
+    step(0, std::true_type{});
+    for (int kb = 1; kb < kbs; ++kb) {
+      step(kb, std::false_type{});
+      // The previous stage's products are done once at most this group is
+      // pending: hand that stage back while these run.
+      detail::wgmma_wait<1>();
+      release((i - 2) % kStages, lane);
+    }
+    // Issued: the other warpgroup's products may queue behind these.
+    if (hand_over) pass_turn(wg);
+    detail::wgmma_wait<0>();
+    release((i - 1) % kStages, lane);
+  }
+};
+
 // The tensor maps: x and v as [B * local_len][H * D] boxes of 128 rows x 64;
 // the weights twice over the same bytes, as rows of D (W0, W2: boxes of 64
 // rows x 64) and as rows of M (W1: 64 of its D rows x 64 columns).
@@ -158,21 +242,12 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   unsigned char* xs = base;
   unsigned char* vs = base + token_bytes;  // key side only
   unsigned char* stages = base + Tile::tokens_bytes(kMode, D);
-  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes);
-  uint64_t* empty = full + kStages;
-  uint64_t* tokens_full = empty + kStages;
+  const StagePipe<kStages> pipe{reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes)};
 
   const int tid = threadIdx.x;
   const int64_t pair = blockIdx.y, b = pair / p.H, h = pair % p.H;
   const int row0 = blockIdx.x * Tile::kRows;  // first token of the tile in the slice
-  if (tid == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      detail::mbarrier_init(full + st, 1);
-      detail::mbarrier_init(empty + st, Tile::kConsumerWarps);
-    }
-    detail::mbarrier_init(tokens_full, 1);
-    detail::fence_mbarrier_init();
-  }
+  if (tid == 0) pipe.init();
   __syncthreads();  // barriers initialised before any copy completes on them
 
   if (tid >= Tile::kConsumers) {
@@ -183,6 +258,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     if (tid != Tile::kConsumers) return;
     const int token_row = static_cast<int>(b * p.local_len + p.t0 + row0);
     const int token_col = static_cast<int>(h * D);
+    uint64_t* tokens_full = pipe.tokens_full();
     detail::mbarrier_arrive_expect_tx(tokens_full,
                                       static_cast<uint32_t>(Tile::tokens_bytes(kMode, D)));
     for (int kb = 0; kb < kbs; ++kb) {
@@ -195,17 +271,15 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     const int w_row = static_cast<int>(pair * 3 * M);           // W0's first row (rows of D)
     const int w1_row = static_cast<int>(pair * 3 * D + 2 * D);  // W1's first row (rows of M)
     for (int i = 0; i < steps; ++i) {
-      const int st = i % kStages, j = i / kbs, kb = i % kbs;
-      if (i >= kStages) detail::mbarrier_wait_cta(empty + st, (i / kStages - 1) & 1);
-      unsigned char* s = stages + st * kStageBytes;
-      detail::mbarrier_arrive_expect_tx(full + st, static_cast<uint32_t>(kStageBytes));
-      detail::tensor_copy_to_shared(s, &maps.w02, Tile::kK * kb, w_row + Tile::kCols * j,
-                                    full + st);
+      const int j = i / kbs, kb = i % kbs;
+      uint64_t* filled = pipe.acquire(i, static_cast<uint32_t>(kStageBytes));
+      unsigned char* s = stages + (i % kStages) * kStageBytes;
+      detail::tensor_copy_to_shared(s, &maps.w02, Tile::kK * kb, w_row + Tile::kCols * j, filled);
       detail::tensor_copy_to_shared(s + Tile::kWeightBox, &maps.w02, Tile::kK * kb,
-                                    w_row + M + Tile::kCols * j, full + st);
+                                    w_row + M + Tile::kCols * j, filled);
       if constexpr (kTwo)
         detail::tensor_copy_to_shared(s + 2 * Tile::kWeightBox, &maps.w1, Tile::kCols * j,
-                                      w1_row + Tile::kK * kb, full + st);
+                                      w1_row + Tile::kK * kb, filled);
     }
     return;
   }
@@ -251,52 +325,18 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
           ev, token_desc(v_desc, kb, kk),
           detail::wgmma_desc_advance(stage_desc, so + 2 * Tile::kWeightBox + 2048 * kk));
   };
-  auto products = [&](uint32_t s, int kb, auto first) {
+  // Stage st's products (all of its four k16 slices).
+  auto products = [&](int st, int kb, auto first) {
+    const uint32_t s = st * uint32_t{kStageBytes};
     slice(s, kb, 0, first);
 #pragma unroll
     for (int kk = 1; kk < 4; ++kk) slice(s, kb, kk, std::false_type{});
   };
-  // This warp is done reading stage st (its products waited on).
-  auto release = [&](int st) {
-    __syncwarp();
-    if (lane == 0) detail::mbarrier_arrive(empty + st);
-  };
-  // Stage i's products (kFirst: the pass's first, which overwrites the
-  // accumulators); the first of a pass is peeled off the loop rather than
-  // branched to: behind a branch ptxas serialises the wgmmas.
-  auto step = [&](int i, int kb, auto first) {
-    const int st = i % kStages;
-    detail::mbarrier_wait_cta(full + st, (i / kStages) & 1);
-    detail::wgmma_fence();
-    products(st * uint32_t{kStageBytes}, kb, first);
-    detail::wgmma_commit();
-  };
-  // Ping-pong: a warpgroup runs a pass's products only in its turn (named
-  // barrier kTurn + wg) and hands the turn over once they are issued, so that
-  // the tensor pipe runs one warpgroup's products while the other computes
-  // and stores its epilogue (left alone, the two wait on the same stages and
-  // run their epilogues at the same time, the pipe idle).
-  constexpr int kTurn = 1;
-  auto take_turn = [&] { detail::named_barrier_sync(kTurn + wg, Tile::kConsumers); };
-  auto pass_turn = [&] { detail::named_barrier_arrive(kTurn + 1 - wg, Tile::kConsumers); };
-  if (wg == 1) pass_turn();  // warpgroup 0 goes first
+  pipe.start_turns(wg);
 
-  detail::mbarrier_wait_cta(tokens_full, 0);
+  detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
   for (int j = 0, i = 0; j < js; ++j) {
-    take_turn();
-    step(i++, 0, std::true_type{});
-    for (int kb = 1; kb < kbs; ++kb) {
-      step(i++, kb, std::false_type{});
-      // The previous stage's products are done once at most this group is
-      // pending: hand that stage back while these run.
-      detail::wgmma_wait<1>();
-      release((i - 2) % kStages);
-    }
-    // Issued: the other warpgroup's products may queue behind these.
-    // Warpgroup 1's last turn hands nothing over: warpgroup 0 has had its last.
-    if (wg == 0 || j + 1 < js) pass_turn();
-    detail::wgmma_wait<0>();
-    release((i - 1) % kStages);
+    pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
 
     // The 64 x 64 block of columns 64 j .. from the accumulators: element
     // 4 c8 + 2 e + u of h0 (+ 32: h2; ev) is row r + 8 e, column
@@ -421,21 +461,12 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
   unsigned char* ks = base;
   unsigned char* vs = base + size_t(kbs) * Tile::kTokenBox;
   unsigned char* stages = base + Tile::tokens_bytes(D);
-  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * Tile::kStageBytes);
-  uint64_t* empty = full + kStages;
-  uint64_t* tokens_full = empty + kStages;
+  const StagePipe<kStages> pipe{reinterpret_cast<uint64_t*>(stages + kStages * Tile::kStageBytes)};
 
   const int tid = threadIdx.x;
   const int64_t pair = blockIdx.y, b = pair / p.H, h = pair % p.H;
   const int row0 = blockIdx.x * Tile::kRows;
-  if (tid == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      detail::mbarrier_init(full + st, 1);
-      detail::mbarrier_init(empty + st, HiddenTile::kConsumerWarps);
-    }
-    detail::mbarrier_init(tokens_full, 1);
-    detail::fence_mbarrier_init();
-  }
+  if (tid == 0) pipe.init();
   __syncthreads();
 
   if (tid >= Tile::kConsumers) {
@@ -443,6 +474,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
     if (tid != Tile::kConsumers) return;
     const int token_row = static_cast<int>(b * p.local_len + p.t0 + row0);
     const int token_col = static_cast<int>(h * D);
+    uint64_t* tokens_full = pipe.tokens_full();
     detail::mbarrier_arrive_expect_tx(tokens_full, static_cast<uint32_t>(Tile::tokens_bytes(D)));
     for (int kb = 0; kb < kbs; ++kb) {
       detail::tensor_copy_to_shared(ks + kb * Tile::kTokenBox, &maps.k, token_col + Tile::kK * kb,
@@ -453,17 +485,16 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
     const int w_row = static_cast<int>(pair * 3 * M);  // W0's (dG0's) first row, rows of D
     const int t_row = static_cast<int>(pair * p.t_pitch);  // W1^T's (dG1^T's) first row
     for (int i = 0; i < steps; ++i) {
-      const int st = i % kStages, j = i / kbs, kb = i % kbs;
-      if (i >= kStages) detail::mbarrier_wait_cta(empty + st, (i / kStages - 1) & 1);
-      unsigned char* s = stages + st * Tile::kStageBytes;
+      const int j = i / kbs, kb = i % kbs;
+      uint64_t* filled = pipe.acquire(i, static_cast<uint32_t>(Tile::kStageBytes));
+      unsigned char* s = stages + (i % kStages) * Tile::kStageBytes;
       const int c = Tile::kK * kb, r = Tile::kCols * j;
-      detail::mbarrier_arrive_expect_tx(full + st, static_cast<uint32_t>(Tile::kStageBytes));
-      detail::tensor_copy_to_shared(s, &maps.w, c, w_row + r, full + st);
-      detail::tensor_copy_to_shared(s + Tile::kBox, &maps.w, c, w_row + M + r, full + st);
-      detail::tensor_copy_to_shared(s + 2 * Tile::kBox, &maps.dg, c, w_row + r, full + st);
-      detail::tensor_copy_to_shared(s + 3 * Tile::kBox, &maps.dg, c, w_row + M + r, full + st);
-      detail::tensor_copy_to_shared(s + 4 * Tile::kBox, &maps.w1t, c, t_row + r, full + st);
-      detail::tensor_copy_to_shared(s + 5 * Tile::kBox, &maps.dg1t, c, t_row + r, full + st);
+      detail::tensor_copy_to_shared(s, &maps.w, c, w_row + r, filled);
+      detail::tensor_copy_to_shared(s + Tile::kBox, &maps.w, c, w_row + M + r, filled);
+      detail::tensor_copy_to_shared(s + 2 * Tile::kBox, &maps.dg, c, w_row + r, filled);
+      detail::tensor_copy_to_shared(s + 3 * Tile::kBox, &maps.dg, c, w_row + M + r, filled);
+      detail::tensor_copy_to_shared(s + 4 * Tile::kBox, &maps.w1t, c, t_row + r, filled);
+      detail::tensor_copy_to_shared(s + 5 * Tile::kBox, &maps.dg1t, c, t_row + r, filled);
     }
     return;
   }
@@ -498,39 +529,17 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
         av, token_desc(v_desc, kb, kk),
         detail::wgmma_desc_advance(stage_desc, so + 4 * Tile::kBox + 32 * kk));
   };
-  auto products = [&](uint32_t s, int kb, auto first) {
+  auto products = [&](int st, int kb, auto first) {
+    const uint32_t s = st * uint32_t{Tile::kStageBytes};
     slice(s, kb, 0, first);
 #pragma unroll
     for (int kk = 1; kk < 4; ++kk) slice(s, kb, kk, std::false_type{});
   };
-  auto release = [&](int st) {
-    __syncwarp();
-    if (lane == 0) detail::mbarrier_arrive(empty + st);
-  };
-  auto step = [&](int i, int kb, auto first) {
-    const int st = i % kStages;
-    detail::mbarrier_wait_cta(full + st, (i / kStages) & 1);
-    detail::wgmma_fence();
-    products(st * uint32_t{Tile::kStageBytes}, kb, first);
-    detail::wgmma_commit();
-  };
-  constexpr int kTurn = 1;
-  auto take_turn = [&] { detail::named_barrier_sync(kTurn + wg, Tile::kConsumers); };
-  auto pass_turn = [&] { detail::named_barrier_arrive(kTurn + 1 - wg, Tile::kConsumers); };
-  if (wg == 1) pass_turn();
+  pipe.start_turns(wg);
 
-  detail::mbarrier_wait_cta(tokens_full, 0);
+  detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
   for (int j = 0, i = 0; j < js; ++j) {
-    take_turn();
-    step(i++, 0, std::true_type{});
-    for (int kb = 1; kb < kbs; ++kb) {
-      step(i++, kb, std::false_type{});
-      detail::wgmma_wait<1>();
-      release((i - 2) % kStages);
-    }
-    if (wg == 0 || j + 1 < js) pass_turn();
-    detail::wgmma_wait<0>();
-    release((i - 1) % kStages);
+    pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
 
     // Element a = 4 c8 + 2 e + u (c8 = 0..3) of each 32-column block is row
     // r + 8 e, column 32 j + 8 c8 + 2 q + u: h0 ak[a], h2 ak[a + 16],
