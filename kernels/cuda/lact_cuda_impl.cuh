@@ -1738,7 +1738,7 @@ class LactGpu {
     row_norms_kernel<<<grid_for(g_.H * g_.norms() * 32, kThreads), kThreads, 0, stream_>>>(
         w_init_.get(), g_.H, g_.M, g_.D, norm0_.get());
     SS_LAUNCH_CHECK("row_norms_kernel");
-    const std::size_t nm = static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M);
+    const std::size_t nm = rows_alloc();
     z_ = PoolArray<T>(2 * nm, stream);
     gate_ = PoolArray<T>(nm, stream);
     if (split_update_) {
@@ -1808,7 +1808,6 @@ class LactGpu {
   void backward(const LactCudaGrads& gr, const LactCudaSaved& saved,
                 const LactDeviceAllReduce& all_reduce) {
     const std::size_t state = static_cast<std::size_t>(g_.state());
-    const std::size_t nm = static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M);
     SS_CHECK_ARG(saved.weights.size() == static_cast<std::size_t>(g_.chunks) * state &&
                      saved.updates.size() == saved.weights.size(),
                  "saved", "checkpoints do not match this problem (run lact_cuda_forward first)");
@@ -1832,7 +1831,7 @@ class LactGpu {
     if (!causal_) w_next = PoolArray<float>(state, stream_);
     PoolArray<T> dG_op;
     if (!std::is_same<T, float>::value) dG_op = PoolArray<T>(state, stream_);
-    dh_ = PoolArray<T>(2 * nm, stream_);
+    dh_ = PoolArray<T>(2 * rows_alloc(), stream_);
 
     for (int64_t c = g_.chunks - 1; c >= 0; --c) {
       const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
@@ -1944,6 +1943,7 @@ class LactGpu {
   // them (100 MB at the benchmark's shape).
   float* h_buf() { return lazy(h_, 2 * rows_alloc(), stream_); }
   float* e_buf() { return lazy(e_, rows_alloc(), stream_); }
+  // Elements of a per-pair array of rows of M over the longest slice.
   std::size_t rows_alloc() const { return static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M); }
   // `a`, allocated with `size` elements on first use.
   template <typename X>
