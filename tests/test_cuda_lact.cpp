@@ -545,11 +545,12 @@ INSTANTIATE_TEST_SUITE_P(ShapesAndModes, LactCudaHidden, ::testing::ValuesIn(hid
 // lact_hidden_grad_kernel (the backward's update-gradient rows) against the
 // fp64 values from the same bf16 inputs: z = [lr0 z0 | lr2 z2], gate, de,
 // dh = [dh0 | dh2] and dlr0..2 (gradients_backward_rows_kernel's formulas,
-// written out here in double), W1 and dG1 transposed by
-// lact_hidden_transpose_w1. Slices ending inside a tile, t0 > 0; outputs
-// poisoned with guard regions, dlr arrays poisoned outside the slice. Packed:
-// the layer's layout, rows [z | dh] of 4M and [gate | de] of 2M, and
-// [dG1^T; W1^T] per pair (row pitches, t_pitch 2M, transposes' pair stride).
+// written out here in double). Slices ending inside a tile, t0 > 0; outputs
+// poisoned with guard regions, dlr arrays poisoned outside the slice.
+// Unpacked: W and dG as [W0 | W2 | W1] blocks, W1^T and dG1^T transposed on
+// the host. Packed: the layer's layout, rows [z | dh] of 4M and [gate | de]
+// of 2M, the weights from fp32 dG and bf16 W by lact_hidden_pack_operands
+// (kw = [dG0; dG2; W0; W2], w_pitch 4M; t1 = [dG1^T; W1^T], t_pitch 2M).
 struct HiddenGradCase {
   int64_t D, M, n, local_len, t0;
   bool packed = false;
@@ -578,13 +579,27 @@ TEST_P(LactCudaHiddenGrad, MatchesReference) {
   const auto block_values = static_cast<std::size_t>(pairs * 3 * md);
   DeviceTensor k(randn(static_cast<std::size_t>(tokens * hd), rng), DType::bf16);
   DeviceTensor v(randn(static_cast<std::size_t>(tokens * hd), rng), DType::bf16);
-  DeviceTensor w(randn(block_values, rng, 1.0 / std::sqrt(D)), DType::bf16);
-  DeviceTensor dg(randn(block_values, rng, 1.0 / std::sqrt(D)), DType::bf16);
+  // W and dG in bf16 values (the packed case's fp32 dG then converts exactly).
+  auto weights = [&] {
+    std::vector<double> x = randn(block_values, rng, 1.0 / std::sqrt(D));
+    for (double& e : x) e = round_to(DType::bf16, static_cast<float>(e));
+    return x;
+  };
+  const std::vector<double> W = weights(), G = weights();
+  DeviceTensor w(W, DType::bf16), dg(G, c.packed ? DType::f32 : DType::bf16);
   DeviceTensor lr0(rates(), DType::bf16), lr1(rates(), DType::bf16), lr2(rates(), DType::bf16);
-  // Transposes: separate arrays, or one [dG1^T; W1^T] block per pair.
-  const int64_t t_stride = c.packed ? 2 * md : md;
-  DeviceTensor t1(static_cast<std::size_t>(pairs * t_stride + (c.packed ? 0 : pairs * md)),
-                  DType::bf16);
+  // Unpacked: [dG1^T for every pair | W1^T for every pair], from the host.
+  std::vector<double> transposed(c.packed ? 0 : 2 * block_values / 3);
+  for (int64_t pair = 0; !c.packed && pair < pairs; ++pair)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t from = pair * 3 * md + 2 * md + d * M + m, to = pair * md + m * D + d;
+        transposed[static_cast<std::size_t>(to)] = G[static_cast<std::size_t>(from)];
+        transposed[static_cast<std::size_t>(pairs * md + to)] = W[static_cast<std::size_t>(from)];
+      }
+  DeviceTensor t1 = c.packed ? DeviceTensor(static_cast<std::size_t>(pairs * 2 * md), DType::bf16)
+                             : DeviceTensor(transposed, DType::bf16);
+  DeviceTensor kw(c.packed ? static_cast<std::size_t>(pairs * 4 * md) : 1, DType::bf16);
   const std::size_t rows = static_cast<std::size_t>(pairs * n), nlr = tokens * kHiddenH;
   // An output's buffer, first column and row pitch; packed: z and dh share
   // one buffer, gate and de another.
@@ -603,25 +618,26 @@ TEST_P(LactCudaHiddenGrad, MatchesReference) {
 
   auto bf = [](DeviceTensor& t) { return static_cast<__nv_bfloat16*>(t.data()); };
   auto at = [&](const Out& o) { return bf(*o.buf) + o.col; };
-  __nv_bfloat16* dg1t = bf(t1);
-  __nv_bfloat16* w1t = bf(t1) + (c.packed ? md : pairs * md);
-  cuda::lact_detail::lact_hidden_transpose_w1(bf(w), pairs, M, D, w1t, t_stride, nullptr);
-  cuda::lact_detail::lact_hidden_transpose_w1(bf(dg), pairs, M, D, dg1t, t_stride, nullptr);
   cuda::lact_detail::LactHiddenGradParams p;
-  p.k = bf(k), p.v = bf(v), p.w = bf(w), p.dg = bf(dg), p.w1t = w1t, p.dg1t = dg1t;
+  p.k = bf(k), p.v = bf(v);
+  if (c.packed) {
+    cuda::lact_detail::lact_hidden_pack_operands(static_cast<const float*>(dg.data()), bf(w), pairs,
+                                                 M, D, bf(kw), bf(t1), nullptr);
+    p.w = bf(kw) + 2 * md, p.dg = bf(kw), p.w_pitch = 4 * M;
+    p.w1t = bf(t1) + md, p.dg1t = bf(t1), p.t_pitch = 2 * M;
+  } else {
+    p.w = bf(w), p.dg = bf(dg), p.w1t = bf(t1) + pairs * md, p.dg1t = bf(t1);
+  }
   p.lr0 = bf(lr0), p.lr1 = bf(lr1), p.lr2 = bf(lr2);
   p.dlr0 = bf(dlr0), p.dlr1 = bf(dlr1), p.dlr2 = bf(dlr2);
   p.z = at(oz), p.gate = at(ogate), p.de = at(ode), p.dh = at(odh);
   p.B = kHiddenB, p.H = kHiddenH, p.D = D, p.M = M, p.local_len = L, p.t0 = c.t0, p.n = n;
-  if (c.packed) {
-    p.z_ld = p.dh_ld = 4 * M, p.gate_ld = p.de_ld = 2 * M;
-    p.t_pitch = 2 * M;
-  }
+  if (c.packed) p.z_ld = p.dh_ld = 4 * M, p.gate_ld = p.de_ld = 2 * M;
   cuda::lact_detail::lact_hidden_grad_launch(p, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
-  const std::vector<double> K = k.read(), V = v.read(), W = w.read(), G = dg.read(),
-                            R0 = lr0.read(), R1 = lr1.read(), R2 = lr2.read();
+  const std::vector<double> K = k.read(), V = v.read(), R0 = lr0.read(), R1 = lr1.read(),
+                            R2 = lr2.read();
   std::vector<double> want_z(rows * 2 * M), want_gate(rows * M), want_de(rows * M),
       want_dh(rows * 2 * M);
   const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -719,6 +735,56 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LactCudaHiddenGrad,
                                   std::to_string(c.n) + (c.packed ? "_packed" : "");
                          });
 
+// lact_hidden_pack_operands: kw = [dG0; dG2; W0; W2] and t1 = [dG1^T; W1^T]
+// per pair, exactly (dG rounded to bf16 to nearest even, W copied), for
+// shapes whose transposes end inside a 32 x 32 tile; outputs poisoned with a
+// guard past them that must stay NaN.
+TEST(LactCudaPackOperands, MatchesLayout) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  struct Shape3 {
+    int64_t pairs, M, D;
+  };
+  for (const Shape3 sh : {Shape3{3, 96, 40}, Shape3{2, 64, 256}, Shape3{1, 8, 1}}) {
+    const int64_t pairs = sh.pairs, M = sh.M, D = sh.D, md = M * D;
+    std::mt19937_64 rng(77 + M + D);
+    const auto block_values = static_cast<std::size_t>(pairs * 3 * md);
+    const std::vector<double> G = randn(block_values, rng);
+    DeviceTensor dg(G, DType::f32), w(randn(block_values, rng), DType::bf16);
+    const std::vector<double> W = w.read();
+    DeviceTensor kw(static_cast<std::size_t>(pairs * 4 * md) + kHiddenGuard, DType::bf16);
+    DeviceTensor t1(static_cast<std::size_t>(pairs * 2 * md) + kHiddenGuard, DType::bf16);
+    cuda::lact_detail::lact_hidden_pack_operands(
+        static_cast<const float*>(dg.data()), static_cast<const __nv_bfloat16*>(w.data()), pairs, M,
+        D, static_cast<__nv_bfloat16*>(kw.data()), static_cast<__nv_bfloat16*>(t1.data()), nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<double> got_kw = kw.read(), got_t1 = t1.read();
+    auto g = [&](std::size_t i) { return static_cast<double>(round_to(DType::bf16, float(G[i]))); };
+    int64_t wrong = 0;
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const auto src = static_cast<std::size_t>(pair * 3 * md);
+      for (int64_t i = 0; i < 2 * md; ++i) {
+        const auto at = static_cast<std::size_t>(pair * 4 * md + i);
+        wrong += got_kw[at] != g(src + i);
+        wrong += got_kw[at + 2 * md] != W[src + i];
+      }
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t m = 0; m < M; ++m) {
+          const auto from = src + static_cast<std::size_t>(2 * md + d * M + m);
+          const auto at = static_cast<std::size_t>(pair * 2 * md + m * D + d);
+          wrong += got_t1[at] != g(from);
+          wrong += got_t1[at + md] != W[from];
+        }
+    }
+    EXPECT_EQ(wrong, 0) << "pairs " << pairs << ", M " << M << ", D " << D;
+    EXPECT_TRUE(std::all_of(got_kw.end() - kHiddenGuard, got_kw.end(), [](double x) {
+      return std::isnan(x);
+    })) << "kw written past its pairs";
+    EXPECT_TRUE(std::all_of(got_t1.end() - kHiddenGuard, got_t1.end(), [](double x) {
+      return std::isnan(x);
+    })) << "t1 written past its pairs";
+  }
+}
+
 // ---- bad input --------------------------------------------------------------------
 
 template <typename F>
@@ -731,9 +797,10 @@ std::string error_argument(F&& f) {
   return "<no error>";
 }
 
-// lact_hidden_grad_launch and lact_hidden_transpose_w1 refuse layouts whose
-// rows or pairs would overlap, naming the argument, before anything touches the
-// device (host-only: runs without a GPU).
+// lact_hidden_grad_launch refuses layouts whose rows or pairs would overlap,
+// and lact_hidden_pack_operands shapes and pointers it cannot take, naming the
+// argument, before anything touches the device (host-only: runs without a
+// GPU).
 TEST(LactHiddenGradArgs, RejectsOverlappingLayouts) {
   using cuda::lact_detail::LactHiddenGradParams;
   LactHiddenGradParams p;
@@ -748,11 +815,17 @@ TEST(LactHiddenGradArgs, RejectsOverlappingLayouts) {
   EXPECT_EQ(with([](LactHiddenGradParams& q) { q.gate_ld = 32; }), "gate");  // under M
   EXPECT_EQ(with([](LactHiddenGradParams& q) { q.de_ld = 60; }), "de");
   EXPECT_EQ(with([](LactHiddenGradParams& q) { q.t_pitch = 32; }), "w1t");  // pairs overlap
-  EXPECT_EQ(error_argument([] {
-              cuda::lact_detail::lact_hidden_transpose_w1(nullptr, 2, 64, 64, nullptr, 64 * 63,
-                                                          nullptr);
-            }),
-            "pair_stride");
+  EXPECT_EQ(with([](LactHiddenGradParams& q) { q.w_pitch = 127; }), "w");   // under 2M
+  auto pack = [](int64_t pairs, int64_t M, int64_t D, uintptr_t kw_address) {
+    return error_argument([&] {
+      cuda::lact_detail::lact_hidden_pack_operands(nullptr, nullptr, pairs, M, D,
+                                                   reinterpret_cast<__nv_bfloat16*>(kw_address),
+                                                   nullptr, nullptr);
+    });
+  };
+  EXPECT_EQ(pack(1 << 16, 64, 64, 0), "heads");  // past the grid's y
+  EXPECT_EQ(pack(2, 3, 5, 0), "dim");            // M D not a multiple of 8
+  EXPECT_EQ(pack(2, 64, 64, 8), "w");            // kw not 16-byte aligned
 }
 
 class LactCudaErrors : public ::testing::Test {

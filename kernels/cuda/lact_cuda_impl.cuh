@@ -397,22 +397,25 @@ static __global__ void momentum_backward_kernel(float* dg, int64_t n, float mu, 
   }
 }
 
-// W <- renorm(W - step), in place; one warp per row. norm0: [H, 2M + D].
+// W_out <- renorm(W_in - step) (W_out may be W_in); one warp per row.
+// norm0: [H, 2M + D].
 // Rows of up to 32 kStepRenormPerLane columns stay in registers.
 // Where op is set, also op <- W rounded to T (the GEMM operand copy that
 // convert_kernel would make in a pass of its own: ~7 us a chunk at the
 // benchmark's shape).
 constexpr int kStepRenormPerLane = 16;
 template <typename T>
-__global__ void step_renorm_kernel(float* W, const float* step, const float* norm0, int64_t pairs,
-                                   int64_t H, int64_t M, int64_t D, bool renorm, T* op) {
+__global__ void step_renorm_kernel(const float* W_in, float* W_out, const float* step,
+                                   const float* norm0, int64_t pairs, int64_t H, int64_t M,
+                                   int64_t D, bool renorm, T* op) {
   const int64_t nr = 2 * M + D;
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= pairs * nr) return;
   const int64_t pair = warp / nr, r = warp % nr;
   const RowPlace rp = row_place(r, M, D);
-  float* row = W + pair * 3 * M * D + rp.offset;
+  const float* in = W_in + pair * 3 * M * D + rp.offset;
+  float* row = W_out + pair * 3 * M * D + rp.offset;
   const float* d = step + pair * 3 * M * D + rp.offset;
   T* op_row = op != nullptr ? op + pair * 3 * M * D + rp.offset : nullptr;
   float s = 0;
@@ -424,7 +427,7 @@ __global__ void step_renorm_kernel(float* W, const float* step, const float* nor
 #pragma unroll
     for (int k = 0; k < kStepRenormPerLane; ++k) {
       const int64_t j = lane + 32 * k;
-      x[k] = j < rp.cols ? row[j] - d[j] : 0.f;
+      x[k] = j < rp.cols ? in[j] - d[j] : 0.f;
       s += x[k] * x[k];
     }
     float scale = 1.f;
@@ -440,7 +443,7 @@ __global__ void step_renorm_kernel(float* W, const float* step, const float* nor
     return;
   }
   for (int64_t j = lane; j < rp.cols; j += 32) {
-    const float x = row[j] - d[j];
+    const float x = in[j] - d[j];
     row[j] = x;
     s += x * x;
     if (!renorm && op_row != nullptr) op_row[j] = from_float<T>(x);
@@ -1750,10 +1753,7 @@ class LactGpu {
 
   void forward(const LactDeviceAllReduce& all_reduce, LactCudaSaved* saved) {
     const std::size_t state = static_cast<std::size_t>(g_.state());
-    PoolArray<float> W(state, stream_), grads(state, stream_), vel, step;
-    load_weights_kernel<T><<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
-        tok(p_.w0), tok(p_.w1), tok(p_.w2), g_.pairs, g_.H, g_.md(), W.get());
-    SS_LAUNCH_CHECK("load_weights_kernel");
+    PoolArray<float> W(state, stream_), grads, vel, step;
     if (momentum_) {
       vel = PoolArray<float>(state, stream_);
       vel.zero();
@@ -1773,26 +1773,36 @@ class LactGpu {
       saved->weights = DeviceBuffer<float>(saved_count);
       saved->updates = DeviceBuffer<float>(saved_count);
     }
+    // With checkpoints, chunk c's weights live in their slot (step_renorm
+    // writes the next chunk's there, the last chunk's into W) and, without
+    // momentum or Muon, its update is formed in its slot: no copies. (Muon's
+    // Newton-Schulz replays a graph while its input pointer repeats.)
+    auto weights_of = [&](int64_t c) {
+      return saved && c < g_.chunks ? saved->weights.data() + c * state : W.get();
+    };
+    const bool update_in_slot = saved && !momentum_ && !muon;
+    if (!update_in_slot) grads = PoolArray<float>(state, stream_);
+    load_weights_kernel<T><<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
+        tok(p_.w0), tok(p_.w1), tok(p_.w2), g_.pairs, g_.H, g_.md(), weights_of(0));
+    SS_LAUNCH_CHECK("load_weights_kernel");
     const T* w_op = nullptr;
     for (int64_t c = 0; c < g_.chunks; ++c) {
       const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
-      if (saved)
-        SS_CUDA_CHECK(cudaMemcpyAsync(saved->weights.data() + c * state, W.get(),
-                                      state * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
       // The operand copy of W: made here for the first chunk, after that by
       // the previous chunk's step_renorm.
-      if (c == 0) w_op = operand_weights(W.get());
+      if (c == 0) w_op = operand_weights(weights_of(0));
       if (causal_) apply_forward(w_op, n, t0);
-      partial_gradients(w_op, n, t0, grads.get());
-      if (all_reduce) all_reduce(grads.get(), state, stream_);
-      float* update = grads.get();
+      float* G = update_in_slot ? saved->updates.data() + c * state : grads.get();
+      partial_gradients(w_op, n, t0, G);
+      if (all_reduce) all_reduce(G, state, stream_);
+      float* update = G;
       if (momentum_) {
         momentum_kernel<<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
-            grads.get(), state, static_cast<float>(p_.config.momentum), vel.get());
+            G, state, static_cast<float>(p_.config.momentum), vel.get());
         SS_LAUNCH_CHECK("momentum_kernel");
         update = vel.get();
       }
-      if (saved)
+      if (saved && !update_in_slot)
         SS_CUDA_CHECK(cudaMemcpyAsync(saved->updates.data() + c * state, update,
                                       state * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
       const float* d = update;
@@ -1800,7 +1810,7 @@ class LactGpu {
         ns->forward(update, step.get());
         d = step.get();
       }
-      w_op = step_renorm(W.get(), d);
+      w_op = step_renorm(weights_of(c), weights_of(c + 1), d);
       if (!causal_) apply_forward(w_op, n, t0);
     }
   }
@@ -1829,8 +1839,6 @@ class LactGpu {
       ns = std::make_unique<NewtonSchulz<U>>(g_, p_.config.muon_steps, true, stream_);
     }
     if (!causal_) w_next = PoolArray<float>(state, stream_);
-    PoolArray<T> dG_op;
-    if (!std::is_same<T, float>::value) dG_op = PoolArray<T>(state, stream_);
     dh_ = PoolArray<T>(2 * rows_alloc(), stream_);
 
     for (int64_t c = g_.chunks - 1; c >= 0; --c) {
@@ -1846,11 +1854,7 @@ class LactGpu {
         ns->forward(Pc, step.get());  // keeps the iterates for ns->backward
         d = step.get();
       }
-      if (!causal_) {
-        SS_CUDA_CHECK(cudaMemcpyAsync(w_next.get(), Wc, state * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream_));
-        apply_backward(gr, step_renorm(w_next.get(), d), n, t0, dW.get());
-      }
+      if (!causal_) apply_backward(gr, step_renorm(Wc, w_next.get(), d), n, t0, dW.get());
       // Without Muon the step's adjoint is dG itself. For bf16 the kernel
       // also writes Wc's operand copy (into w_op_, whose copy of the next
       // weights apply_backward has consumed by now, in stream order).
@@ -1869,14 +1873,7 @@ class LactGpu {
       }
       if (all_reduce) all_reduce(dG.get(), state, stream_);
       const T* w_op = std::is_same<T, float>::value ? reinterpret_cast<const T*>(Wc) : w_copy;
-      const T* dg_op = reinterpret_cast<const T*>(dG.get());
-      if (!std::is_same<T, float>::value) {
-        convert_kernel<T>
-            <<<grid_for(state, kThreads), kThreads, 0, stream_>>>(dG.get(), state, dG_op.get());
-        SS_LAUNCH_CHECK("convert_kernel");
-        dg_op = dG_op.get();
-      }
-      gradients_backward(gr, w_op, dg_op, n, t0, dW.get());
+      gradients_backward(gr, w_op, dG.get(), n, t0, dW.get());
       if (causal_) apply_backward(gr, w_op, n, t0, dW.get());
     }
 
@@ -1960,28 +1957,34 @@ class LactGpu {
     return lazy(a, static_cast<std::size_t>(g_.B * g_.max_n * g_.H * g_.D), stream_);
   }
 
-  // The GEMM operand copy of fp32 weights: themselves for f32, bf16 else.
-  const T* operand_weights(const float* W) {
+  // The GEMM operand copy of fp32 weights (or of a gradient of them, per
+  // pair a block): themselves for f32, bf16 in `copy` (allocated on first
+  // use) else.
+  const T* operand_copy(const float* W, PoolArray<T>& copy) {
     if constexpr (std::is_same<T, float>::value) {
+      (void)copy;
       return W;
     } else {
+      T* out = lazy(copy, static_cast<std::size_t>(g_.state()), stream_);
       convert_kernel<T>
-          <<<grid_for(g_.state(), kThreads), kThreads, 0, stream_>>>(W, g_.state(), w_op_.get());
+          <<<grid_for(g_.state(), kThreads), kThreads, 0, stream_>>>(W, g_.state(), out);
       SS_LAUNCH_CHECK("convert_kernel");
-      return w_op_.get();
+      return out;
     }
   }
+  const T* operand_weights(const float* W) { return operand_copy(W, w_op_); }
 
-  // W <- renorm(W - step); returns the GEMM operand copy of the new W
-  // (written by the same kernel for bf16: operand_weights without its pass).
-  const T* step_renorm(float* W, const float* step) {
+  // W_out <- renorm(W_in - step) (W_out may be W_in); returns the GEMM
+  // operand copy of the new W (written by the same kernel for bf16:
+  // operand_weights without its pass).
+  const T* step_renorm(const float* W_in, float* W_out, const float* step) {
     T* op = nullptr;
     if constexpr (!std::is_same<T, float>::value) op = w_op_.get();
     step_renorm_kernel<T><<<grid_for(g_.pairs * g_.norms() * 32, kThreads), kThreads, 0, stream_>>>(
-        W, step, norm0_.get(), g_.pairs, g_.H, g_.M, g_.D, p_.config.renorm, op);
+        W_in, W_out, step, norm0_.get(), g_.pairs, g_.H, g_.M, g_.D, p_.config.renorm, op);
     SS_LAUNCH_CHECK("step_renorm_kernel");
     if constexpr (std::is_same<T, float>::value)
-      return W;
+      return W_out;
     else
       return op;
   }
@@ -2107,7 +2110,7 @@ class LactGpu {
   // t1_ = [dG1^T; W1^T] per pair beside them: dk and dv are then one GEMM
   // each, straight into the token gradients. False: the caller runs the
   // cuBLAS path.
-  bool fused_gradient_rows(const LactCudaGrads& gr, const T* w, const T* dg, int64_t n,
+  bool fused_gradient_rows(const LactCudaGrads& gr, const T* w, const float* dg, int64_t n,
                            int64_t t0) {
     if constexpr (std::is_same<T, bf16>::value) {
       if (!fused_hidden_) return false;
@@ -2117,19 +2120,12 @@ class LactGpu {
       T* gde = lazy(gde_, 2 * rows, stream_);
       T* kw = lazy(kw_, static_cast<std::size_t>(pairs * 4 * md), stream_);
       T* t1 = lazy(t1_, static_cast<std::size_t>(pairs * 2 * md), stream_);
-      lact_hidden_transpose_w1(dg, pairs, g_.M, g_.D, t1, 2 * md, stream_);
-      lact_hidden_transpose_w1(w, pairs, g_.M, g_.D, t1 + md, 2 * md, stream_);
-      // [dG0; dG2] and [W0; W2] (slot 0 of each pair's block, 2 M D) side by side.
-      const std::size_t e = sizeof(T);
-      SS_CUDA_CHECK(cudaMemcpy2DAsync(kw, 4 * md * e, dg, g_.block() * e, 2 * md * e,
-                                      static_cast<std::size_t>(pairs), cudaMemcpyDeviceToDevice,
-                                      stream_));
-      SS_CUDA_CHECK(cudaMemcpy2DAsync(kw + 2 * md, 4 * md * e, w, g_.block() * e, 2 * md * e,
-                                      static_cast<std::size_t>(pairs), cudaMemcpyDeviceToDevice,
-                                      stream_));
+      // dG's bf16 rows go straight into kw and t1: the block copy of dG
+      // that the cuBLAS path converts is not needed here.
+      lact_hidden_pack_operands(dg, w, pairs, g_.M, g_.D, kw, t1, stream_);
       LactHiddenGradParams h;
-      h.k = tok(p_.k), h.v = tok(p_.v), h.w = w, h.dg = dg, h.w1t = t1 + md, h.dg1t = t1;
-      h.t_pitch = 2 * g_.M;
+      h.k = tok(p_.k), h.v = tok(p_.v), h.w = kw + 2 * md, h.dg = kw, h.w1t = t1 + md, h.dg1t = t1;
+      h.w_pitch = 4 * g_.M, h.t_pitch = 2 * g_.M;
       h.lr0 = tok(p_.lr0), h.lr1 = tok(p_.lr1), h.lr2 = tok(p_.lr2);
       h.dlr0 = static_cast<T*>(gr.dlr0), h.dlr1 = static_cast<T*>(gr.dlr1),
       h.dlr2 = static_cast<T*>(gr.dlr2);
@@ -2145,15 +2141,16 @@ class LactGpu {
     }
   }
 
-  // Backward of partial_gradients given the all-reduced dG (operand type):
-  // writes dk, dv, dlr0..2 of the slice, adds the second-order part to dW.
+  // Backward of partial_gradients given the all-reduced dG (fp32; w: W's
+  // operand copy): writes dk, dv, dlr0..2 of the slice, adds the
+  // second-order part to dW.
   //   dk = [lr0 z0 | lr2 z2] [dG0; dG2] + [dh0 | dh2] [W0; W2],
   //   dv = -lr1 gate dG1^T - de W1^T,
   //   e = -W1^T v: dW1 -= v de^T;  [h0; h2] = [W0; W2] k: d[W0; W2] += dh^T k.
-  void gradients_backward(const LactCudaGrads& gr, const T* w, const T* dg, int64_t n, int64_t t0,
-                          float* dW) {
+  void gradients_backward(const LactCudaGrads& gr, const T* w, const float* dG, int64_t n,
+                          int64_t t0, float* dW) {
     const int64_t M = g_.M, M2 = 2 * g_.M, md = g_.md(), D = g_.D;
-    if (fused_gradient_rows(gr, w, dg, n, t0)) {
+    if (fused_gradient_rows(gr, w, dG, n, t0)) {
       const T* zdh = zdh_.get();
       const T* gde = gde_.get();
       for (int64_t b = 0; b < g_.B; ++b) {
@@ -2169,6 +2166,7 @@ class LactGpu {
       }
       return;
     }
+    const T* dg = operand_copy(dG, dg_op_);
     key_side(w, n, t0);
     for (int64_t b = 0; b < g_.B; ++b) {
       // [u0 | u2] = k [dG0; dG2]^T, u1 = v dG1 (as rows).
@@ -2229,6 +2227,7 @@ class LactGpu {
   // The fused backward's packed rows and weights (fused_gradient_rows), on
   // first use.
   PoolArray<T> zdh_, gde_, kw_, t1_;
+  PoolArray<T> dg_op_;     // the cuBLAS path's bf16 dG (operand_copy)
   SplitKScratch split_k_;  // gemm_t's split-K partials and pointer arrays
 };
 

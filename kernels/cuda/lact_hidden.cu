@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
 // [h0 | h2 | u0 | u2] = k [W0; W2; dG0; dG2]_j^T (m64n128) and
 // [v W1 | u1] = v [W1^T; dG1^T]_j^T (m64n64) over 32 hidden columns j, 96
 // accumulator registers (64 columns would need 192). W1 and dG1 come
-// transposed (lact_hidden_transpose_w1) so that every B operand is K-major in
+// transposed (lact_hidden_pack_operands) so that every B operand is K-major in
 // the 128-byte swizzle: a stage is six 32-row boxes, 24 KB.
 struct GradTile {
   static constexpr int kRows = HiddenTile::kRows, kK = HiddenTile::kK;
@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
       detail::tensor_copy_to_shared(vs + kb * Tile::kTokenBox, &maps.v, token_col + Tile::kK * kb,
                                     token_row, tokens_full);
     }
-    const int w_row = static_cast<int>(pair * 3 * M);  // W0's (dG0's) first row, rows of D
+    const int w_row = static_cast<int>(pair * p.w_pitch);  // W0's (dG0's) first row, rows of D
     const int t_row = static_cast<int>(pair * p.t_pitch);  // W1^T's (dG1^T's) first row
     for (int i = 0; i < steps; ++i) {
       const int j = i / kbs, kb = i % kbs;
@@ -607,22 +607,51 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
   }
 }
 
-// out[pair][m][d] = W1[pair][d][m] through 32 x 32 tiles in shared memory.
-__global__ void transpose_w1_kernel(const bf16* __restrict__ blocks, int64_t M, int64_t D,
-                                    bf16* __restrict__ out, int64_t pair_stride) {
-  __shared__ bf16 tile[32][33];
-  const int64_t pair = blockIdx.z;
-  const bf16* w1 = blocks + pair * 3 * M * D + 2 * M * D;  // D x M
-  bf16* o = out + pair * pair_stride;                      // M x D
-  const int64_t m0 = int64_t{blockIdx.x} * 32, d0 = int64_t{blockIdx.y} * 32;
-  for (int y = threadIdx.y; y < 32; y += blockDim.y) {
-    const int64_t d = d0 + y, m = m0 + threadIdx.x;
-    if (d < D && m < M) tile[y][threadIdx.x] = w1[d * M + m];
+// lact_hidden_pack_operands' kernel; blockIdx.y is the pair. Blocks below
+// 2 copy_blocks write kw: kPackPer elements a thread of [dG0; dG2] (rounded
+// to bf16) or of [W0; W2]; the rest transpose 32 x 32 tiles of dG1 or W1
+// (D x M) into t1 through shared memory.
+constexpr int kPackThreads = 256, kPackPer = 8;
+__global__ void __launch_bounds__(kPackThreads)
+    pack_operands_kernel(const float* __restrict__ dg, const bf16* __restrict__ w, int64_t M,
+                         int64_t D, int64_t copy_blocks, bf16* __restrict__ kw,
+                         bf16* __restrict__ t1) {
+  __shared__ float tile[32][33];
+  const int64_t md = M * D, pair = blockIdx.y, block = pair * 3 * md;
+  int64_t blk = blockIdx.x;
+  if (blk < 2 * copy_blocks) {
+    const bool from_w = blk >= copy_blocks;
+    const int64_t e = ((from_w ? blk - copy_blocks : blk) * kPackThreads + threadIdx.x) * kPackPer;
+    if (e >= 2 * md) return;
+    uint4* out = reinterpret_cast<uint4*>(kw + pair * 4 * md + (from_w ? 2 * md : 0) + e);
+    if (from_w) {
+      *out = *reinterpret_cast<const uint4*>(w + block + e);
+    } else {
+      const float4* in = reinterpret_cast<const float4*>(dg + block + e);
+      const float4 x = in[0], y = in[1];
+      const __nv_bfloat162 o[4] = {__floats2bfloat162_rn(x.x, x.y), __floats2bfloat162_rn(x.z, x.w),
+                                   __floats2bfloat162_rn(y.x, y.y),
+                                   __floats2bfloat162_rn(y.z, y.w)};
+      *out = *reinterpret_cast<const uint4*>(o);
+    }
+    return;
+  }
+  blk -= 2 * copy_blocks;
+  const int64_t tm = (M + 31) / 32, tiles = tm * ((D + 31) / 32);
+  const bool from_w = blk >= tiles;
+  if (from_w) blk -= tiles;
+  const int64_t m0 = (blk % tm) * 32, d0 = (blk / tm) * 32, src = block + 2 * md;
+  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+  for (int y = ty; y < 32; y += kPackThreads / 32) {
+    const int64_t d = d0 + y, m = m0 + tx;
+    if (d < D && m < M)
+      tile[y][tx] = from_w ? __bfloat162float(w[src + d * M + m]) : dg[src + d * M + m];
   }
   __syncthreads();
-  for (int y = threadIdx.y; y < 32; y += blockDim.y) {
-    const int64_t m = m0 + y, d = d0 + threadIdx.x;
-    if (m < M && d < D) o[m * D + d] = tile[threadIdx.x][y];
+  bf16* o = t1 + pair * 2 * md + (from_w ? md : 0);  // M x D
+  for (int y = ty; y < 32; y += kPackThreads / 32) {
+    const int64_t m = m0 + y, d = d0 + tx;
+    if (m < M && d < D) o[m * D + d] = __float2bfloat16_rn(tile[tx][y]);
   }
 }
 
@@ -650,15 +679,24 @@ bool hidden_fits(int device, int64_t D, int64_t M) {
 
 }  // namespace
 
-void lact_hidden_transpose_w1(const __nv_bfloat16* blocks, int64_t pairs, int64_t M, int64_t D,
-                              __nv_bfloat16* out, int64_t pair_stride, cudaStream_t stream) {
-  SS_CHECK_ARG(pairs <= 65535, "heads", "lact_hidden_transpose_w1 takes at most 65535 pairs");
-  SS_CHECK_ARG(pair_stride >= M * D, "pair_stride", "lact_hidden_transpose_w1: pair_stride ",
-               pair_stride, " < M D = ", M * D, " (pairs would overlap)");
-  const dim3 grid(static_cast<unsigned>((M + 31) / 32), static_cast<unsigned>((D + 31) / 32),
-                  static_cast<unsigned>(pairs));
-  transpose_w1_kernel<<<grid, dim3(32, 8), 0, stream>>>(blocks, M, D, out, pair_stride);
-  SS_LAUNCH_CHECK("transpose_w1_kernel");
+void lact_hidden_pack_operands(const float* dg, const __nv_bfloat16* w, int64_t pairs, int64_t M,
+                               int64_t D, __nv_bfloat16* kw, __nv_bfloat16* t1,
+                               cudaStream_t stream) {
+  SS_CHECK_ARG(pairs >= 0 && pairs <= 65535, "heads",
+               "lact_hidden_pack_operands takes at most 65535 pairs, not ", pairs);
+  SS_CHECK_ARG(M > 0 && D > 0 && (M * D) % kPackPer == 0, "dim",
+               "lact_hidden_pack_operands: M D = ", M * D, " is not a positive multiple of ",
+               kPackPer);
+  SS_CHECK_ARG(lact_hidden_aligned(dg, w, kw) && lact_hidden_aligned(t1, t1, t1), "w",
+               "lact_hidden_pack_operands needs 16-byte aligned arrays");
+  if (pairs == 0) return;
+  const int64_t copy_blocks = (2 * M * D + kPackThreads * kPackPer - 1) / (kPackThreads * kPackPer);
+  const int64_t blocks = 2 * copy_blocks + 2 * ((M + 31) / 32) * ((D + 31) / 32);
+  SS_CHECK_ARG(blocks < (int64_t{1} << 31), "dim", "lact_hidden_pack_operands: M = ", M,
+               ", D = ", D, " need more blocks than a grid holds");
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(pairs));
+  pack_operands_kernel<<<grid, kPackThreads, 0, stream>>>(dg, w, M, D, copy_blocks, kw, t1);
+  SS_LAUNCH_CHECK("pack_operands_kernel");
 }
 
 void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t stream) {
@@ -677,6 +715,9 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t str
   if (p.t_pitch == 0) p.t_pitch = p.M;
   SS_CHECK_ARG(p.t_pitch >= p.M, "w1t", "lact_hidden_grad_kernel: W1^T's pairs ", p.t_pitch,
                " rows apart overlap (M = ", p.M, ")");
+  if (p.w_pitch == 0) p.w_pitch = 3 * p.M;
+  SS_CHECK_ARG(p.w_pitch >= 2 * p.M, "w", "lact_hidden_grad_kernel: W0's pairs ", p.w_pitch,
+               " rows apart overlap (W0 and W2: 2M = ", 2 * p.M, " rows)");
   SS_CHECK_ARG(lact_hidden_supported(p.D, p.M), "dim",
                "lact_hidden_grad_kernel cannot run D = ", p.D, ", M = ", p.M, " on this device");
   SS_CHECK_ARG(lact_hidden_aligned(p.k, p.v, p.w) && lact_hidden_aligned(p.dg, p.w1t, p.dg1t), "k",
@@ -692,9 +733,12 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t str
   const auto swz = CU_TENSOR_MAP_SWIZZLE_128B;
   maps.k = detail::tile_map_2d(p.k, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, "k");
   maps.v = detail::tile_map_2d(p.v, token_rows, p.H * p.D, Tile::kK, Tile::kRows, swz, "v");
-  maps.w = detail::tile_map_2d(p.w, pairs * 3 * p.M, p.D, Tile::kK, Tile::kCols, swz, "w0");
-  maps.dg = detail::tile_map_2d(p.dg, pairs * 3 * p.M, p.D, Tile::kK, Tile::kCols, swz, "w0");
-  // Rows up to the last pair's last one (pairs t_pitch apart).
+  // Rows up to the last pair's last one (pairs w_pitch, t_pitch apart).
+  const int64_t w_rows = (pairs - 1) * p.w_pitch + 2 * p.M;
+  SS_CHECK_ARG(w_rows < (int64_t{1} << 31), "w", "lact_hidden_grad_kernel: ", w_rows,
+               " rows of W0 and W2 are past 32-bit tensor coordinates");
+  maps.w = detail::tile_map_2d(p.w, w_rows, p.D, Tile::kK, Tile::kCols, swz, "w0");
+  maps.dg = detail::tile_map_2d(p.dg, w_rows, p.D, Tile::kK, Tile::kCols, swz, "w0");
   const int64_t t_rows = (pairs - 1) * p.t_pitch + p.M;
   SS_CHECK_ARG(t_rows < (int64_t{1} << 31), "w1t", "lact_hidden_grad_kernel: ", t_rows,
                " rows of W1^T are past 32-bit tensor coordinates");

@@ -52,16 +52,19 @@ struct LactHiddenParams {
 
 // The backward's update-gradient rows in one kernel (lact_hidden_grad_kernel,
 // gradients_backward_rows_kernel's outputs without its fp32 inputs): from
-// the slice's k and v, the weights W and the all-reduced update gradient dG
-// (both blocks [W0 | W2 | W1], operand type), W1^T and dG1^T ([pairs][M][D],
-// lact_hidden_transpose_w1), it forms h = k [W0; W2]^T, e = -v W1,
-// u = k [dG0; dG2]^T and u1 = v dG1 in accumulators and writes
-// z = [lr0 z0 | lr2 z2], gate = lr1 silu(h0) h2, de, dh = [dh0 | dh2] (rows of
-// 2M, M, M, 2M) and the learning rates' gradients dlr0..2 ([B, local_len, H]).
-// The row pitches let the layer interleave them: rows [z | dh] of 4M and
+// the slice's k and v, the rows of W0, W2 and of the all-reduced update
+// gradient's dG0, dG2 (operand type), W1^T and dG1^T ([pairs][M][D]), it
+// forms h = k [W0; W2]^T, e = -v W1, u = k [dG0; dG2]^T and u1 = v dG1 in
+// accumulators and writes z = [lr0 z0 | lr2 z2], gate = lr1 silu(h0) h2, de,
+// dh = [dh0 | dh2] (rows of 2M, M, M, 2M) and the learning rates' gradients
+// dlr0..2 ([B, local_len, H]).
+// The pitches let the layer interleave them: rows [z | dh] of 4M and
 // [gate | de] of 2M make dk = [z | dh] [dG0; dG2; W0; W2] and dv one GEMM each
-// (and W1^T, dG1^T one [dG1^T; W1^T] block per pair, t_pitch 2M).
+// (with lact_hidden_pack_operands' kw = [dG0; dG2; W0; W2] per pair, w_pitch
+// 4M, and t1 = [dG1^T; W1^T] per pair, t_pitch 2M).
 struct LactHiddenGradParams {
+  // w, dg: W0's (dG0's) first row, rows of D, W2 (dG2) M rows further;
+  // w1t, dg1t: W1^T's (dG1^T's) first row, rows of D.
   const __nv_bfloat16 *k = nullptr, *v = nullptr, *w = nullptr, *dg = nullptr;
   const __nv_bfloat16 *w1t = nullptr, *dg1t = nullptr;
   const __nv_bfloat16 *lr0 = nullptr, *lr1 = nullptr, *lr2 = nullptr;
@@ -69,15 +72,22 @@ struct LactHiddenGradParams {
   __nv_bfloat16 *z = nullptr, *gate = nullptr, *de = nullptr, *dh = nullptr;
   int64_t B = 0, H = 0, D = 0, M = 0, local_len = 0, t0 = 0, n = 0;
   // Row pitches in elements (0: the widths 2M, M, M, 2M; else at least the
-  // width and a multiple of 8, for the kernel's 16-byte stores) and the rows
-  // from one pair's W1^T (dG1^T) to the next (0: M).
-  int64_t z_ld = 0, gate_ld = 0, de_ld = 0, dh_ld = 0, t_pitch = 0;
+  // width and a multiple of 8, for the kernel's 16-byte stores); the rows
+  // from one pair's W1^T (dG1^T) to the next (0: M); the rows from one
+  // pair's W0 (dG0) to the next (0: 3M, a [W0 | W2 | W1] block; else >= 2M).
+  int64_t z_ld = 0, gate_ld = 0, de_ld = 0, dh_ld = 0, t_pitch = 0, w_pitch = 0;
 };
 
-// out[pair][m][d] = W1 of blocks[pair] ([W0 | W2 | W1], W1 D x M) at [d][m],
-// out's pairs `pair_stride` elements apart (M D: contiguous).
-void lact_hidden_transpose_w1(const __nv_bfloat16* blocks, int64_t pairs, int64_t M, int64_t D,
-                              __nv_bfloat16* out, int64_t pair_stride, cudaStream_t stream);
+// The gradient kernel's and the dk / dv GEMMs' weight operands of a chunk in
+// one pass, from the all-reduced update gradient dG (fp32) and W's operand
+// copy w (bf16), both per pair a block [W0 | W2 | W1]:
+//   kw[pair] = [dG0; dG2; W0; W2]  (4 M D: rows of D),
+//   t1[pair] = [dG1^T; W1^T]       (2 M D: rows of D).
+// Replaces a conversion of dG, two 2D copies and two transposes (five
+// launches, ~25 us a chunk at the benchmark's shape).
+void lact_hidden_pack_operands(const float* dg, const __nv_bfloat16* w, int64_t pairs, int64_t M,
+                               int64_t D, __nv_bfloat16* kw, __nv_bfloat16* t1,
+                               cudaStream_t stream);
 
 void lact_hidden_grad_launch(const LactHiddenGradParams& p, cudaStream_t stream);
 
