@@ -22,6 +22,7 @@
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/lact_hidden.cuh"
 #include "kernels/cuda/lact_ns_cluster.cuh"
+#include "kernels/cuda/lact_token_gemm.cuh"
 #include "tests/lact_cuda_test_util.h"
 
 namespace statescan::test {
@@ -785,6 +786,114 @@ TEST(LactCudaPackOperands, MatchesLayout) {
   }
 }
 
+// lact_token_gemm against fp64 from the same bf16 inputs: C = alpha A^T B +
+// beta C per pair, A and B token-major in the layer's two layouts (a token
+// array with the pairs interleaved in each row, or pair-major rows at a
+// pitch), token counts that end inside a 64-token step, splits of the tokens
+// over clusters of 1 to 8 CTAs, both tile widths (n a multiple of 256 or
+// only of 128). C's row and pair padding must keep its poison (beta 0) or
+// its values (beta 1); a second run must give the same bits.
+struct TokenGemmCase {
+  int64_t pairs, m, n, k;
+  bool a_interleaved, b_interleaved;
+  float alpha, beta;
+};
+
+class LactCudaTokenGemm : public ::testing::TestWithParam<TokenGemmCase> {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(LactCudaTokenGemm, MatchesReference) {
+  const TokenGemmCase c = GetParam();
+  const int64_t pairs = c.pairs, k = c.k;
+  std::mt19937_64 rng(99 + c.m + 7 * c.n + k);
+  using cuda::lact_detail::LactTokenOperand;
+  // An operand of `width` columns: interleaved [k][pairs width + 8], or
+  // pair-major [pairs][k][width + 16].
+  struct Host {
+    std::vector<double> values;
+    int64_t ld, stride;
+  };
+  auto operand = [&](int64_t width, bool interleaved) {
+    Host h;
+    h.ld = interleaved ? pairs * width + 8 : width + 16;
+    h.stride = interleaved ? width : k * h.ld;
+    h.values = randn(static_cast<std::size_t>(interleaved ? k * h.ld : pairs * k * h.ld), rng);
+    return h;
+  };
+  const Host a = operand(c.m, c.a_interleaved), b = operand(c.n, c.b_interleaved);
+  DeviceTensor da(a.values, DType::bf16), db(b.values, DType::bf16);
+  const std::vector<double> A = da.read(), B = db.read();
+  const int64_t ldc = c.n + 4, c_stride = c.m * ldc + 4;
+  const auto c_values = static_cast<std::size_t>(pairs * c_stride + kHiddenGuard);
+  std::vector<double> c0 = randn(c_values, rng);
+  for (double& e : c0) e = static_cast<float>(e);  // as the device holds it
+  if (c.beta == 0.f) c0.assign(c_values, std::numeric_limits<double>::quiet_NaN());
+  std::vector<double> want = c0;
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int64_t i = 0; i < c.m; ++i)
+      for (int64_t j = 0; j < c.n; ++j) {
+        double acc = 0;
+        for (int64_t t = 0; t < k; ++t)
+          acc += A[static_cast<std::size_t>(p * a.stride + t * a.ld + i)] *
+                 B[static_cast<std::size_t>(p * b.stride + t * b.ld + j)];
+        const auto at = static_cast<std::size_t>(p * c_stride + i * ldc + j);
+        want[at] = c.alpha * acc + (c.beta == 0.f ? 0.0 : c.beta * c0[at]);
+      }
+  cuda::lact_detail::LactTokenGemmParams prm;
+  prm.a = {static_cast<const __nv_bfloat16*>(da.data()), a.ld, a.stride};
+  prm.b = {static_cast<const __nv_bfloat16*>(db.data()), b.ld, b.stride};
+  prm.ldc = ldc, prm.c_stride = c_stride;
+  prm.pairs = pairs, prm.m = c.m, prm.n = c.n, prm.k = k, prm.alpha = c.alpha, prm.beta = c.beta;
+  if (!cuda::lact_detail::lact_token_gemm_fits(prm))
+    GTEST_SKIP() << "no token GEMM on this device or build";
+  std::vector<double> first;
+  for (int run = 0; run < 2; ++run) {
+    DeviceTensor dc(c0, DType::f32);
+    prm.c = static_cast<float*>(dc.data());
+    cuda::lact_detail::lact_token_gemm(prm, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<double> got = dc.read();
+    if (run == 1) {
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), first.begin(), [](double x, double y) {
+        return (std::isnan(x) && std::isnan(y)) || x == y;
+      })) << "a second run differs";
+      break;
+    }
+    first = got;
+    std::vector<double> g, w;
+    int64_t pad_wrong = 0;
+    for (std::size_t e = 0; e < got.size(); ++e) {
+      const auto pos = static_cast<int64_t>(e);
+      const int64_t p = pos / c_stride, in = pos % c_stride;
+      if (p < pairs && in < c.m * ldc && in % ldc < c.n) {
+        g.push_back(got[e]);
+        w.push_back(want[e]);
+      } else {
+        pad_wrong += !((std::isnan(got[e]) && std::isnan(c0[e])) || got[e] == c0[e]);
+      }
+    }
+    EXPECT_LE(rel_rms(g, w), 2e-5);
+    EXPECT_EQ(pad_wrong, 0) << "written outside C's tiles";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LactCudaTokenGemm,
+                         ::testing::Values(TokenGemmCase{2, 128, 128, 200, true, false, 1.f, 0.f},
+                                           TokenGemmCase{3, 256, 512, 1000, true, false, -1.f, 1.f},
+                                           TokenGemmCase{4, 1024, 256, 1100, false, true, 1.f, 1.f},
+                                           TokenGemmCase{1, 128, 256, 64, false, false, 0.5f, 0.f},
+                                           TokenGemmCase{2, 384, 384, 130, false, true, 1.f, 1.f}),
+                         [](const ::testing::TestParamInfo<TokenGemmCase>& info) {
+                           const TokenGemmCase& c = info.param;
+                           return "P" + std::to_string(c.pairs) + "_m" + std::to_string(c.m) +
+                                  "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) +
+                                  (c.beta != 0.f ? "_acc" : "");
+                         });
+
 // ---- bad input --------------------------------------------------------------------
 
 template <typename F>
@@ -826,6 +935,33 @@ TEST(LactHiddenGradArgs, RejectsOverlappingLayouts) {
   EXPECT_EQ(pack(1 << 16, 64, 64, 0), "heads");  // past the grid's y
   EXPECT_EQ(pack(2, 3, 5, 0), "dim");            // M D not a multiple of 8
   EXPECT_EQ(pack(2, 64, 64, 8), "w");            // kw not 16-byte aligned
+}
+
+// lact_token_gemm refuses shapes and layouts it cannot take, naming the
+// argument, before anything touches the device (host-only).
+TEST(LactTokenGemmArgs, RejectsWhatItCannotTake) {
+  using cuda::lact_detail::LactTokenGemmParams;
+  LactTokenGemmParams p;
+  p.pairs = 2, p.m = 128, p.n = 128, p.k = 100;
+  p.a = {nullptr, 256, 128}, p.b = {nullptr, 256, 128};  // interleaved tokens
+  p.ldc = 128, p.c_stride = 128 * 128;
+  auto with = [&](auto set) {
+    LactTokenGemmParams q = p;
+    set(q);
+    return error_argument([&] { cuda::lact_detail::lact_token_gemm(q, nullptr); });
+  };
+  EXPECT_EQ(with([](LactTokenGemmParams& q) { q.pairs = 0; }), "heads");
+  EXPECT_EQ(with([](LactTokenGemmParams& q) { q.m = 64; }), "dim");  // under a tile
+  EXPECT_EQ(with([](LactTokenGemmParams& q) { q.n = 200; }), "dim");
+  EXPECT_EQ(with([](LactTokenGemmParams& q) { q.k = 0; }), "seq_len");
+  EXPECT_EQ(with([](LactTokenGemmParams& q) { q.a.ld = 200; }), "a");  // pairs overlap
+  EXPECT_EQ(with([](LactTokenGemmParams& q) { q.b.ld = 252; }), "b");  // rows not 16 bytes
+  EXPECT_EQ(with([](LactTokenGemmParams& q) { q.ldc = 126; }), "c");
+  EXPECT_FALSE(cuda::lact_detail::lact_token_gemm_fits([&] {
+    LactTokenGemmParams q = p;
+    q.a.stride = 64;  // pairs' columns overlap
+    return q;
+  }()));
 }
 
 class LactCudaErrors : public ::testing::Test {

@@ -213,6 +213,35 @@ __device__ __forceinline__ void tensor_copy_to_shared(void* dst, const CUtensorM
       : "memory");
 }
 
+// Fetches a tensor map (a __grid_constant__ parameter) into the descriptor
+// cache ahead of its first copy.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// A box of a 3D tensor map at coordinates (c0, c1, c2), as above.
+__device__ __forceinline__ void tensor_copy_to_shared_3d(void* dst, const CUtensorMap* map, int c0,
+                                                         int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Four floats at a shared::cluster address (cluster_shared_address), 16-byte
+// aligned: another CTA's shared memory after a cluster barrier.
+__device__ __forceinline__ float4 load_shared_cluster_f4(uint32_t address) {
+  float4 v;
+  // No memory clobber: the cluster barrier before the reads orders them, and
+  // without it the compiler may issue a tile's loads back to back instead of
+  // one remote round trip at a time.
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(address));
+  return v;
+}
+
 // The same box into the same offset of every CTA in `mask` (cluster ranks),
 // each completed on the barrier at `bar`'s offset in that CTA.
 __device__ __forceinline__ void tensor_copy_multicast(void* dst, const CUtensorMap* map, int c0,

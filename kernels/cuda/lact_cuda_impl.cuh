@@ -39,6 +39,7 @@
 #include "kernels/cuda/lact_hidden.cuh"
 #include "kernels/cuda/lact_math.cuh"
 #include "kernels/cuda/lact_ns_cluster.cuh"
+#include "kernels/cuda/lact_token_gemm.cuh"
 #include "kernels/cuda/warp_mma.cuh"
 
 namespace statescan::cuda {
@@ -1929,8 +1930,24 @@ class LactGpu {
     return {static_cast<T*>(base) + (b * g_.local_len + t0) * hd, kT, hd, g_.D};
   }
 
+  // Token-contracted products (A^T B over the slice's tokens into fp32) of
+  // bf16 layers go to lact_token_gemm where it fits (lact_token_gemm.cuh).
   void gemm_t(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const Operand& A,
               const Operand& B, double beta, const Output& C) {
+    if constexpr (std::is_same<T, bf16>::value) {
+      if (token_gemm_ && ta && !tb && C.type == CUDA_R_32F) {
+        LactTokenGemmParams t;
+        t.a = {static_cast<const T*>(A.data), A.ld, A.stride};
+        t.b = {static_cast<const T*>(B.data), B.ld, B.stride};
+        t.c = static_cast<float*>(C.data), t.ldc = C.ld, t.c_stride = C.stride;
+        t.pairs = g_.H, t.m = m, t.n = n, t.k = k;
+        t.alpha = static_cast<float>(alpha), t.beta = static_cast<float>(beta);
+        if (lact_token_gemm_fits(t)) {
+          lact_token_gemm(t, stream_);
+          return;
+        }
+      }
+    }
     gemm_sliced(blas_, stream_, ta, tb, m, n, k, alpha, A, B, beta, C, g_.H, token_compute<T>(),
                 split_k_);
   }
@@ -2219,6 +2236,7 @@ class LactGpu {
   // (lact_cuda_hidden_path): gate, z (and their low terms), dh, de straight
   // from the MMAs, no fp32 h, e or u.
   bool fused_hidden_;
+  bool token_gemm_ = std::is_same<T, bf16>::value && token_gemm_requested();
   PoolArray<float> w_init_, norm0_;
   // Rows of 2M: h_, u_ (fp32), z_, dh_ (operands); rows of M: e_, u1_ (fp32),
   // gate_, de_ (operands).

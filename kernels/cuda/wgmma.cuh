@@ -30,6 +30,17 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* smem, uint32_t 
          (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t{1} << 62);
 }
 
+// The same layout MN-major with more than one 64-column atom across MN: the
+// atoms along MN `lbo_bytes` apart (a TMA box of 64 columns each), along K
+// `sbo_bytes` apart (1024: consecutive 8-row atoms of one box).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128_mn(const void* smem, uint32_t lbo_bytes,
+                                                        uint32_t sbo_bytes) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t{1} << 62);
+}
+
 // A descriptor `bytes` further into shared memory: the start address is the
 // low 14 bits (address >> 4) and shared memory (< 256 KB) keeps the sum
 // inside them, so the other fields stay as they are. One add instead of
@@ -212,6 +223,60 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_bf16(float (&d)[64], uint64_
 #endif
 }
 
+// One m64n128k16 bf16 MMA, both operands from shared memory and MN-major
+// (tnsp-a and tnsp-b 1).
+#define SS_WGSS128MN(SCALE, F8)                                                \
+  asm volatile(                                                                \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "                 \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "          \
+      "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, " \
+      "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, " \
+      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+      "%56, %57, %58, %59, %60, %61, %62, %63}, "                              \
+      "%64, %65, " SCALE ", 1, 1, 1, 1;\n"                                     \
+      : F8(0), F8(8), F8(16), F8(24), F8(32), F8(40), F8(48), F8(56)           \
+      : "l"(a), "l"(b))
+
+// One m64n256k16 bf16 MMA, both operands from shared memory and MN-major
+// (tnsp-a and tnsp-b 1).
+#define SS_WGSS256MN(SCALE, F8)                                                               \
+  asm volatile(                                                                               \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "                                \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "                         \
+      "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, "                \
+      "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "                \
+      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "                \
+      "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, "                \
+      "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, "                \
+      "%84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, "                \
+      "%98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "    \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, "  \
+      "%126, %127}, "                                                                         \
+      "%128, %129, " SCALE ", 1, 1, 1, 1;\n"                                                  \
+      : F8(0), F8(8), F8(16), F8(24), F8(32), F8(40), F8(48), F8(56), F8(64), F8(72), F8(80), \
+        F8(88), F8(96), F8(104), F8(112), F8(120)                                             \
+      : "l"(a), "l"(b))
+
+// d (64 x N, fp32) += A B, bf16, A (64 x 16) and B (16 x N) MN-major from
+// shared memory (rows = K, as TMA writes a token-major tile) by their
+// descriptors (wgmma_desc_sw128_mn); N = 128 or 256, d's layout m64n64's
+// with N / 8 column blocks of 8.
+template <int N>
+__device__ __forceinline__ void wgmma_m64k16_ss_bf16_mn(float (&d)[N / 2], uint64_t a, uint64_t b) {
+  static_assert(N == 128 || N == 256, "m64n128k16 or m64n256k16");
+#ifdef SS_WGMMA_UNAVAILABLE
+  __trap();
+#else
+  if constexpr (N == 128) {
+    SS_WGSS128MN("1", SS_WG_F8);
+  } else {
+    SS_WGSS256MN("1", SS_WG_F8);
+  }
+#endif
+}
+
+#undef SS_WGSS256MN
+#undef SS_WGSS128MN
 #undef SS_WGSS128
 #undef SS_WGSS_TYPED
 #undef SS_WGSS
