@@ -953,6 +953,7 @@ TEST(LactTokenGemmArgs, RejectsWhatItCannotTake) {
   EXPECT_EQ(with([](LactTokenGemmParams& q) { q.pairs = 0; }), "heads");
   EXPECT_EQ(with([](LactTokenGemmParams& q) { q.m = 64; }), "dim");  // under a tile
   EXPECT_EQ(with([](LactTokenGemmParams& q) { q.n = 200; }), "dim");
+  EXPECT_EQ(with([](LactTokenGemmParams& q) { q.m = q.n = 128 * 256; }), "dim");  // grid's y
   EXPECT_EQ(with([](LactTokenGemmParams& q) { q.k = 0; }), "seq_len");
   EXPECT_EQ(with([](LactTokenGemmParams& q) { q.a.ld = 200; }), "a");  // pairs overlap
   EXPECT_EQ(with([](LactTokenGemmParams& q) { q.b.ld = 252; }), "b");  // rows not 16 bytes

@@ -245,6 +245,7 @@ const char* misfit(const LactTokenGemmParams& p, const char** why) {
   if (p.m < 128 || p.m % 128 != 0 || p.n < 128 || p.n % 128 != 0 || p.m >= (int64_t{1} << 31) ||
       p.n >= (int64_t{1} << 31))
     return *why = "m and n must be positive multiples of 128", "dim";
+  if ((p.m / 128) * (p.n / 128) > 65535) return *why = "more than 65535 tiles a pair", "dim";
   if (p.k < 1 || p.k >= (int64_t{1} << 31)) return *why = "1 to 2^31 - 1 tokens", "seq_len";
   if (!operand_fits(p.a, p.m))
     return *why = "A needs 16-byte aligned rows and pairs that do not overlap", "a";
