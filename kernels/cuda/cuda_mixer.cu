@@ -9,10 +9,12 @@
 #include "core/env_knob.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/forward_plan.cuh"
+#include "kernels/cuda/launch.cuh"
 
 namespace statescan::cuda {
 namespace {
 
+using detail::aligned16;
 using detail::ForwardArgs;
 using detail::MixerTensors;
 using detail::tensors_of;
@@ -226,10 +228,6 @@ bool prepare_checks_finite(const MixerParams& p) {
 }
 
 namespace {
-
-bool aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
 
 void check_supported(const MixerParams& p) {
   SS_CHECK_ARG(p.dk == p.dv && (p.dk == 64 || p.dk == 128), "dk",

@@ -756,8 +756,7 @@ bool lact_hidden_supported(int64_t D, int64_t M) {
 }
 
 bool lact_hidden_aligned(const void* q, const void* k, const void* v) {
-  auto aligned = [](const void* x) { return reinterpret_cast<uintptr_t>(x) % 16 == 0; };
-  return aligned(q) && aligned(k) && aligned(v);
+  return detail::aligned16(q) && detail::aligned16(k) && detail::aligned16(v);
 }
 
 bool lact_hidden_addressable(int64_t pairs, int64_t token_rows, int64_t D, int64_t M) {

@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 
 #include "core/cuda_check.h"
 #include "core/env_knob.h"
@@ -217,10 +216,6 @@ __global__ void __launch_bounds__(TokenTile<kBN>::kThreads, 1)
   detail::cluster_sync_all();
 }
 
-bool aligned16(const void* x) {
-  return reinterpret_cast<uintptr_t>(x) % 16 == 0;
-}
-
 // Whether the device runs the kernel at all: sm_90a build, 9.0 device,
 // enough shared memory for the BN 256 tile.
 bool device_fits() {
@@ -232,14 +227,20 @@ bool device_fits() {
   });
 }
 
+// Whether an operand's pairs lie apart by whole slices of tokens (rows of
+// an array per pair) rather than inside each token's row.
+bool pair_major(const LactTokenOperand& x, const LactTokenGemmParams& p) {
+  return p.pairs == 1 || x.stride >= x.ld * p.k;
+}
+
 // The first argument lact_token_gemm cannot take, with why; nullptr if it
 // takes them all. Host checks first, the device last (host-only tests).
 const char* misfit(const LactTokenGemmParams& p, const char** why) {
   auto operand_fits = [&](const LactTokenOperand& x, int64_t width) {
-    if (!aligned16(x.data) || x.ld % 8 != 0 || x.stride % 8 != 0 || x.ld < width) return false;
+    if (!detail::aligned16(x.data) || x.ld % 8 != 0 || x.stride % 8 != 0 || x.ld < width)
+      return false;
     // Pairs apart by whole slices, or interleaved inside a row (tokens).
-    return p.pairs == 1 || x.stride >= x.ld * p.k ||
-           (x.stride >= width && x.stride * p.pairs <= x.ld);
+    return pair_major(x, p) || (x.stride >= width && x.stride * p.pairs <= x.ld);
   };
   if (p.pairs < 1 || p.pairs > 65535) return *why = "1 to 65535 pairs", "heads";
   if (p.m < 128 || p.m % 128 != 0 || p.n < 128 || p.n % 128 != 0 || p.m >= (int64_t{1} << 31) ||
@@ -251,7 +252,7 @@ const char* misfit(const LactTokenGemmParams& p, const char** why) {
     return *why = "A needs 16-byte aligned rows and pairs that do not overlap", "a";
   if (!operand_fits(p.b, p.n))
     return *why = "B needs 16-byte aligned rows and pairs that do not overlap", "b";
-  if (!aligned16(p.c) || p.ldc % 4 != 0 || p.c_stride % 4 != 0 || p.ldc < p.n)
+  if (!detail::aligned16(p.c) || p.ldc % 4 != 0 || p.c_stride % 4 != 0 || p.ldc < p.n)
     return *why = "C needs 16-byte aligned rows and pairs", "c";
   if (!device_fits())
     return *why = "needs an sm_90a build on a compute capability 9.0 device", "device";
@@ -264,10 +265,9 @@ const char* misfit(const LactTokenGemmParams& p, const char** why) {
 CUtensorMap operand_map(const LactTokenOperand& x, int64_t width, const LactTokenGemmParams& p,
                         int* rows_dim, const char* arg) {
   const int64_t row = x.ld * 2;
-  const bool pair_major = p.pairs == 1 || x.stride >= x.ld * p.k;
-  *rows_dim = pair_major ? 1 : 2;
+  *rows_dim = pair_major(x, p) ? 1 : 2;
   const int64_t pair = p.pairs == 1 ? row * p.k : x.stride * 2;
-  if (pair_major) {
+  if (*rows_dim == 1) {
     const int64_t dims[3] = {width, p.k, p.pairs}, strides[2] = {row, pair};
     const int box[3] = {64, 64, 1};
     return detail::tile_map_3d(x.data, dims, strides, box, arg);
@@ -277,18 +277,13 @@ CUtensorMap operand_map(const LactTokenOperand& x, int64_t width, const LactToke
   return detail::tile_map_3d(x.data, dims, strides, box, arg);
 }
 
-// Clusters of `splits` CTAs that fit at once (cached per tile and split).
+// Clusters of `splits` CTAs that fit at once (cached per device and split).
 template <int kBN>
 int clusters_at_once(int splits) {
-  static std::mutex mutex;
-  static int cache[4] = {-1, -1, -1, -1};  // splits 1, 2, 4, 8
-  const int slot = splits == 1 ? 0 : splits == 2 ? 1 : splits == 4 ? 2 : 3;
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (cache[slot] < 0)
-    cache[slot] =
-        detail::active_clusters(token_gemm_kernel<kBN>, TokenTile<kBN>::kThreads,
-                                TokenTile<kBN>::kSmemBytes, static_cast<unsigned>(splits));
-  return cache[slot];
+  return detail::cached_device_check<TokenTile<kBN>>(splits, 0, [](int, int64_t s, int64_t) {
+    return detail::active_clusters(token_gemm_kernel<kBN>, TokenTile<kBN>::kThreads,
+                                   TokenTile<kBN>::kSmemBytes, static_cast<unsigned>(s));
+  });
 }
 
 template <int kBN>

@@ -93,22 +93,28 @@ inline bool wgmma_device(int device) {
 
 // fits(device, a, b) for the current device, evaluated once per (device, a,
 // b) and cached, thread-safe: the kernels' shape checks, which query device
-// attributes and the occupancy API. Tag (the kernel's tile type) keeps each
-// kernel's cache apart: two checks with the same signature would otherwise
-// share one.
+// attributes and the occupancy API, or a count from that API (the value has
+// fits' type). Tag (the kernel's tile type) keeps each kernel's cache apart:
+// two checks with the same signature would otherwise share one.
 template <typename Tag, typename Fits>
-bool cached_device_check(int64_t a, int64_t b, Fits&& fits) {
+auto cached_device_check(int64_t a, int64_t b, Fits&& fits) {
+  using Value = decltype(fits(0, a, b));
   static std::mutex mutex;
-  static std::map<std::tuple<int, int64_t, int64_t>, bool> cache;
+  static std::map<std::tuple<int, int64_t, int64_t>, Value> cache;
   int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));
   const std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_tuple(device, a, b);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  const bool ok = fits(device, a, b);
-  cache.emplace(key, ok);
-  return ok;
+  const Value value = fits(device, a, b);
+  cache.emplace(key, value);
+  return value;
+}
+
+// Whether a pointer is 16-byte aligned (vector loads, tensor maps).
+inline bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
 }  // namespace statescan::cuda::detail
