@@ -331,12 +331,14 @@ INSTANTIATE_TEST_SUITE_P(
 // ---- the fused hidden layer alone -------------------------------------------------
 
 // lact_hidden_kernel (kernels/cuda/lact_hidden.cuh) against the fp64 values of
-// its outputs from the same bf16 inputs: gate = silu(h0) h2 (apply) and, on
+// its outputs from the same bf16 inputs: o = gate W1^T with gate = silu(h0) h2
+// rounded to bf16 as the kernel's MMA operand is (apply; o token-major in a
+// [B, L, H, D] array whose rows outside the slice must stay untouched) and, on
 // the key side, z0 = lr0 e h2 silu'(h0), z2 = lr2 e silu(h0), gate =
 // lr1 silu(h0) h2 with e = -v W1, with and without the low bf16 terms; in
 // the backward's apply (v as d_o) gate and dh = [dg h2 silu'(h0) | dg silu(h0)]
 // with dg = d_o W1.
-// Shapes: D = 64, 128, 256 (one to four k-blocks), M = 64 to 512, slices
+// Shapes: D = 64, 128, 192, 256 (one to four k-blocks), M = 64 to 512, slices
 // that end inside a 128-token tile and start at t0 > 0 inside a longer
 // sequence (B 2, H 2: the tensor maps' row and column offsets). Outputs are
 // poisoned with NaN and followed by a poisoned guard region: every element of
@@ -390,6 +392,7 @@ TEST_P(LactCudaHidden, MatchesReference) {
       gate(rows * M + kHiddenGuard, DType::bf16);
   DeviceTensor z_lo(rows * 2 * M + kHiddenGuard, DType::bf16),
       gate_lo(rows * M + kHiddenGuard, DType::bf16);
+  DeviceTensor o(static_cast<std::size_t>(tokens * hd) + kHiddenGuard, DType::bf16);
 
   cuda::lact_detail::LactHiddenParams p;
   p.mode = c.mode;
@@ -402,6 +405,7 @@ TEST_P(LactCudaHidden, MatchesReference) {
   p.z = static_cast<__nv_bfloat16*>(z.data());
   if (back) p.dh = p.z, p.z = nullptr;
   p.gate = static_cast<__nv_bfloat16*>(gate.data());
+  p.o = static_cast<__nv_bfloat16*>(o.data());
   if (c.lo) {
     p.z_lo = static_cast<__nv_bfloat16*>(z_lo.data());
     p.gate_lo = static_cast<__nv_bfloat16*>(gate_lo.data());
@@ -413,6 +417,9 @@ TEST_P(LactCudaHidden, MatchesReference) {
   const std::vector<double> X = x.read(), V = v.read(), W = w.read(), R0 = lr0.read(),
                             R1 = lr1.read(), R2 = lr2.read();
   std::vector<double> want_gate(rows * M), want_z(two_out ? rows * 2 * M : 0);
+  // o: the slice's rows of every pair; NaN (the poison) elsewhere.
+  std::vector<double> want_o(static_cast<std::size_t>(tokens * hd),
+                             std::numeric_limits<double>::quiet_NaN());
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t b = pair / kHiddenH, h = pair % kHiddenH;
     const double* w0 = W.data() + pair * 3 * M * D;
@@ -436,13 +443,19 @@ TEST_P(LactCudaHidden, MatchesReference) {
           want_z[row * 2 * M + m] = -e * h2 * d1;
           want_z[row * 2 * M + M + m] = -e * silu;
         } else if (!key) {
-          want_gate[row * M + m] = silu * h2;
+          want_gate[row * M + m] = round_to(DType::bf16, static_cast<float>(silu * h2));
         } else {
           want_z[row * 2 * M + m] = R0[lr] * e * h2 * d1;
           want_z[row * 2 * M + M + m] = R2[lr] * e * silu;
           want_gate[row * M + m] = R1[lr] * silu * h2;
         }
       }
+      if (!two_out)
+        for (int64_t d = 0; d < D; ++d) {
+          double od = 0;
+          for (int64_t m = 0; m < M; ++m) od += want_gate[row * M + m] * w1[d * M + m];
+          want_o[static_cast<std::size_t>(tok * hd + h * D + d)] = od;
+        }
     }
   }
   auto slice = [](const std::vector<double>& a, std::size_t count) {
@@ -457,9 +470,30 @@ TEST_P(LactCudaHidden, MatchesReference) {
     for (std::size_t i = 0; i < a.size(); ++i) s[i] = a[i] + b[i];
     return s;
   };
-  const std::vector<double> got_gate = gate.read(), got_z = z.read();
-  EXPECT_LE(rel_rms(slice(got_gate, rows * M), want_gate), kHiddenTol) << "gate";
-  EXPECT_TRUE(guard_untouched(got_gate, rows * M)) << "gate written past the slice";
+  const std::vector<double> got_gate = gate.read(), got_z = z.read(), got_o = o.read();
+  if (two_out) {
+    EXPECT_LE(rel_rms(slice(got_gate, rows * M), want_gate), kHiddenTol) << "gate";
+    EXPECT_TRUE(guard_untouched(got_gate, rows * M)) << "gate written past the slice";
+    EXPECT_TRUE(guard_untouched(got_o, 0))
+        << (key ? "the key side" : "apply_backward") << " wrote o";
+  } else {
+    EXPECT_TRUE(guard_untouched(got_gate, 0)) << "apply wrote gate";
+    // The slice's rows against the reference; every other row of o (and the
+    // guard) still NaN.
+    std::vector<double> got_in, want_in;
+    bool outside_untouched = guard_untouched(got_o, static_cast<std::size_t>(tokens * hd));
+    for (std::size_t e = 0; e < want_o.size(); ++e) {
+      if (std::isnan(want_o[e])) {
+        outside_untouched = outside_untouched && std::isnan(got_o[e]);
+      } else {
+        got_in.push_back(got_o[e]);
+        want_in.push_back(want_o[e]);
+      }
+    }
+    ASSERT_EQ(want_in.size(), rows * static_cast<std::size_t>(D));
+    EXPECT_LE(rel_rms(got_in, want_in), kHiddenTol) << "o";
+    EXPECT_TRUE(outside_untouched) << "o written outside the slice's rows";
+  }
   if (two_out) {
     EXPECT_LE(rel_rms(slice(got_z, rows * 2 * M), want_z), kHiddenTol) << (key ? "z" : "dh");
     EXPECT_TRUE(guard_untouched(got_z, rows * 2 * M)) << "z / dh written past the slice";
@@ -518,6 +552,7 @@ std::vector<HiddenCase> hidden_cases() {
   std::vector<HiddenCase> cases;
   const HiddenCase shapes[] = {{64, 64, 100, 160, 37, LactHiddenMode::apply, false},
                                {128, 192, 256, 300, 0, LactHiddenMode::apply, false},
+                               {192, 128, 129, 200, 5, LactHiddenMode::apply, false},
                                {256, 512, 300, 400, 64, LactHiddenMode::apply, false}};
   for (HiddenCase s : shapes) {
     cases.push_back(s);

@@ -35,6 +35,11 @@ bool hidden_fused_requested() {
   static const bool fused = env_choice("STATESCAN_LACT_HIDDEN", {"fused", "cublas"}) != 1;
   return fused;
 }
+
+bool side_stream_requested() {
+  static const bool side = env_choice("STATESCAN_LACT_STREAMS", {"2", "1"}) != 1;
+  return side;
+}
 }  // namespace lact_detail
 
 namespace {

@@ -130,6 +130,13 @@ NsGemms ns_gemms_requested();
 // them on cuBLAS; read once per process, any other value an error naming it.
 bool hidden_fused_requested();
 
+// STATESCAN_LACT_STREAMS: unset or "2" lets a layer on the fused hidden layer
+// run each chunk's output side (the apply, the backward's apply and dq) on a
+// second stream beside the update chain (same results, bit for bit: the
+// order of every sum is kept); "1" keeps all of it on the caller's stream.
+// Read once per process, any other value an error naming it.
+bool side_stream_requested();
+
 // What lact_cuda_ns_gemms reports for a bf16 layer run in `mode`.
 const char* ns_gemms_name(NsGemms mode, int64_t dim, int64_t hidden);
 

@@ -70,13 +70,15 @@ constexpr cudaDataType_t data_type<double>() {
 
 // ---- cuBLAS -----------------------------------------------------------------
 
-// One handle per (host thread, device), created on first use and kept for the
-// life of the thread: cublasCreate costs far more than one LaCT chunk.
-inline cublasHandle_t blas_handle(cudaStream_t stream) {
+// One handle per (host thread, device, slot), created on first use and kept
+// for the life of the thread: cublasCreate costs far more than one LaCT
+// chunk. Slot 1 serves the layer's side stream (side_stream), so that the
+// two streams never share a handle's workspace.
+inline cublasHandle_t blas_handle(cudaStream_t stream, int slot = 0) {
   int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));
-  thread_local std::map<int, cublasHandle_t> handles;
-  cublasHandle_t& h = handles[device];
+  thread_local std::map<std::pair<int, int>, cublasHandle_t> handles;
+  cublasHandle_t& h = handles[{device, slot}];
   if (h == nullptr) {
     SS_CUBLAS_CHECK(cublasCreate(&h));
     // Plain fp32 stays fp32: no TF32 (DESIGN §7's 1e-5 budget).
@@ -84,6 +86,20 @@ inline cublasHandle_t blas_handle(cudaStream_t stream) {
   }
   SS_CUBLAS_CHECK(cublasSetStream(h, stream));
   return h;
+}
+
+// The bf16 layer's second stream per (host thread, device), non-blocking (no
+// implicit order with the legacy default stream), created on first use and
+// kept: LactGpu runs there the output side of a chunk (the fused apply, the
+// backward's apply and dq), which reads only the chunk's weights, beside the
+// update chain on the caller's stream (LactGpu::on_side).
+inline cudaStream_t side_stream() {
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  thread_local std::map<int, cudaStream_t> streams;
+  cudaStream_t& s = streams[device];
+  if (s == nullptr) SS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  return s;
 }
 
 // One operand of a batched row-major GEMM: pointer, element type, leading
@@ -1750,6 +1766,21 @@ class LactGpu {
       gate_lo_ = PoolArray<T>(nm, stream);
     }
     if (!std::is_same<T, float>::value) w_op_ = PoolArray<T>(g_.state(), stream);
+    if (fused_hidden_ && side_stream_requested()) {
+      side_ = side_stream();
+      side_blas_ = blas_handle(side_, 1);
+      SS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+      SS_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+    }
+  }
+  LactGpu(const LactGpu&) = delete;
+  LactGpu& operator=(const LactGpu&) = delete;
+  ~LactGpu() {
+    // Side work still queued (an exception left a loop between on_side and
+    // join_side) reads arrays that stream_ frees in its order.
+    if (side_pending_) cudaStreamWaitEvent(stream_, join_, 0);
+    if (fork_ != nullptr) cudaEventDestroy(fork_);
+    if (join_ != nullptr) cudaEventDestroy(join_);
   }
 
   void forward(const LactDeviceAllReduce& all_reduce, LactCudaSaved* saved) {
@@ -1787,12 +1818,22 @@ class LactGpu {
         tok(p_.w0), tok(p_.w1), tok(p_.w2), g_.pairs, g_.H, g_.md(), weights_of(0));
     SS_LAUNCH_CHECK("load_weights_kernel");
     const T* w_op = nullptr;
+    // The fused apply writes only o and reads the chunk's weight copy: it
+    // runs on the side stream beside the update (key side, G, Newton-Schulz),
+    // joined before step_renorm overwrites that copy.
+    const bool side = side_ != nullptr && fused_apply();
+    auto apply = [&](const T* w, int64_t n, int64_t t0) {
+      if (side)
+        on_side([&] { apply_forward(w, n, t0); });
+      else
+        apply_forward(w, n, t0);
+    };
     for (int64_t c = 0; c < g_.chunks; ++c) {
       const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
       // The operand copy of W: made here for the first chunk, after that by
       // the previous chunk's step_renorm.
       if (c == 0) w_op = operand_weights(weights_of(0));
-      if (causal_) apply_forward(w_op, n, t0);
+      if (causal_) apply(w_op, n, t0);
       float* G = update_in_slot ? saved->updates.data() + c * state : grads.get();
       partial_gradients(w_op, n, t0, G);
       if (all_reduce) all_reduce(G, state, stream_);
@@ -1811,9 +1852,11 @@ class LactGpu {
         ns->forward(update, step.get());
         d = step.get();
       }
+      join_side();
       w_op = step_renorm(weights_of(c), weights_of(c + 1), d);
-      if (!causal_) apply_forward(w_op, n, t0);
+      if (!causal_) apply(w_op, n, t0);
     }
+    join_side();
   }
 
   void backward(const LactCudaGrads& gr, const LactCudaSaved& saved,
@@ -1841,6 +1884,9 @@ class LactGpu {
     }
     if (!causal_) w_next = PoolArray<float>(state, stream_);
     dh_ = PoolArray<T>(2 * rows_alloc(), stream_);
+    // The causal schedule's apply backward (fused: its outputs gate_, dh_
+    // are the fused gradient rows' zdh_, gde_ no more) on the side stream.
+    const bool side = causal_ && side_ != nullptr && fused_apply_backward(gr);
 
     for (int64_t c = g_.chunks - 1; c >= 0; --c) {
       const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
@@ -1866,6 +1912,13 @@ class LactGpu {
               Wc, d, norm0_.get(), g_.pairs, g_.H, g_.M, g_.D, p_.config.renorm, dW.get(),
               muon ? d_step.get() : dG.get(), d_norm0.get(), w_copy);
       SS_LAUNCH_CHECK("step_renorm_backward_kernel");
+      const T* w_op = std::is_same<T, float>::value ? reinterpret_cast<const T*>(Wc) : w_copy;
+      // The apply's token side (gate, dh, dq) reads only Wc's copy and d_o:
+      // on the side stream beside the update's backward, joined before its
+      // dW products (added after the update's, the order of the sums as
+      // without the side stream) and before the next chunk's
+      // step_renorm_backward overwrites the copy.
+      if (side) on_side([&] { apply_backward_tokens(gr, w_op, n, t0); });
       if (muon) ns->backward(Pc, d_step.get(), dG.get());
       if (momentum_) {
         momentum_backward_kernel<<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
@@ -1873,9 +1926,13 @@ class LactGpu {
         SS_LAUNCH_CHECK("momentum_backward_kernel");
       }
       if (all_reduce) all_reduce(dG.get(), state, stream_);
-      const T* w_op = std::is_same<T, float>::value ? reinterpret_cast<const T*>(Wc) : w_copy;
       gradients_backward(gr, w_op, dG.get(), n, t0, dW.get());
-      if (causal_) apply_backward(gr, w_op, n, t0, dW.get());
+      if (side) {
+        join_side();
+        apply_backward_weights(gr, n, t0, dW.get());
+      } else if (causal_) {
+        apply_backward(gr, w_op, n, t0, dW.get());
+      }
     }
 
     PoolArray<float> d_init(g_.H * g_.block(), stream_);
@@ -2024,6 +2081,7 @@ class LactGpu {
       h.x = tok(mode == LactHiddenMode::key_side ? p_.k : p_.q);
       h.v = tok(mode == LactHiddenMode::apply_backward ? d_o : p_.v);
       h.dh = dh_.get();
+      h.o = static_cast<bf16*>(p_.o);
       h.w = w;
       h.lr0 = tok(p_.lr0), h.lr1 = tok(p_.lr1), h.lr2 = tok(p_.lr2);
       h.z = z_.get(), h.gate = gate_.get(), h.z_lo = z_lo_.get(), h.gate_lo = gate_lo_.get();
@@ -2036,17 +2094,18 @@ class LactGpu {
     }
   }
 
-  // o = f_W(q) for the slice.
+  // o = f_W(q) for the slice (the fused kernel forms o itself; an o it
+  // cannot store to, as a d_o it cannot load, takes the cuBLAS path).
   void apply_forward(const T* w, int64_t n, int64_t t0) {
     const int64_t rows = g_.pairs * n, M = g_.M, hd = g_.H * g_.D;
-    if (fused_hidden_) {
+    if (fused_apply()) {
       lact_hidden_launch(hidden_params(LactHiddenMode::apply, w, n, t0), stream_);
-    } else {
-      hidden(p_.q, w, n, t0);
-      apply_gate_kernel<T>
-          <<<row_grid(rows), kRowThreads, 0, stream_>>>(h_buf(), rows, M, gate_.get());
-      SS_LAUNCH_CHECK("apply_gate_kernel");
+      return;
     }
+    hidden(p_.q, w, n, t0);
+    apply_gate_kernel<T>
+        <<<row_grid(rows), kRowThreads, 0, stream_>>>(h_buf(), rows, M, gate_.get());
+    SS_LAUNCH_CHECK("apply_gate_kernel");
     for (int64_t b = 0; b < g_.B; ++b)
       gemm_t(false, true, n, g_.D, M, 1.0, rows_in<T>(gate_.get(), b, n, M), weights(w, b, 2), 0.0,
              Output{static_cast<T*>(p_.o) + (b * g_.local_len + t0) * hd, kT, hd, g_.D});
@@ -2094,11 +2153,23 @@ class LactGpu {
     SS_LAUNCH_CHECK("store_tokens_kernel");
   }
 
+  // Whether apply_forward / apply_backward take the fused kernel: o and d_o
+  // are the caller's, and the kernel's tensor maps and stores need them
+  // aligned too.
+  bool fused_apply() const { return fused_hidden_ && lact_hidden_aligned(p_.o, p_.o, p_.o); }
+  bool fused_apply_backward(const LactCudaGrads& gr) const {
+    return fused_hidden_ && lact_hidden_aligned(gr.d_o, gr.d_o, gr.d_o);
+  }
+
   // Backward of apply_forward at w: writes dq of the slice, adds to dW.
   void apply_backward(const LactCudaGrads& gr, const T* w, int64_t n, int64_t t0, float* dW) {
+    apply_backward_tokens(gr, w, n, t0);
+    apply_backward_weights(gr, n, t0, dW);
+  }
+  // Its token side: gate and dh (gate_, dh_) of the slice, and dq.
+  void apply_backward_tokens(const LactCudaGrads& gr, const T* w, int64_t n, int64_t t0) {
     const int64_t rows = g_.pairs * n, M = g_.M, M2 = 2 * g_.M;
-    // d_o is the caller's: the fused kernel's tensor maps need it aligned too.
-    if (fused_hidden_ && lact_hidden_aligned(gr.d_o, gr.d_o, gr.d_o)) {
+    if (fused_apply_backward(gr)) {
       lact_hidden_launch(hidden_params(LactHiddenMode::apply_backward, w, n, t0, gr.d_o), stream_);
     } else {
       hidden(p_.q, w, n, t0);
@@ -2109,15 +2180,20 @@ class LactGpu {
           h_buf(), u1_buf(), rows, M, gate_.get(), dh_.get());
       SS_LAUNCH_CHECK("apply_backward_kernel");
     }
+    // [h0; h2] = [W0; W2] q: dq = dh [W0; W2].
+    for (int64_t b = 0; b < g_.B; ++b)
+      gemm_t(false, false, n, g_.D, M2, 1.0, rows_in<T>(dh_.get(), b, n, M2), weights(w, b, 0), 0.0,
+             tokens_out(gr.dq, b, t0));
+  }
+  // Its weight side from gate_ and dh_: o = W1 gate: dW1 += do gate^T;
+  // d[W0; W2] += dh^T q.
+  void apply_backward_weights(const LactCudaGrads& gr, int64_t n, int64_t t0, float* dW) {
+    const int64_t M = g_.M, M2 = 2 * g_.M;
     for (int64_t b = 0; b < g_.B; ++b) {
-      // o = W1 gate: dW1 += do gate^T;  [h0; h2] = [W0; W2] q: d[W0; W2] += dh^T q,
-      // dq = dh [W0; W2].
       gemm_t(true, false, g_.D, M, n, 1.0, tokens(gr.d_o, b, t0), rows_in<T>(gate_.get(), b, n, M),
              1.0, weight_grad(dW, b, 2));
       gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(dh_.get(), b, n, M2), tokens(p_.q, b, t0),
              1.0, weight_grad(dW, b, 0));
-      gemm_t(false, false, n, g_.D, M2, 1.0, rows_in<T>(dh_.get(), b, n, M2), weights(w, b, 0), 0.0,
-             tokens_out(gr.dq, b, t0));
     }
   }
 
@@ -2237,6 +2313,42 @@ class LactGpu {
   // from the MMAs, no fp32 h, e or u.
   bool fused_hidden_;
   bool token_gemm_ = std::is_same<T, bf16>::value && token_gemm_requested();
+  // The side stream (side_stream) and its cuBLAS handle, where the fused
+  // hidden layer runs and side_stream_requested (else null); fork_ / join_
+  // order it against stream_.
+  cudaStream_t side_ = nullptr;
+  cublasHandle_t side_blas_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  bool side_pending_ = false;  // join_ recorded and not yet waited on by stream_
+
+  // f() with stream_ and blas_ standing for the side stream: what f
+  // enqueues (launches, GEMMs) runs after everything enqueued on stream_ so
+  // far and beside what is enqueued there next, until join_side(). f must
+  // not allocate (the pool's arrays belong to stream_) nor write what
+  // stream_'s work before the join reads.
+  template <typename F>
+  void on_side(F&& f) {
+    SS_CUDA_CHECK(cudaEventRecord(fork_, stream_));
+    SS_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+    struct Swap {
+      LactGpu& g;
+      cudaStream_t stream;
+      cublasHandle_t blas;
+      ~Swap() {
+        g.stream_ = stream, g.blas_ = blas;
+        // Recorded even when f threw: the destructor's wait covers what it enqueued.
+        g.side_pending_ = cudaEventRecord(g.join_, g.side_) == cudaSuccess;
+      }
+    } swap{*this, stream_, blas_};
+    stream_ = side_, blas_ = side_blas_;
+    f();
+  }
+  // stream_ waits for the side stream's work so far.
+  void join_side() {
+    if (!side_pending_) return;
+    SS_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
+    side_pending_ = false;
+  }
   PoolArray<float> w_init_, norm0_;
   // Rows of 2M: h_, u_ (fp32), z_, dh_ (operands); rows of M: e_, u1_ (fp32),
   // gate_, de_ (operands).

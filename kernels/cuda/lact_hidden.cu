@@ -29,6 +29,11 @@
 // MMAs (PERF_NOTES, thirty-first session). Tried and dropped: two
 // accumulator sets for the apply without turns (24.9 -> 30.5 us). The key
 // side's 4 stages are one pass of D = 256, so its turns wait on refills.
+//
+// The apply also forms o = gate W1^T (thirty-third session): gate stays in
+// registers as the A operand of the next pass's o product, which streams W1's
+// blocks in the stages a pass behind; apply + cuBLAS o GEMM 24.4 + 13.8 us ->
+// 28.3 us a chunk (ncu), the layer's forward 29.6 -> 26.6 ms.
 
 #include <cuda.h>
 
@@ -36,6 +41,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -65,7 +71,7 @@ struct HiddenTile {
   // every thread at 168: the key side sat at the cap and the gradient
   // kernel's 96 accumulators spilled.
   static constexpr int kThreads = kConsumers + 128;
-  static constexpr int kConsumerRegs = 232, kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 240, kProducerRegs = 24;
   static constexpr int kConsumerWarps = kConsumers / 32;
   static constexpr size_t kTokenBox = size_t{kRows} * kK * 2;   // 16 KB
   static constexpr size_t kWeightBox = size_t{kCols} * kK * 2;  // 8 KB
@@ -74,14 +80,20 @@ struct HiddenTile {
   static constexpr bool two_products(LactHiddenMode mode) { return mode != LactHiddenMode::apply; }
   static constexpr int token_arrays(LactHiddenMode mode) { return two_products(mode) ? 2 : 1; }
   // A stage: W0's and W2's 64 rows (adjacent: one 128-row K-major B operand)
-  // and on the key side W1's 64 columns.
-  static constexpr size_t stage_bytes(LactHiddenMode mode) {
-    return (two_products(mode) ? 3 : 2) * kWeightBox;
+  // and a 64 x 64 block of W1: on the key side (and apply_backward) its
+  // columns j, rows kb (the MN-major B of e's product); in the apply its
+  // columns j - 1, rows kb (the K-major B of the previous pass's o product).
+  static constexpr size_t stage_bytes(LactHiddenMode) { return 3 * kWeightBox; }
+  // As many stages as shared memory holds beside the resident tokens: the
+  // apply's 6 are a pass of D = 256 and half the next, so that the warpgroup
+  // a turn behind holds fewer of the next pass's refills; the key side's
+  // resident k and v leave room for one pass.
+  static constexpr int stages(LactHiddenMode mode) { return two_products(mode) ? 4 : 6; }
+  // Passes over the hidden columns: the apply has one more, for the last
+  // pass's o product alone.
+  static constexpr int passes(LactHiddenMode mode, int js) {
+    return mode == LactHiddenMode::apply ? js + 1 : js;
   }
-  // Two passes of D = 256 buffered where shared memory allows (apply), so
-  // that the warpgroup a turn behind does not hold the next pass's refills;
-  // the key side's resident k and v leave room for one.
-  static constexpr int stages(LactHiddenMode mode) { return two_products(mode) ? 4 : 8; }
   static constexpr size_t tokens_bytes(LactHiddenMode mode, int D) {
     return token_arrays(mode) * (D / kK) * kTokenBox;
   }
@@ -130,6 +142,12 @@ __device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[N], int 
     if (store)
       *reinterpret_cast<uint2*>(row + 8 * (2 * m + (q & 1)) + 4 * (q >> 1)) = make_uint2(a, b);
   }
+}
+
+// f(std::integral_constant<int, 1 + I>{}) for each I, in order.
+template <typename F, int... I>
+__device__ __forceinline__ void for_each_from_1(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, 1 + I>{}), ...);
 }
 
 // The weight-stage pipeline both kernels run: kStages stages in shared
@@ -188,12 +206,14 @@ struct StagePipe {
   // returns with the pass's products complete. hand_over: pass the turn on
   // (warpgroup 1's last turn does not: warpgroup 0 has had its last). The
   // first stage is peeled off the loop rather than branched to: behind a
-  // branch ptxas serialises the wgmmas.
-  template <typename Products>
+  // branch ptxas serialises the wgmmas. kKbs > 0: kbs is kKbs and kb reaches
+  // products as a std::integral_constant (unrolled), for products that pick
+  // an accumulator block by kb.
+  template <int kKbs = 0, typename Products>
   __device__ __forceinline__ void pass(int& i, int kbs, int wg, int lane, bool hand_over,
                                        Products&& products) const {
     detail::named_barrier_sync(kTurn + wg, HiddenTile::kConsumers);
-    auto step = [&](int kb, auto first) {
+    auto step = [&](auto kb, auto first) {
       const int st = i % kStages;
       detail::mbarrier_wait_cta(full + st, (i / kStages) & 1);
       detail::wgmma_fence();
@@ -201,14 +221,18 @@ struct StagePipe {
       detail::wgmma_commit();
       ++i;
     };
-    step(0, std::true_type{});
-    for (int kb = 1; kb < kbs; ++kb) {
+    // The previous stage's products are done once at most the last group is
+    // pending: hand that stage back while these run.
+    auto next = [&](auto kb) {
       step(kb, std::false_type{});
-      // The previous stage's products are done once at most this group is
-      // pending: hand that stage back while these run.
       detail::wgmma_wait<1>();
       release((i - 2) % kStages, lane);
-    }
+    };
+    step(std::integral_constant<int, 0>{}, std::true_type{});
+    if constexpr (kKbs > 0)
+      for_each_from_1(next, std::make_integer_sequence<int, kKbs - 1>{});
+    else
+      for (int kb = 1; kb < kbs; ++kb) next(kb);
     // Issued: the other warpgroup's products may queue behind these.
     if (hand_over) pass_turn(wg);
     detail::wgmma_wait<0>();
@@ -223,21 +247,26 @@ struct HiddenMaps {
   CUtensorMap x, v, w02, w1;
 };
 
-template <LactHiddenMode kMode>
+// kKbs: D / 64 where the mode needs it at compile time (the apply, whose o
+// accumulators are picked by kb), 0 where it is read from p.D.
+template <LactHiddenMode kMode, int kKbs>
 __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     lact_hidden_kernel(const __grid_constant__ LactHiddenParams p,
                        const __grid_constant__ HiddenMaps maps) {
   using Tile = HiddenTile;
   using detail::wgmma_desc_sw128;
   constexpr bool kKey = kMode == LactHiddenMode::key_side;
+  constexpr bool kApply = kMode == LactHiddenMode::apply;
   constexpr bool kTwo = Tile::two_products(kMode);
   constexpr size_t kStageBytes = Tile::stage_bytes(kMode);
   constexpr int kStages = Tile::stages(kMode);
+  static_assert(kApply == (kKbs > 0), "kKbs is the apply's");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  const int D = static_cast<int>(p.D), M = static_cast<int>(p.M);
-  const int kbs = D / Tile::kK, js = M / Tile::kCols, steps = js * kbs;
+  const int D = kApply ? kKbs * Tile::kK : static_cast<int>(p.D), M = static_cast<int>(p.M);
+  const int kbs = D / Tile::kK, js = M / Tile::kCols, passes = Tile::passes(kMode, js);
+  const int steps = passes * kbs;
   const size_t token_bytes = size_t(kbs) * Tile::kTokenBox;
   unsigned char* xs = base;
   unsigned char* vs = base + token_bytes;  // key side only
@@ -272,13 +301,20 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     const int w1_row = static_cast<int>(pair * 3 * D + 2 * D);  // W1's first row (rows of M)
     for (int i = 0; i < steps; ++i) {
       const int j = i / kbs, kb = i % kbs;
-      uint64_t* filled = pipe.acquire(i, static_cast<uint32_t>(kStageBytes));
+      // The apply's W1 block trails by a pass (the o product of pass j - 1
+      // runs in pass j) and its last pass carries nothing else.
+      const bool w02 = j < js, w1 = !kApply || j > 0;
+      const int w1_col = Tile::kCols * (kApply ? j - 1 : j);
+      uint64_t* filled =
+          pipe.acquire(i, static_cast<uint32_t>(((w02 ? 2 : 0) + (w1 ? 1 : 0)) * Tile::kWeightBox));
       unsigned char* s = stages + (i % kStages) * kStageBytes;
-      detail::tensor_copy_to_shared(s, &maps.w02, Tile::kK * kb, w_row + Tile::kCols * j, filled);
-      detail::tensor_copy_to_shared(s + Tile::kWeightBox, &maps.w02, Tile::kK * kb,
-                                    w_row + M + Tile::kCols * j, filled);
-      if constexpr (kTwo)
-        detail::tensor_copy_to_shared(s + 2 * Tile::kWeightBox, &maps.w1, Tile::kCols * j,
+      if (w02) {
+        detail::tensor_copy_to_shared(s, &maps.w02, Tile::kK * kb, w_row + Tile::kCols * j, filled);
+        detail::tensor_copy_to_shared(s + Tile::kWeightBox, &maps.w02, Tile::kK * kb,
+                                      w_row + M + Tile::kCols * j, filled);
+      }
+      if (w1)
+        detail::tensor_copy_to_shared(s + 2 * Tile::kWeightBox, &maps.w1, w1_col,
                                       w1_row + Tile::kK * kb, filled);
     }
     return;
@@ -288,7 +324,11 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   // Consumers: warpgroup wg owns the tile's token rows 64 wg .. 64 wg + 63;
   // this thread's accumulator rows are r and r + 8, its columns
   // 8 c8 + 2 (lane % 4) (+1) of each pass (the m64nN layout).
-  const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  // wg through a shuffle: ptxas then knows it warp-uniform and keeps the
+  // descriptors built from it in uniform registers (CUTLASS's canonical
+  // warpgroup index); from tid / 128 the apply's unrolled passes held 16
+  // token descriptors in ordinary registers and spilled them.
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = (tid % 128) / 32, lane = tid % 32;
   const int r = row0 + 64 * wg + 16 * warp + lane / 4;
   float l0[2] = {0.f, 0.f}, l1[2] = {0.f, 0.f}, l2[2] = {0.f, 0.f};
   if constexpr (kKey)
@@ -335,14 +375,79 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   pipe.start_turns(wg);
 
   detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
-  for (int j = 0, i = 0; j < js; ++j) {
-    pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
+  if constexpr (kApply) {
+    // o = gate W1^T, accumulated over the passes: pass j's gate, rounded to
+    // bf16 as the cuBLAS path's gate array is, stays in registers as the A
+    // operand (wgmma's RS form: the k16 column slice kk of the m64n64 block
+    // is the fragment ga[4 kk ..]) of the o product that pass j + 1 issues
+    // beside its own h products, against the stage's W1 block (D rows kb,
+    // hidden columns j: K-major). Why: the separate o GEMM took ~14 us a
+    // chunk and gate's 17 MB a round trip (PERF_NOTES, thirty-third session).
+    float ob[kKbs][32];  // o's 64-column blocks of D
+#pragma unroll
+    for (int kb = 0; kb < kKbs; ++kb)
+#pragma unroll
+      for (int a = 0; a < 32; ++a) ob[kb][a] = 0.f;
+    uint32_t ga[16];
+    auto o_product = [&](uint32_t so, auto kb) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        detail::wgmma_m64n64k16_rs<true, false>(
+            ob[decltype(kb)::value], ga + 4 * kk,
+            detail::wgmma_desc_advance(stage_desc, so + 2 * Tile::kWeightBox + 32 * kk));
+    };
+    auto h_and_o = [&](int st, auto kb, auto first) {
+      products(st, kb, first);
+      o_product(st * uint32_t{kStageBytes}, kb);
+    };
+    auto o_only = [&](int st, auto kb, auto) { o_product(st * uint32_t{kStageBytes}, kb); };
+    // gate of the pass just done, from the accumulators into ga (element
+    // 4 c8 + 2 e + u of h0, + 32 of h2: row r + 8 e, column 8 c8 + 2 q + u).
+    auto gate_fragments = [&] {
+#pragma unroll
+      for (int c8 = 0; c8 < 8; ++c8)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int a = 4 * c8 + 2 * e;
+          const SiluFast s0(hh[a]), s1(hh[a + 1]);
+          ga[4 * (c8 / 2) + 2 * (c8 % 2) + e] =
+              detail::pack2<bf16>(s0.value * hh[a + 32], s1.value * hh[a + 33]);
+        }
+    };
+    int i = 0;
+    pipe.template pass<kKbs>(i, kbs, wg, lane, true, products);
+    gate_fragments();
+    for (int j = 1; j < js; ++j) {
+      pipe.template pass<kKbs>(i, kbs, wg, lane, true, h_and_o);
+      gate_fragments();
+    }
+    pipe.template pass<kKbs>(i, kbs, wg, lane, wg == 0, o_only);
 
-    // The 64 x 64 block of columns 64 j .. from the accumulators: element
-    // 4 c8 + 2 e + u of h0 (+ 32: h2; ev) is row r + 8 e, column
-    // 8 c8 + 2 q + u of the pass (q = lane % 4). Rows past the slice are computed (the quad
-    // shuffles need every lane) but not stored.
+    // o's rows (token-major, as x): block kb's element 4 c8 + 2 e + u is row
+    // r + 8 e, column 64 kb + 8 c8 + 2 q + u of this head's D.
     const int q = lane % 4;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = r + 8 * e;
+      bf16* o_row = p.o + ((b * p.local_len + p.t0 + t) * p.H + h) * D;
+#pragma unroll
+      for (int kb = 0; kb < kKbs; ++kb) {
+        uint32_t w[8];
+#pragma unroll
+        for (int c8 = 0; c8 < 8; ++c8)
+          w[c8] = detail::pack2<bf16>(ob[kb][4 * c8 + 2 * e], ob[kb][4 * c8 + 2 * e + 1]);
+        store_quad_row(o_row + Tile::kK * kb, w, q, t < p.n);
+      }
+    }
+  } else {
+    for (int j = 0, i = 0; j < js; ++j) {
+      pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
+
+      // The 64 x 64 block of columns 64 j .. from the accumulators: element
+      // 4 c8 + 2 e + u of h0 (+ 32: h2; ev) is row r + 8 e, column
+      // 8 c8 + 2 q + u of the pass (q = lane % 4). Rows past the slice are computed (the quad
+      // shuffles need every lane) but not stored.
+      const int q = lane % 4;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int t = r + 8 * e;
@@ -370,15 +475,6 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
         store_quad_row(p.gate + row * M + col, gw, q, valid);
         store_quad_row(p.dh + row * 2 * M + col, d0, q, valid);
         store_quad_row(p.dh + row * 2 * M + M + col, d2, q, valid);
-      } else if constexpr (!kKey) {
-        uint32_t gw[8];
-#pragma unroll
-        for (int c8 = 0; c8 < 8; ++c8) {
-          const int a = 4 * c8 + 2 * e;
-          const SiluFast s0(hh[a]), s1(hh[a + 1]);
-          gw[c8] = detail::pack2<bf16>(s0.value * hh[a + 32], s1.value * hh[a + 33]);
-        }
-        store_quad_row(p.gate + row * M + col, gw, q, valid);
       } else {
         // key_side_kernel's formulas, e = -v W1.
         float z0[16], z2[16], gt[16];
@@ -411,6 +507,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
         store(gt, p.gate + row * M + col, split ? p.gate_lo + row * M + col : nullptr);
       }
     }
+  }
   }
 }
 
@@ -655,14 +752,23 @@ __global__ void __launch_bounds__(kPackThreads)
   }
 }
 
+// The kernel for the mode (and for the apply, D: a multiple of 64 up to
+// 256, as lact_hidden_supported checked).
 template <typename F>
-void with_hidden_kernel(LactHiddenMode mode, F&& f) {
+void with_hidden_kernel(LactHiddenMode mode, int64_t D, F&& f) {
+  static_assert(HiddenTile::kMaxD == 4 * HiddenTile::kK, "the apply's instances below");
   if (mode == LactHiddenMode::key_side)
-    f(lact_hidden_kernel<LactHiddenMode::key_side>);
+    f(lact_hidden_kernel<LactHiddenMode::key_side, 0>);
   else if (mode == LactHiddenMode::apply_backward)
-    f(lact_hidden_kernel<LactHiddenMode::apply_backward>);
+    f(lact_hidden_kernel<LactHiddenMode::apply_backward, 0>);
+  else if (D == HiddenTile::kK)
+    f(lact_hidden_kernel<LactHiddenMode::apply, 1>);
+  else if (D == 2 * HiddenTile::kK)
+    f(lact_hidden_kernel<LactHiddenMode::apply, 2>);
+  else if (D == 3 * HiddenTile::kK)
+    f(lact_hidden_kernel<LactHiddenMode::apply, 3>);
   else
-    f(lact_hidden_kernel<LactHiddenMode::apply>);
+    f(lact_hidden_kernel<LactHiddenMode::apply, 4>);
 }
 
 // The uncached check of lact_hidden_supported on `device`.
@@ -773,6 +879,9 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
                ", M = ", p.M, " on this device");
   SS_CHECK_ARG(lact_hidden_aligned(p.x, two ? p.v : p.x, p.w), two ? v_name : x_name,
                "lact_hidden_kernel needs 16-byte aligned token and weight arrays");
+  if (p.mode == LactHiddenMode::apply)
+    SS_CHECK_ARG(p.o != nullptr && detail::aligned16(p.o), "o",
+                 "lact_hidden_kernel's apply needs a 16-byte aligned output o");
   const int64_t token_rows = p.B * p.local_len, pairs = p.B * p.H;
   SS_CHECK_ARG(lact_hidden_addressable(pairs, token_rows, p.D, p.M), "seq_len",
                "lact_hidden_kernel cannot address ", pairs, " (batch, head) pairs of ", token_rows,
@@ -787,7 +896,7 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   maps.w1 = detail::tile_map_2d(p.w, pairs * 3 * p.D, p.M, Tile::kCols, Tile::kK, swz, "w1");
   const int64_t tiles = (p.n + Tile::kRows - 1) / Tile::kRows;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(pairs));
-  with_hidden_kernel(p.mode, [&](auto kernel) {
+  with_hidden_kernel(p.mode, p.D, [&](auto kernel) {
     detail::launch_kernel(kernel, grid, Tile::kThreads,
                           Tile::smem_bytes(p.mode, static_cast<int>(p.D)), stream,
                           "lact_hidden_kernel", p, maps);

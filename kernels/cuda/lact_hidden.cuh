@@ -2,7 +2,7 @@
 // products h0 = x W0^T, h2 = x W2^T (and the key side's e = -v W1) of a tile
 // of tokens, and the elementwise step that consumes them, with nothing but
 // the bf16 results written:
-//   apply:    gate = silu(h0) h2                       (x = q; then o = gate W1^T)
+//   apply:    o = gate W1^T, gate = silu(h0) h2         (x = q; gate on chip)
 //   key side: z0 = lr0 e h2 silu'(h0), z2 = lr2 e silu(h0),
 //             gate = lr1 silu(h0) h2                   (x = k; then G = z^T k, -v^T gate)
 //             and, for Muon's two-part update, each as hi + lo bf16 terms;
@@ -12,8 +12,9 @@
 // back in an elementwise kernel: ~270 MB a chunk of the ~500 MB that bound the
 // forward at the issue's shape (PERF_NOTES, twenty-ninth session); here h and
 // e live in the MMAs' accumulators (in the backward, ~600 MB a chunk of fp32
-// h, dgate, u, u1 went the same way). The weight-gradient, output and token-
-// gradient GEMMs stay on cuBLAS, reading the bf16 arrays.
+// h, dgate, u, u1 went the same way); the apply also forms o = gate W1^T,
+// gate never leaving the chip. The weight-gradient and token-gradient GEMMs
+// stay on cuBLAS, reading the bf16 arrays.
 //
 // Shapes (lact_hidden_supported): D a multiple of 64 up to 256 (the tokens of
 // a tile stay in shared memory for all of M), M a multiple of 64; a build with
@@ -47,6 +48,9 @@ struct LactHiddenParams {
   __nv_bfloat16 *z = nullptr, *gate = nullptr, *z_lo = nullptr, *gate_lo = nullptr;
   // apply_backward: dh, rows of 2M (dh0 | dh2).
   __nv_bfloat16* dh = nullptr;
+  // apply: o = gate W1^T, token-major as x ([B * local_len][H * D]); the
+  // apply writes nothing else (gate stays on chip).
+  __nv_bfloat16* o = nullptr;
   int64_t B = 0, H = 0, D = 0, M = 0, local_len = 0, t0 = 0, n = 0;
 };
 
