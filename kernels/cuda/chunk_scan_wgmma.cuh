@@ -156,7 +156,10 @@ __device__ __forceinline__ void wgmma_scan_cta(const ForwardArgs& a, const Wgmma
   };
 
   const int64_t H = a.heads;
-  const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  // wg by shuffle: ptxas then knows it warp-uniform and builds the
+  // descriptors that depend on it in uniform registers (as lact_hidden.cu).
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = (tid % 128) / 32,
+            lane = tid % 32;
   const int g = lane / 4, i2 = 2 * (lane % 4);
   // stmatrix: lane gives stored row lane % 8 of matrix lane / 8.
   const int mat = lane / 8, mrow = lane % 8;

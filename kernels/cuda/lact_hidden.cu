@@ -597,7 +597,9 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
   }
 
   detail::setmaxnreg_inc<HiddenTile::kConsumerRegs>();
-  const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
+  // wg by shuffle, as lact_hidden_kernel's (uniform descriptors).
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = (tid % 128) / 32, lane = tid % 32,
+            q = lane % 4;
   const int r = row0 + 64 * wg + 16 * warp + lane / 4;
   float l0[2] = {0.f, 0.f}, l1[2] = {0.f, 0.f}, l2[2] = {0.f, 0.f};
   for (int e = 0; e < 2; ++e)
