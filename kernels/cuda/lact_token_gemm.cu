@@ -158,7 +158,9 @@ __global__ void __launch_bounds__(TokenTile<kBN>::kThreads, 1)
     __syncwarp();
   } else {
     detail::setmaxnreg_inc<Tile::kConsumerRegs>();
-    const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+    // wg by shuffle: warp-uniform to ptxas (uniform descriptors, as lact_hidden.cu).
+    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = (tid % 128) / 32,
+              lane = tid % 32;
     float acc[kBN / 2];
 #pragma unroll
     for (int e = 0; e < kBN / 2; ++e) acc[e] = 0.f;
