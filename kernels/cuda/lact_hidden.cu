@@ -5,14 +5,16 @@
 // warpgroups of 64 token rows and a producer warpgroup (one thread issues the
 // copies; the others hand their registers to the consumers, setmaxnreg). The CTA's tokens (x, and v
 // on the key side) are loaded once by TMA and stay in shared memory; the
-// weights stream through a pipeline of stages (8 for the apply, 4 on the key
+// weights stream through a pipeline of stages (6 for the apply, 4 on the key
 // side, whose resident k and v take 128 KB at D = 256), one stage per 64
 // hidden columns j and 64 of D kb: W0's and W2's rows j, adjacent, as one
-// 128-row K-major operand, and on the key side W1's columns j (MN-major). For
+// 128-row K-major operand, and a 64 x 64 block of W1 (on the key side its
+// columns j, MN-major; in the apply its columns j - 1 for the o product). For
 // each j a warpgroup runs the products over all of D with both operands from
 // shared memory (wgmma m64n128 for [h0 | h2], m64n64 for e), fp32
-// accumulators, then writes that 64 x 64 block of gate (and z) in bf16 from
-// the registers, 32 contiguous bytes a lane after two quad butterflies. The
+// accumulators, then writes that 64 x 64 block of z and gate in bf16 from
+// the registers, 32 contiguous bytes a lane after two quad butterflies (the
+// apply keeps gate in registers for o instead; see below). The
 // warpgroups take turns at issuing their products (ping-pong), so that one's
 // epilogue runs beside the other's MMAs.
 //
