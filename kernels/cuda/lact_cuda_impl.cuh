@@ -1884,8 +1884,9 @@ class LactGpu {
     }
     if (!causal_) w_next = PoolArray<float>(state, stream_);
     dh_ = PoolArray<T>(2 * rows_alloc(), stream_);
-    // The causal schedule's apply backward (fused: its outputs gate_, dh_
-    // are the fused gradient rows' zdh_, gde_ no more) on the side stream.
+    // The causal schedule's apply backward on the side stream: fused, its
+    // outputs gate_ and dh_ are not the buffers of the update's gradient rows
+    // (zdh_, gde_: fused too wherever side_ exists).
     const bool side = causal_ && side_ != nullptr && fused_apply_backward(gr);
 
     for (int64_t c = g_.chunks - 1; c >= 0; --c) {
