@@ -36,6 +36,11 @@ bool hidden_fused_requested() {
   return fused;
 }
 
+bool lact_pdl_requested() {
+  static const bool pdl = env_choice("STATESCAN_LACT_PDL", {"0", "1"}) == 1;
+  return pdl;
+}
+
 bool side_stream_requested() {
   static const bool side = env_choice("STATESCAN_LACT_STREAMS", {"2", "1"}) != 1;
   return side;

@@ -2083,6 +2083,11 @@ class LactGpu {
       h.v = tok(mode == LactHiddenMode::apply_backward ? d_o : p_.v);
       h.dh = dh_.get();
       h.o = static_cast<bf16*>(p_.o);
+      // On the caller's stream the kernel before is always a kernel that
+      // writes none of the tokens and reads none of the outputs (step_renorm,
+      // the weights' copy, a dW GEMM); on the side stream an event wait
+      // precedes every launch.
+      h.dependent = pdl_ && stream_ != side_;
       h.w = w;
       h.lr0 = tok(p_.lr0), h.lr1 = tok(p_.lr1), h.lr2 = tok(p_.lr2);
       h.z = z_.get(), h.gate = gate_.get(), h.z_lo = z_lo_.get(), h.gate_lo = gate_lo_.get();
@@ -2227,6 +2232,7 @@ class LactGpu {
       h.gate = gde, h.de = gde + g_.M, h.gate_ld = h.de_ld = 2 * g_.M;
       h.B = g_.B, h.H = g_.H, h.D = g_.D, h.M = g_.M, h.local_len = g_.local_len, h.t0 = t0,
       h.n = n;
+      h.dependent = pdl_;  // after lact_hidden_pack_operands, which writes only kw and t1
       lact_hidden_grad_launch(h, stream_);
       return true;
     } else {
@@ -2314,6 +2320,7 @@ class LactGpu {
   // from the MMAs, no fp32 h, e or u.
   bool fused_hidden_;
   bool token_gemm_ = std::is_same<T, bf16>::value && token_gemm_requested();
+  bool pdl_ = lact_pdl_requested();  // the fused kernels as dependent launches
   // The side stream (side_stream) and its cuBLAS handle, where the fused
   // hidden layer runs and side_stream_requested (else null); fork_ / join_
   // order it against stream_.

@@ -299,6 +299,8 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
         detail::tensor_copy_to_shared(vs + kb * Tile::kTokenBox, &maps.v, token_col + Tile::kK * kb,
                                       token_row, tokens_full);
     }
+    // The weights may be the previous kernel's output (a dependent launch).
+    if (p.dependent) detail::grid_dependency_wait();
     const int w_row = static_cast<int>(pair * 3 * M);           // W0's first row (rows of D)
     const int w1_row = static_cast<int>(pair * 3 * D + 2 * D);  // W1's first row (rows of M)
     for (int i = 0; i < steps; ++i) {
@@ -581,6 +583,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
       detail::tensor_copy_to_shared(vs + kb * Tile::kTokenBox, &maps.v, token_col + Tile::kK * kb,
                                     token_row, tokens_full);
     }
+    if (p.dependent) detail::grid_dependency_wait();       // the weights: the previous kernel's
     const int w_row = static_cast<int>(pair * p.w_pitch);  // W0's (dG0's) first row, rows of D
     const int t_row = static_cast<int>(pair * p.t_pitch);  // W1^T's (dG1^T's) first row
     for (int i = 0; i < steps; ++i) {
@@ -856,9 +859,13 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t str
   maps.dg1t = detail::tile_map_2d(p.dg1t, t_rows, p.D, Tile::kK, Tile::kCols, swz, "w1");
   const dim3 grid(static_cast<unsigned>((p.n + Tile::kRows - 1) / Tile::kRows),
                   static_cast<unsigned>(pairs));
-  detail::launch_kernel(lact_hidden_grad_kernel, grid, Tile::kThreads,
-                        Tile::smem_bytes(static_cast<int>(p.D)), stream, "lact_hidden_grad_kernel",
-                        p, maps);
+  const size_t smem = Tile::smem_bytes(static_cast<int>(p.D));
+  if (p.dependent)
+    detail::launch_kernel_dependent(lact_hidden_grad_kernel, grid, Tile::kThreads, smem, stream,
+                                    "lact_hidden_grad_kernel", p, maps);
+  else
+    detail::launch_kernel(lact_hidden_grad_kernel, grid, Tile::kThreads, smem, stream,
+                          "lact_hidden_grad_kernel", p, maps);
 }
 
 bool lact_hidden_supported(int64_t D, int64_t M) {
@@ -900,10 +907,14 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   maps.w1 = detail::tile_map_2d(p.w, pairs * 3 * p.D, p.M, Tile::kCols, Tile::kK, swz, "w1");
   const int64_t tiles = (p.n + Tile::kRows - 1) / Tile::kRows;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(pairs));
+  const size_t smem = Tile::smem_bytes(p.mode, static_cast<int>(p.D));
   with_hidden_kernel(p.mode, p.D, [&](auto kernel) {
-    detail::launch_kernel(kernel, grid, Tile::kThreads,
-                          Tile::smem_bytes(p.mode, static_cast<int>(p.D)), stream,
-                          "lact_hidden_kernel", p, maps);
+    if (p.dependent)
+      detail::launch_kernel_dependent(kernel, grid, Tile::kThreads, smem, stream,
+                                      "lact_hidden_kernel", p, maps);
+    else
+      detail::launch_kernel(kernel, grid, Tile::kThreads, smem, stream, "lact_hidden_kernel", p,
+                            maps);
   });
 }
 

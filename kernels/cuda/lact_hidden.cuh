@@ -52,6 +52,12 @@ struct LactHiddenParams {
   // apply writes nothing else (gate stays on chip).
   __nv_bfloat16* o = nullptr;
   int64_t B = 0, H = 0, D = 0, M = 0, local_len = 0, t0 = 0, n = 0;
+  // A programmatic dependent launch (launch.cuh's launch_kernel_dependent):
+  // the CTAs load their tokens while the stream's previous kernel finishes
+  // and wait for it before the weights. Only where that kernel writes none
+  // of the tokens and reads none of the outputs, and the stream's previous
+  // operation is that kernel (no event wait between).
+  bool dependent = false;
 };
 
 // The backward's update-gradient rows in one kernel (lact_hidden_grad_kernel,
@@ -80,6 +86,7 @@ struct LactHiddenGradParams {
   // from one pair's W1^T (dG1^T) to the next (0: M); the rows from one
   // pair's W0 (dG0) to the next (0: 3M, a [W0 | W2 | W1] block; else >= 2M).
   int64_t z_ld = 0, gate_ld = 0, de_ld = 0, dh_ld = 0, t_pitch = 0, w_pitch = 0;
+  bool dependent = false;  // as LactHiddenParams::dependent
 };
 
 // The gradient kernel's and the dk / dv GEMMs' weight operands of a chunk in

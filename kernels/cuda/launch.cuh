@@ -28,6 +28,33 @@ void launch_kernel(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStrea
   SS_LAUNCH_CHECK(name);
 }
 
+// launch_kernel as a programmatic dependent launch (sm_90): the kernel may
+// start while the stream's previous kernel still runs (its CTAs on the SMs
+// that kernel's CTAs leave), so that its prologue (barriers, loads of inputs
+// nobody writes) overlaps that kernel's tail. The kernel must run
+// grid_dependency_wait() (cluster_copy.cuh) before it reads anything the
+// previous kernel writes or writes anything it reads. Only where the
+// stream's previous operation is a kernel: an event wait in between is a
+// dependency griddepcontrol.wait does not see.
+template <typename Kernel, typename... Args>
+void launch_kernel_dependent(Kernel kernel, dim3 grid, int threads, size_t smem,
+                             cudaStream_t stream, const char* name, const Args&... args) {
+  SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  SS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  SS_LAUNCH_CHECK(name);
+}
+
 // A launch configuration in clusters of `cluster` CTAs along x, with
 // `kernel`'s dynamic shared memory limit raised to `smem` (non-copyable: the
 // configuration points at its own attribute).
