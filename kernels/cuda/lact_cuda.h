@@ -132,8 +132,9 @@ bool hidden_fused_requested();
 
 // STATESCAN_LACT_STREAMS: unset or "2" lets a layer on the fused hidden layer
 // run each chunk's output side (the apply, the backward's apply and dq) on a
-// second stream beside the update chain (same results, bit for bit: the
-// order of every sum is kept); "1" keeps all of it on the caller's stream.
+// second stream beside the update chain (the same kernels, and every sum in
+// the same order, as on one stream); "1" keeps all of it on the caller's
+// stream.
 // Read once per process, any other value an error naming it.
 bool side_stream_requested();
 
