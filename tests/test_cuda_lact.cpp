@@ -967,6 +967,17 @@ TEST(LactHiddenGradArgs, RejectsOverlappingLayouts) {
                                                    nullptr, nullptr);
     });
   };
+  // The apply writes o: refused without one, or misaligned (before any
+  // device query: host-only).
+  auto apply = [](uintptr_t o_address) {
+    cuda::lact_detail::LactHiddenParams a;
+    a.mode = cuda::lact_detail::LactHiddenMode::apply;
+    a.B = 1, a.H = 1, a.D = 64, a.M = 64, a.local_len = 16, a.n = 16;
+    a.o = reinterpret_cast<__nv_bfloat16*>(o_address);
+    return error_argument([&] { cuda::lact_detail::lact_hidden_launch(a, nullptr); });
+  };
+  EXPECT_EQ(apply(0), "o");
+  EXPECT_EQ(apply(8), "o");
   EXPECT_EQ(pack(1 << 16, 64, 64, 0), "heads");  // past the grid's y
   EXPECT_EQ(pack(2, 3, 5, 0), "dim");            // M D not a multiple of 8
   EXPECT_EQ(pack(2, 64, 64, 8), "w");            // kw not 16-byte aligned

@@ -68,8 +68,10 @@ struct HiddenTile {
   static constexpr int kConsumers = 256;
   // + a producer warpgroup, of which one thread issues the copies: launched
   // at 65536 / 384 = 168 registers a thread, the producer gives up all but
-  // kProducerRegs and the consumers take kConsumerRegs (2 x 128 x 232 +
-  // 128 x 40 <= 65536). With a producer warp alone (288 threads) ptxas capped
+  // kProducerRegs and the consumers take kConsumerRegs (2 x 128 x 240 +
+  // 128 x 24 <= 65536; 240, not 232, for the apply's o, hh and gate
+  // fragments: 208 live accumulator and operand registers). With a producer
+  // warp alone (288 threads) ptxas capped
   // every thread at 168: the key side sat at the cap and the gradient
   // kernel's 96 accumulators spilled.
   static constexpr int kThreads = kConsumers + 128;
@@ -886,13 +888,13 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   const bool key = p.mode == LactHiddenMode::key_side, two = HiddenTile::two_products(p.mode);
   const char* x_name = key ? "k" : "q";
   const char* v_name = key ? "v" : "d_o";
+  if (p.mode == LactHiddenMode::apply)
+    SS_CHECK_ARG(p.o != nullptr && detail::aligned16(p.o), "o",
+                 "lact_hidden_kernel's apply needs a 16-byte aligned output o");
   SS_CHECK_ARG(lact_hidden_supported(p.D, p.M), "dim", "lact_hidden_kernel cannot run D = ", p.D,
                ", M = ", p.M, " on this device");
   SS_CHECK_ARG(lact_hidden_aligned(p.x, two ? p.v : p.x, p.w), two ? v_name : x_name,
                "lact_hidden_kernel needs 16-byte aligned token and weight arrays");
-  if (p.mode == LactHiddenMode::apply)
-    SS_CHECK_ARG(p.o != nullptr && detail::aligned16(p.o), "o",
-                 "lact_hidden_kernel's apply needs a 16-byte aligned output o");
   const int64_t token_rows = p.B * p.local_len, pairs = p.B * p.H;
   SS_CHECK_ARG(lact_hidden_addressable(pairs, token_rows, p.D, p.M), "seq_len",
                "lact_hidden_kernel cannot address ", pairs, " (batch, head) pairs of ", token_rows,
