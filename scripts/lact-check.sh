@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# lact-check.sh OUTDIR — on a machine with an NVIDIA Hopper GPU: configure for
+# sm_90a, build the LaCT targets, run the GPU LaCT tests (the suite, every
+# ctest entry that reruns it under a knob, the sharded suite over NCCL), the
+# LaCT benchmark at the issue's shape (1M tokens as 256 chunks of 4096, H 4,
+# D 256, M 512, bf16) without Muon and with 5 steps, and the no-Muon row once
+# per opt-in knob; logs in OUTDIR, a short table last. One call fits the GPU
+# lending tool's 10 minutes (~2 min of build, ~1 of tests, ~4 of benchmarks).
+#
+# Environment knobs:
+#   BUILD_DIR   build folder (default <repo>/build-gpu)
+#   KNOBS       the knobs to time against the default, space-separated
+#               NAME=VALUE (default: one stream, dependent launches, the token
+#               GEMM, the cuBLAS hidden layer); "" for none
+#   TESTS=0     skip the tests;  MUON=0  skip the Muon row
+#   NCU=1       also the kernels' times a chunk under Nsight Compute
+#               (scripts/ncu_kernels.py; clocks locked, 8 chunks)
+set -uo pipefail
+
+OUT=${1:?usage: scripts/lact-check.sh OUTDIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${BUILD_DIR:-$ROOT/build-gpu}
+KNOBS=${KNOBS-STATESCAN_LACT_STREAMS=1 STATESCAN_LACT_PDL=1 STATESCAN_LACT_TOKEN_GEMM=fused STATESCAN_LACT_HIDDEN=cublas}
+BENCH=$BUILD/launch/statescan-bench
+status=0
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv || true
+  cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+    -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
+    cmake --build "$BUILD" --target test_cuda_lact statescan-bench -j16 &&
+    { ! grep -q "STATESCAN_WITH_NCCL:BOOL=ON" "$BUILD/CMakeCache.txt" ||
+      cmake --build "$BUILD" --target test_cuda_lact_mpi -j16; }
+} >"$OUT/build.log" 2>&1 || { echo "lact-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
+
+if [[ "${TESTS:-1}" != 0 ]]; then
+  "$BUILD/tests/test_cuda_lact" >"$OUT/tests.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) " "$OUT/tests.log" | sed 's/^/suite: /'
+  grep -E "^\[  FAILED  \]" "$OUT/tests.log" | head -20
+  # The knobs' reruns of the suite and the sharded suite (np 1 here; np 2
+  # skips on one GPU).
+  (cd "$BUILD" && ctest -R '^test_cuda_lact_' --output-on-failure) >"$OUT/tests_knobs.log" 2>&1 || status=1
+  grep -E "tests passed|tests failed|\(Failed\)" "$OUT/tests_knobs.log" | sed 's/^/knobs: /'
+fi
+
+# One benchmark row: bench LOG [ENV...] -- [ARGS...]
+bench() {
+  local log=$1
+  shift
+  local envs=()
+  while [[ $# -gt 0 && "$1" != "--" ]]; do envs+=("$1"); shift; done
+  shift
+  env "${envs[@]}" "$BENCH" --lact "$@" >"$OUT/$log" 2>&1 || status=1
+}
+bench bench.log -- --muon-steps 0
+[[ "${MUON:-1}" != 0 ]] && bench bench_muon.log -- --no-check
+i=0
+for knob in $KNOBS; do
+  bench "bench_knob$i.log" "$knob" -- --muon-steps 0 --no-check
+  i=$((i + 1))
+done
+
+if [[ "${NCU:-0}" == 1 ]] && command -v ncu >/dev/null; then
+  ncu --profile-from-start off --metrics gpu__time_duration.sum --csv "$BENCH" --lact \
+    --muon-steps 0 --no-check -T 32768 --warmup 0 --iters 1 >"$OUT/ncu.csv" 2>"$OUT/ncu.log" &&
+    python3 "$ROOT/scripts/ncu_kernels.py" "$OUT/ncu.csv" 8 >"$OUT/ncu_kernels.txt" ||
+    echo "lact-check: the ncu table failed, see $OUT/ncu.log"
+fi
+
+# The table: each row's fwd and fwd+bwd (ms, util against its own cuBLAS
+# 4096^3 rate, which moves a few per cent between machines), the default's
+# first; check = the small problem's error against fp64 (the default rows).
+row() {  # row LABEL LOG
+  [[ -f "$OUT/$2" ]] || return 0
+  awk -v label="$1" '
+    /^# cuBLAS bf16 GEMM/ && ref == "" { for (k = 1; k <= NF; ++k) if ($k == "4096^3") { ref = $(k + 1); break } }
+    $1 == "fwd" { f = $2; fu = $6 }
+    $1 == "fwd+bwd" { b = $2; bu = $6; e = ($NF == "-1.00e+00" ? "-" : $NF) }
+    END { printf "  %-38s %9s %7s %9s %7s %9s %9s\n", label, f, fu, b, bu, ref, e }' "$OUT/$2"
+}
+echo
+[[ -f "$OUT/ncu_kernels.txt" ]] && { cat "$OUT/ncu_kernels.txt"; echo; }
+echo "# LaCT, 1M tokens, 256 x 4096, H 4, D 256, M 512, bf16 (statescan-bench --lact, median of 5)"
+printf "# %-38s %9s %7s %9s %7s %9s %9s\n" "row" "fwd_ms" "util%" "f+b_ms" "util%" "cuBLAS_TF" "check"
+row "default, no Muon" bench.log
+row "default, Muon 5" bench_muon.log
+i=0
+for knob in $KNOBS; do
+  row "$knob, no Muon" "bench_knob$i.log"
+  i=$((i + 1))
+done
+exit $status
