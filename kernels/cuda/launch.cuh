@@ -28,6 +28,43 @@ void launch_kernel(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStrea
   SS_LAUNCH_CHECK(name);
 }
 
+// A launch configuration for cudaLaunchKernelEx with `kernel`'s dynamic
+// shared memory limit raised to `smem`, and at most one attribute: a
+// cluster shape or a programmatic dependency (non-copyable: the
+// configuration points at its own attribute).
+struct LaunchConfig {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  template <typename Kernel>
+  LaunchConfig(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream) {
+    SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(static_cast<unsigned>(threads));
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+  }
+  LaunchConfig(const LaunchConfig&) = delete;
+  LaunchConfig& operator=(const LaunchConfig&) = delete;
+  // Clusters of `cluster` CTAs along x.
+  LaunchConfig& clusters(unsigned cluster) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.numAttrs = 1;
+    return *this;
+  }
+  // A programmatic dependent launch (launch_kernel_dependent).
+  LaunchConfig& dependent() {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.numAttrs = 1;
+    return *this;
+  }
+};
+
 // launch_kernel as a programmatic dependent launch (sm_90): the kernel may
 // start while the stream's previous kernel still runs (its CTAs on the SMs
 // that kernel's CTAs leave), so that its prologue (barriers, loads of inputs
@@ -39,54 +76,17 @@ void launch_kernel(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStrea
 template <typename Kernel, typename... Args>
 void launch_kernel_dependent(Kernel kernel, dim3 grid, int threads, size_t smem,
                              cudaStream_t stream, const char* name, const Args&... args) {
-  SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(smem)));
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  SS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  LaunchConfig launch(kernel, grid, threads, smem, stream);
+  SS_CUDA_CHECK(cudaLaunchKernelEx(&launch.dependent().cfg, kernel, args...));
   SS_LAUNCH_CHECK(name);
 }
-
-// A launch configuration in clusters of `cluster` CTAs along x, with
-// `kernel`'s dynamic shared memory limit raised to `smem` (non-copyable: the
-// configuration points at its own attribute).
-struct ClusterLaunch {
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  template <typename Kernel>
-  ClusterLaunch(Kernel kernel, dim3 grid, int threads, size_t smem, unsigned cluster,
-                cudaStream_t stream) {
-    SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(static_cast<unsigned>(threads));
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  ClusterLaunch(const ClusterLaunch&) = delete;
-  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
-};
 
 // launch_kernel in clusters of `cluster` CTAs along x.
 template <typename Kernel, typename... Args>
 void launch_kernel_cluster(Kernel kernel, dim3 grid, int threads, size_t smem, unsigned cluster,
                            cudaStream_t stream, const char* name, const Args&... args) {
-  const ClusterLaunch launch(kernel, grid, threads, smem, cluster, stream);
-  SS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, args...));
+  LaunchConfig launch(kernel, grid, threads, smem, stream);
+  SS_CUDA_CHECK(cudaLaunchKernelEx(&launch.clusters(cluster).cfg, kernel, args...));
   SS_LAUNCH_CHECK(name);
 }
 
@@ -94,9 +94,9 @@ void launch_kernel_cluster(Kernel kernel, dim3 grid, int threads, size_t smem, u
 // cannot be clustered at all), from the occupancy API.
 template <typename Kernel>
 int active_clusters(Kernel kernel, int threads, size_t smem, unsigned cluster) {
-  const ClusterLaunch launch(kernel, dim3(cluster), threads, smem, cluster, nullptr);
+  LaunchConfig launch(kernel, dim3(cluster), threads, smem, nullptr);
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &launch.cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &launch.clusters(cluster).cfg) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
