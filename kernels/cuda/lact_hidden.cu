@@ -83,11 +83,12 @@ struct HiddenTile {
   // Whether the mode has a second token operand (v, or d_o) and W1's product.
   static constexpr bool two_products(LactHiddenMode mode) { return mode != LactHiddenMode::apply; }
   static constexpr int token_arrays(LactHiddenMode mode) { return two_products(mode) ? 2 : 1; }
-  // A stage: W0's and W2's 64 rows (adjacent: one 128-row K-major B operand)
-  // and a 64 x 64 block of W1: on the key side (and apply_backward) its
-  // columns j, rows kb (the MN-major B of e's product); in the apply its
-  // columns j - 1, rows kb (the K-major B of the previous pass's o product).
-  static constexpr size_t stage_bytes(LactHiddenMode) { return 3 * kWeightBox; }
+  // A stage, in every mode: W0's and W2's 64 rows (adjacent: one 128-row
+  // K-major B operand) and a 64 x 64 block of W1: on the key side (and
+  // apply_backward) its columns j, rows kb (the MN-major B of e's product);
+  // in the apply its columns j - 1, rows kb (the K-major B of the previous
+  // pass's o product).
+  static constexpr size_t kStageBytes = 3 * kWeightBox;
   // As many stages as shared memory holds beside the resident tokens: the
   // apply's 6 are a pass of D = 256 and half the next, so that the warpgroup
   // a turn behind holds fewer of the next pass's refills; the key side's
@@ -104,8 +105,7 @@ struct HiddenTile {
   // + full, empty per stage and the tokens' barrier, + 1 KB to align the base
   // to the swizzle's 1024 bytes.
   static constexpr size_t smem_bytes(LactHiddenMode mode, int D) {
-    return tokens_bytes(mode, D) + stages(mode) * stage_bytes(mode) + 8 * (2 * stages(mode) + 1) +
-           1024;
+    return tokens_bytes(mode, D) + stages(mode) * kStageBytes + 8 * (2 * stages(mode) + 1) + 1024;
   }
 };
 static_assert(2 * 128 * HiddenTile::kConsumerRegs + 128 * HiddenTile::kProducerRegs <= 65536,
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   constexpr bool kKey = kMode == LactHiddenMode::key_side;
   constexpr bool kApply = kMode == LactHiddenMode::apply;
   constexpr bool kTwo = Tile::two_products(kMode);
-  constexpr size_t kStageBytes = Tile::stage_bytes(kMode);
+  constexpr size_t kStageBytes = Tile::kStageBytes;
   constexpr int kStages = Tile::stages(kMode);
   static_assert(kApply == (kKbs > 0), "kKbs is the apply's");
   extern __shared__ __align__(128) unsigned char smem_raw[];

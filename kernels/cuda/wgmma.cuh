@@ -194,8 +194,9 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a, u
 #endif
 }
 
-// One m64n128k16 bf16 MMA, both operands from shared memory, K-major.
-#define SS_WGSS128(SCALE, F8)                                         \
+// One m64n128k16 bf16 MMA, both operands from shared memory: K-major (TNSP
+// "0, 0") or MN-major (TNSP "1, 1": tnsp-a and tnsp-b).
+#define SS_WGSS128(SCALE, F8, TNSP)                                   \
   asm volatile(                                                       \
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "        \
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, " \
@@ -203,7 +204,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a, u
       "%26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
       "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "  \
       "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
-      "%62, %63}, %64, %65, " SCALE ", 1, 1, 0, 0;\n"                 \
+      "%62, %63}, %64, %65, " SCALE ", 1, 1, " TNSP ";\n"             \
       : F8(0), F8(8), F8(16), F8(24), F8(32), F8(40), F8(48), F8(56)  \
       : "l"(a), "l"(b))
 
@@ -216,26 +217,12 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_bf16(float (&d)[64], uint64_
   __trap();
 #else
   if constexpr (kFirst) {
-    SS_WGSS128("0", SS_WG_F8_OUT);
+    SS_WGSS128("0", SS_WG_F8_OUT, "0, 0");
   } else {
-    SS_WGSS128("1", SS_WG_F8);
+    SS_WGSS128("1", SS_WG_F8, "0, 0");
   }
 #endif
 }
-
-// One m64n128k16 bf16 MMA, both operands from shared memory and MN-major
-// (tnsp-a and tnsp-b 1).
-#define SS_WGSS128MN(SCALE, F8)                                                \
-  asm volatile(                                                                \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "                 \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "          \
-      "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, " \
-      "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, " \
-      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
-      "%56, %57, %58, %59, %60, %61, %62, %63}, "                              \
-      "%64, %65, " SCALE ", 1, 1, 1, 1;\n"                                     \
-      : F8(0), F8(8), F8(16), F8(24), F8(32), F8(40), F8(48), F8(56)           \
-      : "l"(a), "l"(b))
 
 // One m64n256k16 bf16 MMA, both operands from shared memory and MN-major
 // (tnsp-a and tnsp-b 1).
@@ -268,7 +255,7 @@ __device__ __forceinline__ void wgmma_m64k16_ss_bf16_mn(float (&d)[N / 2], uint6
   __trap();
 #else
   if constexpr (N == 128) {
-    SS_WGSS128MN("1", SS_WG_F8);
+    SS_WGSS128("1", SS_WG_F8, "1, 1");
   } else {
     SS_WGSS256MN("1", SS_WG_F8);
   }
@@ -276,7 +263,6 @@ __device__ __forceinline__ void wgmma_m64k16_ss_bf16_mn(float (&d)[N / 2], uint6
 }
 
 #undef SS_WGSS256MN
-#undef SS_WGSS128MN
 #undef SS_WGSS128
 #undef SS_WGSS_TYPED
 #undef SS_WGSS
