@@ -141,9 +141,10 @@ bool side_stream_requested();
 // STATESCAN_LACT_PDL: "1" launches the fused hidden-layer kernels that run
 // on the caller's stream as programmatic dependents of the kernel before
 // them (their token loads overlap its tail; LactHiddenParams::dependent);
-// unset or "0" does not. Opt-in: written in the thirty-third session after
-// its GPU time ran out, compiled, not yet run on a GPU (PERF_NOTES). Read
-// once per process, any other value an error naming it.
+// unset or "0" does not. Opt-in: on an H200 at the benchmark's shape it
+// passed the tests and measured no gain (fwd+bwd within 0.3 ms of the
+// default in two A/B pairs; PERF_NOTES, thirty-fourth session). Read once
+// per process, any other value an error naming it.
 bool lact_pdl_requested();
 
 // What lact_cuda_ns_gemms reports for a bf16 layer run in `mode`.
