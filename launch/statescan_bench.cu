@@ -306,10 +306,58 @@ std::vector<float> download(const void* data, DType t, int64_t n) {
   return f;
 }
 
-struct Row {
+// What a table row measured: the columns and JSON fields both tables share.
+struct RowShape {
   std::string variant;
-  int64_t batch, seq_len, heads, dim;
+  int64_t batch = 0, seq_len = 0, heads = 0, dim = 0;
   std::string dtype;
+};
+
+RowShape row_shape(const Options& opt, Variant variant, int64_t T) {
+  return {to_string(variant), opt.batch, T, opt.heads, opt.dim, to_string(opt.dtype)};
+}
+
+// The shared columns of a row, before the table's own.
+void print_shape(const RowShape& r) {
+  std::printf("  %-15s %8lld %3lld %4lld %4lld", r.variant.c_str(),
+              static_cast<long long>(r.seq_len), static_cast<long long>(r.batch),
+              static_cast<long long>(r.heads), static_cast<long long>(r.dim));
+}
+
+// A table: one row per (variant, length), printed as it is measured (each
+// row by print_row after print_shape), then as a JSON array when --json is
+// given: {"op": op, the shape's fields, then json_fields(out, row)}.
+template <typename R, typename Bench, typename PrintRow, typename JsonFields>
+std::vector<R> run_rows(const Options& opt, const char* op, Bench&& bench, PrintRow&& print_row,
+                        JsonFields&& json_fields) {
+  std::vector<R> rows;
+  for (Variant variant : opt.variants) {
+    for (int64_t T : opt.lengths) {
+      const R r = bench(variant, T);
+      rows.push_back(r);
+      print_shape(r);
+      print_row(r);
+      std::fflush(stdout);
+    }
+  }
+  if (!opt.json.empty()) {
+    std::ofstream out(opt.json);
+    SS_CHECK_ARG(out.good(), "json", "cannot write ", opt.json);
+    out << "[\n";
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const R& r = rows[i];
+      out << "  {\"op\": \"" << op << "\", \"variant\": \"" << r.variant << "\", \"B\": " << r.batch
+          << ", \"T\": " << r.seq_len << ", \"H\": " << r.heads << ", \"D\": " << r.dim
+          << ", \"dtype\": \"" << r.dtype << "\"";
+      json_fields(out, r);
+      out << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+    }
+    out << "]\n";
+  }
+  return rows;
+}
+
+struct Row : RowShape {
   double ms, tokens_per_s, tflops, gbps, err_decode, err_ref;
 };
 
@@ -483,12 +531,7 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
   const double bytes_per_token = 4.0 * D * es + (has_gate(variant) ? (vec ? 4.0 * D : 4.0) : 0.0) +
                                  (has_beta(variant) ? es : 0.0);
   Row r;
-  r.variant = to_string(variant);
-  r.batch = B;
-  r.seq_len = T;
-  r.heads = H;
-  r.dim = D;
-  r.dtype = to_string(t);
+  static_cast<RowShape&>(r) = row_shape(opt, variant, T);
   r.ms = ms;
   r.tokens_per_s = B * T / (ms * 1e-3);
   r.tflops = flop_per_token * tokens / (ms * 1e-3) / 1e12;
@@ -498,10 +541,7 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
   return r;
 }
 
-struct BwdRow {
-  std::string variant;
-  int64_t batch, seq_len, heads, dim;
-  std::string dtype;
+struct BwdRow : RowShape {
   double ms_fwd, ms_fwd_bwd, tokens_per_s, tflops, gbps, peak_gb, err_grad;
   bool saved_t = false;  // the forward saved T (MixerParams::saved_t)
 };
@@ -667,12 +707,7 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
   // forward: inputs + o + chunk states; backward: inputs + dO + chunk states + gradients.
   const double bytes_per_token =
       (in_bytes + d * es + state_bytes) + (in_bytes + d * es + state_bytes + in_bytes);
-  r.variant = to_string(variant);
-  r.batch = B;
-  r.seq_len = T;
-  r.heads = H;
-  r.dim = D;
-  r.dtype = to_string(t);
+  static_cast<RowShape&>(r) = row_shape(opt, variant, T);
   r.tokens_per_s = B * T / (r.ms_fwd_bwd * 1e-3);
   r.tflops = (fwd_flop + bwd_flop) * tokens / (r.ms_fwd_bwd * 1e-3) / 1e12;
   r.gbps = bytes_per_token * tokens / (r.ms_fwd_bwd * 1e-3) / 1e9;
@@ -700,37 +735,20 @@ int run_backward_table(const Options& opt, const cudaDeviceProp& prop) {
       "# err_grad: worst rel RMS of dq,dk,dv,dg,dbeta,dh0 vs fp64 (512 tokens, 2 heads)\n#\n");
   std::printf("# %-15s %8s %3s %4s %4s %9s %12s %12s %9s %9s %9s %10s\n", "variant", "T", "B", "H",
               "D", "fwd(ms)", "fwd+bwd(ms)", "tokens/s", "TFLOP/s", "GB/s", "peak(GB)", "err_grad");
-  std::vector<BwdRow> rows;
-  for (Variant variant : opt.variants) {
-    for (int64_t T : opt.lengths) {
-      const BwdRow r = bench_backward_one(opt, variant, T);
-      rows.push_back(r);
-      std::printf("  %-15s %8lld %3lld %4lld %4lld %9.3f %12.3f %12.4g %9.2f %9.1f %9.2f %10.2e\n",
-                  r.variant.c_str(), static_cast<long long>(r.seq_len),
-                  static_cast<long long>(r.batch), static_cast<long long>(r.heads),
-                  static_cast<long long>(r.dim), r.ms_fwd, r.ms_fwd_bwd, r.tokens_per_s, r.tflops,
-                  r.gbps, r.peak_gb, r.err_grad);
-      std::fflush(stdout);
-    }
-  }
-  if (!opt.json.empty()) {
-    std::ofstream out(opt.json);
-    SS_CHECK_ARG(out.good(), "json", "cannot write ", opt.json);
-    out << "[\n";
-    for (std::size_t i = 0; i < rows.size(); ++i) {
-      const BwdRow& r = rows[i];
-      out << "  {\"op\": \"forward_backward\", \"variant\": \"" << r.variant
-          << "\", \"B\": " << r.batch << ", \"T\": " << r.seq_len << ", \"H\": " << r.heads
-          << ", \"D\": " << r.dim << ", \"dtype\": \"" << r.dtype << "\", \"ms_fwd\": " << r.ms_fwd
-          << ", \"ms_fwd_bwd\": " << r.ms_fwd_bwd << ", \"tokens_per_s\": " << r.tokens_per_s
-          << ", \"tflops\": " << r.tflops << ", \"gbps\": " << r.gbps
-          << ", \"peak_gb\": " << r.peak_gb << ", \"err_grad\": " << r.err_grad
-          << ", \"keep_prepared\": " << (opt.keep_prepared ? "true" : "false")
-          << ", \"saved_t\": " << (r.saved_t ? "true" : "false") << "}"
-          << (i + 1 < rows.size() ? "," : "") << "\n";
-    }
-    out << "]\n";
-  }
+  run_rows<BwdRow>(
+      opt, "forward_backward", [&](Variant v, int64_t T) { return bench_backward_one(opt, v, T); },
+      [](const BwdRow& r) {
+        std::printf(" %9.3f %12.3f %12.4g %9.2f %9.1f %9.2f %10.2e\n", r.ms_fwd, r.ms_fwd_bwd,
+                    r.tokens_per_s, r.tflops, r.gbps, r.peak_gb, r.err_grad);
+      },
+      [&](std::ostream& out, const BwdRow& r) {
+        out << ", \"ms_fwd\": " << r.ms_fwd << ", \"ms_fwd_bwd\": " << r.ms_fwd_bwd
+            << ", \"tokens_per_s\": " << r.tokens_per_s << ", \"tflops\": " << r.tflops
+            << ", \"gbps\": " << r.gbps << ", \"peak_gb\": " << r.peak_gb
+            << ", \"err_grad\": " << r.err_grad
+            << ", \"keep_prepared\": " << (opt.keep_prepared ? "true" : "false")
+            << ", \"saved_t\": " << (r.saved_t ? "true" : "false");
+      });
   return 0;
 }
 
@@ -911,34 +929,17 @@ int run(int argc, char** argv) {
       "first 2048 tokens\n#\n");
   std::printf("# %-15s %8s %3s %4s %4s %10s %12s %9s %9s %11s %11s\n", "variant", "T", "B", "H",
               "D", "time(ms)", "tokens/s", "TFLOP/s", "GB/s", "err_decode", "err_ref");
-  std::vector<Row> rows;
-  for (Variant variant : opt.variants) {
-    for (int64_t T : opt.lengths) {
-      const Row r = bench_one(opt, variant, T);
-      rows.push_back(r);
-      std::printf("  %-15s %8lld %3lld %4lld %4lld %10.3f %12.4g %9.2f %9.1f %11.2e %11.2e\n",
-                  r.variant.c_str(), static_cast<long long>(r.seq_len),
-                  static_cast<long long>(r.batch), static_cast<long long>(r.heads),
-                  static_cast<long long>(r.dim), r.ms, r.tokens_per_s, r.tflops, r.gbps,
-                  r.err_decode, r.err_ref);
-      std::fflush(stdout);
-    }
-  }
-  if (!opt.json.empty()) {
-    std::ofstream out(opt.json);
-    SS_CHECK_ARG(out.good(), "json", "cannot write ", opt.json);
-    out << "[\n";
-    for (std::size_t i = 0; i < rows.size(); ++i) {
-      const Row& r = rows[i];
-      out << "  {\"op\": \"forward\", \"variant\": \"" << r.variant << "\", \"B\": " << r.batch
-          << ", \"T\": " << r.seq_len << ", \"H\": " << r.heads << ", \"D\": " << r.dim
-          << ", \"dtype\": \"" << r.dtype << "\", \"ms\": " << r.ms
-          << ", \"tokens_per_s\": " << r.tokens_per_s << ", \"tflops\": " << r.tflops
-          << ", \"gbps\": " << r.gbps << ", \"err_decode\": " << r.err_decode
-          << ", \"err_ref\": " << r.err_ref << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
-    }
-    out << "]\n";
-  }
+  const std::vector<Row> rows = run_rows<Row>(
+      opt, "forward", [&](Variant v, int64_t T) { return bench_one(opt, v, T); },
+      [](const Row& r) {
+        std::printf(" %10.3f %12.4g %9.2f %9.1f %11.2e %11.2e\n", r.ms, r.tokens_per_s, r.tflops,
+                    r.gbps, r.err_decode, r.err_ref);
+      },
+      [](std::ostream& out, const Row& r) {
+        out << ", \"ms\": " << r.ms << ", \"tokens_per_s\": " << r.tokens_per_s
+            << ", \"tflops\": " << r.tflops << ", \"gbps\": " << r.gbps
+            << ", \"err_decode\": " << r.err_decode << ", \"err_ref\": " << r.err_ref;
+      });
   if (!opt.plot.empty()) {
     // After the table and the JSON, so that a machine without gnuplot keeps them.
     std::vector<launch::ThroughputPoint> points;
