@@ -225,7 +225,8 @@ constexpr int kThreads = 256;
 
 // STATESCAN_LACT_SPLIT_K: unset or 1 no split (the default: on an H200 at the
 // benchmark shape the split was slower, forward 141.7 ms -> 203.6 automatic,
-// 417.9 with 8 slices, 2026-12-02; README, LaCT); 0 the automatic choice
+// 417.9 with 8 slices, 2026-12-02; README, LaCT; with the fused hidden layer,
+// 2 slices: fwd+bwd 92.7 -> 105.6 ms, 2026-12-04); 0 the automatic choice
 // (split_k_slices); S > 1 up to S slices of >= 16 on every fp32-output GEMM
 // that gemm_sliced runs (the tests force 4).
 inline int64_t split_k_knob() {
