@@ -15,6 +15,9 @@
 #   TESTS=0     skip the tests;  MUON=0  skip the Muon row
 #   NCU=1       also the kernels' times a chunk under Nsight Compute
 #               (scripts/ncu_kernels.py; clocks locked, 8 chunks)
+#   NCU_KNOBS   with NCU=1, the same table once more under each of these
+#               NAME=VALUE knobs (space-separated; default none): a kernel's
+#               A/B in one call
 set -uo pipefail
 
 OUT=${1:?usage: scripts/lact-check.sh OUTDIR}
@@ -63,11 +66,23 @@ for knob in $KNOBS; do
   i=$((i + 1))
 done
 
+# The kernels' times a chunk: ncu_table NAME [ENV...] writes $OUT/NAME.txt.
+ncu_table() {
+  local name=$1
+  shift
+  env "$@" ncu --profile-from-start off --metrics gpu__time_duration.sum --csv "$BENCH" --lact \
+    --muon-steps 0 --no-check -T 32768 --warmup 0 --iters 1 >"$OUT/$name.csv" 2>"$OUT/$name.log" &&
+    { [[ $# -eq 0 ]] || echo "# under $*"; python3 "$ROOT/scripts/ncu_kernels.py" "$OUT/$name.csv" 8; } \
+      >"$OUT/$name.txt" || echo "lact-check: the ncu table $name failed, see $OUT/$name.log"
+}
+ncu_names=()
 if [[ "${NCU:-0}" == 1 ]] && command -v ncu >/dev/null; then
-  ncu --profile-from-start off --metrics gpu__time_duration.sum --csv "$BENCH" --lact \
-    --muon-steps 0 --no-check -T 32768 --warmup 0 --iters 1 >"$OUT/ncu.csv" 2>"$OUT/ncu.log" &&
-    python3 "$ROOT/scripts/ncu_kernels.py" "$OUT/ncu.csv" 8 >"$OUT/ncu_kernels.txt" ||
-    echo "lact-check: the ncu table failed, see $OUT/ncu.log"
+  ncu_table ncu_kernels && ncu_names+=(ncu_kernels)
+  i=0
+  for knob in ${NCU_KNOBS:-}; do
+    ncu_table "ncu_knob$i" "$knob" && ncu_names+=("ncu_knob$i")
+    i=$((i + 1))
+  done
 fi
 
 # The table: each row's fwd and fwd+bwd (ms, util against its own cuBLAS
@@ -82,7 +97,9 @@ row() {  # row LABEL LOG
     END { printf "  %-38s %9s %7s %9s %7s %9s %9s\n", label, f, fu, b, bu, ref, e }' "$OUT/$2"
 }
 echo
-[[ -f "$OUT/ncu_kernels.txt" ]] && { cat "$OUT/ncu_kernels.txt"; echo; }
+for name in ${ncu_names[@]+"${ncu_names[@]}"}; do
+  [[ -f "$OUT/$name.txt" ]] && { cat "$OUT/$name.txt"; echo; }
+done
 echo "# LaCT, 1M tokens, 256 x 4096, H 4, D 256, M 512, bf16 (statescan-bench --lact, median of 5)"
 printf "# %-38s %9s %7s %9s %7s %9s %9s\n" "row" "fwd_ms" "util%" "f+b_ms" "util%" "cuBLAS_TF" "check"
 row "default, no Muon" bench.log
