@@ -455,65 +455,65 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
       // shuffles need every lane) but not stored.
       const int q = lane % 4;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int t = r + 8 * e;
-      const bool valid = t < p.n;
-      const int64_t row = pair * p.n + t, col = int64_t{Tile::kCols} * j;
-      if constexpr (kMode == LactHiddenMode::apply_backward) {
-        // apply_backward_kernel's formulas, dgate = d_o W1.
-        uint32_t gw[8], d0[8], d2[8];
-#pragma unroll
-        for (int c8 = 0; c8 < 8; ++c8) {
-          float g2[2], a0[2], a2[2];
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            const int a = 4 * c8 + 2 * e + u;
-            const SiluFast s(hh[a]);
-            const float hv = hh[a + 32], dg = ev[a];
-            g2[u] = s.value * hv;
-            a0[u] = dg * hv * s.d1;
-            a2[u] = dg * s.value;
-          }
-          gw[c8] = detail::pack2<bf16>(g2[0], g2[1]);
-          d0[c8] = detail::pack2<bf16>(a0[0], a0[1]);
-          d2[c8] = detail::pack2<bf16>(a2[0], a2[1]);
-        }
-        store_quad_row(p.gate + row * M + col, gw, q, valid);
-        store_quad_row(p.dh + row * 2 * M + col, d0, q, valid);
-        store_quad_row(p.dh + row * 2 * M + M + col, d2, q, valid);
-      } else {
-        // key_side_kernel's formulas, e = -v W1.
-        float z0[16], z2[16], gt[16];
-#pragma unroll
-        for (int c8 = 0; c8 < 8; ++c8)
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            const int a = 4 * c8 + 2 * e + u;
-            const SiluFast s(hh[a]);
-            const float evu = -ev[a], hv = hh[a + 32];
-            z0[2 * c8 + u] = l0[e] * evu * hv * s.d1;
-            z2[2 * c8 + u] = l2[e] * evu * s.value;
-            gt[2 * c8 + u] = l1[e] * s.value * hv;
-          }
-        auto store = [&](const float* x, bf16* hi_row, bf16* lo_row) {
-          uint32_t hi[8], lo[8];
+      for (int e = 0; e < 2; ++e) {
+        const int t = r + 8 * e;
+        const bool valid = t < p.n;
+        const int64_t row = pair * p.n + t, col = int64_t{Tile::kCols} * j;
+        if constexpr (kMode == LactHiddenMode::apply_backward) {
+          // apply_backward_kernel's formulas, dgate = d_o W1.
+          uint32_t gw[8], d0[8], d2[8];
 #pragma unroll
           for (int c8 = 0; c8 < 8; ++c8) {
-            if (lo_row != nullptr)
-              detail::split_bf16x2(x[2 * c8], x[2 * c8 + 1], hi[c8], lo[c8]);
-            else
-              hi[c8] = detail::pack2<bf16>(x[2 * c8], x[2 * c8 + 1]);
+            float g2[2], a0[2], a2[2];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              const int a = 4 * c8 + 2 * e + u;
+              const SiluFast s(hh[a]);
+              const float hv = hh[a + 32], dg = ev[a];
+              g2[u] = s.value * hv;
+              a0[u] = dg * hv * s.d1;
+              a2[u] = dg * s.value;
+            }
+            gw[c8] = detail::pack2<bf16>(g2[0], g2[1]);
+            d0[c8] = detail::pack2<bf16>(a0[0], a0[1]);
+            d2[c8] = detail::pack2<bf16>(a2[0], a2[1]);
           }
-          store_quad_row(hi_row, hi, q, valid);
-          if (lo_row != nullptr) store_quad_row(lo_row, lo, q, valid);
-        };
-        const bool split = p.z_lo != nullptr;
-        store(z0, p.z + row * 2 * M + col, split ? p.z_lo + row * 2 * M + col : nullptr);
-        store(z2, p.z + row * 2 * M + M + col, split ? p.z_lo + row * 2 * M + M + col : nullptr);
-        store(gt, p.gate + row * M + col, split ? p.gate_lo + row * M + col : nullptr);
+          store_quad_row(p.gate + row * M + col, gw, q, valid);
+          store_quad_row(p.dh + row * 2 * M + col, d0, q, valid);
+          store_quad_row(p.dh + row * 2 * M + M + col, d2, q, valid);
+        } else {
+          // key_side_kernel's formulas, e = -v W1.
+          float z0[16], z2[16], gt[16];
+#pragma unroll
+          for (int c8 = 0; c8 < 8; ++c8)
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              const int a = 4 * c8 + 2 * e + u;
+              const SiluFast s(hh[a]);
+              const float evu = -ev[a], hv = hh[a + 32];
+              z0[2 * c8 + u] = l0[e] * evu * hv * s.d1;
+              z2[2 * c8 + u] = l2[e] * evu * s.value;
+              gt[2 * c8 + u] = l1[e] * s.value * hv;
+            }
+          auto store = [&](const float* x, bf16* hi_row, bf16* lo_row) {
+            uint32_t hi[8], lo[8];
+#pragma unroll
+            for (int c8 = 0; c8 < 8; ++c8) {
+              if (lo_row != nullptr)
+                detail::split_bf16x2(x[2 * c8], x[2 * c8 + 1], hi[c8], lo[c8]);
+              else
+                hi[c8] = detail::pack2<bf16>(x[2 * c8], x[2 * c8 + 1]);
+            }
+            store_quad_row(hi_row, hi, q, valid);
+            if (lo_row != nullptr) store_quad_row(lo_row, lo, q, valid);
+          };
+          const bool split = p.z_lo != nullptr;
+          store(z0, p.z + row * 2 * M + col, split ? p.z_lo + row * 2 * M + col : nullptr);
+          store(z2, p.z + row * 2 * M + M + col, split ? p.z_lo + row * 2 * M + M + col : nullptr);
+          store(gt, p.gate + row * M + col, split ? p.gate_lo + row * M + col : nullptr);
+        }
       }
     }
-  }
   }
 }
 
@@ -862,12 +862,8 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t str
   const dim3 grid(static_cast<unsigned>((p.n + Tile::kRows - 1) / Tile::kRows),
                   static_cast<unsigned>(pairs));
   const size_t smem = Tile::smem_bytes(static_cast<int>(p.D));
-  if (p.dependent)
-    detail::launch_kernel_dependent(lact_hidden_grad_kernel, grid, Tile::kThreads, smem, stream,
-                                    "lact_hidden_grad_kernel", p, maps);
-  else
-    detail::launch_kernel(lact_hidden_grad_kernel, grid, Tile::kThreads, smem, stream,
-                          "lact_hidden_grad_kernel", p, maps);
+  detail::launch_kernel_maybe_dependent(p.dependent, lact_hidden_grad_kernel, grid, Tile::kThreads,
+                                        smem, stream, "lact_hidden_grad_kernel", p, maps);
 }
 
 bool lact_hidden_supported(int64_t D, int64_t M) {
@@ -911,12 +907,8 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(pairs));
   const size_t smem = Tile::smem_bytes(p.mode, static_cast<int>(p.D));
   with_hidden_kernel(p.mode, p.D, [&](auto kernel) {
-    if (p.dependent)
-      detail::launch_kernel_dependent(kernel, grid, Tile::kThreads, smem, stream,
-                                      "lact_hidden_kernel", p, maps);
-    else
-      detail::launch_kernel(kernel, grid, Tile::kThreads, smem, stream, "lact_hidden_kernel", p,
-                            maps);
+    detail::launch_kernel_maybe_dependent(p.dependent, kernel, grid, Tile::kThreads, smem, stream,
+                                          "lact_hidden_kernel", p, maps);
   });
 }
 

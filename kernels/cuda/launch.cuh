@@ -81,6 +81,18 @@ void launch_kernel_dependent(Kernel kernel, dim3 grid, int threads, size_t smem,
   SS_LAUNCH_CHECK(name);
 }
 
+// launch_kernel_dependent where `dependent`, else launch_kernel: the kernels
+// whose dependent launch is a per-call choice (LactHiddenParams::dependent).
+template <typename Kernel, typename... Args>
+void launch_kernel_maybe_dependent(bool dependent, Kernel kernel, dim3 grid, int threads,
+                                   size_t smem, cudaStream_t stream, const char* name,
+                                   const Args&... args) {
+  if (dependent)
+    launch_kernel_dependent(kernel, grid, threads, smem, stream, name, args...);
+  else
+    launch_kernel(kernel, grid, threads, smem, stream, name, args...);
+}
+
 // launch_kernel in clusters of `cluster` CTAs along x.
 template <typename Kernel, typename... Args>
 void launch_kernel_cluster(Kernel kernel, dim3 grid, int threads, size_t smem, unsigned cluster,
