@@ -252,8 +252,12 @@ struct HiddenMaps {
 };
 
 // kKbs: D / 64 where the mode needs it at compile time (the apply, whose o
-// accumulators are picked by kb), 0 where it is read from p.D.
-template <LactHiddenMode kMode, int kKbs>
+// accumulators are picked by kb), 0 where it is read from p.D. kLo: the key
+// side's low terms (z_lo, gate_lo: Muon's two-part update) at compile time,
+// so that the epilogue without them is straight-line code: as a run-time
+// branch per store it split the epilogue into ~20 blocks (and a divergence
+// check before each exchange) that ptxas scheduled one by one.
+template <LactHiddenMode kMode, int kKbs, bool kLo = false>
 __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     lact_hidden_kernel(const __grid_constant__ LactHiddenParams p,
                        const __grid_constant__ HiddenMaps maps) {
@@ -265,6 +269,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   constexpr size_t kStageBytes = Tile::kStageBytes;
   constexpr int kStages = Tile::stages(kMode);
   static_assert(kApply == (kKbs > 0), "kKbs is the apply's");
+  static_assert(kKey || !kLo, "kLo is the key side's");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -499,18 +504,17 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
             uint32_t hi[8], lo[8];
 #pragma unroll
             for (int c8 = 0; c8 < 8; ++c8) {
-              if (lo_row != nullptr)
+              if constexpr (kLo)
                 detail::split_bf16x2(x[2 * c8], x[2 * c8 + 1], hi[c8], lo[c8]);
               else
                 hi[c8] = detail::pack2<bf16>(x[2 * c8], x[2 * c8 + 1]);
             }
             store_quad_row(hi_row, hi, q, valid);
-            if (lo_row != nullptr) store_quad_row(lo_row, lo, q, valid);
+            if constexpr (kLo) store_quad_row(lo_row, lo, q, valid);
           };
-          const bool split = p.z_lo != nullptr;
-          store(z0, p.z + row * 2 * M + col, split ? p.z_lo + row * 2 * M + col : nullptr);
-          store(z2, p.z + row * 2 * M + M + col, split ? p.z_lo + row * 2 * M + M + col : nullptr);
-          store(gt, p.gate + row * M + col, split ? p.gate_lo + row * M + col : nullptr);
+          store(z0, p.z + row * 2 * M + col, kLo ? p.z_lo + row * 2 * M + col : nullptr);
+          store(z2, p.z + row * 2 * M + M + col, kLo ? p.z_lo + row * 2 * M + M + col : nullptr);
+          store(gt, p.gate + row * M + col, kLo ? p.gate_lo + row * M + col : nullptr);
         }
       }
     }
@@ -764,9 +768,11 @@ __global__ void __launch_bounds__(kPackThreads)
 // The kernel for the mode (and for the apply, D: a multiple of 64 up to
 // 256, as lact_hidden_supported checked).
 template <typename F>
-void with_hidden_kernel(LactHiddenMode mode, int64_t D, F&& f) {
+void with_hidden_kernel(LactHiddenMode mode, int64_t D, bool lo, F&& f) {
   static_assert(HiddenTile::kMaxD == 4 * HiddenTile::kK, "the apply's instances below");
-  if (mode == LactHiddenMode::key_side)
+  if (mode == LactHiddenMode::key_side && lo)
+    f(lact_hidden_kernel<LactHiddenMode::key_side, 0, true>);
+  else if (mode == LactHiddenMode::key_side)
     f(lact_hidden_kernel<LactHiddenMode::key_side, 0>);
   else if (mode == LactHiddenMode::apply_backward)
     f(lact_hidden_kernel<LactHiddenMode::apply_backward, 0>);
@@ -887,6 +893,11 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   if (p.mode == LactHiddenMode::apply)
     SS_CHECK_ARG(p.o != nullptr && detail::aligned16(p.o), "o",
                  "lact_hidden_kernel's apply needs a 16-byte aligned output o");
+  if (key)
+    SS_CHECK_ARG((p.z_lo == nullptr) == (p.gate_lo == nullptr), "gate_lo",
+                 "lact_hidden_kernel's key side writes both low terms or neither (z_lo ",
+                 p.z_lo == nullptr ? "null" : "given", ", gate_lo ",
+                 p.gate_lo == nullptr ? "null" : "given", ")");
   SS_CHECK_ARG(lact_hidden_supported(p.D, p.M), "dim", "lact_hidden_kernel cannot run D = ", p.D,
                ", M = ", p.M, " on this device");
   SS_CHECK_ARG(lact_hidden_aligned(p.x, two ? p.v : p.x, p.w), two ? v_name : x_name,
@@ -906,7 +917,7 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   const int64_t tiles = (p.n + Tile::kRows - 1) / Tile::kRows;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(pairs));
   const size_t smem = Tile::smem_bytes(p.mode, static_cast<int>(p.D));
-  with_hidden_kernel(p.mode, p.D, [&](auto kernel) {
+  with_hidden_kernel(p.mode, p.D, key && p.z_lo != nullptr, [&](auto kernel) {
     detail::launch_kernel_maybe_dependent(p.dependent, kernel, grid, Tile::kThreads, smem, stream,
                                           "lact_hidden_kernel", p, maps);
   });
