@@ -16,8 +16,10 @@ struct SiluF {
   __device__ __forceinline__ explicit SiluF(float x) {
     const float s = 1.0f / (1.0f + expf(-x));
     value = x * s;
-    d1 = s * (1.0f + x * (1.0f - s));
-    d2 = s * (1.0f - s) * (2.0f + x * (1.0f - 2.0f * s));
+    // s (1 + x (1 - s)) as s + silu (1 - s): one subtraction and one fma.
+    const float t = 1.0f - s;
+    d1 = fmaf(value, t, s);
+    d2 = s * t * (2.0f + x * (1.0f - 2.0f * s));
   }
 };
 
@@ -34,8 +36,10 @@ struct SiluFast {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
     value = x * s;
-    d1 = s * (1.0f + x * (1.0f - s));
-    d2 = s * (1.0f - s) * (2.0f + x * (1.0f - 2.0f * s));
+    // s (1 + x (1 - s)) as s + silu (1 - s): one subtraction and one fma.
+    const float t = 1.0f - s;
+    d1 = fmaf(value, t, s);
+    d2 = s * t * (2.0f + x * (1.0f - 2.0f * s));
   }
 };
 
