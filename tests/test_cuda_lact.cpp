@@ -975,6 +975,17 @@ TEST(LactHiddenGradArgs, RejectsOverlappingLayouts) {
   };
   EXPECT_EQ(apply(0), "o");
   EXPECT_EQ(apply(8), "o");
+  // The key side writes both low terms or neither (host-only as well).
+  auto key_low = [](uintptr_t z_lo, uintptr_t gate_lo) {
+    cuda::lact_detail::LactHiddenParams k;
+    k.mode = cuda::lact_detail::LactHiddenMode::key_side;
+    k.B = 1, k.H = 1, k.D = 64, k.M = 64, k.local_len = 16, k.n = 16;
+    k.z_lo = reinterpret_cast<__nv_bfloat16*>(z_lo);
+    k.gate_lo = reinterpret_cast<__nv_bfloat16*>(gate_lo);
+    return error_argument([&] { cuda::lact_detail::lact_hidden_launch(k, nullptr); });
+  };
+  EXPECT_EQ(key_low(256, 0), "gate_lo");
+  EXPECT_EQ(key_low(0, 256), "gate_lo");
   EXPECT_EQ(pack(1 << 16, 64, 64, 0), "heads");  // past the grid's y
   EXPECT_EQ(pack(2, 3, 5, 0), "dim");            // M D not a multiple of 8
   EXPECT_EQ(pack(2, 64, 64, 8), "w");            // kw not 16-byte aligned
