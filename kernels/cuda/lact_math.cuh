@@ -10,11 +10,10 @@
 
 namespace statescan::cuda::lact_detail {
 
-// silu and its first two derivatives in fp32.
-struct SiluF {
-  float value, d1, d2;
-  __device__ __forceinline__ explicit SiluF(float x) {
-    const float s = 1.0f / (1.0f + expf(-x));
+// silu(x) = x s and its first two derivatives, from x and s = sigmoid(x).
+struct SiluParts {
+  float value, d1, d2;  // d2 costs nothing where unused (inlined)
+  __device__ __forceinline__ SiluParts(float x, float s) {
     value = x * s;
     // s (1 + x (1 - s)) as s + silu (1 - s): one subtraction and one fma.
     const float t = 1.0f - s;
@@ -23,23 +22,26 @@ struct SiluF {
   }
 };
 
+// silu and its first two derivatives in fp32.
+struct SiluF : SiluParts {
+  __device__ __forceinline__ explicit SiluF(float x) : SiluParts(x, 1.0f / (1.0f + expf(-x))) {}
+};
+
 // silu(x) and silu'(x) with the hardware's approximate 2^x and 1/x,
 // flushing denormals: the epilogue's arithmetic competes with the other
 // warpgroup's MMAs for issue slots (relative error ~1e-6, far inside bf16's
 // rounding of the results). __expf and __fdividef keep denormals, which costs
 // a compare and two conditional multiplies around each (ncu SASS, H200).
 // The limits hold: x -> -inf gives 2^x = inf, s = 0; x -> +inf, s = 1.
-struct SiluFast {
-  float value, d1, d2;  // d2 costs nothing where unused (inlined)
-  __device__ __forceinline__ explicit SiluFast(float x) {
+struct SiluFast : SiluParts {
+  __device__ __forceinline__ explicit SiluFast(float x) : SiluParts(x, sigmoid(x)) {}
+
+ private:
+  __device__ __forceinline__ static float sigmoid(float x) {
     float e, s;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
-    value = x * s;
-    // s (1 + x (1 - s)) as s + silu (1 - s): one subtraction and one fma.
-    const float t = 1.0f - s;
-    d1 = fmaf(value, t, s);
-    d2 = s * t * (2.0f + x * (1.0f - 2.0f * s));
+    return s;
   }
 };
 
