@@ -12,12 +12,21 @@
 #   KNOBS       the knobs to time against the default, space-separated
 #               NAME=VALUE (default: one stream, dependent launches, the token
 #               GEMM, the cuBLAS hidden layer); "" for none
-#   TESTS=0     skip the tests;  MUON=0  skip the Muon row
+#   TESTS=0     skip the tests;  TESTS=suite  the suite only (no knob reruns)
+#   TEST_TIMEOUT  seconds before a hung test binary is killed (default 300:
+#               a kernel that deadlocks must not eat the call's 10 minutes)
+#   MUON=0      skip the Muon row
 #   NCU=1       also the kernels' times a chunk under Nsight Compute
 #               (scripts/ncu_kernels.py; clocks locked, 8 chunks)
 #   NCU_KNOBS   with NCU=1, the same table once more under each of these
 #               NAME=VALUE knobs (space-separated; default none): a kernel's
 #               A/B in one call
+#   NCU_SOURCE  "LABEL=REGEX[@NAME=VALUE ...];..." one launch (the second) of
+#               each kernel whose demangled name matches REGEX, under ncu
+#               --set full at source level with the given knobs:
+#               OUTDIR/src_LABEL.txt, its stall samples phase by phase
+#               (scripts/ncu_phases.py) and its pipes' and shared memory's
+#               utilisation (scripts/ncu_phases.py --raw)
 set -uo pipefail
 
 OUT=${1:?usage: scripts/lact-check.sh OUTDIR}
@@ -34,19 +43,29 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABL
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv || true
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
-    cmake --build "$BUILD" --target test_cuda_lact statescan-bench -j16 &&
-    { ! grep -q "STATESCAN_WITH_NCCL:BOOL=ON" "$BUILD/CMakeCache.txt" ||
+    if [[ "${TESTS:-1}" == 0 ]]; then cmake --build "$BUILD" --target statescan-bench -j16; else
+      cmake --build "$BUILD" --target test_cuda_lact statescan-bench -j16; fi &&
+    { [[ "${TESTS:-1}" == 0 ]] || ! grep -q "STATESCAN_WITH_NCCL:BOOL=ON" "$BUILD/CMakeCache.txt" ||
       cmake --build "$BUILD" --target test_cuda_lact_mpi -j16; }
 } >"$OUT/build.log" 2>&1 || { echo "lact-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
 
 if [[ "${TESTS:-1}" != 0 ]]; then
-  "$BUILD/tests/test_cuda_lact" >"$OUT/tests.log" 2>&1 || status=1
+  timeout "${TEST_TIMEOUT:-300}" "$BUILD/tests/test_cuda_lact" >"$OUT/tests.log" 2>&1
+  rc=$?
+  if [[ $rc != 0 ]]; then
+    status=1
+    echo "suite: exit $rc (124: killed after ${TEST_TIMEOUT:-300} s)"
+    tail -3 "$OUT/tests.log"
+  fi
   grep -E "^\[  (PASSED|FAILED) " "$OUT/tests.log" | sed 's/^/suite: /'
   grep -E "^\[  FAILED  \]" "$OUT/tests.log" | head -20
   # The knobs' reruns of the suite and the sharded suite (np 1 here; np 2
   # skips on one GPU).
-  (cd "$BUILD" && ctest -R '^test_cuda_lact_' --output-on-failure) >"$OUT/tests_knobs.log" 2>&1 || status=1
-  grep -E "tests passed|tests failed|\(Failed\)" "$OUT/tests_knobs.log" | sed 's/^/knobs: /'
+  if [[ "${TESTS:-1}" != suite ]]; then
+    (cd "$BUILD" && ctest -R '^test_cuda_lact_' --timeout "${TEST_TIMEOUT:-300}" --output-on-failure) \
+      >"$OUT/tests_knobs.log" 2>&1 || status=1
+    grep -E "tests passed|tests failed|\(Failed\)|Timeout" "$OUT/tests_knobs.log" | sed 's/^/knobs: /'
+  fi
 fi
 
 # One benchmark row: bench LOG [ENV...] -- [ARGS...]
@@ -85,6 +104,30 @@ if [[ "${NCU:-0}" == 1 ]] && command -v ncu >/dev/null; then
   done
 fi
 
+# One launch of a kernel at source level: src LABEL REGEX [NAME=VALUE...]
+src_profile() {
+  local label=$1 regex=$2
+  shift 2
+  local rep="$BUILD/src_$label"
+  timeout 300 env "$@" ncu --set full --import-source yes --kernel-name-base demangled \
+    -k "regex:$regex" --launch-skip 1 --launch-count 1 -o "$rep" -f "$BENCH" --lact \
+    --muon-steps 0 --no-check -T 32768 --warmup 0 --iters 1 >"$OUT/src_$label.log" 2>&1 &&
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>>"$OUT/src_$label.log" &&
+    ncu -i "$rep.ncu-rep" --page raw --csv >"$rep.raw.csv" 2>>"$OUT/src_$label.log" &&
+    { [[ $# -eq 0 ]] || echo "# under $*"
+      python3 "$ROOT/scripts/ncu_phases.py" "$rep.csv" --top 15 --raw "$rep.raw.csv"; } \
+      >"$OUT/src_$label.txt" 2>&1 || echo "lact-check: the source profile $label failed, see $OUT/src_$label.log"
+}
+if [[ -n "${NCU_SOURCE:-}" ]] && command -v ncu >/dev/null; then
+  IFS=';' read -ra specs <<<"$NCU_SOURCE"
+  for spec in "${specs[@]}"; do
+    label=${spec%%=*} rest=${spec#*=}
+    envs=()
+    [[ "$rest" == *@* ]] && read -ra envs <<<"${rest#*@}"
+    src_profile "$label" "${rest%%@*}" ${envs[@]+"${envs[@]}"}
+  done
+fi
+
 # The table: each row's fwd and fwd+bwd (ms, util against its own cuBLAS
 # 4096^3 rate, which moves a few per cent between machines), the default's
 # first; check = the small problem's error against fp64 (the default rows).
@@ -99,6 +142,9 @@ row() {  # row LABEL LOG
 echo
 for name in ${ncu_names[@]+"${ncu_names[@]}"}; do
   [[ -f "$OUT/$name.txt" ]] && { cat "$OUT/$name.txt"; echo; }
+done
+for f in "$OUT"/src_*.txt; do
+  [[ -f "$f" ]] && { echo "# $(basename "$f" .txt)"; cat "$f"; echo; }
 done
 echo "# LaCT, 1M tokens, 256 x 4096, H 4, D 256, M 512, bf16 (statescan-bench --lact, median of 5)"
 printf "# %-38s %9s %7s %9s %7s %9s %9s\n" "row" "fwd_ms" "util%" "f+b_ms" "util%" "cuBLAS_TF" "check"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a kernel's warps stall, phase by phase, from an Nsight Compute source view.
 
-usage: ncu_phases.py SASS_CSV [--top N]
+usage: ncu_phases.py SASS_CSV [--top N] [--raw RAW_CSV]
 
 SASS_CSV is the source page of one profiled launch as CSV:
 
@@ -17,12 +17,16 @@ maps a profile onto the source's phases without the CUDA-line correlation
 waits (load imbalance, one warp's serial work), long_sb (global memory),
 short_sb / mio (shared memory), wait / math (dependent arithmetic).
 With --top N, the N instructions with the most samples follow, each with its
-index, share, main stall reason and text. (kernels/cuda/PERF_NOTES.md,
+index, share, main stall reason and text. With --raw (the same report's
+`ncu -i rep.ncu-rep --page raw --csv`), the launch's duration and its pipes',
+shared memory's, issue slots' and DRAM's utilisation come first: whether the
+tensor pipe or the operands' shared-memory reads bound the kernel. (kernels/cuda/PERF_NOTES.md,
 "Sixteenth session", has two such profiles.)
 """
 import argparse
 import collections
 import csv
+import re
 import sys
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -36,11 +40,35 @@ def opcode(text):
     return parts[0].split(".")[0] if parts else ""
 
 
+RAW_METRICS = re.compile(
+    r"^(gpu__time_duration\.sum|sm__throughput\.avg\.pct_of_peak_sustained_elapsed"
+    r"|dram__throughput\.avg\.pct_of_peak_sustained_elapsed"
+    r"|sm__pipe_tensor_op_hmma_cycles_active\.avg\.pct_of_peak_sustained_active"
+    r"|sm__ops_path_tensor_src_bf16_dst_fp32\.avg\.pct_of_peak_sustained_elapsed"
+    r"|smsp__issue_active\.avg\.pct_of_peak_sustained_active"
+    r"|l1tex__data_pipe_lsu_wavefronts_mem_shared\.avg\.pct_of_peak_sustained_elapsed"
+    r"|l1tex__data_bank_conflicts_pipe_lsu_mem_shared\.sum)$")
+
+
+def print_raw(path):
+    rows = list(csv.reader(open(path, newline="", errors="replace")))
+    if len(rows) < 3:
+        print(f"# {path}: no launch in the raw page")
+        return
+    names, units, values = rows[0], rows[1], rows[2]
+    for n, u, v in zip(names, units, values):
+        if RAW_METRICS.search(n) and v not in ("", "n/a"):
+            print(f"# {n} = {v} {u}".rstrip())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
     ap.add_argument("--top", type=int, default=0, help="also list the N costliest instructions")
+    ap.add_argument("--raw", help="ncu --page raw --csv output of the same report")
     args = ap.parse_args()
+    if args.raw:
+        print_raw(args.raw)
 
     rows = list(csv.reader(open(args.csv, newline="", errors="replace")))
     header_at = next((i for i, r in enumerate(rows) if "Source" in r and SAMPLES in r), None)

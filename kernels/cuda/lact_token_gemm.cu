@@ -52,6 +52,9 @@ struct TokenTile {
   static constexpr size_t kSmemBytes = 1024 + kDataBytes + 2 * kStages * sizeof(uint64_t);
 };
 static_assert(TokenTile<256>::kSmemBytes <= 227 * 1024, "lact_token_gemm: shared memory");
+static_assert(detail::fits_register_pool(TokenTile<256>::kThreads, 2, TokenTile<256>::kConsumerRegs,
+                                         TokenTile<256>::kProducerRegs),
+              "lact_token_gemm: the warpgroups' register budgets exceed the launch's pool");
 
 struct TokenGemmArgs {
   float* c;

@@ -50,6 +50,21 @@ __device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t b
   return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + (bytes >> 4));
 }
 
+// Whether warpgroup budgets fit the registers a one-CTA-an-SM launch of
+// `threads` holds: the launch gives every thread (65536 / threads) rounded
+// down to the allocation unit of 8, and setmaxnreg only moves registers
+// within that pool. A setmaxnreg.inc past it waits for registers that never
+// come (the CTA hangs), so this, not the register file's 65536, is the bound:
+// 640 threads hold 640 x 96 = 61440, not 65536.
+constexpr int launch_regs_per_thread(int threads) {
+  return (65536 / threads) / 8 * 8 > 256 ? 256 : (65536 / threads) / 8 * 8;
+}
+constexpr bool fits_register_pool(int threads, int consumer_warpgroups, int consumer_regs,
+                                  int producer_regs) {
+  return 128 * (consumer_warpgroups * consumer_regs + producer_regs) <=
+         threads * launch_regs_per_thread(threads);
+}
+
 // The warpgroup's per-thread register budget, raised (consumers) or lowered
 // (a producer that only issues copies) at run time: every warp of the
 // warpgroup executes the same one. A kernel launched with the budget its
