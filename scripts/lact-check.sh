@@ -15,7 +15,8 @@
 #   TESTS=0     skip the tests;  TESTS=suite  the suite only (no knob reruns)
 #   TEST_TIMEOUT  seconds before a hung test binary is killed (default 300:
 #               a kernel that deadlocks must not eat the call's 10 minutes)
-#   MUON=0      skip the Muon row
+#   MUON=0      skip the Muon row;  BENCH_ROWS=0  no benchmark rows at all
+#               (the tests and ncu tables alone, for a short device call)
 #   NCU=1       also the kernels' times a chunk under Nsight Compute
 #               (scripts/ncu_kernels.py; clocks locked, 8 chunks)
 #   NCU_KNOBS   with NCU=1, the same table once more under each of these
@@ -77,8 +78,10 @@ bench() {
   shift
   env "${envs[@]}" "$BENCH" --lact "$@" >"$OUT/$log" 2>&1 || status=1
 }
-bench bench.log -- --muon-steps 0
-[[ "${MUON:-1}" != 0 ]] && bench bench_muon.log -- --no-check
+if [[ "${BENCH_ROWS:-1}" != 0 ]]; then
+  bench bench.log -- --muon-steps 0
+  [[ "${MUON:-1}" != 0 ]] && bench bench_muon.log -- --no-check
+fi
 i=0
 for knob in $KNOBS; do
   bench "bench_knob$i.log" "$knob" -- --muon-steps 0 --no-check
