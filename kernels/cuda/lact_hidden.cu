@@ -65,19 +65,13 @@ struct HiddenTile {
   static constexpr int kCols = 64;   // hidden columns per pass (h0 | h2: one m64n128)
   static constexpr int kK = 64;      // D per stage: one 128-byte swizzle row
   static constexpr int kMaxD = 256;
-  // The resident tokens arrive in blocks of kK columns, each on its own
-  // barrier, so that the first pass's products start on block 0 while the
-  // rest stream in (PERF_NOTES, thirty-sixth session: the whole 128 KB waited
-  // for was ~15 % of the key side's warp samples).
-  static constexpr int kTokenBlocks = kMaxD / kK;
   static constexpr int kConsumers = 256;
   // + a producer warpgroup, of which one thread issues the copies: launched
   // at 65536 / 384 = 168 registers a thread, the producer gives up all but
   // kProducerRegs and the consumers take kConsumerRegs (2 x 128 x 240 +
-  // 128 x 24 <= 65536; 240, not 232, for the apply's o, hh and gate
-  // fragments: 208 live accumulator and operand registers). With a producer
-  // warp alone (288 threads) ptxas capped
-  // every thread at 168: the key side sat at the cap and the gradient
+  // 128 x 24 = 64512, the launch's 384 x 168: fits_register_pool; 240, not 232, for the apply's o,
+  // hh and gate fragments: 208 live accumulator and operand registers). With a producer warp alone
+  // (288 threads) ptxas capped every thread at 168: the key side sat at the cap and the gradient
   // kernel's 96 accumulators spilled.
   static constexpr int kThreads = kConsumers + 128;
   static constexpr int kConsumerRegs = 240, kProducerRegs = 24;
@@ -110,8 +104,7 @@ struct HiddenTile {
   // + full, empty per stage and the tokens' barrier, + 1 KB to align the base
   // to the swizzle's 1024 bytes.
   static constexpr size_t smem_bytes(LactHiddenMode mode, int D) {
-    return tokens_bytes(mode, D) + stages(mode) * kStageBytes +
-           8 * (2 * stages(mode) + kTokenBlocks) + 1024;
+    return tokens_bytes(mode, D) + stages(mode) * kStageBytes + 8 * (2 * stages(mode) + 1) + 1024;
   }
 };
 static_assert(detail::fits_register_pool(HiddenTile::kThreads, 2, HiddenTile::kConsumerRegs,
@@ -164,9 +157,7 @@ __device__ __forceinline__ void for_each_from_1(F&& f, std::integer_sequence<int
 // The weight-stage pipeline both kernels run: kStages stages in shared
 // memory, filled by the producer thread in (pass, kb) order through `full`
 // (one arrival + the copies' bytes) and handed back through `empty` by each
-// of the eight consumer warps; `tokens_full(kb)` for block kb (kK columns of
-// each token array) of the CTA's resident tokens, waited for by each step that
-// reads it (at once after the first pass).
+// of the eight consumer warps; `tokens_full` for the CTA's resident tokens.
 // The consumers take a pass at a time in turns (ping-pong, named barriers
 // kTurn + wg): a warpgroup issues a pass's products only in its turn and
 // hands the turn over once they are issued, so that the tensor pipe runs one
@@ -176,9 +167,9 @@ __device__ __forceinline__ void for_each_from_1(F&& f, std::integer_sequence<int
 template <int kStages>
 struct StagePipe {
   static constexpr int kTurn = 1;
-  uint64_t* full;  // [kStages], then empty [kStages], then tokens_full [kTokenBlocks]
+  uint64_t* full;  // [kStages], then empty [kStages], then tokens_full
   __device__ __forceinline__ uint64_t* empty() const { return full + kStages; }
-  __device__ __forceinline__ uint64_t* tokens_full(int kb) const { return full + 2 * kStages + kb; }
+  __device__ __forceinline__ uint64_t* tokens_full() const { return full + 2 * kStages; }
 
   // By one thread, before a __syncthreads.
   __device__ __forceinline__ void init() const {
@@ -186,7 +177,7 @@ struct StagePipe {
       detail::mbarrier_init(full + st, 1);
       detail::mbarrier_init(empty() + st, HiddenTile::kConsumerWarps);
     }
-    for (int kb = 0; kb < HiddenTile::kTokenBlocks; ++kb) detail::mbarrier_init(tokens_full(kb), 1);
+    detail::mbarrier_init(tokens_full(), 1);
     detail::fence_mbarrier_init();
   }
 
@@ -228,7 +219,6 @@ struct StagePipe {
     detail::named_barrier_sync(kTurn + wg, HiddenTile::kConsumers);
     auto step = [&](auto kb, auto first) {
       const int st = i % kStages;
-      detail::mbarrier_wait_cta(tokens_full(kb), 0);
       detail::mbarrier_wait_cta(full + st, (i / kStages) & 1);
       detail::wgmma_fence();
       products(st, kb, first);
@@ -306,10 +296,10 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     if (tid != Tile::kConsumers) return;
     const int token_row = static_cast<int>(b * p.local_len + p.t0 + row0);
     const int token_col = static_cast<int>(h * D);
+    uint64_t* tokens_full = pipe.tokens_full();
+    detail::mbarrier_arrive_expect_tx(tokens_full,
+                                      static_cast<uint32_t>(Tile::tokens_bytes(kMode, D)));
     for (int kb = 0; kb < kbs; ++kb) {
-      uint64_t* tokens_full = pipe.tokens_full(kb);
-      detail::mbarrier_arrive_expect_tx(
-          tokens_full, static_cast<uint32_t>(Tile::token_arrays(kMode) * Tile::kTokenBox));
       detail::tensor_copy_to_shared(xs + kb * Tile::kTokenBox, &maps.x, token_col + Tile::kK * kb,
                                     token_row, tokens_full);
       if constexpr (kTwo)
@@ -395,6 +385,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   };
   pipe.start_turns(wg);
 
+  detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
   if constexpr (kApply) {
     // o = gate W1^T, accumulated over the passes: pass j's gate, rounded to
     // bf16 as the cuBLAS path's gate array is, stays in registers as the A
@@ -550,8 +541,7 @@ struct GradTile {
   static constexpr size_t kStageBytes = 6 * kBox;
   static constexpr size_t tokens_bytes(int D) { return 2 * (D / kK) * kTokenBox; }
   static constexpr size_t smem_bytes(int D) {
-    return tokens_bytes(D) + kStages * kStageBytes + 8 * (2 * kStages + HiddenTile::kTokenBlocks) +
-           1024;
+    return tokens_bytes(D) + kStages * kStageBytes + 8 * (2 * kStages + 1) + 1024;
   }
 };
 static_assert(GradTile::smem_bytes(HiddenTile::kMaxD) <= 227 * 1024 &&
@@ -591,9 +581,9 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
     if (tid != Tile::kConsumers) return;
     const int token_row = static_cast<int>(b * p.local_len + p.t0 + row0);
     const int token_col = static_cast<int>(h * D);
+    uint64_t* tokens_full = pipe.tokens_full();
+    detail::mbarrier_arrive_expect_tx(tokens_full, static_cast<uint32_t>(Tile::tokens_bytes(D)));
     for (int kb = 0; kb < kbs; ++kb) {
-      uint64_t* tokens_full = pipe.tokens_full(kb);
-      detail::mbarrier_arrive_expect_tx(tokens_full, static_cast<uint32_t>(2 * Tile::kTokenBox));
       detail::tensor_copy_to_shared(ks + kb * Tile::kTokenBox, &maps.k, token_col + Tile::kK * kb,
                                     token_row, tokens_full);
       detail::tensor_copy_to_shared(vs + kb * Tile::kTokenBox, &maps.v, token_col + Tile::kK * kb,
@@ -657,6 +647,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
   };
   pipe.start_turns(wg);
 
+  detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
   for (int j = 0, i = 0; j < js; ++j) {
     pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
 

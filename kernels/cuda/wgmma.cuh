@@ -64,6 +64,12 @@ constexpr bool fits_register_pool(int threads, int consumer_warpgroups, int cons
   return 128 * (consumer_warpgroups * consumer_regs + producer_regs) <=
          threads * launch_regs_per_thread(threads);
 }
+// The thirty-sixth session's hang (four consumer warpgroups at 120 and a
+// producer at 24 in 640 threads: 64512 > 61440) and the budgets in use.
+static_assert(launch_regs_per_thread(640) == 96 && !fits_register_pool(640, 4, 120, 24) &&
+                  fits_register_pool(640, 4, 112, 24) && fits_register_pool(384, 2, 240, 24) &&
+                  !fits_register_pool(384, 2, 248, 24),
+              "fits_register_pool");
 
 // The warpgroup's per-thread register budget, raised (consumers) or lowered
 // (a producer that only issues copies) at run time: every warp of the
