@@ -88,12 +88,16 @@ for knob in $KNOBS; do
   i=$((i + 1))
 done
 
+# The run both ncu passes profile: 8 chunks of the benchmark's shape, one
+# iteration, no Muon and no check.
+NCU_RUN=("$BENCH" --lact --muon-steps 0 --no-check -T 32768 --warmup 0 --iters 1)
+
 # The kernels' times a chunk: ncu_table NAME [ENV...] writes $OUT/NAME.txt.
 ncu_table() {
   local name=$1
   shift
-  env "$@" ncu --profile-from-start off --metrics gpu__time_duration.sum --csv "$BENCH" --lact \
-    --muon-steps 0 --no-check -T 32768 --warmup 0 --iters 1 >"$OUT/$name.csv" 2>"$OUT/$name.log" &&
+  env "$@" ncu --profile-from-start off --metrics gpu__time_duration.sum --csv "${NCU_RUN[@]}" \
+    >"$OUT/$name.csv" 2>"$OUT/$name.log" &&
     { [[ $# -eq 0 ]] || echo "# under $*"; python3 "$ROOT/scripts/ncu_kernels.py" "$OUT/$name.csv" 8; } \
       >"$OUT/$name.txt" || echo "lact-check: the ncu table $name failed, see $OUT/$name.log"
 }
@@ -113,8 +117,8 @@ src_profile() {
   shift 2
   local rep="$BUILD/src_$label"
   timeout 300 env "$@" ncu --set full --import-source yes --kernel-name-base demangled \
-    -k "regex:$regex" --launch-skip 1 --launch-count 1 -o "$rep" -f "$BENCH" --lact \
-    --muon-steps 0 --no-check -T 32768 --warmup 0 --iters 1 >"$OUT/src_$label.log" 2>&1 &&
+    -k "regex:$regex" --launch-skip 1 --launch-count 1 -o "$rep" -f "${NCU_RUN[@]}" \
+    >"$OUT/src_$label.log" 2>&1 &&
     ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>>"$OUT/src_$label.log" &&
     ncu -i "$rep.ncu-rep" --page raw --csv >"$rep.raw.csv" 2>>"$OUT/src_$label.log" &&
     { [[ $# -eq 0 ]] || echo "# under $*"

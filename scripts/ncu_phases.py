@@ -20,8 +20,8 @@ With --top N, the N instructions with the most samples follow, each with its
 index, share, main stall reason and text. With --raw (the same report's
 `ncu -i rep.ncu-rep --page raw --csv`), the launch's duration and its pipes',
 shared memory's, issue slots' and DRAM's utilisation come first: whether the
-tensor pipe or the operands' shared-memory reads bound the kernel. (kernels/cuda/PERF_NOTES.md,
-"Sixteenth session", has two such profiles.)
+tensor pipe or the operands' shared-memory reads bound the kernel.
+(kernels/cuda/PERF_NOTES.md, "Sixteenth session", has two such profiles.)
 """
 import argparse
 import collections

@@ -57,7 +57,8 @@ __device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t b
 // come (the CTA hangs), so this, not the register file's 65536, is the bound:
 // 640 threads hold 640 x 96 = 61440, not 65536.
 constexpr int launch_regs_per_thread(int threads) {
-  return (65536 / threads) / 8 * 8 > 256 ? 256 : (65536 / threads) / 8 * 8;
+  const int regs = (65536 / threads) / 8 * 8;
+  return regs > 256 ? 256 : regs;
 }
 constexpr bool fits_register_pool(int threads, int consumer_warpgroups, int consumer_regs,
                                   int producer_regs) {
