@@ -557,23 +557,31 @@ LactTokenRange lact_token_range(int64_t seq_len, int64_t chunk, int64_t ranks, i
   return {c * chunk + rank * n, c * chunk + (rank + 1) * n};
 }
 
+void lact_check_layout(const LactConfig& config, int64_t batch, int64_t seq_len, int64_t heads,
+                       int64_t dim, int64_t hidden, int64_t ranks, int64_t rank,
+                       const void* const (&arrays)[10]) {
+  check_lact_config(config);
+  SS_CHECK_ARG(batch >= 1, "q", "batch must be >= 1, got ", batch);
+  SS_CHECK_ARG(heads >= 1, "q", "heads must be >= 1, got ", heads);
+  SS_CHECK_ARG(dim >= 1, "q", "head dim D must be >= 1, got ", dim);
+  SS_CHECK_ARG(hidden >= 1, "w0", "hidden width M must be >= 1, got ", hidden);
+  SS_CHECK_ARG(ranks >= 1, "ranks", "must be >= 1, got ", ranks);
+  SS_CHECK_ARG(rank >= 0 && rank < ranks, "rank", rank, " not in [0, ", ranks, ")");
+  SS_CHECK_ARG(config.chunk % ranks == 0, "chunk", "chunk size ", config.chunk,
+               " is not divisible by the ", ranks,
+               " ranks (every chunk is split evenly across the group)");
+  SS_CHECK_ARG(seq_len >= 1 && seq_len % ranks == 0, "q", "sequence length ", seq_len,
+               " must be a positive multiple of the ", ranks, " ranks");
+  // The last chunk must split evenly too (lact_token_range checks it).
+  (void)lact_token_range(seq_len, config.chunk, ranks, rank,
+                         lact_num_chunks(seq_len, config.chunk) - 1);
+  const char* names[] = {"q", "k", "v", "lr0", "lr1", "lr2", "w0", "w1", "w2", "o"};
+  for (int i = 0; i < 10; ++i) SS_CHECK_ARG(arrays[i] != nullptr, names[i], "is required");
+}
+
 template <typename T>
 void lact_check_params(const LactParams<T>& p) {
-  check_lact_config(p.config);
-  SS_CHECK_ARG(p.batch >= 1, "q", "batch must be >= 1, got ", p.batch);
-  SS_CHECK_ARG(p.heads >= 1, "q", "heads must be >= 1, got ", p.heads);
-  SS_CHECK_ARG(p.dim >= 1, "q", "head dim D must be >= 1, got ", p.dim);
-  SS_CHECK_ARG(p.hidden >= 1, "w0", "hidden width M must be >= 1, got ", p.hidden);
-  SS_CHECK_ARG(p.ranks >= 1, "ranks", "must be >= 1, got ", p.ranks);
-  SS_CHECK_ARG(p.rank >= 0 && p.rank < p.ranks, "rank", p.rank, " not in [0, ", p.ranks, ")");
-  SS_CHECK_ARG(p.config.chunk % p.ranks == 0, "chunk", "chunk size ", p.config.chunk,
-               " is not divisible by the ", p.ranks,
-               " ranks (every chunk is split evenly across the group)");
-  SS_CHECK_ARG(p.seq_len >= 1 && p.seq_len % p.ranks == 0, "q", "sequence length ", p.seq_len,
-               " must be a positive multiple of the ", p.ranks, " ranks");
-  const char* names[] = {"q", "k", "v", "lr0", "lr1", "lr2", "w0", "w1", "w2", "o"};
-  const void* ptrs[] = {p.q, p.k, p.v, p.lr0, p.lr1, p.lr2, p.w0, p.w1, p.w2, p.o};
-  for (int i = 0; i < 10; ++i) SS_CHECK_ARG(ptrs[i] != nullptr, names[i], "is required");
+  lact_check_layout(p);
   const int64_t tokens = p.batch * p.local_len() * p.heads, weights = p.heads * p.hidden * p.dim;
   check_finite_data(p.q, tokens * p.dim, "q");
   check_finite_data(p.k, tokens * p.dim, "k");

@@ -166,6 +166,23 @@ struct LactTokenRange {
 LactTokenRange lact_token_range(int64_t seq_len, int64_t chunk, int64_t ranks, int64_t rank,
                                 int64_t c);
 
+// The checks of a call's layout that every LaCT path makes (lact_check_params
+// here, lact_cuda_check_sizes on the GPU): the config, positive sizes, the
+// rank in range, every chunk (the last one too) split evenly over the ranks,
+// and the ten arrays q, k, v, lr0, lr1, lr2, w0, w1, w2, o given, in that
+// order. Throws statescan::Error naming the argument.
+void lact_check_layout(const LactConfig& config, int64_t batch, int64_t seq_len, int64_t heads,
+                       int64_t dim, int64_t hidden, int64_t ranks, int64_t rank,
+                       const void* const (&arrays)[10]);
+// The same from a params struct with those fields (LactParams<T>,
+// cuda::LactCudaParams).
+template <typename Params>
+void lact_check_layout(const Params& p) {
+  const void* const arrays[10] = {p.q, p.k, p.v, p.lr0, p.lr1, p.lr2, p.w0, p.w1, p.w2, p.o};
+  lact_check_layout(p.config, p.batch, p.seq_len, p.heads, p.dim, p.hidden, p.ranks, p.rank,
+                    arrays);
+}
+
 // Rank r's local tensor [B, T/P, inner] from a global [B, T, inner] one.
 template <typename T>
 std::vector<T> lact_shard(const std::vector<T>& global, int64_t batch, int64_t seq_len,

@@ -114,29 +114,12 @@ void check_any(const void* x, DType dtype, int64_t n, bool positive, const char*
 }  // namespace
 
 void lact_cuda_check_sizes(const LactCudaParams& p) {
-  check_lact_config(p.config);
+  lact_check_layout(p);
   SS_CHECK_ARG(p.dtype == DType::f32 || p.dtype == DType::bf16, "dtype",
                "LaCT on the GPU supports f32 and bf16, got ", p.dtype);
-  SS_CHECK_ARG(p.batch >= 1, "q", "batch must be >= 1, got ", p.batch);
-  SS_CHECK_ARG(p.heads >= 1, "q", "heads must be >= 1, got ", p.heads);
-  SS_CHECK_ARG(p.dim >= 1, "q", "head dim D must be >= 1, got ", p.dim);
-  SS_CHECK_ARG(p.hidden >= 1, "w0", "hidden width M must be >= 1, got ", p.hidden);
-  SS_CHECK_ARG(p.ranks >= 1, "ranks", "must be >= 1, got ", p.ranks);
-  SS_CHECK_ARG(p.rank >= 0 && p.rank < p.ranks, "rank", p.rank, " not in [0, ", p.ranks, ")");
-  SS_CHECK_ARG(p.config.chunk % p.ranks == 0, "chunk", "chunk size ", p.config.chunk,
-               " is not divisible by the ", p.ranks,
-               " ranks (every chunk is split evenly across the group)");
-  SS_CHECK_ARG(p.seq_len >= 1 && p.seq_len % p.ranks == 0, "q", "sequence length ", p.seq_len,
-               " must be a positive multiple of the ", p.ranks, " ranks");
-  // The last chunk must split evenly too (lact_token_range checks it).
-  const int64_t chunks = lact_num_chunks(p.seq_len, p.config.chunk);
-  (void)lact_token_range(p.seq_len, p.config.chunk, p.ranks, p.rank, chunks - 1);
   // cuBLAS takes int sizes and leading dimensions.
   SS_CHECK_ARG(p.heads * p.dim < (int64_t(1) << 31) && p.hidden < (int64_t(1) << 31), "q",
                "H D and M must fit in 32 bits");
-  const char* names[] = {"q", "k", "v", "lr0", "lr1", "lr2", "w0", "w1", "w2", "o"};
-  const void* ptrs[] = {p.q, p.k, p.v, p.lr0, p.lr1, p.lr2, p.w0, p.w1, p.w2, p.o};
-  for (int i = 0; i < 10; ++i) SS_CHECK_ARG(ptrs[i] != nullptr, names[i], "is required");
 }
 
 void lact_cuda_check_data(const LactCudaParams& p, cudaStream_t stream) {
