@@ -173,6 +173,20 @@ std::vector<LocalSegment> local_segments(const CpForwardArgs& a, const Geometry&
   return segs;
 }
 
+MixerParams local_mixer_params(const MixerConfig& cfg, const Geometry& g) {
+  MixerParams p;
+  p.variant = cfg.variant;
+  p.batch = g.batch;
+  p.seq_len = g.local_len;
+  p.heads = g.heads;
+  p.dk = g.dk;
+  p.dv = g.dv;
+  p.chunk = cfg.chunk;
+  p.scale = static_cast<float>(cfg.scale_for(g.dk));
+  p.l2norm_qk = cfg.l2norm_qk;
+  return p;
+}
+
 bool single_continuing(const std::vector<LocalSegment>& segs, int64_t row) {
   int64_t count = 0;
   bool from_prev = false;
@@ -296,15 +310,7 @@ void CpMixer::forward(const CpForwardArgs& a) {
   const int64_t nseg = static_cast<int64_t>(segs.size());
 
   MixerParams& p = saved->params;
-  p.variant = config_.variant;
-  p.batch = g.batch;
-  p.seq_len = g.local_len;
-  p.heads = H;
-  p.dk = Dk;
-  p.dv = Dv;
-  p.chunk = config_.chunk;
-  p.scale = static_cast<float>(config_.scale_for(Dk));
-  p.l2norm_qk = config_.l2norm_qk;
+  p = cp_detail::local_mixer_params(config_, g);
   p.dtype = DType::f32;
   if (a.cu_seqlens.defined()) {
     saved->local_cu.push_back(0);

@@ -326,16 +326,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   const int64_t rows = ds.rows;
 
   MixerParams& p = ds.params;
-  p = MixerParams{};
-  p.variant = config_.variant;
-  p.batch = g.batch;
-  p.seq_len = g.local_len;
-  p.heads = H;
-  p.dk = Dk;
-  p.dv = Dv;
-  p.chunk = config_.chunk;
-  p.scale = static_cast<float>(config_.scale_for(Dk));
-  p.l2norm_qk = config_.l2norm_qk;
+  p = cp_detail::local_mixer_params(config_, g);
   p.dtype = a.q.dtype;
   p.num_segments = nseg;
   p.q = a.q.data;

@@ -9,6 +9,7 @@
 #include "comm/communicator.h"
 #include "core/options.h"
 #include "core/tensor.h"
+#include "kernels/mixer_params.h"
 #include "parallel/cp_mixer.h"
 
 namespace statescan::cp_detail {
@@ -52,6 +53,10 @@ void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfi
                     bool on_device, Geometry& g);
 
 std::vector<LocalSegment> local_segments(const CpForwardArgs& a, const Geometry& g);
+
+// The local mixer's sizes and options for this rank's shard: MixerParams
+// without the dtype, pointers and segments, which each path sets itself.
+MixerParams local_mixer_params(const MixerConfig& cfg, const Geometry& g);
 
 // True when the shard's last segment of `row` is its only segment there and
 // continues from the previous rank: only then does the carry depend on the

@@ -155,6 +155,46 @@ __device__ __forceinline__ void slab_store_dq_dk(const float (&gq)[kNT][4],
     }
 }
 
+// The delta rules' dv = beta T^T dU of a warp's 16 rows from m0 and kNT
+// 8-column tiles from n0 (rows r < L stored at dv_out + row(r) Dv), adding
+// dbeta's partial T^T dU . v of rows m0 + g and m0 + g + 8 to dbp: the step
+// chunk_intra_grad_kernel and chunk_intra_grad_vector_kernel share. g and i2
+// are the caller's lane / 4 and 2 (lane % 4), passed in so that the code is
+// the kernels' own (the same PTX as when it stood inline).
+template <int Dv, int kNT, typename T, typename Row>
+__device__ __forceinline__ void intra_store_dv(float (&dbp)[2], const T* hT, int ldc, const T* sDVp,
+                                               const T* sV, int ldv, const float* sBeta, T* dv_out,
+                                               Row&& row, int m0, int n0, int C, int L, int g,
+                                               int i2) {
+  float tu[kNT][4] = {};
+  warp_mm_16xn<T, true, true, kNT>(tu, hT, ldc, sDVp, ldv, m0, n0, C);
+#pragma unroll
+  for (int j = 0; j < kNT; ++j)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = m0 + g + 8 * hr, col = n0 + 8 * j + i2;
+      const float x = tu[j][2 * hr], y = tu[j][2 * hr + 1];
+      const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(sV + r * ldv + col));
+      dbp[hr] += x * v2.x + y * v2.y;
+      if (r < L)
+        *reinterpret_cast<uint32_t*>(dv_out + row(r) * Dv + col) =
+            pack2<T>(sBeta[r] * x, sBeta[r] * y);
+    }
+}
+
+// The quad's sums of a warp's row partials (rows m0 + g and m0 + g + 8, as
+// intra_store_dv's dbp) into dst[m0 + g], dst[m0 + g + 8]; lane and g the
+// caller's, as above.
+__device__ __forceinline__ void intra_store_row_sums(float (&part)[2], float* dst, int m0, int lane,
+                                                     int g) {
+  part[0] = quad_sum(part[0]);
+  part[1] = quad_sum(part[1]);
+  if ((lane & 3) == 0) {
+    dst[m0 + g] = part[0];
+    dst[m0 + g + 8] = part[1];
+  }
+}
+
 template <Decay kDecay, Rule kRule, typename T, int Dk, int Dv, bool kL2Norm, int kChunk>
 __global__ void __launch_bounds__(512, 1)
     chunk_intra_grad_kernel(const __grid_constant__ BackwardArgs a) {
@@ -492,22 +532,9 @@ __global__ void __launch_bounds__(512, 1)
   if constexpr (kDelta) {
     // ---- T^T dU: dv = beta T^T dU; dbeta's T^T dU . v ----------------------
     if (active) {
-      float tu[kNTv][4] = {};
-      warp_mm_16xn<T, true, true, kNTv>(tu, hT, kLdC, sDVp, kLdV, m0, n0v, C);
       float dbp[2] = {0.f, 0.f};
-      T* dv_out = static_cast<T*>(a.dv);
-#pragma unroll
-      for (int j = 0; j < kNTv; ++j)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int r = m0 + g + 8 * hr, col = n0v + 8 * j + i2;
-          const float x = tu[j][2 * hr], y = tu[j][2 * hr + 1];
-          const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(sV + r * kLdV + col));
-          dbp[hr] += x * v2.x + y * v2.y;
-          if (r < L)
-            *reinterpret_cast<uint32_t*>(dv_out + row(r) * Dv + col) =
-                pack2<T>(sBeta[r] * x, sBeta[r] * y);
-        }
+      intra_store_dv<Dv, kNTv>(dbp, hT, kLdC, sDVp, sV, kLdV, sBeta, static_cast<T*>(a.dv), row, m0,
+                               n0v, C, L, g, i2);
       // ---- T^T dW: gk += beta e^{G} T^T dW (into gx too); dbeta's . K^ ------
       float tw[kNTk][4] = {};
       warp_mm_16xn<T, true, true, kNTk>(tw, hT, kLdC, sDW, kLdK, m0, n0k, C);
@@ -522,12 +549,7 @@ __global__ void __launch_bounds__(512, 1)
           gx[j][e] += gkh;
           dbp[e >> 1] += tw[j][e] * to_float(sK[r * kLdK + col]) * eb;
         }
-      dbp[0] = quad_sum(dbp[0]);
-      dbp[1] = quad_sum(dbp[1]);
-      if ((lane & 3) == 0) {
-        sDbA[part * kMC + m0 + g] = dbp[0];
-        sDbA[part * kMC + m0 + g + 8] = dbp[1];
-      }
+      intra_store_row_sums(dbp, sDbA + part * kMC, m0, lane, g);
     }
     // ---- dT = beta_s (dV' V^T + dW K^T e^{G_s}), strictly lower ------------
     all_slabs([&](int I, int J) {

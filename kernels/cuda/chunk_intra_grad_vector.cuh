@@ -383,22 +383,9 @@ __global__ void __launch_bounds__(512, 1)
   if (active) pair_products(hA, sXk, sYq, add_gq, add_gk);
   if constexpr (kDelta) {
     if (active) {
-      float tu[kNT][4] = {};
-      warp_mm_16xn<T, true, true, kNT>(tu, hT, kLdC, sDVp, kLd, m0, n0, C);
       float dbp[2] = {0.f, 0.f};
-      T* dv_out = static_cast<T*>(a.dv);
-#pragma unroll
-      for (int j = 0; j < kNT; ++j)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int r = m0 + g + 8 * hr, col = n0 + 8 * j + i2;
-          const float x = tu[j][2 * hr], y = tu[j][2 * hr + 1];
-          const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(sV + r * kLd + col));
-          dbp[hr] += x * v2.x + y * v2.y;
-          if (r < L)
-            *reinterpret_cast<uint32_t*>(dv_out + row(r) * Dv + col) =
-                pack2<T>(sBeta[r] * x, sBeta[r] * y);
-        }
+      intra_store_dv<Dv, kNT>(dbp, hT, kLdC, sDVp, sV, kLd, sBeta, static_cast<T*>(a.dv), row, m0,
+                              n0, C, L, g, i2);
       // gk += beta e^{b} T^T dW (gx too); dbeta's T^T dW . K^ (K^ = k e^{b}).
       float tw[kNT][4] = {};
       warp_mm_16xn<T, true, true, kNT>(tw, hT, kLdC, sDW, kLd, m0, n0, C);
@@ -411,12 +398,7 @@ __global__ void __launch_bounds__(512, 1)
           add_gk_gx(j, e, sBeta[r] * eb * tw[j][e]);
           dbp[e >> 1] += tw[j][e] * to_float(sK[r * kLd + col]) * eb;
         }
-      dbp[0] = quad_sum(dbp[0]);
-      dbp[1] = quad_sum(dbp[1]);
-      if ((lane & 3) == 0) {
-        sDbA[part * kMC + m0 + g] = dbp[0];
-        sDbA[part * kMC + m0 + g + 8] = dbp[1];
-      }
+      intra_store_row_sums(dbp, sDbA + part * kMC, m0, lane, g);
     }
   } else {
     // Additive rule: dv = dV'.
