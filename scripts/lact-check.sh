@@ -22,6 +22,13 @@
 #   NCU_KNOBS   with NCU=1, the same table once more under each of these
 #               NAME=VALUE knobs (space-separated; default none): a kernel's
 #               A/B in one call
+#   REF_SRC     a folder with another revision's source tree (e.g. made by
+#               `git archive main | tar -x -C .ref`, git-ignored and passed to
+#               the device tool in `carry`): its statescan-bench is built in
+#               BUILD_DIR-ref, and the default no-Muon row runs REF_ROUNDS times
+#               (default 2) alternating with the reference's, on the same
+#               machine (and with NCU=1 the reference's kernel table too): an
+#               A/B of a branch against main in one call
 #   NCU_SOURCE  "LABEL=REGEX[@NAME=VALUE ...];..." one launch (the second) of
 #               each kernel whose demangled name matches REGEX, under ncu
 #               --set full at source level with the given knobs:
@@ -37,6 +44,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
 KNOBS=${KNOBS-STATESCAN_LACT_STREAMS=1 STATESCAN_LACT_PDL=1 STATESCAN_LACT_TOKEN_GEMM=fused STATESCAN_LACT_HIDDEN=cublas}
 BENCH=$BUILD/launch/statescan-bench
+REF_BUILD=$BUILD-ref
+REF_BENCH=$REF_BUILD/launch/statescan-bench
 status=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 
@@ -49,6 +58,15 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABL
     { [[ "${TESTS:-1}" == 0 ]] || ! grep -q "STATESCAN_WITH_NCCL:BOOL=ON" "$BUILD/CMakeCache.txt" ||
       cmake --build "$BUILD" --target test_cuda_lact_mpi -j16; }
 } >"$OUT/build.log" 2>&1 || { echo "lact-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
+if [[ -n "${REF_SRC:-}" ]]; then
+  REF_SRC=$(cd "$REF_SRC" && pwd) || exit 1
+  {
+    cmake -S "$REF_SRC" -B "$REF_BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+      -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=OFF &&
+      cmake --build "$REF_BUILD" --target statescan-bench -j16
+  } >"$OUT/build_ref.log" 2>&1 ||
+    { echo "lact-check: the reference's build failed, see $OUT/build_ref.log"; tail -40 "$OUT/build_ref.log"; exit 1; }
+fi
 
 if [[ "${TESTS:-1}" != 0 ]]; then
   timeout "${TEST_TIMEOUT:-300}" "$BUILD/tests/test_cuda_lact" >"$OUT/tests.log" 2>&1
@@ -69,17 +87,27 @@ if [[ "${TESTS:-1}" != 0 ]]; then
   fi
 fi
 
-# One benchmark row: bench LOG [ENV...] -- [ARGS...]
+# One benchmark row: bench LOG [ENV...] -- [ARGS...] (BIN: the binary, by
+# default this tree's)
 bench() {
   local log=$1
   shift
   local envs=()
   while [[ $# -gt 0 && "$1" != "--" ]]; do envs+=("$1"); shift; done
   shift
-  env "${envs[@]}" "$BENCH" --lact "$@" >"$OUT/$log" 2>&1 || status=1
+  env "${envs[@]}" "${BIN:-$BENCH}" --lact "$@" >"$OUT/$log" 2>&1 || status=1
 }
+ref_rounds=0
 if [[ "${BENCH_ROWS:-1}" != 0 ]]; then
   bench bench.log -- --muon-steps 0
+  if [[ -n "${REF_SRC:-}" ]]; then
+    # The reference and this tree in turns; the first default row is above.
+    ref_rounds=${REF_ROUNDS:-2}
+    for ((r = 0; r < ref_rounds; ++r)); do
+      BIN=$REF_BENCH bench "bench_ref$r.log" -- --muon-steps 0 --no-check
+      ((r + 1 < ref_rounds)) && bench "bench_again$r.log" -- --muon-steps 0 --no-check
+    done
+  fi
   [[ "${MUON:-1}" != 0 ]] && bench bench_muon.log -- --no-check
 fi
 i=0
@@ -92,11 +120,14 @@ done
 # iteration, no Muon and no check.
 NCU_RUN=("$BENCH" --lact --muon-steps 0 --no-check -T 32768 --warmup 0 --iters 1)
 
-# The kernels' times a chunk: ncu_table NAME [ENV...] writes $OUT/NAME.txt.
+# The kernels' times a chunk: ncu_table NAME [ENV...] writes $OUT/NAME.txt
+# (BIN: the binary, by default this tree's).
 ncu_table() {
   local name=$1
   shift
-  env "$@" ncu --profile-from-start off --metrics gpu__time_duration.sum --csv "${NCU_RUN[@]}" \
+  local run=("${NCU_RUN[@]}")
+  run[0]=${BIN:-$BENCH}
+  env "$@" ncu --profile-from-start off --metrics gpu__time_duration.sum --csv "${run[@]}" \
     >"$OUT/$name.csv" 2>"$OUT/$name.log" &&
     { [[ $# -eq 0 ]] || echo "# under $*"; python3 "$ROOT/scripts/ncu_kernels.py" "$OUT/$name.csv" 8; } \
       >"$OUT/$name.txt" || echo "lact-check: the ncu table $name failed, see $OUT/$name.log"
@@ -104,6 +135,9 @@ ncu_table() {
 ncu_names=()
 if [[ "${NCU:-0}" == 1 ]] && command -v ncu >/dev/null; then
   ncu_table ncu_kernels && ncu_names+=(ncu_kernels)
+  if [[ -n "${REF_SRC:-}" ]]; then
+    BIN=$REF_BENCH ncu_table ncu_ref && { sed -i "1i # the reference ($REF_SRC)" "$OUT/ncu_ref.txt"; ncu_names+=(ncu_ref); }
+  fi
   i=0
   for knob in ${NCU_KNOBS:-}; do
     ncu_table "ncu_knob$i" "$knob" && ncu_names+=("ncu_knob$i")
@@ -156,6 +190,10 @@ done
 echo "# LaCT, 1M tokens, 256 x 4096, H 4, D 256, M 512, bf16 (statescan-bench --lact, median of 5)"
 printf "# %-38s %9s %7s %9s %7s %9s %9s\n" "row" "fwd_ms" "util%" "f+b_ms" "util%" "cuBLAS_TF" "check"
 row "default, no Muon" bench.log
+for ((r = 0; r < ref_rounds; ++r)); do
+  row "reference, no Muon ($((r + 1)))" "bench_ref$r.log"
+  row "default, no Muon (again, $((r + 2)))" "bench_again$r.log"
+done
 row "default, Muon 5" bench_muon.log
 i=0
 for knob in $KNOBS; do
