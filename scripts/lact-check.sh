@@ -4,7 +4,8 @@
 # ctest entry that reruns it under a knob, the sharded suite over NCCL), the
 # LaCT benchmark at the issue's shape (1M tokens as 256 chunks of 4096, H 4,
 # D 256, M 512, bf16) without Muon and with 5 steps, and the no-Muon row once
-# per opt-in knob; logs in OUTDIR, a short table last. One call fits the GPU
+# per opt-in knob; logs in OUTDIR, a short table last (with the fused
+# kernels' registers, stack and local memory from cuobjdump, where it exists). One call fits the GPU
 # lending tool's 10 minutes (~2 min of build, ~1 of tests, ~4 of benchmarks).
 #
 # Environment knobs:
@@ -86,6 +87,24 @@ if [[ "${TESTS:-1}" != 0 ]]; then
     grep -E "tests passed|tests failed|\(Failed\)|Timeout" "$OUT/tests_knobs.log" | sed 's/^/knobs: /'
   fi
 fi
+
+# Registers, spills and stack of the fused hidden-layer kernels (this tree's
+# and the reference's), from the objects' SASS resource usage.
+res_usage() {  # res_usage BUILD_DIR LABEL
+  local obj
+  obj=$(find "$1" -name 'lact_hidden.cu.o' | head -1)
+  [[ -n "$obj" ]] && command -v cuobjdump >/dev/null || return 0
+  echo "# $2: lact_hidden.cu resource usage (cuobjdump -res-usage)"
+  cuobjdump -res-usage "$obj" 2>/dev/null | awk '
+    /Function/ { name = $2; sub(/:$/, "", name) }
+    /REG:/ { cmd = "c++filt " name; cmd | getline dem; close(cmd)
+             gsub(/statescan::cuda::lact_detail::(\(anonymous namespace\)::)?|^void /, "", dem)
+             gsub(/\(LactHiddenMode\)/, "mode ", dem)
+             sub(/\(LactHidden[A-Za-z]*Params.*$/, "", dem)
+             printf "  %-48s %s %s %s\n", dem, $1, $2, $4 }'
+}
+{ res_usage "$BUILD" "this tree"; [[ -z "${REF_SRC:-}" ]] || res_usage "$REF_BUILD" "the reference"; } \
+  >"$OUT/res_usage.txt" 2>&1
 
 # One benchmark row: bench LOG [ENV...] -- [ARGS...] (BIN: the binary, by
 # default this tree's)
@@ -184,6 +203,7 @@ echo
 for name in ${ncu_names[@]+"${ncu_names[@]}"}; do
   [[ -f "$OUT/$name.txt" ]] && { cat "$OUT/$name.txt"; echo; }
 done
+[[ -s "$OUT/res_usage.txt" ]] && { cat "$OUT/res_usage.txt"; echo; }
 for f in "$OUT"/src_*.txt; do
   [[ -f "$f" ]] && { echo "# $(basename "$f" .txt)"; cat "$f"; echo; }
 done
