@@ -155,7 +155,9 @@ ncu_names=()
 if [[ "${NCU:-0}" == 1 ]] && command -v ncu >/dev/null; then
   ncu_table ncu_kernels && ncu_names+=(ncu_kernels)
   if [[ -n "${REF_SRC:-}" ]]; then
-    BIN=$REF_BENCH ncu_table ncu_ref && { sed -i "1i # the reference ($REF_SRC)" "$OUT/ncu_ref.txt"; ncu_names+=(ncu_ref); }
+    BIN=$REF_BENCH ncu_table ncu_ref
+    [[ -s "$OUT/ncu_ref.txt" ]] &&
+      { sed -i "1i # the reference ($REF_SRC)" "$OUT/ncu_ref.txt"; ncu_names+=(ncu_ref); }
   fi
   i=0
   for knob in ${NCU_KNOBS:-}; do

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# lact_check_smoke.sh LACT_CHECK — scripts/lact-check.sh runs only where a GPU
+# is lent, for minutes that are counted; this drives it on CI's machine with
+# stub cmake, nvidia-smi, ncu and cuobjdump binaries first on PATH, so that a
+# broken control flow (a row that reads the wrong log, the reference's rows
+# running this tree's binary, a build failure that does not stop the script)
+# shows here instead of in a device call. The stub statescan-bench prints a
+# benchmark table whose fwd ms names the binary that ran (1 = this tree, 2 =
+# the reference) and the row's position in the run.
+set -uo pipefail
+
+SCRIPT=${1:?usage: lact_check_smoke.sh path/to/lact-check.sh}
+WORK=$(mktemp -d /tmp/statescan-lact-check.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+STUBS=$WORK/bin
+mkdir -p "$STUBS" "$WORK/ref-src"
+fail() { echo "lact_check_smoke: $*"; exit 1; }
+
+# cmake -S SRC -B DIR ... configures; cmake --build DIR ... builds a stub
+# statescan-bench into DIR (FAIL_BUILD=DIR makes that build fail).
+cat >"$STUBS/cmake" <<'EOF'
+#!/usr/bin/env bash
+dir=
+while [[ $# -gt 0 ]]; do
+  case "$1" in -B | --build) dir=$2; shift ;; esac
+  shift
+done
+[[ -n "$dir" ]] || exit 2
+[[ "${FAIL_BUILD:-}" == "$dir" ]] && { echo "stub: build of $dir fails"; exit 1; }
+mkdir -p "$dir/launch" "$dir/kernels"
+: >"$dir/kernels/lact_hidden.cu.o"
+tag=1
+[[ "$dir" == *-ref ]] && tag=2
+cat >"$dir/launch/statescan-bench" <<EOS
+#!/usr/bin/env bash
+n=\$(cat "$dir/../count" 2>/dev/null || echo 0); n=\$((n + 1)); echo \$n >"$dir/../count"
+echo "# cuBLAS bf16 GEMM 4096^3 700.0 TFLOP/s"
+echo "fwd $tag.\$n 1 2 3 53.0 -"
+echo "fwd+bwd 9$tag.\$n 1 2 3 53.5 2.00e-03"
+EOS
+chmod +x "$dir/launch/statescan-bench"
+EOF
+printf '#!/usr/bin/env bash\nexit 1\n' >"$STUBS/nvidia-smi"
+# ncu: records which binary it profiled (the CSV is not parsed further here).
+printf '#!/usr/bin/env bash\nfor a in "$@"; do [[ "$a" == */statescan-bench ]] && echo "profiled $a"; done\nexit 0\n' \
+  >"$STUBS/ncu"
+cat >"$STUBS/cuobjdump" <<'EOF'
+#!/usr/bin/env bash
+echo " Function _ZN9statescan4cuda11lact_detail12_GLOBAL__N_123lact_hidden_grad_kernelENS1_20LactHiddenGradParamsENS2_8GradMapsE:"
+echo "  REG:168 STACK:16 SHARED:0 LOCAL:0 CONSTANT[0]:900 TEXTURE:0 SURFACE:0 SAMPLER:0"
+EOF
+chmod +x "$STUBS"/*
+export PATH="$STUBS:$PATH"
+
+# 1. The benchmark rows with a reference: this tree, reference, this tree,
+#    reference, in that order, each from its own binary.
+out=$(BUILD_DIR="$WORK/build" TESTS=0 MUON=0 KNOBS="" REF_SRC="$WORK/ref-src" \
+  bash "$SCRIPT" "$WORK/out1") || fail "exit $? with a reference"
+printf '%s\n' "$out"
+rows=$(printf '%s\n' "$out" | awk '/^  (default|reference)/ { sub(/,$/, "", $1); print $1, $(NF - 5) }')
+expect=$(printf '%s\n' "default 1.1" "reference 2.2" "default 1.3" "reference 2.4")
+[[ "$rows" == "$expect" ]] || fail "rows (label, fwd ms) were:"$'\n'"$rows"$'\n'"expected:"$'\n'"$expect"
+printf '%s\n' "$out" | grep -q 'lact_hidden_grad_kernel .*REG:168 STACK:16 LOCAL:0' ||
+  fail "no resource-usage line"
+[[ $(printf '%s\n' "$out" | grep -c 'resource usage') == 2 ]] || fail "resource usage not for both trees"
+
+# 2. The kernel tables: this tree's binary first, then the reference's.
+BUILD_DIR="$WORK/build" TESTS=0 MUON=0 KNOBS="" BENCH_ROWS=0 NCU=1 REF_SRC="$WORK/ref-src" \
+  bash "$SCRIPT" "$WORK/out2" >/dev/null 2>"$WORK/out2.err"
+grep -qx "profiled $WORK/build/launch/statescan-bench" "$WORK/out2/ncu_kernels.csv" ||
+  fail "the kernel table did not profile this tree's binary"
+grep -qx "profiled $WORK/build-ref/launch/statescan-bench" "$WORK/out2/ncu_ref.csv" ||
+  fail "the reference's kernel table did not profile the reference's binary"
+
+# 3. A failing build stops the script with exit 1 and says which log to read,
+#    this tree's and the reference's alike.
+for broken in "$WORK/build" "$WORK/build-ref"; do
+  if msg=$(FAIL_BUILD="$broken" BUILD_DIR="$WORK/build" TESTS=0 MUON=0 KNOBS="" \
+    REF_SRC="$WORK/ref-src" bash "$SCRIPT" "$WORK/out3"); then
+    fail "a failing build of $broken was not reported"
+  fi
+  printf '%s\n' "$msg" | grep -q "build.*failed, see" || fail "no build-failure message for $broken"
+done
+echo "lact_check_smoke: OK"
