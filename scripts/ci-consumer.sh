@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # CI: the installed package from a consumer's side. Builds statescan, installs
 # it into a temporary prefix, builds examples/cp_consumer against that prefix
-# with find_package(statescan) (nothing from the source tree), and runs it
-# under `mpirun -np 2`: CP forward + backward on each rank's shard, checked
-# against a single-rank run, with the metrics exporter serving on loopback.
+# with find_package(statescan) (nothing from the source tree), and runs its
+# two programs under `mpirun -np 2`: cp_consumer (CP forward + backward on each
+# rank's shard, checked against a single-rank run, with the metrics exporter
+# serving on loopback) and lact_consumer (a LaCT layer with every chunk sharded
+# over the ranks, checked the same way).
 # Exits non-zero on any failure.
 #
 #   STATESCAN_BUILD_DIR   reuse this build directory (e.g. build/ after
@@ -50,6 +52,7 @@ step "installing into $PREFIX"
 cmake --install "$BUILD" --prefix "$PREFIX" >"$WORK/install.log" 2>&1 ||
   { tail -20 "$WORK/install.log"; fail "cmake --install"; }
 for f in include/statescan/core/error.h include/statescan/parallel/cp_mixer.h \
+         include/statescan/parallel/lact_layer.h include/statescan/kernels/cpu/lact.h \
          include/statescan/comm/mpi_communicator.h include/statescan/monitoring/metrics_exporter.h \
          lib/cmake/statescan/statescanConfig.cmake lib/cmake/statescan/statescanTargets.cmake; do
   [ -f "$PREFIX/$f" ] || fail "the install lacks $f"
@@ -62,7 +65,7 @@ cmake -S "$WORK/cp_consumer" -B "$WORK/consumer-build" -DCMAKE_BUILD_TYPE=Releas
   -DCMAKE_PREFIX_PATH="$PREFIX" >"$WORK/consumer-configure.log" 2>&1 ||
   { cat "$WORK/consumer-configure.log"; fail "find_package(statescan) from $PREFIX"; }
 cmake --build "$WORK/consumer-build" -j"$(nproc)" >"$WORK/consumer-build.log" 2>&1 ||
-  { tail -40 "$WORK/consumer-build.log"; fail "build of cp_consumer"; }
+  { tail -40 "$WORK/consumer-build.log"; fail "build of examples/cp_consumer"; }
 
 # Ports for the two ranks' exporters: PORT and PORT + 1 (scripts/ci-ports.sh).
 source scripts/ci-ports.sh
@@ -77,4 +80,12 @@ set -e
 grep -q '^check: .* ok$' "$WORK/consumer-run.log" || fail "cp_consumer printed no passing check"
 grep -q '^exposition: statescan_tokens_total{' "$WORK/consumer-run.log" ||
   fail "cp_consumer printed no statescan_tokens_total"
+
+step "running: mpirun -np 2 lact_consumer"
+set +e
+mpirun -np 2 --oversubscribe "$WORK/consumer-build/lact_consumer" 2>&1 | tee "$WORK/lact-run.log"
+status=${PIPESTATUS[0]}
+set -e
+[ "$status" -eq 0 ] || fail "lact_consumer exited with $status"
+grep -q '^check: .* ok$' "$WORK/lact-run.log" || fail "lact_consumer printed no passing check"
 step "OK (installed package at $PREFIX, consumer in $WORK/consumer-build)"
