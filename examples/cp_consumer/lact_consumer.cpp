@@ -207,11 +207,12 @@ int run() {
   for (int r = 0; r < ranks; ++r) {
     world->barrier();
     if (r != rank) continue;
-    std::printf("rank %d: %lld tokens (slice %d of each of %lld chunks)  all-reduces %lld, "
-                "%.0f B, %.4f s\n",
-                rank, static_cast<long long>(kBatch * mine.len), rank,
-                static_cast<long long>(statescan::lact_num_chunks(kSeqLen, config.chunk)),
-                static_cast<long long>(exchange.calls), exchange.bytes, exchange.seconds);
+    std::printf(
+        "rank %d: %lld tokens (slice %d of each of %lld chunks)  all-reduces %lld, "
+        "%.0f B, %.4f s\n",
+        rank, static_cast<long long>(kBatch * mine.len), rank,
+        static_cast<long long>(statescan::lact_num_chunks(kSeqLen, config.chunk)),
+        static_cast<long long>(exchange.calls), exchange.bytes, exchange.seconds);
     std::fflush(stdout);
   }
   world->barrier();
