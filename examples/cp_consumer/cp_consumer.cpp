@@ -9,8 +9,6 @@
 //
 //   mpirun -np 2 cp_consumer                      # record metrics, no HTTP
 //   mpirun -np 2 cp_consumer --metrics-port 9400  # also serve :9400, :9401
-#include <mpi.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -24,6 +22,7 @@
 
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
+#include "consumer_check.h"
 #include "core/error.h"
 #include "monitoring/flop_model.h"
 #include "monitoring/metrics_exporter.h"
@@ -124,17 +123,6 @@ void forward_backward(statescan::CpMixer& mixer, Shard& s) {
   mixer.backward(b);
 }
 
-double rel_rms(const std::vector<float>& x, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    const double d = static_cast<double>(x[i]) - ref[i];
-    if (!std::isfinite(d)) return INFINITY;
-    num += d * d;
-    den += static_cast<double>(ref[i]) * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 int parse_port(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--metrics-port") == 0) {
@@ -184,7 +172,7 @@ int run(int argc, char** argv) {
   forward_backward(whole_mixer, whole);
   double worst = 0;
   auto compare = [&](const std::vector<float>& got, const std::vector<float>& full, int64_t inner) {
-    worst = std::max(worst, rel_rms(got, shard_of(full, shard.t0, shard.t1, inner)));
+    worst = std::max(worst, consumer::rel_rms(got, shard_of(full, shard.t0, shard.t1, inner)));
   };
   compare(shard.o, whole.o, kDv);
   compare(shard.dq, whole.dq, kDk);
@@ -240,13 +228,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  statescan::MpiEnvironment mpi(&argc, &argv);
-  try {
-    return run(argc, argv);
-  } catch (const statescan::Error& e) {
-    std::fprintf(stderr, "cp_consumer: %s\n", e.what());
-    // A fault on one rank must not leave the others waiting in a collective.
-    MPI_Abort(MPI_COMM_WORLD, 2);
-  }
-  return 2;
+  return consumer::main_of("cp_consumer", argc, argv, run);
 }

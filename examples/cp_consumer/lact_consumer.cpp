@@ -10,8 +10,6 @@
 // the whole sequence. Exit status 0 only if the check passes.
 //
 //   mpirun -np 2 lact_consumer
-#include <mpi.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -20,6 +18,7 @@
 
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
+#include "consumer_check.h"
 #include "core/error.h"
 #include "kernels/cpu/lact.h"
 #include "parallel/lact_layer.h"
@@ -157,17 +156,6 @@ statescan::LactExchangeStats forward_backward(statescan::Communicator& comm,
   return total;
 }
 
-double rel_rms(const std::vector<float>& x, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    const double d = static_cast<double>(x[i]) - ref[i];
-    if (!std::isfinite(d)) return INFINITY;
-    num += d * d;
-    den += static_cast<double>(ref[i]) * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 int run() {
   auto world = statescan::MpiCommunicator::world();
   const int rank = world->rank(), ranks = world->size();
@@ -192,16 +180,16 @@ int run() {
     return statescan::lact_shard(full, kBatch, kSeqLen, kHeads * inner, config.chunk, ranks, rank);
   };
   double worst = 0;
-  worst = std::max(worst, rel_rms(mine.o, mine_of(whole.o, kDim)));
-  worst = std::max(worst, rel_rms(mine.dq, mine_of(whole.dq, kDim)));
-  worst = std::max(worst, rel_rms(mine.dk, mine_of(whole.dk, kDim)));
-  worst = std::max(worst, rel_rms(mine.dv, mine_of(whole.dv, kDim)));
-  worst = std::max(worst, rel_rms(mine.dlr0, mine_of(whole.dlr0, 1)));
-  worst = std::max(worst, rel_rms(mine.dlr1, mine_of(whole.dlr1, 1)));
-  worst = std::max(worst, rel_rms(mine.dlr2, mine_of(whole.dlr2, 1)));
-  worst = std::max(worst, rel_rms(mine.dw0, whole.dw0));
-  worst = std::max(worst, rel_rms(mine.dw1, whole.dw1));
-  worst = std::max(worst, rel_rms(mine.dw2, whole.dw2));
+  worst = std::max(worst, consumer::rel_rms(mine.o, mine_of(whole.o, kDim)));
+  worst = std::max(worst, consumer::rel_rms(mine.dq, mine_of(whole.dq, kDim)));
+  worst = std::max(worst, consumer::rel_rms(mine.dk, mine_of(whole.dk, kDim)));
+  worst = std::max(worst, consumer::rel_rms(mine.dv, mine_of(whole.dv, kDim)));
+  worst = std::max(worst, consumer::rel_rms(mine.dlr0, mine_of(whole.dlr0, 1)));
+  worst = std::max(worst, consumer::rel_rms(mine.dlr1, mine_of(whole.dlr1, 1)));
+  worst = std::max(worst, consumer::rel_rms(mine.dlr2, mine_of(whole.dlr2, 1)));
+  worst = std::max(worst, consumer::rel_rms(mine.dw0, whole.dw0));
+  worst = std::max(worst, consumer::rel_rms(mine.dw1, whole.dw1));
+  worst = std::max(worst, consumer::rel_rms(mine.dw2, whole.dw2));
   world->all_reduce_max(&worst, 1, statescan::CommType::f64);
 
   for (int r = 0; r < ranks; ++r) {
@@ -226,13 +214,5 @@ int run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  statescan::MpiEnvironment mpi(&argc, &argv);
-  try {
-    return run();
-  } catch (const statescan::Error& e) {
-    std::fprintf(stderr, "lact_consumer: %s\n", e.what());
-    // A fault on one rank must not leave the others waiting in a collective.
-    MPI_Abort(MPI_COMM_WORLD, 2);
-  }
-  return 2;
+  return consumer::main_of("lact_consumer", argc, argv, [](int, char**) { return run(); });
 }
