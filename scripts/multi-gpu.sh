@@ -18,6 +18,17 @@
 #   PROFILE_LACT=1 after the LaCT study, profile one P = 1 and one P = 2 LaCT run
 #               with nsys (where installed): per-kernel and per-API time tables in
 #               OUTDIR/nsys_lact_p*.txt, to see what the sharded forward does not halve
+#   RUN_TIMEOUT seconds a statescan-run may take (default 300)
+# The shapes default to issue 8's; tests/multi_gpu_smoke.sh shrinks them and
+# runs the whole script on CI's CPUs (DEVICE=cpu, a stub nvidia-smi, the
+# build given by BUILD_DIR with SKIP_BUILD=1), so that the flags it passes and
+# the JSON its tables read are checked before a several-GPU machine is lent:
+#   DEVICE      statescan-run's --device (default cuda)
+#   TOKENS_PER_GPU, STRONG_TOKENS, HEADS, DIM: the weak and strong studies
+#               (default 131072, 1048576, 16, 128)
+#   LACT_TOKENS, LACT_HEADS, LACT_DIM, LACT_HIDDEN: the LaCT study's one chunk
+#               (default 1048576, 4, 256, 512)
+#   SKIP_BUILD=1 use BUILD_DIR as it is
 set -uo pipefail
 
 OUT=${1:?usage: scripts/multi-gpu.sh OUTDIR}
@@ -27,6 +38,12 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 ITERS=${ITERS:-10}
+DEVICE=${DEVICE:-cuda}
+TOKENS_PER_GPU=${TOKENS_PER_GPU:-131072}
+STRONG_TOKENS=${STRONG_TOKENS:-1048576}
+HEADS=${HEADS:-16}
+DIM=${DIM:-128}
+LACT_TOKENS=${LACT_TOKENS:-1048576}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # NVLink SHARP (multicast) stays off on these machines (see the device notes).
 export NCCL_NVLS_ENABLE=0
@@ -34,7 +51,7 @@ status=0
 echo "multi-gpu: $NGPU GPU(s)"
 [[ "$NGPU" -ge 2 ]] || { echo "multi-gpu: needs >= 2 GPUs"; exit 1; }
 
-{
+[[ "${SKIP_BUILD:-0}" != 0 ]] || {
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
     if [[ "${SKIP_TESTS:-0}" == 0 ]]; then
@@ -66,7 +83,7 @@ fi
 run() {
   local name=$1 p=$2 t0=$SECONDS
   shift 2
-  timeout "${RUN_TIMEOUT:-300}" mpirun -np "$p" --oversubscribe --bind-to none "$BUILD/launch/statescan-run" --device cuda \
+  timeout "${RUN_TIMEOUT:-300}" mpirun -np "$p" --oversubscribe --bind-to none "$BUILD/launch/statescan-run" --device "$DEVICE" \
     --iters "$ITERS" --warmup 3 --json "$OUT/${name}_p$p.json" "$@" >"$OUT/${name}_p$p.log" 2>&1 ||
     { echo "multi-gpu: $name P=$p failed, see $OUT/${name}_p$p.log"; tail -5 "$OUT/${name}_p$p.log"; status=1; }
   # One line per run as it ends, so a cut-off session still shows progress.
@@ -84,17 +101,17 @@ for v in ${VARIANTS:-kda gated_deltanet}; do
         [[ "$x" == auto ]] || name="weak_${v}_$x"
         [[ $p -eq 1 && "$x" != auto ]] && continue
         # shellcheck disable=SC2086
-        run "$name" "$p" --variant "$v" --seq-len $((131072 * p)) --heads 16 --dk 128 \
-          --dv 128 --dtype bf16 --exchange "$x" --no-check ${RUN_ARGS:-}
+        run "$name" "$p" --variant "$v" --seq-len $((TOKENS_PER_GPU * p)) --heads "$HEADS" \
+          --dk "$DIM" --dv "$DIM" --dtype bf16 --exchange "$x" --no-check ${RUN_ARGS:-}
       done
     fi
     # shellcheck disable=SC2086
-    [[ "$studies" == *" strong "* ]] && run "strong_$v" "$p" --variant "$v" --seq-len 1048576 --heads 16 --dk 128 --dv 128 \
-      --dtype bf16 --exchange auto --no-check ${RUN_ARGS:-}
+    [[ "$studies" == *" strong "* ]] && run "strong_$v" "$p" --variant "$v" --seq-len "$STRONG_TOKENS" --heads "$HEADS" \
+      --dk "$DIM" --dv "$DIM" --dtype bf16 --exchange auto --no-check ${RUN_ARGS:-}
   done
 done
-lact_args=(--variant lact --seq-len 1048576 --lact-chunk 1048576 --heads 4 --dk 256
-  --lact-hidden 512 --dtype bf16 --no-check)
+lact_args=(--variant lact --seq-len "$LACT_TOKENS" --lact-chunk "$LACT_TOKENS" --heads "${LACT_HEADS:-4}"
+  --dk "${LACT_DIM:-256}" --lact-hidden "${LACT_HIDDEN:-512}" --dtype bf16 --no-check)
 if [[ "$studies" == *" lact "* ]]; then
   for p in 1 "${ranks[@]}"; do
     run lact "$p" "${lact_args[@]}"
@@ -139,7 +156,11 @@ for s in studies:
             continue
         a = r["avg"]
         step = a["fwd_ms"] + (a["bwd_ms"] or 0)
-        ranks = r.get("ranks") or [{}]
+        # The LaCT runs report no per-rank list: their rows carry the bytes
+        # (the max over ranks) and no hidden fraction.
+        last = r["rows"][-1] if r.get("rows") else {}
+        ranks = r.get("ranks") or [{"exchange_bytes": last.get("exchange_bytes", 0),
+                                    "hidden_pct": last.get("exchange_hidden_pct")}]
         xb = max(x.get("exchange_bytes", 0) for x in ranks)
         hid = min((x.get("hidden_pct") or 0) for x in ranks) if p > 1 else 0
         eff = ""

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# multi_gpu_smoke.sh MULTI_GPU BUILD_DIR — scripts/multi-gpu.sh needs a machine
+# with several GPUs, which is lent rarely and for minutes that are counted; this
+# runs the whole script on CI's CPUs instead: a stub nvidia-smi that lists two
+# GPUs, DEVICE=cpu, the shapes shrunk, and BUILD_DIR's statescan-run (built with
+# MPI) under the real mpirun. It fails if a flag the script passes is refused,
+# if a run fails, or if a study's table lacks its rows, its exchange bytes or
+# its efficiency: the contract between the script and statescan-run's --json.
+set -uo pipefail
+
+SCRIPT=${1:?usage: multi_gpu_smoke.sh path/to/multi-gpu.sh BUILD_DIR}
+BUILD=${2:?usage: multi_gpu_smoke.sh path/to/multi-gpu.sh BUILD_DIR}
+WORK=$(mktemp -d /tmp/statescan-multi-gpu.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+fail() {
+  echo "multi_gpu_smoke: $*"
+  exit 1
+}
+[[ -x "$BUILD/launch/statescan-run" ]] || fail "no statescan-run in $BUILD/launch"
+command -v mpirun >/dev/null || fail "no mpirun on PATH"
+
+mkdir -p "$WORK/bin"
+printf '#!/bin/sh\necho "GPU 0: stub (UUID: 0)"\necho "GPU 1: stub (UUID: 1)"\n' >"$WORK/bin/nvidia-smi"
+chmod +x "$WORK/bin/nvidia-smi"
+
+PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" ITERS=2 \
+  VARIANTS=kda EXCHANGES="auto ring" TOKENS_PER_GPU=256 STRONG_TOKENS=512 HEADS=2 DIM=16 \
+  LACT_TOKENS=64 LACT_HEADS=2 LACT_DIM=8 LACT_HIDDEN=16 RUN_TIMEOUT=120 \
+  bash "$SCRIPT" "$WORK/out" >"$WORK/log" 2>&1
+rc=$?
+cat "$WORK/log"
+[[ $rc -eq 0 ]] || fail "multi-gpu.sh exited $rc"
+grep -q "multi-gpu: 2 GPU(s)" "$WORK/log" || fail "the stub's GPUs were not counted"
+! grep -q "failed" "$WORK/log" || fail "a run failed"
+
+# Each study's table: its P rows, each with 9 columns (weak_kda_ring has no
+# P = 1 row of its own: it shares weak_kda's).
+table() {
+  awk -v s="# $1:" '/^# [a-z_]+:/ { on = index($0, s) == 1; next } /^#/ { next } on && NF' \
+    "$WORK/out/summary.txt"
+}
+for study in weak_kda weak_kda_ring strong_kda lact; do
+  rows=$(table "$study")
+  [[ -n "$rows" ]] || fail "no table for $study"
+  want="1 2"
+  [[ $study == weak_kda_ring ]] && want="2"
+  got=$(awk '{ printf "%s%s", (NR > 1 ? " " : ""), $1 }' <<<"$rows")
+  [[ "$got" == "$want" ]] || fail "$study: rows for P = '$got', expected '$want'"
+  # P = 2: bytes exchanged and an efficiency, both positive numbers.
+  awk -v s="$study" '$1 == 2 {
+      if (NF != 9 || $6 + 0 <= 0 || $9 + 0 <= 0) { print s ": P = 2 row lacks exchange bytes or efficiency: " $0; exit 1 }
+    }' <<<"$rows" || exit 1
+done
+echo "multi_gpu_smoke: OK"
