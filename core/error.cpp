@@ -29,9 +29,13 @@ int error_rank() { return g_rank.load(); }
 Error::Error(std::string argument, const std::string& message, const char* file, int line)
     : std::runtime_error(format(argument, message, g_rank.load(), file, line)),
       argument_(std::move(argument)),
+      message_(message),
       rank_(g_rank.load()) {}
 
 Error::Error(std::string argument, const std::string& what_text, int rank)
-    : std::runtime_error(what_text), argument_(std::move(argument)), rank_(rank) {}
+    : std::runtime_error(what_text),
+      argument_(std::move(argument)),
+      message_(what_text),
+      rank_(rank) {}
 
 }  // namespace statescan

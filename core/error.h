@@ -26,9 +26,14 @@ class Error : public std::runtime_error {
 
   const std::string& argument() const { return argument_; }
   int rank() const { return rank_; }
+  // The message alone, without what()'s prefix (rank, argument) and source
+  // location: for a caller that wraps it in an error of its own. An error
+  // rebuilt from another rank's text has only that text.
+  const std::string& message() const { return message_; }
 
  private:
   std::string argument_;
+  std::string message_;
   int rank_;
 };
 

@@ -284,8 +284,8 @@ void LactJob::setup() {
         lact_token_range(d.seq_len, config_.chunk, P, 0, c);
     } catch (const Error& e) {
       SS_FAIL("--lact-chunk", "every chunk of --lact-chunk ", config_.chunk,
-              " tokens of T = ", d.seq_len, " must split evenly over the ", P, " ranks (", e.what(),
-              ")");
+              " tokens of T = ", d.seq_len, " must split evenly over the ", P,
+              " ranks: ", e.message());
     }
     const int64_t HD = d.heads * d.dim;
     auto shard = [&](const std::vector<float>& x, int64_t inner) {

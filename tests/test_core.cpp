@@ -224,6 +224,7 @@ TEST(Error, WhatNamesArgumentRankAndLocation) {
     EXPECT_NE(what.find("[rank 5]"), std::string::npos) << what;
     EXPECT_NE(what.find("bad value 42"), std::string::npos) << what;
     EXPECT_NE(what.find("test_core.cpp:" + std::to_string(line)), std::string::npos) << what;
+    EXPECT_EQ(e.message(), "bad value 42");
   }
   set_error_rank(-1);
   EXPECT_NE(line, 0) << "SS_FAIL did not throw";
@@ -249,6 +250,7 @@ TEST(Error, RebuiltErrorKeepsTextAndRank) {
   EXPECT_EQ(e.argument(), "beta");
   EXPECT_EQ(e.rank(), 3);
   EXPECT_STREQ(e.what(), "statescan error [rank 3] argument 'beta': nan");
+  EXPECT_EQ(e.message(), e.what());  // the other rank's prefix cannot be told apart
 }
 
 // ---- environment switches: documented values, else an error ----------------

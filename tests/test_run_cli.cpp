@@ -544,6 +544,11 @@ TEST(RunCliLactInput, ChunkNotDivisibleByRanksFailsOnEveryRankWithoutWriting) {
   const RunResult r = run_cli(dir, "--variant lact --lact-chunk 10 " + io_args(dir), "");
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   expect_every_rank_reports(r, "argument '--lact-chunk'");
+  // The layout helper's reason (the first chunk that does not split), once:
+  // not a second error's prefix and source location inside the message.
+  expect_every_rank_reports(r, "ranks: chunk 0 has 10 tokens");
+  for (const std::string& err : r.rank_err)
+    EXPECT_EQ(err.find("(statescan error"), std::string::npos) << err;
   EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
   EXPECT_EQ(r.out.find("# Wrong"), std::string::npos) << "ran anyway:\n" << r.out;
 }
