@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/parallel_for.h"
 #include "kernels/cpu/lact.h"
+#include "launch/run_comm.h"
 #include "launch/run_inputs.h"
 #include "launch/run_metrics.h"
 #include "monitoring/flop_model.h"
@@ -184,17 +185,13 @@ void LactJob::setup_device() {
       for (auto* x : {&run->dw0, &run->dw1, &run->dw2}) *x = DeviceArray::zeros(weights, t);
     }
   });
+  // The layer's all-reduces over NCCL or staged through the host over MPI,
+  // by --cp-comm as for the other variants.
 #ifdef STATESCAN_HAS_NCCL
-  // NCCL needs a GPU per rank; with more ranks than GPUs on a node (a test
-  // setup) the layer's all-reduces stage through the host over MPI instead.
-  // The ranks agree, so that all of them take the same path.
-  if (comm_.size() > 1 && mpi != nullptr) {
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
-    int64_t short_of_gpus = mpi->local_size() > devices ? 1 : 0;
-    comm_.all_reduce_max(&short_of_gpus, 1, CommType::i64);
-    if (short_of_gpus == 0) run->nccl = NcclCommunicator::create(*mpi, run->stream);
-  }
+  if (mpi != nullptr && exchange_over_nccl(options_.cp_comm, *mpi))
+    run->nccl = NcclCommunicator::create(*mpi, run->stream);
+#else
+  if (mpi != nullptr) (void)exchange_over_nccl(options_.cp_comm, *mpi);  // refuses nccl
 #endif
   device_run_ = std::move(run);
 }
@@ -489,7 +486,10 @@ int LactJob::run() {
                  "w0.npy)\n",
                  flags.c_str());
   }
-  collective_check(comm_, [&] { device_ = resolve_lact_device(options_.device); });
+  collective_check(comm_, [&] {
+    device_ = resolve_lact_device(options_.device);
+    check_cp_comm(options_, device_);
+  });
   setup();
 #ifdef STATESCAN_HAS_CUDA
   if (device_ == DeviceKind::cuda) setup_device();

@@ -71,7 +71,14 @@ const std::vector<OptionSpec>& option_specs() {
        [](RunOptions& o, const std::string& f, const std::string& v) {
          // LaCT is not a linear-attention Variant: it runs its own layer.
          o.lact = v == "lact";
-         if (!o.lact) o.variant = parse_variant(v, f.c_str());
+         if (o.lact) return;
+         for (Variant x : kAllVariants)
+           if (v == to_string(x)) {
+             o.variant = x;
+             return;
+           }
+         SS_FAIL(f, "unknown variant '", v,
+                 "' (expected linear, retention, gla, deltanet, gated_deltanet, kda or lact)");
        }},
       {"--batch", true, true,
        [](RunOptions& o, const std::string& f, const std::string& v) {
@@ -365,7 +372,8 @@ Parallelism and device
   --cp-comm NAME     auto | nccl | mpi: with --device cuda and several ranks, the
                      exchange over NCCL (one GPU per rank) or staged through host
                      memory over MPI (ranks may share a GPU); auto: nccl when
-                     built with it                                           [auto]
+                     built with it and every node has a GPU per rank, else
+                     mpi; nccl where it cannot run is an error               [auto]
 
 Run
   --iters N          timed steps                                                  [3]

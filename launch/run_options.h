@@ -32,9 +32,10 @@ struct RunOptions {
   int64_t warmup = 1;
   bool check = true;
   DeviceKind device = DeviceKind::automatic;
-  // --cp-comm: the mixer's communicator with --device cuda and several ranks:
-  // nccl (exchange on the GPU; one GPU per rank), mpi (exchange staged
-  // through host memory; ranks may share a GPU), auto = nccl when built with it.
+  // --cp-comm: the exchange's communicator with --device cuda and several
+  // ranks (the CP mixer's, LaCT's all-reduces): nccl (on the GPU; one GPU per
+  // rank), mpi (staged through host memory; ranks may share a GPU), auto
+  // (launch/run_comm.h).
   enum class CpComm { automatic, nccl, mpi };
   CpComm cp_comm = CpComm::automatic;
   std::string load_dir;   // empty: synthetic inputs

@@ -34,6 +34,7 @@
 #include "core/error.h"
 #include "core/npy.h"
 #include "core/parallel_for.h"
+#include "launch/run_comm.h"
 #include "launch/run_inputs.h"
 #include "launch/run_lact.h"
 #include "launch/run_metrics.h"
@@ -203,6 +204,7 @@ int Job::run(int argc, char** argv) {
   configure_threads(mpi);
   if (options_.metrics_hold > 0) install_hold_signals();
   device_ = resolve_device(options_.device);
+  check_cp_comm(options_, device_);
   cp_comm_ = &comm_;
   comm_description_ = comm_.size() == 1 ? "single rank" : "mpi (host)";
   config_.variant = options_.variant;
@@ -618,16 +620,14 @@ void Job::setup_device(const MpiCommunicator* mpi) {
     SS_CUDA_CHECK(cudaSetDevice((mpi != nullptr ? mpi->local_rank() : 0) % devices));
   });
   comm_description_ = comm_.size() == 1 ? "single rank" : "mpi (host-staged exchange)";
+  if (mpi == nullptr) return;
+  auto& world = const_cast<MpiCommunicator&>(*mpi);
+  if (!exchange_over_nccl(options_.cp_comm, world)) return;
 #ifdef STATESCAN_HAS_NCCL
-  if (comm_.size() > 1 && mpi != nullptr && options_.cp_comm != RunOptions::CpComm::mpi) {
-    collective_check(comm_, [&] { SS_CUDA_CHECK(cudaStreamCreate(&nccl_stream_)); });
-    nccl_ = NcclCommunicator::create(const_cast<MpiCommunicator&>(*mpi), nccl_stream_);
-    cp_comm_ = nccl_.get();
-    comm_description_ = "nccl (device exchange)";
-  }
-#else
-  SS_CHECK_ARG(options_.cp_comm != RunOptions::CpComm::nccl, "--cp-comm",
-               "nccl requested but this build has no NCCL");
+  collective_check(comm_, [&] { SS_CUDA_CHECK(cudaStreamCreate(&nccl_stream_)); });
+  nccl_ = NcclCommunicator::create(world, nccl_stream_);
+  cp_comm_ = nccl_.get();
+  comm_description_ = "nccl (device exchange)";
 #endif
 #else
   (void)mpi;

@@ -21,6 +21,9 @@
 #                    KDA row with peak memory (BWD_1M=0 skips that row), once
 #                    with the chunk states saved and once recomputed (--recompute;
 #                    RECOMPUTE=0 skips that one)
+#   RUN_CLI=0        skip statescan-run's --device cuda cases of test_run_cli
+#                    (3 ranks sharing this GPU: the exchange over MPI by default,
+#                    --cp-comm nccl refused; log in BUILD_DIR/run_cli.log)
 #   LINEAR_ALT=0     skip linear attention's other scans: their tests (groups of
 #                    2 chunks; the sequential scan, STATESCAN_LINEAR=scan) and
 #                    the sequential scan's forward and forward+backward rows at
@@ -78,6 +81,15 @@ if [[ -x "$BUILD/tests/test_comm_nccl" ]]; then
   # gtest colours its output under mpirun: match past the escape codes.
   grep -aE "\[  (PASSED|FAILED|SKIPPED) |tests ran" "$OUT/nccl.log" | sed 's/^/nccl: /' | tail -5
   grep -aE "\[  FAILED  \]" "$OUT/nccl.log" | head -20
+fi
+
+# statescan-run on this GPU with more ranks than GPUs (MPI builds only).
+if [[ "${RUN_CLI:-1}" != 0 ]] && grep -q "STATESCAN_WITH_MPI:BOOL=ON" "$BUILD/CMakeCache.txt"; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  { cmake --build "$BUILD" --target test_run_cli statescan-run -j16 >>"$OUT/build.log" 2>&1 &&
+    timeout 300 "$BUILD/tests/test_run_cli" --gtest_filter='RunCli.SharedGpu*:RunCli.CudaDevice*' \
+      >"$BUILD/run_cli.log" 2>&1; } || status=1
+  grep -aE "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]" "$BUILD/run_cli.log" | sed 's/^/run_cli: /' | head -8
 fi
 
 "$BUILD/tests/test_cuda_forward" --gtest_filter="${GTEST_FILTER:-*}" \

@@ -21,6 +21,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/npy.h"
@@ -30,6 +31,8 @@
 #include "tests/test_util.h"
 
 #ifdef STATESCAN_HAS_CUDA
+#include <cuda_runtime.h>
+
 #include "kernels/cuda/cuda_mixer.h"
 #endif
 
@@ -419,6 +422,61 @@ TEST(RunCli, CudaDeviceWithoutGpuIsRefusedOnEveryRank) {
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   expect_every_rank_reports(r, "argument '--device'");
   EXPECT_EQ(r.out.find("# Wrong"), std::string::npos) << "ran anyway:\n" << r.out;
+}
+
+// --cp-comm nccl asks for the GPU exchange: on the CPU path (which exchanges
+// over MPI) it is refused on every rank, for the linear-attention variants
+// and LaCT alike, rather than ignored.
+TEST(RunCli, NcclExchangeIsRefusedOnTheCpuPath) {
+  TempDir dir;
+  // (LaCT refuses the mixer's --chunk that run_cli passes by default.)
+  const std::pair<std::string, std::string> jobs[] = {
+      {"kda", "--chunk " + std::to_string(kChunk)},
+      {"lact --lact-chunk 12 --dk 8 --lact-hidden 16", ""}};
+  for (const auto& [variant, common] : jobs) {
+    const RunResult r = run_cli(
+        dir, "--variant " + variant + " --cp-comm nccl --seq-len 48 --iters 1 --warmup 0", common);
+    EXPECT_EQ(r.exit_code, 2) << variant << "\n" << r.out << r.err;
+    expect_every_rank_reports(r, "argument '--cp-comm'");
+    EXPECT_EQ(r.out.find("# Avg"), std::string::npos) << "ran anyway:\n" << r.out;
+  }
+}
+
+// With more ranks than GPUs (this suite runs 3 ranks), --device cuda
+// exchanges over MPI by default (the header says so), and an explicit
+// --cp-comm nccl is refused on every rank naming the flag: NCCL needs a GPU per
+// rank, and nothing falls back silently. Both variants' jobs follow the rule.
+TEST(RunCli, SharedGpuExchangesOverMpiUnlessNcclIsAskedFor) {
+#ifdef STATESCAN_HAS_CUDA
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices >= kRanks)
+    GTEST_SKIP() << "a GPU per rank: NCCL runs here";
+  TempDir dir;
+  const std::pair<std::string, std::string> jobs[] = {
+      {"kda", "--chunk " + std::to_string(kChunk)},
+      {"lact --lact-chunk 12 --dk 8 --lact-hidden 16 --dtype f32", ""}};
+  for (const auto& [variant, common] : jobs) {
+    const std::string args =
+        "--variant " + variant + " --device cuda --seq-len 48 --iters 1 --warmup 0";
+    const RunResult ran = run_cli(dir, args, common);
+    EXPECT_EQ(ran.exit_code, 0) << variant << "\n" << ran.out << ran.err;
+    EXPECT_EQ(ran.out.find("nccl"), std::string::npos) << variant << ": " << ran.out;
+    EXPECT_NE(ran.out.find("host-staged"), std::string::npos) << variant << ": " << ran.out;
+    const RunResult refused = run_cli(dir, args + " --cp-comm nccl", common);
+    EXPECT_EQ(refused.exit_code, 2) << variant << "\n" << refused.out << refused.err;
+    expect_every_rank_reports(refused, "argument '--cp-comm'");
+  }
+#else
+  GTEST_SKIP() << "a build without CUDA";
+#endif
+}
+
+TEST(RunCli, UnknownVariantListsEveryChoice) {
+  TempDir dir;
+  const RunResult r = run_cli(dir, "--variant mamba --iters 1 --warmup 0");
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, "gated_deltanet, kda or lact)");
 }
 
 // --keep-prepared is a CUDA-path option: refused (not ignored) on the CPU path
