@@ -11,7 +11,7 @@
 //         intermediates, fast weights kept as fp32 master copies; Newton-Schulz
 //         on fp32 values, its products as bf16 tensor-core GEMMs of two-part
 //         (hi + lo) operands, ~fp32 accurate (STATESCAN_LACT_NS=fp32: fp32
-//         CUDA-core GEMMs; lact_cuda_impl.cuh).
+//         CUDA-core GEMMs; lact_newton_schulz.cuh).
 // All pointers are device pointers; all tensors of one call share `dtype`.
 // Work is enqueued on `stream`; scratch comes from statescan's workspace
 // allocator (core/device_pool.h).
@@ -112,7 +112,7 @@ void lact_cuda_backward(const LactCudaParams& p, const LactCudaGrads& g, const L
 
 namespace lact_detail {
 // STATESCAN_LACT_NS picks how bf16 layers run their Newton-Schulz products
-// (lact_cuda_impl.cuh, NewtonSchulz), read once per process: unset or
+// (lact_newton_schulz.cuh, NewtonSchulz), read once per process: unset or
 // "bf16x3" two-part bf16 operands through split3_kernel + one cuBLAS GEMM;
 // "fp32" fp32 GEMMs; "fused" the two-part products in ns_gemm_fused_kernel
 // (opt-in: passes the GPU suite but measured ~10 % slower on an H200,
@@ -151,7 +151,7 @@ bool lact_pdl_requested();
 const char* ns_gemms_name(NsGemms mode, int64_t dim, int64_t hidden);
 
 // Muon's Newton-Schulz alone, as a bf16 layer runs it (NewtonSchulz<float> in
-// lact_cuda_impl.cuh), in a given mode: for the tests and statescan-bench
+// lact_newton_schulz.cuh), in a given mode: for the tests and statescan-bench
 // --lact-ns, which compare the modes in one process. P, out, d_out, dP are
 // [pairs, 3 M D] fp32 device arrays of blocks [W0 | W2 | W1] (M x D, M x D,
 // D x M); out = NS_steps of every matrix of P. backward() needs

@@ -1,5 +1,5 @@
 // Scalar pieces of LaCT's token kernels: silu for the elementwise kernels
-// (lact_cuda_impl.cuh) and, with the fast exponential, for the fused
+// (lact_layer_kernels.cuh) and, with the fast exponential, for the fused
 // hidden-layer kernel (lact_hidden.cu); the learning rates' indexing, which
 // both read the same way.
 #pragma once
