@@ -1,10 +1,10 @@
 #include "core/env_knob.h"
 
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
+#include "core/cli_parse.h"
 #include "core/error.h"
 
 namespace statescan {
@@ -25,12 +25,7 @@ int env_choice(const char* name, std::initializer_list<const char*> allowed) {
 int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const char* text = std::getenv(name);
   if (text == nullptr || *text == '\0') return fallback;
-  errno = 0;
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  SS_CHECK_ARG(errno == 0 && end != text && *end == '\0' && value >= lo && value <= hi, name,
-               "must be a whole number in [", lo, ", ", hi, "], got '", text, "'");
-  return value;
+  return parse_int(text, name, lo, hi);
 }
 
 }  // namespace statescan

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/cli_parse.h"
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
@@ -335,17 +336,12 @@ double small_problem_error(const LactBenchOptions& o, double* worst_raw) {
   return worst_norm;
 }
 
-int64_t parse_int(const std::string& flag, const char* text) {
-  char* end = nullptr;
-  const long long v = std::strtoll(text, &end, 10);
-  SS_CHECK_ARG(end != text && *end == '\0' && v >= 0, flag.c_str(),
-               "expects a non-negative integer, got '", text, "'");
-  return v;
-}
-
 }  // namespace
 
 LactBenchOptions parse_lact_bench_options(int argc, char** argv) {
+  // Bounds far past any real run that keep the products of sizes in int64.
+  constexpr int64_t kMaxTokens = int64_t{1} << 40, kMaxCount = int64_t{1} << 20,
+                    kMaxWidth = int64_t{1} << 16;
   LactBenchOptions o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -355,17 +351,17 @@ LactBenchOptions parse_lact_bench_options(int argc, char** argv) {
     };
     if (a == "--lact" || a == "--lact-ns") continue;
     if (a == "--batch" || a == "-B") {
-      o.batch = parse_int(a, value());
+      o.batch = parse_int(value(), a.c_str(), 1, kMaxCount);
     } else if (a == "--seq-len" || a == "-T") {
-      o.seq_len = parse_int(a, value());
+      o.seq_len = parse_int(value(), a.c_str(), 1, kMaxTokens);
     } else if (a == "--chunk" || a == "-C") {
-      o.chunk = parse_int(a, value());
+      o.chunk = parse_int(value(), a.c_str(), 1, kMaxTokens);
     } else if (a == "--heads" || a == "-H") {
-      o.heads = parse_int(a, value());
+      o.heads = parse_int(value(), a.c_str(), 1, kMaxCount);
     } else if (a == "--dim" || a == "-D") {
-      o.dim = parse_int(a, value());
+      o.dim = parse_int(value(), a.c_str(), 1, kMaxWidth);
     } else if (a == "--hidden" || a == "-M") {
-      o.hidden = parse_int(a, value());
+      o.hidden = parse_int(value(), a.c_str(), 1, kMaxWidth);
     } else if (a == "--dtype") {
       o.dtype = parse_dtype(value(), "--dtype");
       SS_CHECK_ARG(o.dtype == DType::f32 || o.dtype == DType::bf16, "--dtype",
@@ -373,15 +369,16 @@ LactBenchOptions parse_lact_bench_options(int argc, char** argv) {
     } else if (a == "--schedule") {
       o.schedule = parse_lact_schedule(value(), "--schedule");
     } else if (a == "--momentum") {
-      o.momentum = std::atof(value());
+      o.momentum = parse_number(value(), a.c_str());
+      SS_CHECK_ARG(o.momentum >= 0 && o.momentum < 1, a, "must be in [0, 1), got ", o.momentum);
     } else if (a == "--muon-steps") {
-      o.muon_steps = static_cast<int>(parse_int(a, value()));
+      o.muon_steps = static_cast<int>(parse_int(value(), a.c_str(), 0, 100));
     } else if (a == "--no-renorm") {
       o.renorm = false;
     } else if (a == "--warmup") {
-      o.warmup = static_cast<int>(parse_int(a, value()));
+      o.warmup = static_cast<int>(parse_int(value(), a.c_str(), 0, kMaxCount));
     } else if (a == "--iters") {
-      o.iters = std::max<int>(1, static_cast<int>(parse_int(a, value())));
+      o.iters = static_cast<int>(parse_int(value(), a.c_str(), 1, kMaxCount));
     } else if (a == "--forward-only") {
       o.backward = false;
     } else if (a == "--no-check") {

@@ -1,42 +1,20 @@
 #include "launch/run_options.h"
 
-#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <sstream>
 #include <string_view>
 
+#include "core/cli_parse.h"
 #include "core/error.h"
 
 namespace statescan::launch {
 namespace {
 
-int64_t parse_int(const std::string& flag, std::string_view text, int64_t min, int64_t max) {
-  int64_t value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  SS_CHECK_ARG(ec == std::errc() && end == text.data() + text.size(), flag,
-               "expects an integer, got '", std::string(text), "'");
-  SS_CHECK_ARG(value >= min && value <= max, flag, "must be in [", min, ", ", max, "], got ",
-               value);
-  return value;
-}
-
-double parse_positive_double(const std::string& flag, const std::string& text) {
-  char* end = nullptr;
-  const double value = std::strtod(text.c_str(), &end);
-  SS_CHECK_ARG(!text.empty() && end == text.c_str() + text.size(), flag, "expects a number, got '",
-               text, "'");
-  SS_CHECK_ARG(std::isfinite(value) && value > 0, flag, "must be a finite number > 0, got ", text);
-  return value;
-}
-
 // A number in [0, 1) (the LaCT momentum).
 double parse_unit_interval(const std::string& flag, const std::string& text) {
-  char* end = nullptr;
-  const double value = std::strtod(text.c_str(), &end);
-  SS_CHECK_ARG(!text.empty() && end == text.c_str() + text.size(), flag, "expects a number, got '",
-               text, "'");
+  const double value = parse_number(text, flag.c_str());
   SS_CHECK_ARG(value >= 0 && value < 1, flag, "must be in [0, 1), got ", text);
   return value;
 }
@@ -49,7 +27,7 @@ std::vector<int64_t> parse_shards(const std::string& flag, const std::string& te
     const std::size_t comma = text.find(',', start);
     const std::string_view piece(text.data() + start,
                                  (comma == std::string::npos ? text.size() : comma) - start);
-    shards.push_back(parse_int(flag, piece, 1, int64_t{1} << 40));
+    shards.push_back(parse_int(piece, flag.c_str(), 1, int64_t{1} << 40));
     if (comma == std::string::npos) break;
     start = comma + 1;
   }
@@ -82,27 +60,27 @@ const std::vector<OptionSpec>& option_specs() {
        }},
       {"--batch", true, true,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.batch = parse_int(f, v, 1, kMaxExtent);
+         o.batch = parse_int(v, f.c_str(), 1, kMaxExtent);
        }},
       {"--seq-len", true, true,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.seq_len = parse_int(f, v, 1, kMaxExtent);
+         o.seq_len = parse_int(v, f.c_str(), 1, kMaxExtent);
        }},
       {"--heads", true, true,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.heads = parse_int(f, v, 1, kMaxExtent);
+         o.heads = parse_int(v, f.c_str(), 1, kMaxExtent);
        }},
       {"--dk", true, true,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.dk = parse_int(f, v, 1, 256);
+         o.dk = parse_int(v, f.c_str(), 1, 256);
        }},
       {"--dv", true, true,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.dv = parse_int(f, v, 1, 256);
+         o.dv = parse_int(v, f.c_str(), 1, 256);
        }},
       {"--chunk", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.chunk = parse_int(f, v, 1, 1 << 20);
+         o.chunk = parse_int(v, f.c_str(), 1, 1 << 20);
          SS_CHECK_ARG(o.chunk == 16 || o.chunk == 32 || o.chunk == 64, f, "chunk size ", o.chunk,
                       " is not supported (expected 16, 32 or 64)");
        }},
@@ -116,11 +94,11 @@ const std::vector<OptionSpec>& option_specs() {
        }},
       {"--iters", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.iters = parse_int(f, v, 1, 1000000);
+         o.iters = parse_int(v, f.c_str(), 1, 1000000);
        }},
       {"--warmup", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.warmup = parse_int(f, v, 0, 1000000);
+         o.warmup = parse_int(v, f.c_str(), 0, 1000000);
        }},
       {"--check", false, false,
        [](RunOptions& o, const std::string&, const std::string&) { o.check = true; }},
@@ -159,7 +137,7 @@ const std::vector<OptionSpec>& option_specs() {
        }},
       {"--seed", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.seed = static_cast<uint64_t>(parse_int(f, v, 0, INT64_MAX));
+         o.seed = static_cast<uint64_t>(parse_int(v, f.c_str(), 0, INT64_MAX));
        }},
       {"--l2norm", false, false,
        [](RunOptions& o, const std::string&, const std::string&) { o.l2norm = true; }},
@@ -173,7 +151,7 @@ const std::vector<OptionSpec>& option_specs() {
        [](RunOptions& o, const std::string&, const std::string&) { o.check_finite = false; }},
       {"--scale", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.scale = parse_positive_double(f, v);
+         o.scale = parse_positive_number(v, f.c_str());
        }},
       {"--shards", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
@@ -181,7 +159,7 @@ const std::vector<OptionSpec>& option_specs() {
        }},
       {"--metrics-port", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.metrics_port = static_cast<int>(parse_int(f, v, 1, 65535));
+         o.metrics_port = static_cast<int>(parse_int(v, f.c_str(), 1, 65535));
        }},
       {"--metrics-bind", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
@@ -190,7 +168,7 @@ const std::vector<OptionSpec>& option_specs() {
        }},
       {"--metrics-hold", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.metrics_hold = parse_positive_double(f, v);
+         o.metrics_hold = parse_positive_number(v, f.c_str());
        }},
       {"--progress", false, false,
        [](RunOptions& o, const std::string&, const std::string&) {
@@ -202,11 +180,11 @@ const std::vector<OptionSpec>& option_specs() {
        }},
       {"--lact-chunk", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.lact_config.chunk = parse_int(f, v, 1, kMaxExtent);
+         o.lact_config.chunk = parse_int(v, f.c_str(), 1, kMaxExtent);
        }},
       {"--lact-hidden", true, true,
        [](RunOptions& o, const std::string& f, const std::string& v) {
-         o.lact_hidden = parse_int(f, v, 1, 1 << 16);
+         o.lact_hidden = parse_int(v, f.c_str(), 1, 1 << 16);
        }},
       {"--schedule", true, false,
        [](RunOptions& o, const std::string& f, const std::string& v) {
@@ -215,7 +193,7 @@ const std::vector<OptionSpec>& option_specs() {
       {"--muon-steps", true, false,
        [](RunOptions& o, const std::string& f,
           const std::string&
-              v) { o.lact_config.muon_steps = static_cast<int>(parse_int(f, v, 0, 100)); }},
+              v) { o.lact_config.muon_steps = static_cast<int>(parse_int(v, f.c_str(), 0, 100)); }},
       {"--momentum", true, false,
        [](RunOptions& o, const std::string& f,
           const std::string& v) { o.lact_config.momentum = parse_unit_interval(f, v); }},

@@ -88,6 +88,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cli_parse.h"
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "core/device_pool.h"
@@ -142,6 +143,10 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
+// Upper bounds of the integer flags: far past any real run, low enough that
+// the products of sizes stay inside int64.
+constexpr int64_t kMaxTokens = int64_t{1} << 40, kMaxCount = int64_t{1} << 20;
+
 Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -152,24 +157,24 @@ Options parse(int argc, char** argv) {
     };
     if (arg == "-v" || arg == "--variants") {
       o.variants.clear();
-      for (auto& v : split(value())) o.variants.push_back(parse_variant(v));
+      for (auto& v : split(value())) o.variants.push_back(parse_variant(v, arg.c_str()));
     } else if (arg == "-t" || arg == "--lengths") {
       o.lengths.clear();
-      for (auto& v : split(value())) o.lengths.push_back(std::stoll(v));
+      for (auto& v : split(value())) o.lengths.push_back(parse_int(v, arg.c_str(), 1, kMaxTokens));
     } else if (arg == "-b" || arg == "--batch") {
-      o.batch = std::stoll(value());
+      o.batch = parse_int(value(), arg.c_str(), 1, kMaxCount);
     } else if (arg == "-H" || arg == "--heads") {
-      o.heads = std::stoll(value());
+      o.heads = parse_int(value(), arg.c_str(), 1, kMaxCount);
     } else if (arg == "-d" || arg == "--dim") {
-      o.dim = std::stoll(value());
+      o.dim = parse_int(value(), arg.c_str(), 1, 256);
     } else if (arg == "-c" || arg == "--chunk") {
-      o.chunk = std::stoll(value());
+      o.chunk = parse_int(value(), arg.c_str(), 1, 256);
     } else if (arg == "--dtype") {
       o.dtype = parse_dtype(value());
     } else if (arg == "-w" || arg == "--warmup") {
-      o.warmup = std::stoi(value());
+      o.warmup = static_cast<int>(parse_int(value(), arg.c_str(), 0, kMaxCount));
     } else if (arg == "-n" || arg == "--iters") {
-      o.iters = std::stoi(value());
+      o.iters = static_cast<int>(parse_int(value(), arg.c_str(), 1, kMaxCount));
     } else if (arg == "--json") {
       o.json = value();
     } else if (arg == "--plot") {
@@ -193,15 +198,13 @@ Options parse(int argc, char** argv) {
       o.cp_variant = parse_variant(value(), "--variant");
       o.cp_variant_given = true;
     } else if (arg == "--seq-len") {
-      o.cp_seq_len = static_cast<int64_t>(parse_positive_number(value(), "--seq-len"));
+      o.cp_seq_len = parse_int(value(), "--seq-len", 1, kMaxTokens);
     } else if (arg == "-P") {
-      o.cp_max_ranks = static_cast<int>(parse_positive_number(value(), "-P"));
-      SS_CHECK_ARG(o.cp_max_ranks >= 2 && o.cp_max_ranks <= (1 << 20), "-P",
-                   "must be in [2, 1048576]");
+      o.cp_max_ranks = static_cast<int>(parse_int(value(), "-P", 2, kMaxCount));
     } else if (arg == "--link") {
       o.link = parse_link_preset(value(), "--link");
     } else if (arg == "--gpus-per-node") {
-      o.gpus_per_node = static_cast<int>(parse_positive_number(value(), "--gpus-per-node"));
+      o.gpus_per_node = static_cast<int>(parse_int(value(), "--gpus-per-node", 1, kMaxCount));
     } else if (arg == "--link-bw-GBps") {
       o.link_bw_GBps = parse_positive_number(value(), "--link-bw-GBps");
     } else if (arg == "--link-latency-us") {
@@ -214,8 +217,8 @@ Options parse(int argc, char** argv) {
       o.compose_tflops = parse_positive_number(value(), "--compose-TFLOPs");
     } else if (arg == "--overlap") {
       const std::string v = value();
-      o.overlap = v == "0" ? 0.0 : parse_positive_number(v, "--overlap");
-      SS_CHECK_ARG(o.overlap <= 1, "--overlap", "must be in [0, 1], got ", v);
+      o.overlap = parse_number(v, "--overlap");
+      SS_CHECK_ARG(o.overlap >= 0 && o.overlap <= 1, "--overlap", "must be in [0, 1], got ", v);
     } else if (arg == "--fwd-ms") {
       o.fwd_ms = parse_positive_number(value(), "--fwd-ms");
     } else if (arg == "--bwd-ms") {
@@ -236,7 +239,6 @@ Options parse(int argc, char** argv) {
       SS_FAIL(arg, "unknown option");
     }
   }
-  SS_CHECK_ARG(o.iters >= 1, "iters", "must be >= 1");
   SS_CHECK_ARG(!o.recompute || o.backward, "--recompute", "applies to --backward only");
   SS_CHECK_ARG(!o.keep_prepared || o.backward, "--keep-prepared", "applies to --backward only");
   SS_CHECK_ARG(o.save_t || o.backward, "--no-save-t", "applies to --backward only");

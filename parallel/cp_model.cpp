@@ -1,7 +1,6 @@
 #include "parallel/cp_model.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -254,17 +253,6 @@ CpModelResult predict_cp_scaling(const CpLayer& layer, const CpLocalTimes& times
     if (P > config.max_ranks / 2) break;  // avoids overflow at INT_MAX
   }
   return out;
-}
-
-double parse_positive_number(std::string_view value, const char* flag) {
-  const std::string text(value);
-  char* end = nullptr;
-  errno = 0;
-  const double x = std::strtod(text.c_str(), &end);
-  SS_CHECK_ARG(!text.empty() && end == text.c_str() + text.size() && errno == 0, flag, "'", text,
-               "' is not a number");
-  SS_CHECK_ARG(std::isfinite(x) && x > 0, flag, "must be a positive number, got '", text, "'");
-  return x;
 }
 
 namespace {

@@ -228,10 +228,6 @@ struct CpModelResult {
 CpModelResult predict_cp_scaling(const CpLayer& layer, const CpLocalTimes& times,
                                  const CpModelConfig& config);
 
-// Parses a strictly positive number given for CLI flag `flag` (e.g.
-// "--link-bw-GBps"); throws statescan::Error naming `flag` otherwise.
-double parse_positive_number(std::string_view value, const char* flag);
-
 // Output in the manner of nccl-tests: '#'-headed lines, units on every column.
 // `notes` are printed as '#' lines before the column header (where the times
 // came from). The JSON is an array of the same rows.

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cli_parse.h"
 #include "core/dtype.h"
 #include "core/env_knob.h"
 #include "core/error.h"
@@ -251,6 +252,35 @@ TEST(Error, RebuiltErrorKeepsTextAndRank) {
   EXPECT_EQ(e.rank(), 3);
   EXPECT_STREQ(e.what(), "statescan error [rank 3] argument 'beta': nan");
   EXPECT_EQ(e.message(), e.what());  // the other rank's prefix cannot be told apart
+}
+
+// ---- command-line numbers: all of the text, in range, or an error naming the flag
+
+TEST(CliParse, IntegersInRange) {
+  EXPECT_EQ(parse_int("42", "--iters", 1, 100), 42);
+  EXPECT_EQ(parse_int("-3", "--x", -5, 5), -3);
+  EXPECT_EQ(parse_int("1099511627776", "--seq-len", 1, int64_t{1} << 40), int64_t{1} << 40);
+  expect_error_naming("--iters", [] { parse_int("0", "--iters", 1, 100); });
+  expect_error_naming("--iters", [] { parse_int("101", "--iters", 1, 100); });
+  expect_error_naming("-t", [] { parse_int("abc", "-t", 1, 100); });
+  expect_error_naming("-t", [] { parse_int("12k", "-t", 1, 100); });  // not a prefix
+  expect_error_naming("-t", [] { parse_int("1.5", "-t", 1, 100); });
+  expect_error_naming("-t", [] { parse_int("", "-t", 1, 100); });
+  expect_error_naming("-t", [] { parse_int("99999999999999999999", "-t", 1, 100); });
+}
+
+TEST(CliParse, Numbers) {
+  EXPECT_DOUBLE_EQ(parse_number("0", "--overlap"), 0.0);
+  EXPECT_DOUBLE_EQ(parse_number("-2.5e-1", "--x"), -0.25);
+  EXPECT_DOUBLE_EQ(parse_positive_number("450", "--link-bw-GBps"), 450.0);
+  expect_error_naming("--link-bw-GBps", [] { parse_positive_number("fast", "--link-bw-GBps"); });
+  expect_error_naming("--link-bw-GBps", [] { parse_positive_number("-3", "--link-bw-GBps"); });
+  expect_error_naming("--link-bw-GBps", [] { parse_positive_number("0", "--link-bw-GBps"); });
+  expect_error_naming("--link-latency-us", [] { parse_positive_number("", "--link-latency-us"); });
+  expect_error_naming("--fwd-ms", [] { parse_positive_number("12ms", "--fwd-ms"); });
+  expect_error_naming("--scale", [] { parse_number("inf", "--scale"); });
+  expect_error_naming("--scale", [] { parse_number("nan", "--scale"); });
+  expect_error_naming("--scale", [] { parse_number("1e999", "--scale"); });
 }
 
 // ---- environment switches: documented values, else an error ----------------

@@ -411,13 +411,8 @@ TEST(CpModel, TableAndJsonHaveRowsUpTo1024) {
 
 TEST(CpModel, ParseErrorsNameTheArgument) {
   expect_error_naming("--link", [] { parse_link_preset("nvlnk", "--link"); });
-  expect_error_naming("--link-bw-GBps", [] { parse_positive_number("fast", "--link-bw-GBps"); });
-  expect_error_naming("--link-bw-GBps", [] { parse_positive_number("-3", "--link-bw-GBps"); });
-  expect_error_naming("--link-latency-us", [] { parse_positive_number("", "--link-latency-us"); });
-  expect_error_naming("--fwd-ms", [] { parse_positive_number("12ms", "--fwd-ms"); });
   expect_error_naming("gpus_per_node", [] { link_preset(LinkPreset::hierarchical, 0); });
   EXPECT_EQ(parse_link_preset("hierarchical"), LinkPreset::hierarchical);
-  EXPECT_DOUBLE_EQ(parse_positive_number("450", "--link-bw-GBps"), 450.0);
 }
 
 TEST(CpModel, BadModelInputsNameTheField) {

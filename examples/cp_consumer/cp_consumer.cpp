@@ -23,6 +23,7 @@
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "consumer_check.h"
+#include "core/cli_parse.h"
 #include "core/error.h"
 #include "monitoring/flop_model.h"
 #include "monitoring/metrics_exporter.h"
@@ -127,7 +128,7 @@ int parse_port(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--metrics-port") == 0) {
       SS_CHECK_ARG(i + 1 < argc, "--metrics-port", "needs a value");
-      return std::atoi(argv[i + 1]);
+      return static_cast<int>(statescan::parse_int(argv[i + 1], "--metrics-port", 1, 65535));
     }
     SS_FAIL(argv[i], "unknown argument (usage: cp_consumer [--metrics-port PORT])");
   }
