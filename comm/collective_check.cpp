@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -83,28 +84,55 @@ Failure run_check(const std::function<void()>& check) {
 void collective_check(Communicator& comm, const std::function<void()>& check) {
   const Failure mine = run_check(check);
 
-  // Max of (size - rank) over failing ranks picks the lowest failing rank.
-  int64_t lowest = mine.failed ? static_cast<int64_t>(comm.size() - comm.rank()) : 0;
-  comm.all_reduce_max(&lowest, 1, CommType::i64);
-  if (lowest == 0) return;
-  const int failing = comm.size() - static_cast<int>(lowest);
+  // The two collectives' buffers are on the heap: a collective that times
+  // out stays posted (MPI cannot cancel one) and may still write its buffer
+  // when a late peer arrives, so on a throw the buffer is handed to it, not
+  // freed (bytes, on a path that ends the job).
+  auto keep_on_throw = [](auto& buffer, auto&& call) {
+    try {
+      call();
+    } catch (...) {
+      (void)buffer.release();
+      throw;
+    }
+  };
 
-  std::vector<unsigned char> payload(kPayloadBytes, 0);
+  // Max of (size - rank) over failing ranks picks the lowest failing rank.
+  auto lowest =
+      std::make_unique<int64_t>(mine.failed ? static_cast<int64_t>(comm.size() - comm.rank()) : 0);
+  keep_on_throw(lowest, [&] { comm.all_reduce_max(lowest.get(), 1, CommType::i64); });
+  if (*lowest == 0) return;
+  const int failing = comm.size() - static_cast<int>(*lowest);
+
+  auto payload = std::make_unique<unsigned char[]>(kPayloadBytes);  // zeroed
+  unsigned char* bytes = payload.get();
   if (comm.rank() == failing) {
     // Report the rank the error named (the world rank in MPI jobs); when none
     // was set, the failing rank's index in this group.
     const int64_t reported = mine.rank >= 0 ? mine.rank : failing;
-    std::memcpy(payload.data(), &reported, kRankBytes);
-    pack_text(mine.argument, payload.data() + kRankBytes, kArgumentBytes);
-    pack_text(mine.what_text, payload.data() + kRankBytes + kArgumentBytes, kMessageBytes);
+    std::memcpy(bytes, &reported, kRankBytes);
+    pack_text(mine.argument, bytes + kRankBytes, kArgumentBytes);
+    pack_text(mine.what_text, bytes + kRankBytes + kArgumentBytes, kMessageBytes);
   }
-  comm.broadcast(payload.data(), payload.size(), CommType::u8, failing);
+  keep_on_throw(payload, [&] { comm.broadcast(bytes, kPayloadBytes, CommType::u8, failing); });
 
   int64_t reported = 0;
-  std::memcpy(&reported, payload.data(), kRankBytes);
-  throw Error(unpack_text(payload.data() + kRankBytes, kArgumentBytes),
-              unpack_text(payload.data() + kRankBytes + kArgumentBytes, kMessageBytes),
+  std::memcpy(&reported, bytes, kRankBytes);
+  throw Error(unpack_text(bytes + kRankBytes, kArgumentBytes),
+              unpack_text(bytes + kRankBytes + kArgumentBytes, kMessageBytes),
               static_cast<int>(reported));
+}
+
+int64_t content_hash(const void* data, std::size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint64_t h = 1469598103934665603ull;
+  for (std::size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  int64_t out = 0;
+  std::memcpy(&out, &h, sizeof(out));
+  return out;
 }
 
 }  // namespace statescan

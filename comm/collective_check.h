@@ -3,6 +3,8 @@
 // collective.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 
 #include "comm/communicator.h"
@@ -15,5 +17,9 @@ namespace statescan {
 // Collective; costs one small all-reduce when nothing failed (plus one
 // broadcast of the message when something did).
 void collective_check(Communicator& comm, const std::function<void()>& check);
+
+// FNV-1a of `bytes` bytes: lets the ranks confirm with one small all-gather
+// that they hold the same array (initial weights, packed-sequence offsets).
+int64_t content_hash(const void* data, std::size_t bytes);
 
 }  // namespace statescan

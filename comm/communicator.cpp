@@ -44,7 +44,14 @@ std::chrono::milliseconds comm_timeout_from_env() {
   SS_CHECK_ARG(errno == 0 && end != text && *end == '\0' && ms >= 0, "STATESCAN_COMM_TIMEOUT_MS",
                "is '", text,
                "', must be a non-negative integer number of milliseconds (0: no timeout)");
+  check_comm_timeout(std::chrono::milliseconds(ms), "STATESCAN_COMM_TIMEOUT_MS");
   return std::chrono::milliseconds(ms);
+}
+
+void check_comm_timeout(std::chrono::milliseconds timeout, const char* argument) {
+  SS_CHECK_ARG(timeout.count() >= 0 && timeout <= kMaxCommTimeout, argument, "is ", timeout.count(),
+               " ms, must be in [0, ", kMaxCommTimeout.count(),
+               "] (0: wait forever; at most 30 days)");
 }
 
 namespace {

@@ -26,9 +26,19 @@ inline std::ostream& operator<<(std::ostream& os, CommType t) { return os << to_
 // whose peer died fails with an error instead of burning its allocation.
 constexpr std::chrono::milliseconds kDefaultCommTimeout{10 * 60 * 1000};
 
+// The longest timeout a communicator takes: 30 days. The waits compare
+// against clocks in nanoseconds, and a count of milliseconds past ~9.2e12
+// would overflow there and time out at once.
+constexpr std::chrono::milliseconds kMaxCommTimeout{30LL * 24 * 3600 * 1000};
+
+// Throws statescan::Error naming `argument` unless 0 <= timeout <=
+// kMaxCommTimeout (0 waits forever).
+void check_comm_timeout(std::chrono::milliseconds timeout, const char* argument);
+
 // The timeout communicators start with: STATESCAN_COMM_TIMEOUT_MS when set (a
 // non-negative integer; 0 waits forever), else kDefaultCommTimeout. Throws
-// statescan::Error naming STATESCAN_COMM_TIMEOUT_MS when it is malformed.
+// statescan::Error naming STATESCAN_COMM_TIMEOUT_MS when it is malformed or
+// out of range.
 std::chrono::milliseconds comm_timeout_from_env();
 
 class Communicator {

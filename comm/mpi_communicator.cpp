@@ -146,8 +146,16 @@ MpiEnvironment::MpiEnvironment(int* argc, char*** argv) {
   SS_MPI_CHECK(MPI_Initialized(&initialised));
   SS_MPI_CHECK(MPI_Finalized(&finalised));
   SS_CHECK_ARG(finalised == 0, "mpi", "MPI was already finalised; it cannot be initialised again");
-  if (initialised != 0) return;
   int provided = MPI_THREAD_SINGLE;
+  if (initialised != 0) {
+    // Initialised by the caller: the same terms as below, not silently fewer.
+    SS_MPI_CHECK(MPI_Query_thread(&provided));
+    SS_CHECK_ARG(provided >= MPI_THREAD_FUNNELED, "mpi", "MPI was initialised at thread level ",
+                 provided, ", below MPI_THREAD_FUNNELED (", MPI_THREAD_FUNNELED,
+                 "), which the library's worker threads need: initialise it with "
+                 "MPI_Init_thread(..., MPI_THREAD_FUNNELED or higher, ...)");
+    return;
+  }
   SS_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
   if (provided < MPI_THREAD_FUNNELED) {
     // The library runs worker threads beside MPI; without FUNNELED support
@@ -187,8 +195,10 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm)
   init_owned();
 }
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm, Adopt)
-    : comm_(comm), max_piece_elements_(kMaxMpiCount), timeout_(comm_timeout_from_env()) {
+// The timeout comes from the parent (split): reading the environment here
+// could throw before init_owned, leaking `comm` on this rank alone.
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, Adopt, std::chrono::milliseconds timeout)
+    : comm_(comm), max_piece_elements_(kMaxMpiCount), timeout_(timeout) {
   init_owned();
 }
 
@@ -235,8 +245,7 @@ MpiCommunicator::~MpiCommunicator() {
 }
 
 void MpiCommunicator::set_timeout(std::chrono::milliseconds timeout) {
-  SS_CHECK_ARG(timeout.count() >= 0, "timeout", "is ", timeout.count(),
-               " ms, must be >= 0 (0: wait forever)");
+  check_comm_timeout(timeout, "timeout");
   timeout_ = timeout;
 }
 
@@ -495,7 +504,14 @@ void MpiCommunicator::send_recv(const void* send, std::size_t send_count, int de
                            comm_, &ops[0].request));
     SS_MPI_CHECK(MPI_Isend(send_from, static_cast<int>(send_bytes / elem), dt, to, tag, comm_,
                            &ops[1].request));
-    await(ops, 2, "MPI_Irecv/MPI_Isend", "send_recv");
+    try {
+      await(ops, 2, "MPI_Irecv/MPI_Isend", "send_recv");
+    } catch (...) {
+      // The send may still be posted: its copy must outlive this call (a
+      // moved vector keeps its storage).
+      stranded_buffers_.push_back(std::move(in_place_copy));
+      throw;
+    }
     check_received(ops[0].rc, ops[0].status, dt, recv_n, from, "recv_count", "MPI_Irecv");
     if (ops[1].rc != MPI_SUCCESS) {
       detail::throw_mpi_error(ops[1].rc, "MPI_Isend", __FILE__, __LINE__);
@@ -524,10 +540,9 @@ std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   timed_barrier("split");
   MPI_Comm group = MPI_COMM_NULL;
   SS_MPI_CHECK(MPI_Comm_split(comm_, color, key, &group));
-  std::unique_ptr<MpiCommunicator> sub(new MpiCommunicator(group, Adopt{}));
+  std::unique_ptr<MpiCommunicator> sub(new MpiCommunicator(group, Adopt{}, timeout_));
   // The piece size is part of the protocol between ranks; the sub-group keeps it.
   sub->max_piece_elements_ = max_piece_elements_;
-  sub->timeout_ = timeout_;
   return sub;
 }
 

@@ -140,7 +140,7 @@ class MpiCommunicator final : public Communicator {
 
   struct Adopt {};
   // Takes ownership of `comm` without duplicating it (used by split()).
-  MpiCommunicator(MPI_Comm comm, Adopt);
+  MpiCommunicator(MPI_Comm comm, Adopt, std::chrono::milliseconds timeout);
   void init_owned();
   void check_peer(int peer, bool allow_self, const char* name) const;
   void check_tag(int tag) const;
@@ -161,6 +161,9 @@ class MpiCommunicator final : public Communicator {
   std::chrono::milliseconds timeout_;
   std::string failure_;                // non-empty after a timeout: what timed out
   std::vector<MPI_Request> stranded_;  // posted operations a timeout left behind
+  // Internal buffers of those operations (send_recv's in-place copy): MPI may
+  // still read them, so they live as long as this communicator.
+  std::vector<std::vector<unsigned char>> stranded_buffers_;
 };
 
 // Node-local rank and number of ranks of MPI_COMM_WORLD (shared memory

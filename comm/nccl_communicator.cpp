@@ -104,8 +104,7 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(MpiCommunicator& mpi,
                                                            cudaStream_t stream,
                                                            const Options& options) {
   const std::chrono::milliseconds timeout = options.timeout.value_or(comm_timeout_from_env());
-  SS_CHECK_ARG(timeout.count() >= 0, "timeout", "is ", timeout.count(),
-               " ms, must be >= 0 (0: wait forever)");
+  check_comm_timeout(timeout, "timeout");
   int device = -1;
   collective_check(mpi, [&] {
     int devices = 0;
@@ -118,16 +117,27 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(MpiCommunicator& mpi,
     SS_CUDA_CHECK(cudaSetDevice(device));
   });
 
+  // Rank 0's failure here (no usable network interface, say) must reach the
+  // others now, not after they time out in the broadcast.
   ncclUniqueId id{};
-  if (mpi.rank() == 0) SS_NCCL_CHECK(ncclGetUniqueId(&id));
+  collective_check(mpi, [&] {
+    if (mpi.rank() == 0) SS_NCCL_CHECK(ncclGetUniqueId(&id));
+  });
   mpi.broadcast(&id, sizeof id, CommType::u8, 0);
 
   ncclConfig_t config = nonblocking_config();
   ncclComm_t comm = nullptr;
   const ncclResult_t rc = ncclCommInitRankConfig(&comm, mpi.size(), id, mpi.rank(), &config);
-  if (rc != ncclSuccess && rc != ncclInProgress) {
+  // A rank whose call failed at once tells the others, which abort their
+  // half-made communicators instead of waiting out the timeout in await_init.
+  try {
+    collective_check(mpi, [&] {
+      if (rc != ncclSuccess && rc != ncclInProgress)
+        detail::throw_nccl_error(rc, nullptr, "ncclCommInitRankConfig", __FILE__, __LINE__);
+    });
+  } catch (...) {
     if (comm != nullptr) ncclCommAbort(comm);
-    detail::throw_nccl_error(rc, nullptr, "ncclCommInitRankConfig", __FILE__, __LINE__);
+    throw;
   }
   await_init(comm, timeout, "ncclCommInitRankConfig");
   return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(comm, device, stream, timeout));
@@ -212,8 +222,7 @@ void NcclCommunicator::check_peer(int peer, bool allow_self, const char* name) c
 }
 
 void NcclCommunicator::set_timeout(std::chrono::milliseconds timeout) {
-  SS_CHECK_ARG(timeout.count() >= 0, "timeout", "is ", timeout.count(),
-               " ms, must be >= 0 (0: wait forever)");
+  check_comm_timeout(timeout, "timeout");
   timeout_ = timeout;
 }
 
@@ -224,7 +233,9 @@ void NcclCommunicator::abort(const std::string& reason) {
   failure_ = reason.empty() ? std::string("abort()") : reason;
   ncclCommAbort(comm_);
   comm_ = nullptr;
-  group_depth_ = 0;
+  // NCCL's group state is per thread: a group left open here would hold back
+  // every later NCCL call of this thread, on other communicators too.
+  for (; group_depth_ > 0; --group_depth_) (void)ncclGroupEnd();
 }
 
 // Aborting releases this rank's kernels that wait for a peer, so the stream
@@ -357,7 +368,14 @@ void NcclCommunicator::recv(void* data, std::size_t count, CommType type, int pe
 // Grows the scratch buffer to at least `bytes`. cudaFree synchronises the
 // device, which is what makes replacing a buffer still read by an earlier
 // exchange safe; it happens only when a larger exchange comes along.
+// The scratch may still be read by an in-place exchange queued on the stream
+// it was last used on: before it is overwritten from another stream, or freed
+// (cudaFree synchronises the device, outside the watchdog: for ever if a peer
+// died with that exchange queued), that stream is drained through wait().
 void NcclCommunicator::ensure_scratch(std::size_t bytes) {
+  if (scratch_ != nullptr && (bytes > scratch_bytes_ || scratch_stream_ != stream_))
+    wait(scratch_stream_);
+  scratch_stream_ = stream_;
   if (bytes <= scratch_bytes_) return;
   if (scratch_ != nullptr) {
     SS_CUDA_CHECK(cudaFree(scratch_));
@@ -388,24 +406,22 @@ void NcclCommunicator::send_recv(const void* send, std::size_t send_count, int d
   if (dest == -1 && source == -1) return;
   const void* outgoing = send;
   if (in_place) {
+    // Inside an open group the copy would be sent only at group_end, and a
+    // second in-place exchange of the group would overwrite it first.
+    SS_CHECK_ARG(group_depth_ == 0, "recv",
+                 "send == recv (in place) inside group_start/group_end: its outgoing copy would "
+                 "be reused before the group is issued; pass separate buffers");
     ensure_scratch(send_count * elem);
     SS_CUDA_CHECK(
         cudaMemcpyAsync(scratch_, send, send_count * elem, cudaMemcpyDeviceToDevice, stream_));
     outgoing = scratch_;
   }
+  // A failure in the group aborts (settle), and abort() closes the group.
   group_start();
-  try {
-    if (dest != -1) {
-      settle(ncclSend(outgoing, send_count, dt, dest, comm_, stream_), "ncclSend", "send_recv");
-    }
-    if (source != -1) {
-      settle(ncclRecv(recv, recv_count, dt, source, comm_, stream_), "ncclRecv", "send_recv");
-    }
-  } catch (...) {
-    // The communicator is aborted already; close NCCL's (thread-wide) group.
-    ncclGroupEnd();
-    throw;
-  }
+  if (dest != -1)
+    settle(ncclSend(outgoing, send_count, dt, dest, comm_, stream_), "ncclSend", "send_recv");
+  if (source != -1)
+    settle(ncclRecv(recv, recv_count, dt, source, comm_, stream_), "ncclRecv", "send_recv");
   group_end();
 }
 

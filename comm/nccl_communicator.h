@@ -118,7 +118,8 @@ class NcclCommunicator final : public Communicator {
   void send(const void* data, std::size_t count, CommType type, int peer, int tag) override;
   void recv(void* data, std::size_t count, CommType type, int peer, int tag) override;
   // Both halves in one NCCL group. send == recv with equal counts exchanges in
-  // place (through a scratch copy of the outgoing data); other overlaps throw.
+  // place (through a scratch copy of the outgoing data; not inside an open
+  // group_start); other overlaps throw.
   void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
                  std::size_t recv_count, int source, CommType type, int tag) override;
   // A one-element all-reduce, then wait(): returns when every rank got here
@@ -176,7 +177,26 @@ class NcclCommunicator final : public Communicator {
   std::string failure_;      // non-empty once aborted: why
   void* scratch_ = nullptr;  // device memory for in-place send_recv's outgoing copy
   std::size_t scratch_bytes_ = 0;
+  cudaStream_t scratch_stream_ = nullptr;  // the stream of the scratch's last use
   void* token_ = nullptr;  // 8 device bytes for barrier()
+};
+
+// Enqueues the communicator's operations on `stream` for a scope and restores
+// the stream it had when the scope ends (also on throw): for a caller that
+// must run a collective on its own stream on a communicator it shares.
+class NcclStreamScope {
+ public:
+  NcclStreamScope(NcclCommunicator& comm, cudaStream_t stream)
+      : comm_(comm), previous_(comm.stream()) {
+    comm_.set_stream(stream);
+  }
+  ~NcclStreamScope() { comm_.set_stream(previous_); }
+  NcclStreamScope(const NcclStreamScope&) = delete;
+  NcclStreamScope& operator=(const NcclStreamScope&) = delete;
+
+ private:
+  NcclCommunicator& comm_;
+  cudaStream_t previous_;
 };
 
 }  // namespace statescan

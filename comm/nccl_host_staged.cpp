@@ -15,7 +15,7 @@ void NcclHostStaged::all_gather(const void* send, void* recv, std::size_t count,
   const std::size_t bytes = count * size_of(type), ranks = static_cast<std::size_t>(size());
   char* dev = reserve(bytes * ranks);
   char* mine = dev + bytes * static_cast<std::size_t>(rank());
-  SS_CUDA_CHECK(cudaMemcpyAsync(mine, send, bytes, cudaMemcpyHostToDevice, nccl_.stream()));
+  copy_in(mine, send, bytes);
   nccl_.all_gather(mine, dev, count, type);
   to_host(recv, dev, bytes * ranks);
 }
@@ -47,6 +47,7 @@ char* NcclHostStaged::reserve(std::size_t bytes) {
     nccl_.wait();  // the old buffer may still be in use on the stream
     if (buffer_ != nullptr) SS_CUDA_CHECK(cudaFree(buffer_));
     buffer_ = nullptr;
+    capacity_ = 0;  // a failed allocation must not leave the old size behind
     SS_CUDA_CHECK(cudaMalloc(&buffer_, bytes));
     capacity_ = bytes;
   }
@@ -55,11 +56,23 @@ char* NcclHostStaged::reserve(std::size_t bytes) {
 
 char* NcclHostStaged::stage_in(const void* host, std::size_t bytes) {
   char* dev = reserve(bytes);
-  SS_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, nccl_.stream()));
+  copy_in(dev, host, bytes);
   return dev;
 }
 
+// The host buffers are pageable: a copy between them and the device may
+// block the host until the stream's earlier work is done (a device-to-host
+// copy returns only once it has completed), i.e. outside the watchdog, for
+// ever if a peer died in a collective queued before it. So the stream is
+// drained through wait() (timed, aborting) first; the copy then waits for
+// nothing but itself.
+void NcclHostStaged::copy_in(void* dev, const void* host, std::size_t bytes) {
+  nccl_.wait();
+  SS_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, nccl_.stream()));
+}
+
 void NcclHostStaged::to_host(void* host, const void* dev, std::size_t bytes) {
+  nccl_.wait();
   SS_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, nccl_.stream()));
   nccl_.wait();
 }

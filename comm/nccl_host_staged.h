@@ -40,6 +40,8 @@ class NcclHostStaged final : public Communicator {
   [[noreturn]] static void refuse(const char* op);
   char* reserve(std::size_t bytes);  // the staging buffer, grown on demand
   char* stage_in(const void* host, std::size_t bytes);
+  // Host <-> device copies that wait (watched) for the stream first.
+  void copy_in(void* dev, const void* host, std::size_t bytes);
   void to_host(void* host, const void* dev, std::size_t bytes);
 
   NcclCommunicator& nccl_;

@@ -297,15 +297,23 @@ TEST(MpiTimeout, SubGroupsInheritTheTimeout) {
   EXPECT_EQ(sub->timeout(), milliseconds(4321));
 }
 
-TEST(MpiTimeout, NegativeTimeoutIsRejected) {
+// Negative, and past kMaxCommTimeout: a count of milliseconds that large
+// overflowed the nanosecond clocks of the waits, which then timed out at once.
+TEST(MpiTimeout, NegativeOrHugeTimeoutIsRejected) {
   const auto world = coordinator();
-  try {
-    world->set_timeout(milliseconds(-1));
-    ADD_FAILURE() << "a negative timeout was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "timeout") << e.what();
+  for (const milliseconds bad :
+       {milliseconds(-1), kMaxCommTimeout + milliseconds(1), milliseconds(INT64_MAX)}) {
+    try {
+      world->set_timeout(bad);
+      ADD_FAILURE() << "a timeout of " << bad.count() << " ms was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "timeout") << e.what();
+    }
   }
   EXPECT_EQ(world->timeout(), kCoordinationTimeout);
+  world->set_timeout(kMaxCommTimeout);  // the bound itself is allowed
+  EXPECT_EQ(world->timeout(), kMaxCommTimeout);
+  world->set_timeout(kCoordinationTimeout);
 }
 
 // STATESCAN_COMM_TIMEOUT_MS for one scope, then what was there.
@@ -331,7 +339,7 @@ TEST(MpiTimeout, EnvironmentSetsTheDefault) {
 // Every rank sees the same malformed value, so every rank throws before any
 // communication and nobody is left waiting.
 TEST(MpiTimeout, MalformedEnvironmentIsRejected) {
-  for (const char* bad : {"soon", "-5", "10ms"}) {
+  for (const char* bad : {"soon", "-5", "10ms", "9223372036854775807"}) {
     const ScopedTimeoutEnv env(bad);
     try {
       (void)MpiCommunicator::world();
