@@ -94,6 +94,7 @@ Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg,
                  shape_string(a.cu_seqlens.shape));
     check_dtype(a.cu_seqlens, DType::i64, "cu_seqlens");
     check_memory(a.cu_seqlens, Memory::host, "cu_seqlens");
+    check_contiguous(a.cu_seqlens, "cu_seqlens");
     const auto* cu = a.cu_seqlens.as<const int64_t>();
     g.sequences = a.cu_seqlens.size(0) - 1;
     SS_CHECK_ARG(cu[0] == 0, "cu_seqlens", "must start at 0, got ", cu[0]);
@@ -109,41 +110,63 @@ Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg,
   return g;
 }
 
-// Agrees the geometry across ranks: same B, H, Dk, Dv, N, options and
-// cu_seqlens everywhere; shard lengths summing to the packed length. Fills the
-// global fields.
-void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfig& cfg,
-                    bool on_device, Geometry& g) {
-  int64_t cu_sum = 0, cu_last = -1;
-  if (a.cu_seqlens.defined()) {
-    const auto* cu = a.cu_seqlens.as<const int64_t>();
-    for (int64_t n = 0; n <= g.sequences; ++n) cu_sum += cu[n] * (n + 1);
-    cu_last = cu[g.sequences];
-  }
-  const int64_t kFields = 12;
-  const int64_t mine[kFields] = {g.batch,
-                                 g.heads,
-                                 g.dk,
-                                 g.dv,
-                                 g.sequences,
-                                 static_cast<int64_t>(cfg.variant),
-                                 cfg.chunk,
-                                 a.initial_state.defined() ? 1 : 0,
-                                 cu_sum,
-                                 on_device ? 1 : 0,
-                                 cfg.check_finite ? 1 : 0,
-                                 g.local_len};
-  std::vector<int64_t> all(static_cast<std::size_t>(kFields * comm.size()));
-  comm.all_gather(mine, all.data(), kFields, CommType::i64);
+std::vector<int64_t> agree_fields(Communicator& comm, const char* const* names, const int64_t* mine,
+                                  int64_t n, int64_t checked) {
+  std::vector<int64_t> all(static_cast<std::size_t>(n * comm.size()));
+  comm.all_gather(mine, all.data(), static_cast<std::size_t>(n), CommType::i64);
   collective_check(comm, [&] {
-    static const char* kNames[] = {"batch",      "heads",   "dk",          "dv",
-                                   "cu_seqlens", "variant", "chunk",       "initial_state",
-                                   "cu_seqlens", "memory",  "check_finite"};
     for (int r = 0; r < comm.size(); ++r)
-      for (int64_t f = 0; f + 1 < kFields; ++f)
-        SS_CHECK_ARG(all[r * kFields + f] == mine[f], kNames[f], "rank ", r, " has ",
-                     all[r * kFields + f], " where this rank has ", mine[f],
+      for (int64_t f = 0; f < checked; ++f)
+        SS_CHECK_ARG(all[r * n + f] == mine[f], names[f], "rank ", r, " has ", all[r * n + f],
+                     " where this rank has ", mine[f],
                      " (every rank of the group must pass the same problem)");
+  });
+  return all;
+}
+
+// Agrees the geometry across ranks: same B, H, Dk, Dv, N, options, exchange,
+// cu_seqlens and the same optional outputs everywhere; shard lengths summing
+// to the packed length. Fills the global fields.
+void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfig& cfg,
+                    Exchange exchange, bool on_device, Geometry& g) {
+  // The offsets by content (a weighted sum let different arrays agree).
+  int64_t cu_hash = 0, cu_last = -1;
+  if (a.cu_seqlens.defined()) {
+    cu_hash = content_hash(a.cu_seqlens.data,
+                           static_cast<std::size_t>(g.sequences + 1) * sizeof(int64_t));
+    cu_last = a.cu_seqlens.as<const int64_t>()[g.sequences];
+  }
+  int64_t scale_bits = 0;
+  static_assert(sizeof(cfg.scale) == sizeof(scale_bits), "the scale as 64 bits");
+  std::memcpy(&scale_bits, &cfg.scale, sizeof(scale_bits));
+  // Every field but the last (this rank's shard length) must agree. Where
+  // one rank asks for final_state and another does not, the all-reduce that
+  // fills it would run on some ranks only; a different exchange posts
+  // messages the others never match.
+  static const char* const kNames[] = {"batch",      "heads",     "dk",           "dv",
+                                       "cu_seqlens", "variant",   "chunk",        "initial_state",
+                                       "cu_seqlens", "memory",    "check_finite", "final_state",
+                                       "exchange",   "l2norm_qk", "scale",        "local_len"};
+  const int64_t mine[] = {g.batch,
+                          g.heads,
+                          g.dk,
+                          g.dv,
+                          g.sequences,
+                          static_cast<int64_t>(cfg.variant),
+                          cfg.chunk,
+                          a.initial_state.defined() ? 1 : 0,
+                          cu_hash,
+                          on_device ? 1 : 0,
+                          cfg.check_finite ? 1 : 0,
+                          a.final_state.defined() ? 1 : 0,
+                          static_cast<int64_t>(exchange),
+                          cfg.l2norm_qk ? 1 : 0,
+                          scale_bits,
+                          g.local_len};
+  constexpr int64_t kFields = sizeof(mine) / sizeof(mine[0]);
+  static_assert(sizeof(kNames) / sizeof(kNames[0]) == kFields, "a name per field");
+  const std::vector<int64_t> all = agree_fields(comm, kNames, mine, kFields, kFields - 1);
+  collective_check(comm, [&] {
     g.global_len = 0;
     g.shard_begin = 0;
     for (int r = 0; r < comm.size(); ++r) {
@@ -154,6 +177,12 @@ void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfi
       SS_CHECK_ARG(cu_last == g.global_len, "cu_seqlens", "last offset ", cu_last,
                    " disagrees with the shard lengths, which sum to ", g.global_len);
   });
+}
+
+void agree_backward_outputs(Communicator& comm, const CpBackwardArgs& a) {
+  static const char* const kNames[] = {"d_initial_state"};
+  const int64_t mine[] = {a.d_initial_state.defined() ? 1 : 0};
+  agree_fields(comm, kNames, mine, 1, 1);
 }
 
 std::vector<LocalSegment> local_segments(const CpForwardArgs& a, const Geometry& g) {
@@ -294,6 +323,9 @@ void CpMixer::forward(const CpForwardArgs& a) {
     return;
   }
   saved_on_device_ = false;
+  // A forward that fails leaves nothing for backward (not the previous
+  // step's state, which points into that step's inputs).
+  saved_.reset();
   const auto t_start = Clock::now();
   fwd_stats_ = CpStepStats{};
   auto saved = std::make_unique<Saved>();
@@ -301,7 +333,7 @@ void CpMixer::forward(const CpForwardArgs& a) {
   TensorRules rules;
   rules.check_values = config_.check_finite;
   collective_check(comm_, [&] { g = cp_detail::check_forward_local(a, config_, rules); });
-  cp_detail::agree_geometry(comm_, a, config_, /*on_device=*/false, g);
+  cp_detail::agree_geometry(comm_, a, config_, exchange_, /*on_device=*/false, g);
 
   const int P = comm_.size();
   const int64_t H = g.heads, Dk = g.dk, Dv = g.dv, state = Dk * Dv;
@@ -452,6 +484,7 @@ void CpMixer::backward(const CpBackwardArgs& a) {
     }
     if (a.d_initial_state.defined()) check_output(a.d_initial_state, states, "d_initial_state");
   });
+  cp_detail::agree_backward_outputs(comm_, a);
 
   MixerBwdParams bp;
   static_cast<MixerParams&>(bp) = sv.params;

@@ -313,7 +313,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
       if (!prepare_checks) check_finite_device(forward_inputs(a), cs);
     }
   });
-  cp_detail::agree_geometry(ctl, ha, config_, /*on_device=*/true, g);
+  cp_detail::agree_geometry(ctl, ha, config_, exchange_, /*on_device=*/true, g);
 
   const int P = comm_.size();
   const int64_t H = g.heads, Dk = g.dk, Dv = g.dv, state = Dk * Dv;
@@ -381,7 +381,10 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
                    : PoolArray<std::byte>();
   p.saved_t = ds.saved_t.get();  // null when empty
 
-  ds.exchange_used = exchange_;
+  // Resolved below where P > 1; one rank exchanges nothing, and reports an
+  // automatic choice as ring, as the host path does (observers get a
+  // resolved strategy).
+  ds.exchange_used = exchange_ == Exchange::automatic ? Exchange::ring : exchange_;
   const int64_t m_size = ds.diagonal ? Dk : Dk * Dk;
   PoolArray<float> maps_E, incoming;
   if (P > 1) {
@@ -596,6 +599,7 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
     if (config_.check_finite)
       check_finite_device({{&a.d_o, "do"}, {&a.d_final_state, "d_final_state"}}, cs);
   });
+  cp_detail::agree_backward_outputs(ctl, a);
 
   MixerBwdParams bp;
   static_cast<MixerParams&>(bp) = sp;

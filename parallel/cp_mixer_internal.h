@@ -46,11 +46,22 @@ struct TensorRules {
 Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg,
                              const TensorRules& rules);
 
-// Agrees the geometry across ranks (same B, H, Dk, Dv, N, options, memory
-// kind and cu_seqlens everywhere; shard lengths summing to the packed
-// length) and fills the global fields. Collective, errors collective.
+// The ranks' values of `n` fields, gathered [rank][field] by one all_gather;
+// then, in a collective_check, every rank throws naming the first of the
+// first `checked` fields on which some rank differs. Collective.
+std::vector<int64_t> agree_fields(Communicator& comm, const char* const* names, const int64_t* mine,
+                                  int64_t n, int64_t checked);
+
+// Agrees the geometry across ranks (same B, H, Dk, Dv, N, options, exchange,
+// memory kind, cu_seqlens (by content) and the same optional outputs
+// everywhere; shard lengths summing to the packed length) and fills the
+// global fields. Collective, errors collective.
 void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfig& cfg,
-                    bool on_device, Geometry& g);
+                    Exchange exchange, bool on_device, Geometry& g);
+
+// Backward: every rank asks for d_initial_state or none does (its all-reduce
+// is collective). Collective, errors collective.
+void agree_backward_outputs(Communicator& comm, const CpBackwardArgs& a);
 
 std::vector<LocalSegment> local_segments(const CpForwardArgs& a, const Geometry& g);
 

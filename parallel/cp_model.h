@@ -8,20 +8,20 @@
 //   t(P) = fwd + bwd + summary_fwd(P) + summary_bwd + 2 * merge
 //          + max(0, exchange_fwd - overlap * fwd)
 //          + max(0, exchange_bwd - max(overlap * bwd, slack))
-//   summary_fwd(2) = summary_fwd_first (the first rank's E only),
+//   summary_fwd(2) = summary_fwd_first (the longer of the first rank's E and,
+//                    for the delta rules, the last rank's first-segment maps),
 //   summary_fwd(P >= 3) = summary_fwd (a middle rank's E and M).
 // Why P = 2 differs: the first rank has no incoming state, so it sends E alone
-// and skips M; the last rank sends nothing forward and skips the summary. At
-// P = 2 the forward critical path is therefore the first rank's E; from P = 3
-// on a middle rank computes both. In backward every rank but the first runs
-// the pre-pass (summary_bwd), so it is on the critical path at every P >= 2.
-// The summary does not depend on the incoming state, so nothing hides it: it
-// is always on the critical path. State-independent local work (A, W, U of the
-// chunkwise pass) may run while the exchange is in flight; `overlap` is the
-// fraction of the local pass assumed to hide it (default 0, conservative). The
-// "hidden" columns give the optimistic bound overlap = 1. slack (delta rules):
-// the backward's prepare stage less the pre-pass, which CpMixer queues beside
-// the pre-pass and the reverse exchange by construction (CpLocalTimes).
+// and skips M; the last rank sends nothing forward, and under the delta rules
+// forms only its first segment's maps (for the backward's pre-pass), beside
+// the first rank's E. From P = 3 on a middle rank computes both. In backward every rank but the
+// first runs the pre-pass (summary_bwd), so it is on the critical path at every P >= 2. The summary
+// does not depend on the incoming state, so nothing hides it: it is always on the critical path.
+// State-independent local work (A, W, U of the chunkwise pass) may run while the exchange is in
+// flight; `overlap` is the fraction of the local pass assumed to hide it (default 0, conservative).
+// The "hidden" columns give the optimistic bound overlap = 1. slack (delta rules): the backward's
+// prepare stage less the pre-pass, which CpMixer queues beside the pre-pass and the reverse
+// exchange by construction (CpLocalTimes).
 #pragma once
 
 #include <cstdint>

@@ -65,19 +65,6 @@ int64_t scan_staged(Communicator& comm, Exchange strategy, const DeviceScanMaps&
 
 constexpr int kTag = 0;  // NCCL ignores tags; pairs match in posting order
 
-// Restores the communicator's stream when the scan leaves (also on throw).
-class StreamSwap {
- public:
-  StreamSwap(NcclCommunicator& comm, cudaStream_t stream) : comm_(comm), old_(comm.stream()) {
-    comm_.set_stream(stream);
-  }
-  ~StreamSwap() { comm_.set_stream(old_); }
-
- private:
-  NcclCommunicator& comm_;
-  cudaStream_t old_;
-};
-
 cuda::DeviceMaps maps_at(const DeviceScanMaps& d, const float* packed) {
   cuda::DeviceMaps m;
   m.maps = d.maps();
@@ -206,7 +193,7 @@ int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const Devic
   if (!is_nccl_backend(comm)) return scan_staged(comm, strategy, maps, order, incoming, stream);
 #ifdef STATESCAN_HAS_NCCL
   auto& nccl = static_cast<NcclCommunicator&>(comm);
-  StreamSwap swap(nccl, stream);
+  NcclStreamScope swap(nccl, stream);
   switch (strategy) {
     case Exchange::allgather:
       return scan_allgather(nccl, maps, ord, incoming, stream);

@@ -73,20 +73,6 @@ void timed_all_reduce(Communicator& comm, float* data, std::size_t count,
   ++stats.calls;
 }
 
-// FNV-1a: lets the ranks confirm, with one small all-gather, that they start
-// from the same initial weights.
-int64_t content_hash(const void* data, std::size_t bytes) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  uint64_t h = 1469598103934665603ull;
-  for (std::size_t i = 0; i < bytes; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
-  int64_t out = 0;
-  std::memcpy(&out, &h, sizeof(out));
-  return out;
-}
-
 void agree_on_problem(Communicator& control, const LocalSizes& s, const LactConfig& config,
                       const Placement& where, const int64_t weight_hashes[3]) {
   // Every rank must hold the same problem: equal sizes, options (the momentum
@@ -166,7 +152,7 @@ LactParams<float> make_params(const LactForwardArgs& a, const LactConfig& cfg, c
 }
 
 int64_t tensor_hash(const TensorView& t) {
-  return lact_detail::content_hash(t.data, static_cast<std::size_t>(t.numel()) * sizeof(float));
+  return content_hash(t.data, static_cast<std::size_t>(t.numel()) * sizeof(float));
 }
 
 bool on_device(const TensorView& t) {

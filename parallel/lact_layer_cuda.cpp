@@ -42,7 +42,7 @@ int64_t device_hash(const TensorView& t) {
   const std::size_t bytes = static_cast<std::size_t>(t.numel()) * size_of(t.dtype);
   std::vector<unsigned char> host(bytes);
   SS_CUDA_CHECK(cudaMemcpy(host.data(), t.data, bytes, cudaMemcpyDeviceToHost));
-  return lact_detail::content_hash(host.data(), bytes);
+  return content_hash(host.data(), bytes);
 }
 
 }  // namespace
@@ -88,7 +88,7 @@ struct LactLayer::DeviceState {
   void finish(Communicator& comm, LactExchangeStats& stats) {
 #ifdef STATESCAN_HAS_NCCL
     if (NcclCommunicator* nccl = as_nccl(comm)) {
-      nccl->wait();
+      nccl->wait(stream);
       for (std::size_t i = 0; i + 1 < events_used; i += 2) {
         float ms = 0;
         SS_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
@@ -109,8 +109,11 @@ struct LactLayer::DeviceState {
     events_used = 0;  // a pass that threw may have left some behind
 #ifdef STATESCAN_HAS_NCCL
     if (NcclCommunicator* nccl = as_nccl(comm)) {
-      // Stream-ordered: bracketed by events, read back in finish().
+      // Stream-ordered on the pass's stream `s` (the trainer may have moved
+      // the shared communicator to another stream since forward): bracketed
+      // by events, read back in finish().
       return [this, nccl, &stats](float* data, std::size_t count, cudaStream_t s) {
+        const NcclStreamScope on_pass_stream(*nccl, s);
         SS_CUDA_CHECK(cudaEventRecord(next_event(), s));
         nccl->all_reduce_sum(data, count, CommType::f32);
         SS_CUDA_CHECK(cudaEventRecord(next_event(), s));
@@ -162,7 +165,13 @@ void LactLayer::forward_device(const LactForwardArgs& a) {
                  "LaCT on the GPU takes f32 or bf16 tensors, got ", where.dtype);
     s = lact_detail::check_forward_shapes(a, where);
   });
-  const int64_t hashes[3] = {device_hash(a.w0), device_hash(a.w1), device_hash(a.w2)};
+  // Inside the check: a copy that fails on one rank must fail them all.
+  int64_t hashes[3] = {};
+  collective_check(control, [&] {
+    hashes[0] = device_hash(a.w0);
+    hashes[1] = device_hash(a.w1);
+    hashes[2] = device_hash(a.w2);
+  });
   lact_detail::agree_on_problem(control, s, config_, where, hashes);
 
   cuda::LactCudaParams& p = state->params;

@@ -33,9 +33,6 @@ void check_backward_shapes(const LactBackwardArgs& a, const LocalSizes& s, const
 void timed_all_reduce(Communicator& comm, float* data, std::size_t count,
                       LactExchangeStats& stats);
 
-// FNV-1a hash of `bytes` bytes (host memory).
-int64_t content_hash(const void* data, std::size_t bytes);
-
 // Collective over `control` (host buffers): every rank must pass the same
 // sizes, options, placement and initial weights (given as content hashes).
 // Throws the same statescan::Error on every rank otherwise.

@@ -102,7 +102,9 @@ struct BadInputFixture : ::testing::Test {
   SingleRankCommunicator comm;
   ref::Problem p;
   std::vector<float> q, k, v, g, beta, o;
+  std::vector<float> d_o, dq, dk, dv, dg, dbeta;
   CpForwardArgs args;
+  CpBackwardArgs bargs;  // d_o 0.25 everywhere, dq filled with 12345
   void SetUp() override {
     ProblemSpec s;
     s.variant = Variant::kda;
@@ -124,6 +126,18 @@ struct BadInputFixture : ::testing::Test {
     args.g = TensorView(g.data(), DType::f32, qk);
     args.beta = TensorView(beta.data(), DType::f32, bth);
     args.o = TensorView(o.data(), DType::f32, qk);
+    d_o.assign(v.size(), 0.25f);
+    dq.assign(q.size(), 12345.f);
+    dk.assign(k.size(), 0.f);
+    dv.assign(v.size(), 0.f);
+    dg.assign(g.size(), 0.f);
+    dbeta.assign(beta.size(), 0.f);
+    bargs.d_o = TensorView(d_o.data(), DType::f32, qk);
+    bargs.dq = TensorView(dq.data(), DType::f32, qk);
+    bargs.dk = TensorView(dk.data(), DType::f32, qk);
+    bargs.dv = TensorView(dv.data(), DType::f32, qk);
+    bargs.dg = TensorView(dg.data(), DType::f32, qk);
+    bargs.dbeta = TensorView(dbeta.data(), DType::f32, bth);
   }
   // Runs forward expecting a statescan::Error naming `argument`, and checks
   // that the output was not touched.
@@ -177,17 +191,8 @@ TEST_F(BadInputFixture, UncheckedNanFlowsIntoTheOutputs) {
   v[3] = 0.5f;
   mixer.forward(args);
   for (float x : o) ASSERT_TRUE(std::isfinite(x));
-  const Shape qk{1, 20, 2, 8}, bth{1, 20, 2};
-  std::vector<float> d_o(o.size(), 0.25f), dq(q.size(), 12345.f), dk(k.size()), dv(v.size()),
-      dg(g.size()), dbeta(beta.size());
   d_o[5] = std::nanf("");
-  CpBackwardArgs b;
-  b.d_o = TensorView(d_o.data(), DType::f32, qk);
-  b.dq = TensorView(dq.data(), DType::f32, qk);
-  b.dk = TensorView(dk.data(), DType::f32, qk);
-  b.dv = TensorView(dv.data(), DType::f32, qk);
-  b.dg = TensorView(dg.data(), DType::f32, qk);
-  b.dbeta = TensorView(dbeta.data(), DType::f32, bth);
+  const CpBackwardArgs& b = bargs;
   ASSERT_NO_THROW(mixer.backward(b));
   EXPECT_TRUE(std::any_of(dq.begin(), dq.end(), [](float x) { return std::isnan(x); }));
   // The default checks do: the same call is refused, naming it.
@@ -238,6 +243,24 @@ TEST(CpMixerConfig, KeepPreparedWithRecomputedStatesIsRefused) {
   }
   cfg.recompute_chunk_states = false;
   EXPECT_NO_THROW(CpMixer(comm, cfg, Exchange::ring));
+}
+
+// A forward that fails leaves nothing for backward: not the previous step's
+// saved state, which points into that step's inputs.
+TEST_F(BadInputFixture, BackwardAfterAFailedForwardIsRefused) {
+  MixerConfig cfg;
+  cfg.variant = Variant::kda;
+  CpMixer mixer(comm, cfg, Exchange::ring);
+  mixer.forward(args);  // succeeds: a backward could follow it
+  g[3] = std::nanf("");
+  EXPECT_THROW(mixer.forward(args), Error);
+  try {
+    mixer.backward(bargs);
+    ADD_FAILURE() << "backward ran on the failed forward's predecessor";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "backward") << e.what();
+  }
+  for (float x : dq) ASSERT_EQ(x, 12345.f) << "dq written despite the error";
 }
 
 TEST_F(BadInputFixture, BackwardWithoutForward) {

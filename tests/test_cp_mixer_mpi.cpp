@@ -299,40 +299,72 @@ struct CpErrors : ::testing::Test {
     p = random_problem(s, 99);
     bounds = shard_bounds(s.seq_len, comm.size());
   }
+  // This rank's shard of the problem; o filled with 12345.
+  struct Shard {
+    int64_t L = 0;
+    std::vector<float> q, k, v, g, beta, o;
+    CpForwardArgs args() {
+      CpForwardArgs a;
+      a.q = TensorView(q.data(), DType::f32, {1, L, 2, 8});
+      a.k = TensorView(k.data(), DType::f32, {1, L, 2, 8});
+      a.v = TensorView(v.data(), DType::f32, {1, L, 2, 8});
+      a.g = TensorView(g.data(), DType::f32, {1, L, 2});
+      a.beta = TensorView(beta.data(), DType::f32, {1, L, 2});
+      a.o = TensorView(o.data(), DType::f32, {1, L, 2, 8});
+      return a;
+    }
+  };
+  Shard shard() const {
+    const int r = comm.rank();
+    const int64_t b = bounds[r], e = bounds[r + 1];
+    Shard sh;
+    sh.L = e - b;
+    sh.q = slice_tokens(p.q, 1, p.seq_len, b, e, 16);
+    sh.k = slice_tokens(p.k, 1, p.seq_len, b, e, 16);
+    sh.v = slice_tokens(p.v, 1, p.seq_len, b, e, 16);
+    sh.g = slice_tokens(p.g, 1, p.seq_len, b, e, 2);
+    sh.beta = slice_tokens(p.beta, 1, p.seq_len, b, e, 2);
+    sh.o.assign(sh.v.size(), 12345.f);
+    return sh;
+  }
   // Runs forward on this rank's shard with rank `culprit`'s input corrupted
   // for `argument`; expects on every rank the error `argument` as raised by
   // rank `reporter` (a cross-rank disagreement is seen by every rank, and the
   // lowest one reports it; its message names the culprit).
-  void expect_everywhere(const std::string& argument, int culprit, int reporter = -1) {
+  // `how` picks among corruptions of one argument ("same_sum": cu_seqlens
+  // whose offsets differ but whose weighted sum does not).
+  void expect_everywhere(const std::string& argument, int culprit, int reporter = -1,
+                         const std::string& how = "") {
     if (reporter < 0) reporter = culprit;
     const int r = comm.rank();
+    const bool bad = r == culprit;
     MixerConfig cfg;
     cfg.variant = p.variant;
-    if (argument == "chunk" && r == culprit) cfg.chunk = 32;
-    if (argument == "check_finite" && r == culprit) cfg.check_finite = false;
-    CpMixer mixer(comm, cfg, Exchange::ring);
-    const int64_t L = bounds[r + 1] - bounds[r];
-    auto q = slice_tokens(p.q, 1, p.seq_len, bounds[r], bounds[r + 1], 16);
-    auto k = slice_tokens(p.k, 1, p.seq_len, bounds[r], bounds[r + 1], 16);
-    auto v = slice_tokens(p.v, 1, p.seq_len, bounds[r], bounds[r + 1], 16);
-    auto g = slice_tokens(p.g, 1, p.seq_len, bounds[r], bounds[r + 1], 2);
-    auto beta = slice_tokens(p.beta, 1, p.seq_len, bounds[r], bounds[r + 1], 2);
-    std::vector<float> o(v.size(), 12345.f);
+    if (argument == "chunk" && bad) cfg.chunk = 32;
+    if (argument == "check_finite" && bad) cfg.check_finite = false;
+    if (argument == "scale" && bad) cfg.scale = 0.5;
+    if (argument == "l2norm_qk" && bad) cfg.l2norm_qk = true;
+    CpMixer mixer(comm, cfg, argument == "exchange" && bad ? Exchange::tree : Exchange::ring);
+    Shard sh = shard();
     std::vector<int64_t> cu{0, p.seq_len};
-    if (r == culprit) {
-      if (argument == "g") g[1] = std::nanf("");
-      if (argument == "cu_seqlens") cu[1] = p.seq_len + 1;
+    // [0, 1, 4, 6, T] and [0, 3, 4, 5, T]: sum of cu[n] (n + 1) 38 + 5 T both.
+    if (how == "same_sum")
+      cu = bad ? std::vector<int64_t>{0, 3, 4, 5, p.seq_len}
+               : std::vector<int64_t>{0, 1, 4, 6, p.seq_len};
+    if (bad) {
+      if (argument == "g") sh.g[1] = std::nanf("");
+      if (argument == "cu_seqlens" && how.empty()) cu[1] = p.seq_len + 1;
     }
-    CpForwardArgs a;
-    a.q = TensorView(q.data(), DType::f32, {1, L, 2, 8});
-    a.k = TensorView(k.data(), DType::f32, {1, L, 2, 8});
-    a.v = TensorView(v.data(), DType::f32, {1, L, 2, 8});
-    a.g = TensorView(g.data(), DType::f32, {1, L, 2});
-    a.beta = TensorView(beta.data(), DType::f32, {1, L, 2});
-    a.o = TensorView(o.data(), DType::f32, {1, L, 2, 8});
-    if (argument == "cu_seqlens") a.cu_seqlens = TensorView(cu.data(), DType::i64, {2});
+    const std::size_t states = (cu.size() - 1) * 2 * 8 * 8;
+    std::vector<float> ht(states, 12345.f);
+    CpForwardArgs a = sh.args();
+    if (argument == "cu_seqlens")
+      a.cu_seqlens = TensorView(cu.data(), DType::i64, {static_cast<int64_t>(cu.size())});
+    // One rank asking for the final state alone would run its all-reduce alone.
+    if (argument == "final_state" && bad)
+      a.final_state = TensorView(ht.data(), DType::f32, {1, 2, 8, 8});
     expect_collective_error(
-        comm, [&] { mixer.forward(a); }, argument, culprit, reporter, o, 12345.f);
+        comm, [&] { mixer.forward(a); }, argument, culprit, reporter, sh.o, 12345.f);
   }
 };
 
@@ -354,6 +386,50 @@ TEST_F(CpErrors, CheckFiniteDisagreeingAcrossRanksFailsEveryRank) {
 
 TEST_F(CpErrors, CuSeqlensDisagreeingWithShardsFailsEveryRank) {
   expect_everywhere("cu_seqlens", 0);
+}
+
+// The offsets are compared by content: arrays that split the sequence
+// differently are refused even where a weighted sum of them agrees.
+TEST_F(CpErrors, CuSeqlensDifferingAcrossRanksFailsEveryRank) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  expect_everywhere("cu_seqlens", 1, 0, "same_sum");
+}
+
+// Options and optional outputs every rank must share: a different exchange
+// posts messages the others never match, a final state asked for on one rank
+// runs its all-reduce there alone, and a different scale or in-op norm gives
+// maps the others' do not compose with.
+TEST_F(CpErrors, OptionsAndOutputsDisagreeingAcrossRanksFailEveryRank) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  for (const char* argument : {"exchange", "final_state", "scale", "l2norm_qk"}) {
+    SCOPED_TRACE(argument);
+    expect_everywhere(argument, comm.size() - 1, 0);
+  }
+}
+
+// Backward: d_initial_state asked for on one rank only (its all-reduce is
+// collective) fails every rank before any gradient is written.
+TEST_F(CpErrors, InitialStateGradientOnOneRankFailsEveryRank) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  const int r = comm.rank(), culprit = comm.size() - 1;
+  MixerConfig cfg;
+  cfg.variant = p.variant;
+  CpMixer mixer(comm, cfg, Exchange::ring);
+  Shard sh = shard();
+  const int64_t L = sh.L;
+  mixer.forward(sh.args());
+  std::vector<float> d_o(sh.v.size(), 0.5f), dq(sh.q.size(), 12345.f), dk(sh.k.size()),
+      dv(sh.v.size()), dg(sh.g.size()), dbeta(sh.beta.size()), dh0(2 * 8 * 8);
+  CpBackwardArgs b;
+  b.d_o = TensorView(d_o.data(), DType::f32, {1, L, 2, 8});
+  b.dq = TensorView(dq.data(), DType::f32, {1, L, 2, 8});
+  b.dk = TensorView(dk.data(), DType::f32, {1, L, 2, 8});
+  b.dv = TensorView(dv.data(), DType::f32, {1, L, 2, 8});
+  b.dg = TensorView(dg.data(), DType::f32, {1, L, 2});
+  b.dbeta = TensorView(dbeta.data(), DType::f32, {1, L, 2});
+  if (r == culprit) b.d_initial_state = TensorView(dh0.data(), DType::f32, {1, 2, 8, 8});
+  expect_collective_error(
+      comm, [&] { mixer.backward(b); }, "d_initial_state", culprit, 0, dq, 12345.f);
 }
 
 }  // namespace
