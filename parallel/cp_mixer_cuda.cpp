@@ -289,6 +289,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
       SS_CHECK_ARG(a.cu_seqlens.shape.size() == 1 && a.cu_seqlens.size(0) >= 2, "cu_seqlens",
                    "must be a 1-D int64 array of >= 2 offsets, got shape ",
                    shape_string(a.cu_seqlens.shape));
+      check_contiguous(a.cu_seqlens, "cu_seqlens");  // copied below as one block
       host_cu.resize(static_cast<std::size_t>(a.cu_seqlens.size(0)));
       SS_CUDA_CHECK(cudaMemcpyAsync(host_cu.data(), a.cu_seqlens.data,
                                     host_cu.size() * sizeof(int64_t), cudaMemcpyDeviceToHost, cs));
