@@ -7,8 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -17,6 +17,7 @@
 #include "core/device_buffer.h"
 #include "core/error.h"
 #include "core/side_stream.h"
+#include "core/text_file.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "launch/bench_cp_cuda.h"
@@ -642,8 +643,7 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
   }
 
   if (!o.json_path.empty()) {
-    std::ofstream f(o.json_path);
-    SS_CHECK_ARG(static_cast<bool>(f), "--json", "cannot write ", o.json_path);
+    std::ostringstream f;
     f << "[";
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const Measured& m = rows[i];
@@ -670,7 +670,7 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
         << "}";
     }
     f << "\n]\n";
-    SS_CHECK_ARG(static_cast<bool>(f), "--json", "write failed: ", o.json_path);
+    write_text_file(o.json_path, f.str(), "--json");
   }
   SS_CUDA_CHECK(cudaStreamDestroy(stream));
   return code;

@@ -2,15 +2,20 @@
 // linear-attention CP job and the LaCT job.
 #pragma once
 
+#include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "core/options.h"
 #include "launch/run_options.h"
 
 namespace statescan::launch {
 
-// --cp-comm against the device the job resolved to: nccl needs --device cuda
-// (the CPU path exchanges over MPI). Same result on every rank (argv is).
-void check_cp_comm(const RunOptions& options, DeviceKind device);
+// The job's device, the same on every rank or the same error on every rank
+// (collective): cuda needs a CUDA build and a visible GPU on every rank; auto
+// picks cuda where every rank sees a GPU and cpu where none does, and refuses
+// a mix (a node without a GPU would otherwise send its ranks down the CPU
+// path's collectives while the others run the GPU's). Then --cp-comm against
+// it: nccl needs --device cuda (the CPU path exchanges over MPI).
+DeviceKind agree_device(Communicator& comm, const RunOptions& options);
 
 // Whether a --device cuda job over `mpi` exchanges over NCCL. Collective: every
 // rank returns the same.

@@ -1,8 +1,10 @@
 #include "launch/run_inputs.h"
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <sstream>
+#include <string>
 #include <utility>
 
 #include "core/dtype.h"
@@ -423,6 +425,14 @@ LactData lact_from_directory(const RunOptions& options) {
     data.d_o = to_float(d_o.array, dt);
   }
   return data;
+}
+
+void note_ignored_shape_flags(const RunOptions& options, const char* shape_files) {
+  if (options.load_dir.empty() || options.shape_flags_given.empty()) return;
+  std::string flags;
+  for (const auto& f : options.shape_flags_given) flags += (flags.empty() ? "" : ", ") + f;
+  std::fprintf(stderr, "statescan-run: note: %s ignored with --load (shapes come from %s)\n",
+               flags.c_str(), shape_files);
 }
 
 }  // namespace statescan::launch

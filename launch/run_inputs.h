@@ -96,4 +96,8 @@ LactData lact_from_directory(const RunOptions& options);
 // "--shards"); the default split needs T >= P.
 std::vector<int64_t> shard_offsets(const RunOptions& options, int64_t seq_len, int ranks);
 
+// With --load, a note on stderr naming the shape flags given, which the files
+// override (`shape_files`: where the shapes come from, e.g. "q.npy and v.npy").
+void note_ignored_shape_flags(const RunOptions& options, const char* shape_files);
+
 }  // namespace statescan::launch

@@ -47,23 +47,6 @@ constexpr double kLactCheckTolerance = 1e-5;
 // covers every output here: the loosest.
 constexpr double kLactCheckTolerance16 = 2e-2;
 
-// The device of the LaCT job: cuda needs a CUDA build and a visible GPU (the
-// same error on every rank: argv is the same everywhere); auto picks cuda
-// when both are there.
-DeviceKind resolve_lact_device(DeviceKind requested) {
-#ifdef STATESCAN_HAS_CUDA
-  const bool gpu = cuda::device_available();
-  SS_CHECK_ARG(requested != DeviceKind::cuda || gpu, "--device",
-               "cuda requested but no CUDA device is visible; use --device cpu");
-  if (requested == DeviceKind::automatic) return gpu ? DeviceKind::cuda : DeviceKind::cpu;
-#else
-  SS_CHECK_ARG(requested != DeviceKind::cuda, "--device",
-               "cuda requested but this build has no CUDA; use --device cpu");
-  if (requested == DeviceKind::automatic) return DeviceKind::cpu;
-#endif
-  return requested;
-}
-
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
@@ -478,18 +461,8 @@ std::vector<std::pair<std::string, std::string>> LactJob::header_fields() const 
 
 int LactJob::run() {
   stage_ = Stage::setup;
-  if (!options_.load_dir.empty() && !options_.shape_flags_given.empty() && root()) {
-    std::string flags;
-    for (const auto& f : options_.shape_flags_given) flags += (flags.empty() ? "" : ", ") + f;
-    std::fprintf(stderr,
-                 "statescan-run: note: %s ignored with --load (shapes come from q.npy and "
-                 "w0.npy)\n",
-                 flags.c_str());
-  }
-  collective_check(comm_, [&] {
-    device_ = resolve_lact_device(options_.device);
-    check_cp_comm(options_, device_);
-  });
+  if (root()) note_ignored_shape_flags(options_, "q.npy and w0.npy");
+  device_ = agree_device(comm_, options_);
   setup();
 #ifdef STATESCAN_HAS_CUDA
   if (device_ == DeviceKind::cuda) setup_device();

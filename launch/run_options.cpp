@@ -287,6 +287,9 @@ RunOptions parse_run_options(int argc, const char* const* argv) {
     }
   }
   check_variant_flags(options, argc, argv);
+  // The seed makes the synthetic inputs; loaded inputs have none to take.
+  SS_CHECK_ARG(options.load_dir.empty() || find_flag(argc, argv, "--seed") == nullptr, "--seed",
+               "does not apply with --load (the inputs come from the files)");
   SS_CHECK_ARG(!(options.keep_prepared && options.recompute_states), "--keep-prepared",
                "cannot be combined with --recompute-states (it reads the saved chunk states)");
   return options;
@@ -343,10 +346,11 @@ Parallelism and device
   --exchange NAME    allgather | ring | tree | auto (cost model)                  [auto]
   --shards a,b,...   explicit shard lengths, one per rank, summing to T
                      (default: rank r gets [floor(rT/P), floor((r+1)T/P)))
-  --device NAME      auto | cpu | cuda   (auto: cuda when a GPU is visible, else
-                     cpu; cuda without a GPU is an error, never replaced
-                     silently). cuda: inputs uploaded in --dtype; several
-                     ranks exchange over NCCL when built with it.          [auto]
+  --device NAME      auto | cpu | cuda   (auto: cuda when every rank sees a GPU,
+                     cpu when none does, an error for a mix; cuda without a
+                     GPU is an error, never replaced silently). cuda: inputs
+                     uploaded in --dtype; several ranks exchange over NCCL
+                     when built with it (--cp-comm).                       [auto]
   --cp-comm NAME     auto | nccl | mpi: with --device cuda and several ranks, the
                      exchange over NCCL (one GPU per rank) or staged through host
                      memory over MPI (ranks may share a GPU); auto: nccl when
@@ -358,7 +362,8 @@ Run
   --warmup N         untimed steps first                                          [1]
   --check / --no-check
                      compare every output and gradient with a single-rank run
-                     on rank 0 (relative RMS, tolerance 1e-5)                     [on]
+                     on rank 0 (relative RMS; tolerance 1e-5, or 1e-2 for 16-bit
+                     inputs on the GPU and 2e-2 for bf16 LaCT there)       [on]
 
 Files
   --load DIR         read q.npy k.npy v.npy and, when present, g.npy beta.npy h0.npy

@@ -14,6 +14,7 @@
 #include "comm/collective_check.h"
 #include "core/error.h"
 #include "core/npy.h"
+#include "core/text_file.h"
 
 namespace statescan::launch {
 namespace {
@@ -69,18 +70,23 @@ struct Averages {
 Averages averages(const std::vector<StepRow>& rows) {
   Averages a;
   if (rows.empty()) return a;
+  // Throughput over the steps is their tokens over their time, not the mean
+  // of the steps' rates (which a single fast step would inflate).
+  double tokens = 0, seconds = 0;
   for (const auto& r : rows) {
+    const double step_s = 1e-3 * (r.fwd_ms + (r.bwd_ms >= 0 ? r.bwd_ms : 0));
     a.fwd_ms += r.fwd_ms;
     a.bwd_ms += r.bwd_ms >= 0 ? r.bwd_ms : 0;
     a.exchange_ms += r.exchange_ms;
-    a.tokens_per_s += r.tokens_per_s;
+    tokens += r.tokens_per_s * step_s;
+    seconds += step_s;
     a.backward = a.backward || r.bwd_ms >= 0;
   }
   const double n = static_cast<double>(rows.size());
   a.fwd_ms /= n;
   a.bwd_ms /= n;
   a.exchange_ms /= n;
-  a.tokens_per_s /= n;
+  a.tokens_per_s = seconds > 0 ? tokens / seconds : 0;
   return a;
 }
 
@@ -294,22 +300,7 @@ void save_npy_files(const std::string& dir, const std::vector<NamedArray>& array
 }
 
 void write_report_json(const std::string& path, const Report& report) {
-  const std::string temp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(temp, std::ios::trunc);
-    SS_CHECK_ARG(out.good(), "--json", "cannot open ", temp, " for writing");
-    out << to_json(report);
-    out.flush();
-    if (!out.good()) {
-      out.close();
-      std::remove(temp.c_str());
-      SS_FAIL("--json", "writing ", temp, " failed");
-    }
-  }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    std::remove(temp.c_str());
-    SS_FAIL("--json", "cannot rename ", temp, " to ", path);
-  }
+  write_text_file(path, to_json(report), "--json");
 }
 
 void prepare_output_locations(const std::string& save_dir, const std::string& json_path) {

@@ -82,7 +82,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -95,6 +94,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/options.h"
+#include "core/text_file.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
@@ -170,7 +170,7 @@ Options parse(int argc, char** argv) {
     } else if (arg == "-c" || arg == "--chunk") {
       o.chunk = parse_int(value(), arg.c_str(), 1, 256);
     } else if (arg == "--dtype") {
-      o.dtype = parse_dtype(value());
+      o.dtype = parse_dtype(value(), "--dtype");
     } else if (arg == "-w" || arg == "--warmup") {
       o.warmup = static_cast<int>(parse_int(value(), arg.c_str(), 0, kMaxCount));
     } else if (arg == "-n" || arg == "--iters") {
@@ -343,8 +343,7 @@ std::vector<R> run_rows(const Options& opt, const char* op, Bench&& bench, Print
     }
   }
   if (!opt.json.empty()) {
-    std::ofstream out(opt.json);
-    SS_CHECK_ARG(out.good(), "json", "cannot write ", opt.json);
+    std::ostringstream out;
     out << "[\n";
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const R& r = rows[i];
@@ -355,6 +354,7 @@ std::vector<R> run_rows(const Options& opt, const char* op, Bench&& bench, Print
       out << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
     }
     out << "]\n";
+    write_text_file(opt.json, out.str(), "--json");
   }
   return rows;
 }
@@ -874,9 +874,7 @@ int run_cp_model(const Options& opt) {
   const CpModelResult result = predict_cp_scaling(layer, times, config);
   std::fputs(format_cp_model_table(layer, times, config, result, notes).c_str(), stdout);
   if (!opt.json.empty()) {
-    std::ofstream out(opt.json);
-    SS_CHECK_ARG(out.good(), "json", "cannot write ", opt.json);
-    out << format_cp_model_json(result);
+    write_text_file(opt.json, format_cp_model_json(result), "--json");
   }
   return 0;
 }

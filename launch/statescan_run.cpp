@@ -84,23 +84,6 @@ TensorView view(const std::vector<float>& x, Shape shape) {
   return TensorView(const_cast<float*>(x.data()), DType::f32, std::move(shape));
 }
 
-// The device the run uses: cuda needs a CUDA build and a visible GPU (else
-// the same error on every rank: argv is the same everywhere); auto picks cuda
-// when both are there.
-DeviceKind resolve_device(DeviceKind requested) {
-#ifdef STATESCAN_HAS_CUDA
-  const bool gpu = cuda::device_available();
-  SS_CHECK_ARG(requested != DeviceKind::cuda || gpu, "--device",
-               "cuda requested but no CUDA device is visible; use --device cpu");
-  if (requested == DeviceKind::automatic) return gpu ? DeviceKind::cuda : DeviceKind::cpu;
-#else
-  SS_CHECK_ARG(requested != DeviceKind::cuda, "--device",
-               "cuda requested but this build has no CUDA; use --device cpu");
-  if (requested == DeviceKind::automatic) return DeviceKind::cpu;
-#endif
-  return requested;
-}
-
 #ifdef STATESCAN_HAS_CUDA
 // A TokenRange and its outputs on the GPU: token tensors in the run's dtype,
 // g and states fp32, cu_seqlens int64.
@@ -203,8 +186,7 @@ int Job::run(int argc, char** argv) {
   const auto* mpi = dynamic_cast<const MpiCommunicator*>(&comm_);
   configure_threads(mpi);
   if (options_.metrics_hold > 0) install_hold_signals();
-  device_ = resolve_device(options_.device);
-  check_cp_comm(options_, device_);
+  device_ = agree_device(comm_, options_);
   cp_comm_ = &comm_;
   comm_description_ = comm_.size() == 1 ? "single rank" : "mpi (host)";
   config_.variant = options_.variant;
@@ -386,14 +368,7 @@ void Job::configure_threads(const MpiCommunicator* mpi) const {
 }
 
 void Job::setup_inputs() {
-  if (!options_.load_dir.empty() && !options_.shape_flags_given.empty() && root()) {
-    std::string flags;
-    for (const auto& f : options_.shape_flags_given) flags += (flags.empty() ? "" : ", ") + f;
-    std::fprintf(stderr,
-                 "statescan-run: note: %s ignored with --load (shapes come from q.npy and "
-                 "v.npy)\n",
-                 flags.c_str());
-  }
+  if (root()) note_ignored_shape_flags(options_, "q.npy and v.npy");
   // A file that one rank cannot read must fail every rank, not hang the others.
   collective_check(comm_, [&] {
     source_ = options_.load_dir.empty() ? InputSource::synthetic(options_)
@@ -772,9 +747,11 @@ int main(int argc, char** argv) {
       code = kExitMetrics;
     } catch (const Error& e) {
       report_error(e.what());
-      if (e.argument() == "mpi") {
-        // Communication failed (a peer died, a timeout): the communicator is
-        // unusable and peers may be stuck, so only an abort ends the job.
+      if (e.argument() == "mpi" || e.argument() == "nccl" || e.argument() == "cuda") {
+        // Communication failed (a peer died, a timeout) or the device did
+        // (out of memory on one rank, a faulted GPU): a runtime failure this
+        // rank may have seen alone, with peers waiting in a collective for it,
+        // so only an abort ends the job.
         code = kExitRuntime;
         agreed = false;
       } else {

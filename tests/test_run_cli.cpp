@@ -371,6 +371,46 @@ TEST(RunCli, FooterSplitsEveryRanksPassesIntoPhases) {
   EXPECT_EQ(passes, 2 * kRanks) << text;
 }
 
+// The average throughput is the steps' tokens over their time: with steps of
+// different lengths it is not the mean of their rates.
+TEST(RunCli, AverageThroughputIsTokensOverTime) {
+  TempDir dir;
+  const fs::path json = dir.file("run.json");
+  const RunResult r = run_cli(
+      dir, "--variant gla --seq-len 96 --iters 4 --warmup 0 --no-check --json " + json.string());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::string text = slurp(json);
+  double tokens = 0, seconds = 0, mean_rate = 0;
+  int rows = 0;
+  for (std::size_t pos = text.find("{\"step\": "); pos != std::string::npos;
+       pos = text.find("{\"step\": ", pos + 1)) {
+    int step = 0;
+    double fwd = 0, bwd = 0, rate = 0;
+    ASSERT_EQ(std::sscanf(text.c_str() + pos, "{\"step\": %d, \"fwd_ms\": %lf, \"bwd_ms\": %lf",
+                          &step, &fwd, &bwd),
+              3)
+        << text.substr(pos, 160);
+    const std::size_t at = text.find("\"tokens_per_s\": ", pos);
+    ASSERT_NE(at, std::string::npos);
+    ASSERT_EQ(std::sscanf(text.c_str() + at, "\"tokens_per_s\": %lf", &rate), 1);
+    tokens += rate * (fwd + bwd);
+    seconds += fwd + bwd;
+    mean_rate += rate / 4;
+    ++rows;
+  }
+  ASSERT_EQ(rows, 4) << text;
+  const std::size_t avg = text.find("\"avg\": ");
+  ASSERT_NE(avg, std::string::npos) << text;
+  double fwd = 0, bwd = 0, exchange = 0, rate = 0;
+  ASSERT_EQ(std::sscanf(text.c_str() + avg,
+                        "\"avg\": {\"fwd_ms\": %lf, \"bwd_ms\": %lf, \"exchange_ms\": %lf, "
+                        "\"tokens_per_s\": %lf",
+                        &fwd, &bwd, &exchange, &rate),
+            4)
+      << text.substr(avg, 160);
+  EXPECT_NEAR(rate, tokens / seconds, 1e-6 * rate) << "mean of the rates: " << mean_rate;
+}
+
 // ---- bad input: every rank reports it, nothing is written ------------------------------
 
 TEST(RunCli, NaNInGateFailsOnEveryRankWithoutWriting) {
