@@ -72,4 +72,10 @@ void check_finite(const float* data, int64_t n, const char* name) {
                  " (NaN/Inf not allowed)");
 }
 
+void check_log_gates(const float* data, int64_t n, const char* name) {
+  for (int64_t i = 0; i < n; ++i)
+    SS_CHECK_ARG(std::isfinite(data[i]) && data[i] <= 0.f, name, "element ", i, " is ", data[i],
+                 " (log gates must be finite and <= 0: alpha = exp(g) in (0, 1])");
+}
+
 }  // namespace statescan

@@ -76,5 +76,9 @@ void check_tensor(const TensorView& t, const Shape& shape, DType dtype, Memory m
                   const char* name);
 // Every element finite (host fp32 data).
 void check_finite(const float* data, int64_t n, const char* name);
+// Log gates (DESIGN §2: g = log alpha, alpha in (0, 1]): finite and <= 0.
+// A positive gate grows the state by e^g a token, to inf within a few
+// dozen tokens, with no error of its own.
+void check_log_gates(const float* data, int64_t n, const char* name);
 
 }  // namespace statescan

@@ -1,5 +1,7 @@
 #include "kernels/mixer_params.h"
 
+#include <cmath>
+
 #include "core/error.h"
 
 namespace statescan {
@@ -24,7 +26,8 @@ void validate_problem(const MixerParams& p) {
   SS_CHECK_ARG(p.heads >= 1, "heads", "must be >= 1, got ", p.heads);
   SS_CHECK_ARG(p.dk >= 1 && p.dk <= 256, "dk", "must be in [1, 256], got ", p.dk);
   SS_CHECK_ARG(p.dv >= 1 && p.dv <= 256, "dv", "must be in [1, 256], got ", p.dv);
-  SS_CHECK_ARG(p.scale > 0.f, "scale", "must be > 0, got ", p.scale);
+  SS_CHECK_ARG(std::isfinite(p.scale) && p.scale > 0.f, "scale", "must be finite and > 0, got ",
+               p.scale);
   SS_CHECK_ARG(p.q && p.k && p.v, "q/k/v", "input pointers must not be null");
   SS_CHECK_ARG((p.g != nullptr) == has_gate(p.variant), "g",
                has_gate(p.variant) ? "is required by variant " : "must be null for variant ",

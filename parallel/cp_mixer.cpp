@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include "comm/collective_check.h"
@@ -76,6 +77,9 @@ Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg,
   check_input(a.v, vo, x, rules, "v");
   if (has_gate(cfg.variant)) {
     check_input(a.g, vector_gate(cfg.variant) ? qk : bth, DType::f32, rules, "g");
+    // The local kernel refuses a positive gate too, but on its rank alone:
+    // here, inside the collective check, every rank learns of it.
+    if (a.g.memory == Memory::host) check_log_gates(a.g.as<const float>(), a.g.numel(), "g");
   } else {
     SS_CHECK_ARG(!a.g.defined(), "g", "must be undefined for variant ", to_string(cfg.variant));
   }
@@ -246,7 +250,8 @@ CpMixer::CpMixer(Communicator& comm, MixerConfig config, Exchange exchange, CpOb
   SS_CHECK_ARG(!(config_.keep_prepared && config_.recompute_chunk_states), "keep_prepared",
                "needs the chunk states saved by forward; it cannot be combined with "
                "recompute_chunk_states");
-  SS_CHECK_ARG(config_.scale != 0, "scale", "must be > 0 (or < 0 for Dk^-1/2)");
+  SS_CHECK_ARG(std::isfinite(config_.scale) && config_.scale != 0, "scale",
+               "must be finite and > 0 (or < 0 for Dk^-1/2), got ", config_.scale);
 }
 
 CpMixer::~CpMixer() = default;

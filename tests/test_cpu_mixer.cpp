@@ -420,6 +420,10 @@ INSTANTIATE_TEST_SUITE_P(MixedHeadDims, CpuMixer,
 
 // ---- bad input -------------------------------------------------------------------
 
+std::string variant_param_name(const ::testing::TestParamInfo<Variant>& info) {
+  return to_string(info.param);
+}
+
 class CpuMixerArguments : public ::testing::TestWithParam<Variant> {
  protected:
   void SetUp() override {
@@ -502,6 +506,55 @@ TEST_P(CpuMixerArguments, BackwardRejectsMissingChunkStates) {
   expect_rejects([&] { cpu::mixer_backward(p); }, "chunk_states");
 }
 
+// An infinite scale passed the old "> 0" test and made every output inf.
+TEST_P(CpuMixerArguments, RejectsNonFiniteScale) {
+  MixerParams p = params();
+  p.scale = std::numeric_limits<float>::infinity();
+  expect_rejects([&] { cpu::mixer_forward(p); }, "scale");
+}
+
+// MixerParams' own checks, each naming its argument: an empty packed segment,
+// segments that do not match the batch, and backward's optional outputs.
+TEST_P(CpuMixerArguments, RejectsEmptySegment) {
+  MixerParams p = params();
+  const std::vector<int64_t> cu{0, 3, 3, 40};
+  p.cu_seqlens = cu.data();
+  p.num_segments = 3;
+  expect_rejects([&] { cpu::mixer_forward(p); }, "cu_seqlens");
+}
+
+TEST_P(CpuMixerArguments, RejectsSegmentsNotMatchingBatch) {
+  MixerParams p = params();
+  p.num_segments = p.batch + 1;
+  expect_rejects([&] { cpu::mixer_forward(p); }, "num_segments");
+}
+
+TEST_P(CpuMixerArguments, BackwardRejectsMisplacedOptionalGradients) {
+  std::vector<float> states(static_cast<std::size_t>(64 * 64 * 64)), d_o(fp_->v.size()),
+      dq(fp_->q.size()), dk(fp_->k.size()), dv(fp_->v.size()), stray(fp_->q.size());
+  auto base = [&] {
+    MixerBwdParams p;
+    static_cast<MixerParams&>(p) = params();
+    p.chunk_states = states.data();
+    p.d_o = d_o.data();
+    p.dq = dq.data();
+    p.dk_out = dk.data();
+    p.dv_out = dv.data();
+    p.dg = has_gate(GetParam()) ? stray.data() : nullptr;
+    p.dbeta = has_beta(GetParam()) ? stray.data() : nullptr;
+    return p;
+  };
+  MixerBwdParams p = base();
+  p.dg = has_gate(GetParam()) ? nullptr : stray.data();  // missing, or given without g
+  expect_rejects([&] { cpu::mixer_backward(p); }, "dg");
+  p = base();
+  p.dbeta = has_beta(GetParam()) ? nullptr : stray.data();
+  expect_rejects([&] { cpu::mixer_backward(p); }, "dbeta");
+  p = base();
+  p.state_grad_only = true;  // needs d_initial_state
+  expect_rejects([&] { cpu::mixer_backward(p); }, "d_initial_state");
+}
+
 TEST_P(CpuMixerArguments, SummaryRejectsNullOutputs) {
   const MixerParams p = params();
   std::vector<float> E(static_cast<std::size_t>(p.heads * p.dk * p.dv));
@@ -509,9 +562,7 @@ TEST_P(CpuMixerArguments, SummaryRejectsNullOutputs) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CpuMixerArguments, ::testing::ValuesIn(kAllVariants),
-                         [](const ::testing::TestParamInfo<Variant>& info) {
-                           return std::string(to_string(info.param));
-                         });
+                         variant_param_name);
 
 using CpuMixerGateArguments = CpuMixerArguments;
 
@@ -523,12 +574,38 @@ TEST_P(CpuMixerGateArguments, RejectsNonFiniteGate) {
   expect_rejects([&] { cpu::mixer_forward(p); }, "g");
 }
 
+// g = log alpha with alpha in (0, 1]: a positive gate (a raw logit, say) grew
+// the state to inf within a few dozen tokens without an error.
+TEST_P(CpuMixerGateArguments, RejectsPositiveGate) {
+  std::vector<float> g = fp_->g;
+  g[g.size() / 3] = 0.5f;
+  MixerParams p = params();
+  p.g = g.data();
+  expect_rejects([&] { cpu::mixer_forward(p); }, "g");
+  g[g.size() / 3] = 0.f;  // alpha = 1: allowed
+  EXPECT_NO_THROW(cpu::mixer_forward(p));
+}
+
 INSTANTIATE_TEST_SUITE_P(GatedVariants, CpuMixerGateArguments,
                          ::testing::Values(Variant::retention, Variant::gla,
                                            Variant::gated_deltanet, Variant::kda),
-                         [](const ::testing::TestParamInfo<Variant>& info) {
-                           return std::string(to_string(info.param));
-                         });
+                         variant_param_name);
+
+using CpuMixerBetaArguments = CpuMixerArguments;
+
+// beta scales every delta-rule update: a NaN there poisoned every output.
+TEST_P(CpuMixerBetaArguments, RejectsNonFiniteBeta) {
+  std::vector<float> beta = fp_->beta;
+  beta[beta.size() / 2] = std::numeric_limits<float>::quiet_NaN();
+  MixerParams p = params();
+  p.beta = beta.data();
+  expect_rejects([&] { cpu::mixer_forward(p); }, "beta");
+}
+
+INSTANTIATE_TEST_SUITE_P(DeltaVariants, CpuMixerBetaArguments,
+                         ::testing::Values(Variant::deltanet, Variant::gated_deltanet,
+                                           Variant::kda),
+                         variant_param_name);
 
 TEST(CpuMixerSummary, MSizeIsMatrixForDeltaAndDiagonalForAdditive) {
   MixerParams p;

@@ -424,6 +424,17 @@ void expect_layer_error(F&& breakage, const std::string& argument) {
   EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 123.f; }));
 }
 
+// A sharded call (ranks > 1) must sum each chunk's gradient over the group:
+// without an all-reduce every rank updated from its own slice and the fast
+// weights drifted apart with no error.
+TEST(LactErrors, ShardedKernelWithoutAllReduceIsRejected) {
+  const LactProblem p = random_lact_problem(LactSizes{1, 32, 2, 8, 16}, 31);
+  LactConfig cfg;
+  cfg.chunk = 16;
+  EXPECT_EQ(error_argument([&] { (void)run_lact_kernel<double>(p, cfg, false, 2, 0); }),
+            "all_reduce");
+}
+
 TEST(LactErrors, NanLearningRateNamesIt) {
   expect_layer_error(
       [](LactForwardArgs& a) { a.lr1.as<float>()[5] = std::numeric_limits<float>::quiet_NaN(); },

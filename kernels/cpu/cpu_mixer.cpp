@@ -206,11 +206,14 @@ void check_cpu_inputs(const MixerParams& p) {
                to_string(p.dtype), " (round inputs with round_to and pass f32)");
   SS_CHECK_ARG(p.saved_t == nullptr, "saved_t",
                "is a GPU-path buffer (the CPU path keeps no prepared tiles)");
+  const int64_t rows = p.batch * p.seq_len * p.heads;
   if (p.g != nullptr) {
-    // Gates feed exp() in every step; a NaN/Inf here would poison all outputs.
-    const int64_t n = p.batch * p.seq_len * p.heads * (vector_gate(p.variant) ? p.dk : 1);
-    check_finite(p.g, n, "g");
+    // Gates feed exp() in every step; a NaN/Inf, or a positive gate (a decay
+    // above 1), would poison all outputs.
+    check_log_gates(p.g, rows * (vector_gate(p.variant) ? p.dk : 1), "g");
   }
+  // beta scales every delta-rule update the same way.
+  if (p.beta != nullptr) check_finite(static_cast<const float*>(p.beta), rows, "beta");
 }
 
 // Forward of one (segment, head): o, final state, chunk checkpoints.

@@ -596,10 +596,22 @@ void lact_check_params(const LactParams<T>& p) {
 
 // Per chunk: (A) apply at W_c if causal, partial G of the slice; all-reduce G;
 // (B) momentum, Muon, step, renorm -> W_{c+1}; apply at W_{c+1} otherwise.
+// A slice of every chunk updates from the whole chunk's gradient only
+// through the all-reduce: without one, ranks > 1 would each apply their own
+// partial gradient and their fast weights drift apart, with no error.
+namespace {
+template <typename T>
+void check_all_reduce(const LactParams<T>& p, bool given) {
+  SS_CHECK_ARG(p.ranks == 1 || given, "all_reduce", "is required when ranks > 1 (ranks = ", p.ranks,
+               ")");
+}
+}  // namespace
+
 template <typename T>
 void lact_forward(const LactParams<T>& p, const LactAllReduce<T>& all_reduce,
                   LactCheckpoints<T>* saved) {
   lact_check_params(p);
+  check_all_reduce(p, static_cast<bool>(all_reduce));
   const Geometry<T> geo(p);
   const WeightLayout& L = geo.layout;
   const LactConfig& cfg = p.config;
@@ -655,6 +667,7 @@ template <typename T>
 void lact_backward(const LactParams<T>& p, const LactGradParams<T>& g,
                    const LactCheckpoints<T>& saved, const LactAllReduce<T>& all_reduce) {
   lact_check_params(p);
+  check_all_reduce(p, static_cast<bool>(all_reduce));
   const char* names[] = {"d_o", "dq", "dk", "dv", "dlr0", "dlr1", "dlr2", "dw0", "dw1", "dw2"};
   const void* ptrs[] = {g.d_o, g.dq, g.dk, g.dv, g.dlr0, g.dlr1, g.dlr2, g.dw0, g.dw1, g.dw2};
   for (int i = 0; i < 10; ++i) SS_CHECK_ARG(ptrs[i] != nullptr, names[i], "is required");

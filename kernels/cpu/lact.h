@@ -130,7 +130,8 @@ struct LactCheckpoints {
 };
 
 // Sums `count` values at `data` over the group, in place, on every rank. An
-// empty function means a group of one.
+// empty function means a group of one (lact_forward and lact_backward refuse
+// it, naming "all_reduce", when ranks > 1).
 template <typename T>
 using LactAllReduce = std::function<void(T* data, std::size_t count)>;
 
