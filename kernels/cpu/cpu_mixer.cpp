@@ -179,15 +179,28 @@ struct HeadKernel {
 // Where one (segment, head) work item lives in the [B, T, H, *] tensors.
 struct WorkItem {
   int64_t segment, row, head, begin, end;
+  int64_t first_chunk;  // of the segment, in the chunk_states layout
 };
 
-WorkItem work_item(const MixerParams& p, int64_t index) {
+// Each segment's first chunk in the chunk_states layout: prefix sums formed
+// once per call (first_chunk_of_segment per work item walks every earlier
+// segment: O(N^2 H) for N packed sequences).
+std::vector<int64_t> segment_first_chunks(const MixerParams& p) {
+  std::vector<int64_t> first(static_cast<std::size_t>(p.num_segments), 0);
+  for (int64_t n = 1; n < p.num_segments; ++n)
+    first[n] = first[n - 1] + (segment_end(p, n - 1) - segment_begin(p, n - 1) + p.chunk - 1) / p.chunk;
+  return first;
+}
+
+WorkItem work_item(const MixerParams& p, const std::vector<int64_t>& first_chunks,
+                   int64_t index) {
   WorkItem w;
   w.segment = index / p.heads;
   w.head = index % p.heads;
   w.row = segment_row(p, w.segment);
   w.begin = segment_begin(p, w.segment);
   w.end = segment_end(p, w.segment);
+  w.first_chunk = first_chunks[static_cast<std::size_t>(w.segment)];
   return w;
 }
 
@@ -230,7 +243,7 @@ void forward_item(const MixerParams& p, const WorkItem& w) {
 
   const float* v = static_cast<const float*>(p.v);
   float* o = static_cast<float*>(p.o);
-  const int64_t first_chunk = p.chunk_states ? first_chunk_of_segment(p, w.segment) : 0;
+  const int64_t first_chunk = w.first_chunk;
   TokenBlock tokens(p, p.chunk);
   for (int64_t t0 = w.begin; t0 < w.end; t0 += p.chunk) {
     const int64_t count = std::min(p.chunk, w.end - t0);
@@ -276,7 +289,7 @@ void backward_item(const MixerBwdParams& p, const WorkItem& w) {
   float* dv_out = static_cast<float*>(p.dv_out);
   float* dbeta_out = static_cast<float*>(p.dbeta);
   const int64_t alpha_width = kDecay == Decay::vector ? dk : 1;
-  const int64_t first_chunk = first_chunk_of_segment(p, w.segment);
+  const int64_t first_chunk = w.first_chunk;
   const int64_t num_chunks = (w.end - w.begin + C - 1) / C;
   TokenBlock tokens(p, C);
 
@@ -528,10 +541,11 @@ void dispatch(Variant variant, Fn&& fn) {
 void mixer_forward(const MixerParams& p) {
   validate(p);
   check_cpu_inputs(p);
+  const std::vector<int64_t> first_chunks = segment_first_chunks(p);
   dispatch(p.variant, [&](auto tag) {
     using Tag = decltype(tag);
     parallel_for(p.num_segments * p.heads, [&](int64_t index) {
-      forward_item<Tag::decay, Tag::rule>(p, work_item(p, index));
+      forward_item<Tag::decay, Tag::rule>(p, work_item(p, first_chunks, index));
     });
   });
 }
@@ -556,10 +570,11 @@ void mixer_backward(const MixerBwdParams& p) {
     mixer_backward(with_states);
     return;
   }
+  const std::vector<int64_t> first_chunks = segment_first_chunks(p);
   dispatch(p.variant, [&](auto tag) {
     using Tag = decltype(tag);
     parallel_for(p.num_segments * p.heads, [&](int64_t index) {
-      const WorkItem w = work_item(p, index);
+      const WorkItem w = work_item(p, first_chunks, index);
       if (p.state_grad_only) {
         state_grad_item<Tag::decay, Tag::rule>(p, w);
       } else {
