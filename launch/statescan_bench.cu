@@ -147,6 +147,41 @@ std::vector<std::string> split(const std::string& s) {
 // the products of sizes stay inside int64.
 constexpr int64_t kMaxTokens = int64_t{1} << 40, kMaxCount = int64_t{1} << 20;
 
+// The modes that read each flag (the backward-only switches --recompute,
+// --keep-prepared and --no-save-t have checks of their own below): a flag
+// given to a mode that does not read it is refused, not ignored.
+enum ModeBits : unsigned {
+  kForward = 1,
+  kBackward = 2,
+  kModel = 4,
+  kMeasure = 8,
+  kTables = kForward | kBackward,
+  kCp = kModel | kMeasure,
+  kAllModes = 15
+};
+struct FlagModes {
+  const char* name;
+  const char* alias;  // or nullptr
+  unsigned modes;
+};
+constexpr FlagModes kFlagModes[] = {
+    {"--variants", "-v", kTables},         {"--lengths", "-t", kTables},
+    {"--batch", "-b", kTables | kModel},   {"--heads", "-H", kAllModes},
+    {"--dim", "-d", kAllModes},            {"--chunk", "-c", kAllModes},
+    {"--dtype", nullptr, kAllModes},       {"--warmup", "-w", kTables | kMeasure},
+    {"--iters", "-n", kTables | kMeasure}, {"--json", nullptr, kAllModes},
+    {"--plot", nullptr, kForward},         {"--variant", nullptr, kCp},
+    {"--seq-len", nullptr, kCp},           {"-P", nullptr, kCp},
+    {"--link", nullptr, kCp},              {"--gpus-per-node", nullptr, kCp},
+    {"--overlap", nullptr, kCp},           {"--link-bw-GBps", nullptr, kModel},
+    {"--link-latency-us", nullptr, kModel}, {"--ib-bw-GBps", nullptr, kModel},
+    {"--ib-latency-us", nullptr, kModel},  {"--compose-TFLOPs", nullptr, kModel},
+    {"--fwd-ms", nullptr, kModel},         {"--bwd-ms", nullptr, kModel},
+    {"--summary-fwd-ms", nullptr, kModel}, {"--summary-fwd-first-ms", nullptr, kModel},
+    {"--summary-bwd-ms", nullptr, kModel}, {"--merge-ms", nullptr, kModel},
+    {"--bwd-prepare-ms", nullptr, kModel},
+};
+
 Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -244,6 +279,16 @@ Options parse(int argc, char** argv) {
   SS_CHECK_ARG(o.save_t || o.backward, "--no-save-t", "applies to --backward only");
   SS_CHECK_ARG(!(o.keep_prepared && o.recompute), "--keep-prepared",
                "cannot be combined with --recompute (the kept tiles go with saved chunk states)");
+  const unsigned mode = o.cp_measure ? kMeasure : o.cp_model ? kModel : o.backward ? kBackward : kForward;
+  const char* mode_name = o.cp_measure ? "--cp-measure"
+                          : o.cp_model ? "--cp-model"
+                          : o.backward ? "--backward"
+                                       : "the forward table";
+  for (int i = 1; i < argc; ++i)
+    for (const FlagModes& f : kFlagModes)
+      if (argv[i] == std::string(f.name) || (f.alias != nullptr && argv[i] == std::string(f.alias)))
+        SS_CHECK_ARG((f.modes & mode) != 0, argv[i], "does not apply to ", mode_name,
+                     " (it would be ignored)");
   return o;
 }
 
