@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <cstdint>
 #include <vector>
@@ -133,7 +134,13 @@ inline LactResult<double> run_lact_gpu_kernel(const LactProblem& pr, const LactC
     g.dw2 = d.dw2.data();
     cuda::lact_cuda_backward(p, g, saved, {}, nullptr);
   }
-  if (cudaDeviceSynchronize() != cudaSuccess) return {};
+  // A failed run is a test failure here, not only an empty result for the
+  // caller's comparison to notice (or, comparing two runs, not to).
+  const cudaError_t rc = cudaDeviceSynchronize();
+  if (rc != cudaSuccess) {
+    ADD_FAILURE() << "the GPU run failed: " << cudaGetErrorString(rc);
+    return {};
+  }
   return d.result(backward);
 }
 

@@ -203,9 +203,10 @@ LactResult<T> run_lact_kernel(const LactProblem& pr, const LactConfig& cfg, bool
 
 // LactLayer forward + backward on rank `rank`'s slices of the problem (of a
 // group of `ranks`), outputs poisoned with NaN first so that unwritten
-// elements show. o, dq, ... are local slices; dw0..2 are full.
+// elements show. o, dq, ... are local slices; dw0..2 are full. The outputs
+// live in `*out` when given (so a caller can inspect them after a throw).
 inline LactResult<float> run_lact_layer(LactLayer& layer, const LactProblem& pr, int ranks,
-                                        int rank) {
+                                        int rank, LactResult<float>* out = nullptr) {
   const LactSizes& s = pr.s;
   const int64_t C = layer.config().chunk, Tl = s.seq_len / ranks;
   auto local = [&](const std::vector<double>& x, int64_t inner) {
@@ -217,7 +218,8 @@ inline LactResult<float> run_lact_layer(LactLayer& layer, const LactProblem& pr,
   auto w0 = as<float>(pr.w0), w1 = as<float>(pr.w1), w2 = as<float>(pr.w2);
 
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  LactResult<float> r;
+  LactResult<float> own;
+  LactResult<float>& r = out != nullptr ? *out : own;
   r.o.assign(q.size(), nan);
   r.dq.assign(q.size(), nan);
   r.dk.assign(q.size(), nan);

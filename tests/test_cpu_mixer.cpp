@@ -432,23 +432,28 @@ class CpuMixerArguments : public ::testing::TestWithParam<Variant> {
     s.seq_len = 40;
     s.dk = s.dv = 8;
     fp_ = std::make_unique<Fp32Problem>(random_problem(s, 17));
-    o_.assign(fp_->v.size(), 0.f);
+    o_.assign(fp_->v.size(), kSentinel);
   }
   MixerParams params() const {
     MixerParams p = fp_->params(16);
     p.o = const_cast<float*>(o_.data());
     return p;
   }
-  // fn must throw a statescan::Error naming `argument`, before writing o.
+  static constexpr float kSentinel = 12345.f;
+  // fn must throw a statescan::Error naming `argument`, before writing o or
+  // any of `outputs` (the call's own outputs, filled with kSentinel).
   template <typename Fn>
-  void expect_rejects(Fn&& fn, const std::string& argument) {
+  void expect_rejects(Fn&& fn, const std::string& argument,
+                      std::initializer_list<const std::vector<float>*> outputs = {}) {
     try {
       fn();
       ADD_FAILURE() << "no error thrown; expected one naming " << argument;
     } catch (const Error& e) {
       EXPECT_EQ(e.argument(), argument) << e.what();
     }
-    for (float x : o_) ASSERT_EQ(x, 0.f) << "o was written before the error";
+    for (float x : o_) ASSERT_EQ(x, kSentinel) << "o was written before the error";
+    for (const std::vector<float>* out : outputs)
+      for (float x : *out) ASSERT_EQ(x, kSentinel) << "an output was written before the error";
   }
 
   std::unique_ptr<Fp32Problem> fp_;
@@ -495,15 +500,16 @@ TEST_P(CpuMixerArguments, RejectsGateMismatchedWithVariant) {
 TEST_P(CpuMixerArguments, BackwardRejectsMissingChunkStates) {
   MixerBwdParams p;
   static_cast<MixerParams&>(p) = params();
-  std::vector<float> d_o(fp_->v.size()), dq(fp_->q.size()), dk(fp_->k.size()), dv(fp_->v.size()),
-      dg(fp_->g.size()), dbeta(fp_->beta.size());
+  std::vector<float> d_o(fp_->v.size()), dq(fp_->q.size(), kSentinel), dk(fp_->k.size(), kSentinel),
+      dv(fp_->v.size(), kSentinel), dg(fp_->g.size(), kSentinel),
+      dbeta(fp_->beta.size(), kSentinel);
   p.d_o = d_o.data();
   p.dq = dq.data();
   p.dk_out = dk.data();
   p.dv_out = dv.data();
   p.dg = dg.empty() ? nullptr : dg.data();
   p.dbeta = dbeta.empty() ? nullptr : dbeta.data();
-  expect_rejects([&] { cpu::mixer_backward(p); }, "chunk_states");
+  expect_rejects([&] { cpu::mixer_backward(p); }, "chunk_states", {&dq, &dk, &dv, &dg, &dbeta});
 }
 
 // An infinite scale passed the old "> 0" test and made every output inf.
@@ -531,7 +537,8 @@ TEST_P(CpuMixerArguments, RejectsSegmentsNotMatchingBatch) {
 
 TEST_P(CpuMixerArguments, BackwardRejectsMisplacedOptionalGradients) {
   std::vector<float> states(static_cast<std::size_t>(64 * 64 * 64)), d_o(fp_->v.size()),
-      dq(fp_->q.size()), dk(fp_->k.size()), dv(fp_->v.size()), stray(fp_->q.size());
+      dq(fp_->q.size(), kSentinel), dk(fp_->k.size(), kSentinel), dv(fp_->v.size(), kSentinel),
+      stray(fp_->q.size(), kSentinel);
   auto base = [&] {
     MixerBwdParams p;
     static_cast<MixerParams&>(p) = params();
@@ -546,19 +553,19 @@ TEST_P(CpuMixerArguments, BackwardRejectsMisplacedOptionalGradients) {
   };
   MixerBwdParams p = base();
   p.dg = has_gate(GetParam()) ? nullptr : stray.data();  // missing, or given without g
-  expect_rejects([&] { cpu::mixer_backward(p); }, "dg");
+  expect_rejects([&] { cpu::mixer_backward(p); }, "dg", {&dq, &dk, &dv, &stray});
   p = base();
   p.dbeta = has_beta(GetParam()) ? nullptr : stray.data();
-  expect_rejects([&] { cpu::mixer_backward(p); }, "dbeta");
+  expect_rejects([&] { cpu::mixer_backward(p); }, "dbeta", {&dq, &dk, &dv, &stray});
   p = base();
   p.state_grad_only = true;  // needs d_initial_state
-  expect_rejects([&] { cpu::mixer_backward(p); }, "d_initial_state");
+  expect_rejects([&] { cpu::mixer_backward(p); }, "d_initial_state", {&dq, &dk, &dv, &stray});
 }
 
 TEST_P(CpuMixerArguments, SummaryRejectsNullOutputs) {
   const MixerParams p = params();
-  std::vector<float> E(static_cast<std::size_t>(p.heads * p.dk * p.dv));
-  expect_rejects([&] { cpu::mixer_summary(p, nullptr, E.data()); }, "M");
+  std::vector<float> E(static_cast<std::size_t>(p.heads * p.dk * p.dv), kSentinel);
+  expect_rejects([&] { cpu::mixer_summary(p, nullptr, E.data()); }, "M", {&E});
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CpuMixerArguments, ::testing::ValuesIn(kAllVariants),
@@ -568,7 +575,7 @@ using CpuMixerGateArguments = CpuMixerArguments;
 
 TEST_P(CpuMixerGateArguments, RejectsNonFiniteGate) {
   std::vector<float> g = fp_->g;
-  g[g.size() / 2] = std::numeric_limits<float>::infinity();
+  g[g.size() / 2] = -std::numeric_limits<float>::infinity();  // only the finiteness test refuses it
   MixerParams p = params();
   p.g = g.data();
   expect_rejects([&] { cpu::mixer_forward(p); }, "g");

@@ -91,6 +91,9 @@ class LactCudaTest : public ::testing::TestWithParam<LactCase> {
     const LactConfig cfg = GetParam().config(chunk);
     const LactResult<double> a = run_lact_gpu_kernel(p, cfg, dtype);
     const LactResult<double> b = run_lact_gpu_kernel(p, cfg, dtype);
+    // An empty result (the run failed) would compare equal to another.
+    ASSERT_FALSE(a.o.empty() || a.dw2.empty() || b.o.empty() || b.dw2.empty())
+        << "a GPU run returned no results";
     EXPECT_TRUE(bitwise_equal(a.o, b.o)) << "o";
     EXPECT_TRUE(bitwise_equal(a.dq, b.dq)) << "dq";
     EXPECT_TRUE(bitwise_equal(a.dk, b.dk)) << "dk";

@@ -466,11 +466,17 @@ TEST(LactErrors, NanCotangentIsRejectedBeforeAnythingIsWritten) {
   LactConfig cfg;
   cfg.chunk = 4;
   LactLayer layer(self, cfg);
+  LactResult<float> r;
   try {
-    run_lact_layer(layer, p, 1, 0);
+    run_lact_layer(layer, p, 1, 0, &r);
     FAIL() << "expected statescan::Error";
   } catch (const Error& e) {
     EXPECT_EQ(e.argument(), "d_o") << e.what();
+  }
+  // Every gradient still holds the NaN poison run_lact_layer filled it with.
+  for (const auto* g : {&r.dq, &r.dk, &r.dv, &r.dlr0, &r.dlr1, &r.dlr2, &r.dw0, &r.dw1, &r.dw2}) {
+    ASSERT_FALSE(g->empty());
+    for (float x : *g) ASSERT_TRUE(std::isnan(x)) << "a gradient was written before the error";
   }
 }
 

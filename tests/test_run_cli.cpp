@@ -64,8 +64,9 @@ namespace {
 
 constexpr int kRanks = 3;
 constexpr int64_t kSeqLen = 45, kHeads = 2, kDk = 8, kDv = 8, kChunk = 16;
-// Both sides see the same float32 inputs; the CP run computes in fp32.
-constexpr double kTolerance = 2e-5;
+// Both sides see the same float32 inputs; the CP run computes in fp32:
+// DESIGN §7's fp32 bar (the CLI cases measure ~2e-6 at most).
+constexpr double kTolerance = 1e-5;
 
 // A fresh directory per test, removed afterwards.
 class TempDir {
