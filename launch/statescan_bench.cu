@@ -603,9 +603,11 @@ std::vector<double> head_slice(const std::vector<float>& all, int64_t tokens, in
 }
 
 // err_grad: forward + backward of a T_ref-token, 2-head problem whose inputs
-// are the first tokens of the big one, against ref::backward on every head.
+// are the first tokens of the big one, against ref::backward on every head,
+// through the path the row times: T saved or solved again (save_t), the
+// forward's tiles kept for the backward or not (keep_prepared).
 double gradient_error(Variant variant, int64_t D, DType t, int64_t chunk, bool recompute,
-                      uint64_t seed) {
+                      bool save_t, bool keep_prepared, uint64_t seed) {
   const int64_t T = 512, H = 2;
   MixerParams shape;
   shape.seq_len = T;
@@ -615,8 +617,19 @@ double gradient_error(Variant variant, int64_t D, DType t, int64_t chunk, bool r
   StepTensors x(variant, 1, T, H, D, t, recompute ? 0 : count_chunks(shape));
   x.fill(seed);
   MixerBwdParams p = x.params(variant, 1, T, H, D, t, chunk);
-  cuda::mixer_forward(p, nullptr);
-  cuda::mixer_backward(p, nullptr);
+  DeviceBuffer<unsigned char> saved_t(
+      save_t && cuda::saved_t_supported(p) ? cuda::saved_t_bytes(p) : 0);
+  if (saved_t.size() != 0) p.saved_t = saved_t.data();
+  if (keep_prepared) {
+    const cudaStream_t stream = nullptr;  // the legacy default stream, as below
+    cuda::PreparedForward fwd(p, stream);
+    fwd.finish(stream);
+    cuda::PreparedBackward bwd(p, fwd, stream);
+    bwd.run(p, stream);
+  } else {
+    cuda::mixer_forward(p, nullptr);
+    cuda::mixer_backward(p, nullptr);
+  }
   SS_CUDA_CHECK(cudaDeviceSynchronize());
 
   const int64_t gw = vector_gate(variant) ? D : 1;
@@ -742,7 +755,8 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
   r.peak_gb = static_cast<double>(opt.keep_prepared ? (free_before - free_tensors) + pool_high
                                                     : free_before - free_after) /
               1e9;
-  r.err_grad = gradient_error(variant, D, t, opt.chunk, opt.recompute, 100);
+  r.err_grad =
+      gradient_error(variant, D, t, opt.chunk, opt.recompute, opt.save_t, opt.keep_prepared, 100);
 
   const double C = static_cast<double>(opt.chunk), d = static_cast<double>(D);
   const double fwd_flop = has_beta(variant) ? 5.0 * C * d + 6.0 * d * d : 2.0 * C * d + 4.0 * d * d;
