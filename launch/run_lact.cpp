@@ -526,8 +526,7 @@ int LactJob::run() {
   stage_ = Stage::results;
   // Rank 0 writes; a write failure becomes exit 3 on every rank.
   return finish_report(comm_, report, [&] {
-    if (!options_.save_dir.empty()) save_npy_files(options_.save_dir, named(last_full));
-    if (!options_.json_path.empty()) write_report_json(options_.json_path, report);
+    write_results(options_.json_path, report, options_.save_dir, named(last_full));
   });
 }
 

@@ -303,6 +303,18 @@ void write_report_json(const std::string& path, const Report& report) {
   write_text_file(path, to_json(report), "--json");
 }
 
+void write_results(const std::string& json_path, const Report& report, const std::string& save_dir,
+                   const std::vector<NamedArray>& arrays) {
+  if (!json_path.empty()) write_report_json(json_path, report);
+  if (save_dir.empty()) return;
+  try {
+    save_npy_files(save_dir, arrays);
+  } catch (...) {
+    if (!json_path.empty()) std::remove(json_path.c_str());
+    throw;
+  }
+}
+
 void prepare_output_locations(const std::string& save_dir, const std::string& json_path) {
   if (!save_dir.empty()) {
     std::error_code ec;

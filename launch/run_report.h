@@ -134,6 +134,12 @@ void save_npy_files(const std::string& dir, const std::vector<NamedArray>& array
 // statescan::Error naming "--json".
 void write_report_json(const std::string& path, const Report& report);
 
+// A run's results, all or none: the JSON report into json_path (when not
+// empty), then the arrays into save_dir (when not empty); if the arrays fail,
+// the report just written is removed, so a failed write leaves neither.
+void write_results(const std::string& json_path, const Report& report, const std::string& save_dir,
+                   const std::vector<NamedArray>& arrays);
+
 // ---- the timed-step loop pieces both jobs share ---------------------------------
 
 // One rank's timing of one step.

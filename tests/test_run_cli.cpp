@@ -451,6 +451,32 @@ TEST(RunCli, FailedSaveLeavesNoResultFiles) {
   EXPECT_EQ(files_in(dir.out()), std::set<std::string>{"dq.npy"});
 }
 
+// The results are all or none: a save that fails takes the JSON report
+// written before it away too.
+TEST(RunCli, FailedSaveLeavesNoJsonReport) {
+  TempDir dir;
+  write_inputs(make_inputs(Variant::gla, {}, 13), dir.in());
+  fs::create_directories(dir.out() / "dq.npy");
+  const fs::path json = dir.file("run.json");
+  const RunResult r = run_cli(dir, "--variant gla " + io_args(dir) + " --json " + json.string());
+  EXPECT_EQ(r.exit_code, 3) << r.out << r.err;
+  expect_every_rank_reports(r, "argument '--save'");
+  EXPECT_FALSE(fs::exists(json)) << "the report of a run whose results were not saved";
+}
+
+// And a report that cannot be written leaves no saved arrays (a non-empty
+// directory where the report should go makes its final rename fail).
+TEST(RunCli, FailedJsonReportLeavesNoResultFiles) {
+  TempDir dir;
+  write_inputs(make_inputs(Variant::gla, {}, 14), dir.in());
+  const fs::path json = dir.file("run.json");
+  fs::create_directories(json / "occupied");
+  const RunResult r = run_cli(dir, "--variant gla " + io_args(dir) + " --json " + json.string());
+  EXPECT_EQ(r.exit_code, 3) << r.out << r.err;
+  expect_every_rank_reports(r, "argument '--json'");
+  EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+}
+
 // Without a GPU (CI, or a build without CUDA) an explicit --device cuda is an
 // error on every rank, never a silent CPU run. (With GPUs it runs: the GPU
 // suites test that path.)
