@@ -72,7 +72,7 @@ source scripts/ci-ports.sh
 PORT=${CI_METRICS_PORT:-$(ci_free_port_base 20000 30000 2)}
 step "running: mpirun -np 2 cp_consumer --metrics-port $PORT"
 set +e
-mpirun -np 2 --oversubscribe "$WORK/consumer-build/cp_consumer" --metrics-port "$PORT" \
+timeout 300 mpirun -np 2 --oversubscribe "$WORK/consumer-build/cp_consumer" --metrics-port "$PORT" \
   2>&1 | tee "$WORK/consumer-run.log"
 status=${PIPESTATUS[0]}
 set -e
@@ -83,7 +83,8 @@ grep -q '^exposition: statescan_tokens_total{' "$WORK/consumer-run.log" ||
 
 step "running: mpirun -np 2 lact_consumer"
 set +e
-mpirun -np 2 --oversubscribe "$WORK/consumer-build/lact_consumer" 2>&1 | tee "$WORK/lact-run.log"
+timeout 300 mpirun -np 2 --oversubscribe "$WORK/consumer-build/lact_consumer" 2>&1 |
+  tee "$WORK/lact-run.log"
 status=${PIPESTATUS[0]}
 set -e
 [ "$status" -eq 0 ] || fail "lact_consumer exited with $status"

@@ -52,7 +52,8 @@ cmake --build "$BUILD" --target statescan-run -j"$(nproc)" >"$WORK/build.log" 2>
 # ---- the run: two ranks, exporters on METRICS_PORT and METRICS_PORT + 1 -------
 # Random free ports below the kernel's ephemeral range (scripts/ci-ports.sh).
 source scripts/ci-ports.sh
-METRICS_PORT=${CI_METRICS_PORT:-$(ci_free_port_base 20000 30000 2)}
+# Four ports from METRICS_PORT: the mixer job's two ranks, then the LaCT job's.
+METRICS_PORT=${CI_METRICS_PORT:-$(ci_free_port_base 20000 30000 4)}
 PROM_PORT=${CI_PROMETHEUS_PORT:-$(ci_free_port_base 10000 19000 1)}
 SEQ_LEN=8192 WARMUP=1 ITERS=3
 # Every step counts, warm-up included: the tokens of both ranks add up to T per step.
@@ -98,7 +99,7 @@ cat "$WORK/run.log"
 total=0
 for rank in 0 1; do
   port=$((METRICS_PORT + rank))
-  curl -sf "http://127.0.0.1:$port/metrics" >"$WORK/metrics-rank$rank.txt" ||
+  curl -sf --max-time 10 "http://127.0.0.1:$port/metrics" >"$WORK/metrics-rank$rank.txt" ||
     fail "GET http://127.0.0.1:$port/metrics"
   for family in statescan_tokens_total statescan_step_seconds statescan_tokens_per_second \
                 statescan_phase_seconds_total statescan_exchange_bytes_total \
@@ -134,7 +135,7 @@ prometheus --config.file="$WORK/prometheus.yml" --storage.tsdb.path="$WORK/tsdb"
 PROM_PID=$!
 
 query() {  # prints the first result's value of an instant query, or nothing
-  curl -sf "http://127.0.0.1:$PROM_PORT/api/v1/query" --data-urlencode "query=$1" |
+  curl -sf --max-time 10 "http://127.0.0.1:$PROM_PORT/api/v1/query" --data-urlencode "query=$1" |
     jq -r 'select(.status == "success") | .data.result[0].value[1] // empty'
 }
 got=""
@@ -146,8 +147,10 @@ for _ in $(seq 120); do
 done
 [ "$got" = "$EXPECTED_TOKENS" ] ||
   fail "Prometheus returned sum(statescan_tokens_total) = '${got}', expected $EXPECTED_TOKENS"
-curl -sf "http://127.0.0.1:$PROM_PORT/api/v1/query" --data-urlencode 'query=statescan_tokens_total' |
-  jq -c '.data.result[] | {rank: .metric.rank, variant: .metric.variant, instance: .metric.instance, tokens: .value[1]}'
+{ curl -sf --max-time 10 "http://127.0.0.1:$PROM_PORT/api/v1/query" \
+    --data-urlencode 'query=statescan_tokens_total' |
+    jq -c '.data.result[] | {rank: .metric.rank, variant: .metric.variant, instance: .metric.instance, tokens: .value[1]}'; } ||
+  fail "the per-rank statescan_tokens_total query"
 step "Prometheus query API: sum(statescan_tokens_total) = $got (expected $EXPECTED_TOKENS)"
 
 # ---- the run ends cleanly when told to stop holding --------------------------------
@@ -157,15 +160,17 @@ stop_run statescan-run
 LACT_PORT=$((METRICS_PORT + 2))
 LACT_T=512
 step "mpirun -np 2 statescan-run --variant lact --metrics-port $LACT_PORT"
+: >"$WORK/run.log"  # empty before the job starts: the first job's '# Avg' must not count
 mpirun -np 2 --oversubscribe "$BUILD/launch/statescan-run" --device cpu --variant lact \
   --seq-len "$LACT_T" --lact-chunk 128 --heads 2 --dk 16 --lact-hidden 32 --warmup "$WARMUP" \
-  --iters "$ITERS" --no-check --metrics-port "$LACT_PORT" --metrics-hold 300 >"$WORK/run.log" 2>&1 &
+  --iters "$ITERS" --no-check --metrics-port "$LACT_PORT" --metrics-hold 300 >>"$WORK/run.log" 2>&1 &
 RUN_PID=$!
 wait_for_steps "statescan-run --variant lact"
 total=0
 for rank in 0 1; do
   port=$((LACT_PORT + rank))
-  curl -sf "http://127.0.0.1:$port/metrics" >"$WORK/lact-rank$rank.txt" || fail "GET :$port/metrics (lact)"
+  curl -sf --max-time 10 "http://127.0.0.1:$port/metrics" >"$WORK/lact-rank$rank.txt" ||
+    fail "GET :$port/metrics (lact)"
   line=$(grep "^statescan_tokens_total{" "$WORK/lact-rank$rank.txt") ||
     fail "lact rank $rank serves no statescan_tokens_total sample"
   [[ "$line" == *'variant="lact"'* ]] || fail "lact rank $rank: unexpected labels in: $line"

@@ -62,6 +62,18 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
 status=0
 
+# A device call runs for at most 10 minutes. Every step after the build is
+# bounded by what is left of CALL_SECONDS (default 570, from the script's
+# start) less 30 s kept for the final table, and by its own cap, so that a
+# kernel that hangs costs its step and the call still prints what finished.
+CALL_SECONDS=${CALL_SECONDS:-570}
+left() {  # left CAP: seconds for the next step: at most CAP, at least 1
+  local cap=$1 rest=$((CALL_SECONDS - 30 - SECONDS))
+  ((rest < cap)) && cap=$rest
+  ((cap < 1)) && cap=1
+  echo "$cap"
+}
+
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
   nvcc --version | tail -1
@@ -77,7 +89,7 @@ status=0
 # unless a second GPU is present).
 if [[ -x "$BUILD/tests/test_comm_nccl" ]]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
-  timeout 300 mpirun -np 1 --oversubscribe "$BUILD/tests/test_comm_nccl" >"$OUT/nccl.log" 2>&1 || status=1
+  timeout "$(left 300)" mpirun -np 1 --oversubscribe "$BUILD/tests/test_comm_nccl" >"$OUT/nccl.log" 2>&1 || status=1
   # gtest colours its output under mpirun: match past the escape codes.
   grep -aE "\[  (PASSED|FAILED|SKIPPED) |tests ran" "$OUT/nccl.log" | sed 's/^/nccl: /' | tail -5
   grep -aE "\[  FAILED  \]" "$OUT/nccl.log" | head -20
@@ -86,19 +98,21 @@ fi
 # statescan-run on this GPU with more ranks than GPUs (MPI builds only).
 if [[ "${RUN_CLI:-1}" != 0 ]] && grep -q "STATESCAN_WITH_MPI:BOOL=ON" "$BUILD/CMakeCache.txt"; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  rm -f "$BUILD/run_cli.log"  # the build folder outlives calls: no old lines
   { cmake --build "$BUILD" --target test_run_cli statescan-run -j16 >>"$OUT/build.log" 2>&1 &&
-    timeout 300 "$BUILD/tests/test_run_cli" --gtest_filter='RunCli.SharedGpu*:RunCli.CudaDevice*' \
-      >"$BUILD/run_cli.log" 2>&1; } || status=1
-  grep -aE "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]" "$BUILD/run_cli.log" | sed 's/^/run_cli: /' | head -8
+    timeout "$(left 300)" "$BUILD/tests/test_run_cli" \
+      --gtest_filter='RunCli.SharedGpu*:RunCli.CudaDevice*' >"$BUILD/run_cli.log" 2>&1; } || status=1
+  grep -aE "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]" "$BUILD/run_cli.log" 2>/dev/null |
+    sed 's/^/run_cli: /' | head -8
 fi
 
-"$BUILD/tests/test_cuda_forward" --gtest_filter="${GTEST_FILTER:-*}" \
+timeout "$(left 300)" "$BUILD/tests/test_cuda_forward" --gtest_filter="${GTEST_FILTER:-*}" \
   --gtest_output="json:$OUT/tests.json" >"$OUT/tests.log" 2>&1 || status=1
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran" "$OUT/tests.log" | tail -5
 grep -E "^\[  FAILED  \]" "$OUT/tests.log" | head -40
 
 # shellcheck disable=SC2086
-"$BUILD/launch/statescan-bench" --json "$OUT/bench.json" ${BENCH_ARGS:-} \
+timeout "$(left 300)" "$BUILD/launch/statescan-bench" --json "$OUT/bench.json" ${BENCH_ARGS:-} \
   >"$OUT/bench.log" 2>&1 || status=1
 
 # Linear attention's scans other than the default (groups of 16 chunks): the
@@ -106,12 +120,14 @@ grep -E "^\[  FAILED  \]" "$OUT/tests.log" | head -40
 # sequential scan's rows for comparison.
 if [[ "${LINEAR_ALT:-1}" != 0 ]]; then
   cmake --build "$BUILD" --target test_cuda_backward test_cuda_cp -j16 >>"$OUT/build.log" 2>&1 &&
-    (cd "$BUILD" && ctest -R '_linear_(groups_of_2|scan)$' --output-on-failure) \
+    (cd "$BUILD" && timeout "$(left 300)" ctest --timeout 120 -R '_linear_(groups_of_2|scan)$' \
+      --output-on-failure) \
       >"$OUT/tests_linear_alt.log" 2>&1 || status=1
   grep -E "tests passed|tests failed|Failed" "$OUT/tests_linear_alt.log" | sed 's/^/linear alt: /' | head -8
   {
-    STATESCAN_LINEAR=scan "$BUILD/launch/statescan-bench" -v linear -t 32768,131072
-    STATESCAN_LINEAR=scan "$BUILD/launch/statescan-bench" --backward -v linear -t 32768,131072
+    STATESCAN_LINEAR=scan timeout "$(left 120)" "$BUILD/launch/statescan-bench" -v linear -t 32768,131072
+    STATESCAN_LINEAR=scan timeout "$(left 120)" "$BUILD/launch/statescan-bench" --backward -v linear \
+      -t 32768,131072
   } >"$OUT/bench_linear_scan.log" 2>&1 || status=1
 fi
 
@@ -120,45 +136,49 @@ fi
 if [[ "${OPT_IN:-1}" != 0 ]]; then
   cmake --build "$BUILD" --target test_cuda_backward test_cuda_cp test_cuda_lact -j16 \
     >>"$OUT/build.log" 2>&1 &&
-    (cd "$BUILD" && ctest -R '_ds_f32$|_t_solve$|test_cuda_lact_ns_|test_cuda_lact_split_k|_output_(kernel|scan)$|_cluster_[128]$' \
+    (cd "$BUILD" && timeout "$(left 400)" ctest --timeout 150 \
+      -R '_ds_f32$|_t_solve$|test_cuda_lact_ns_|test_cuda_lact_split_k|_output_(kernel|scan)$|_cluster_[128]$' \
       --output-on-failure) \
       >"$OUT/tests_opt_in.log" 2>&1 || status=1
   grep -E "Test +#|tests passed|tests failed" "$OUT/tests_opt_in.log" | sed 's/^/opt-in: /' | head -16
   {
-    "$BUILD/launch/statescan-bench" --backward -v deltanet -t 32768
-    STATESCAN_BWD_DS=f32 "$BUILD/launch/statescan-bench" --backward -v deltanet -t 32768
+    bench() { timeout "$(left 120)" "$BUILD/launch/statescan-bench" "$@"; }
+    bench --backward -v deltanet -t 32768
+    STATESCAN_BWD_DS=f32 bench --backward -v deltanet -t 32768
     # Without the saved T (the default): the old solve path whole, and the
     # default path's no-T comparison.
-    STATESCAN_BWD_T=solve "$BUILD/launch/statescan-bench" --backward --no-save-t -v deltanet,gated_deltanet -t 32768
-    "$BUILD/launch/statescan-bench" --backward --no-save-t -v deltanet,gated_deltanet -t 32768,131072
-    "$BUILD/launch/statescan-bench" --lact
-    STATESCAN_LACT_NS=fused "$BUILD/launch/statescan-bench" --lact
-    STATESCAN_LACT_NS=cluster "$BUILD/launch/statescan-bench" --lact
-    STATESCAN_LACT_SPLIT_K=0 "$BUILD/launch/statescan-bench" --lact
-    STATESCAN_FWD_OUTPUT=kernel "$BUILD/launch/statescan-bench" -v deltanet,kda -t 32768,131072
+    STATESCAN_BWD_T=solve bench --backward --no-save-t -v deltanet,gated_deltanet -t 32768
+    bench --backward --no-save-t -v deltanet,gated_deltanet -t 32768,131072
+    bench --lact
+    STATESCAN_LACT_NS=fused bench --lact
+    STATESCAN_LACT_NS=cluster bench --lact
+    STATESCAN_LACT_SPLIT_K=0 bench --lact
+    STATESCAN_FWD_OUTPUT=kernel bench -v deltanet,kda -t 32768,131072
   } >"$OUT/bench_opt_in.log" 2>&1 || status=1
 fi
 
 # Backward: tests, the forward+backward table, and KDA at T = 1M with its peak memory.
 if [[ "${BWD:-1}" != 0 ]]; then
-  "$BUILD/tests/test_cuda_backward" --gtest_filter="${GTEST_FILTER_BWD:-*}" \
+  timeout "$(left 300)" "$BUILD/tests/test_cuda_backward" --gtest_filter="${GTEST_FILTER_BWD:-*}" \
     --gtest_output="json:$OUT/tests_bwd.json" >"$OUT/tests_bwd.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran" "$OUT/tests_bwd.log" | sed 's/^/backward: /' | tail -5
   grep -E "^\[  FAILED  \]" "$OUT/tests_bwd.log" | head -40
   # shellcheck disable=SC2086
-  "$BUILD/launch/statescan-bench" --backward --json "$OUT/bench_bwd.json" ${BWD_ARGS:--t 32768} \
+  timeout "$(left 300)" "$BUILD/launch/statescan-bench" --backward --json "$OUT/bench_bwd.json" \
+    ${BWD_ARGS:--t 32768} \
     >"$OUT/bench_bwd.log" 2>&1 || status=1
   if [[ "${KEEP:-1}" != 0 ]]; then
     # shellcheck disable=SC2086
-    "$BUILD/launch/statescan-bench" --backward --keep-prepared --json "$OUT/bench_bwd_keep.json" \
+    timeout "$(left 300)" "$BUILD/launch/statescan-bench" --backward --keep-prepared \
+      --json "$OUT/bench_bwd_keep.json" \
       ${BWD_ARGS:--t 32768} >"$OUT/bench_bwd_keep.log" 2>&1 || status=1
   fi
   if [[ "${BWD_1M:-1}" != 0 ]]; then
-    timeout 600 "$BUILD/launch/statescan-bench" --backward -v kda -t 1048576 -H 16 -d 128 \
+    timeout "$(left 300)" "$BUILD/launch/statescan-bench" --backward -v kda -t 1048576 -H 16 -d 128 \
       --dtype bf16 -w 1 -n 3 --json "$OUT/bench_bwd_1m.json" >"$OUT/bench_bwd_1m.log" 2>&1 ||
       status=1
     if [[ "${RECOMPUTE:-1}" != 0 ]]; then
-      timeout 600 "$BUILD/launch/statescan-bench" --backward --recompute -v kda -t 1048576 \
+      timeout "$(left 300)" "$BUILD/launch/statescan-bench" --backward --recompute -v kda -t 1048576 \
         -H 16 -d 128 --dtype bf16 -w 1 -n 3 >"$OUT/bench_bwd_1m_recompute.log" 2>&1 || status=1
     fi
   fi
@@ -167,7 +187,7 @@ fi
 # Per-kernel split (prepare / scan / output) of one timed forward at 32K.
 if [[ "${NCU:-0}" != 0 ]] && command -v ncu >/dev/null; then
   for v in ${NCU_VARIANTS:-kda deltanet linear}; do
-    timeout 180 ncu --clock-control none --section SpeedOfLight --metrics gpu__time_duration.sum \
+    timeout "$(left 180)" ncu --clock-control none --section SpeedOfLight --metrics gpu__time_duration.sum \
       --kernel-name regex:'chunk_(prepare|state_scan|output)[a-z0-9_]*_kernel' \
       --launch-skip 3 --launch-count 3 \
       "$BUILD/launch/statescan-bench" -v "$v" -t 32768 -w 1 -n 1 >"$OUT/ncu_$v.log" 2>&1 ||
@@ -183,7 +203,7 @@ fi
 # (scripts/ncu_phases.py; the sixteenth session's method, PERF_NOTES).
 if [[ -n "${NCU_SOURCE:-}" ]] && command -v ncu >/dev/null; then
   # shellcheck disable=SC2086
-  timeout 300 ncu --clock-control none --set full --import-source yes \
+  timeout "$(left 300)" ncu --clock-control none --set full --import-source yes \
     -k regex:"$NCU_SOURCE" --launch-skip 1 --launch-count 1 -o "$BUILD/ncu_source" -f \
     "$BUILD/launch/statescan-bench" ${NCU_SOURCE_ARGS:--v deltanet -t 32768 --backward} -w 1 -n 1 \
     >"$OUT/ncu_source.log" 2>&1 &&
@@ -202,7 +222,7 @@ if [[ "${FLA:-1}" != 0 && -d "$ROOT/.fla/fla" ]] && python3 -c "import torch, tr
   # that the call keeps time for the table; fla.log keeps what finished.
   # shellcheck disable=SC2086,SC2046
   PYTHONPATH="$ROOT/.fla${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
-    timeout "${FLA_TIMEOUT:-900}" python3 "$ROOT/scripts/fla_bench.py" --json "$OUT/fla.json" \
+    timeout "$(left "${FLA_TIMEOUT:-900}")" python3 "$ROOT/scripts/fla_bench.py" --json "$OUT/fla.json" \
     $([[ "${BWD:-1}" != 0 ]] && echo --backward) ${FLA_ARGS:-} \
     >"$OUT/fla.log" 2>&1 || echo "gpu-check: FLA comparison failed or ran past FLA_TIMEOUT, see $OUT/fla.log"
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
@@ -212,8 +232,8 @@ fi
 echo
 cat "$OUT/bench.log"
 for f in bench_linear_scan.log bench_opt_in.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log ncu_phases.txt; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
-if [[ -f "$OUT/fla.json" ]]; then
-  python3 - "$OUT/bench.json" "$OUT/fla.json" <<'PY' | tee "$OUT/summary.txt"
+if [[ -f "$OUT/fla.json" && -f "$OUT/bench.json" ]]; then
+  python3 - "$OUT/bench.json" "$OUT/fla.json" <<'PY' | tee "$OUT/summary.txt" || status=1
 import json, sys
 ours = {(r["variant"], r["T"]): r for r in json.load(open(sys.argv[1]))}
 print("#\n# statescan vs FLA (forward, same GPU, same run)")
@@ -228,7 +248,7 @@ for f in json.load(open(sys.argv[2])):
         print(f"  {f['variant']:15s} {f['T']:8d} {mine:>14s} {'refused':>10s}   ({f['error'][:60]})")
 PY
   if [[ -f "$OUT/bench_bwd.json" ]]; then
-    python3 - "$OUT/bench_bwd.json" "$OUT/fla.json" <<'PY' | tee -a "$OUT/summary.txt"
+    python3 - "$OUT/bench_bwd.json" "$OUT/fla.json" <<'PY' | tee -a "$OUT/summary.txt" || status=1
 import json, sys
 ours = {(r["variant"], r["T"]): r for r in json.load(open(sys.argv[1]))}
 print("#\n# statescan vs FLA (forward + backward, same GPU, same run)")

@@ -16,6 +16,7 @@
 #   TESTS=0     skip the tests;  TESTS=suite  the suite only (no knob reruns)
 #   TEST_TIMEOUT  seconds before a hung test binary is killed (default 300:
 #               a kernel that deadlocks must not eat the call's 10 minutes)
+#   BENCH_TIMEOUT  the same for each benchmark row and ncu table (default 240)
 #   MUON=0      skip the Muon row;  BENCH_ROWS=0  no benchmark rows at all
 #               (the tests and ncu tables alone, for a short device call)
 #   NCU=1       also the kernels' times a chunk under Nsight Compute
@@ -114,7 +115,8 @@ bench() {
   local envs=()
   while [[ $# -gt 0 && "$1" != "--" ]]; do envs+=("$1"); shift; done
   shift
-  env "${envs[@]}" "${BIN:-$BENCH}" --lact "$@" >"$OUT/$log" 2>&1 || status=1
+  timeout "${BENCH_TIMEOUT:-240}" env "${envs[@]}" "${BIN:-$BENCH}" --lact "$@" >"$OUT/$log" 2>&1 ||
+    status=1
 }
 ref_rounds=0
 if [[ "${BENCH_ROWS:-1}" != 0 ]]; then
@@ -146,7 +148,8 @@ ncu_table() {
   shift
   local run=("${NCU_RUN[@]}")
   run[0]=${BIN:-$BENCH}
-  env "$@" ncu --profile-from-start off --metrics gpu__time_duration.sum --csv "${run[@]}" \
+  timeout "${BENCH_TIMEOUT:-240}" env "$@" ncu --profile-from-start off \
+    --metrics gpu__time_duration.sum --csv "${run[@]}" \
     >"$OUT/$name.csv" 2>"$OUT/$name.log" &&
     { [[ $# -eq 0 ]] || echo "# under $*"; python3 "$ROOT/scripts/ncu_kernels.py" "$OUT/$name.csv" 8; } \
       >"$OUT/$name.txt" || echo "lact-check: the ncu table $name failed, see $OUT/$name.log"

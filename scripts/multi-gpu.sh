@@ -134,7 +134,7 @@ if [[ "${PROFILE_LACT:-0}" != 0 ]]; then
   fi
 fi
 
-python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
+python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt" || status=1
 import glob, json, os, re, sys
 out = sys.argv[1]
 rows = {}
