@@ -139,6 +139,18 @@ struct BadInputFixture : ::testing::Test {
     bargs.dg = TensorView(dg.data(), DType::f32, qk);
     bargs.dbeta = TensorView(dbeta.data(), DType::f32, bth);
   }
+  // Runs mixer.backward(bargs) expecting a statescan::Error naming
+  // `argument`, and checks that dq kept its sentinel.
+  void expect_backward_error(CpMixer& mixer, const std::string& argument) {
+    std::fill(dq.begin(), dq.end(), 12345.f);
+    try {
+      mixer.backward(bargs);
+      ADD_FAILURE() << "no error for " << argument;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), argument) << e.what();
+    }
+    for (float x : dq) ASSERT_EQ(x, 12345.f) << "dq written despite the error";
+  }
   // Runs forward expecting a statescan::Error naming `argument`, and checks
   // that the output was not touched.
   void expect_error(const std::string& argument, int64_t chunk = 64) {
@@ -197,22 +209,14 @@ TEST_F(BadInputFixture, UncheckedNanFlowsIntoTheOutputs) {
   mixer.forward(args);
   for (float x : o) ASSERT_TRUE(std::isfinite(x));
   d_o[5] = std::nanf("");
-  const CpBackwardArgs& b = bargs;
-  ASSERT_NO_THROW(mixer.backward(b));
+  ASSERT_NO_THROW(mixer.backward(bargs));
   EXPECT_TRUE(std::any_of(dq.begin(), dq.end(), [](float x) { return std::isnan(x); }));
   // The default checks do: the same call is refused, naming it.
   MixerConfig checked = cfg;
   checked.check_finite = true;
   CpMixer strict(comm, checked, Exchange::ring);
   strict.forward(args);
-  std::fill(dq.begin(), dq.end(), 12345.f);
-  try {
-    strict.backward(b);
-    ADD_FAILURE() << "no error for do";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "do") << e.what();
-  }
-  for (float x : dq) ASSERT_EQ(x, 12345.f) << "dq written despite the error";
+  expect_backward_error(strict, "do");
 }
 
 TEST_F(BadInputFixture, WrongDtypeNamesArgument) {
@@ -259,25 +263,13 @@ TEST_F(BadInputFixture, BackwardAfterAFailedForwardIsRefused) {
   mixer.forward(args);  // succeeds: a backward could follow it
   g[3] = std::nanf("");
   EXPECT_THROW(mixer.forward(args), Error);
-  try {
-    mixer.backward(bargs);
-    ADD_FAILURE() << "backward ran on the failed forward's predecessor";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "backward") << e.what();
-  }
-  for (float x : dq) ASSERT_EQ(x, 12345.f) << "dq written despite the error";
+  expect_backward_error(mixer, "backward");  // not run on the failed forward's predecessor
 }
 
 TEST_F(BadInputFixture, BackwardWithoutForward) {
   MixerConfig cfg;
   CpMixer mixer(comm, cfg, Exchange::ring);
-  CpBackwardArgs b;
-  try {
-    mixer.backward(b);
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "backward");
-  }
+  expect_backward_error(mixer, "backward");
 }
 
 }  // namespace
