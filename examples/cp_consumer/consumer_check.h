@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <vector>
 
 #include "comm/mpi_communicator.h"
@@ -27,7 +28,9 @@ inline double rel_rms(const std::vector<float>& x, const std::vector<float>& ref
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-// main's body: MPI up, run() on every rank; an error aborts the job with 2.
+// main's body: MPI up, run() on every rank; a statescan::Error aborts the
+// job with 2, any other exception (out of memory, say) with 3, each after
+// printing it (an uncaught one would end in std::terminate, unexplained).
 template <typename Run>
 int main_of(const char* name, int argc, char** argv, Run&& run) {
   statescan::MpiEnvironment mpi(&argc, &argv);
@@ -36,6 +39,9 @@ int main_of(const char* name, int argc, char** argv, Run&& run) {
   } catch (const statescan::Error& e) {
     std::fprintf(stderr, "%s: %s\n", name, e.what());
     MPI_Abort(MPI_COMM_WORLD, 2);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", name, e.what());
+    MPI_Abort(MPI_COMM_WORLD, 3);
   }
   return 2;
 }
