@@ -5,7 +5,6 @@
 // padded with spaces and ended by '\n', then the raw C-order data.
 #include "core/npy.h"
 
-#include <unistd.h>
 
 #include <cctype>
 #include <cmath>
@@ -17,6 +16,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/text_file.h"
 
 namespace statescan {
 namespace {
@@ -190,27 +190,8 @@ void write_array(const std::string& path, const Shape& shape, const char* descr,
     head.push_back(static_cast<char>((header_len >> (8 * i)) & 0xffu));
   head += dict;
 
-  const std::string temp = path + ".tmp." + std::to_string(::getpid());
   const std::size_t data_bytes = static_cast<std::size_t>(numel(shape)) * element_bytes;
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    SS_CHECK_ARG(out.good(), path, "cannot open ", temp, " for writing: ", std::strerror(errno));
-    out.write(head.data(), static_cast<std::streamsize>(head.size()));
-    if (data_bytes > 0)
-      out.write(static_cast<const char*>(data), static_cast<std::streamsize>(data_bytes));
-    out.flush();
-    if (!out.good()) {
-      const int saved_errno = errno;
-      out.close();
-      std::remove(temp.c_str());
-      SS_FAIL(path, "writing ", temp, " failed: ", std::strerror(saved_errno));
-    }
-  }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    const int saved_errno = errno;
-    std::remove(temp.c_str());
-    SS_FAIL(path, "cannot rename ", temp, " to ", path, ": ", std::strerror(saved_errno));
-  }
+  write_file(path, {{head.data(), head.size()}, {data, data_bytes}}, path.c_str());
 }
 
 }  // namespace

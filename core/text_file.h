@@ -1,14 +1,30 @@
-// Whole-file writes for the tools' results (JSON reports): written to a
-// temporary file beside the target and renamed over it once complete, so a
-// reader never sees half a file and a failed write leaves the old one.
+// Whole-file writes for the tools' results (JSON reports, .npy arrays):
+// written to a temporary file beside the target and renamed over it once
+// complete, so a reader never sees half a file and a failed write leaves the
+// old one.
 #pragma once
 
+#include <cstddef>
+#include <initializer_list>
 #include <string>
 
 namespace statescan {
 
-// Writes `text` to `path`; throws statescan::Error naming `argument` (the flag
-// that gave the path) if it cannot be written completely.
-void write_text_file(const std::string& path, const std::string& text, const char* argument);
+// A byte range to write.
+struct FileBytes {
+  const void* data;
+  std::size_t size;
+};
+
+// Writes `parts` one after the other to `path`; throws statescan::Error
+// naming `argument` (the flag, or the file, the path came from) if it cannot
+// be written completely.
+void write_file(const std::string& path, std::initializer_list<FileBytes> parts,
+                const char* argument);
+
+inline void write_text_file(const std::string& path, const std::string& text,
+                            const char* argument) {
+  write_file(path, {{text.data(), text.size()}}, argument);
+}
 
 }  // namespace statescan
