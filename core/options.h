@@ -72,16 +72,16 @@ struct MixerConfig {
   // is saved. false: those bytes are not kept (cuda::saved_t_supported).
   bool save_t = true;
   // CpMixer: scan the inputs (forward: q, k, v, g, beta, initial_state;
-  // backward: do, d_final_state) for NaN/Inf and refuse them on every rank
-  // before anything is written or sent. On the GPU with 16-bit inputs the
-  // forward's prepare stage tests q, k, v, g, beta as it reads them (one host
-  // sync after it); fp32 inputs, linear attention without the L2 norm and the
-  // backward's do take one more read of the array. Together ~2 % of a KDA
-  // forward + backward at 128K tokens, H = 16, D = 128 on an H200 (README,
-  // P = 1). A trainer that already guards its steps (its own anomaly
-  // detection, or loss scaling that skips non-finite steps) may turn it off;
-  // NaN/Inf then flow into the outputs as in any kernel. Every rank of a
-  // group must agree on it.
+  // backward: do, d_final_state) for NaN/Inf, and g for log gates > 0
+  // (DESIGN §2), and refuse them on every rank before anything is written or
+  // sent. On the GPU with 16-bit inputs the forward's prepare stage tests q,
+  // k, v, g, beta as it reads them (one host sync after it); fp32 inputs,
+  // linear attention without the L2 norm and the backward's do take one more
+  // read of the array. Together ~2 % of a KDA forward + backward at 128K
+  // tokens, H = 16, D = 128 on an H200 (README, P = 1). A trainer that
+  // already guards its steps (its own anomaly detection, or loss scaling that
+  // skips non-finite steps) may turn it off; NaN/Inf then flow into the
+  // outputs as in any kernel. Every rank of a group must agree on it.
   bool check_finite = true;
 
   double scale_for(int64_t dk) const;

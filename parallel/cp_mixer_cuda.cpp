@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <optional>
 #include <string>
 #include <vector>
@@ -62,6 +63,35 @@ void copy_floats(float* dst, const float* src, int64_t count, cudaStream_t strea
     SS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(count) * sizeof(float),
                                   cudaMemcpyDeviceToDevice, stream));
 }
+
+// Joins `side` into `main` when its scope ends by an exception. The pool
+// arrays declared before it go back to the pool on `main` (stream-ordered
+// there only) while work queued on `side` (the exchange, the pre-pass's
+// GEMMs) may still read or write them: without the join the pool could hand
+// them to the next call while NCCL still writes them. Where `side` never
+// finishes (a peer died inside a collective and nothing aborted it) the
+// buffers are then never reused: leaked, not corrupted. On the normal path
+// the caller joins the streams itself and this does nothing.
+class JoinOnUnwind {
+ public:
+  JoinOnUnwind(cudaStream_t side, cudaStream_t main)
+      : side_(side), main_(main), exceptions_(std::uncaught_exceptions()) {}
+  ~JoinOnUnwind() {
+    if (std::uncaught_exceptions() <= exceptions_) return;
+    // Errors are dropped: a destructor must not throw, and the exception in
+    // flight already reports what went wrong.
+    cudaEvent_t done = nullptr;
+    if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) return;
+    if (cudaEventRecord(done, side_) == cudaSuccess) (void)cudaStreamWaitEvent(main_, done, 0);
+    (void)cudaEventDestroy(done);
+  }
+  JoinOnUnwind(const JoinOnUnwind&) = delete;
+  JoinOnUnwind& operator=(const JoinOnUnwind&) = delete;
+
+ private:
+  cudaStream_t side_, main_;
+  int exceptions_;
+};
 
 using Clock = std::chrono::steady_clock;
 
@@ -205,29 +235,45 @@ void check_device(const TensorView& t, const char* name) {
                  "(all host or all device)");
 }
 
-// Counts NaN/Inf of the given device tensors (one sync) and names the first
-// offender. Runs inside collective_check, so a fault on one rank is an error
-// on all of them.
-void check_finite_device(const std::vector<std::pair<const TensorView*, const char*>>& inputs,
-                         cudaStream_t stream) {
+// An input the NaN/Inf check covers: its argument name, and whether it holds
+// log gates (then also > 0 is refused, DESIGN §2).
+struct CheckedInput {
+  const TensorView* tensor;
+  const char* name;
+  bool log_gates = false;
+};
+
+// Counts NaN/Inf (and bad log gates) of the given device tensors (one sync)
+// and names the first offender. Runs inside collective_check, so a fault on
+// one rank is an error on all of them.
+void check_finite_device(const std::vector<CheckedInput>& inputs, cudaStream_t stream) {
   PoolArray<int64_t> counts(inputs.size(), stream);
   counts.zero();
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    const TensorView& t = *inputs[i].first;
-    if (t.defined()) cuda::count_nonfinite(t.data, t.numel(), t.dtype, counts.get() + i, stream);
+    const TensorView& t = *inputs[i].tensor;
+    if (!t.defined()) continue;
+    if (inputs[i].log_gates)
+      cuda::count_bad_log_gates(t.as<const float>(), t.numel(), counts.get() + i, stream);
+    else
+      cuda::count_nonfinite(t.data, t.numel(), t.dtype, counts.get() + i, stream);
   }
   std::vector<int64_t> host(inputs.size());
   SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), counts.get(), host.size() * sizeof(int64_t),
                                 cudaMemcpyDeviceToHost, stream));
   SS_CUDA_CHECK(cudaStreamSynchronize(stream));
   for (std::size_t i = 0; i < inputs.size(); ++i)
-    SS_CHECK_ARG(host[i] == 0, inputs[i].second, "has ", host[i], " non-finite (NaN/Inf) elements");
+    SS_CHECK_ARG(host[i] == 0, inputs[i].name, "has ", host[i],
+                 inputs[i].log_gates
+                     ? " elements that are not log gates (NaN, Inf or > 0; g = log alpha, "
+                       "alpha in (0, 1])"
+                     : " non-finite (NaN/Inf) elements");
 }
 
 // The forward inputs the NaN/Inf check covers, with their argument names.
-std::vector<std::pair<const TensorView*, const char*>> forward_inputs(const CpForwardArgs& a) {
-  return {{&a.q, "q"}, {&a.k, "k"},       {&a.v, "v"},
-          {&a.g, "g"}, {&a.beta, "beta"}, {&a.initial_state, "initial_state"}};
+std::vector<CheckedInput> forward_inputs(const CpForwardArgs& a) {
+  return {{&a.q, "q"},       {&a.k, "k"},
+          {&a.v, "v"},       {&a.g, "g", /*log_gates=*/true},
+          {&a.beta, "beta"}, {&a.initial_state, "initial_state"}};
 }
 
 // The communicator the mixer's host-side agreement uses: the one given to
@@ -393,6 +439,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     maps_E = PoolArray<float>(static_cast<std::size_t>(rows * H * state), cs);
     incoming = PoolArray<float>(static_cast<std::size_t>(rows * H * state), cs);
   }
+  const JoinOnUnwind join_exchange(ds.exchange, cs);  // it reads the maps, writes incoming
   // The backward's pre-pass folded into the summary (delta rules): the maps
   // of the segments that continue from the previous rank. Additive rules keep
   // the pre-pass (their summary's M needs no scan to share).
@@ -627,6 +674,8 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
     if (!ds.diagonal) back_M = PoolArray<float>(static_cast<std::size_t>(rows * H * m_size), cs);
     incoming = PoolArray<float>(static_cast<std::size_t>(rows * H * state), cs);
   }
+  // The exchange stream reads dfinal, back_E, back_M and writes incoming.
+  const JoinOnUnwind join_exchange(ds.exchange, cs);
   SS_CUDA_CHECK(cudaEventRecord(ev.e[1], cs));  // buffers allocated
   // The state-independent tiles, prepared once for the pre-pass and the local
   // backward. Rank 0 has no pre-pass: it queues them after handing its maps

@@ -841,6 +841,43 @@ TEST(AffineMapKernels, CountsNonFiniteElements) {
   }
 }
 
+// The log-gate count: NaN, +-Inf and every float > 0 (the smallest
+// subnormal, 1e-30, large values) are counted, 0, -0 and negative values not,
+// at every alignment of the start (the head and tail elements take the
+// scalar path, the middle the vector one).
+TEST(AffineMapKernels, CountsBadLogGates) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float tiny = std::numeric_limits<float>::denorm_min();
+  const std::vector<float> good = {0.f, -0.f, -tiny, -1e-30f, -3.f, -3.4e38f};
+  const std::vector<float> bad = {nan, inf, -inf, tiny, 1e-30f, 0.5f, 3.4e38f, -nan};
+  std::vector<float> x(50021);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = good[i % good.size()];
+  for (int64_t offset : {0, 1, 2, 3}) {
+    for (int64_t n : {int64_t{3}, int64_t{50000} - offset, int64_t{50021} - offset}) {
+      std::vector<float> y(x.begin() + offset, x.begin() + offset + n);
+      int64_t want = 0;
+      for (int64_t i = 0; i < n; i += 97) {
+        y[static_cast<std::size_t>(i)] = bad[static_cast<std::size_t>(i / 97) % bad.size()];
+        ++want;
+      }
+      if (n > 1) {
+        y[static_cast<std::size_t>(n - 1)] = 2.f;  // the tail
+        want += (n - 1) % 97 == 0 ? 0 : 1;
+      }
+      std::vector<float> padded(x.begin(), x.begin() + offset);
+      padded.insert(padded.end(), y.begin(), y.end());
+      const DeviceTensor p(padded, DType::f32, {static_cast<int64_t>(padded.size())});
+      DeviceBuffer<int64_t> count(std::vector<int64_t>{0});
+      cuda::count_bad_log_gates(static_cast<const float*>(p.view().data) + offset, n, count.data(),
+                                nullptr);
+      sync_or_fail();
+      EXPECT_EQ(count.to_host()[0], want) << "offset " << offset << " n " << n;
+    }
+  }
+}
+
 // The prepare stage checks the inputs itself exactly where it reads them all:
 // 16-bit inputs through chunk_prepare16_kernel. fp32 inputs and linear
 // attention's raw path (no prepare stage) keep the separate count, and
@@ -1181,7 +1218,8 @@ class CpGpuNonFinite : public ::testing::TestWithParam<MixerParam> {
 // fields), for fp32 inputs and linear attention's raw path a separate count
 // does. Positions: the first element, one in the middle, the last (the last,
 // partial chunk of the last head's last dimension). The same inputs without
-// the bad value pass, every output written.
+// the bad value pass, every output written. g is also refused where a log
+// gate is > 0 (the prepare stage and the count test it too).
 TEST_P(CpGpuNonFinite, ForwardRefusesNanOrInfInAnyInputNamingIt) {
   const auto [variant, dtype, layout] = GetParam();
   const ProblemSpec s = one_rank_spec(variant, layout);
@@ -1214,6 +1252,21 @@ TEST_P(CpGpuNonFinite, ForwardRefusesNanOrInfInAnyInputNamingIt) {
     }
   }
   EXPECT_GE(checked, 4 * 3);  // q, k, v, initial_state at least
+  // A finite log gate above 0 (alpha > 1: the state grows to inf within a
+  // few dozen tokens) and -Inf are not log gates either (DESIGN §2); 0 is.
+  if (!base.g.empty()) {
+    const std::size_t at = base.g.size() / 3;
+    for (const double bad : {0.25, -std::numeric_limits<double>::infinity()}) {
+      SCOPED_TRACE("g[" + std::to_string(at) + "] = " + std::to_string(bad));
+      ref::Problem p = base;
+      p.g[at] = bad;
+      EXPECT_EQ(forward_error(p, dtype, cfg, &o), "g");
+      for (float x : o) ASSERT_TRUE(std::isnan(x)) << "o written despite the error";
+    }
+    ref::Problem p = base;
+    p.g[at] = 0.0;
+    EXPECT_EQ(forward_error(p, dtype, cfg, &o), "");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CpGpuNonFinite,

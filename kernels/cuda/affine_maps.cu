@@ -236,29 +236,40 @@ __global__ void identity_kernel(float* out, int64_t maps, int64_t dk, int64_t dv
 // streams at HBM bandwidth: 16-byte loads, four in flight per thread, bypassing
 // L1 and marked evict-first; the `head` elements before the first 16-byte
 // boundary and the tail after the last whole vector go one per thread.
-template <int kBytes, uint32_t kMask>
+// kLogGate (fp32 only): count the elements that are not log gates instead,
+// NaN, +-Inf or > 0 (DESIGN §2): a positive float is a positive int32 (sign
+// bit clear, some other bit set), +0 is 0 and -0 negative, so one integer
+// compare beside the exponent test.
+template <int kBytes, uint32_t kMask, bool kLogGate = false>
 __device__ __forceinline__ int nonfinite_in_word(uint32_t w) {
-  if constexpr (kBytes == 4) {
+  static_assert(!kLogGate || kBytes == 4, "log gates are fp32");
+  if constexpr (kLogGate) {
+    return (w & kMask) == kMask || static_cast<int32_t>(w) > 0 ? 1 : 0;
+  } else if constexpr (kBytes == 4) {
     return (w & kMask) == kMask ? 1 : 0;
   } else {
     return ((w & kMask) == kMask ? 1 : 0) + (((w >> 16) & kMask) == kMask ? 1 : 0);
   }
 }
 
-template <int kBytes, uint32_t kMask>
+template <int kBytes, uint32_t kMask, bool kLogGate>
 __device__ __forceinline__ int nonfinite_in_vector(uint4 v) {
-  return nonfinite_in_word<kBytes, kMask>(v.x) + nonfinite_in_word<kBytes, kMask>(v.y) +
-         nonfinite_in_word<kBytes, kMask>(v.z) + nonfinite_in_word<kBytes, kMask>(v.w);
+  return nonfinite_in_word<kBytes, kMask, kLogGate>(v.x) +
+         nonfinite_in_word<kBytes, kMask, kLogGate>(v.y) +
+         nonfinite_in_word<kBytes, kMask, kLogGate>(v.z) +
+         nonfinite_in_word<kBytes, kMask, kLogGate>(v.w);
 }
 
-template <int kBytes, uint32_t kMask>
+template <int kBytes, uint32_t kMask, bool kLogGate>
 __device__ __forceinline__ int nonfinite_element(const unsigned char* data, int64_t i) {
-  const uint32_t bits = kBytes == 4 ? *reinterpret_cast<const uint32_t*>(data + 4 * i)
-                                    : *reinterpret_cast<const uint16_t*>(data + 2 * i);
-  return (bits & kMask) == kMask ? 1 : 0;
+  if constexpr (kBytes == 4) {
+    return nonfinite_in_word<4, kMask, kLogGate>(*reinterpret_cast<const uint32_t*>(data + 4 * i));
+  } else {
+    return (*reinterpret_cast<const uint16_t*>(data + 2 * i) & kMask) == kMask ? 1 : 0;
+  }
 }
 
-template <int kBytes, uint32_t kMask>
+template <int kBytes, uint32_t kMask, bool kLogGate = false>
 __global__ void nonfinite_kernel(const unsigned char* data, int64_t n, int64_t head,
                                  int64_t vectors, unsigned long long* count) {
   constexpr int64_t kPerVector = 16 / kBytes;
@@ -266,17 +277,20 @@ __global__ void nonfinite_kernel(const unsigned char* data, int64_t n, int64_t h
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tail = head + vectors * kPerVector;
   int mine = 0;
-  if (tid < head) mine += nonfinite_element<kBytes, kMask>(data, tid);
-  if (tid < n - tail) mine += nonfinite_element<kBytes, kMask>(data, tail + tid);
+  if (tid < head) mine += nonfinite_element<kBytes, kMask, kLogGate>(data, tid);
+  if (tid < n - tail) mine += nonfinite_element<kBytes, kMask, kLogGate>(data, tail + tid);
   const uint4* v = reinterpret_cast<const uint4*>(data + head * kBytes);
   int64_t i = tid;
   for (; i + 3 * stride < vectors; i += 4 * stride) {
     const uint4 a = __ldcs(v + i), b = __ldcs(v + i + stride), c = __ldcs(v + i + 2 * stride),
                 d = __ldcs(v + i + 3 * stride);
-    mine += nonfinite_in_vector<kBytes, kMask>(a) + nonfinite_in_vector<kBytes, kMask>(b) +
-            nonfinite_in_vector<kBytes, kMask>(c) + nonfinite_in_vector<kBytes, kMask>(d);
+    mine += nonfinite_in_vector<kBytes, kMask, kLogGate>(a) +
+            nonfinite_in_vector<kBytes, kMask, kLogGate>(b) +
+            nonfinite_in_vector<kBytes, kMask, kLogGate>(c) +
+            nonfinite_in_vector<kBytes, kMask, kLogGate>(d);
   }
-  for (; i < vectors; i += stride) mine += nonfinite_in_vector<kBytes, kMask>(__ldcs(v + i));
+  for (; i < vectors; i += stride)
+    mine += nonfinite_in_vector<kBytes, kMask, kLogGate>(__ldcs(v + i));
   // At most 4 * 8 per thread per pass: the warp's int sum cannot overflow
   // before it goes to the 64-bit total.
   for (int offset = 16; offset > 0; offset /= 2)
@@ -404,12 +418,16 @@ void fill_identity(float* out, int64_t maps, int64_t dk, int64_t dv, cudaStream_
   SS_LAUNCH_CHECK("identity_kernel");
 }
 
-void count_nonfinite(const void* data, int64_t n, DType dtype, int64_t* count,
-                     cudaStream_t stream) {
+namespace {
+
+void count_bad(const void* data, int64_t n, DType dtype, bool log_gates, int64_t* count,
+               cudaStream_t stream) {
   if (n == 0) return;
   const int bytes = dtype == DType::f32 ? 4 : 2;
   SS_CHECK_ARG(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16, "dtype",
                "finiteness check needs f32, bf16 or f16, got ", to_string(dtype));
+  SS_CHECK_ARG(!log_gates || dtype == DType::f32, "dtype", "log gates are f32, got ",
+               to_string(dtype));
   const auto address = reinterpret_cast<uintptr_t>(data);
   SS_CHECK_ARG(address % bytes == 0, "data", "is not aligned to its ", bytes, "-byte elements");
   // Elements before the first 16-byte boundary, then whole 16-byte vectors.
@@ -425,8 +443,12 @@ void count_nonfinite(const void* data, int64_t n, DType dtype, int64_t* count,
   const auto* base = static_cast<const unsigned char*>(data);
   switch (dtype) {
     case DType::f32:
-      nonfinite_kernel<4, 0x7F800000u>
-          <<<blocks, kThreads, 0, stream>>>(base, n, head, vectors, out);
+      if (log_gates)
+        nonfinite_kernel<4, 0x7F800000u, true>
+            <<<blocks, kThreads, 0, stream>>>(base, n, head, vectors, out);
+      else
+        nonfinite_kernel<4, 0x7F800000u>
+            <<<blocks, kThreads, 0, stream>>>(base, n, head, vectors, out);
       break;
     case DType::bf16:
       nonfinite_kernel<2, 0x7F80u><<<blocks, kThreads, 0, stream>>>(base, n, head, vectors, out);
@@ -436,6 +458,17 @@ void count_nonfinite(const void* data, int64_t n, DType dtype, int64_t* count,
       break;
   }
   SS_LAUNCH_CHECK("nonfinite_kernel");
+}
+
+}  // namespace
+
+void count_nonfinite(const void* data, int64_t n, DType dtype, int64_t* count,
+                     cudaStream_t stream) {
+  count_bad(data, n, dtype, /*log_gates=*/false, count, stream);
+}
+
+void count_bad_log_gates(const float* g, int64_t n, int64_t* count, cudaStream_t stream) {
+  count_bad(g, n, DType::f32, /*log_gates=*/true, count, stream);
 }
 
 }  // namespace statescan::cuda

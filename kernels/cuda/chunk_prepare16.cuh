@@ -138,7 +138,16 @@ __device__ __forceinline__ uint32_t nonfinite_bits(float x) {
 __device__ __forceinline__ uint32_t nonfinite_bits(float4 x) {
   return nonfinite_bits(x.x) | nonfinite_bits(x.y) | nonfinite_bits(x.z) | nonfinite_bits(x.w);
 }
-// Whether an OR of nonfinite_bits results saw a NaN or Inf.
+// The same bit for a log gate (DESIGN §2): set where it is NaN, +-Inf or > 0
+// (a gate above 1 grows the state to inf within a few dozen tokens).
+__device__ __forceinline__ uint32_t bad_log_gate_bits(float x) {
+  return nonfinite_bits(x) | (x > 0.f ? 0x80000000u : 0u);
+}
+__device__ __forceinline__ uint32_t bad_log_gate_bits(float4 x) {
+  return bad_log_gate_bits(x.x) | bad_log_gate_bits(x.y) | bad_log_gate_bits(x.z) |
+         bad_log_gate_bits(x.w);
+}
+// Whether an OR of nonfinite_bits (or bad_log_gate_bits) results saw a bad value.
 __device__ __forceinline__ bool any_nonfinite(uint32_t acc) {
   return (acc & 0x80008000u) != 0;
 }
@@ -266,7 +275,7 @@ __global__ void __launch_bounds__(512, 2)
       const int t = idx / (Dk / 4), d = (idx % (Dk / 4)) * 4;
       const float4 x = t < L ? load4(a.g + row(t) * Dk + d) : make_float4(0.f, 0.f, 0.f, 0.f);
       *reinterpret_cast<float4*>(sB + t * kLdB + d) = x;
-      flag_nonfinite(a.nonfinite, any_nonfinite(nonfinite_bits(x)), kNonFiniteG);
+      flag_nonfinite(a.nonfinite, any_nonfinite(bad_log_gate_bits(x)), kNonFiniteG);
     }
   }
   if (tid < kMC) {
@@ -274,7 +283,7 @@ __global__ void __launch_bounds__(512, 2)
     sBeta[tid] = kDelta && valid ? to_float(static_cast<const T*>(a.beta)[row(tid)]) : 0.f;
     sG[tid] = kScalar && valid ? a.g[row(tid)] : 0.f;
     flag_nonfinite(a.nonfinite, any_nonfinite(nonfinite_bits(sBeta[tid])), kNonFiniteBeta);
-    flag_nonfinite(a.nonfinite, any_nonfinite(nonfinite_bits(sG[tid])), kNonFiniteG);
+    flag_nonfinite(a.nonfinite, any_nonfinite(bad_log_gate_bits(sG[tid])), kNonFiniteG);
   }
   qk.template normalise<kL2Norm>();
   qk.store_factors(sRq, sRk, C);

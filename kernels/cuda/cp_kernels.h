@@ -104,7 +104,7 @@ AdoptedForward adopt(PreparedForward& forward);
 }  // namespace detail
 
 // Bits of PreparedForward's `nonfinite` word, one per input the prepare
-// stage checks.
+// stage checks: a NaN or Inf, and for g also a log gate > 0 (DESIGN §2).
 enum NonFiniteInput : unsigned {
   kNonFiniteQ = 1u,
   kNonFiniteK = 2u,
@@ -123,7 +123,8 @@ class PreparedForward {
   // With `nonfinite` (a device word, zeroed by the caller; only where
   // prepare_checks_finite(p)), the prepare stage also ORs into it the
   // NonFiniteInput bit of every input among q, k, v, g, beta in which it
-  // reads a NaN or Inf: the CP mixer's input check without a pass of its own.
+  // reads a NaN or Inf (or, in g, a log gate > 0): the CP mixer's input check
+  // without a pass of its own.
   PreparedForward(const MixerParams& p, cudaStream_t stream, unsigned* nonfinite = nullptr);
   ~PreparedForward();  // frees the workspace on the construction stream
   PreparedForward(const PreparedForward&) = delete;
@@ -279,6 +280,9 @@ void transpose_maps(const float* M, float* Mt, int64_t maps, int64_t dk, cudaStr
 // bf16 or f16, element-aligned) into *count (a device int64, added to: zero
 // it first). Bandwidth-bound: one read of the array.
 void count_nonfinite(const void* data, int64_t n, DType dtype, int64_t* count, cudaStream_t stream);
+// The same count for log gates (fp32): the elements that are NaN, +-Inf or
+// > 0 (DESIGN §2: g = log alpha, alpha in (0, 1]).
+void count_bad_log_gates(const float* g, int64_t n, int64_t* count, cudaStream_t stream);
 
 // out[m] = identity (Dk x Dv, ones where i == j) for `maps` states.
 void fill_identity(float* out, int64_t maps, int64_t dk, int64_t dv, cudaStream_t stream);
