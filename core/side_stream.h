@@ -2,8 +2,11 @@
 // from it (the side stream starts after everything queued on origin so far)
 // and joined back (origin waits for the side stream's work). Exists only in
 // CUDA builds (STATESCAN_HAS_CUDA). Created per use: microseconds, against
-// the milliseconds of what runs on it; destroying it with work pending is
-// fine, CUDA releases the stream when that work completes.
+// the milliseconds of what runs on it. Its destructor joins too (also when an
+// exception unwinds past the caller's join): buffers declared before it and
+// freed on origin afterwards are then not handed out while the side stream
+// still reads or writes them. CUDA releases the stream itself when its
+// pending work completes.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,7 +29,13 @@ class SideStream {
       throw;
     }
   }
-  ~SideStream() { release(); }
+  ~SideStream() {
+    // The join without its checks: a destructor must not throw, and where it
+    // runs during an unwind the exception in flight reports the failure.
+    if (side_ != nullptr && join_ != nullptr && cudaEventRecord(join_, side_) == cudaSuccess)
+      (void)cudaStreamWaitEvent(origin_, join_, 0);
+    release();
+  }
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
 

@@ -17,15 +17,21 @@ int64_t first_chunk_of_segment(const MixerParams& p, int64_t n) {
   return c;
 }
 
-namespace {
-// Everything but the forward outputs.
-void validate_problem(const MixerParams& p) {
+void check_sizes(const MixerParams& p) {
   check_chunk(p.chunk);
   SS_CHECK_ARG(p.batch >= 1, "batch", "must be >= 1, got ", p.batch);
   SS_CHECK_ARG(p.seq_len >= 1, "seq_len", "must be >= 1, got ", p.seq_len);
   SS_CHECK_ARG(p.heads >= 1, "heads", "must be >= 1, got ", p.heads);
   SS_CHECK_ARG(p.dk >= 1 && p.dk <= 256, "dk", "must be in [1, 256], got ", p.dk);
   SS_CHECK_ARG(p.dv >= 1 && p.dv <= 256, "dv", "must be in [1, 256], got ", p.dv);
+  SS_CHECK_ARG(p.num_segments >= 1, p.cu_seqlens != nullptr ? "cu_seqlens" : "num_segments",
+               "must hold at least one segment, got ", p.num_segments);
+}
+
+namespace {
+// Everything but the forward outputs.
+void validate_problem(const MixerParams& p) {
+  check_sizes(p);
   SS_CHECK_ARG(std::isfinite(p.scale) && p.scale > 0.f, "scale", "must be finite and > 0, got ",
                p.scale);
   SS_CHECK_ARG(p.q && p.k && p.v, "q/k/v", "input pointers must not be null");

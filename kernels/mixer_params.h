@@ -108,6 +108,11 @@ int64_t count_chunks(const MixerParams& p);
 // Index of segment n's first chunk in chunk_states.
 int64_t first_chunk_of_segment(const MixerParams& p, int64_t n);
 
+// Checks the sizes that workspace and grid arithmetic use (chunk, batch,
+// seq_len, heads, dk, dv, num_segments >= 1), naming the argument at fault;
+// reads no pointer. The sizing functions call it before they divide by the
+// chunk (chunk 0 was a division by zero there, ahead of validate()).
+void check_sizes(const MixerParams& p);
 // Checks sizes, pointers and the segment table, naming the argument at fault
 // (e.g. "q", "cu_seqlens", "chunk"). Does not read tensor contents.
 void validate(const MixerParams& p);

@@ -18,6 +18,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "core/device_buffer.h"
@@ -588,6 +589,32 @@ TEST_P(CudaBackward, RejectsMissingGateOrBetaGradient) {
   else
     m.dbeta = nullptr;
   expect_error([&] { cuda::mixer_backward(m, nullptr); }, expected);
+}
+
+// A buffer the kernels cannot address in 16-byte pieces is refused naming it,
+// before anything runs (a misaligned access is a sticky CUDA error: the
+// context, and a CP job's peers, would be lost); every output keeps its poison.
+TEST_P(CudaBackward, RejectsMisalignedGradientBuffers) {
+  ref::Problem p = random_problem(spec(), seed(11));
+  GpuBackward gpu(p, dtype(), 64, false, seed(11) + 1);
+  gpu.run_forward();
+  const auto shift = [&](auto* ptr) {
+    using Ptr = decltype(ptr);
+    using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Ptr>>, const char, char>;
+    return reinterpret_cast<Ptr>(reinterpret_cast<Byte*>(ptr) + size_of(dtype()));
+  };
+  for (const std::string name : {"do", "dq", "dk", "dv"}) {
+    SCOPED_TRACE(name);
+    MixerBwdParams m = gpu.backward_params();
+    if (name == "do") m.d_o = shift(m.d_o);
+    if (name == "dq") m.dq = shift(m.dq);
+    if (name == "dk") m.dk_out = shift(m.dk_out);
+    if (name == "dv") m.dv_out = shift(m.dv_out);
+    expect_error([&] { cuda::mixer_backward(m, nullptr); }, name);
+    GpuBackward::check_sync();
+    const auto raw = gpu.raw_outputs();
+    for (size_t i = 0; i < raw.size(); ++i) EXPECT_TRUE(all_bytes(raw[i], 0xFF)) << "output " << i;
+  }
 }
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {

@@ -24,6 +24,8 @@
 #include "core/error.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cuda_mixer.h"
+#include "kernels/mixer_params.h"
+#include "tests/expect_error.h"
 #include "tests/test_util.h"
 
 namespace statescan::test {
@@ -378,6 +380,19 @@ TEST_P(CudaForward, RejectsUnsupportedHeadDim) {
   }
 }
 
+// An o the output stage cannot store in 16-byte pieces is refused naming
+// it, before anything runs (a misaligned store is a sticky CUDA error);
+// o keeps its poison.
+TEST_P(CudaForward, RejectsMisalignedOutput) {
+  ref::Problem p = random_problem(spec(), seed(12));
+  GpuProblem gpu(p, dtype(), 64);
+  MixerParams m = gpu.params();
+  m.o = static_cast<char*>(m.o) + size_of(dtype());
+  expect_error([&] { cuda::mixer_forward(m, nullptr); }, "o");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (double x : gpu.o()) EXPECT_TRUE(std::isnan(x)) << "o written despite the error";
+}
+
 // A forced STATESCAN_SCAN_CLUSTER that the scan cannot take is an error
 // naming the variable, not a silent fallback: 8 CTAs do not divide D = 64's
 // four column blocks, and leave chunks of 16 rows 2 rows per CTA (the tensor
@@ -402,6 +417,46 @@ TEST_P(CudaForward, RefusesScanClusterItCannotTake) {
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
   return variant_name(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param)) + "_d" +
          std::to_string(std::get<2>(info.param));
+}
+
+// The sizing functions check the sizes they divide by before validate()
+// runs (chunk 0 was a SIGFPE, a negative length a wrapped size_t), and the
+// grid limits are errors naming the argument, not a failed launch after
+// the prepare stage. None of this needs a device: nothing is dereferenced.
+TEST(CudaSizes, BadSizesAreErrorsNamingThem) {
+  MixerParams p;
+  p.variant = Variant::deltanet;
+  p.dtype = DType::bf16;
+  p.batch = 1;
+  p.seq_len = 100;
+  p.heads = 2;
+  p.dk = p.dv = 64;
+  p.num_segments = 1;
+  p.chunk = 0;
+  expect_error([&] { (void)cuda::forward_workspace_bytes(p); }, "chunk");
+  expect_error([&] { (void)cuda::backward_workspace_bytes(p); }, "chunk");
+  expect_error([&] { (void)cuda::saved_t_bytes(p); }, "chunk");
+  p.chunk = 64;
+  p.seq_len = -5;
+  expect_error([&] { (void)cuda::forward_workspace_bytes(p); }, "seq_len");
+  p.seq_len = 100;
+  p.num_segments = 0;
+  expect_error([&] { (void)cuda::backward_workspace_bytes(p); }, "num_segments");
+  p.num_segments = 1;
+  EXPECT_GT(cuda::forward_workspace_bytes(p), 0u);
+
+  // Aligned stand-ins for the tensors: refused before any is read.
+  auto* fake = reinterpret_cast<void*>(uintptr_t{1} << 20);
+  p.q = p.k = p.v = p.o = fake;
+  p.beta = fake;
+  p.heads = 70000;
+  expect_error([&] { cuda::check_grid_limits(p); }, "heads");
+  expect_error([&] { cuda::mixer_forward(p, nullptr); }, "heads");
+  p.heads = 2;
+  p.batch = p.num_segments = 70000;
+  expect_error([&] { cuda::check_grid_limits(p); }, "batch");
+  p.batch = p.num_segments = 65535;
+  EXPECT_NO_THROW(cuda::check_grid_limits(p));
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CudaForward,

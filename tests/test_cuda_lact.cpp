@@ -1130,6 +1130,26 @@ TEST_F(LactCudaErrors, ChunkNotDivisibleByRanksIsRejected) {
   EXPECT_EQ(error_argument([&] { cuda::lact_cuda_check_sizes(p); }), "chunk");
 }
 
+// Ranks sharing a chunk update from the whole chunk's gradient only through
+// the all-reduce: without one each would apply its own partial gradient and
+// the fast weights drift apart with no error (the CPU path refuses it too).
+// Refused before any pointer is read.
+TEST_F(LactCudaErrors, RanksWithoutAnAllReduceAreRejected) {
+  cuda::LactCudaParams p;
+  p.config.chunk = 16;
+  p.batch = 1;
+  p.seq_len = 32;
+  p.heads = 1;
+  p.dim = 4;
+  p.hidden = 4;
+  p.ranks = 2;
+  cuda::LactCudaGrads g;
+  cuda::LactCudaSaved saved;
+  EXPECT_EQ(error_argument([&] { cuda::lact_cuda_forward(p, {}, &saved, nullptr); }), "all_reduce");
+  EXPECT_EQ(error_argument([&] { cuda::lact_cuda_backward(p, g, saved, {}, nullptr); }),
+            "all_reduce");
+}
+
 TEST_F(LactCudaErrors, NanCotangentNamesIt) {
   const LactSizes s{1, 8, 2, 4, 6};
   LactProblem p = random_lact_problem(s, 4243);

@@ -144,6 +144,8 @@ class PreparedForward {
                const FirstSegmentMaps* first = nullptr);
 
   // Scan + output stages from p.initial_state: o, final_state, chunk_states.
+  // summary() and finish() take the construction stream only (checked: the
+  // tiles are written and freed there).
   void finish(cudaStream_t stream);
 
  private:

@@ -30,6 +30,7 @@
 namespace statescan::cuda {
 namespace {
 
+using detail::aligned16;
 using detail::BackwardArgs;
 using detail::GradTraits;
 
@@ -40,6 +41,7 @@ size_t align_up(size_t x) {
 // An upper bound on the number of chunks that does not need cu_seqlens'
 // contents (as the forward's): each segment adds at most one partial chunk.
 int64_t max_chunks(const MixerParams& p) {
+  check_sizes(p);  // the public sizing functions reach here before validate()
   const int64_t per_row = (p.seq_len + p.chunk - 1) / p.chunk;
   return p.cu_seqlens == nullptr ? p.batch * per_row : per_row + p.num_segments;
 }
@@ -146,6 +148,7 @@ void check_backward_args(const MixerBwdParams& p) {
   SS_CHECK_ARG(p.dk == p.dv && (p.dk == 64 || p.dk == 128), "dk",
                "CUDA backward supports Dk == Dv in {64, 128}, got Dk ", p.dk, ", Dv ", p.dv);
   SS_CHECK_ARG(p.d_o != nullptr, "do", "must not be null");
+  SS_CHECK_ARG(aligned16(p.d_o), "do", "must be 16-byte aligned");
   if (p.state_grad_only) {
     SS_CHECK_ARG(p.d_initial_state != nullptr, "d_initial_state",
                  "state_grad_only needs an output for the state gradient");
@@ -153,6 +156,11 @@ void check_backward_args(const MixerBwdParams& p) {
   }
   check_chunk_states(p);
   SS_CHECK_ARG(p.dq && p.dk_out && p.dv_out, "dq/dk/dv", "gradient pointers must not be null");
+  // The gradient kernels read do and store dq, dk, dv in 8- to 16-byte pieces
+  // (a misaligned address is a sticky CUDA error, not an exception).
+  SS_CHECK_ARG(aligned16(p.dq), "dq", "must be 16-byte aligned");
+  SS_CHECK_ARG(aligned16(p.dk_out), "dk", "must be 16-byte aligned");
+  SS_CHECK_ARG(aligned16(p.dv_out), "dv", "must be 16-byte aligned");
   SS_CHECK_ARG((p.dg != nullptr) == (p.g != nullptr), "dg", "must be given exactly when g is");
   SS_CHECK_ARG((p.dbeta != nullptr) == (p.beta != nullptr), "dbeta",
                "must be given exactly when beta is");

@@ -26,6 +26,7 @@ int64_t ceil_div(int64_t a, int64_t b) {
 // An upper bound on the number of chunks that does not need cu_seqlens'
 // contents: each of N segments adds at most one partial chunk.
 int64_t max_chunks(const MixerParams& p) {
+  check_sizes(p);  // the public sizing functions reach here before validate()
   if (p.cu_seqlens == nullptr) return p.batch * ceil_div(p.seq_len, p.chunk);
   return ceil_div(p.seq_len, p.chunk) + p.num_segments;
 }
@@ -44,10 +45,12 @@ size_t align_up(size_t x) {
 }
 
 // Tuning and A/B knobs from the environment, read once per process (speed
-// and precision comparisons of two kernels in one run); each also accepts its
-// default's name (16, mma, grouped, auto), and any other value is an error
-// naming the variable (core/env_knob.h):
-//   STATESCAN_SCAN_BV=16|32  forces the state scan's Dv block;
+// and precision comparisons of two kernels in one run); each but
+// STATESCAN_SCAN_BV also accepts its default's name (16, mma, grouped, auto,
+// prepare), and any other value is an error naming the variable
+// (core/env_knob.h):
+//   STATESCAN_SCAN_BV=16|32  forces the state scan's Dv block (unset: 16 or
+//                            32 by occupancy, chunk_forward.cuh);
 //   STATESCAN_PREPARE=fp32   16-bit inputs through chunk_prepare_kernel
 //                            (fp32 tiles) instead of chunk_prepare16_kernel;
 //   STATESCAN_SCAN=wmma      16-bit inputs through chunk_state_scan_kernel
@@ -237,9 +240,23 @@ void check_supported(const MixerParams& p) {
   SS_CHECK_ARG(aligned16(p.k), "k", "must be 16-byte aligned");
   SS_CHECK_ARG(aligned16(p.v), "v", "must be 16-byte aligned");
   SS_CHECK_ARG(p.g == nullptr || aligned16(p.g), "g", "must be 16-byte aligned");
+  // The output stages store o in 4- to 16-byte pieces (a misaligned address
+  // is a sticky CUDA error: the context, and every CP peer, would be lost).
+  SS_CHECK_ARG(p.o == nullptr || aligned16(p.o), "o", "must be 16-byte aligned");
+  check_grid_limits(p);
 }
 
 }  // namespace
+
+void check_grid_limits(const MixerParams& p) {
+  // Heads and segments index grid dimensions y and z (at most 65,535 each).
+  constexpr int64_t kMaxGridYZ = 65535;
+  SS_CHECK_ARG(p.heads <= kMaxGridYZ, "heads", "at most ", kMaxGridYZ, " on the GPU, got ",
+               p.heads);
+  SS_CHECK_ARG(p.num_segments <= kMaxGridYZ, p.cu_seqlens != nullptr ? "cu_seqlens" : "batch",
+               "at most ", kMaxGridYZ, " sequences in one call on the GPU, got ", p.num_segments,
+               " (split the batch)");
+}
 
 bool device_available() {
   int count = 0;
@@ -319,6 +336,8 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
     SS_CHECK_ARG(t_capable(p), "saved_t",
                  "only delta rules without a vector gate save T, with bf16/f16 inputs and the "
                  "16-bit prepare kernel (cuda::saved_t_supported)");
+    SS_CHECK_ARG(aligned16(p.saved_t), "saved_t",
+                 "must be 16-byte aligned (tiles move in 16 bytes)");
     a.ws_t = p.saved_t;
     a.ws_t_lo = static_cast<char*>(p.saved_t) + saved_t_bytes(p) / 2;
     a.t_given = prepare_only;

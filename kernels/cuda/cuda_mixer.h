@@ -48,7 +48,8 @@ void decode_forward(const MixerParams& p, cudaStream_t stream);
 // --- backward (issue 4; kernels/cuda/chunk_backward*.cu) ----------------------
 // Chunkwise backward: dq, dk_out, dv_out, dg, dbeta and d_initial_state (each
 // when given) from d_o and d_final_state (null = zero), reading the fp32
-// chunk_states that mixer_forward wrote for the same inputs (required).
+// chunk_states that mixer_forward wrote for the same inputs (required unless
+// p.recompute_chunk_states: then the backward re-derives them).
 // Intra-chunk quantities are recomputed; no floating-point atomics, so two
 // calls give bitwise-identical gradients. With p.state_grad_only only
 // d_initial_state is written (the CP pre-pass of DESIGN §5).
@@ -68,6 +69,11 @@ void mixer_summary(const MixerParams& p, float* M, float* E, cudaStream_t stream
 
 // True when a CUDA device is visible (tests skip otherwise).
 bool device_available();
+
+// Throws naming "heads", or "cu_seqlens" / "batch", where the kernels' grids
+// cannot hold the problem: heads and sequences index grid dimensions y and z
+// (at most 65,535 each). The forward, backward and decode entry points call it.
+void check_grid_limits(const MixerParams& p);
 
 // Multiprocessors of the current device (cached per device).
 int multiprocessor_count();

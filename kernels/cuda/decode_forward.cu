@@ -146,6 +146,7 @@ void decode_forward(const MixerParams& p, cudaStream_t stream) {
     host_view.cu_seqlens = host_offsets.data();
   }
   validate(host_view);
+  check_grid_limits(p);
   SS_CHECK_ARG(p.dk == p.dv && (p.dk == 64 || p.dk == 128), "dk",
                "CUDA decode supports Dk == Dv in {64, 128}, got Dk ", p.dk, ", Dv ", p.dv);
 

@@ -172,9 +172,21 @@ const char* lact_cuda_hidden_path(DType dtype, int64_t dim, int64_t hidden) {
   return fused ? "fused" : "cublas";
 }
 
+namespace {
+// A slice of every chunk updates from the whole chunk's gradient only through
+// the all-reduce: without one, ranks > 1 would each apply their own partial
+// gradient and their fast weights drift apart with no error (the CPU path's
+// check_all_reduce).
+void check_all_reduce(const LactCudaParams& p, const LactDeviceAllReduce& all_reduce) {
+  SS_CHECK_ARG(p.ranks == 1 || static_cast<bool>(all_reduce), "all_reduce",
+               "is required when ranks > 1 (ranks = ", p.ranks, ")");
+}
+}  // namespace
+
 void lact_cuda_forward(const LactCudaParams& p, const LactDeviceAllReduce& all_reduce,
                        LactCudaSaved* saved, cudaStream_t stream) {
   lact_cuda_check_sizes(p);
+  check_all_reduce(p, all_reduce);
   if (p.dtype == DType::f32) {
     lact_detail::forward_impl<float, double>(p, all_reduce, saved, stream);
   } else {
@@ -185,6 +197,7 @@ void lact_cuda_forward(const LactCudaParams& p, const LactDeviceAllReduce& all_r
 void lact_cuda_backward(const LactCudaParams& p, const LactCudaGrads& g, const LactCudaSaved& saved,
                         const LactDeviceAllReduce& all_reduce, cudaStream_t stream) {
   lact_cuda_check_sizes(p);
+  check_all_reduce(p, all_reduce);
   const char* names[] = {"d_o", "dq", "dk", "dv", "dlr0", "dlr1", "dlr2", "dw0", "dw1", "dw2"};
   const void* ptrs[] = {g.d_o, g.dq, g.dk, g.dv, g.dlr0, g.dlr1, g.dlr2, g.dw0, g.dw1, g.dw2};
   for (int i = 0; i < 10; ++i) SS_CHECK_ARG(ptrs[i] != nullptr, names[i], "is required");

@@ -31,12 +31,8 @@ __global__ void load_weights_kernel(const T* w0, const T* w1, const T* w2, int64
 }
 
 // norms[blocks, 2M + D]: the L2 norm of every row of every block; one warp per row.
-static __global__ void row_norms_kernel(const float* w, int64_t blocks, int64_t M, int64_t D,
-                                        float* norms) {
-  const int64_t rows = blocks * (2 * M + D);
-  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= rows) return;
+__device__ __forceinline__ void row_norm(int64_t warp, int lane, const float* w, int64_t M,
+                                         int64_t D, float* norms) {
   const int64_t blk = warp / (2 * M + D), r = warp % (2 * M + D);
   const RowPlace rp = row_place(r, M, D);
   const float* row = w + blk * 3 * M * D + rp.offset;
@@ -44,6 +40,16 @@ static __global__ void row_norms_kernel(const float* w, int64_t blocks, int64_t 
   for (int64_t j = lane; j < rp.cols; j += 32) s += row[j] * row[j];
   s = warp_sum(s);
   if (lane == 0) norms[warp] = sqrtf(s);
+}
+
+static __global__ void row_norms_kernel(const float* w, int64_t blocks, int64_t M, int64_t D,
+                                        float* norms) {
+  // One warp a row, looping: grid_for caps the grid at 2^20 blocks.
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = blocks * (2 * M + D), warps = gridDim.x * int64_t(blockDim.x) / 32;
+  for (int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; warp < rows;
+       warp += warps)
+    row_norm(warp, lane, w, M, D, norms);
 }
 
 // Storage-typed copy of fp32 values (GEMM operands of the bf16 path).
@@ -79,13 +85,11 @@ static __global__ void momentum_backward_kernel(float* dg, int64_t n, float mu, 
 // benchmark's shape).
 constexpr int kStepRenormPerLane = 16;
 template <typename T>
-__global__ void step_renorm_kernel(const float* W_in, float* W_out, const float* step,
-                                   const float* norm0, int64_t pairs, int64_t H, int64_t M,
-                                   int64_t D, bool renorm, T* op) {
+__device__ __forceinline__ void step_renorm_row(int64_t warp, int lane, const float* W_in,
+                                                float* W_out, const float* step, const float* norm0,
+                                                int64_t H, int64_t M, int64_t D, bool renorm,
+                                                T* op) {
   const int64_t nr = 2 * M + D;
-  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= pairs * nr) return;
   const int64_t pair = warp / nr, r = warp % nr;
   const RowPlace rp = row_place(r, M, D);
   const float* in = W_in + pair * 3 * M * D + rp.offset;
@@ -133,19 +137,29 @@ __global__ void step_renorm_kernel(const float* W_in, float* W_out, const float*
   }
 }
 
+template <typename T>
+__global__ void step_renorm_kernel(const float* W_in, float* W_out, const float* step,
+                                   const float* norm0, int64_t pairs, int64_t H, int64_t M,
+                                   int64_t D, bool renorm, T* op) {
+  // One warp a row, looping: grid_for caps the grid at 2^20 blocks.
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = pairs * (2 * M + D), warps = gridDim.x * int64_t(blockDim.x) / 32;
+  for (int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; warp < rows;
+       warp += warps)
+    step_renorm_row<T>(warp, lane, W_in, W_out, step, norm0, H, M, D, renorm, op);
+}
+
 // Backward of step_renorm for one chunk: x = W - step, dy = dW (adjoint of
 // the new weights). Writes dW <- dx (the direct path), d_step = -dx, and adds
 // the renorm target's adjoint x.dy / den to d_norm0 [pairs, 2M + D]. With
 // w_op, also W's GEMM operand copy (the pass operand_weights would make).
 template <typename T>
-__global__ void step_renorm_backward_kernel(const float* W, const float* step, const float* norm0,
-                                            int64_t pairs, int64_t H, int64_t M, int64_t D,
-                                            bool renorm, float* dW, float* d_step, float* d_norm0,
-                                            T* w_op) {
+__device__ __forceinline__ void step_renorm_backward_row(int64_t warp, int lane, const float* W,
+                                                         const float* step, const float* norm0,
+                                                         int64_t H, int64_t M, int64_t D,
+                                                         bool renorm, float* dW, float* d_step,
+                                                         float* d_norm0, T* w_op) {
   const int64_t nr = 2 * M + D;
-  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= pairs * nr) return;
   const int64_t pair = warp / nr, r = warp % nr;
   const RowPlace rp = row_place(r, M, D);
   const int64_t base = pair * 3 * M * D + rp.offset;
@@ -206,6 +220,20 @@ __global__ void step_renorm_backward_kernel(const float* W, const float* step, c
     d_step[base + j] = -dx;
     if (w_op != nullptr) w_op[base + j] = from_float<T>(w);
   }
+}
+
+template <typename T>
+__global__ void step_renorm_backward_kernel(const float* W, const float* step, const float* norm0,
+                                            int64_t pairs, int64_t H, int64_t M, int64_t D,
+                                            bool renorm, float* dW, float* d_step, float* d_norm0,
+                                            T* w_op) {
+  // One warp a row, looping: grid_for caps the grid at 2^20 blocks.
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = pairs * (2 * M + D), warps = gridDim.x * int64_t(blockDim.x) / 32;
+  for (int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; warp < rows;
+       warp += warps)
+    step_renorm_backward_row<T>(warp, lane, W, step, norm0, H, M, D, renorm, dW, d_step, d_norm0,
+                                w_op);
 }
 
 // The initial weights' gradient [H, 3MD]: the carried adjoints summed over

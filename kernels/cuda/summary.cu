@@ -161,8 +161,11 @@ void piece_chunks(int64_t n, int64_t pieces, int64_t g, int64_t& first, int64_t&
 }
 
 // One cuBLAS handle per device, made on first use (cublasCreate is slow).
+// One handle per host thread and device (as LaCT's): a handle shared by
+// threads would race on its creation and on cublasSetStream, and one
+// thread's GEMMs could land on another thread's stream.
 cublasHandle_t cublas_handle() {
-  static cublasHandle_t handles[64] = {};
+  thread_local cublasHandle_t handles[64] = {};
   int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));
   SS_CHECK_ARG(device < 64, "device", "more than 64 devices");
@@ -651,10 +654,16 @@ PreparedForward::~PreparedForward() {
 
 void PreparedForward::summary(float* M, float* E, cudaStream_t stream, bool with_linear_part,
                               const FirstSegmentMaps* first) {
+  // The tiles are written on the construction stream and freed there: work
+  // on another stream could read them half-written, or after they are freed.
+  SS_CHECK_ARG(stream == impl_->stream, "stream",
+               "must be the stream PreparedForward was built on");
   summary_from_plan(impl_->params, impl_->plan, M, E, with_linear_part, first, stream);
 }
 
 void PreparedForward::finish(cudaStream_t stream) {
+  SS_CHECK_ARG(stream == impl_->stream, "stream",
+               "must be the stream PreparedForward was built on");
   detail::launch_forward_stages(impl_->params, impl_->plan.args,
                                 detail::kStageScan | detail::kStageOutput, stream);
 }
