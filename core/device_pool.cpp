@@ -97,6 +97,14 @@ void release_idle(State& s, int device) {
     (void)cudaEventDestroy(b.freed);  // every cached block has one
     it = s.blocks.erase(it);
   }
+  // The small allocations' pool keeps what was freed into it (its release
+  // threshold is all of it): give that back too, or an out-of-memory after a
+  // phase of many small allocations finds it still reserved. Only memory
+  // whose stream-ordered free has executed goes back (no synchronisation
+  // here: a stream stuck in a collective must not hang the allocator).
+  for (std::size_t d = 0; d < s.small_pools.size(); ++d)
+    if (s.small_pools[d] != nullptr && (device < 0 || static_cast<int>(d) == device))
+      SS_CUDA_CHECK(cudaMemPoolTrimTo(s.small_pools[d], 0));
 }
 
 [[noreturn]] void out_of_memory(std::size_t bytes, cudaError_t rc) {

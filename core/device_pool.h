@@ -55,7 +55,9 @@ std::size_t pool_idle_bytes();
 std::size_t pool_in_use_high();
 void pool_reset_in_use_high();
 
-// Waits for the idle cached blocks' last users and frees them (cudaFree).
+// Waits for the idle cached blocks' last users and frees them (cudaFree),
+// and trims the small allocations' pool to what is still allocated (memory
+// whose stream-ordered free has not executed yet stays reserved).
 void pool_release_cached();
 
 // `count` elements of T from pool_alloc, given back with pool_free on the same

@@ -1,9 +1,12 @@
 #include "core/parallel_for.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -18,6 +21,13 @@ int num_threads() {
   static const int n = [] {
     const int64_t forced = env_int("STATESCAN_NUM_THREADS", 0, 1, 1 << 16);
     if (forced > 0) return static_cast<int>(forced);
+    // The cores this process may run on, not the node's: under mpirun (each
+    // rank bound to a core or two) or taskset, a thread per node core piles
+    // them onto the same cores (statescan-run also splits a node's cores
+    // among its ranks; a trainer linking the library gets this bound).
+    cpu_set_t allowed;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) > 0)
+      return CPU_COUNT(&allowed);
     const unsigned hw = std::thread::hardware_concurrency();
     return hw == 0 ? 1 : static_cast<int>(hw);
   }();
@@ -46,7 +56,16 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& body) {
     t_inside = false;
   };
   std::vector<std::thread> pool;
-  for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run);
+  pool.reserve(static_cast<size_t>(workers - 1));
+  // A thread that cannot be created (a container's pids limit, memory) only
+  // means fewer workers: the items are shared through `next`, so the threads
+  // already started and this one still run all of them, with the same
+  // results. (Letting the exception leave would destroy joinable threads:
+  // std::terminate.)
+  try {
+    for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run);
+  } catch (const std::system_error&) {
+  }
   run();
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);

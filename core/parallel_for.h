@@ -1,6 +1,8 @@
 // A minimal fork-join loop over independent work items (the CPU path's
 // (segment, head) pairs). Threads come from STATESCAN_NUM_THREADS, else the
-// hardware; nested calls run serially. Exceptions from the body are rethrown
+// cores this process may run on (its CPU affinity); nested calls run
+// serially; a worker thread that cannot be created leaves its items to the
+// others. Exceptions from the body are rethrown
 // on the caller's thread (the first one wins).
 #pragma once
 

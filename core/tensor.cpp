@@ -31,8 +31,17 @@ Shape contiguous_strides(const Shape& s) {
   return st;
 }
 
+// A dimension of extent 1 is never stepped along, so its stride does not
+// change the layout: PyTorch calls such tensors contiguous (a [1, T, H, D]
+// view from a transpose has stride H D in its first dimension, and
+// .contiguous() leaves it so), and so does this.
 bool TensorView::is_contiguous() const {
-  return strides.empty() || strides == contiguous_strides(shape);
+  if (strides.empty()) return true;
+  if (strides.size() != shape.size()) return false;
+  const Shape want = contiguous_strides(shape);
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    if (shape[i] != 1 && strides[i] != want[i]) return false;
+  return true;
 }
 
 void check_shape(const TensorView& t, const Shape& expected, const char* name) {

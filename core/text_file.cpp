@@ -1,11 +1,12 @@
 #include "core/text_file.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 
 #include "core/error.h"
 
@@ -14,23 +15,37 @@ namespace statescan {
 void write_file(const std::string& path, std::initializer_list<FileBytes> parts,
                 const char* argument) {
   const std::string temp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    SS_CHECK_ARG(out.good(), argument, "cannot open ", temp, " for writing: ", std::strerror(errno));
-    for (const FileBytes& part : parts)
-      if (part.size > 0)
-        out.write(static_cast<const char*>(part.data), static_cast<std::streamsize>(part.size));
-    out.flush();
-    if (!out.good()) {
-      const int saved_errno = errno;
-      out.close();
-      std::remove(temp.c_str());
-      SS_FAIL(argument, "writing ", temp, " failed: ", std::strerror(saved_errno));
+  // POSIX calls rather than a stream: every step's result is checked, the
+  // close's included (NFS and Lustre report a full quota or disk there, and
+  // an unchecked close renamed a truncated file over the old one), and the
+  // data reaches the disk (fsync) before the rename makes it the file.
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  SS_CHECK_ARG(fd >= 0, argument, "cannot open ", temp, " for writing: ", std::strerror(errno));
+  const auto fail = [&](const char* what, bool close_it) {
+    const int saved_errno = errno;
+    if (close_it) (void)::close(fd);
+    (void)std::remove(temp.c_str());
+    SS_FAIL(argument, what, " ", temp, " failed: ", std::strerror(saved_errno));
+  };
+  for (const FileBytes& part : parts) {
+    const char* at = static_cast<const char*>(part.data);
+    std::size_t left = part.size;
+    while (left > 0) {
+      const ssize_t n = ::write(fd, at, left);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        if (n == 0) errno = EIO;
+        fail("writing", true);
+      }
+      at += n;
+      left -= static_cast<std::size_t>(n);
     }
   }
+  if (::fsync(fd) != 0) fail("syncing", true);
+  if (::close(fd) != 0) fail("closing", false);
   if (std::rename(temp.c_str(), path.c_str()) != 0) {
     const int saved_errno = errno;
-    std::remove(temp.c_str());
+    (void)std::remove(temp.c_str());
     SS_FAIL(argument, "cannot rename ", temp, " to ", path, ": ", std::strerror(saved_errno));
   }
 }

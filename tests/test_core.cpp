@@ -1,13 +1,18 @@
 // core/: dtype rounding, tensor checks, errors, option parsing and .npy I/O.
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <ostream>
 #include <random>
@@ -20,7 +25,10 @@
 #include "core/error.h"
 #include "core/npy.h"
 #include "core/options.h"
+#include "core/parallel_for.h"
 #include "core/tensor.h"
+#include "core/text_file.h"
+#include "tests/expect_error.h"
 #include "tests/scoped_env.h"
 
 namespace statescan {
@@ -368,6 +376,20 @@ TEST(TensorChecks, NonContiguousNamesArgument) {
   EXPECT_NO_THROW(check_contiguous(t, "v"));
   t.strides = {4, 1};
   expect_error_naming("v", [&] { check_contiguous(t, "v"); });
+  t.strides = {2};  // fewer strides than dimensions
+  expect_error_naming("v", [&] { check_contiguous(t, "v"); });
+}
+
+// Extent-1 dimensions may carry any stride (the layout is the same; PyTorch's
+// rule): a [1, T, H, D] view made by a transpose passes; the other
+// dimensions' strides still must be the packed ones.
+TEST(TensorChecks, StridesOfExtentOneDimensionsDoNotMatter) {
+  float buf[24];
+  TensorView t(buf, DType::f32, {1, 3, 1, 8});
+  t.strides = {8, 8, 999, 1};
+  EXPECT_NO_THROW(check_contiguous(t, "q"));
+  t.strides = {8, 9, 999, 1};
+  expect_error_naming("q", [&] { check_contiguous(t, "q"); });
 }
 
 TEST(TensorChecks, MemoryKindNamesArgument) {
@@ -668,6 +690,142 @@ TEST_F(NpyTest, Int64BeyondDoublePrecisionThrows) {
   const std::string file = write_raw(
       "big.npy", 1, "{'descr': '<i8', 'fortran_order': False, 'shape': (1,), }", raw_bytes(x));
   expect_error_naming(file, [&] { read_npy(file); });
+}
+
+}  // namespace
+}  // namespace statescan
+
+// ---- parallel_for (core/parallel_for.h) -------------------------------------
+// Each case runs in a re-executed child (death test, threadsafe style): the
+// thread count is read once per process, so the child must set its affinity
+// or limits before the first call.
+namespace statescan {
+namespace {
+
+// Child of ThreadsFollowTheCpuAffinity...: exits 0 when one allowed core
+// gives one thread.
+[[noreturn]] void one_core_child() {
+  ::unsetenv("STATESCAN_NUM_THREADS");
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) std::_Exit(2);
+  int first = 0;
+  while (!CPU_ISSET(first, &allowed)) ++first;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  if (sched_setaffinity(0, sizeof one, &one) != 0) std::_Exit(3);
+  std::_Exit(num_threads() == 1 ? 0 : 1);
+}
+
+// Child of ThreadsThatCannotStart...: 200 workers asked for under an
+// address-space limit a few thread stacks above what the process uses;
+// exits 0 when every item ran exactly once.
+[[noreturn]] void few_stacks_child() {
+  ::setenv("STATESCAN_NUM_THREADS", "200", 1);
+  std::ifstream statm("/proc/self/statm");
+  long pages = 0;
+  statm >> pages;
+  const rlim_t used = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE));
+  const rlim_t cap = used + (64u << 20);  // ~8 stacks of 8 MB
+  const rlimit limit{cap, cap};
+  if (setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(2);
+  std::vector<std::atomic<int>> runs(5000);
+  parallel_for(5000, [&](int64_t i) { runs[static_cast<size_t>(i)].fetch_add(1); });
+  for (const auto& r : runs)
+    if (r.load() != 1) std::_Exit(1);
+  std::_Exit(0);
+}
+
+TEST(ParallelFor, ThreadsFollowTheCpuAffinityNotTheNodesCores) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(one_core_child(), ::testing::ExitedWithCode(0), "");
+}
+
+// Threads that cannot be created leave their items to the others: all of
+// them run, once, and the call returns (it used to std::terminate).
+TEST(ParallelFor, ThreadsThatCannotStartLeaveTheirItemsToTheOthers) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(few_stacks_child(), ::testing::ExitedWithCode(0), "");
+}
+
+TEST(ParallelFor, RethrowsTheBodysErrorOnTheCaller) {
+  EXPECT_THROW(parallel_for(64,
+                            [](int64_t i) {
+                              if (i == 17) SS_FAIL("item", "item 17 failed");
+                            }),
+               Error);
+}
+
+}  // namespace
+}  // namespace statescan
+
+// ---- write_file (core/text_file.h) -------------------------------------------
+namespace statescan {
+namespace {
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::filesystem::path fresh_dir(const std::string& name) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / (name + "." + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+TEST(WriteFile, WritesThePartsInOrderAndReplacesTheOldFile) {
+  const auto dir = fresh_dir("statescan-write-file");
+  const std::string path = (dir / "out.bin").string();
+  write_text_file(path, "old contents, longer than the new ones", "--json");
+  const std::string a = "head|", b(100000, 'x');
+  write_file(path, {{a.data(), a.size()}, {nullptr, 0}, {b.data(), b.size()}}, "--json");
+  EXPECT_EQ(read_all(path), a + b);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 1) << "a temp file left";
+  std::filesystem::remove_all(dir);
+}
+
+TEST(WriteFile, AnUnwritablePathNamesTheArgument) {
+  const auto dir = fresh_dir("statescan-write-file-missing");
+  const std::string path = (dir / "no-such-dir" / "out.json").string();
+  test::expect_error([&] { write_text_file(path, "{}", "--json"); }, "--json");
+  std::filesystem::remove_all(dir);
+}
+
+// Child of AFailedWriteKeepsTheOldFile: a file-size limit below the new
+// contents (the write fails with EFBIG, as a full disk fails it with
+// ENOSPC); exits 0 when the call threw naming the argument, the old file is
+// intact and no temp file is left.
+[[noreturn]] void file_size_limit_child(const std::string& dir) {
+  const std::string path = dir + "/out.npy";
+  const std::string old_text = "the old, complete file";
+  write_text_file(path, old_text, "--save");
+  std::signal(SIGXFSZ, SIG_IGN);  // EFBIG from write(), not a signal
+  const rlimit limit{4096, 4096};
+  if (setrlimit(RLIMIT_FSIZE, &limit) != 0) std::_Exit(2);
+  const std::string big(100000, 'y');
+  try {
+    write_text_file(path, big, "--save");
+    std::_Exit(3);
+  } catch (const Error& e) {
+    if (e.argument() != "--save") std::_Exit(4);
+  }
+  if (read_all(path) != old_text) std::_Exit(5);
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    (void)entry;
+    ++files;
+  }
+  std::_Exit(files == 1 ? 0 : 6);
+}
+
+TEST(WriteFile, AFailedWriteKeepsTheOldFile) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto dir = fresh_dir("statescan-write-file-limit");
+  EXPECT_EXIT(file_size_limit_child(dir.string()), ::testing::ExitedWithCode(0), "");
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
