@@ -41,7 +41,7 @@ else
     ${STATESCAN_CMAKE_ARGS:-} >"$WORK/configure.log" 2>&1 ||
     { tail -30 "$WORK/configure.log"; fail "configure of $BUILD"; }
 fi
-grep -q '^STATESCAN_WITH_PROMETHEUS:BOOL=ON' "$BUILD/CMakeCache.txt" ||
+grep -q '^STATESCAN_HAVE_PROMETHEUS:INTERNAL=ON' "$BUILD/CMakeCache.txt" ||
   fail "prometheus-cpp was not found by CMake although prometheus-cpp-dev is installed"
 
 step "building statescan in $BUILD"

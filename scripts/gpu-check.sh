@@ -81,7 +81,7 @@ left() {  # left CAP: seconds for the next step: at most CAP, at least 1
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
     cmake --build "$BUILD" --target test_cuda_forward statescan-bench -j16 &&
     { [[ "${BWD:-1}" == 0 ]] || cmake --build "$BUILD" --target test_cuda_backward -j16; } &&
-    { ! grep -q "STATESCAN_WITH_NCCL:BOOL=ON" "$BUILD/CMakeCache.txt" ||
+    { ! grep -q "STATESCAN_HAVE_NCCL:INTERNAL=ON" "$BUILD/CMakeCache.txt" ||
       cmake --build "$BUILD" --target test_comm_nccl -j16; }
 } >"$OUT/build.log" 2>&1 || { echo "gpu-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
 
@@ -96,7 +96,7 @@ if [[ -x "$BUILD/tests/test_comm_nccl" ]]; then
 fi
 
 # statescan-run on this GPU with more ranks than GPUs (MPI builds only).
-if [[ "${RUN_CLI:-1}" != 0 ]] && grep -q "STATESCAN_WITH_MPI:BOOL=ON" "$BUILD/CMakeCache.txt"; then
+if [[ "${RUN_CLI:-1}" != 0 ]] && grep -q "STATESCAN_HAVE_MPI:INTERNAL=ON" "$BUILD/CMakeCache.txt"; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   rm -f "$BUILD/run_cli.log"  # the build folder outlives calls: no old lines
   { cmake --build "$BUILD" --target test_run_cli statescan-run -j16 >>"$OUT/build.log" 2>&1 &&

@@ -57,7 +57,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABL
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
     if [[ "${TESTS:-1}" == 0 ]]; then cmake --build "$BUILD" --target statescan-bench -j16; else
       cmake --build "$BUILD" --target test_cuda_lact statescan-bench -j16; fi &&
-    { [[ "${TESTS:-1}" == 0 ]] || ! grep -q "STATESCAN_WITH_NCCL:BOOL=ON" "$BUILD/CMakeCache.txt" ||
+    { [[ "${TESTS:-1}" == 0 ]] || ! grep -q "STATESCAN_HAVE_NCCL:INTERNAL=ON" "$BUILD/CMakeCache.txt" ||
       cmake --build "$BUILD" --target test_cuda_lact_mpi -j16; }
 } >"$OUT/build.log" 2>&1 || { echo "lact-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
 if [[ -n "${REF_SRC:-}" ]]; then
