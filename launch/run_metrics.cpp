@@ -76,13 +76,20 @@ ErrorKind error_kind(const Error& error, bool writing_results) {
 }
 
 void install_hold_signals() {
-  for (int sig : {SIGINT, SIGTERM, SIGUSR1}) std::signal(sig, on_hold_signal);
+  std::signal(SIGUSR1, on_hold_signal);
 }
 
 bool hold_metrics(double seconds) {
+  // SIGINT and SIGTERM end the hold only from here: during the run they keep
+  // their usual meaning (Ctrl-C, a batch system's end of job stop the job).
+  using Handler = void (*)(int);
+  const Handler old_int = std::signal(SIGINT, on_hold_signal);
+  const Handler old_term = std::signal(SIGTERM, on_hold_signal);
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
   while (g_hold_signal == 0 && std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (old_int != SIG_ERR) std::signal(SIGINT, old_int);
+  if (old_term != SIG_ERR) std::signal(SIGTERM, old_term);
   return g_hold_signal != 0;
 }
 

@@ -39,12 +39,13 @@ MemoryUse process_memory();
 // was saving its outputs.
 ErrorKind error_kind(const Error& error, bool writing_results);
 
-// Installs SIGINT/SIGTERM/SIGUSR1 handlers that end hold_metrics() early
-// (mpirun forwards SIGUSR1 to every rank). Call before the run so that an
-// early signal is not fatal.
+// Installs the SIGUSR1 handler that ends hold_metrics() early (mpirun
+// forwards SIGUSR1 to every rank). Call before the run, so that a SIGUSR1
+// sent before the hold begins is not fatal (it then ends the hold at once).
 void install_hold_signals();
-// Keeps the process (and so its exporter) alive for `seconds`, or until one
-// of those signals arrives. Returns true when a signal ended it.
+// Keeps the process (and so its exporter) alive for `seconds`, or until
+// SIGUSR1, or SIGINT / SIGTERM during the hold, arrives (those two keep
+// their default meaning during the run). Returns true when a signal ended it.
 bool hold_metrics(double seconds);
 
 // The progress line of rank 0: "step 7/20  1.2e+06 tokens/s  ETA 14 s",

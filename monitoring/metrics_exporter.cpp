@@ -226,11 +226,26 @@ std::string MetricsExporter::address() const {
 }
 
 void MetricsExporter::on_phase(Phase phase, double seconds, int64_t bytes) {
+  check_phase(phase, seconds, bytes);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  record_phase(phase, seconds, bytes);
+}
+
+void MetricsExporter::on_exchange(Exchange strategy, double seconds, int64_t bytes) {
+  check_phase(Phase::exchange, seconds, bytes);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->strategy = strategy;
+  record_phase(Phase::exchange, seconds, bytes);
+}
+
+void MetricsExporter::check_phase(Phase phase, double seconds, int64_t bytes) {
   SS_CHECK_ARG(std::isfinite(seconds) && seconds >= 0, "seconds", "phase ", to_string(phase),
                " reported ", seconds, " s");
   SS_CHECK_ARG(bytes >= 0, "bytes", "phase ", to_string(phase), " reported ", bytes, " bytes");
+}
+
+void MetricsExporter::record_phase(Phase phase, double seconds, int64_t bytes) {
   const int p = index_of(phase);
-  std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->totals.phase_seconds[p] += seconds;
   const bool count_bytes = phase == Phase::exchange && bytes > 0;
   const int s = index_of(impl_->strategy);

@@ -112,6 +112,8 @@ class MetricsExporter final : public CpObserver {
   // non-finite values throw naming "seconds" / "bytes".
   void on_phase(Phase phase, double seconds, int64_t bytes) override;
   void on_exchange_strategy(Exchange strategy) override;
+  // The strategy and its bytes under one lock (mixers on several threads).
+  void on_exchange(Exchange strategy, double seconds, int64_t bytes) override;
   // A layer that exchanges by all-reduce (LaCT): its time counts in the
   // exchange phase, its bytes under strategy="allreduce". Negative or
   // non-finite values throw naming "seconds" / "bytes".
@@ -128,6 +130,8 @@ class MetricsExporter final : public CpObserver {
   std::string exposition_text() const;
 
  private:
+  static void check_phase(Phase phase, double seconds, int64_t bytes);
+  void record_phase(Phase phase, double seconds, int64_t bytes);  // holds impl_->mutex
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

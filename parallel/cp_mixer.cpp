@@ -267,9 +267,8 @@ void CpMixer::set_control(Communicator* control) {
 
 void CpMixer::report_to_observer(const CpStepStats& s, Phase total) const {
   if (observer_ == nullptr) return;
-  observer_->on_exchange_strategy(s.exchange);
   observer_->on_phase(Phase::summary, s.summary_s, 0);
-  observer_->on_phase(Phase::exchange, s.exchange_s, s.exchange_bytes);
+  observer_->on_exchange(s.exchange, s.exchange_s, s.exchange_bytes);
   observer_->on_phase(Phase::merge, s.merge_s, 0);
   observer_->on_phase(total, s.total_s, 0);
 }

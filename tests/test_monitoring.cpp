@@ -7,12 +7,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <map>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -237,6 +239,34 @@ TEST_P(ServedMetrics, PhaseSecondsAreTheSumOfObserverCalls) {
              expected[to_string(p)]));
     EXPECT_TRUE(near(snap.phase(p), expected[to_string(p)]));
   }
+}
+
+// Two mixers on two threads reporting their exchanges to one exporter: each
+// strategy gets exactly its own bytes (the strategy used to be stored by one
+// call and read by the next, so another thread's report could come between).
+TEST_P(ServedMetrics, ConcurrentExchangesKeepTheirStrategies) {
+  constexpr int kReports = 50000;
+  std::atomic<int> ready{0};
+  const auto report = [&](Exchange strategy, int64_t bytes) {
+    ready.fetch_add(1);
+    while (ready.load() < 2) {
+    }  // both threads report at once
+    for (int i = 0; i < kReports; ++i) {
+      metrics_->on_exchange(strategy, 1e-6, bytes);
+      std::this_thread::yield();  // hand the exporter to the other thread often
+    }
+  };
+  std::thread ring(report, Exchange::ring, 1);
+  std::thread tree(report, Exchange::tree, 1000);
+  ring.join();
+  tree.join();
+  const MetricsSnapshot snap = metrics_->snapshot();
+  EXPECT_EQ(snap.bytes(Exchange::ring), int64_t{kReports});
+  EXPECT_EQ(snap.bytes(Exchange::tree), int64_t{kReports} * 1000);
+  const auto samples = scrape();
+  EXPECT_TRUE(
+      near(value_of(samples, "statescan_exchange_bytes_total", labels({{"strategy", "tree"}})),
+           1000.0 * kReports));
 }
 
 TEST_P(ServedMetrics, ExchangeBytesCarryTheReportedStrategy) {
