@@ -1118,15 +1118,21 @@ TEST_F(LactCudaErrors, MixedDtypeOrPlacementNamesTheArgument) {
       "q");
 }
 
-TEST_F(LactCudaErrors, ChunkNotDivisibleByRanksIsRejected) {
+// Sizes only (no tensors): two chunks of `chunk` tokens shared by 2 ranks.
+cuda::LactCudaParams two_rank_sizes(int64_t chunk) {
   cuda::LactCudaParams p;
-  p.config.chunk = 15;
+  p.config.chunk = chunk;
   p.batch = 1;
-  p.seq_len = 30;
+  p.seq_len = 2 * chunk;
   p.heads = 1;
   p.dim = 4;
   p.hidden = 4;
   p.ranks = 2;
+  return p;
+}
+
+TEST_F(LactCudaErrors, ChunkNotDivisibleByRanksIsRejected) {
+  const cuda::LactCudaParams p = two_rank_sizes(15);
   EXPECT_EQ(error_argument([&] { cuda::lact_cuda_check_sizes(p); }), "chunk");
 }
 
@@ -1135,14 +1141,7 @@ TEST_F(LactCudaErrors, ChunkNotDivisibleByRanksIsRejected) {
 // the fast weights drift apart with no error (the CPU path refuses it too).
 // Refused before any pointer is read.
 TEST_F(LactCudaErrors, RanksWithoutAnAllReduceAreRejected) {
-  cuda::LactCudaParams p;
-  p.config.chunk = 16;
-  p.batch = 1;
-  p.seq_len = 32;
-  p.heads = 1;
-  p.dim = 4;
-  p.hidden = 4;
-  p.ranks = 2;
+  const cuda::LactCudaParams p = two_rank_sizes(16);
   cuda::LactCudaGrads g;
   cuda::LactCudaSaved saved;
   EXPECT_EQ(error_argument([&] { cuda::lact_cuda_forward(p, {}, &saved, nullptr); }), "all_reduce");
