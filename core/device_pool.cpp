@@ -210,6 +210,16 @@ void pool_reset_in_use_high() {
   s.in_use_high = s.in_use;
 }
 
+std::size_t pool_small_reserved_bytes() {
+  State& s = state();
+  const int device = current_device();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  std::uint64_t reserved = 0;
+  SS_CUDA_CHECK(
+      cudaMemPoolGetAttribute(small_pool(s, device), cudaMemPoolAttrReservedMemCurrent, &reserved));
+  return static_cast<std::size_t>(reserved);
+}
+
 void pool_release_cached() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);

@@ -55,6 +55,10 @@ std::size_t pool_idle_bytes();
 std::size_t pool_in_use_high();
 void pool_reset_in_use_high();
 
+// Device memory the current device's small-allocation pool holds from the
+// driver (in use or kept after a free; cudaMemPoolAttrReservedMemCurrent).
+std::size_t pool_small_reserved_bytes();
+
 // Waits for the idle cached blocks' last users and frees them (cudaFree),
 // and trims the small allocations' pool to what is still allocated (memory
 // whose stream-ordered free has not executed yet stays reserved).

@@ -80,8 +80,10 @@ struct MixerConfig {
   // read of the array. Together ~2 % of a KDA forward + backward at 128K
   // tokens, H = 16, D = 128 on an H200 (README, P = 1). A trainer that
   // already guards its steps (its own anomaly detection, or loss scaling that
-  // skips non-finite steps) may turn it off; NaN/Inf then flow into the
-  // outputs as in any kernel. Every rank of a group must agree on it.
+  // skips non-finite steps) may turn it off; NaN/Inf (and, on the GPU, log
+  // gates > 0: their check needs the same host sync) then flow into the
+  // outputs as in any kernel. Host tensors' gates are checked either way.
+  // Every rank of a group must agree on it.
   bool check_finite = true;
 
   double scale_for(int64_t dk) const;

@@ -24,7 +24,9 @@ int num_threads() {
     // The cores this process may run on, not the node's: under mpirun (each
     // rank bound to a core or two) or taskset, a thread per node core piles
     // them onto the same cores (statescan-run also splits a node's cores
-    // among its ranks; a trainer linking the library gets this bound).
+    // among its ranks; a trainer linking the library gets this bound). The
+    // mask is that of the thread that asks first, read once: normally the
+    // main thread, before the trainer pins any worker.
     cpu_set_t allowed;
     if (sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) > 0)
       return CPU_COUNT(&allowed);

@@ -41,7 +41,11 @@ void write_file(const std::string& path, std::initializer_list<FileBytes> parts,
       left -= static_cast<std::size_t>(n);
     }
   }
-  if (::fsync(fd) != 0) fail("syncing", true);
+  // Some file systems (FUSE, 9p) cannot sync at all: that is not a failed
+  // write. EIO, ENOSPC, EDQUOT and the rest are.
+  if (::fsync(fd) != 0 && errno != EINVAL && errno != ENOTSUP && errno != EOPNOTSUPP &&
+      errno != ENOSYS)
+    fail("syncing", true);
   if (::close(fd) != 0) fail("closing", false);
   if (std::rename(temp.c_str(), path.c_str()) != 0) {
     const int saved_errno = errno;

@@ -79,12 +79,13 @@ void install_hold_signals() {
   std::signal(SIGUSR1, on_hold_signal);
 }
 
-bool hold_metrics(double seconds) {
+bool hold_metrics(double seconds, const std::function<void()>& started) {
   // SIGINT and SIGTERM end the hold only from here: during the run they keep
   // their usual meaning (Ctrl-C, a batch system's end of job stop the job).
   using Handler = void (*)(int);
   const Handler old_int = std::signal(SIGINT, on_hold_signal);
   const Handler old_term = std::signal(SIGTERM, on_hold_signal);
+  if (started) started();
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
   while (g_hold_signal == 0 && std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -45,8 +46,10 @@ ErrorKind error_kind(const Error& error, bool writing_results);
 void install_hold_signals();
 // Keeps the process (and so its exporter) alive for `seconds`, or until
 // SIGUSR1, or SIGINT / SIGTERM during the hold, arrives (those two keep
-// their default meaning during the run). Returns true when a signal ended it.
-bool hold_metrics(double seconds);
+// their default meaning during the run). `started` runs once their handlers
+// are in place (the "holding" message: a signal sent on reading it must end
+// the hold, not the process). Returns true when a signal ended it.
+bool hold_metrics(double seconds, const std::function<void()>& started = {});
 
 // The progress line of rank 0: "step 7/20  1.2e+06 tokens/s  ETA 14 s",
 // redrawn in place on a terminal once the run has taken over ~2 s (always

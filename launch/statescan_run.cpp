@@ -330,13 +330,13 @@ void Job::report_step_metrics(const StepTimes& t) const {
 // on its own (no collective), so a signal to any subset ends only those.
 void Job::hold_after_run() const {
   if (!metrics_ || options_.metrics_hold <= 0) return;
-  if (root()) {
+  hold_metrics(options_.metrics_hold, [&] {
+    if (!root()) return;
     std::fprintf(stderr,
                  "statescan-run: holding the metrics exporters for %.0f s (SIGINT, SIGTERM or "
                  "SIGUSR1 end the wait)\n",
                  options_.metrics_hold);
-  }
-  hold_metrics(options_.metrics_hold);
+  });
 }
 
 // One CPU thread per core on each node: ranks sharing a node split its

@@ -228,6 +228,15 @@ void all_reduce_device(Communicator& comm, float* data, int64_t count, cudaStrea
   SS_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
+// The GPU kernels move rows in 16-byte pieces (cuda::mixer_forward and
+// mixer_backward refuse anything else); checked here, inside the collective
+// checks, so that a misaligned view on one rank is an error on every rank
+// instead of one rank's exception while the others wait in the exchange.
+void check_aligned16(const TensorView& t, const char* name) {
+  SS_CHECK_ARG(!t.defined() || reinterpret_cast<uintptr_t>(t.data) % 16 == 0, name,
+               "must be 16-byte aligned (the GPU kernels move rows in 16-byte pieces)");
+}
+
 void check_device(const TensorView& t, const char* name) {
   if (t.defined())
     SS_CHECK_ARG(t.memory == Memory::device, name,
@@ -348,6 +357,9 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     rules.check_values = false;
     g = cp_detail::check_forward_local(ha, config_, rules);
     check_supported(g.dk, g.dv);
+    for (auto [t, name] :
+         {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.g, "g"}, {&a.o, "o"}})
+      check_aligned16(*t, name);
     if (config_.check_finite) {
       // Where the prepare stage reads all of q, k, v, g, beta (16-bit inputs)
       // it checks them itself (prepare_checks): no pass of their own here;
@@ -392,6 +404,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     MixerParams host_view = p;
     host_view.cu_seqlens = ds.local_cu.empty() ? nullptr : ds.local_cu.data();
     validate(host_view);
+    cuda::check_grid_limits(host_view);  // this rank's own segment count
     chunks = count_chunks(host_view);
   });
   if (!ds.local_cu.empty()) {
@@ -487,7 +500,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
       if (bits == 0 && h0_count == 0) return;
       check_finite_device(forward_inputs(a), cs);  // counts them, names the first
       SS_FAIL("nonfinite", "the prepare stage flagged inputs (bits ", bits,
-              ") in which the count finds no NaN/Inf");
+              ") in which the count finds no NaN/Inf (nor, in g, a log gate > 0)");
     });
   }
   if (P > 1) {
@@ -644,6 +657,8 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
     }
     if (a.d_initial_state.defined())
       check_tensor(a.d_initial_state, states, DType::f32, Memory::device, "d_initial_state");
+    for (auto [t, name] : {std::pair{&a.d_o, "do"}, {&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}})
+      check_aligned16(*t, name);
     if (config_.check_finite)
       check_finite_device({{&a.d_o, "do"}, {&a.d_final_state, "d_final_state"}}, cs);
   });

@@ -18,7 +18,12 @@ configure() {
 }
 
 configure
-have PROMETHEUS ON || { echo "configure_smoke: skipped: no prometheus-cpp here"; exit 77; }
+grep -q "^STATESCAN_HAVE_PROMETHEUS:INTERNAL=" "$WORK/build/CMakeCache.txt" ||
+  { echo "FAILED: configure wrote no STATESCAN_HAVE_PROMETHEUS"; exit 1; }
+# Whether prometheus-cpp is installed, from CMake's own record of the search.
+grep -q "^prometheus-cpp_DIR:PATH=.*-NOTFOUND\$" "$WORK/build/CMakeCache.txt" &&
+  { echo "configure_smoke: skipped: no prometheus-cpp here"; exit 77; }
+have PROMETHEUS ON || { echo "FAILED: prometheus-cpp is installed, STATESCAN_HAVE_PROMETHEUS is not ON"; exit 1; }
 rm -rf "$WORK/build"
 
 configure -DCMAKE_DISABLE_FIND_PACKAGE_prometheus-cpp=TRUE

@@ -1,5 +1,6 @@
 // core/: dtype rounding, tensor checks, errors, option parsing and .npy I/O.
 #include <gtest/gtest.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -726,7 +727,11 @@ namespace {
   long pages = 0;
   statm >> pages;
   const rlim_t used = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE));
-  const rlim_t cap = used + (64u << 20);  // ~8 stacks of 8 MB
+  // Room for ~8 thread stacks of the default size (ulimit -s), whatever it is.
+  pthread_attr_t attr;
+  std::size_t stack = 0;
+  if (pthread_attr_init(&attr) != 0 || pthread_attr_getstacksize(&attr, &stack) != 0) std::_Exit(4);
+  const rlim_t cap = used + 8 * static_cast<rlim_t>(stack);
   const rlimit limit{cap, cap};
   if (setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(2);
   std::vector<std::atomic<int>> runs(5000);
@@ -737,6 +742,9 @@ namespace {
 }
 
 TEST(ParallelFor, ThreadsFollowTheCpuAffinityNotTheNodesCores) {
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  if (CPU_COUNT(&allowed) < 2) GTEST_SKIP() << "one core: one thread either way";
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(one_core_child(), ::testing::ExitedWithCode(0), "");
 }

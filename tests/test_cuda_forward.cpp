@@ -419,11 +419,10 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
          std::to_string(std::get<2>(info.param));
 }
 
-// The sizing functions check the sizes they divide by before validate()
-// runs (chunk 0 was a SIGFPE, a negative length a wrapped size_t), and the
-// grid limits are errors naming the argument, not a failed launch after
-// the prepare stage. None of this needs a device: nothing is dereferenced.
-TEST(CudaSizes, BadSizesAreErrorsNamingThem) {
+// Sizes of a small DeltaNet problem with aligned stand-ins for its tensors:
+// the checks below refuse it before any pointer is read, so no device is
+// needed.
+MixerParams sizes_only() {
   MixerParams p;
   p.variant = Variant::deltanet;
   p.dtype = DType::bf16;
@@ -432,27 +431,38 @@ TEST(CudaSizes, BadSizesAreErrorsNamingThem) {
   p.heads = 2;
   p.dk = p.dv = 64;
   p.num_segments = 1;
+  p.chunk = 64;
+  auto* fake = reinterpret_cast<void*>(uintptr_t{1} << 20);
+  p.q = p.k = p.v = p.beta = fake;
+  p.o = fake;
+  return p;
+}
+
+// The sizing functions check the sizes they divide by before validate()
+// runs: chunk 0 was a SIGFPE, a negative length a wrapped size_t.
+TEST(CudaSizes, SizingFunctionsNameBadSizes) {
+  MixerParams p = sizes_only();
+  EXPECT_GT(cuda::forward_workspace_bytes(p), 0u);
   p.chunk = 0;
   expect_error([&] { (void)cuda::forward_workspace_bytes(p); }, "chunk");
   expect_error([&] { (void)cuda::backward_workspace_bytes(p); }, "chunk");
   expect_error([&] { (void)cuda::saved_t_bytes(p); }, "chunk");
-  p.chunk = 64;
+  p = sizes_only();
   p.seq_len = -5;
   expect_error([&] { (void)cuda::forward_workspace_bytes(p); }, "seq_len");
-  p.seq_len = 100;
+  p = sizes_only();
   p.num_segments = 0;
   expect_error([&] { (void)cuda::backward_workspace_bytes(p); }, "num_segments");
-  p.num_segments = 1;
-  EXPECT_GT(cuda::forward_workspace_bytes(p), 0u);
+}
 
-  // Aligned stand-ins for the tensors: refused before any is read.
-  auto* fake = reinterpret_cast<void*>(uintptr_t{1} << 20);
-  p.q = p.k = p.v = p.o = fake;
-  p.beta = fake;
+// Heads and sequences index grid dimensions y and z (<= 65,535): more is an
+// error naming them, not a failed launch after the prepare stage.
+TEST(CudaSizes, GridLimitsNameTheArgument) {
+  MixerParams p = sizes_only();
   p.heads = 70000;
   expect_error([&] { cuda::check_grid_limits(p); }, "heads");
   expect_error([&] { cuda::mixer_forward(p, nullptr); }, "heads");
-  p.heads = 2;
+  p = sizes_only();
   p.batch = p.num_segments = 70000;
   expect_error([&] { cuda::check_grid_limits(p); }, "batch");
   p.batch = p.num_segments = 65535;

@@ -1118,7 +1118,8 @@ TEST_F(LactCudaErrors, MixedDtypeOrPlacementNamesTheArgument) {
       "q");
 }
 
-// Sizes only (no tensors): two chunks of `chunk` tokens shared by 2 ranks.
+// Two chunks of `chunk` tokens shared by 2 ranks, with aligned stand-ins for
+// the tensors: the checks below refuse it before any pointer is read.
 cuda::LactCudaParams two_rank_sizes(int64_t chunk) {
   cuda::LactCudaParams p;
   p.config.chunk = chunk;
@@ -1128,10 +1129,13 @@ cuda::LactCudaParams two_rank_sizes(int64_t chunk) {
   p.dim = 4;
   p.hidden = 4;
   p.ranks = 2;
+  auto* fake = reinterpret_cast<void*>(uintptr_t{1} << 20);
+  p.q = p.k = p.v = p.lr0 = p.lr1 = p.lr2 = p.w0 = p.w1 = p.w2 = fake;
+  p.o = fake;
   return p;
 }
 
-TEST_F(LactCudaErrors, ChunkNotDivisibleByRanksIsRejected) {
+TEST(LactCudaArgs, ChunkNotDivisibleByRanksIsRejected) {
   const cuda::LactCudaParams p = two_rank_sizes(15);
   EXPECT_EQ(error_argument([&] { cuda::lact_cuda_check_sizes(p); }), "chunk");
 }
@@ -1139,8 +1143,8 @@ TEST_F(LactCudaErrors, ChunkNotDivisibleByRanksIsRejected) {
 // Ranks sharing a chunk update from the whole chunk's gradient only through
 // the all-reduce: without one each would apply its own partial gradient and
 // the fast weights drift apart with no error (the CPU path refuses it too).
-// Refused before any pointer is read.
-TEST_F(LactCudaErrors, RanksWithoutAnAllReduceAreRejected) {
+// Refused before any pointer is read: runs without a GPU.
+TEST(LactCudaArgs, RanksWithoutAnAllReduceAreRejected) {
   const cuda::LactCudaParams p = two_rank_sizes(16);
   cuda::LactCudaGrads g;
   cuda::LactCudaSaved saved;

@@ -295,6 +295,7 @@ void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_b
   const BackwardLayout l = layout_for(p, recompute);
   SS_CHECK_ARG(workspace != nullptr && workspace_bytes >= l.total, "workspace", "needs ", l.total,
                " bytes, got ", workspace_bytes);
+  SS_CHECK_ARG(aligned16(workspace), "workspace", "must be 16-byte aligned");
   char* base = static_cast<char*>(workspace);
   const Prepared prep = prepare_backward(p, recompute, l, base, stream);
   run_backward(p, prep, l, base + l.ds, stream);

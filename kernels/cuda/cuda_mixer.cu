@@ -312,6 +312,7 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   const WorkspaceLayout l = layout_for(p, prepare_only);
   SS_CHECK_ARG(workspace != nullptr && workspace_bytes >= l.total, "workspace", "needs ", l.total,
                " bytes, got ", workspace_bytes);
+  SS_CHECK_ARG(aligned16(workspace), "workspace", "must be 16-byte aligned");
 
   char* base = static_cast<char*>(workspace);
   ForwardArgs& a = plan.args;

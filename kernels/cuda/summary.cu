@@ -160,10 +160,10 @@ void piece_chunks(int64_t n, int64_t pieces, int64_t g, int64_t& first, int64_t&
   count = n * (g + 1) / pieces - first;
 }
 
-// One cuBLAS handle per device, made on first use (cublasCreate is slow).
-// One handle per host thread and device (as LaCT's): a handle shared by
-// threads would race on its creation and on cublasSetStream, and one
-// thread's GEMMs could land on another thread's stream.
+// One cuBLAS handle per host thread and device, made on first use
+// (cublasCreate is slow) and kept for the thread's life (as LaCT's): one
+// shared by threads would race on its creation and on cublasSetStream, and
+// one thread's GEMMs could land on another thread's stream.
 cublasHandle_t cublas_handle() {
   thread_local cublasHandle_t handles[64] = {};
   int device = 0;
