@@ -17,6 +17,14 @@ namespace {
 thread_local bool t_inside = false;
 }
 
+int usable_cores() {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) > 0)
+    return CPU_COUNT(&allowed);
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
 int num_threads() {
   static const int n = [] {
     const int64_t forced = env_int("STATESCAN_NUM_THREADS", 0, 1, 1 << 16);
@@ -24,14 +32,10 @@ int num_threads() {
     // The cores this process may run on, not the node's: under mpirun (each
     // rank bound to a core or two) or taskset, a thread per node core piles
     // them onto the same cores (statescan-run also splits a node's cores
-    // among its ranks; a trainer linking the library gets this bound). The
-    // mask is that of the thread that asks first, read once: normally the
-    // main thread, before the trainer pins any worker.
-    cpu_set_t allowed;
-    if (sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) > 0)
-      return CPU_COUNT(&allowed);
-    const unsigned hw = std::thread::hardware_concurrency();
-    return hw == 0 ? 1 : static_cast<int>(hw);
+    // among its ranks; a trainer linking the library gets this bound). Read
+    // once, by the thread that asks first: normally the main thread, before
+    // the trainer pins any worker.
+    return usable_cores();
   }();
   return n;
 }

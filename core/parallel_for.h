@@ -11,6 +11,9 @@
 
 namespace statescan {
 
+// The cores the calling thread may run on (its CPU affinity mask), else the
+// machine's; at least 1.
+int usable_cores();
 int num_threads();
 void parallel_for(int64_t n, const std::function<void(int64_t)>& body);
 

@@ -10,7 +10,6 @@
 // collective_check), so every rank exits with the same code and MPI finalises
 // cleanly. Only an unexpected failure on some ranks aborts the job.
 #include <mpi.h>
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -349,19 +348,16 @@ void Job::configure_threads(const MpiCommunicator* mpi) const {
   const int per_node = mpi != nullptr ? std::max(1, mpi->local_size()) : 1;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   int threads = std::max(1, cores / per_node);
-  cpu_set_t allowed;
-  if (sched_getaffinity(0, sizeof allowed, &allowed) == 0) {
-    const int usable = CPU_COUNT(&allowed);
-    if (usable > 0 && usable < threads) {
-      if (root() && usable < 4 && cores >= 4 * per_node) {
-        std::fprintf(stderr,
-                     "statescan-run: note: this rank may use %d of the node's %d cores (mpirun "
-                     "binding); host set-up runs on %d thread(s): `mpirun --bind-to none` "
-                     "lifts that\n",
-                     usable, cores, usable);
-      }
-      threads = usable;
+  const int usable = usable_cores();
+  if (usable < threads) {
+    if (root() && usable < 4 && cores >= 4 * per_node) {
+      std::fprintf(stderr,
+                   "statescan-run: note: this rank may use %d of the node's %d cores (mpirun "
+                   "binding); host set-up runs on %d thread(s): `mpirun --bind-to none` "
+                   "lifts that\n",
+                   usable, cores, usable);
     }
+    threads = usable;
   }
   ::setenv("STATESCAN_NUM_THREADS", std::to_string(threads).c_str(), 0);
 }

@@ -33,17 +33,10 @@ namespace {
 using detail::aligned16;
 using detail::BackwardArgs;
 using detail::GradTraits;
+using detail::max_chunks;
 
 size_t align_up(size_t x) {
   return (x + 255) / 256 * 256;
-}
-
-// An upper bound on the number of chunks that does not need cu_seqlens'
-// contents (as the forward's): each segment adds at most one partial chunk.
-int64_t max_chunks(const MixerParams& p) {
-  check_sizes(p);  // the public sizing functions reach here before validate()
-  const int64_t per_row = (p.seq_len + p.chunk - 1) / p.chunk;
-  return p.cu_seqlens == nullptr ? p.batch * per_row : per_row + p.num_segments;
 }
 
 int64_t scratch_floats_per_block(const MixerParams& p) {

@@ -16,19 +16,12 @@ namespace {
 
 using detail::aligned16;
 using detail::ForwardArgs;
+using detail::max_chunks;
 using detail::MixerTensors;
 using detail::tensors_of;
 
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
-}
-
-// An upper bound on the number of chunks that does not need cu_seqlens'
-// contents: each of N segments adds at most one partial chunk.
-int64_t max_chunks(const MixerParams& p) {
-  check_sizes(p);  // the public sizing functions reach here before validate()
-  if (p.cu_seqlens == nullptr) return p.batch * ceil_div(p.seq_len, p.chunk);
-  return ceil_div(p.seq_len, p.chunk) + p.num_segments;
 }
 
 // Workspace layout, every piece 256-byte aligned. Tiles are in the input's
@@ -285,6 +278,12 @@ size_t saved_t_bytes(const MixerParams& p) {
 }
 
 namespace detail {
+
+int64_t max_chunks(const MixerParams& p) {
+  check_sizes(p);
+  if (p.cu_seqlens == nullptr) return p.batch * ceil_div(p.seq_len, p.chunk);
+  return ceil_div(p.seq_len, p.chunk) + p.num_segments;
+}
 
 size_t prepare_workspace_bytes(const MixerParams& p) {
   return layout_for(p, true).total;

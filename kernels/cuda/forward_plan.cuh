@@ -45,6 +45,11 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
                          cudaStream_t stream, bool prepare_only = false,
                          bool for_backward = false);
 size_t prepare_workspace_bytes(const MixerParams& p);
+// An upper bound on p's chunks that does not need cu_seqlens' contents (each
+// segment adds at most one partial chunk), for the forward's and the
+// backward's workspace and grids. Checks the sizes first (check_sizes): the
+// public sizing functions reach here before validate().
+int64_t max_chunks(const MixerParams& p);
 // Whether the backward's intra-chunk kernel reads T from the plan
 // (ForwardArgs::ws_t: the prepare's, or a saved T) instead of solving it from
 // its own operand copies; STATESCAN_BWD_T=solve: never, saved T or not (the

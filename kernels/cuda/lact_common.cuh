@@ -203,6 +203,18 @@ inline unsigned grid_for(int64_t n, int threads) {
 }
 constexpr int kThreads = 256;
 
+// Calls row(r, lane) for every r in [0, rows), one warp a row (r is the same
+// for all its lanes), looping over the grid's warps: grid_for caps the grid
+// at 2^20 blocks, so a kernel that stopped after one row a warp would skip
+// the rows past 2^20 blocks' warps. blockDim.x a multiple of 32.
+template <typename Row>
+__device__ __forceinline__ void for_each_warp_row(int64_t rows, Row&& row) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps)
+    row(r, lane);
+}
+
 // ---- split-K GEMMs (the kernels above) ----------------------------------------
 
 // STATESCAN_LACT_SPLIT_K: unset or 1 no split (the default: on an H200 at the

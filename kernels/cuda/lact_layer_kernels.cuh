@@ -44,12 +44,8 @@ __device__ __forceinline__ void row_norm(int64_t warp, int lane, const float* w,
 
 static __global__ void row_norms_kernel(const float* w, int64_t blocks, int64_t M, int64_t D,
                                         float* norms) {
-  // One warp a row, looping: grid_for caps the grid at 2^20 blocks.
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = blocks * (2 * M + D), warps = gridDim.x * int64_t(blockDim.x) / 32;
-  for (int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; warp < rows;
-       warp += warps)
-    row_norm(warp, lane, w, M, D, norms);
+  for_each_warp_row(blocks * (2 * M + D),
+                    [&](int64_t row, int lane) { row_norm(row, lane, w, M, D, norms); });
 }
 
 // Storage-typed copy of fp32 values (GEMM operands of the bf16 path).
@@ -141,12 +137,9 @@ template <typename T>
 __global__ void step_renorm_kernel(const float* W_in, float* W_out, const float* step,
                                    const float* norm0, int64_t pairs, int64_t H, int64_t M,
                                    int64_t D, bool renorm, T* op) {
-  // One warp a row, looping: grid_for caps the grid at 2^20 blocks.
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = pairs * (2 * M + D), warps = gridDim.x * int64_t(blockDim.x) / 32;
-  for (int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; warp < rows;
-       warp += warps)
-    step_renorm_row<T>(warp, lane, W_in, W_out, step, norm0, H, M, D, renorm, op);
+  for_each_warp_row(pairs * (2 * M + D), [&](int64_t row, int lane) {
+    step_renorm_row<T>(row, lane, W_in, W_out, step, norm0, H, M, D, renorm, op);
+  });
 }
 
 // Backward of step_renorm for one chunk: x = W - step, dy = dW (adjoint of
@@ -227,13 +220,10 @@ __global__ void step_renorm_backward_kernel(const float* W, const float* step, c
                                             int64_t pairs, int64_t H, int64_t M, int64_t D,
                                             bool renorm, float* dW, float* d_step, float* d_norm0,
                                             T* w_op) {
-  // One warp a row, looping: grid_for caps the grid at 2^20 blocks.
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = pairs * (2 * M + D), warps = gridDim.x * int64_t(blockDim.x) / 32;
-  for (int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; warp < rows;
-       warp += warps)
-    step_renorm_backward_row<T>(warp, lane, W, step, norm0, H, M, D, renorm, dW, d_step, d_norm0,
+  for_each_warp_row(pairs * (2 * M + D), [&](int64_t row, int lane) {
+    step_renorm_backward_row<T>(row, lane, W, step, norm0, H, M, D, renorm, dW, d_step, d_norm0,
                                 w_op);
+  });
 }
 
 // The initial weights' gradient [H, 3MD]: the carried adjoints summed over

@@ -223,12 +223,10 @@ __global__ void ns_slice_sums_kernel(const V* __restrict__ x, const V* __restric
 template <typename U>
 __global__ void ns_scale_kernel(const double* __restrict__ part, int64_t mats,
                                 U* __restrict__ scale) {
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t mat = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; mat < mats;
-       mat += warps) {
-    const double t = warp_sum(part[mat * kNsSlices + threadIdx.x % 32]);
-    if (threadIdx.x % 32 == 0) scale[mat] = static_cast<U>(1.0 / (sqrt(t) + kLactEps));
-  }
+  for_each_warp_row(mats, [&](int64_t mat, int lane) {
+    const double t = warp_sum(part[mat * kNsSlices + lane]);
+    if (lane == 0) scale[mat] = static_cast<U>(1.0 / (sqrt(t) + kLactEps));
+  });
 }
 
 // Backward of the Frobenius normalisation, with Xp the unscaled oriented input
