@@ -273,65 +273,6 @@ struct StagePipe {
   }
 };
 
-// `x` as a value the compiler cannot see through: descriptors derived from
-// it are formed where they are used instead of hoisted out of the unrolled
-// passes (the gradient kernel's half passes held 32 token descriptors live
-// across its epilogues and spilled 560 bytes).
-__device__ __forceinline__ uint64_t opaque(uint64_t x) {
-  asm volatile("" : "+l"(x));
-  return x;
-}
-
-// The passes of a kernel with two accumulator sets (lact_hidden_halves_kernel,
-// lact_hidden_grad_halves_kernel): each set an m64n64 and an m64n32
-// accumulator; products(hh, ev) gives the stage products into a set (as
-// StagePipe::pass takes them), epilogue(hh, ev, s) computes and stores pass s
-// from a set. Each pass's products are issued (in the warpgroup's turn)
-// before the previous pass's epilogue runs, so that all but the last
-// epilogue of a run overlap this warpgroup's own products as well as the
-// other warpgroup's. Runs of 4 passes (and one of 2 where passes % 4 == 2),
-// none in flight before or after a run: with a group in flight across a
-// loop's back edge and the other set's epilogue in the body, ptxas
-// serialised every wgmma (C7514); in straight-line code it does not.
-// passes: even, >= 2. Warpgroup 1's last turn hands nothing over. kMaxRun:
-// 4, or 2 where the longer runs' straight-line code spilled (the gradient
-// kernel's, at D = 256: 384 bytes of stack; with runs of 2, none).
-template <int kKbs, int kMaxRun, int kStages, typename Products, typename Epilogue>
-__device__ __forceinline__ void two_set_passes(const StagePipe<kStages>& pipe, int passes, int wg,
-                                               int lane, float (&ha)[32], float (&ea)[16],
-                                               float (&hb)[32], float (&eb)[16],
-                                               Products&& products, Epilogue&& epilogue) {
-  static_assert(kStages >= 2 * kKbs, "two passes' stages: a pass's go back after the next's issue");
-  int i = 0;
-  auto finish = [&](float(&hh)[32], float(&ev)[16], int s) {
-    pipe.release_pass(s * kKbs, kKbs, lane);
-    epilogue(hh, ev, s);
-  };
-  auto run = [&](int s0, auto run_length) {
-    constexpr int kRun = decltype(run_length)::value;
-    static_assert(kRun == 2 || kRun == 4, "runs of 2 or 4 passes");
-    const bool last = s0 + kRun == passes;
-    pipe.template issue<kKbs>(i, wg, true, products(ha, ea));
-    pipe.template issue<kKbs>(i, wg, !last || kRun > 2 || wg == 0, products(hb, eb));
-    detail::wgmma_wait<1>();
-    finish(ha, ea, s0);
-    if constexpr (kRun == 4) {
-      pipe.template issue<kKbs>(i, wg, true, products(ha, ea));
-      detail::wgmma_wait<1>();
-      finish(hb, eb, s0 + 1);
-      pipe.template issue<kKbs>(i, wg, !last || wg == 0, products(hb, eb));
-      detail::wgmma_wait<1>();
-      finish(ha, ea, s0 + 2);
-    }
-    detail::wgmma_wait<0>();
-    finish(hb, eb, s0 + kRun - 1);
-  };
-  static_assert(kMaxRun == 2 || kMaxRun == 4, "runs of 2 or 4 passes");
-  int s = 0;
-  for (; s + kMaxRun <= passes; s += kMaxRun) run(s, std::integral_constant<int, kMaxRun>{});
-  if (s < passes) run(s, std::integral_constant<int, 2>{});
-}
-
 // The tensor maps: x and v as [B * local_len][H * D] boxes of 128 rows x 64;
 // the weights twice over the same bytes, as rows of D (W0, W2: boxes of 64
 // rows x 64) and as rows of M (W1: 64 of its D rows x 64 columns).
@@ -704,8 +645,9 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
       const int cols = Halves::kCols * (i / kbs), kb = i % kbs;
       uint64_t* filled = pipe.acquire(i, static_cast<uint32_t>(kStageBytes));
       unsigned char* s = stages + (i % kStages) * kStageBytes;
-      // W0's and W2's 32 rows in one copy (a 3D map: W2 M rows after W0).
-      detail::tensor_copy_to_shared_3d(s, &maps.w02, Tile::kK * kb, w_row + cols, 0, filled);
+      detail::tensor_copy_to_shared(s, &maps.w02, Tile::kK * kb, w_row + cols, filled);
+      detail::tensor_copy_to_shared(s + Halves::kBox, &maps.w02, Tile::kK * kb, w_row + M + cols,
+                                    filled);
       detail::tensor_copy_to_shared(s + 2 * Halves::kBox, &maps.w1, cols, w1_row + Tile::kK * kb,
                                     filled);
     }
@@ -749,101 +691,49 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
       for (int kk = 1; kk < 4; ++kk) slice(kk, std::false_type{});
     };
   };
+  int i = 0;
+  // Pass s's products waited on (at most the next pass's group pending, or
+  // none after the last), its stages handed back, its epilogue.
+  auto finish = [&](float(&hh)[32], float(&ev)[16], int s) {
+    pipe.release_pass(s * kbs, kbs, lane);
+    two_product_epilogue<kMode, kLo, 4>(p, hh, ev, pair, r, int64_t{Halves::kCols} * s, lane % 4,
+                                        l0, l1, l2);
+  };
   pipe.start_turns(wg);
   detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
-  two_set_passes<kKbs, 4>(
-      pipe, passes, wg, lane, ha, ea, hb, eb, products, [&](float(&hh)[32], float(&ev)[16], int s) {
-        two_product_epilogue<kMode, kLo, 4>(p, hh, ev, pair, r, int64_t{Halves::kCols} * s,
-                                            lane % 4, l0, l1, l2);
-      });
+  // Passes s0 .. s0 + kRun - 1, none in flight before or after: each pass's
+  // products issued before the previous pass's epilogue, all but the last
+  // epilogue beside this warpgroup's own products. Why runs, not one loop
+  // over the passes: with a group in flight across a loop's back edge and
+  // the other set's epilogue in the body, ptxas serialised every wgmma
+  // (C7514); in straight-line code it does not. Runs of 4 leave a quarter
+  // of the epilogues beside the other warpgroup's products alone.
+  // Warpgroup 1's last turn hands nothing over (warpgroup 0 has had its last).
+  auto run = [&](int s0, auto run_length) {
+    constexpr int kRun = decltype(run_length)::value;
+    static_assert(kRun == 2 || kRun == 4, "runs of 2 or 4 passes");
+    const bool last = s0 + kRun == passes;
+    pipe.template issue<kKbs>(i, wg, true, products(ha, ea));
+    pipe.template issue<kKbs>(i, wg, !last || kRun > 2 || wg == 0, products(hb, eb));
+    detail::wgmma_wait<1>();
+    finish(ha, ea, s0);
+    if constexpr (kRun == 4) {
+      pipe.template issue<kKbs>(i, wg, true, products(ha, ea));
+      detail::wgmma_wait<1>();
+      finish(hb, eb, s0 + 1);
+      pipe.template issue<kKbs>(i, wg, !last || wg == 0, products(hb, eb));
+      detail::wgmma_wait<1>();
+      finish(ha, ea, s0 + 2);
+    }
+    detail::wgmma_wait<0>();
+    finish(hb, eb, s0 + kRun - 1);
+  };
+  int s = 0;
+  for (; s + 4 <= passes; s += 4) run(s, std::integral_constant<int, 4>{});
+  if (s < passes) run(s, std::integral_constant<int, 2>{});
 }
 
 // ---- the backward's update-gradient rows ----------------------------------------
-
-// The gradient kernels' epilogue of one pass of kC8 blocks of 8 hidden
-// columns starting at `col`, for this thread's rows r and r + 8:
-// gradients_backward_rows_kernel's formulas. ak holds the m64n(32 kC8)
-// accumulators of [h0 | h2 | u0 | u2] and av the m64n(16 kC8) ones of
-// [v W1 | u1], each block 4 kC8 registers on: element a = 4 c8 + 2 e + u of
-// a block is row r + 8 e, column col + 8 c8 + 2 q + u. s0..s2 collect the
-// rows' dlr sums over this lane's columns (store_row_sums adds up the quad's).
-// Shared by lact_hidden_grad_kernel (32 columns a pass) and
-// lact_hidden_grad_halves_kernel (16).
-template <int kC8>
-__device__ __forceinline__ void grad_epilogue(const LactHiddenGradParams& p,
-                                              const float (&ak)[16 * kC8],
-                                              const float (&av)[8 * kC8], int64_t pair, int r,
-                                              int64_t col, int q, const float (&l0)[2],
-                                              const float (&l1)[2], const float (&l2)[2],
-                                              float (&s0)[2], float (&s1)[2], float (&s2)[2]) {
-  constexpr int kB = 4 * kC8;  // one block's registers
-  const int M = static_cast<int>(p.M);
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int t = r + 8 * e;
-    const bool valid = t < p.n;
-    const int64_t row = pair * p.n + t;
-    uint32_t wz0[kC8], wz2[kC8], wg1[kC8], wde[kC8], wd0[kC8], wd2[kC8];
-#pragma unroll
-    for (int c8 = 0; c8 < kC8; ++c8) {
-      float z0o[2], z2o[2], go[2], deo[2], dh0o[2], dh2o[2];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int a = 4 * c8 + 2 * e + u;
-        const SiluFast sl(ak[a]);
-        const float hv = ak[a + kB], u0 = ak[a + 2 * kB], u2 = ak[a + 3 * kB];
-        const float ev = -av[a], v1 = av[a + kB];
-        const float gate = sl.value * hv, z0 = ev * hv * sl.d1, z2 = ev * sl.value;
-        s0[e] += z0 * u0;
-        s2[e] += z2 * u2;
-        s1[e] -= gate * v1;
-        z0o[u] = l0[e] * z0;
-        z2o[u] = l2[e] * z2;
-        go[u] = l1[e] * gate;
-        const float dz0 = l0[e] * u0, dz2 = l2[e] * u2, dgate = -l1[e] * v1;
-        deo[u] = dz2 * sl.value + dz0 * hv * sl.d1;
-        const float dact = dz2 * ev + dgate * hv;
-        dh2o[u] = dz0 * ev * sl.d1 + dgate * sl.value;
-        dh0o[u] = dz0 * ev * hv * sl.d2 + dact * sl.d1;
-      }
-      wz0[c8] = detail::pack2<bf16>(z0o[0], z0o[1]);
-      wz2[c8] = detail::pack2<bf16>(z2o[0], z2o[1]);
-      wg1[c8] = detail::pack2<bf16>(go[0], go[1]);
-      wde[c8] = detail::pack2<bf16>(deo[0], deo[1]);
-      wd0[c8] = detail::pack2<bf16>(dh0o[0], dh0o[1]);
-      wd2[c8] = detail::pack2<bf16>(dh2o[0], dh2o[1]);
-    }
-    store_quad_row(p.z + row * p.z_ld + col, wz0, q, valid);
-    store_quad_row(p.z + row * p.z_ld + M + col, wz2, q, valid);
-    store_quad_row(p.gate + row * p.gate_ld + col, wg1, q, valid);
-    store_quad_row(p.de + row * p.de_ld + col, wde, q, valid);
-    store_quad_row(p.dh + row * p.dh_ld + col, wd0, q, valid);
-    store_quad_row(p.dh + row * p.dh_ld + M + col, wd2, q, valid);
-  }
-}
-
-// The rows' dlr sums over all M columns: this lane's (grad_epilogue), then
-// the quad's, stored by its lane 0.
-__device__ __forceinline__ void store_row_sums(const LactHiddenGradParams& p, float (&s0)[2],
-                                               float (&s1)[2], float (&s2)[2], int64_t b, int64_t h,
-                                               int r, int q) {
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) {
-      s0[e] += __shfl_xor_sync(0xffffffffu, s0[e], o);
-      s1[e] += __shfl_xor_sync(0xffffffffu, s1[e], o);
-      s2[e] += __shfl_xor_sync(0xffffffffu, s2[e], o);
-    }
-    const int t = r + 8 * e;
-    if (q == 0 && t < p.n) {
-      const int64_t idx = (b * p.local_len + p.t0 + t) * p.H + h;
-      p.dlr0[idx] = __float2bfloat16_rn(s0[e]);
-      p.dlr1[idx] = __float2bfloat16_rn(s1[e]);
-      p.dlr2[idx] = __float2bfloat16_rn(s2[e]);
-    }
-  }
-}
 
 // lact_hidden_grad_kernel: one CTA per 128 tokens of a pair, as
 // lact_hidden_kernel's key side (k and v resident, weights streamed, two
@@ -972,125 +862,71 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
   detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
   for (int j = 0, i = 0; j < js; ++j) {
     pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
-    grad_epilogue<4>(p, ak, av, pair, r, int64_t{Tile::kCols} * j, q, l0, l1, l2, s0, s1, s2);
-  }
-  store_row_sums(p, s0, s1, s2, b, h, r, q);
-}
 
-// lact_hidden_grad_halves_kernel (STATESCAN_LACT_HIDDEN_HALVES=1):
-// lact_hidden_grad_kernel in passes of 16 hidden columns with two
-// accumulator sets, as lact_hidden_halves_kernel is lact_hidden_kernel's
-// key side ([h0 | h2 | u0 | u2] m64n64 and [v W1 | u1] m64n32 a set, 48
-// accumulators where one set of 32 columns took 96). A stage (12 KB): W0's
-// and W2's 16 rows by one copy, dG0's and dG2's by another (3D maps), W1^T's
-// and dG1^T's 16 rows; eight stages.
-struct GradHalvesTile {
-  static constexpr int kCols = 16;
-  static constexpr size_t kBox = size_t{kCols} * HiddenTile::kK * 2;  // 2 KB
-  static constexpr size_t kStageBytes = 6 * kBox;
-  static constexpr int kStages = HalvesTile::kStages;
-};
-static_assert(GradHalvesTile::kStageBytes == HalvesTile::kStageBytes,
-              "the gradient kernel's half passes take HalvesTile's shared memory");
-
-template <int kKbs>
-__global__ void __launch_bounds__(HiddenTile::kThreads, 1)
-    lact_hidden_grad_halves_kernel(const __grid_constant__ LactHiddenGradParams p,
-                                   const __grid_constant__ GradMaps maps) {
-  using Tile = HiddenTile;
-  using Halves = GradHalvesTile;
-  using detail::wgmma_desc_advance;
-  constexpr size_t kStageBytes = Halves::kStageBytes;
-  constexpr int kStages = Halves::kStages;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned char* base = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  constexpr int kbs = kKbs, D = kKbs * Tile::kK;
-  const int M = static_cast<int>(p.M), passes = M / Halves::kCols;  // passes: even, >= 4
-  const size_t token_bytes = size_t(kbs) * Tile::kTokenBox;
-  unsigned char* ks = base;
-  unsigned char* vs = base + token_bytes;
-  unsigned char* stages = base + 2 * token_bytes;
-  const StagePipe<kStages> pipe{reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes)};
-
-  const int tid = threadIdx.x;
-  const int64_t pair = blockIdx.y, b = pair / p.H, h = pair % p.H;
-  const int row0 = blockIdx.x * Tile::kRows;
-  if (tid == 0) pipe.init();
-  __syncthreads();  // barriers initialised before any copy completes on them
-
-  if (tid >= Tile::kConsumers) {
-    detail::setmaxnreg_dec<Tile::kProducerRegs>();
-    if (tid != Tile::kConsumers) return;
-    const int token_row = static_cast<int>(b * p.local_len + p.t0 + row0);
-    const int token_col = static_cast<int>(h * D);
-    uint64_t* tokens_full = pipe.tokens_full();
-    detail::mbarrier_arrive_expect_tx(tokens_full, static_cast<uint32_t>(2 * token_bytes));
-    for (int kb = 0; kb < kbs; ++kb) {
-      detail::tensor_copy_to_shared(ks + kb * Tile::kTokenBox, &maps.k, token_col + Tile::kK * kb,
-                                    token_row, tokens_full);
-      detail::tensor_copy_to_shared(vs + kb * Tile::kTokenBox, &maps.v, token_col + Tile::kK * kb,
-                                    token_row, tokens_full);
-    }
-    if (p.dependent) detail::grid_dependency_wait();       // the weights: the previous kernel's
-    const int w_row = static_cast<int>(pair * p.w_pitch);  // W0's (dG0's) first row, rows of D
-    const int t_row = static_cast<int>(pair * p.t_pitch);  // W1^T's (dG1^T's) first row
-    for (int i = 0; i < passes * kbs; ++i) {
-      const int c = Tile::kK * (i % kbs), rows = Halves::kCols * (i / kbs);
-      uint64_t* filled = pipe.acquire(i, static_cast<uint32_t>(kStageBytes));
-      unsigned char* s = stages + (i % kStages) * kStageBytes;
-      detail::tensor_copy_to_shared_3d(s, &maps.w, c, w_row + rows, 0, filled);
-      detail::tensor_copy_to_shared_3d(s + 2 * Halves::kBox, &maps.dg, c, w_row + rows, 0, filled);
-      detail::tensor_copy_to_shared(s + 4 * Halves::kBox, &maps.w1t, c, t_row + rows, filled);
-      detail::tensor_copy_to_shared(s + 5 * Halves::kBox, &maps.dg1t, c, t_row + rows, filled);
-    }
-    return;
-  }
-
-  detail::setmaxnreg_inc<Tile::kConsumerRegs>();
-  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = (tid % 128) / 32, lane = tid % 32,
-            q = lane % 4;
-  const int r = row0 + 64 * wg + 16 * warp + lane / 4;
-  float l0[2] = {0.f, 0.f}, l1[2] = {0.f, 0.f}, l2[2] = {0.f, 0.f};
-  for (int e = 0; e < 2; ++e)
-    if (r + 8 * e < p.n) {
-      l0[e] = lr_at(p.lr0, pair, r + 8 * e, p.H, p.local_len, p.t0);
-      l1[e] = lr_at(p.lr1, pair, r + 8 * e, p.H, p.local_len, p.t0);
-      l2[e] = lr_at(p.lr2, pair, r + 8 * e, p.H, p.local_len, p.t0);
-    }
-  float s0[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f}, s2[2] = {0.f, 0.f};
-  // Two sets of [h0 | h2 | u0 | u2] (m64n64) and [v W1 | u1] (m64n32).
-  float ka[32], va[16], kb_[32], vb[16];
-  const uint64_t k_desc = detail::wgmma_desc_sw128(ks + wg * 64 * 128, 1024);
-  const uint64_t v_desc = detail::wgmma_desc_sw128(vs + wg * 64 * 128, 1024);
-  const uint64_t stage_desc = detail::wgmma_desc_sw128(stages, 1024);
-  auto products = [&](float(&ak_set)[32], float(&av_set)[16]) {
-    return [&, &ak = ak_set, &av = av_set](int st, int kb, auto first) {
-      constexpr bool kFirst = decltype(first)::value;
-      const uint32_t so = st * uint32_t{kStageBytes};
-      const uint64_t kd = opaque(k_desc), vd = opaque(v_desc);
-      auto slice = [&](int kk, auto slice_first) {
-        constexpr bool kSliceFirst = decltype(slice_first)::value;
-        const uint32_t tok = kb * uint32_t{Tile::kTokenBox} + 32 * kk;
-        detail::wgmma_m64n64k16_ss<true, false, kSliceFirst>(
-            ak, wgmma_desc_advance(kd, tok), wgmma_desc_advance(stage_desc, so + 32 * kk));
-        detail::wgmma_m64n32k16_ss_bf16<false, kSliceFirst>(
-            av, wgmma_desc_advance(vd, tok),
-            wgmma_desc_advance(stage_desc, so + 4 * Halves::kBox + 32 * kk));
-      };
-      slice(0, std::integral_constant<bool, kFirst>{});
+    // Element a = 4 c8 + 2 e + u (c8 = 0..3) of each 32-column block is row
+    // r + 8 e, column 32 j + 8 c8 + 2 q + u: h0 ak[a], h2 ak[a + 16],
+    // u0 ak[a + 32], u2 ak[a + 48], v W1 av[a], u1 av[a + 16].
+    // gradients_backward_rows_kernel's formulas.
 #pragma unroll
-      for (int kk = 1; kk < 4; ++kk) slice(kk, std::false_type{});
-    };
-  };
-  pipe.start_turns(wg);
-  detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
-  two_set_passes<kKbs, 2>(pipe, passes, wg, lane, ka, va, kb_, vb, products,
-                          [&](float(&ak)[32], float(&av)[16], int s) {
-                            grad_epilogue<2>(p, ak, av, pair, r, int64_t{Halves::kCols} * s, q, l0,
-                                             l1, l2, s0, s1, s2);
-                          });
-  store_row_sums(p, s0, s1, s2, b, h, r, q);
+    for (int e = 0; e < 2; ++e) {
+      const int t = r + 8 * e;
+      const bool valid = t < p.n;
+      const int64_t row = pair * p.n + t, col = int64_t{Tile::kCols} * j;
+      uint32_t wz0[4], wz2[4], wg1[4], wde[4], wd0[4], wd2[4];
+#pragma unroll
+      for (int c8 = 0; c8 < 4; ++c8) {
+        float z0o[2], z2o[2], go[2], deo[2], dh0o[2], dh2o[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int a = 4 * c8 + 2 * e + u;
+          const SiluFast sl(ak[a]);
+          const float hv = ak[a + 16], u0 = ak[a + 32], u2 = ak[a + 48];
+          const float ev = -av[a], v1 = av[a + 16];
+          const float gate = sl.value * hv, z0 = ev * hv * sl.d1, z2 = ev * sl.value;
+          s0[e] += z0 * u0;
+          s2[e] += z2 * u2;
+          s1[e] -= gate * v1;
+          z0o[u] = l0[e] * z0;
+          z2o[u] = l2[e] * z2;
+          go[u] = l1[e] * gate;
+          const float dz0 = l0[e] * u0, dz2 = l2[e] * u2, dgate = -l1[e] * v1;
+          deo[u] = dz2 * sl.value + dz0 * hv * sl.d1;
+          const float dact = dz2 * ev + dgate * hv;
+          dh2o[u] = dz0 * ev * sl.d1 + dgate * sl.value;
+          dh0o[u] = dz0 * ev * hv * sl.d2 + dact * sl.d1;
+        }
+        wz0[c8] = detail::pack2<bf16>(z0o[0], z0o[1]);
+        wz2[c8] = detail::pack2<bf16>(z2o[0], z2o[1]);
+        wg1[c8] = detail::pack2<bf16>(go[0], go[1]);
+        wde[c8] = detail::pack2<bf16>(deo[0], deo[1]);
+        wd0[c8] = detail::pack2<bf16>(dh0o[0], dh0o[1]);
+        wd2[c8] = detail::pack2<bf16>(dh2o[0], dh2o[1]);
+      }
+      store_quad_row(p.z + row * p.z_ld + col, wz0, q, valid);
+      store_quad_row(p.z + row * p.z_ld + M + col, wz2, q, valid);
+      store_quad_row(p.gate + row * p.gate_ld + col, wg1, q, valid);
+      store_quad_row(p.de + row * p.de_ld + col, wde, q, valid);
+      store_quad_row(p.dh + row * p.dh_ld + col, wd0, q, valid);
+      store_quad_row(p.dh + row * p.dh_ld + M + col, wd2, q, valid);
+    }
+  }
+  // The rows' sums over all M columns: this lane's, then the quad's.
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      s0[e] += __shfl_xor_sync(0xffffffffu, s0[e], o);
+      s1[e] += __shfl_xor_sync(0xffffffffu, s1[e], o);
+      s2[e] += __shfl_xor_sync(0xffffffffu, s2[e], o);
+    }
+    const int t = r + 8 * e;
+    if (q == 0 && t < p.n) {
+      const int64_t idx = (b * p.local_len + p.t0 + t) * p.H + h;
+      p.dlr0[idx] = __float2bfloat16_rn(s0[e]);
+      p.dlr1[idx] = __float2bfloat16_rn(s1[e]);
+      p.dlr2[idx] = __float2bfloat16_rn(s2[e]);
+    }
+  }
 }
 
 // lact_hidden_pack_operands' kernel; blockIdx.y is the pair. Blocks below
@@ -1139,31 +975,6 @@ __global__ void __launch_bounds__(kPackThreads)
     const int64_t m = m0 + y, d = d0 + tx;
     if (m < M && d < D) o[m * D + d] = __float2bfloat16_rn(tile[tx][y]);
   }
-}
-
-// A 3D map over rows of D whose boxes are `box_rows` rows at a coordinate
-// and the same rows `second` rows further (W0's and W2's, or dG0's and
-// dG2's): [2][box_rows][64] in shared memory, one copy for both operands of
-// a half pass. rows: the row coordinates the first of the two may take.
-CUtensorMap pair_rows_map(const void* base, int64_t rows, int64_t D, int64_t second, int box_rows,
-                          const char* arg) {
-  return detail::tile_map_3d(base, {D, rows, 2}, {2 * D, 2 * second * D},
-                             {HiddenTile::kK, box_rows, 2}, arg);
-}
-
-// f(std::integral_constant<int, D / 64>{}) for D a multiple of 64 up to 256
-// (as lact_hidden_supported checked): the kernels that take D at compile time.
-template <typename F>
-void with_kbs(int64_t D, F&& f) {
-  static_assert(HiddenTile::kMaxD == 4 * HiddenTile::kK, "the instances below");
-  if (D == HiddenTile::kK)
-    f(std::integral_constant<int, 1>{});
-  else if (D == 2 * HiddenTile::kK)
-    f(std::integral_constant<int, 2>{});
-  else if (D == 3 * HiddenTile::kK)
-    f(std::integral_constant<int, 3>{});
-  else
-    f(std::integral_constant<int, 4>{});
 }
 
 // The kernel for the mode (and for the apply, D: a multiple of 64 up to
@@ -1270,23 +1081,6 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t str
   maps.dg1t = detail::tile_map_2d(p.dg1t, t_rows, p.D, Tile::kK, Tile::kCols, swz, "w1");
   const dim3 grid(static_cast<unsigned>((p.n + Tile::kRows - 1) / Tile::kRows),
                   static_cast<unsigned>(pairs));
-  if (lact_hidden_halves_requested()) {
-    // lact_hidden_grad_halves_kernel: [W0; W2] and [dG0; dG2] as 2 x 16-row
-    // boxes, W1^T and dG1^T as 16-row boxes.
-    using Halves = GradHalvesTile;
-    const int64_t first_rows = (pairs - 1) * p.w_pitch + p.M;
-    maps.w = pair_rows_map(p.w, first_rows, p.D, p.M, Halves::kCols, "w0");
-    maps.dg = pair_rows_map(p.dg, first_rows, p.D, p.M, Halves::kCols, "w0");
-    maps.w1t = detail::tile_map_2d(p.w1t, t_rows, p.D, Tile::kK, Halves::kCols, swz, "w1");
-    maps.dg1t = detail::tile_map_2d(p.dg1t, t_rows, p.D, Tile::kK, Halves::kCols, swz, "w1");
-    const size_t smem = HalvesTile::smem_bytes(static_cast<int>(p.D));
-    with_kbs(p.D, [&](auto kbs) {
-      detail::launch_kernel_maybe_dependent(
-          p.dependent, lact_hidden_grad_halves_kernel<decltype(kbs)::value>, grid, Tile::kThreads,
-          smem, stream, "lact_hidden_grad_halves_kernel", p, maps);
-    });
-    return;
-  }
   const size_t smem = Tile::smem_bytes(static_cast<int>(p.D));
   detail::launch_kernel_maybe_dependent(p.dependent, lact_hidden_grad_kernel, grid, Tile::kThreads,
                                         smem, stream, "lact_hidden_grad_kernel", p, maps);
@@ -1343,9 +1137,10 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(pairs));
   const size_t smem = Tile::smem_bytes(p.mode, static_cast<int>(p.D));
   if (two && lact_hidden_halves_requested()) {
-    // lact_hidden_halves_kernel: W0's and W2's rows in boxes of 2 x 32 (W2's
-    // M rows after W0's), W1 in 32-column boxes in the 64-byte swizzle.
-    maps.w02 = pair_rows_map(p.w, pairs * 3 * p.M - p.M, p.D, p.M, HalvesTile::kCols, "w0");
+    // lact_hidden_halves_kernel: W0's and W2's rows in boxes of 32, W1 in
+    // 32-column boxes in the 64-byte swizzle.
+    maps.w02 =
+        detail::tile_map_2d(p.w, pairs * 3 * p.M, p.D, Tile::kK, HalvesTile::kCols, swz, "w0");
     maps.w1 = detail::tile_map_2d(p.w, pairs * 3 * p.D, p.M, HalvesTile::kCols, Tile::kK,
                                   CU_TENSOR_MAP_SWIZZLE_64B, "w1");
     const size_t halves_smem = HalvesTile::smem_bytes(static_cast<int>(p.D));
@@ -1362,7 +1157,15 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
       else
         go(lact_hidden_halves_kernel<LactHiddenMode::key_side, kKbs>);
     };
-    with_kbs(p.D, for_d);
+    static_assert(HiddenTile::kMaxD == 4 * HiddenTile::kK, "the instances below");
+    if (p.D == HiddenTile::kK)
+      for_d(std::integral_constant<int, 1>{});
+    else if (p.D == 2 * HiddenTile::kK)
+      for_d(std::integral_constant<int, 2>{});
+    else if (p.D == 3 * HiddenTile::kK)
+      for_d(std::integral_constant<int, 3>{});
+    else
+      for_d(std::integral_constant<int, 4>{});
     return;
   }
   with_hidden_kernel(p.mode, p.D, key && p.z_lo != nullptr, [&](auto kernel) {
