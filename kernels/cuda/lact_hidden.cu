@@ -46,7 +46,6 @@
 #include <utility>
 
 #include "core/cuda_check.h"
-#include "core/env_knob.h"
 #include "core/error.h"
 #include "kernels/cuda/cluster_copy.cuh"
 #include "kernels/cuda/lact_hidden.cuh"
@@ -243,34 +242,6 @@ struct StagePipe {
     detail::wgmma_wait<0>();
     release((i - 1) % kStages, lane);
   }
-
-  // A pass's products issued in warpgroup wg's turn as one commit group,
-  // not waited on (lact_hidden_halves_kernel: the caller waits for it after
-  // issuing the next pass, and then hands its stages back with
-  // release_pass). As in pass, the first stage is peeled off the loop.
-  // kKbs stages, unrolled: with a run-time loop between the group's first
-  // wgmma and its commit, ptxas injected warpgroup.arrive at the back edge
-  // and serialised every wgmma (C7519, C7514).
-  template <int kKbs, typename Products>
-  __device__ __forceinline__ void issue(int& i, int wg, bool hand_over, Products&& products) const {
-    detail::named_barrier_sync(kTurn + wg, HiddenTile::kConsumers);
-    auto step = [&](auto kb, auto first) {
-      const int st = i % kStages;
-      detail::mbarrier_wait_cta(full + st, (i / kStages) & 1);
-      detail::wgmma_fence();
-      products(st, kb, first);
-      ++i;
-    };
-    step(std::integral_constant<int, 0>{}, std::true_type{});
-    for_each_from_1([&](auto kb) { step(kb, std::false_type{}); },
-                    std::make_integer_sequence<int, kKbs - 1>{});
-    detail::wgmma_commit();
-    if (hand_over) pass_turn(wg);
-  }
-  // Stages i0 .. i0 + kbs - 1 handed back by this warp (their products waited on).
-  __device__ __forceinline__ void release_pass(int i0, int kbs, int lane) const {
-    for (int kb = 0; kb < kbs; ++kb) release((i0 + kb) % kStages, lane);
-  }
 };
 
 // The tensor maps: x and v as [B * local_len][H * D] boxes of 128 rows x 64;
@@ -279,80 +250,6 @@ struct StagePipe {
 struct HiddenMaps {
   CUtensorMap x, v, w02, w1;
 };
-
-// The key side's and apply_backward's epilogue of one pass of kC8 blocks of 8
-// hidden columns starting at `col`, for this thread's rows r and r + 8: hh
-// holds the m64n(16 kC8) accumulators of [h0 | h2] (h2's at 4 kC8 on), ev
-// those of e = v W1 (key side; its negation is e) or dgate = d_o W1. Element
-// 4 c8 + 2 e + u is row r + 8 e, column col + 8 c8 + 2 q + u (q = lane % 4).
-// Rows past the slice are computed (the quad shuffles need every lane) but
-// not stored. Shared by lact_hidden_kernel's 64-column passes and
-// lact_hidden_halves_kernel's 32-column ones.
-template <LactHiddenMode kMode, bool kLo, int kC8>
-__device__ __forceinline__ void two_product_epilogue(
-    const LactHiddenParams& p, const float (&hh)[8 * kC8], const float (&ev)[4 * kC8], int64_t pair,
-    int r, int64_t col, int q, const float (&l0)[2], const float (&l1)[2], const float (&l2)[2]) {
-  constexpr int kH2 = 4 * kC8;
-  const int M = static_cast<int>(p.M);
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int t = r + 8 * e;
-    const bool valid = t < p.n;
-    const int64_t row = pair * p.n + t;
-    if constexpr (kMode == LactHiddenMode::apply_backward) {
-      // apply_backward_kernel's formulas, dgate = d_o W1.
-      uint32_t gw[kC8], d0[kC8], d2[kC8];
-#pragma unroll
-      for (int c8 = 0; c8 < kC8; ++c8) {
-        float g2[2], a0[2], a2[2];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int a = 4 * c8 + 2 * e + u;
-          const SiluFast s(hh[a]);
-          const float hv = hh[a + kH2], dg = ev[a];
-          g2[u] = s.value * hv;
-          a0[u] = dg * hv * s.d1;
-          a2[u] = dg * s.value;
-        }
-        gw[c8] = detail::pack2<bf16>(g2[0], g2[1]);
-        d0[c8] = detail::pack2<bf16>(a0[0], a0[1]);
-        d2[c8] = detail::pack2<bf16>(a2[0], a2[1]);
-      }
-      store_quad_row(p.gate + row * M + col, gw, q, valid);
-      store_quad_row(p.dh + row * 2 * M + col, d0, q, valid);
-      store_quad_row(p.dh + row * 2 * M + M + col, d2, q, valid);
-    } else {
-      // key_side_kernel's formulas, e = -v W1.
-      float z0[2 * kC8], z2[2 * kC8], gt[2 * kC8];
-#pragma unroll
-      for (int c8 = 0; c8 < kC8; ++c8)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int a = 4 * c8 + 2 * e + u;
-          const SiluFast s(hh[a]);
-          const float evu = -ev[a], hv = hh[a + kH2];
-          z0[2 * c8 + u] = l0[e] * evu * hv * s.d1;
-          z2[2 * c8 + u] = l2[e] * evu * s.value;
-          gt[2 * c8 + u] = l1[e] * s.value * hv;
-        }
-      auto store = [&](const float* x, bf16* hi_row, bf16* lo_row) {
-        uint32_t hi[kC8], lo[kC8];
-#pragma unroll
-        for (int c8 = 0; c8 < kC8; ++c8) {
-          if constexpr (kLo)
-            detail::split_bf16x2(x[2 * c8], x[2 * c8 + 1], hi[c8], lo[c8]);
-          else
-            hi[c8] = detail::pack2<bf16>(x[2 * c8], x[2 * c8 + 1]);
-        }
-        store_quad_row(hi_row, hi, q, valid);
-        if constexpr (kLo) store_quad_row(lo_row, lo, q, valid);
-      };
-      store(z0, p.z + row * 2 * M + col, kLo ? p.z_lo + row * 2 * M + col : nullptr);
-      store(z2, p.z + row * 2 * M + M + col, kLo ? p.z_lo + row * 2 * M + M + col : nullptr);
-      store(gt, p.gate + row * M + col, kLo ? p.gate_lo + row * M + col : nullptr);
-    }
-  }
-}
 
 // kKbs: D / 64 where the mode needs it at compile time (the apply, whose o
 // accumulators are picked by kb), 0 where it is read from p.D. kLo: the key
@@ -556,181 +453,72 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   } else {
     for (int j = 0, i = 0; j < js; ++j) {
       pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
-      two_product_epilogue<kMode, kLo, 8>(p, hh, ev, pair, r, int64_t{Tile::kCols} * j, lane % 4,
-                                          l0, l1, l2);
-    }
-  }
-}
 
-// ---- the key side and apply_backward in half passes ---------------------------
-
-// lact_hidden_halves_kernel (STATESCAN_LACT_HIDDEN_HALVES=1): lact_hidden_kernel's
-// key side and apply_backward with the same CTA (128 tokens resident, two
-// consumer warpgroups of 64 rows taking turns, a producer warpgroup), but
-// passes of 32 hidden columns with two accumulator sets: a warpgroup issues
-// pass s + 1's products into one set before it computes and stores pass s's
-// epilogue from the other, so its own products run beside its epilogue as
-// well as the other warpgroup's. Why: with one set, a warpgroup's epilogue
-// (~3.4 times its pass's MMA time) overlaps only the other's pass, which
-// caps the tensor pipe at ~2 / (1 + 3.4), ~45 % (measured 46 %; PERF_NOTES,
-// thirty-sixth session); two sets of 48 accumulators hold what one set of
-// 96 did, and each epilogue is half as long.
-// A stage (12 KB) is one pass's weights for 64 of D: W0's and W2's 32 rows
-// (boxes of 32 rows x 64, adjacent: [h0 | h2] one m64n64 K-major B) and W1's
-// 64 x 32 block (64-byte swizzle: e's MN-major B of an m64n32 product).
-// Eight stages, two passes at D = 256: a pass's stages go back once its
-// products are waited on, which is after the next pass's are issued.
-struct HalvesTile {
-  static constexpr int kCols = 32;
-  static constexpr size_t kBox = size_t{kCols} * HiddenTile::kK * 2;  // 4 KB
-  static constexpr size_t kStageBytes = 3 * kBox;
-  static constexpr int kStages = 8;
-  static constexpr size_t smem_bytes(int D) {
-    return 2 * (D / HiddenTile::kK) * HiddenTile::kTokenBox + kStages * kStageBytes +
-           8 * (2 * kStages + 1) + 1024;
-  }
-};
-static_assert(HalvesTile::kStages >= 2 * HiddenTile::kMaxD / HiddenTile::kK,
-              "lact_hidden_halves_kernel holds two passes' stages");
-static_assert(HalvesTile::smem_bytes(HiddenTile::kMaxD) <= 227 * 1024,
-              "lact_hidden_halves_kernel exceeds shared memory at the largest D");
-
-template <LactHiddenMode kMode, int kKbs, bool kLo = false>
-__global__ void __launch_bounds__(HiddenTile::kThreads, 1)
-    lact_hidden_halves_kernel(const __grid_constant__ LactHiddenParams p,
-                              const __grid_constant__ HiddenMaps maps) {
-  using Tile = HiddenTile;
-  using Halves = HalvesTile;
-  using detail::wgmma_desc_advance;
-  constexpr bool kKey = kMode == LactHiddenMode::key_side;
-  static_assert(kKey || kMode == LactHiddenMode::apply_backward, "two-product modes only");
-  static_assert(kKey || !kLo, "kLo is the key side's");
-  constexpr size_t kStageBytes = Halves::kStageBytes;
-  constexpr int kStages = Halves::kStages;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned char* base = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  constexpr int kbs = kKbs, D = kKbs * Tile::kK;
-  const int M = static_cast<int>(p.M), passes = M / Halves::kCols;  // passes: even, >= 2
-  const size_t token_bytes = size_t(kbs) * Tile::kTokenBox;
-  unsigned char* xs = base;
-  unsigned char* vs = base + token_bytes;
-  unsigned char* stages = base + 2 * token_bytes;
-  const StagePipe<kStages> pipe{reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes)};
-
-  const int tid = threadIdx.x;
-  const int64_t pair = blockIdx.y, b = pair / p.H, h = pair % p.H;
-  const int row0 = blockIdx.x * Tile::kRows;
-  if (tid == 0) pipe.init();
-  __syncthreads();  // barriers initialised before any copy completes on them
-
-  if (tid >= Tile::kConsumers) {
-    // Producer: the tokens once, then each pass's stages in order.
-    detail::setmaxnreg_dec<Tile::kProducerRegs>();
-    if (tid != Tile::kConsumers) return;
-    const int token_row = static_cast<int>(b * p.local_len + p.t0 + row0);
-    const int token_col = static_cast<int>(h * D);
-    uint64_t* tokens_full = pipe.tokens_full();
-    detail::mbarrier_arrive_expect_tx(tokens_full, static_cast<uint32_t>(2 * token_bytes));
-    for (int kb = 0; kb < kbs; ++kb) {
-      detail::tensor_copy_to_shared(xs + kb * Tile::kTokenBox, &maps.x, token_col + Tile::kK * kb,
-                                    token_row, tokens_full);
-      detail::tensor_copy_to_shared(vs + kb * Tile::kTokenBox, &maps.v, token_col + Tile::kK * kb,
-                                    token_row, tokens_full);
-    }
-    if (p.dependent) detail::grid_dependency_wait();
-    const int w_row = static_cast<int>(pair * 3 * M);           // W0's first row (rows of D)
-    const int w1_row = static_cast<int>(pair * 3 * D + 2 * D);  // W1's first row (rows of M)
-    for (int i = 0; i < passes * kbs; ++i) {
-      const int cols = Halves::kCols * (i / kbs), kb = i % kbs;
-      uint64_t* filled = pipe.acquire(i, static_cast<uint32_t>(kStageBytes));
-      unsigned char* s = stages + (i % kStages) * kStageBytes;
-      detail::tensor_copy_to_shared(s, &maps.w02, Tile::kK * kb, w_row + cols, filled);
-      detail::tensor_copy_to_shared(s + Halves::kBox, &maps.w02, Tile::kK * kb, w_row + M + cols,
-                                    filled);
-      detail::tensor_copy_to_shared(s + 2 * Halves::kBox, &maps.w1, cols, w1_row + Tile::kK * kb,
-                                    filled);
-    }
-    return;
-  }
-
-  detail::setmaxnreg_inc<Tile::kConsumerRegs>();
-  // wg by shuffle (warp-uniform to ptxas), as lact_hidden_kernel's.
-  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = (tid % 128) / 32, lane = tid % 32;
-  const int r = row0 + 64 * wg + 16 * warp + lane / 4;
-  float l0[2] = {0.f, 0.f}, l1[2] = {0.f, 0.f}, l2[2] = {0.f, 0.f};
-  if constexpr (kKey)
-    for (int e = 0; e < 2; ++e)
-      if (r + 8 * e < p.n) {
-        l0[e] = lr_at(p.lr0, pair, r + 8 * e, p.H, p.local_len, p.t0);
-        l1[e] = lr_at(p.lr1, pair, r + 8 * e, p.H, p.local_len, p.t0);
-        l2[e] = lr_at(p.lr2, pair, r + 8 * e, p.H, p.local_len, p.t0);
-      }
-  // Two sets of [h0 | h2] (m64n64: h2 at 16) and e (m64n32).
-  float ha[32], ea[16], hb[32], eb[16];
-  const uint64_t x_desc = detail::wgmma_desc_sw128(xs + wg * 64 * 128, 1024);
-  const uint64_t v_desc = detail::wgmma_desc_sw128(vs + wg * 64 * 128, 1024);
-  const uint64_t stage_desc = detail::wgmma_desc_sw128(stages, 1024);
-  const uint64_t stage_desc64 = detail::wgmma_desc_sw64(stages + 2 * Halves::kBox, 512);
-  // The products of a stage into a set (bound to the set's arrays, not to
-  // this lambda's parameters).
-  auto products = [&](float(&hh_set)[32], float(&ev_set)[16]) {
-    return [&, &hh = hh_set, &ev = ev_set](int st, int kb, auto first) {
-      constexpr bool kFirst = decltype(first)::value;
-      const uint32_t so = st * uint32_t{kStageBytes};
-      auto slice = [&](int kk, auto slice_first) {
-        constexpr bool kSliceFirst = decltype(slice_first)::value;
-        const uint32_t tok = kb * uint32_t{Tile::kTokenBox} + 32 * kk;
-        detail::wgmma_m64n64k16_ss<true, false, kSliceFirst>(
-            hh, wgmma_desc_advance(x_desc, tok), wgmma_desc_advance(stage_desc, so + 32 * kk));
-        detail::wgmma_m64n32k16_ss_bf16<true, kSliceFirst>(
-            ev, wgmma_desc_advance(v_desc, tok), wgmma_desc_advance(stage_desc64, so + 1024 * kk));
-      };
-      slice(0, std::integral_constant<bool, kFirst>{});
+      // The 64 x 64 block of columns 64 j .. from the accumulators: element
+      // 4 c8 + 2 e + u of h0 (+ 32: h2; ev) is row r + 8 e, column
+      // 8 c8 + 2 q + u of the pass (q = lane % 4). Rows past the slice are computed (the quad
+      // shuffles need every lane) but not stored.
+      const int q = lane % 4;
 #pragma unroll
-      for (int kk = 1; kk < 4; ++kk) slice(kk, std::false_type{});
-    };
-  };
-  int i = 0;
-  // Pass s's products waited on (at most the next pass's group pending, or
-  // none after the last), its stages handed back, its epilogue.
-  auto finish = [&](float(&hh)[32], float(&ev)[16], int s) {
-    pipe.release_pass(s * kbs, kbs, lane);
-    two_product_epilogue<kMode, kLo, 4>(p, hh, ev, pair, r, int64_t{Halves::kCols} * s, lane % 4,
-                                        l0, l1, l2);
-  };
-  pipe.start_turns(wg);
-  detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
-  // Passes s0 .. s0 + kRun - 1, none in flight before or after: each pass's
-  // products issued before the previous pass's epilogue, all but the last
-  // epilogue beside this warpgroup's own products. Why runs, not one loop
-  // over the passes: with a group in flight across a loop's back edge and
-  // the other set's epilogue in the body, ptxas serialised every wgmma
-  // (C7514); in straight-line code it does not. Runs of 4 leave a quarter
-  // of the epilogues beside the other warpgroup's products alone.
-  // Warpgroup 1's last turn hands nothing over (warpgroup 0 has had its last).
-  auto run = [&](int s0, auto run_length) {
-    constexpr int kRun = decltype(run_length)::value;
-    static_assert(kRun == 2 || kRun == 4, "runs of 2 or 4 passes");
-    const bool last = s0 + kRun == passes;
-    pipe.template issue<kKbs>(i, wg, true, products(ha, ea));
-    pipe.template issue<kKbs>(i, wg, !last || kRun > 2 || wg == 0, products(hb, eb));
-    detail::wgmma_wait<1>();
-    finish(ha, ea, s0);
-    if constexpr (kRun == 4) {
-      pipe.template issue<kKbs>(i, wg, true, products(ha, ea));
-      detail::wgmma_wait<1>();
-      finish(hb, eb, s0 + 1);
-      pipe.template issue<kKbs>(i, wg, !last || wg == 0, products(hb, eb));
-      detail::wgmma_wait<1>();
-      finish(ha, ea, s0 + 2);
+      for (int e = 0; e < 2; ++e) {
+        const int t = r + 8 * e;
+        const bool valid = t < p.n;
+        const int64_t row = pair * p.n + t, col = int64_t{Tile::kCols} * j;
+        if constexpr (kMode == LactHiddenMode::apply_backward) {
+          // apply_backward_kernel's formulas, dgate = d_o W1.
+          uint32_t gw[8], d0[8], d2[8];
+#pragma unroll
+          for (int c8 = 0; c8 < 8; ++c8) {
+            float g2[2], a0[2], a2[2];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              const int a = 4 * c8 + 2 * e + u;
+              const SiluFast s(hh[a]);
+              const float hv = hh[a + 32], dg = ev[a];
+              g2[u] = s.value * hv;
+              a0[u] = dg * hv * s.d1;
+              a2[u] = dg * s.value;
+            }
+            gw[c8] = detail::pack2<bf16>(g2[0], g2[1]);
+            d0[c8] = detail::pack2<bf16>(a0[0], a0[1]);
+            d2[c8] = detail::pack2<bf16>(a2[0], a2[1]);
+          }
+          store_quad_row(p.gate + row * M + col, gw, q, valid);
+          store_quad_row(p.dh + row * 2 * M + col, d0, q, valid);
+          store_quad_row(p.dh + row * 2 * M + M + col, d2, q, valid);
+        } else {
+          // key_side_kernel's formulas, e = -v W1.
+          float z0[16], z2[16], gt[16];
+#pragma unroll
+          for (int c8 = 0; c8 < 8; ++c8)
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              const int a = 4 * c8 + 2 * e + u;
+              const SiluFast s(hh[a]);
+              const float evu = -ev[a], hv = hh[a + 32];
+              z0[2 * c8 + u] = l0[e] * evu * hv * s.d1;
+              z2[2 * c8 + u] = l2[e] * evu * s.value;
+              gt[2 * c8 + u] = l1[e] * s.value * hv;
+            }
+          auto store = [&](const float* x, bf16* hi_row, bf16* lo_row) {
+            uint32_t hi[8], lo[8];
+#pragma unroll
+            for (int c8 = 0; c8 < 8; ++c8) {
+              if constexpr (kLo)
+                detail::split_bf16x2(x[2 * c8], x[2 * c8 + 1], hi[c8], lo[c8]);
+              else
+                hi[c8] = detail::pack2<bf16>(x[2 * c8], x[2 * c8 + 1]);
+            }
+            store_quad_row(hi_row, hi, q, valid);
+            if constexpr (kLo) store_quad_row(lo_row, lo, q, valid);
+          };
+          store(z0, p.z + row * 2 * M + col, kLo ? p.z_lo + row * 2 * M + col : nullptr);
+          store(z2, p.z + row * 2 * M + M + col, kLo ? p.z_lo + row * 2 * M + M + col : nullptr);
+          store(gt, p.gate + row * M + col, kLo ? p.gate_lo + row * M + col : nullptr);
+        }
+      }
     }
-    detail::wgmma_wait<0>();
-    finish(hb, eb, s0 + kRun - 1);
-  };
-  int s = 0;
-  for (; s + 4 <= passes; s += 4) run(s, std::integral_constant<int, 4>{});
-  if (s < passes) run(s, std::integral_constant<int, 2>{});
+  }
 }
 
 // ---- the backward's update-gradient rows ----------------------------------------
@@ -1006,10 +794,8 @@ bool hidden_fits(int device, int64_t D, int64_t M) {
   int smem_optin = 0;
   SS_CUDA_CHECK(
       cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  // The most any of the kernels takes: the key side's (or the half passes'
-  // with their twice as many stage barriers).
-  return std::max(HiddenTile::smem_bytes(LactHiddenMode::key_side, static_cast<int>(D)),
-                  HalvesTile::smem_bytes(static_cast<int>(D))) <= static_cast<size_t>(smem_optin);
+  return HiddenTile::smem_bytes(LactHiddenMode::key_side, static_cast<int>(D)) <=
+         static_cast<size_t>(smem_optin);
 }
 
 }  // namespace
@@ -1099,11 +885,6 @@ bool lact_hidden_addressable(int64_t pairs, int64_t token_rows, int64_t D, int64
   return pairs <= 65535 && token_rows < kCoord && pairs * 3 * std::max(M, D) < kCoord;
 }
 
-bool lact_hidden_halves_requested() {
-  static const bool halves = env_choice("STATESCAN_LACT_HIDDEN_HALVES", {"0", "1"}) == 1;
-  return halves;
-}
-
 void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   using Tile = HiddenTile;
   const bool key = p.mode == LactHiddenMode::key_side, two = HiddenTile::two_products(p.mode);
@@ -1136,38 +917,6 @@ void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream) {
   const int64_t tiles = (p.n + Tile::kRows - 1) / Tile::kRows;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(pairs));
   const size_t smem = Tile::smem_bytes(p.mode, static_cast<int>(p.D));
-  if (two && lact_hidden_halves_requested()) {
-    // lact_hidden_halves_kernel: W0's and W2's rows in boxes of 32, W1 in
-    // 32-column boxes in the 64-byte swizzle.
-    maps.w02 =
-        detail::tile_map_2d(p.w, pairs * 3 * p.M, p.D, Tile::kK, HalvesTile::kCols, swz, "w0");
-    maps.w1 = detail::tile_map_2d(p.w, pairs * 3 * p.D, p.M, HalvesTile::kCols, Tile::kK,
-                                  CU_TENSOR_MAP_SWIZZLE_64B, "w1");
-    const size_t halves_smem = HalvesTile::smem_bytes(static_cast<int>(p.D));
-    auto go = [&](auto kernel) {
-      detail::launch_kernel_maybe_dependent(p.dependent, kernel, grid, Tile::kThreads, halves_smem,
-                                            stream, "lact_hidden_halves_kernel", p, maps);
-    };
-    auto for_d = [&](auto kbs) {
-      constexpr int kKbs = decltype(kbs)::value;
-      if (!key)
-        go(lact_hidden_halves_kernel<LactHiddenMode::apply_backward, kKbs>);
-      else if (p.z_lo != nullptr)
-        go(lact_hidden_halves_kernel<LactHiddenMode::key_side, kKbs, true>);
-      else
-        go(lact_hidden_halves_kernel<LactHiddenMode::key_side, kKbs>);
-    };
-    static_assert(HiddenTile::kMaxD == 4 * HiddenTile::kK, "the instances below");
-    if (p.D == HiddenTile::kK)
-      for_d(std::integral_constant<int, 1>{});
-    else if (p.D == 2 * HiddenTile::kK)
-      for_d(std::integral_constant<int, 2>{});
-    else if (p.D == 3 * HiddenTile::kK)
-      for_d(std::integral_constant<int, 3>{});
-    else
-      for_d(std::integral_constant<int, 4>{});
-    return;
-  }
   with_hidden_kernel(p.mode, p.D, key && p.z_lo != nullptr, [&](auto kernel) {
     detail::launch_kernel_maybe_dependent(p.dependent, kernel, grid, Tile::kThreads, smem, stream,
                                           "lact_hidden_kernel", p, maps);

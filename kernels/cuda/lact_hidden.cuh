@@ -113,13 +113,6 @@ bool lact_hidden_aligned(const void* q, const void* k, const void* v);
 // 32-bit coordinates (B local_len tokens; pairs 3 max(M, D) weight rows).
 bool lact_hidden_addressable(int64_t pairs, int64_t token_rows, int64_t D, int64_t M);
 
-// STATESCAN_LACT_HIDDEN_HALVES: "1" runs the key side and apply_backward in
-// lact_hidden_halves_kernel (passes of 32 hidden columns, two accumulator
-// sets, each pass's products issued before the previous pass's epilogue);
-// unset or "0" in lact_hidden_kernel (passes of 64, one set). Read once per
-// process; any other value is an error naming the variable.
-bool lact_hidden_halves_requested();
-
 void lact_hidden_launch(const LactHiddenParams& p, cudaStream_t stream);
 
 }  // namespace statescan::cuda::lact_detail

@@ -41,15 +41,6 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128_mn(const void* smem, uint32
          (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t{1} << 62);
 }
 
-// The 64-byte swizzle's descriptor (CU_TENSOR_MAP_SWIZZLE_64B: rows of 32
-// 16-bit elements, 8-row atoms of 512 bytes), for a 32-column MN-major
-// operand (one atom across MN; `sbo_bytes` between the 8-row atoms along K).
-__device__ __forceinline__ uint64_t wgmma_desc_sw64(const void* smem, uint32_t sbo_bytes) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
-         (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t{2} << 62);
-}
-
 // A descriptor `bytes` further into shared memory: the start address is the
 // low 14 bits (address >> 4) and shared memory (< 256 KB) keeps the sum
 // inside them, so the other fields stay as they are. One add instead of
@@ -292,35 +283,6 @@ __device__ __forceinline__ void wgmma_m64k16_ss_bf16_mn(float (&d)[N / 2], uint6
   }
 #endif
 }
-
-// d (64 x 32, fp32) += A B, bf16, A (64 x 16, K-major) and B (16 x 32)
-// from shared memory by their descriptors, B K-major or MN-major (kTransB);
-// kFirst: d = A B (scale-d 0). d's layout is m64n64's with 4 column blocks
-// of 8. For products whose N is a 32-column block (lact_hidden_kernel's half
-// passes: e = v W1 against a 32-column box of W1).
-#define SS_WGSS32(SCALE, F8, TNSP)                                                    \
-  asm volatile(                                                                       \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "                         \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, " \
-      "%17, " SCALE ", 1, 1, " TNSP ";\n"                                             \
-      : F8(0), F8(8)                                                                  \
-      : "l"(a), "l"(b))
-template <bool kTransB, bool kFirst = false>
-__device__ __forceinline__ void wgmma_m64n32k16_ss_bf16(float (&d)[16], uint64_t a, uint64_t b) {
-#ifdef SS_WGMMA_UNAVAILABLE
-  __trap();
-#else
-  if constexpr (kFirst && kTransB)
-    SS_WGSS32("0", SS_WG_F8_OUT, "0, 1");
-  else if constexpr (kFirst)
-    SS_WGSS32("0", SS_WG_F8_OUT, "0, 0");
-  else if constexpr (kTransB)
-    SS_WGSS32("1", SS_WG_F8, "0, 1");
-  else
-    SS_WGSS32("1", SS_WG_F8, "0, 0");
-#endif
-}
-#undef SS_WGSS32
 
 #undef SS_WGSS256MN
 #undef SS_WGSS128
