@@ -64,10 +64,20 @@ bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_b
 }
 
 // Number of pieces of at most `max_piece` elements that carry `count`
-// elements; an empty message is still one (empty) piece, so that both sides
-// of a transfer make the same calls.
+// elements in a collective (whose counts MPI requires to agree); an empty
+// message is still one (empty) piece, so that every rank makes the same calls.
 std::size_t piece_count(std::size_t count, std::size_t max_piece) {
   return count == 0 ? 1 : (count - 1) / max_piece + 1;  // no overflow near SIZE_MAX
+}
+
+// Number of pieces of a point-to-point message: count / max_piece + 1, the
+// last one short and possibly empty, so that counts that differ between the
+// sender and the receiver always meet as pieces of different lengths on the
+// receiver (which then throws). With whole pieces only, a receive naming
+// fewer whole pieces than were sent ended early with the rest unread and no
+// error, and one naming more waited for the timeout.
+std::size_t message_piece_count(std::size_t count, std::size_t max_piece) {
+  return count / max_piece + 1;
 }
 
 // The [offset, offset + length) range of piece `i`.
@@ -427,7 +437,8 @@ void MpiCommunicator::send(const void* data, std::size_t count, CommType type, i
   if (peer == -1) return;
   check_usable();
   check_buffer(data, count, "data");
-  for (std::size_t i = 0, pieces = piece_count(count, max_piece_elements_); i < pieces; ++i) {
+  for (std::size_t i = 0, pieces = message_piece_count(count, max_piece_elements_); i < pieces;
+       ++i) {
     const auto [offset, n] = piece(i, count, max_piece_elements_);
     Pending sent;
     sent.peer = peer;
@@ -446,7 +457,8 @@ void MpiCommunicator::recv(void* data, std::size_t count, CommType type, int pee
   if (peer == -1) return;
   check_usable();
   check_buffer(data, count, "data");
-  for (std::size_t i = 0, pieces = piece_count(count, max_piece_elements_); i < pieces; ++i) {
+  for (std::size_t i = 0, pieces = message_piece_count(count, max_piece_elements_); i < pieces;
+       ++i) {
     const auto [offset, n] = piece(i, count, max_piece_elements_);
     Pending received;
     received.peer = peer;
@@ -478,8 +490,10 @@ void MpiCommunicator::send_recv(const void* send, std::size_t send_count, int de
   SS_CHECK_ARG(!both || in_place || !overlaps(send, send_count * elem, recv, recv_count * elem),
                "recv", "overlaps send (only send == recv with equal counts may share memory)");
   check_usable();
-  const std::size_t send_pieces = dest == -1 ? 0 : piece_count(send_count, max_piece_elements_);
-  const std::size_t recv_pieces = source == -1 ? 0 : piece_count(recv_count, max_piece_elements_);
+  const std::size_t send_pieces =
+      dest == -1 ? 0 : message_piece_count(send_count, max_piece_elements_);
+  const std::size_t recv_pieces =
+      source == -1 ? 0 : message_piece_count(recv_count, max_piece_elements_);
   std::vector<unsigned char> in_place_copy;
   for (std::size_t i = 0; i < std::max(send_pieces, recv_pieces); ++i) {
     const auto [send_offset, send_n] = piece(i, send_count, max_piece_elements_);

@@ -13,7 +13,10 @@
 //
 // Counts above INT_MAX elements are sent in pieces of at most INT_MAX
 // elements, so no size is truncated. Point-to-point receives must name the
-// exact count that was sent: a shorter or longer message throws.
+// exact count that was sent: a shorter or longer message throws on the
+// receiver, also across pieces (a point-to-point message of a multiple of
+// INT_MAX elements ends with an empty piece, so that two counts never split
+// into the same whole pieces).
 //
 // Timeouts: every operation is posted non-blocking and polled until it
 // completes or timeout() passes (default: STATESCAN_COMM_TIMEOUT_MS, else

@@ -293,6 +293,49 @@ TEST_F(Mpi, RecvCountMismatchThrowsOnTheReceiver) {
   comm_->barrier();
 }
 
+// The same across pieces (4-element pieces): a receive of fewer or more
+// whole pieces than were sent throws on the receiver at once. Before the
+// trailing piece, receiving 4 of 8 elements succeeded with the rest unread,
+// and 8 of 4 waited for the timeout. send_recv splits the same way.
+TEST_F(Mpi, RecvCountMismatchAcrossPiecesThrowsOnTheReceiver) {
+  const int me = comm_->rank();
+  comm_->set_max_piece_elements(4);
+  std::vector<float> buf(12, 1.f);
+  if (me == 0) {
+    comm_->send(buf.data(), 8, CommType::f32, 1, 21);
+    comm_->send(buf.data(), 4, CommType::f32, 1, 22);
+    comm_->send(buf.data(), 8, CommType::f32, 1, 23);  // as many pieces as 11, not 12
+    comm_->send_recv(buf.data(), 8, 1, nullptr, 0, -1, CommType::f32, 24);
+  } else if (me == 1) {
+    expect_error([&] { comm_->recv(buf.data(), 4, CommType::f32, 0, 21); }, "count");
+    expect_error([&] { comm_->recv(buf.data(), 8, CommType::f32, 0, 22); }, "count");
+    expect_error([&] { comm_->recv(buf.data(), 11, CommType::f32, 0, 23); }, "count");
+    expect_error([&] { comm_->send_recv(nullptr, 0, -1, buf.data(), 4, 0, CommType::f32, 24); },
+                 "recv_count");
+  }
+  comm_->barrier();
+}
+
+// A message of a whole number of pieces (8 elements in pieces of 4: two full
+// and the trailing empty one) arrives whole, by recv and by send_recv.
+TEST_F(Mpi, WholePiecesArriveWhole) {
+  const int me = comm_->rank();
+  comm_->set_max_piece_elements(4);
+  std::vector<float> buf(8);
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i) + 0.5f;
+  std::vector<float> got(8, -1.f), got2(8, -1.f);
+  if (me == 0) {
+    comm_->send(buf.data(), 8, CommType::f32, 1, 31);
+    comm_->send_recv(buf.data(), 8, 1, nullptr, 0, -1, CommType::f32, 32);
+  } else if (me == 1) {
+    comm_->recv(got.data(), 8, CommType::f32, 0, 31);
+    comm_->send_recv(nullptr, 0, -1, got2.data(), 8, 0, CommType::f32, 32);
+    EXPECT_EQ(got, buf);
+    EXPECT_EQ(got2, buf);
+  }
+  comm_->barrier();
+}
+
 TEST_F(Mpi, BadPeersRootsAndTagsThrowBeforeCommunicating) {
   const int P = comm_->size(), me = comm_->rank();
   float x = 0.f;
