@@ -162,6 +162,7 @@ class LactGpu {
         d = step.get();
       }
       join_side();
+      if (c + 1 < g_.chunks) prefetch_tokens(c + 1, nullptr);
       w_op = step_renorm(weights_of(c), weights_of(c + 1), d);
       if (!causal_) apply(w_op, n, t0);
     }
@@ -211,6 +212,7 @@ class LactGpu {
         ns->forward(Pc, step.get());  // keeps the iterates for ns->backward
         d = step.get();
       }
+      prefetch_tokens(c, gr.d_o);
       if (!causal_) apply_backward(gr, step_renorm(Wc, w_next.get(), d), n, t0, dW.get());
       // Without Muon the step's adjoint is dG itself. For bf16 the kernel
       // also writes Wc's operand copy (into w_op_, whose copy of the next
@@ -260,6 +262,34 @@ class LactGpu {
  private:
   static const T* tok(const void* p) { return static_cast<const T*>(p); }
   static constexpr cudaDataType_t kT = data_type<T>();
+
+  // Chunk c's q, k, v (and d_o, in the backward) into L2 ahead of the fused
+  // kernels that load them (l2_prefetch_kernel), launched before the small
+  // weight-state kernel that precedes those (step_renorm,
+  // step_renorm_backward). Only where the fused kernels run, and where
+  // STATESCAN_LACT_PREFETCH allows it.
+  void prefetch_tokens(int64_t c, const void* d_o) {
+    if (!prefetch_) return;
+    const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
+    const int64_t hd = g_.H * g_.D;
+    PrefetchRanges r;
+    auto launch = [&] {
+      if (r.count == 0) return;
+      l2_prefetch_kernel<<<4, 128, 0, stream_>>>(r);
+      SS_LAUNCH_CHECK("l2_prefetch_kernel");
+      r = PrefetchRanges{};
+    };
+    for (const void* a : {p_.q, p_.k, p_.v, d_o}) {
+      if (a == nullptr) continue;
+      for (int64_t b = 0; b < g_.B; ++b) {
+        if (r.count == PrefetchRanges::kMax) launch();
+        r.base[r.count] =
+            reinterpret_cast<const unsigned char*>(tok(a) + (b * g_.local_len + t0) * hd);
+        r.bytes[r.count++] = n * hd * static_cast<int64_t>(sizeof(T));
+      }
+    }
+    launch();
+  }
 
   // Views of one batch row b for a GEMM batched over its H heads.
   Operand tokens(const void* base, int64_t b, int64_t t0) const {
@@ -630,6 +660,8 @@ class LactGpu {
   bool fused_hidden_;
   bool token_gemm_ = std::is_same<T, bf16>::value && token_gemm_requested();
   bool pdl_ = lact_pdl_requested();  // the fused kernels as dependent launches
+  // The tokens of a chunk prefetched into L2 (prefetch_tokens).
+  bool prefetch_ = fused_hidden_ && lact_prefetch_requested();
   // The side stream (side_stream) and its cuBLAS handle, where the fused
   // hidden layer runs and side_stream_requested (else null); fork_ / join_
   // order it against stream_.

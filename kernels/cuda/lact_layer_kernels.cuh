@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cuda/device_math.cuh"
@@ -401,6 +402,39 @@ __global__ void store_tokens_kernel(const float* src, int64_t B, int64_t n, int6
     const int64_t b = e / (n * hd), r = e % (n * hd);
     dst[(b * local_len + t0) * hd + r] = from_float<T>(src[e]);
   }
+}
+
+// ---- L2 prefetch of a chunk's tokens --------------------------------------------
+
+// Byte ranges (16-byte aligned starts and sizes) for l2_prefetch_kernel.
+struct PrefetchRanges {
+  static constexpr int kMax = 8;
+  const unsigned char* base[kMax] = {};
+  int64_t bytes[kMax] = {};
+  int count = 0;
+};
+
+// Hands each range to L2 in 64 KB pieces (cp.async.bulk.prefetch.L2, sm_90;
+// elsewhere it does nothing): hints, not copies, that finish in the memory
+// system after this kernel returns. Why: each fused hidden-layer kernel's CTAs
+// (one wave) first load their resident tokens, 128 KB each, all at once from
+// HBM, with the tensor pipe idle (a fifth of the key side's stall samples sat
+// in that prologue, PERF_NOTES, fortieth session); prefetched during the
+// small kernel before them, those loads come from L2.
+__global__ void l2_prefetch_kernel(PrefetchRanges r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int64_t kPiece = 64 << 10;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int i = 0; i < r.count; ++i) {
+    const int64_t pieces = (r.bytes[i] + kPiece - 1) / kPiece;
+    for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < pieces; p += stride) {
+      const uint32_t size = static_cast<uint32_t>(std::min(kPiece, r.bytes[i] - p * kPiece));
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(r.base[i] + p * kPiece),
+                   "r"(size)
+                   : "memory");
+    }
+  }
+#endif
 }
 
 }  // namespace lact_detail
