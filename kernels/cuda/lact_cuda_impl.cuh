@@ -263,7 +263,7 @@ class LactGpu {
   static const T* tok(const void* p) { return static_cast<const T*>(p); }
   static constexpr cudaDataType_t kT = data_type<T>();
 
-  // Chunk c's q, k, v (and d_o, in the backward) into L2 ahead of the fused
+  // Chunk c's q, k, v and learning rates (and d_o, in the backward) into L2 ahead of the fused
   // kernels that load them (l2_prefetch_kernel), launched before the small
   // weight-state kernel that precedes those (step_renorm,
   // step_renorm_backward). Only where the fused kernels run, and where
@@ -271,7 +271,6 @@ class LactGpu {
   void prefetch_tokens(int64_t c, const void* d_o) {
     if (!prefetch_) return;
     const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
-    const int64_t hd = g_.H * g_.D;
     PrefetchRanges r;
     auto launch = [&] {
       if (r.count == 0) return;
@@ -279,15 +278,24 @@ class LactGpu {
       SS_LAUNCH_CHECK("l2_prefetch_kernel");
       r = PrefetchRanges{};
     };
-    for (const void* a : {p_.q, p_.k, p_.v, d_o}) {
-      if (a == nullptr) continue;
+    // The rows of each batch row's slice of an array of `width` elements a
+    // token, rounded inwards to 16 bytes (the instruction's alignment; a
+    // hint may miss a few bytes, but must not touch memory outside the
+    // array).
+    auto add = [&](const void* a, int64_t width) {
+      if (a == nullptr) return;
       for (int64_t b = 0; b < g_.B; ++b) {
+        const auto first = reinterpret_cast<uintptr_t>(tok(a) + (b * g_.local_len + t0) * width);
+        const uintptr_t last = first + n * width * sizeof(T);
+        const uintptr_t begin = (first + 15) & ~uintptr_t{15}, end = last & ~uintptr_t{15};
+        if (end <= begin) continue;
         if (r.count == PrefetchRanges::kMax) launch();
-        r.base[r.count] =
-            reinterpret_cast<const unsigned char*>(tok(a) + (b * g_.local_len + t0) * hd);
-        r.bytes[r.count++] = n * hd * static_cast<int64_t>(sizeof(T));
+        r.base[r.count] = reinterpret_cast<const unsigned char*>(begin);
+        r.bytes[r.count++] = static_cast<int64_t>(end - begin);
       }
-    }
+    };
+    for (const void* a : {p_.q, p_.k, p_.v, d_o}) add(a, g_.H * g_.D);
+    for (const void* a : {p_.lr0, p_.lr1, p_.lr2}) add(a, g_.H);
     launch();
   }
 
