@@ -162,7 +162,10 @@ class LactGpu {
         d = step.get();
       }
       join_side();
-      if (c + 1 < g_.chunks) prefetch_tokens(c + 1, nullptr);
+      // Next come the apply (q: this chunk's after the update, the next
+      // chunk's before it) and the next chunk's key side (k, v, rates).
+      const int64_t next = c + 1 < g_.chunks ? c + 1 : -1;
+      prefetch_tokens(causal_ ? next : c, next, nullptr);
       w_op = step_renorm(weights_of(c), weights_of(c + 1), d);
       if (!causal_) apply(w_op, n, t0);
     }
@@ -212,7 +215,7 @@ class LactGpu {
         ns->forward(Pc, step.get());  // keeps the iterates for ns->backward
         d = step.get();
       }
-      prefetch_tokens(c, gr.d_o);
+      prefetch_tokens(c, c, gr.d_o);
       if (!causal_) apply_backward(gr, step_renorm(Wc, w_next.get(), d), n, t0, dW.get());
       // Without Muon the step's adjoint is dG itself. For bf16 the kernel
       // also writes Wc's operand copy (into w_op_, whose copy of the next
@@ -263,40 +266,29 @@ class LactGpu {
   static const T* tok(const void* p) { return static_cast<const T*>(p); }
   static constexpr cudaDataType_t kT = data_type<T>();
 
-  // Chunk c's q, k, v and learning rates (and d_o, in the backward) into L2 ahead of the fused
-  // kernels that load them (l2_prefetch_kernel), launched before the small
-  // weight-state kernel that precedes those (step_renorm,
-  // step_renorm_backward). Only where the fused kernels run, and where
-  // STATESCAN_LACT_PREFETCH allows it.
-  void prefetch_tokens(int64_t c, const void* d_o) {
+  // Chunk q_chunk's q and chunk kv_chunk's k, v, learning rates (and d_o,
+  // in the backward) into L2 ahead of the fused kernels that load them
+  // (l2_prefetch_kernel), launched before the small weight-state kernel that
+  // precedes those (step_renorm, step_renorm_backward); -1 skips. Only where
+  // the fused kernels run, and where STATESCAN_LACT_PREFETCH asks for it.
+  void prefetch_tokens(int64_t q_chunk, int64_t kv_chunk, const void* d_o) {
     if (!prefetch_) return;
-    const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
-    PrefetchRanges r;
-    auto launch = [&] {
-      if (r.count == 0) return;
-      l2_prefetch_kernel<<<4, 128, 0, stream_>>>(r);
-      SS_LAUNCH_CHECK("l2_prefetch_kernel");
-      r = PrefetchRanges{};
+    PrefetchSlices s;
+    s.batches = g_.B;
+    auto add = [&](const void* a, int64_t c, int64_t width) {
+      if (a == nullptr || c < 0) return;
+      s.first[s.count] =
+          reinterpret_cast<const unsigned char*>(tok(a) + g_.slice_start(c) * width);
+      s.bytes[s.count] = g_.slice_len(p_.seq_len, c) * width * static_cast<int64_t>(sizeof(T));
+      s.stride[s.count++] = g_.local_len * width * static_cast<int64_t>(sizeof(T));
     };
-    // The rows of each batch row's slice of an array of `width` elements a
-    // token, rounded inwards to 16 bytes (the instruction's alignment; a
-    // hint may miss a few bytes, but must not touch memory outside the
-    // array).
-    auto add = [&](const void* a, int64_t width) {
-      if (a == nullptr) return;
-      for (int64_t b = 0; b < g_.B; ++b) {
-        const auto first = reinterpret_cast<uintptr_t>(tok(a) + (b * g_.local_len + t0) * width);
-        const uintptr_t last = first + n * width * sizeof(T);
-        const uintptr_t begin = (first + 15) & ~uintptr_t{15}, end = last & ~uintptr_t{15};
-        if (end <= begin) continue;
-        if (r.count == PrefetchRanges::kMax) launch();
-        r.base[r.count] = reinterpret_cast<const unsigned char*>(begin);
-        r.bytes[r.count++] = static_cast<int64_t>(end - begin);
-      }
-    };
-    for (const void* a : {p_.q, p_.k, p_.v, d_o}) add(a, g_.H * g_.D);
-    for (const void* a : {p_.lr0, p_.lr1, p_.lr2}) add(a, g_.H);
-    launch();
+    add(p_.q, q_chunk, g_.H * g_.D);
+    for (const void* a : {p_.k, p_.v, d_o}) add(a, kv_chunk, g_.H * g_.D);
+    for (const void* a : {p_.lr0, p_.lr1, p_.lr2}) add(a, kv_chunk, g_.H);
+    static_assert(PrefetchSlices::kMax >= 7, "q, k, v, d_o and three learning rates");
+    if (s.count == 0) return;
+    l2_prefetch_kernel<<<4, 128, 0, stream_>>>(s);
+    SS_LAUNCH_CHECK("l2_prefetch_kernel");
   }
 
   // Views of one batch row b for a GEMM batched over its H heads.
