@@ -338,6 +338,13 @@ double small_problem_error(const LactBenchOptions& o, double* worst_raw) {
 
 }  // namespace
 
+const char* const kLactBenchUsage =
+    "       statescan-bench --lact | --lact-ns (first) [-B 1] [-T 1048576] [-C 4096] [-H 4]\n"
+    "                       [-D 256] [-M 512] [--dtype bf16|f32]\n"
+    "                       [--schedule apply_then_update|update_then_apply]\n"
+    "                       [--momentum 0] [--muon-steps 5] [--no-renorm] [--warmup 1]\n"
+    "                       [--iters 5] [--forward-only] [--no-check]\n";
+
 LactBenchOptions parse_lact_bench_options(int argc, char** argv) {
   // Bounds far past any real run that keep the products of sizes in int64.
   constexpr int64_t kMaxTokens = int64_t{1} << 40, kMaxCount = int64_t{1} << 20,
@@ -345,6 +352,8 @@ LactBenchOptions parse_lact_bench_options(int argc, char** argv) {
   LactBenchOptions o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    SS_CHECK_ARG(a != "-h" && a != "--help", a.c_str(),
+                 "is only taken alone (statescan-bench --lact --help)");
     auto value = [&]() -> const char* {
       SS_CHECK_ARG(i + 1 < argc, a.c_str(), "needs a value");
       return argv[++i];

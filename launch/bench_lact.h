@@ -46,6 +46,10 @@ struct LactBenchOptions {
 // naming the flag on bad input.
 LactBenchOptions parse_lact_bench_options(int argc, char** argv);
 
+// The usage lines of --lact and --lact-ns (statescan-bench --help prints
+// them too; `statescan-bench --lact --help` prints them alone).
+extern const char* const kLactBenchUsage;
+
 // One measured configuration.
 struct LactBenchResult {
   double fwd_ms = 0, fwd_bwd_ms = 0;              // medians

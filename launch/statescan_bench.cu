@@ -952,7 +952,9 @@ int run(int argc, char** argv) {
         "                       [--ib-latency-us X] [--compose-TFLOPs X] [--overlap F]\n"
         "                       [--fwd-ms X] [--bwd-ms X] [--summary-fwd-ms X]\n"
         "                       [--summary-fwd-first-ms X] [--summary-bwd-ms X] [--merge-ms X]\n"
-        "                       [--bwd-prepare-ms X] [--cp-measure] [--json F]\n");
+        "                       [--bwd-prepare-ms X] [--cp-measure] [--json F]\n"
+        "%s",
+        kLactBenchUsage);
     return 0;
   }
   // --cp-measure times every CP piece on this GPU (launch/bench_cp_cuda.h)
@@ -1020,6 +1022,12 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     // The LaCT layer's benchmark has its own flags (launch/bench_lact.h).
+    const bool lact = argc > 1 && (std::string(argv[1]) == "--lact" ||
+                                   std::string(argv[1]) == "--lact-ns");
+    if (lact && argc == 3 && (std::string(argv[2]) == "-h" || std::string(argv[2]) == "--help")) {
+      std::printf("usage:\n%s", statescan::kLactBenchUsage);
+      return 0;
+    }
     if (argc > 1 && std::string(argv[1]) == "--lact")
       return statescan::run_lact_bench(argc, argv, std::cout);
     if (argc > 1 && std::string(argv[1]) == "--lact-ns")

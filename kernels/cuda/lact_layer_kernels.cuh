@@ -426,7 +426,7 @@ struct PrefetchSlices {
 // from HBM with the tensor pipe idle (~18 % of the key side's stall samples
 // sat before its first pass, PERF_NOTES, fortieth session); prefetched
 // during the small kernel before them, those loads come from L2.
-__global__ void l2_prefetch_kernel(PrefetchSlices s) {
+static __global__ void l2_prefetch_kernel(PrefetchSlices s) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int64_t kPiece = 64 << 10;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
