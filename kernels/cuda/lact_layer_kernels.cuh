@@ -32,15 +32,15 @@ __global__ void load_weights_kernel(const T* w0, const T* w1, const T* w2, int64
 }
 
 // norms[blocks, 2M + D]: the L2 norm of every row of every block; one warp per row.
-__device__ __forceinline__ void row_norm(int64_t warp, int lane, const float* w, int64_t M,
+__device__ __forceinline__ void row_norm(int64_t row_index, int lane, const float* w, int64_t M,
                                          int64_t D, float* norms) {
-  const int64_t blk = warp / (2 * M + D), r = warp % (2 * M + D);
+  const int64_t blk = row_index / (2 * M + D), r = row_index % (2 * M + D);
   const RowPlace rp = row_place(r, M, D);
   const float* row = w + blk * 3 * M * D + rp.offset;
   float s = 0;
   for (int64_t j = lane; j < rp.cols; j += 32) s += row[j] * row[j];
   s = warp_sum(s);
-  if (lane == 0) norms[warp] = sqrtf(s);
+  if (lane == 0) norms[row_index] = sqrtf(s);
 }
 
 static __global__ void row_norms_kernel(const float* w, int64_t blocks, int64_t M, int64_t D,
@@ -82,12 +82,12 @@ static __global__ void momentum_backward_kernel(float* dg, int64_t n, float mu, 
 // benchmark's shape).
 constexpr int kStepRenormPerLane = 16;
 template <typename T>
-__device__ __forceinline__ void step_renorm_row(int64_t warp, int lane, const float* W_in,
+__device__ __forceinline__ void step_renorm_row(int64_t row_index, int lane, const float* W_in,
                                                 float* W_out, const float* step, const float* norm0,
                                                 int64_t H, int64_t M, int64_t D, bool renorm,
                                                 T* op) {
   const int64_t nr = 2 * M + D;
-  const int64_t pair = warp / nr, r = warp % nr;
+  const int64_t pair = row_index / nr, r = row_index % nr;
   const RowPlace rp = row_place(r, M, D);
   const float* in = W_in + pair * 3 * M * D + rp.offset;
   float* row = W_out + pair * 3 * M * D + rp.offset;
@@ -148,13 +148,13 @@ __global__ void step_renorm_kernel(const float* W_in, float* W_out, const float*
 // the renorm target's adjoint x.dy / den to d_norm0 [pairs, 2M + D]. With
 // w_op, also W's GEMM operand copy (the pass operand_weights would make).
 template <typename T>
-__device__ __forceinline__ void step_renorm_backward_row(int64_t warp, int lane, const float* W,
-                                                         const float* step, const float* norm0,
-                                                         int64_t H, int64_t M, int64_t D,
-                                                         bool renorm, float* dW, float* d_step,
-                                                         float* d_norm0, T* w_op) {
+__device__ __forceinline__ void step_renorm_backward_row(int64_t row_index, int lane,
+                                                         const float* W, const float* step,
+                                                         const float* norm0, int64_t H, int64_t M,
+                                                         int64_t D, bool renorm, float* dW,
+                                                         float* d_step, float* d_norm0, T* w_op) {
   const int64_t nr = 2 * M + D;
-  const int64_t pair = warp / nr, r = warp % nr;
+  const int64_t pair = row_index / nr, r = row_index % nr;
   const RowPlace rp = row_place(r, M, D);
   const int64_t base = pair * 3 * M * D + rp.offset;
   if (!renorm) {
@@ -436,7 +436,8 @@ static __global__ void l2_prefetch_kernel(PrefetchSlices s) {
       const uintptr_t begin = (first + 15) & ~uintptr_t{15};
       const uintptr_t end = (first + static_cast<uintptr_t>(s.bytes[i])) & ~uintptr_t{15};
       if (end <= begin) continue;
-      const int64_t bytes = static_cast<int64_t>(end - begin), pieces = (bytes + kPiece - 1) / kPiece;
+      const int64_t bytes = static_cast<int64_t>(end - begin),
+                    pieces = (bytes + kPiece - 1) / kPiece;
       for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < pieces; p += stride) {
         const uint32_t size = static_cast<uint32_t>(std::min(kPiece, bytes - p * kPiece));
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(begin + p * kPiece),
