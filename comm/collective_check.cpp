@@ -1,11 +1,14 @@
 #include "comm/collective_check.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "core/error.h"
@@ -20,6 +23,13 @@ constexpr std::size_t kArgumentBytes = 128;
 constexpr std::size_t kMessageBytes = 2048;
 constexpr std::size_t kPayloadBytes = kRankBytes + kArgumentBytes + kMessageBytes;
 constexpr char kTruncatedMarker[] = " [truncated]";
+
+// Fixed-size fields of a device claim in shared_device()'s all-gather. Linux
+// host names have at most 64 bytes (HOST_NAME_MAX), a GPU UUID in
+// nvidia-smi's form 40.
+constexpr std::size_t kHostBytes = 256;
+constexpr std::size_t kDeviceBytes = 128;
+constexpr std::size_t kClaimBytes = kHostBytes + kDeviceBytes;
 
 // Writes `text` NUL-terminated into `out[0, capacity)`. Longer text is cut at
 // a UTF-8 character boundary (never inside a multi-byte sequence) and marked.
@@ -133,6 +143,50 @@ int64_t content_hash(const void* data, std::size_t bytes) {
   int64_t out = 0;
   std::memcpy(&out, &h, sizeof(out));
   return out;
+}
+
+std::optional<std::pair<int, int>> find_shared_device(const std::vector<DeviceClaim>& claims) {
+  // The first rank seen on each (host, device); a NUL joins the two, since
+  // neither a host name nor a device identity contains one.
+  std::unordered_map<std::string, int> first;
+  for (std::size_t r = 0; r < claims.size(); ++r) {
+    if (claims[r].device.empty()) continue;
+    const auto [it, inserted] =
+        first.emplace(claims[r].host + '\0' + claims[r].device, static_cast<int>(r));
+    if (!inserted) return std::make_pair(it->second, static_cast<int>(r));
+  }
+  return std::nullopt;
+}
+
+std::string shared_device(Communicator& comm, const std::string& device) {
+  char host[kHostBytes] = {};
+  // A failure leaves the name empty: such ranks then count as one host, which
+  // can only report sharing where there is none, never hide it.
+  if (gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+  // Every rank's claim, then this rank's outgoing copy, in one heap block
+  // that is handed over on a throw, as in collective_check: a timed-out
+  // all-gather stays posted and may still read and write it.
+  const auto size = static_cast<std::size_t>(comm.size());
+  auto all = std::make_unique<unsigned char[]>((size + 1) * kClaimBytes);
+  unsigned char* mine = all.get() + size * kClaimBytes;
+  pack_text(host, mine, kHostBytes);
+  pack_text(device, mine + kHostBytes, kDeviceBytes);
+  try {
+    comm.all_gather(mine, all.get(), kClaimBytes, CommType::u8);
+  } catch (...) {
+    (void)all.release();
+    throw;
+  }
+  std::vector<DeviceClaim> claims(size);
+  for (std::size_t r = 0; r < size; ++r) {
+    const unsigned char* claim = all.get() + r * kClaimBytes;
+    claims[r] = {unpack_text(claim, kHostBytes), unpack_text(claim + kHostBytes, kDeviceBytes)};
+  }
+  const auto shared = find_shared_device(claims);
+  if (!shared) return "";
+  const DeviceClaim& c = claims[static_cast<std::size_t>(shared->second)];
+  return detail::concat("ranks ", shared->first, " and ", shared->second, " would both use ",
+                        c.device, " on host ", c.host.empty() ? "?" : c.host);
 }
 
 }  // namespace statescan

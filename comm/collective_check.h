@@ -6,6 +6,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "comm/communicator.h"
 
@@ -21,5 +25,27 @@ void collective_check(Communicator& comm, const std::function<void()>& check);
 // FNV-1a of `bytes` bytes: lets the ranks confirm with one small all-gather
 // that they hold the same array (initial weights, packed-sequence offsets).
 int64_t content_hash(const void* data, std::size_t bytes);
+
+// One rank's claim on a device: the host it runs on and the device's identity
+// there (a GPU's UUID, say). An empty `device` claims nothing.
+struct DeviceClaim {
+  std::string host;
+  std::string device;
+};
+
+// The first two ranks (in the order of the second, then the first) whose
+// claims name the same non-empty device on the same host, or nullopt when no
+// device is claimed twice. `claims[r]` is rank r's. Local and pure: the rule
+// behind shared_device().
+std::optional<std::pair<int, int>> find_shared_device(const std::vector<DeviceClaim>& claims);
+
+// All-gathers every rank's claim (its host name and `device`) over `comm`, a
+// communicator of host buffers, and describes the first device claimed twice
+// (find_shared_device): "" when none is, else "ranks i and j would both use
+// <device> on host <host>". Deciding by identity rather than by counting ranks
+// and devices per node is what keeps one visible GPU per rank
+// (CUDA_VISIBLE_DEVICES) from looking shared. Collective: every rank returns
+// the same text.
+std::string shared_device(Communicator& comm, const std::string& device);
 
 }  // namespace statescan

@@ -11,10 +11,14 @@ namespace statescan {
 
 const char* to_string(CommType t) {
   switch (t) {
-    case CommType::f32: return "f32";
-    case CommType::f64: return "f64";
-    case CommType::i64: return "i64";
-    case CommType::u8: return "u8";
+    case CommType::f32:
+      return "f32";
+    case CommType::f64:
+      return "f64";
+    case CommType::i64:
+      return "i64";
+    case CommType::u8:
+      return "u8";
   }
   return "invalid";
 }
@@ -120,10 +124,10 @@ void SingleRankCommunicator::send_recv(const void* send, std::size_t send_count,
                                        void* recv, std::size_t recv_count, int source,
                                        CommType type, int tag) {
   const std::size_t elem = size_of(type);
-  SS_CHECK_ARG(dest == -1 || dest == 0, "peer", "dest is ", dest, " in a group of one");
-  SS_CHECK_ARG(source == -1 || source == 0, "peer", "source is ", source, " in a group of one");
-  SS_CHECK_ARG(dest == source, "peer", "dest ", dest, " and source ", source,
-               " must both be 0 (self) or both -1 in a group of one");
+  SS_CHECK_ARG(dest == -1 || dest == 0, "dest", "is ", dest, " in a group of one");
+  SS_CHECK_ARG(source == -1 || source == 0, "source", "is ", source, " in a group of one");
+  SS_CHECK_ARG(dest == source, "source", "is ", source, " but dest is ", dest,
+               ": both must be 0 (self) or both -1 in a group of one");
   SS_CHECK_ARG(tag >= 0, "tag", "is ", tag, ", must be >= 0");
   if (dest == -1) return;
   check_buffer(send, send_count, "send");

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -147,6 +150,16 @@ bool mpi_initialised() {
   return initialised != 0 && finalised == 0;
 }
 
+// The node-local rank and size of MPI_COMM_WORLD once a communicator over the
+// world's ranks has computed them (they never change for a process).
+std::mutex g_world_shape_mutex;
+std::optional<std::pair<int, int>> g_world_shape;
+
+void remember_world_local_shape(int local_rank, int local_size) {
+  const std::lock_guard<std::mutex> lock(g_world_shape_mutex);
+  g_world_shape = std::make_pair(local_rank, local_size);
+}
+
 }  // namespace
 
 // ---- MpiEnvironment ------------------------------------------------------------
@@ -198,10 +211,27 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm)
   SS_CHECK_ARG(mpi_initialised(), "mpi",
                "MPI is not initialised (or already finalised); create an MpiEnvironment first");
   SS_CHECK_ARG(comm != MPI_COMM_NULL, "comm", "is MPI_COMM_NULL");
+  // A duplicate that times out is reported before init_owned runs: this
+  // rank and the group's size must already be known for its message.
+  int world_rank = 0;
+  SS_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  set_error_rank(world_rank);
+  SS_MPI_CHECK(MPI_Comm_rank(comm, &rank_));
+  SS_MPI_CHECK(MPI_Comm_size(comm, &size_));
+  // MPI writes the new handle when the duplicate completes, which after a
+  // timeout may be later (a late peer): so not into this object, which the
+  // throw destroys, but into a heap cell that is then left to MPI.
+  auto duplicate = std::make_unique<MPI_Comm>(MPI_COMM_NULL);
   Pending dup;
-  SS_MPI_CHECK(MPI_Comm_idup(comm, &comm_, &dup.request));
-  await(&dup, 1, "MPI_Comm_idup", "MpiCommunicator construction");
+  SS_MPI_CHECK(MPI_Comm_idup(comm, duplicate.get(), &dup.request));
+  try {
+    await(&dup, 1, "MPI_Comm_idup", "MpiCommunicator construction");
+  } catch (...) {
+    (void)duplicate.release();
+    throw;
+  }
   if (dup.rc != MPI_SUCCESS) detail::throw_mpi_error(dup.rc, "MPI_Comm_idup", __FILE__, __LINE__);
+  comm_ = *duplicate;
   init_owned();
 }
 
@@ -233,6 +263,13 @@ void MpiCommunicator::init_owned() {
         MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, node.out()));
     SS_MPI_CHECK(MPI_Comm_rank(node.get(), &local_rank_));
     SS_MPI_CHECK(MPI_Comm_size(node.get(), &local_size_));
+    // Over the world's ranks in the world's order (world() first of all) the
+    // node-local shape is the world's: keep it, so that local_rank() needs no
+    // collective of its own later.
+    int relation = MPI_UNEQUAL;
+    SS_MPI_CHECK(MPI_Comm_compare(comm_, MPI_COMM_WORLD, &relation));
+    if (relation == MPI_IDENT || relation == MPI_CONGRUENT)
+      remember_world_local_shape(local_rank_, local_size_);
   } catch (...) {
     MPI_Comm_free(&comm_);
     throw;
@@ -480,8 +517,8 @@ void MpiCommunicator::send_recv(const void* send, std::size_t send_count, int de
                                 std::size_t recv_count, int source, CommType type, int tag) {
   const MPI_Datatype dt = mpi_type(type);
   const std::size_t elem = size_of(type);
-  check_peer(dest, true, "peer");
-  check_peer(source, true, "peer");
+  check_peer(dest, true, "dest");
+  check_peer(source, true, "source");
   check_tag(tag);
   if (dest != -1) check_buffer(send, send_count, "send");
   if (source != -1) check_buffer(recv, recv_count, "recv");
@@ -564,13 +601,14 @@ std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
 
 namespace {
 std::pair<int, int> world_local_shape() {
-  // A function-local static: computed once (collectively), then cached. If the
-  // first attempt throws, the next call tries again.
-  static const std::pair<int, int> shape = [] {
-    const auto world = MpiCommunicator::world();
-    return std::make_pair(world->local_rank(), world->local_size());
-  }();
-  return shape;
+  {
+    const std::lock_guard<std::mutex> lock(g_world_shape_mutex);
+    if (g_world_shape) return *g_world_shape;
+  }
+  // Not known yet: a communicator over the world learns it (collectively)
+  // and remembers it. If that throws, the next call tries again.
+  const auto world = MpiCommunicator::world();
+  return {world->local_rank(), world->local_size()};
 }
 }  // namespace
 

@@ -93,8 +93,9 @@ class MpiCommunicator final : public Communicator {
   const char* backend() const override { return "mpi"; }
 
   // Ranks of this group on the same node (shared memory domain): this rank's
-  // index among them and their number. Computed once at construction; used to
-  // pick one GPU per rank.
+  // index among them and their number. Computed once at construction. Not for
+  // picking GPUs in a sub-group (a DP x CP split numbers each group's ranks
+  // from 0 on every node): that takes the world's, statescan::local_rank().
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
 
@@ -170,9 +171,11 @@ class MpiCommunicator final : public Communicator {
 };
 
 // Node-local rank and number of ranks of MPI_COMM_WORLD (shared memory
-// domain), for one-GPU-per-rank selection before any communicator exists.
-// Collective over MPI_COMM_WORLD on the first call of either (the result is
-// cached), so call them on every rank.
+// domain), for one-GPU-per-rank selection (NcclCommunicator::device_for)
+// whatever group a rank later works in. Local once an MpiCommunicator over
+// the world's ranks (MpiCommunicator::world()) exists in this process, which
+// records them; otherwise the first call makes one: collective over
+// MPI_COMM_WORLD, so then call them on every rank.
 int local_rank();
 int local_size();
 

@@ -86,6 +86,29 @@ void await_init(ncclComm_t comm, std::chrono::milliseconds timeout, const char* 
   }
 }
 
+// `device`'s identity across the job: its UUID in nvidia-smi's form
+// ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"), the same whatever
+// CUDA_VISIBLE_DEVICES numbers it; its PCI bus id where the UUID reads as
+// zeros (unique on its host, which shared_device() compares too).
+std::string gpu_identity(int device) {
+  cudaDeviceProp prop{};
+  SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  const auto* bytes = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
+  if (std::all_of(bytes, bytes + sizeof prop.uuid.bytes, [](unsigned char b) { return b == 0; })) {
+    char bus[32] = {};
+    SS_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, device));
+    return detail::concat("PCI ", bus);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id = "GPU-";
+  for (std::size_t i = 0; i < sizeof prop.uuid.bytes; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) id += '-';
+    id += kHex[bytes[i] >> 4];
+    id += kHex[bytes[i] & 0xFu];
+  }
+  return id;
+}
+
 }  // namespace
 
 // ---- creation --------------------------------------------------------------------
@@ -94,7 +117,22 @@ int NcclCommunicator::device_for(const MpiCommunicator& mpi) {
   int devices = 0;
   SS_CUDA_CHECK(cudaGetDeviceCount(&devices));
   SS_CHECK_ARG(devices > 0, "device", "no CUDA device is visible to rank ", mpi.rank());
-  return mpi.local_rank() % devices;
+  return statescan::local_rank() % devices;
+}
+
+int NcclCommunicator::claim_gpu(MpiCommunicator& mpi, std::string* identity) {
+  int device = -1;
+  collective_check(mpi, [&] {
+    device = device_for(mpi);
+    *identity = gpu_identity(device);
+  });
+  return device;
+}
+
+std::string NcclCommunicator::gpu_conflict(MpiCommunicator& mpi) {
+  std::string identity;
+  (void)claim_gpu(mpi, &identity);
+  return shared_device(mpi, identity);
 }
 
 // Order matters: the GPU is chosen (and agreed to be valid on every rank)
@@ -105,17 +143,16 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(MpiCommunicator& mpi,
                                                            const Options& options) {
   const std::chrono::milliseconds timeout = options.timeout.value_or(comm_timeout_from_env());
   check_comm_timeout(timeout, "timeout");
-  int device = -1;
-  collective_check(mpi, [&] {
-    int devices = 0;
-    SS_CUDA_CHECK(cudaGetDeviceCount(&devices));
-    SS_CHECK_ARG(devices > 0, "device", "no CUDA device is visible to rank ", mpi.rank());
-    SS_CHECK_ARG(options.allow_shared_gpu || mpi.local_size() <= devices, "device", "the node has ",
-                 mpi.local_size(), " ranks but only ", devices,
-                 " GPUs; run one rank per GPU (or set Options::allow_shared_gpu)");
-    device = mpi.local_rank() % devices;
-    SS_CUDA_CHECK(cudaSetDevice(device));
-  });
+  std::string identity;
+  const int device = claim_gpu(mpi, &identity);
+  if (!options.allow_shared_gpu) {
+    // The same text on every rank, so every rank throws alike.
+    const std::string conflict = shared_device(mpi, identity);
+    SS_CHECK_ARG(conflict.empty(), "device", conflict,
+                 "; NCCL needs a GPU per rank: run one rank per GPU (or set "
+                 "Options::allow_shared_gpu)");
+  }
+  collective_check(mpi, [&] { SS_CUDA_CHECK(cudaSetDevice(device)); });
 
   // Rank 0's failure here (no usable network interface, say) must reach the
   // others now, not after they time out in the broadcast.
@@ -183,6 +220,9 @@ NcclCommunicator::~NcclCommunicator() {
       ncclCommDestroy(comm_);
     } else {
       ncclCommAbort(comm_);
+      // As in abort(): NCCL's group depth is per thread, and a group left
+      // open would hold back this thread's later calls on other communicators.
+      for (; group_depth_ > 0; --group_depth_) (void)ncclGroupEnd();
     }
   }
   comm_ = nullptr;
@@ -393,8 +433,8 @@ void NcclCommunicator::send_recv(const void* send, std::size_t send_count, int d
                                  std::size_t recv_count, int source, CommType type, int tag) {
   const ncclDataType_t dt = nccl_type(type);
   const std::size_t elem = size_of(type);
-  check_peer(dest, true, "peer");
-  check_peer(source, true, "peer");
+  check_peer(dest, true, "dest");
+  check_peer(source, true, "source");
   SS_CHECK_ARG(tag >= 0, "tag", "is ", tag, ", must be >= 0");
   check_usable();
   if (dest != -1) check_device_buffer(send, send_count, "send");
@@ -462,8 +502,14 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
                         last != nullptr && *last != '\0' ? detail::concat(" (", last, ")") : ""));
   }
   // The parent is busy until the split is done, the child until it is
-  // initialised; both are watched.
-  poll("split", nullptr);
+  // initialised; both are watched. A failed parent leaves a half-made child,
+  // which NCCL expects every rank to abort too.
+  try {
+    poll("split", nullptr);
+  } catch (...) {
+    if (sub != nullptr) ncclCommAbort(sub);
+    throw;
+  }
   SS_CHECK_ARG(sub != nullptr, "nccl", "ncclCommSplit returned no communicator for color ", color);
   await_init(sub, timeout_, "ncclCommSplit");
   return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(sub, device_, stream_, timeout_));

@@ -36,6 +36,17 @@
 //   nccl->wait();                                                // host waits, watched
 // create() selects the same GPU itself (cudaSetDevice); the stream must be
 // one of that GPU. Stream 0 (the default stream) is allowed.
+//
+// Which GPU: a rank takes its index among the processes of MPI_COMM_WORLD on
+// its node (statescan::local_rank()) modulo the number of GPUs it sees, for
+// every communicator it creates, whatever group `mpi` is: with a DP x CP split
+// each process keeps its own GPU (a group's own node-local numbering starts
+// at 0 in every group), and with one visible GPU per rank
+// (CUDA_VISIBLE_DEVICES=$LOCAL_RANK, Slurm --gpus-per-task=1) every rank takes
+// its device 0. A device the caller made current beforehand is not kept
+// (CUDA cannot tell it from the default device 0): bind GPUs through
+// CUDA_VISIBLE_DEVICES, or by this rule. Two ranks of one communicator on the
+// same GPU (same host, same GPU UUID) are refused by create(), naming them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -66,9 +77,11 @@ struct NcclOptions {
   // Unset: STATESCAN_COMM_TIMEOUT_MS, else kDefaultCommTimeout. Zero waits
   // forever.
   std::optional<std::chrono::milliseconds> timeout;
-  // More ranks on a node than GPUs is refused by default (two ranks would
-  // share a GPU, which NCCL itself rejects inside one communicator). Allow it
-  // for layouts where such ranks never share a communicator.
+  // Two ranks of the communicator on one GPU (the same GPU UUID on the same
+  // host) are refused by default, on every rank, naming both: NCCL does not
+  // support it (it rejects it or hangs). Ranks outside the communicator may
+  // share GPUs with it freely. True skips the check and its all-gather,
+  // leaving the verdict to NCCL.
   bool allow_shared_gpu = false;
 };
 
@@ -76,9 +89,20 @@ class NcclCommunicator final : public Communicator {
  public:
   using Options = NcclOptions;
 
-  // The GPU create() will select for this rank: mpi.local_rank() modulo the
-  // number of visible GPUs. Local.
+  // The GPU create() will select for this rank (see the file comment): the
+  // world's node-local rank, statescan::local_rank(), not mpi.local_rank(),
+  // modulo the number of visible GPUs; `mpi` only names the rank in errors.
+  // Local once the world's node-local shape is known (see local_rank()).
   static int device_for(const MpiCommunicator& mpi);
+
+  // Why NCCL cannot run over the ranks of `mpi` on the GPUs device_for()
+  // picks: "" when every rank would drive a GPU of its own, else a sentence
+  // naming the first two ranks (of `mpi`) that would drive the same GPU of the
+  // same host. Decided by device identity (host name and GPU UUID), not by
+  // counting ranks and visible GPUs per node. Collective over `mpi`: every
+  // rank returns the same text, or throws the same error (a rank that sees no
+  // GPU).
+  static std::string gpu_conflict(MpiCommunicator& mpi);
 
   // Bootstraps a communicator over the ranks of `mpi`: selects this rank's GPU
   // (cudaSetDevice), rank 0 makes the NCCL unique id and broadcasts it over
@@ -154,6 +178,9 @@ class NcclCommunicator final : public Communicator {
  private:
   NcclCommunicator(ncclComm_t comm, int device, cudaStream_t stream,
                    std::chrono::milliseconds timeout);
+  // device_for(mpi) and that GPU's identity ("GPU-<uuid>"), agreed on: a
+  // failure on one rank throws the same error on every rank. Collective.
+  static int claim_gpu(MpiCommunicator& mpi, std::string* identity);
   void check_usable() const;
   void check_device_buffer(const void* p, std::size_t count, const char* name) const;
   void check_peer(int peer, bool allow_self, const char* name) const;
@@ -178,7 +205,7 @@ class NcclCommunicator final : public Communicator {
   void* scratch_ = nullptr;  // device memory for in-place send_recv's outgoing copy
   std::size_t scratch_bytes_ = 0;
   cudaStream_t scratch_stream_ = nullptr;  // the stream of the scratch's last use
-  void* token_ = nullptr;  // 8 device bytes for barrier()
+  void* token_ = nullptr;                  // 8 device bytes for barrier()
 };
 
 // Enqueues the communicator's operations on `stream` for a scope and restores

@@ -6,7 +6,6 @@
 #include <atomic>
 #include <exception>
 #include <mutex>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -63,14 +62,15 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& body) {
   };
   std::vector<std::thread> pool;
   pool.reserve(static_cast<size_t>(workers - 1));
-  // A thread that cannot be created (a container's pids limit, memory) only
-  // means fewer workers: the items are shared through `next`, so the threads
-  // already started and this one still run all of them, with the same
-  // results. (Letting the exception leave would destroy joinable threads:
-  // std::terminate.)
+  // A thread that cannot be created (std::system_error at a container's pids
+  // limit, std::bad_alloc for its stack or state) only means fewer workers:
+  // the items are shared through `next`, so the threads already started and
+  // this one still run all of them, with the same results. Whatever the
+  // exception, it must not leave here: that would destroy joinable threads
+  // (std::terminate).
   try {
     for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run);
-  } catch (const std::system_error&) {
+  } catch (...) {
   }
   run();
   for (auto& t : pool) t.join();

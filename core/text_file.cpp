@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -52,6 +53,13 @@ void write_file(const std::string& path, std::initializer_list<FileBytes> parts,
     (void)std::remove(temp.c_str());
     SS_FAIL(argument, "cannot rename ", temp, " to ", path, ": ", std::strerror(saved_errno));
   }
+}
+
+std::string json_number(double x) {
+  if (!std::isfinite(x)) return "null";
+  char text[32];
+  std::snprintf(text, sizeof text, "%.9g", x);
+  return text;
 }
 
 }  // namespace statescan

@@ -27,4 +27,8 @@ inline void write_text_file(const std::string& path, const std::string& text,
   write_file(path, {{text.data(), text.size()}}, argument);
 }
 
+// A JSON number: %.9g, or null for inf and NaN, which JSON cannot hold (a
+// report must stay readable exactly when a kernel went wrong).
+std::string json_number(double x);
+
 }  // namespace statescan

@@ -647,7 +647,7 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
     f << "[";
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const Measured& m = rows[i];
-      auto num = [](double x) { return std::isfinite(x) ? fmt("%.6g", x) : std::string("null"); };
+      const auto num = json_number;
       f << (i ? ",\n " : "\n ") << "{\"variant\": \"" << to_string(m.variant)
         << "\", \"seq_len\": " << o.seq_len << ", \"heads\": " << o.heads << ", \"dim\": " << o.dim
         << ", \"dtype\": \"" << to_string(o.dtype) << "\", \"fwd_ms\": " << num(m.fwd_ms)

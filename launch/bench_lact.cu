@@ -497,26 +497,17 @@ LactBenchResult measure_lact(const LactBenchOptions& o) {
 
 namespace {
 
-// The options (checked further by `check`, which may throw statescan::Error
-// too) and the current device's properties of a `mode` run
-// ("--lact", "--lact-ns"); false after writing why not to `out`.
+// The options (checked further by `check`) and the current device's
+// properties; throws statescan::Error naming the flag (statescan-bench exits
+// 2) or "cuda" without a device (exit 3).
 template <typename Check>
-bool lact_bench_setup(int argc, char** argv, const char* mode, Check&& check, std::ostream& out,
-                      LactBenchOptions& o, cudaDeviceProp& prop) {
-  try {
-    o = parse_lact_bench_options(argc, argv);
-    check(o);
-  } catch (const Error& e) {
-    out << "statescan-bench " << mode << ": " << e.what() << "\n";
-    return false;
-  }
+void lact_bench_setup(int argc, char** argv, Check&& check, LactBenchOptions& o,
+                      cudaDeviceProp& prop) {
+  o = parse_lact_bench_options(argc, argv);
+  check(o);
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
-    out << "statescan-bench " << mode << ": no CUDA device\n";
-    return false;
-  }
-  return true;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
 }
 
 }  // namespace
@@ -524,9 +515,8 @@ bool lact_bench_setup(int argc, char** argv, const char* mode, Check&& check, st
 int run_lact_bench(int argc, char** argv, std::ostream& out) {
   LactBenchOptions o;
   cudaDeviceProp prop{};
-  if (!lact_bench_setup(
-          argc, argv, "--lact", [](const LactBenchOptions&) {}, out, o, prop))
-    return 1;
+  lact_bench_setup(
+      argc, argv, [](const LactBenchOptions&) {}, o, prop);
   const LactBenchResult r = measure_lact(o);
   double err_raw = -1, err_norm = -1;
   if (o.check) err_norm = small_problem_error(o, &err_raw);
@@ -621,7 +611,7 @@ int run_lact_ns_bench(int argc, char** argv, std::ostream& out) {
                  "--lact-ns times a bf16 layer's Newton-Schulz (f32 layers run it in fp64)");
     SS_CHECK_ARG(opt.muon_steps > 0, "--muon-steps", "--lact-ns needs at least one step");
   };
-  if (!lact_bench_setup(argc, argv, "--lact-ns", check, out, o, prop)) return 1;
+  lact_bench_setup(argc, argv, check, o, prop);
   const int64_t count = o.batch * o.heads * 3 * o.hidden * o.dim;
   Filled P(count, DType::f32, 31, 1.0f, 0), d_out(count, DType::f32, 32, 1.0f, 0);
   Filled ns_out(count, DType::f32, 0, 0.f, 0.f), dP(count, DType::f32, 0, 0.f, 0.f);

@@ -64,7 +64,8 @@ struct LactBenchResult {
 LactBenchResult measure_lact(const LactBenchOptions& options);
 
 // Parses, measures and prints the `#`-headed table; returns 0, or 1 when the
-// correctness check failed or the arguments were bad (message on `out`).
+// correctness check failed. Bad arguments and a missing device throw
+// statescan::Error (naming the flag, or "cuda").
 int run_lact_bench(int argc, char** argv, std::ostream& out);
 
 // statescan-bench --lact-ns: Muon's Newton-Schulz of one chunk alone (the
@@ -73,8 +74,8 @@ int run_lact_bench(int argc, char** argv, std::ostream& out);
 // process, forward and forward + backward, median of --iters after at least
 // two warm-up calls. Takes the flags above (--batch, --heads, --dim,
 // --hidden, --muon-steps, --warmup, --iters, --forward-only; --dtype must be
-// bf16; the sequence flags are accepted and unused). Returns 0, or 1 on bad
-// arguments or without a device (message on `out`).
+// bf16; the sequence flags are accepted and unused). Returns 0; bad arguments
+// and a missing device throw as run_lact_bench's do.
 int run_lact_ns_bench(int argc, char** argv, std::ostream& out);
 
 }  // namespace statescan

@@ -1,6 +1,7 @@
 #include "launch/run_comm.h"
 
 #include <cstdint>
+#include <string>
 
 #include "comm/collective_check.h"
 #include "comm/communicator.h"
@@ -9,6 +10,9 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_mixer.h"
+#endif
+#ifdef STATESCAN_HAS_NCCL
+#include "comm/nccl_communicator.h"
 #endif
 
 namespace statescan::launch {
@@ -48,16 +52,14 @@ bool exchange_over_nccl(RunOptions::CpComm choice, MpiCommunicator& mpi) {
   using CpComm = RunOptions::CpComm;
   if (mpi.size() == 1 || choice == CpComm::mpi) return false;
 #ifdef STATESCAN_HAS_NCCL
-  // Whether some node has more ranks than GPUs (a test setup): every rank
-  // learns it, so that all of them take the same path or the same error.
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
-  int64_t short_of_gpus = mpi.local_size() > devices ? 1 : 0;
-  mpi.all_reduce_max(&short_of_gpus, 1, CommType::i64);
-  SS_CHECK_ARG(choice != CpComm::nccl || short_of_gpus == 0, "--cp-comm",
-               "nccl needs a GPU per rank, but a node has more ranks than visible GPUs; "
-               "--cp-comm mpi runs ranks that share a GPU");
-  return short_of_gpus == 0;
+  // Whether two ranks would drive one GPU (a test setup), by the rule and the
+  // check NcclCommunicator::create() applies: every rank learns the same, so
+  // that all of them take the same path or the same error.
+  const std::string conflict = NcclCommunicator::gpu_conflict(mpi);
+  SS_CHECK_ARG(choice != CpComm::nccl || conflict.empty(), "--cp-comm",
+               "nccl needs a GPU per rank, but ", conflict,
+               "; --cp-comm mpi runs ranks that share a GPU");
+  return conflict.empty();
 #else
   SS_CHECK_ARG(choice != CpComm::nccl, "--cp-comm", "nccl requested but this build has no NCCL");
   return false;

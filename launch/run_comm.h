@@ -20,9 +20,11 @@ DeviceKind agree_device(Communicator& comm, const RunOptions& options);
 // Whether a --device cuda job over `mpi` exchanges over NCCL. Collective: every
 // rank returns the same.
 //   mpi:  no (staged through host memory; ranks may share a GPU);
-//   nccl: yes; refused naming --cp-comm in a build without NCCL or where a
-//         node has more ranks than visible GPUs (NCCL needs a GPU per rank);
-//   auto: yes when built with NCCL and every node has a GPU per rank, else the
+//   nccl: yes; refused naming --cp-comm in a build without NCCL or where two
+//         ranks would drive the same GPU (NCCL needs a GPU per rank; decided
+//         by NcclCommunicator::gpu_conflict, i.e. by GPU identity, so one
+//         visible GPU per rank counts as a GPU each);
+//   auto: yes when built with NCCL and no two ranks share a GPU, else the
 //         MPI staging (the run's header names the exchange it got).
 // A single rank exchanges nothing: false.
 bool exchange_over_nccl(RunOptions::CpComm choice, MpiCommunicator& mpi);

@@ -257,13 +257,14 @@ void LactJob::setup() {
     check_lact_config(config_);
     const LactDims& d = data_.dims;
     const int P = comm_.size();
-    // Every chunk (the last one may be shorter) must split evenly over the
-    // ranks; the library's layout helper decides, the message names the flag.
+    // Every chunk (the last or only one may be shorter) must split evenly
+    // over the ranks; the library's layout rule decides, the message names
+    // the flag at fault: --lact-chunk, or T's (no chunk size splits T then).
     try {
-      for (int64_t c = 0; c < lact_num_chunks(d.seq_len, config_.chunk); ++c)
-        lact_token_range(d.seq_len, config_.chunk, P, 0, c);
+      lact_check_split(d.seq_len, config_.chunk, P,
+                       options_.load_dir.empty() ? "--seq-len" : "--load", "--lact-chunk");
     } catch (const Error& e) {
-      SS_FAIL("--lact-chunk", "every chunk of --lact-chunk ", config_.chunk,
+      SS_FAIL(e.argument(), "every chunk of --lact-chunk ", config_.chunk,
               " tokens of T = ", d.seq_len, " must split evenly over the ", P,
               " ranks: ", e.message());
     }
@@ -449,7 +450,8 @@ std::vector<std::pair<std::string, std::string>> LactJob::header_fields() const 
       {"ranks", std::to_string(P)},
       {"exchange",
        P == 1 ? std::string("none (1 rank)") : "all-reduce per chunk (" + comm_kind() + ")"},
-      {"layout", "slice r of every chunk (" + std::to_string(config_.chunk / P) + " tokens/rank)"},
+      {"layout", "slice r of every chunk (" +
+                     std::to_string(std::min(config_.chunk, d.seq_len) / P) + " tokens/rank)"},
       {"device", device_ == DeviceKind::cuda ? "cuda" : "cpu"},
       {"threads/rank", std::to_string(num_threads())},
       {"pass", backward_ ? "fwd+bwd" : "fwd"},
@@ -534,7 +536,7 @@ int LactJob::run() {
 
 // This rank's step to the exporter: the layer's phases (forward, backward,
 // the all-reduces), its tokens and wall time, the counted token-GEMM FLOPs,
-// and the process's memory.
+// and the memory of the device that computes.
 void LactJob::report_step_metrics(const StepTimes& t) const {
   if (metrics_ == nullptr) return;
   const LactDims& d = data_.dims;
@@ -544,7 +546,7 @@ void LactJob::report_step_metrics(const StepTimes& t) const {
   const int64_t tokens = d.batch * local_.length;
   const double seconds = std::max(t.fwd_s + t.bwd_s, 1e-9);  // a clock tick can read 0
   metrics_->on_step({tokens, seconds, lact_step_flops(tokens * d.heads, d.dim, d.hidden, backward_)});
-  const MemoryUse memory = process_memory();
+  const MemoryUse memory = device_memory(device_);
   metrics_->set_device_memory(memory.current_bytes, memory.peak_bytes);
 }
 

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -10,6 +11,9 @@
 #include <thread>
 
 #include "comm/collective_check.h"
+#ifdef STATESCAN_HAS_CUDA
+#include "core/cuda_check.h"
+#endif
 
 namespace statescan::launch {
 namespace {
@@ -63,6 +67,25 @@ MemoryUse process_memory() {
   use.current_bytes = status_kilobytes(text.str(), "VmRSS");
   use.peak_bytes = std::max(use.current_bytes, status_kilobytes(text.str(), "VmHWM"));
   return use;
+}
+
+MemoryUse device_memory(DeviceKind device) {
+#ifdef STATESCAN_HAS_CUDA
+  if (device == DeviceKind::cuda) {
+    static std::atomic<int64_t> peak{0};
+    std::size_t free = 0, total = 0;
+    SS_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    MemoryUse use;
+    use.current_bytes = static_cast<int64_t>(total - free);
+    int64_t seen = peak.load();
+    while (seen < use.current_bytes && !peak.compare_exchange_weak(seen, use.current_bytes)) {
+    }
+    use.peak_bytes = std::max(seen, use.current_bytes);
+    return use;
+  }
+#endif
+  SS_CHECK_ARG(device != DeviceKind::cuda, "--device", "cuda: this build has no CUDA");
+  return process_memory();
 }
 
 ErrorKind error_kind(const Error& error, bool writing_results) {

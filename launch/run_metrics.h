@@ -36,6 +36,13 @@ struct MemoryUse {
 };
 MemoryUse process_memory();
 
+// The memory of the device that computes, for statescan_device_memory_bytes:
+// on the GPU path the bytes in use on the current GPU (every allocation, the
+// stream-ordered pool's reserve included; cudaMemGetInfo, so other processes
+// on the same GPU count too) and the most this process has seen at any call,
+// as cudaMemGetInfo keeps no peak; process_memory() on the CPU path.
+MemoryUse device_memory(DeviceKind device);
+
 // Which errors_total kind a failure counts as. `writing_results`: the job
 // was saving its outputs.
 ErrorKind error_kind(const Error& error, bool writing_results);

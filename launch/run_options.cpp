@@ -1,5 +1,6 @@
 #include "launch/run_options.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -240,8 +241,9 @@ void check_variant_flags(const RunOptions& o, int argc, const char* const* argv)
   for (const auto& [flag, why] : refused)
     SS_CHECK_ARG(find_flag(argc, argv, flag) == nullptr, flag, "does not apply to --variant lact (",
                  why, ")");
-  // q, k, v and o share D: --dv may only repeat --dk.
-  if (find_flag(argc, argv, "--dv") != nullptr)
+  // q, k, v and o share D: --dv may only repeat --dk (both are ignored under
+  // --load, whose files give D).
+  if (find_flag(argc, argv, "--dv") != nullptr && o.load_dir.empty())
     SS_CHECK_ARG(o.dv == o.dk, "--dv", "must equal --dk for --variant lact (q, k, v share D), got ",
                  "--dv ", o.dv, " and --dk ", o.dk);
 }
@@ -292,6 +294,26 @@ RunOptions parse_run_options(int argc, const char* const* argv) {
                "does not apply with --load (the inputs come from the files)");
   SS_CHECK_ARG(!(options.keep_prepared && options.recompute_states), "--keep-prepared",
                "cannot be combined with --recompute-states (it reads the saved chunk states)");
+  // Only the delta rules without a vector gate save T, and only from 16-bit
+  // inputs (MixerConfig::save_t): elsewhere the flag would change nothing.
+  SS_CHECK_ARG(options.save_t || options.lact ||
+                   (has_beta(options.variant) && !vector_gate(options.variant) &&
+                    options.dtype != DType::f32),
+               "--no-save-t",
+               "applies to deltanet and gated_deltanet with --dtype bf16 or f16 only (",
+               to_string(options.variant), " with ", to_string(options.dtype), " saves no T)");
+  // Each extent is capped, their product is not: a shape whose tensors no
+  // machine holds (or whose element count overflows) is refused here, naming
+  // the flags, not by an allocation's exception after the run set up.
+  if (options.load_dir.empty()) {
+    const long double elements = static_cast<long double>(options.batch) * options.seq_len *
+                                 options.heads * std::max(options.dk, options.dv);
+    constexpr long double kMaxElements = static_cast<long double>(int64_t{1} << 48);
+    SS_CHECK_ARG(elements <= kMaxElements, "--seq-len", "--batch ", options.batch, " x --seq-len ",
+                 options.seq_len, " x --heads ", options.heads, " x max(--dk, --dv) ",
+                 std::max(options.dk, options.dv), " = ", elements,
+                 " elements per tensor, more than 2^48");
+  }
   return options;
 }
 

@@ -56,12 +56,6 @@ std::string json_string(const std::string& s) {
   return out + "\"";
 }
 
-// JSON has no inf/NaN: write them as null.
-std::string json_number(double x) {
-  if (!std::isfinite(x)) return "null";
-  return printf_string("%.9g", x);
-}
-
 struct Averages {
   double fwd_ms = 0, bwd_ms = 0, exchange_ms = 0, tokens_per_s = 0;
   bool backward = false;
@@ -297,6 +291,22 @@ void save_npy_files(const std::string& dir, const std::vector<NamedArray>& array
     for (const auto& path : renamed) fs::remove(path, ec);
     throw;
   }
+  // The folder holds one run's results: an output an earlier run left there
+  // that this one does not write (dq.npy after a forward-only run, dbeta.npy
+  // after a variant without beta) would read as this run's.
+  static const char* const kOutputNames[] = {"o",   "ht",   "dq",   "dk",   "dv",  "dg",  "dbeta",
+                                             "dh0", "dlr0", "dlr1", "dlr2", "dw0", "dw1", "dw2"};
+  for (const char* name : kOutputNames) {
+    const bool written = std::any_of(arrays.begin(), arrays.end(),
+                                     [&](const NamedArray& a) { return a.name == name; });
+    if (written) continue;
+    const fs::path stale = fs::path(dir) / (std::string(name) + ".npy");
+    std::error_code ec;
+    if (!fs::is_regular_file(stale, ec)) continue;
+    fs::remove(stale, ec);
+    SS_CHECK_ARG(!ec, "--save", "cannot remove ", stale.string(),
+                 " left by an earlier run: ", ec.message());
+  }
 }
 
 void write_report_json(const std::string& path, const Report& report) {
@@ -326,6 +336,9 @@ void prepare_output_locations(const std::string& save_dir, const std::string& js
     const std::filesystem::path parent = std::filesystem::absolute(json_path).parent_path();
     SS_CHECK_ARG(std::filesystem::is_directory(parent), "--json", "directory '", parent.string(),
                  "' does not exist");
+    // Found now, not by the final rename after the whole run.
+    SS_CHECK_ARG(!std::filesystem::is_directory(json_path), "--json", "'", json_path,
+                 "' is a directory");
   }
 }
 

@@ -33,11 +33,10 @@
 // own flags (launch/bench_lact.h), e.g. statescan-bench --lact --muon-steps 0.
 // --lact-ns times the layer's Newton-Schulz alone in every mode (same flags).
 //
-// FLOP model (multiply-add = 2 FLOP, per token and head, Dk = Dv = D, chunk C):
-//   additive: intra-chunk Q K^T and A V over the causal half, 2*(C/2)*D each,
-//             plus Q^ S and K_^T V, 2*D*D each               = 2*C*D + 4*D^2
-//   delta:    additive + K K^T (C*D) + the triangular solve for W and U
-//             (2*(C/2)*2D) + W S (2*D^2)                        = 5*C*D + 6*D^2
+// FLOP model: monitoring/flop_model.h (the products of the algorithm per token
+// and head, multiply-add = 2 FLOP; for Dk = Dv = D and chunk C additive
+// 2*C*D + 4*D^2, delta 5*C*D + 6*D^2), the model statescan-run's
+// achieved-TFLOP/s metric uses too.
 // Byte model: the unavoidable HBM traffic: read q, k, v, g, beta, write o;
 // the per-chunk intermediates and states are not counted.
 //
@@ -62,14 +61,9 @@
 // nothing else), and err_grad: the largest relative RMS error over dq, dk, dv,
 // dg, dbeta, dh0 of a separate 512-token, 2-head problem cut from the same
 // inputs, against the fp64 reference backward.
-// Backward FLOP model (per token and head, 2 FLOP per MAC, with the intra-chunk
-// recomputation this design does):
-//   additive: reverse scan A^T dO, K_ dS, Q^^T dO (C/2*D + 2*D^2 MAC); gradients
-//             recompute A, dA = dO V'^T, dA K~, dA^T Q^ (4 * C/2*D), dO S^T,
-//             V' dS^T (2*D^2)                                  = 5*C*D + 8*D^2
-//   delta:    additive + W^T dV', dW = dV' S^T, V' = U - W S (3*D^2), KK (C/2*D),
-//             W, U (C*D), T^T [dU|dW] (C*D), dT (C*D), dMm paths (C*D)
-//                                                              = 14*C*D + 14*D^2
+// Backward FLOP model: monitoring/flop_model.h again (with the intra-chunk
+// recomputation this design does; Dk = Dv = D: additive 5*C*D + 8*D^2, delta
+// 14*C*D + 14*D^2).
 // Backward bytes: read q, k, v, g, beta, dO and the fp32 chunk states
 // (4*D^2/C per token), write dq, dk, dv, dg, dbeta; the forward of the pair
 // also writes the chunk states.
@@ -101,6 +95,7 @@
 #include "launch/bench_cp_cuda.h"
 #include "launch/bench_lact.h"
 #include "launch/bench_plot.h"
+#include "monitoring/flop_model.h"
 #include "parallel/cp_model.h"
 #include "parallel/exchange.h"
 
@@ -573,15 +568,14 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
 
   SS_CUDA_CHECK(cudaStreamDestroy(stream));
 
-  const double flop_per_token =
-      has_beta(variant) ? 5.0 * opt.chunk * D + 6.0 * D * D : 2.0 * opt.chunk * D + 4.0 * D * D;
+  const double flops = chunkwise_forward_flops({variant, tokens, 1, D, D, opt.chunk});
   const double bytes_per_token = 4.0 * D * es + (has_gate(variant) ? (vec ? 4.0 * D : 4.0) : 0.0) +
                                  (has_beta(variant) ? es : 0.0);
   Row r;
   static_cast<RowShape&>(r) = row_shape(opt, variant, T);
   r.ms = ms;
   r.tokens_per_s = B * T / (ms * 1e-3);
-  r.tflops = flop_per_token * tokens / (ms * 1e-3) / 1e12;
+  r.tflops = flops / (ms * 1e-3) / 1e12;
   r.gbps = bytes_per_token * tokens / (ms * 1e-3) / 1e9;
   r.err_decode = err_decode;
   r.err_ref = err_ref;
@@ -759,9 +753,7 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
       gradient_error(variant, D, t, opt.chunk, opt.recompute, opt.save_t, opt.keep_prepared, 100);
 
   const double C = static_cast<double>(opt.chunk), d = static_cast<double>(D);
-  const double fwd_flop = has_beta(variant) ? 5.0 * C * d + 6.0 * d * d : 2.0 * C * d + 4.0 * d * d;
-  const double bwd_flop =
-      has_beta(variant) ? 14.0 * C * d + 14.0 * d * d : 5.0 * C * d + 8.0 * d * d;
+  const double flops = chunkwise_step_flops({variant, tokens, 1, D, D, opt.chunk}, true);
   const double in_bytes = 3.0 * d * es + (has_gate(variant) ? (vec ? 4.0 * d : 4.0) : 0.0) +
                           (has_beta(variant) ? es : 0.0);
   const double state_bytes = 4.0 * d * d / C;
@@ -770,7 +762,7 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
       (in_bytes + d * es + state_bytes) + (in_bytes + d * es + state_bytes + in_bytes);
   static_cast<RowShape&>(r) = row_shape(opt, variant, T);
   r.tokens_per_s = B * T / (r.ms_fwd_bwd * 1e-3);
-  r.tflops = (fwd_flop + bwd_flop) * tokens / (r.ms_fwd_bwd * 1e-3) / 1e12;
+  r.tflops = flops / (r.ms_fwd_bwd * 1e-3) / 1e12;
   r.gbps = bytes_per_token * tokens / (r.ms_fwd_bwd * 1e-3) / 1e9;
   return r;
 }
@@ -806,7 +798,7 @@ int run_backward_table(const Options& opt, const cudaDeviceProp& prop) {
         out << ", \"ms_fwd\": " << r.ms_fwd << ", \"ms_fwd_bwd\": " << r.ms_fwd_bwd
             << ", \"tokens_per_s\": " << r.tokens_per_s << ", \"tflops\": " << r.tflops
             << ", \"gbps\": " << r.gbps << ", \"peak_gb\": " << r.peak_gb
-            << ", \"err_grad\": " << r.err_grad
+            << ", \"err_grad\": " << json_number(r.err_grad)
             << ", \"keep_prepared\": " << (opt.keep_prepared ? "true" : "false")
             << ", \"saved_t\": " << (r.saved_t ? "true" : "false");
       });
@@ -916,8 +908,10 @@ int run_cp_model(const Options& opt) {
   // and ib); --ib-* the link between nodes of the hierarchical preset.
   if (opt.link_bw_GBps > 0) config.link.bandwidth_Bps = opt.link_bw_GBps * 1e9;
   if (opt.link_latency_us > 0) config.link.latency_s = opt.link_latency_us * 1e-6;
-  SS_CHECK_ARG(inter || (opt.ib_bw_GBps < 0 && opt.ib_latency_us < 0), "--ib-bw-GBps",
-               "applies to --link hierarchical only (use --link-bw-GBps / --link-latency-us)");
+  SS_CHECK_ARG(inter || opt.ib_bw_GBps < 0, "--ib-bw-GBps",
+               "applies to --link hierarchical only (use --link-bw-GBps)");
+  SS_CHECK_ARG(inter || opt.ib_latency_us < 0, "--ib-latency-us",
+               "applies to --link hierarchical only (use --link-latency-us)");
   if (opt.ib_bw_GBps > 0) config.link.inter_bandwidth_Bps = opt.ib_bw_GBps * 1e9;
   if (opt.ib_latency_us > 0) config.link.inter_latency_s = opt.ib_latency_us * 1e-6;
   if (opt.compose_tflops > 0) config.link.compose_flops_per_s = opt.compose_tflops * 1e12;
@@ -999,7 +993,8 @@ int run(int argc, char** argv) {
       [](std::ostream& out, const Row& r) {
         out << ", \"ms\": " << r.ms << ", \"tokens_per_s\": " << r.tokens_per_s
             << ", \"tflops\": " << r.tflops << ", \"gbps\": " << r.gbps
-            << ", \"err_decode\": " << r.err_decode << ", \"err_ref\": " << r.err_ref;
+            << ", \"err_decode\": " << json_number(r.err_decode)
+            << ", \"err_ref\": " << json_number(r.err_ref);
       });
   if (!opt.plot.empty()) {
     // After the table and the JSON, so that a machine without gnuplot keeps them.
@@ -1033,8 +1028,15 @@ int main(int argc, char** argv) {
     if (argc > 1 && std::string(argv[1]) == "--lact-ns")
       return statescan::run_lact_ns_bench(argc, argv, std::cout);
     return statescan::run(argc, argv);
+  } catch (const statescan::Error& e) {
+    // Exit codes as statescan-run's: 2 for a flag or its value (refused before
+    // any GPU work), 3 for a run that failed; 1 stays the verdict of a run
+    // that finished and missed its goal (--cp-measure), so a script can tell
+    // them apart.
+    std::fprintf(stderr, "statescan-bench: %s\n", e.what());
+    return e.argument().rfind('-', 0) == 0 ? 2 : 3;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "statescan-bench: %s\n", e.what());
-    return 1;
+    return 3;
   }
 }

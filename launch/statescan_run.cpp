@@ -206,17 +206,19 @@ int Job::run(int argc, char** argv) {
                  "statescan-run: metrics on http://%s/metrics (rank r of a node: port %d + r)\n",
                  metrics_->address().c_str(), options_.metrics_port);
   }
-  if (!options_.lact) {
-    setup_device(mpi);
-    setup_inputs();
-  }
-
-  // A failure from here on is counted in statescan_errors_total, and with
-  // --metrics-hold stays visible to a scrape before the job exits. LaCT runs
-  // its own layer and job (launch/run_lact.h) with the same exporter.
+  // A failure from here on (setting up the device and loading the inputs
+  // included) is counted in statescan_errors_total, and with --metrics-hold
+  // stays visible to a scrape before the job exits. LaCT runs its own layer
+  // and job (launch/run_lact.h) with the same exporter.
   try {
-    const int code =
-        options_.lact ? run_lact_job(comm_, options_, stage_, metrics_.get()) : run_steps();
+    int code = 0;
+    if (options_.lact) {
+      code = run_lact_job(comm_, options_, stage_, metrics_.get());
+    } else {
+      setup_device(mpi);
+      setup_inputs();
+      code = run_steps();
+    }
     hold_after_run();
     return code;
   } catch (const RuntimeFailure&) {
@@ -313,15 +315,15 @@ int Job::run_steps() {
 }
 
 // This rank's step to the exporter: its tokens, its wall time (forward +
-// backward), the counted FLOPs, and the process's memory (the CPU path's
-// device memory). CpMixer already reported the phases.
+// backward), the counted FLOPs, and the memory of the device that computes.
+// CpMixer already reported the phases.
 void Job::report_step_metrics(const StepTimes& t) const {
   if (!metrics_) return;
   const int64_t tokens = dims_.batch * local_.length();
   const FlopShape shape{options_.variant, tokens, dims_.heads, dims_.dk, dims_.dv, options_.chunk};
   const double seconds = std::max(t.fwd_s + t.bwd_s, 1e-9);  // a clock tick can read 0
   metrics_->on_step({tokens, seconds, chunkwise_step_flops(shape, backward_)});
-  const MemoryUse memory = process_memory();
+  const MemoryUse memory = device_memory(device_);
   metrics_->set_device_memory(memory.current_bytes, memory.peak_bytes);
 }
 
@@ -380,14 +382,8 @@ void Job::setup_inputs() {
 // stream-ordered pool's reserve included; CpMixer returns once its work is
 // done, so nothing is in flight); 0 on the CPU path.
 double Job::device_memory_in_use() const {
-#ifdef STATESCAN_HAS_CUDA
-  if (device_ == DeviceKind::cuda) {
-    std::size_t free = 0, total = 0;
-    SS_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    return static_cast<double>(total - free);
-  }
-#endif
-  return 0.0;
+  if (device_ != DeviceKind::cuda) return 0.0;
+  return static_cast<double>(device_memory(device_).current_bytes);
 }
 
 OutputSizes Job::output_sizes(const Dims& d, int64_t length) const {

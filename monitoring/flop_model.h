@@ -12,8 +12,17 @@
 //             + the triangular solve for W and U   C (Dk + Dv)
 //             + W S                                2 Dk Dv
 // (Dk = Dv = D: additive 2 C D + 4 D^2, delta 5 C D + 6 D^2.)
-// Backward is counted as twice the forward (the usual convention for
-// matrix-product work: one product for each of the two operand gradients).
+//
+// Backward, as this design runs it (the intra-chunk products recomputed, not
+// saved; multiply-adds):
+//   additive  the reverse scan's A^T dO, K_ dS, Q^^T dO    C/2 Dv + 2 Dk Dv
+//             A again, dA = dO V'^T, dA K, dA^T Q^         C/2 (3 Dk + Dv)
+//             dO S^T, V' dS^T                              2 Dk Dv
+//   delta     + W^T dV', dW = dV' S^T, V' = U - W S         3 Dk Dv
+//             + K K^T again, W and U again                 C/2 (2 Dk + Dv)
+//             + T^T [dU | dW], dT                          C (Dk + Dv)
+//             + the K K^T paths into dk                    C Dk
+// (Dk = Dv = D, in FLOPs: additive 5 C D + 8 D^2, delta 14 C D + 14 D^2.)
 #pragma once
 
 #include <cstdint>
@@ -32,7 +41,9 @@ struct FlopShape {
 // Forward FLOPs; throws statescan::Error naming the field for negative sizes
 // or a chunk that is not positive.
 double chunkwise_forward_flops(const FlopShape& shape);
-// Forward (+ backward: 3x the forward) FLOPs of one step.
+// Backward FLOPs (the same checks).
+double chunkwise_backward_flops(const FlopShape& shape);
+// Forward (+ backward) FLOPs of one step.
 double chunkwise_step_flops(const FlopShape& shape, bool with_backward);
 
 // LaCT (DESIGN §6): the token-side GEMMs of the SwiGLU fast weights per token

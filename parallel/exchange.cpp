@@ -171,8 +171,16 @@ int64_t scan_tree(Communicator& comm, const ScanMaps& s, const Order& ord, float
 
 }  // namespace
 
+void check_scan_dims(int64_t rows, int64_t heads, int64_t dk, int64_t dv) {
+  SS_CHECK_ARG(rows >= 1, "maps.rows", "must be >= 1, got ", rows);
+  SS_CHECK_ARG(heads >= 1, "maps.heads", "must be >= 1, got ", heads);
+  SS_CHECK_ARG(dk >= 1, "maps.dk", "must be >= 1, got ", dk);
+  SS_CHECK_ARG(dv >= 1, "maps.dv", "must be >= 1, got ", dv);
+}
+
 ScanResult exclusive_scan(Communicator& comm, Exchange strategy, const ScanMaps& maps,
                           ScanOrder order) {
+  check_scan_dims(maps.rows, maps.heads, maps.dk, maps.dv);
   SS_CHECK_ARG(maps.M.size() == static_cast<std::size_t>(maps.maps() * maps.m_size()), "maps.M",
                "holds ", maps.M.size(), " floats, expected ", maps.maps() * maps.m_size());
   SS_CHECK_ARG(maps.E.size() == static_cast<std::size_t>(maps.maps() * maps.dk * maps.dv),

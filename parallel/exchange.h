@@ -40,6 +40,11 @@ struct ScanResult {
   int64_t bytes_sent = 0;
 };
 
+// Throws naming maps.<field> unless rows, heads, Dk and Dv are all >= 1 (the
+// scans divide by Dv's blocks and size buffers by their products). Host and
+// device maps alike.
+void check_scan_dims(int64_t rows, int64_t heads, int64_t dk, int64_t dv);
+
 // Collective over `comm`. `strategy` must be resolved (not automatic).
 ScanResult exclusive_scan(Communicator& comm, Exchange strategy, const ScanMaps& maps,
                           ScanOrder order);

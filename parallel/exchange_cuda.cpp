@@ -174,6 +174,7 @@ int64_t scan_tree(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& 
 int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const DeviceScanMaps& maps,
                               ScanOrder order, float* incoming, cudaStream_t stream,
                               cudaEvent_t maps_ready, cudaEvent_t started) {
+  check_scan_dims(maps.rows, maps.heads, maps.dk, maps.dv);
   SS_CHECK_ARG(maps.M != nullptr && maps.E != nullptr, "maps", "M and E must be device arrays");
   SS_CHECK_ARG(incoming != nullptr, "incoming", "must be a device array");
   SS_CHECK_ARG(strategy != Exchange::automatic, "exchange", "must be resolved before the scan");

@@ -52,9 +52,9 @@ cmake --build "$BUILD" --target statescan-run -j"$(nproc)" >"$WORK/build.log" 2>
 # ---- the run: two ranks, exporters on METRICS_PORT and METRICS_PORT + 1 -------
 # Random free ports below the kernel's ephemeral range (scripts/ci-ports.sh).
 source scripts/ci-ports.sh
-# Five ports from METRICS_PORT: the mixer job's two ranks, then the LaCT
-# job's, then the interrupted run's.
-METRICS_PORT=${CI_METRICS_PORT:-$(ci_free_port_base 20000 30000 5)}
+# Six ports from METRICS_PORT: the mixer job's two ranks, then the LaCT
+# job's, then the interrupted run's, then the failing run's.
+METRICS_PORT=${CI_METRICS_PORT:-$(ci_free_port_base 20000 30000 6)}
 PROM_PORT=${CI_PROMETHEUS_PORT:-$(ci_free_port_base 10000 19000 1)}
 SEQ_LEN=8192 WARMUP=1 ITERS=3
 # Every step counts, warm-up included: the tokens of both ranks add up to T per step.
@@ -211,4 +211,32 @@ RUN_PID=""
 [ "$status" -eq 143 ] || fail "the interrupted run exited with $status, expected 143 (SIGTERM)"
 grep -q '^# Avg' "$WORK/run.log" && fail "the interrupted run finished its steps"
 step "SIGTERM during the run ended it (exit $status)"
+
+# ---- 5. a run that fails loading its inputs counts the error and holds ------------
+# (Setting up the mixer's device and inputs ran before the error accounting
+# once, so such a failure exited at once and no scrape saw it.)
+FAIL_PORT=$((METRICS_PORT + 5))
+step "statescan-run --load <missing> --metrics-hold 300: errors_total{kind=\"io\"} while it holds"
+: >"$WORK/run.log"
+"$BUILD/launch/statescan-run" --device cpu --variant kda --load "$WORK/no-such-inputs" \
+  --no-check --metrics-port "$FAIL_PORT" --metrics-hold 300 >>"$WORK/run.log" 2>&1 &
+RUN_PID=$!
+seen=""
+for _ in $(seq 300); do
+  if curl -sf --max-time 2 "http://127.0.0.1:$FAIL_PORT/metrics" >"$WORK/fail.txt" 2>/dev/null &&
+    grep -q '^statescan_errors_total{.*kind="io".*} 1$' "$WORK/fail.txt"; then
+    seen=1
+    break
+  fi
+  kill -0 "$RUN_PID" 2>/dev/null || fail "the failing run exited before its error could be scraped"
+  sleep 0.2
+done
+[ -n "$seen" ] || fail "the failing run never served statescan_errors_total{kind=\"io\"} 1"
+kill -USR1 "$RUN_PID"
+status=0
+wait "$RUN_PID" || status=$?
+RUN_PID=""
+[ "$status" -eq 2 ] || fail "the failing run exited with $status after its hold, expected 2"
+grep -q "argument '--load'" "$WORK/run.log" || fail "the failing run did not name --load"
+step "the failing run served errors_total{kind=\"io\"} 1 while it held, then exited 2"
 step "OK"

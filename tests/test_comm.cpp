@@ -4,22 +4,22 @@
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/collective_check.h"
 #include "comm/communicator.h"
-#include "tests/comm_test_util.h"
 #include "core/error.h"
+#include "tests/comm_test_util.h"
 
 namespace statescan {
 namespace {
 
 using namespace statescan::test;  // NOLINT: shared comm test helpers
-
-
 
 // `count` random elements of `type`, as raw bytes (never all zeros, so a copy
 // that did nothing cannot pass).
@@ -59,7 +59,9 @@ struct TypeSize {
   std::size_t bytes;
 };
 
-void PrintTo(const TypeSize& t, std::ostream* os) { *os << t.type << "_" << t.bytes << "B"; }
+void PrintTo(const TypeSize& t, std::ostream* os) {
+  *os << t.type << "_" << t.bytes << "B";
+}
 
 class CommTypeSize : public ::testing::TestWithParam<TypeSize> {};
 
@@ -187,14 +189,15 @@ TEST(SingleRank, SendAndRecvWithPeerMinusOneDoNothing) {
   EXPECT_EQ(x, 2.f);
 }
 
+// A bad peer is named as the argument it came in: "dest" or "source".
 TEST(SingleRank, SendRecvToAnotherPeerThrows) {
   SingleRankCommunicator comm;
   float a = 1.f, b = 2.f;
-  expect_error([&] { comm.send_recv(&a, 1, 1, &b, 1, -1, CommType::f32, 0); }, "peer");
-  expect_error([&] { comm.send_recv(&a, 1, -1, &b, 1, 1, CommType::f32, 0); }, "peer");
+  expect_error([&] { comm.send_recv(&a, 1, 1, &b, 1, -1, CommType::f32, 0); }, "dest");
+  expect_error([&] { comm.send_recv(&a, 1, -1, &b, 1, 1, CommType::f32, 0); }, "source");
   // Sending to self with nobody receiving (or the reverse) cannot complete.
-  expect_error([&] { comm.send_recv(&a, 1, 0, &b, 1, -1, CommType::f32, 0); }, "peer");
-  expect_error([&] { comm.send_recv(&a, 1, -1, &b, 1, 0, CommType::f32, 0); }, "peer");
+  expect_error([&] { comm.send_recv(&a, 1, 0, &b, 1, -1, CommType::f32, 0); }, "source");
+  expect_error([&] { comm.send_recv(&a, 1, -1, &b, 1, 0, CommType::f32, 0); }, "source");
   EXPECT_EQ(b, 2.f);
 }
 
@@ -300,6 +303,63 @@ TEST(CollectiveCheckSingle, LongMessagesAreTruncatedAtACharacterBoundary) {
     EXPECT_EQ(static_cast<unsigned char>(kept.back()), 0xA9u);
     EXPECT_EQ(static_cast<unsigned char>(kept[kept.size() - 2]), 0xC3u);
   }
+}
+
+// ---- find_shared_device / shared_device: one GPU claimed by two ranks ----------------
+
+// The DP x CP layout of a 4-GPU node: each rank on the GPU of its world
+// node-local rank. Sharing is by identity, so nothing is shared.
+TEST(FindSharedDevice, DistinctDevicesOfOneHostAreNotShared) {
+  const std::vector<DeviceClaim> claims = {
+      {"node0", "GPU-a"}, {"node0", "GPU-b"}, {"node0", "GPU-c"}, {"node0", "GPU-d"}};
+  EXPECT_FALSE(find_shared_device(claims).has_value());
+}
+
+// One visible GPU per rank (CUDA_VISIBLE_DEVICES=$LOCAL_RANK): every rank
+// uses its device 0, but the UUIDs differ, so this is no sharing (counting
+// 4 ranks against 1 visible device refused it).
+TEST(FindSharedDevice, OneVisibleGpuPerRankIsNotShared) {
+  std::vector<DeviceClaim> claims;
+  for (int r = 0; r < 4; ++r) claims.push_back({"node0", "GPU-" + std::to_string(r)});
+  EXPECT_FALSE(find_shared_device(claims).has_value());
+}
+
+// The same device identity on two hosts (PCI bus ids repeat across nodes) is
+// two GPUs.
+TEST(FindSharedDevice, TheSameDeviceNameOnTwoHostsIsNotShared) {
+  const std::vector<DeviceClaim> claims = {{"node0", "PCI 0000:1b:00.0"},
+                                           {"node1", "PCI 0000:1b:00.0"}};
+  EXPECT_FALSE(find_shared_device(claims).has_value());
+}
+
+// Ranks 2 and 3 of a sub-group moved onto GPUs 0 and 1 (the group's own
+// node-local rank modulo 4): the first duplicate is reported, by rank.
+TEST(FindSharedDevice, NamesTheFirstPairOnOneDeviceOfOneHost) {
+  const std::vector<DeviceClaim> claims = {
+      {"node0", "GPU-a"}, {"node0", "GPU-b"}, {"node0", "GPU-a"}, {"node0", "GPU-b"}};
+  const auto shared = find_shared_device(claims);
+  ASSERT_TRUE(shared.has_value());
+  EXPECT_EQ(*shared, std::make_pair(0, 2));
+}
+
+TEST(FindSharedDevice, PairsAcrossOtherHostsAndOrdersByTheSecondRank) {
+  const std::vector<DeviceClaim> claims = {
+      {"node0", "GPU-a"}, {"node1", "GPU-x"}, {"node0", "GPU-b"}, {"node1", "GPU-x"}};
+  EXPECT_EQ(find_shared_device(claims), std::make_optional(std::make_pair(1, 3)));
+}
+
+// A rank without a device claims nothing and shares nothing.
+TEST(FindSharedDevice, EmptyClaimsNeverConflict) {
+  const std::vector<DeviceClaim> claims = {{"node0", ""}, {"node0", ""}, {"node0", "GPU-a"}};
+  EXPECT_FALSE(find_shared_device(claims).has_value());
+  EXPECT_FALSE(find_shared_device({}).has_value());
+}
+
+// A group of one never shares; the gather goes through the communicator.
+TEST(SharedDeviceSingle, AGroupOfOneSharesNothing) {
+  SingleRankCommunicator comm;
+  EXPECT_EQ(shared_device(comm, "GPU-a"), "");
+  EXPECT_EQ(shared_device(comm, ""), "");
 }
 
 }  // namespace

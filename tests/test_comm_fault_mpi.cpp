@@ -275,6 +275,48 @@ TEST_F(MpiPointToPointFault, RingHandOffSuccessorOfTheVictimTimesOut) {
   world_->barrier();
 }
 
+// ---- a victim skips the construction ---------------------------------------------------
+
+// STATESCAN_COMM_TIMEOUT_MS for one scope, then what was there.
+struct ScopedTimeoutEnv : test::ScopedEnv {
+  explicit ScopedTimeoutEnv(const char* value) : ScopedEnv("STATESCAN_COMM_TIMEOUT_MS", value) {}
+};
+
+// The survivors time out in the constructor's duplicate, which runs before
+// the rest of the set-up: the message must still name this rank (as in a
+// process that has made no communicator yet: no error rank set) and the
+// group's size, not "[rank ?]" and "group of 1 ranks".
+TEST(MpiTimeout, AConstructionAPeerSkipsNamesThisRankAndTheGroup) {
+  const auto world = coordinator();
+  const auto doomed = world->split(0, world->rank());
+  const MPI_Comm parent = dynamic_cast<const MpiCommunicator&>(*doomed).native();
+  const int victim = doomed->size() - 1;
+  if (doomed->rank() != victim) {
+    const ScopedTimeoutEnv env(std::to_string(kTimeout.count()).c_str());
+    set_error_rank(-1);
+    const Outcome o = timed([&] { MpiCommunicator never(parent); });
+    set_error_rank(world->rank());
+    expect_timeout(o, "MpiCommunicator construction");
+    EXPECT_NE(o.what.find("[rank " + std::to_string(world->rank()) + "]"), std::string::npos)
+        << o.what;
+    EXPECT_NE(o.what.find("group of " + std::to_string(doomed->size()) + " ranks"),
+              std::string::npos)
+        << o.what;
+  }
+  world->barrier();  // every survivor has timed out
+  if (doomed->rank() == victim) {
+    // The late duplicate completes the survivors' posted ones. (An
+    // MpiCommunicator would go on to a collective over the duplicate that
+    // the survivors never join.)
+    MPI_Comm late = MPI_COMM_NULL;
+    MPI_Request request = MPI_REQUEST_NULL;
+    EXPECT_EQ(MPI_Comm_idup(parent, &late, &request), MPI_SUCCESS);
+    EXPECT_EQ(MPI_Wait(&request, MPI_STATUS_IGNORE), MPI_SUCCESS);
+    if (late != MPI_COMM_NULL) MPI_Comm_free(&late);
+  }
+  world->barrier();
+}
+
 // ---- timeouts that must not fire, and configuration ------------------------------------
 
 // A peer that is slow but within the timeout is waited for, not reported.
@@ -315,11 +357,6 @@ TEST(MpiTimeout, NegativeOrHugeTimeoutIsRejected) {
   EXPECT_EQ(world->timeout(), kMaxCommTimeout);
   world->set_timeout(kCoordinationTimeout);
 }
-
-// STATESCAN_COMM_TIMEOUT_MS for one scope, then what was there.
-struct ScopedTimeoutEnv : test::ScopedEnv {
-  explicit ScopedTimeoutEnv(const char* value) : ScopedEnv("STATESCAN_COMM_TIMEOUT_MS", value) {}
-};
 
 TEST(MpiTimeout, EnvironmentSetsTheDefault) {
   {

@@ -15,14 +15,13 @@
 
 #include "comm/collective_check.h"
 #include "comm/mpi_communicator.h"
-#include "tests/comm_test_util.h"
 #include "core/error.h"
+#include "tests/comm_test_util.h"
 
 namespace statescan {
 namespace {
 
 using namespace statescan::test;  // NOLINT: shared comm test helpers
-
 
 // ---- collectives, per element type and piece size ---------------------------------
 
@@ -224,6 +223,38 @@ TEST_F(Mpi, NodeLocalRanksCoverEveryRankOnce) {
   EXPECT_EQ(local_size(), comm_->local_size());
 }
 
+// GPUs are picked by the world's node-local rank (NcclCommunicator::
+// device_for): a sub-group numbers its node-local ranks from 0 again, the
+// world's stays what it was.
+TEST_F(Mpi, TheWorldsNodeLocalRankOutlivesASplit) {
+  const auto sub = comm_->split(comm_->rank() / 2, comm_->rank());
+  const auto& pair = dynamic_cast<const MpiCommunicator&>(*sub);
+  EXPECT_EQ(local_rank(), comm_->local_rank());
+  EXPECT_EQ(local_size(), comm_->local_size());
+  // On one host (CI) the pairs' node-local ranks are 0 and 1.
+  if (comm_->local_size() == comm_->size()) {
+    EXPECT_EQ(pair.local_rank(), comm_->rank() % 2);
+  }
+}
+
+// shared_device, the identity check behind NcclCommunicator::create, with
+// made-up device names: distinct ones are not shared, an empty one claims
+// nothing, and one device of one host claimed twice names both ranks.
+TEST_F(Mpi, SharedDeviceNamesTwoRanksOnOneDeviceOfAHost) {
+  const int P = comm_->size(), me = comm_->rank();
+  EXPECT_EQ(shared_device(*comm_, "dev-" + std::to_string(me)), "");
+  EXPECT_EQ(shared_device(*comm_, ""), "");
+  // Every rank sees the same local size, so every rank takes this branch or
+  // none does.
+  if (comm_->local_size() == P) {
+    const std::string text =
+        shared_device(*comm_, me == P - 1 ? "dev-0" : "dev-" + std::to_string(me));
+    EXPECT_NE(text.find("ranks 0 and " + std::to_string(P - 1) + " would both use dev-0 on host "),
+              std::string::npos)
+        << text;
+  }
+}
+
 TEST_F(Mpi, MessagesWithOneTagArriveInOrder) {
   const int P = comm_->size(), me = comm_->rank();
   const int next = (me + 1) % P, prev = (me + P - 1) % P;
@@ -346,6 +377,12 @@ TEST_F(Mpi, BadPeersRootsAndTagsThrowBeforeCommunicating) {
   expect_error([&] { comm_->send(&x, 1, CommType::f32, P, 0); }, "peer");
   expect_error([&] { comm_->recv(&x, 1, CommType::f32, -2, 0); }, "peer");
   expect_error([&] { comm_->send(&x, 1, CommType::f32, me, 0); }, "peer");
+  // send_recv names the half at fault.
+  float y = 0.f;
+  expect_error([&] { comm_->send_recv(&x, 1, P, &y, 1, -1, CommType::f32, 0); }, "dest");
+  expect_error([&] { comm_->send_recv(&x, 1, -1, &y, 1, -2, CommType::f32, 0); }, "source");
+  expect_error([&] { comm_->send_recv(&x, 1, (me + 1) % P, &y, 1, P, CommType::f32, 0); },
+               "source");
   expect_error([&] { comm_->send(&x, 1, CommType::f32, (me + 1) % P, -1); }, "tag");
   expect_error([&] { comm_->broadcast(&x, 1, CommType::f32, P); }, "root");
   expect_error([&] { comm_->set_max_piece_elements(0); }, "elements");

@@ -19,9 +19,9 @@
 
 #include "comm/mpi_communicator.h"
 #include "comm/nccl_communicator.h"
-#include "tests/comm_test_util.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
+#include "tests/comm_test_util.h"
 
 namespace statescan {
 namespace {
@@ -31,16 +31,20 @@ using namespace statescan::test;  // NOLINT: shared comm test helpers
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-// Why this job cannot run the NCCL tests, or "" if it can. Agreed over MPI so
-// that every rank skips or none does.
+// Why this job cannot run the NCCL tests, or "" if it can: a rank without a
+// GPU, or two ranks on one GPU (by the rule create() applies, so one visible
+// GPU per rank runs). Agreed over MPI so that every rank skips or none does.
 std::string why_skip(MpiCommunicator& mpi) {
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
-  int64_t short_of_gpus = mpi.local_size() > devices ? 1 : 0;
-  mpi.all_reduce_max(&short_of_gpus, 1, CommType::i64);
-  if (short_of_gpus == 0) return "";
-  return "needs one GPU per rank; this node has " + std::to_string(devices) + " for " +
-         std::to_string(mpi.local_size()) + " ranks";
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    devices = 0;
+    (void)cudaGetLastError();  // no device is no error of the tests
+  }
+  int64_t without_gpu = devices == 0 ? 1 : 0;
+  mpi.all_reduce_max(&without_gpu, 1, CommType::i64);
+  if (without_gpu != 0) return "needs a GPU per rank; a rank sees none";
+  const std::string conflict = NcclCommunicator::gpu_conflict(mpi);
+  return conflict.empty() ? "" : "needs a GPU per rank; " + conflict;
 }
 
 // One MPI world, one NCCL communicator over it on this rank's GPU, and a
@@ -246,6 +250,13 @@ TEST_F(NcclTest, HostBuffersAndBadArgumentsThrowBeforeEnqueueing) {
   expect_error([&] { comm_->send(device.data(), 8, CommType::f32, P, 0); }, "peer");
   expect_error([&] { comm_->send(device.data(), 8, CommType::f32, me, 0); }, "peer");
   expect_error([&] { comm_->recv(device.data(), 8, CommType::f32, -2, 0); }, "peer");
+  // send_recv names the half at fault.
+  expect_error(
+      [&] { comm_->send_recv(device.data(), 4, P, device.data() + 4, 4, -1, CommType::f32, 0); },
+      "dest");
+  expect_error(
+      [&] { comm_->send_recv(device.data(), 4, -1, device.data() + 4, 4, -2, CommType::f32, 0); },
+      "source");
   expect_error([&] { comm_->send(device.data(), 8, CommType::f32, -1, -1); }, "tag");
   expect_error([&] { comm_->split(-1, 0); }, "color");
   expect_error([&] { comm_->group_end(); }, "group_end");
@@ -294,6 +305,34 @@ TEST_F(NcclTest, SplitOrdersByKey) {
   const auto reversed = comm_->split(0, -me);
   EXPECT_EQ(reversed->size(), P);
   EXPECT_EQ(reversed->rank(), P - 1 - me);
+}
+
+// A communicator over a sub-group stays on each rank's GPU: the world's
+// node-local rank picks it, not the rank's index among the group's ranks on
+// the node (0 in every group of one here, which put every rank on GPU 0).
+TEST_F(NcclTest, ASubGroupKeepsEachRanksGpu) {
+  const auto alone = mpi_->split(mpi_->rank(), 0);
+  auto& mpi_alone = dynamic_cast<MpiCommunicator&>(*alone);
+  EXPECT_EQ(NcclCommunicator::gpu_conflict(mpi_alone), "");
+  const auto nccl = NcclCommunicator::create(mpi_alone, stream_);
+  EXPECT_EQ(nccl->device(), comm_->device());
+  EXPECT_EQ(NcclCommunicator::gpu_conflict(*mpi_), "");
+}
+
+// A communicator destroyed inside an open group (an exception between
+// group_start and group_end) closes NCCL's per-thread group: left open, it
+// would hold back this thread's later calls on every other communicator.
+TEST_F(NcclTest, DestroyingInsideAGroupClosesTheGroup) {
+  {
+    const auto other = NcclCommunicator::create(*mpi_, stream_);
+    other->group_start();
+  }
+  // No group is open any more: ending one is refused.
+  EXPECT_EQ(ncclGroupEnd(), ncclInvalidUsage);
+  DeviceBuffer<int64_t> one(std::vector<int64_t>{1});
+  comm_->all_reduce_sum(one.data(), 1, CommType::i64);
+  comm_->wait();
+  EXPECT_EQ(one.to_host()[0], comm_->size());
 }
 
 TEST_F(NcclTest, TimeoutComesFromTheEnvironmentOrTheOptions) {

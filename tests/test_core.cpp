@@ -784,6 +784,16 @@ std::filesystem::path fresh_dir(const std::string& name) {
   return dir;
 }
 
+TEST(JsonNumber, NonFiniteValuesAreNullAndFiniteOnesRoundTrip) {
+  EXPECT_EQ(json_number(std::numeric_limits<double>::infinity()), "null");
+  EXPECT_EQ(json_number(-std::numeric_limits<double>::infinity()), "null");
+  EXPECT_EQ(json_number(std::nan("")), "null");
+  EXPECT_EQ(json_number(0.0), "0");
+  EXPECT_EQ(json_number(-2.5e-3), "-0.0025");
+  const double x = 1.0 / 3.0;
+  EXPECT_NEAR(std::stod(json_number(x)), x, 1e-9 * x);
+}
+
 TEST(WriteFile, WritesThePartsInOrderAndReplacesTheOldFile) {
   const auto dir = fresh_dir("statescan-write-file");
   const std::string path = (dir / "out.bin").string();

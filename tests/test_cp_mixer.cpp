@@ -9,6 +9,7 @@
 
 #include "comm/communicator.h"
 #include "core/error.h"
+#include "parallel/exchange.h"
 #include "tests/cp_test_util.h"
 
 namespace statescan::test {
@@ -270,6 +271,33 @@ TEST_F(BadInputFixture, BackwardWithoutForward) {
   MixerConfig cfg;
   CpMixer mixer(comm, cfg, Exchange::ring);
   expect_backward_error(mixer, "backward");
+}
+
+// The scan is public API too: dimensions below 1 are refused, naming them
+// (a Dv of 0 divided by the ring's zero blocks, SIGFPE, before the check).
+TEST(ExclusiveScan, DimensionsBelowOneAreRefused) {
+  SingleRankCommunicator comm;
+  for (const char* field : {"maps.rows", "maps.heads", "maps.dk", "maps.dv"}) {
+    ScanMaps maps;
+    maps.rows = maps.heads = 1;
+    maps.dk = maps.dv = 4;
+    const std::string f = field;
+    if (f == "maps.rows") maps.rows = 0;
+    if (f == "maps.heads") maps.heads = -1;
+    if (f == "maps.dk") maps.dk = 0;
+    if (f == "maps.dv") maps.dv = 0;
+    maps.M.assign(static_cast<std::size_t>(std::max<int64_t>(maps.maps() * maps.m_size(), 0)), 1.f);
+    maps.E.assign(static_cast<std::size_t>(std::max<int64_t>(maps.maps() * maps.dk * maps.dv, 0)),
+                  0.f);
+    for (Exchange e : {Exchange::allgather, Exchange::ring, Exchange::tree}) {
+      try {
+        exclusive_scan(comm, e, maps, ScanOrder::forward);
+        ADD_FAILURE() << field << " accepted by " << to_string(e);
+      } catch (const Error& err) {
+        EXPECT_EQ(err.argument(), f) << err.what();
+      }
+    }
+  }
 }
 
 }  // namespace

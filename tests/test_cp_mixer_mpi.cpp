@@ -332,7 +332,8 @@ struct CpErrors : ::testing::Test {
   // rank `reporter` (a cross-rank disagreement is seen by every rank, and the
   // lowest one reports it; its message names the culprit).
   // `how` picks among corruptions of one argument ("same_sum": cu_seqlens
-  // whose offsets differ but whose weighted sum does not).
+  // whose offsets differ but whose weighted sum does not; "every_rank": the
+  // same bad cu_seqlens on every rank).
   void expect_everywhere(const std::string& argument, int culprit, int reporter = -1,
                          const std::string& how = "") {
     if (reporter < 0) reporter = culprit;
@@ -355,6 +356,8 @@ struct CpErrors : ::testing::Test {
       if (argument == "g") sh.g[1] = std::nanf("");
       if (argument == "cu_seqlens" && how.empty()) cu[1] = p.seq_len + 1;
     }
+    // Every rank alike: no cross-rank disagreement to catch it first.
+    if (how == "every_rank") cu[1] = p.seq_len + 1;
     const std::size_t states = (cu.size() - 1) * 2 * 8 * 8;
     std::vector<float> ht(states, 12345.f);
     CpForwardArgs a = sh.args();
@@ -386,6 +389,14 @@ TEST_F(CpErrors, CheckFiniteDisagreeingAcrossRanksFailsEveryRank) {
 
 TEST_F(CpErrors, CuSeqlensDisagreeingWithShardsFailsEveryRank) {
   expect_everywhere("cu_seqlens", 0);
+}
+
+// The same offsets on every rank, their last past the shards' total: each
+// rank's own segments look valid (clipped to the shard), so only the check
+// against the summed shard lengths catches it (the last sequence's final
+// state would otherwise stay 0).
+TEST_F(CpErrors, CuSeqlensBeyondTheShardsOnEveryRankFailsEveryRank) {
+  expect_everywhere("cu_seqlens", 0, 0, "every_rank");
 }
 
 // The offsets are compared by content: arrays that split the sequence

@@ -560,12 +560,15 @@ INSTANTIATE_TEST_SUITE_P(FullAndDiagonal, AffineMaps, ::testing::Values(false, t
 // multiply_maps: out = op(A) B + bias over tiles of 32 x 32, so shapes
 // smaller than a tile, not multiples of it and the summary's 128 x 128;
 // B and out with row strides wider than their width; bias none, separate
-// or out itself (the pre-pass's in-place Horner step).
+// or out itself (the pre-pass's in-place Horner step); and more maps than
+// one launch's grid.z holds (65535: a delta rule's exchange with B * H above
+// that), which run in slices.
 enum class Bias { none, separate, in_place };
 struct MapsProductParam {
   int64_t dk, width;
   bool transpose;
   Bias bias;
+  int64_t maps = 3;
 };
 
 class MultiplyMaps : public ::testing::TestWithParam<MapsProductParam> {
@@ -576,8 +579,8 @@ class MultiplyMaps : public ::testing::TestWithParam<MapsProductParam> {
 };
 
 TEST_P(MultiplyMaps, MatchesHost) {
-  const auto [dk, width, transpose, bias] = GetParam();
-  const int64_t maps = 3, ld = width + 3;  // rows padded: strides apart from the width
+  const auto [dk, width, transpose, bias, maps] = GetParam();
+  const int64_t ld = width + 3;  // rows padded: strides apart from the width
   std::mt19937_64 rng(static_cast<uint64_t>(dk * 1000 + width));
   const auto A = as_float(randn(static_cast<std::size_t>(maps * dk * dk), rng));
   const auto B = as_float(randn(static_cast<std::size_t>(maps * dk * ld), rng));
@@ -620,14 +623,17 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MultiplyMaps,
                                            MapsProductParam{40, 72, true, Bias::in_place},
                                            MapsProductParam{128, 128, false, Bias::in_place},
                                            MapsProductParam{128, 128, true, Bias::none},
-                                           MapsProductParam{130, 33, true, Bias::separate}),
+                                           MapsProductParam{130, 33, true, Bias::separate},
+                                           MapsProductParam{4, 5, true, Bias::separate, 65537},
+                                           MapsProductParam{4, 5, false, Bias::in_place, 131075}),
                          [](const ::testing::TestParamInfo<MapsProductParam>& i) {
                            const char* bias = i.param.bias == Bias::none       ? "none"
                                               : i.param.bias == Bias::separate ? "bias"
                                                                                : "inplace";
                            return "dk" + std::to_string(i.param.dk) + "_w" +
                                   std::to_string(i.param.width) +
-                                  (i.param.transpose ? "_AT_" : "_A_") + bias;
+                                  (i.param.transpose ? "_AT_" : "_A_") + bias +
+                                  (i.param.maps != 3 ? "_maps" + std::to_string(i.param.maps) : "");
                          });
 
 TEST(AffineMapKernels, MultiplyMapsRefusesOutAliasingB) {
@@ -651,13 +657,14 @@ TEST(AffineMapKernels, MultiplyMapsRefusesOutAliasingB) {
 // 32-row slices, and zero steps (a copy). A is scaled by 1 / sqrt(Dk) so
 // that X keeps its size along the chain, as the scans' maps do; each step
 // adds one fp32 product's rounding, so the bound is that of multiply_maps
-// (1e-6) times the steps.
+// (1e-6) times the steps. More maps than grid.y holds run in slices.
 struct MapsChainParam {
   int64_t dk, width;
   int steps;
   bool transpose;
   Bias bias;             // none, separate, or in_place: out aliases the last step's bias
   int64_t second_width;  // > 0: a second chain (no biases) of this width in the same launch
+  int64_t maps = 3;
 };
 
 class ChainMaps : public ::testing::TestWithParam<MapsChainParam> {
@@ -668,8 +675,7 @@ class ChainMaps : public ::testing::TestWithParam<MapsChainParam> {
 };
 
 TEST_P(ChainMaps, MatchesHost) {
-  const auto [dk, width, steps, transpose, bias, second_width] = GetParam();
-  const int64_t maps = 3;
+  const auto [dk, width, steps, transpose, bias, second_width, maps] = GetParam();
   std::mt19937_64 rng(static_cast<uint64_t>(dk * 7919 + width * 31 + steps));
   const float scale = static_cast<float>(1.0 / std::sqrt(double(dk)));
   auto random_floats = [&](int64_t n, float s) {
@@ -756,14 +762,16 @@ INSTANTIATE_TEST_SUITE_P(
                       MapsChainParam{64, 40, 1, false, Bias::none, 0},
                       MapsChainParam{64, 33, 5, true, Bias::separate, 0},
                       MapsChainParam{16, 12, 3, true, Bias::in_place, 0},
-                      MapsChainParam{16, 12, 0, false, Bias::none, 0}),
+                      MapsChainParam{16, 12, 0, false, Bias::none, 0},
+                      MapsChainParam{4, 5, 2, true, Bias::in_place, 3, 65537}),
     [](const ::testing::TestParamInfo<MapsChainParam>& i) {
       const char* bias = i.param.bias == Bias::none       ? "none"
                          : i.param.bias == Bias::separate ? "bias"
                                                           : "inplace";
       return "dk" + std::to_string(i.param.dk) + "_w" + std::to_string(i.param.width) + "_s" +
              std::to_string(i.param.steps) + (i.param.transpose ? "_AT_" : "_A_") + bias +
-             (i.param.second_width > 0 ? "_two" + std::to_string(i.param.second_width) : "");
+             (i.param.second_width > 0 ? "_two" + std::to_string(i.param.second_width) : "") +
+             (i.param.maps != 3 ? "_maps" + std::to_string(i.param.maps) : "");
     });
 
 TEST(AffineMapKernels, ChainMapsRefusesBadArguments) {

@@ -393,6 +393,20 @@ TEST_P(CudaForward, RejectsMisalignedOutput) {
   for (double x : gpu.o()) EXPECT_TRUE(std::isnan(x)) << "o written despite the error";
 }
 
+// chunk_states the scans cannot store in 16-byte pieces (and the backward
+// would not read: it asks 32-byte alignment) is refused the same way. The
+// check comes before anything runs, so the buffer need not hold the states.
+TEST_P(CudaForward, RejectsMisalignedChunkStates) {
+  ref::Problem p = random_problem(spec(), seed(13));
+  GpuProblem gpu(p, dtype(), 64);
+  DeviceBuffer<float> states(64);
+  MixerParams m = gpu.params();
+  m.chunk_states = states.data() + 4;  // 16 bytes past a 256-byte-aligned allocation
+  expect_error([&] { cuda::mixer_forward(m, nullptr); }, "chunk_states");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (double x : gpu.o()) EXPECT_TRUE(std::isnan(x)) << "o written despite the error";
+}
+
 // A forced STATESCAN_SCAN_CLUSTER that the scan cannot take is an error
 // naming the variable, not a silent fallback: 8 CTAs do not divide D = 64's
 // four column blocks, and leave chunks of 16 rows 2 rows per CTA (the tensor

@@ -1140,6 +1140,20 @@ TEST(LactCudaArgs, ChunkNotDivisibleByRanksIsRejected) {
   EXPECT_EQ(error_argument([&] { cuda::lact_cuda_check_sizes(p); }), "chunk");
 }
 
+// A sequence shorter than one chunk is a single chunk of T tokens: only T
+// must split over the ranks (T = 12 over 3 with chunk 16), as on the CPU.
+// Checked before any pointer is read: runs without a GPU.
+TEST(LactCudaArgs, SingleShortChunkNeedsOnlyTheSequenceToSplit) {
+  cuda::LactCudaParams p = two_rank_sizes(16);
+  p.ranks = 3;
+  p.seq_len = 12;
+  for (p.rank = 0; p.rank < p.ranks; ++p.rank)
+    EXPECT_EQ(error_argument([&] { cuda::lact_cuda_check_sizes(p); }), "<no error>");
+  p.rank = 0;
+  p.seq_len = 10;  // the single chunk itself does not split: T's fault
+  EXPECT_EQ(error_argument([&] { cuda::lact_cuda_check_sizes(p); }), "q");
+}
+
 // Ranks sharing a chunk update from the whole chunk's gradient only through
 // the all-reduce: without one each would apply its own partial gradient and
 // the fast weights drift apart with no error (the CPU path refuses it too).

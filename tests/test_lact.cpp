@@ -315,6 +315,17 @@ TEST_P(LactCpuPath, SingleRankLayerMatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(AllOptions, LactCpuPath, ::testing::ValuesIn(all_lact_cases()), case_name);
 
+// The argument named by the error that f throws, or "<no error>".
+template <typename F>
+std::string error_argument(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.argument();
+  }
+  return "<no error>";
+}
+
 // ---- the sharded layout -----------------------------------------------------------
 
 TEST(LactLayout, SlicesCoverEveryTokenOnceInChunkOrder) {
@@ -363,17 +374,96 @@ TEST(LactLayout, ChunkNotDivisibleByRanksThrows) {
   }
 }
 
-// ---- bad input --------------------------------------------------------------------
-
-template <typename F>
-std::string error_argument(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.argument();
-  }
-  return "<no error>";
+// lact_check_layout with ten non-null arrays: only the sizes matter.
+void check_layout(int64_t seq_len, int64_t chunk, int64_t ranks) {
+  static const float dummy = 0.f;
+  const void* const arrays[10] = {&dummy, &dummy, &dummy, &dummy, &dummy,
+                                  &dummy, &dummy, &dummy, &dummy, &dummy};
+  LactConfig cfg;
+  cfg.chunk = chunk;
+  for (int64_t r = 0; r < ranks; ++r) lact_check_layout(cfg, 1, seq_len, 2, 4, 6, ranks, r, arrays);
 }
+
+// A sequence shorter than one chunk is a single chunk of T tokens: it needs
+// T, not the chunk size, to split over the ranks (statescan-run's default
+// chunk of 2048 with T = 1536 on 3 ranks).
+TEST(LactLayout, SingleShortChunkNeedsOnlyTheSequenceToSplit) {
+  const int64_t T = 12, C = 16, P = 3;  // C % P != 0, T % P == 0
+  EXPECT_NO_THROW(check_layout(T, C, P));
+  EXPECT_NO_THROW(check_layout(1536, 2048, 3));
+  for (int64_t r = 0; r < P; ++r) {
+    const LactTokenRange t = lact_token_range(T, C, P, r, 0);
+    EXPECT_EQ(t.begin, 4 * r);
+    EXPECT_EQ(t.end, 4 * r + 4);
+  }
+  const int64_t B = 2, inner = 3;
+  std::vector<double> global(static_cast<std::size_t>(B * T * inner));
+  for (std::size_t i = 0; i < global.size(); ++i) global[i] = static_cast<double>(i);
+  std::vector<double> back(global.size(), -1.0);
+  for (int64_t r = 0; r < P; ++r)
+    lact_unshard(lact_shard(global, B, T, inner, C, P, r), B, T, inner, C, P, r, back);
+  EXPECT_EQ(back, global);
+}
+
+// The single chunk itself must split: T = 10 over 3 ranks is the sequence's
+// fault (named "q" by the layer's check, "seq_len" by the layout helpers),
+// not the chunk size's.
+TEST(LactLayout, SingleChunkNotDivisibleByRanksNamesTheSequence) {
+  EXPECT_EQ(error_argument([] { check_layout(10, 16, 3); }), "q");
+  EXPECT_EQ(error_argument([] { lact_token_range(10, 16, 3, 0, 0); }), "seq_len");
+  EXPECT_EQ(error_argument([] { lact_check_split(10, 16, 3, "--seq-len", "--lact-chunk"); }),
+            "--seq-len");
+  // Two or more chunks: the full ones must split, whatever T is.
+  EXPECT_EQ(error_argument([] { check_layout(18, 16, 3); }), "chunk");
+  EXPECT_EQ(error_argument([] { lact_check_split(18, 16, 3, "--seq-len", "--lact-chunk"); }),
+            "--lact-chunk");
+  // The chunk size splits but the last chunk (and so T) does not.
+  EXPECT_EQ(error_argument([] { check_layout(20, 6, 3); }), "q");
+}
+
+// A wrong inner or a short vector must be refused before lact_shard reads or
+// lact_unshard writes out of bounds.
+TEST(LactLayout, ShardRefusesWrongSizes) {
+  const int64_t B = 2, T = 36, inner = 3, C = 24, P = 3;
+  const std::vector<double> global(static_cast<std::size_t>(B * T * inner), 1.0);
+  EXPECT_EQ(error_argument([&] { lact_shard(global, B, T, inner + 1, C, P, 0); }), "global");
+  const std::vector<double> short_global(global.begin(), global.end() - 1);
+  EXPECT_EQ(error_argument([&] { lact_shard(short_global, B, T, inner, C, P, 2); }), "global");
+  try {
+    lact_shard(short_global, B, T, inner, C, P, 0);
+  } catch (const Error& e) {
+    // The message gives the expected and the actual size.
+    EXPECT_NE(e.message().find(std::to_string(B * T * inner)), std::string::npos) << e.what();
+    EXPECT_NE(e.message().find(std::to_string(short_global.size())), std::string::npos) << e.what();
+  }
+}
+
+TEST(LactLayout, UnshardRefusesWrongSizes) {
+  const int64_t B = 2, T = 36, inner = 3, C = 24, P = 3;
+  std::vector<double> global(static_cast<std::size_t>(B * T * inner), 0.0);
+  const std::vector<double> local(static_cast<std::size_t>(B * T / P * inner), 1.0);
+  const std::vector<double> short_local(local.begin(), local.end() - 1);
+  EXPECT_EQ(error_argument([&] { lact_unshard(short_local, B, T, inner, C, P, 2, global); }),
+            "local");
+  const std::vector<double> long_local(local.size() + 1, 1.0);
+  EXPECT_EQ(error_argument([&] { lact_unshard(long_local, B, T, inner, C, P, 0, global); }),
+            "local");
+  try {
+    lact_unshard(short_local, B, T, inner, C, P, 0, global);
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find(std::to_string(local.size())), std::string::npos) << e.what();
+    EXPECT_NE(e.message().find(std::to_string(short_local.size())), std::string::npos) << e.what();
+  }
+  // A wrong inner makes both sizes wrong; the global tensor is named first.
+  EXPECT_EQ(error_argument([&] { lact_unshard(local, B, T, inner + 1, C, P, 0, global); }),
+            "global");
+  std::vector<double> short_global(global.size() - 1, 0.0);
+  EXPECT_EQ(error_argument([&] { lact_unshard(local, B, T, inner, C, P, 2, short_global); }),
+            "global");
+  EXPECT_TRUE(std::all_of(global.begin(), global.end(), [](double x) { return x == 0.0; }));
+}
+
+// ---- bad input --------------------------------------------------------------------
 
 TEST(LactErrors, BadConfigIsRejected) {
   SingleRankCommunicator self;

@@ -1,7 +1,8 @@
 // LaCT chunk sharding under mpirun (2, 3, 4 ranks): every chunk split evenly
 // across the ranks must give the unsharded result for the output and every
-// gradient, for every option combination, including a partial last chunk and
-// a sequence that is a single chunk spanning every rank. Bad input on one rank
+// gradient, for every option combination, including a partial last chunk, a
+// sequence that is a single chunk spanning every rank, and one shorter than a
+// chunk whose size does not split over 3 ranks. Bad input on one rank
 // must raise the same error on every rank, with no hang and nothing written.
 #include <gtest/gtest.h>
 
@@ -35,7 +36,7 @@ Communicator& world() {
 
 struct ShardCase {
   LactCase options;
-  int64_t seq_len, chunk;  // divisible by 2, 3 and 4 chunk by chunk
+  int64_t seq_len, chunk;  // every chunk's tokens divisible by 2, 3 and 4
 };
 
 std::string shard_case_name(const ::testing::TestParamInfo<ShardCase>& info) {
@@ -133,6 +134,10 @@ std::vector<ShardCase> shard_cases() {
     cases.push_back({o, 36, 12});  // three full chunks
     cases.push_back({o, 36, 24});  // chunks of 24 and 12 tokens
     cases.push_back({o, 12, 12});  // one chunk spanning every rank
+    // One chunk of T < C tokens: C = 2048 does not split over 3 ranks, but
+    // the only chunk has T = 1536 tokens, which does (statescan-run's
+    // default --lact-chunk at --seq-len 1536).
+    cases.push_back({o, 1536, 2048});
   }
   return cases;
 }

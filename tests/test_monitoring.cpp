@@ -540,7 +540,9 @@ TEST(FlopModel, AdditiveMatchesHandCount) {
   // Per token and head, C = 4, Dk = 2, Dv = 3: 4*(2+3) + 4*2*3 = 44; 5 tokens.
   FlopShape s{Variant::linear, 5, 1, 2, 3, 4};
   EXPECT_DOUBLE_EQ(chunkwise_forward_flops(s), 5 * 44);
-  EXPECT_DOUBLE_EQ(chunkwise_step_flops(s, true), 3 * 5 * 44);
+  // Backward: 4*(3*2 + 2*3) + 8*2*3 = 96.
+  EXPECT_DOUBLE_EQ(chunkwise_backward_flops(s), 5 * 96);
+  EXPECT_DOUBLE_EQ(chunkwise_step_flops(s, true), 5 * (44 + 96));
   EXPECT_DOUBLE_EQ(chunkwise_step_flops(s, false), 5 * 44);
 }
 
@@ -548,6 +550,8 @@ TEST(FlopModel, DeltaRuleAddsTheWyWork) {
   // Extra per token: 4*2 + 4*(2+3) + 2*2*3 = 40.
   FlopShape s{Variant::deltanet, 5, 1, 2, 3, 4};
   EXPECT_DOUBLE_EQ(chunkwise_forward_flops(s), 5 * (44 + 40));
+  // Backward extra per token: 4*(6*2 + 3*3) + 6*2*3 = 120.
+  EXPECT_DOUBLE_EQ(chunkwise_backward_flops(s), 5 * (96 + 120));
 }
 
 TEST(FlopModel, SquareHeadsGiveTheBenchmarkFormula) {
@@ -557,6 +561,8 @@ TEST(FlopModel, SquareHeadsGiveTheBenchmarkFormula) {
     FlopShape s{v, 1, 1, 128, 128, 64};
     const double expected = has_beta(v) ? 5 * C * D + 6 * D * D : 2 * C * D + 4 * D * D;
     EXPECT_DOUBLE_EQ(chunkwise_forward_flops(s), expected) << to_string(v);
+    const double backward = has_beta(v) ? 14 * C * D + 14 * D * D : 5 * C * D + 8 * D * D;
+    EXPECT_DOUBLE_EQ(chunkwise_backward_flops(s), backward) << to_string(v);
   }
 }
 
@@ -571,6 +577,8 @@ TEST(FlopModel, ScalesWithTokensAndHeads) {
 TEST(FlopModel, InvalidShapesAreRefused) {
   expect_error([] { chunkwise_forward_flops({Variant::kda, 64, 1, 64, 64, 0}); }, "chunk");
   expect_error([] { chunkwise_forward_flops({Variant::kda, -1, 1, 64, 64, 64}); }, "tokens");
+  expect_error([] { chunkwise_backward_flops({Variant::kda, 64, 1, 64, 64, 0}); }, "chunk");
+  expect_error([] { chunkwise_backward_flops({Variant::kda, 64, 1, -1, 64, 64}); }, "dk");
 }
 
 TEST(FlopModel, LactCountsItsTokenGemms) {

@@ -464,17 +464,36 @@ TEST(RunCli, FailedSaveLeavesNoJsonReport) {
   EXPECT_FALSE(fs::exists(json)) << "the report of a run whose results were not saved";
 }
 
-// And a report that cannot be written leaves no saved arrays (a non-empty
-// directory where the report should go makes its final rename fail).
+// And a report that cannot be written leaves no saved arrays. A directory
+// where the report should go is refused before the run (it used to fail the
+// final rename after every step had run).
 TEST(RunCli, FailedJsonReportLeavesNoResultFiles) {
   TempDir dir;
   write_inputs(make_inputs(Variant::gla, {}, 14), dir.in());
   const fs::path json = dir.file("run.json");
   fs::create_directories(json / "occupied");
   const RunResult r = run_cli(dir, "--variant gla " + io_args(dir) + " --json " + json.string());
-  EXPECT_EQ(r.exit_code, 3) << r.out << r.err;
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   expect_every_rank_reports(r, "argument '--json'");
+  EXPECT_NE(r.err.find("is a directory"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("# Avg"), std::string::npos) << "the steps ran: " << r.out;
   EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+}
+
+// The --save folder holds one run's results: a forward-only run into the
+// folder of an earlier forward + backward takes that run's gradients away.
+TEST(RunCli, SaveRemovesOutputsAnEarlierRunLeft) {
+  TempDir dir;
+  write_inputs(make_inputs(Variant::gla, {}, 15), dir.in());
+  RunResult r = run_cli(dir, "--variant gla " + io_args(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  ASSERT_TRUE(files_in(dir.out()).count("dq.npy")) << "the first run wrote no gradients";
+  fs::remove(dir.in() / "do.npy");
+  fs::remove(dir.in() / "dht.npy");
+  std::ofstream(dir.out() / "notes.txt") << "not an output";
+  r = run_cli(dir, "--variant gla " + io_args(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(files_in(dir.out()), (std::set<std::string>{"o.npy", "ht.npy", "notes.txt"}));
 }
 
 // Without a GPU (CI, or a build without CUDA) an explicit --device cuda is an
@@ -565,6 +584,29 @@ TEST(RunCli, NoSaveTIsRefusedOnTheCpuPath) {
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   expect_every_rank_reports(r, "argument '--no-save-t'");
   EXPECT_EQ(r.out.find("# Avg"), std::string::npos) << "ran anyway:\n" << r.out;
+}
+
+// And where no T exists (vector gates, additive rules, fp32 inputs) it would
+// change nothing: refused, not ignored.
+TEST(RunCli, NoSaveTIsRefusedWhereNoTIsSaved) {
+  TempDir dir;
+  for (const std::string args : {"--variant kda --dtype bf16", "--variant gla --dtype bf16",
+                                 "--variant deltanet --dtype f32"}) {
+    const RunResult r = run_cli(dir, "--no-save-t " + args + " --seq-len 45 --iters 1 --warmup 0");
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out << r.err;
+    expect_every_rank_reports(r, "saves no T");
+  }
+}
+
+// A shape whose tensors no machine holds is refused naming the flags, not
+// by an allocation's exception (std::bad_alloc, exit 3) after the set-up.
+TEST(RunCli, ShapeTooLargeIsRefusedNamingTheFlags) {
+  TempDir dir;
+  const RunResult r =
+      run_cli(dir, "--batch 1073741824 --seq-len 1073741824 --no-check --iters 1 --warmup 0");
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, "argument '--seq-len'");
+  EXPECT_NE(r.err.find("--batch 1073741824"), std::string::npos) << r.err;
 }
 
 // ---- --variant lact: LactLayer, every chunk split over the ranks ----------------------

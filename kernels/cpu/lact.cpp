@@ -544,17 +544,47 @@ int64_t lact_num_chunks(int64_t seq_len, int64_t chunk) {
   return (seq_len + chunk - 1) / chunk;
 }
 
+void lact_check_split(int64_t seq_len, int64_t chunk, int64_t ranks, const char* seq_len_arg,
+                      const char* chunk_arg) {
+  SS_CHECK_ARG(seq_len >= 1, seq_len_arg, "sequence length must be >= 1, got ", seq_len);
+  SS_CHECK_ARG(chunk >= 1, chunk_arg, "must be >= 1, got ", chunk);
+  SS_CHECK_ARG(ranks >= 1, "ranks", "must be >= 1, got ", ranks);
+  const int64_t chunks = lact_num_chunks(seq_len, chunk);
+  // Chunk 0 is a full one whenever another follows it.
+  SS_CHECK_ARG(chunks == 1 || chunk % ranks == 0, chunk_arg, "chunk 0 has ", chunk,
+               " tokens, not divisible by the ", ranks, " ranks sharing it");
+  const int64_t last = seq_len - (chunks - 1) * chunk;
+  SS_CHECK_ARG(last % ranks == 0, seq_len_arg, "chunk ", chunks - 1, " has ", last,
+               " tokens, not divisible by the ", ranks, " ranks sharing it (T = ", seq_len,
+               " is not a multiple of ", ranks, ")");
+}
+
 LactTokenRange lact_token_range(int64_t seq_len, int64_t chunk, int64_t ranks, int64_t rank,
                                 int64_t c) {
   const int64_t chunks = lact_num_chunks(seq_len, chunk);
   SS_CHECK_ARG(ranks >= 1, "ranks", "must be >= 1, got ", ranks);
   SS_CHECK_ARG(rank >= 0 && rank < ranks, "rank", rank, " not in [0, ", ranks, ")");
   SS_CHECK_ARG(c >= 0 && c < chunks, "chunk_index", c, " not in [0, ", chunks, ")");
+  lact_check_split(seq_len, chunk, ranks, "seq_len", "chunk");
   const int64_t len = std::min(chunk, seq_len - c * chunk);
-  SS_CHECK_ARG(len % ranks == 0, "chunk", "chunk ", c, " has ", len,
-               " tokens, not divisible by the ", ranks, " ranks sharing it");
   const int64_t n = len / ranks;
   return {c * chunk + rank * n, c * chunk + (rank + 1) * n};
+}
+
+std::size_t lact_check_shard_sizes(int64_t batch, int64_t seq_len, int64_t inner, int64_t chunk,
+                                   int64_t ranks, std::size_t global_size, std::size_t local_size) {
+  SS_CHECK_ARG(batch >= 1, "batch", "must be >= 1, got ", batch);
+  SS_CHECK_ARG(inner >= 1, "inner", "must be >= 1, got ", inner);
+  lact_check_split(seq_len, chunk, ranks, "seq_len", "chunk");
+  const auto global = static_cast<std::size_t>(batch * seq_len * inner);
+  const auto local = static_cast<std::size_t>(batch * (seq_len / ranks) * inner);
+  SS_CHECK_ARG(global_size == global, "global", "has ", global_size,
+               " elements, expected B T inner = ", batch, " * ", seq_len, " * ", inner, " = ",
+               global);
+  SS_CHECK_ARG(local_size == kLactLocalUnknown || local_size == local, "local", "has ", local_size,
+               " elements, expected B (T / P) inner = ", batch, " * ", seq_len / ranks, " * ",
+               inner, " = ", local);
+  return local;
 }
 
 void lact_check_layout(const LactConfig& config, int64_t batch, int64_t seq_len, int64_t heads,
@@ -567,14 +597,8 @@ void lact_check_layout(const LactConfig& config, int64_t batch, int64_t seq_len,
   SS_CHECK_ARG(hidden >= 1, "w0", "hidden width M must be >= 1, got ", hidden);
   SS_CHECK_ARG(ranks >= 1, "ranks", "must be >= 1, got ", ranks);
   SS_CHECK_ARG(rank >= 0 && rank < ranks, "rank", rank, " not in [0, ", ranks, ")");
-  SS_CHECK_ARG(config.chunk % ranks == 0, "chunk", "chunk size ", config.chunk,
-               " is not divisible by the ", ranks,
-               " ranks (every chunk is split evenly across the group)");
-  SS_CHECK_ARG(seq_len >= 1 && seq_len % ranks == 0, "q", "sequence length ", seq_len,
-               " must be a positive multiple of the ", ranks, " ranks");
-  // The last chunk must split evenly too (lact_token_range checks it).
-  (void)lact_token_range(seq_len, config.chunk, ranks, rank,
-                         lact_num_chunks(seq_len, config.chunk) - 1);
+  // The sequence length is q's (and every token array's) T.
+  lact_check_split(seq_len, config.chunk, ranks, "q", "chunk");
   const char* names[] = {"q", "k", "v", "lr0", "lr1", "lr2", "w0", "w1", "w2", "o"};
   for (int i = 0; i < 10; ++i) SS_CHECK_ARG(arrays[i] != nullptr, names[i], "is required");
 }

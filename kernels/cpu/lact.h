@@ -158,9 +158,21 @@ void lact_backward(const LactParams<T>& p, const LactGradParams<T>& g,
 
 int64_t lact_num_chunks(int64_t seq_len, int64_t chunk);
 
+// The one rule of the sharded layout, which lact_token_range, lact_check_layout
+// (CPU and GPU) and statescan-run all apply: every chunk of a length-seq_len
+// sequence, the last (maybe shorter) one too, splits evenly over `ranks`.
+// All chunks but the last have `chunk` tokens, so chunk % ranks == 0 matters
+// only when there are two or more; a sequence no longer than one chunk is a
+// single chunk of seq_len tokens, whose slices start at local row 0 whatever
+// chunk is. Given that, the last chunk splits exactly when seq_len % ranks ==
+// 0. Throws statescan::Error naming chunk_arg when chunk is at fault, else
+// seq_len_arg when seq_len is (no chunk size could split it then).
+void lact_check_split(int64_t seq_len, int64_t chunk, int64_t ranks, const char* seq_len_arg,
+                      const char* chunk_arg);
+
 // Global tokens [begin, end) of chunk c's slice on rank r when every chunk of
-// a length-seq_len sequence is split evenly over `ranks` (chunk lengths must
-// be divisible by ranks; throws naming "chunk" otherwise).
+// a length-seq_len sequence is split evenly over `ranks` (lact_check_split's
+// rule; throws naming "chunk" or "seq_len" otherwise).
 struct LactTokenRange {
   int64_t begin = 0, end = 0;
 };
@@ -169,9 +181,10 @@ LactTokenRange lact_token_range(int64_t seq_len, int64_t chunk, int64_t ranks, i
 
 // The checks of a call's layout that every LaCT path makes (lact_check_params
 // here, lact_cuda_check_sizes on the GPU): the config, positive sizes, the
-// rank in range, every chunk (the last one too) split evenly over the ranks,
-// and the ten arrays q, k, v, lr0, lr1, lr2, w0, w1, w2, o given, in that
-// order. Throws statescan::Error naming the argument.
+// rank in range, every chunk (the last one too) split evenly over the ranks
+// (lact_check_split, naming "chunk" or, for the sequence length, "q"), and
+// the ten arrays q, k, v, lr0, lr1, lr2, w0, w1, w2, o given, in that order.
+// Throws statescan::Error naming the argument.
 void lact_check_layout(const LactConfig& config, int64_t batch, int64_t seq_len, int64_t heads,
                        int64_t dim, int64_t hidden, int64_t ranks, int64_t rank,
                        const void* const (&arrays)[10]);
@@ -184,12 +197,24 @@ void lact_check_layout(const Params& p) {
                     arrays);
 }
 
+// What lact_shard and lact_unshard check before they touch memory (a wrong
+// inner or a short vector would read or write out of bounds): positive batch
+// and inner, the layout (lact_check_split), global_size == batch seq_len
+// inner and, unless kLactLocalUnknown (lact_shard builds local),
+// local_size == batch (seq_len / ranks) inner. Throws statescan::Error naming
+// the argument ("global", "local" with the expected and actual sizes).
+// Returns local's size.
+constexpr std::size_t kLactLocalUnknown = static_cast<std::size_t>(-1);
+std::size_t lact_check_shard_sizes(int64_t batch, int64_t seq_len, int64_t inner, int64_t chunk,
+                                   int64_t ranks, std::size_t global_size,
+                                   std::size_t local_size = kLactLocalUnknown);
+
 // Rank r's local tensor [B, T/P, inner] from a global [B, T, inner] one.
 template <typename T>
 std::vector<T> lact_shard(const std::vector<T>& global, int64_t batch, int64_t seq_len,
                           int64_t inner, int64_t chunk, int64_t ranks, int64_t rank) {
   std::vector<T> local;
-  local.reserve(global.size() / static_cast<std::size_t>(ranks));
+  local.reserve(lact_check_shard_sizes(batch, seq_len, inner, chunk, ranks, global.size()));
   const int64_t chunks = lact_num_chunks(seq_len, chunk);
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t c = 0; c < chunks; ++c) {
@@ -204,6 +229,7 @@ std::vector<T> lact_shard(const std::vector<T>& global, int64_t batch, int64_t s
 template <typename T>
 void lact_unshard(const std::vector<T>& local, int64_t batch, int64_t seq_len, int64_t inner,
                   int64_t chunk, int64_t ranks, int64_t rank, std::vector<T>& global) {
+  lact_check_shard_sizes(batch, seq_len, inner, chunk, ranks, global.size(), local.size());
   const int64_t chunks = lact_num_chunks(seq_len, chunk);
   auto src = local.begin();
   for (int64_t b = 0; b < batch; ++b)

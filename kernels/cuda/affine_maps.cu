@@ -21,6 +21,8 @@ namespace statescan::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+// grid.y's and grid.z's limit: launches with more maps than this run in slices.
+constexpr int64_t kMaxGridYZ = 65535;
 
 unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>((n + kThreads - 1) / kThreads);
@@ -306,15 +308,24 @@ void multiply_maps(const MapsProduct& p, cudaStream_t stream) {
   SS_CHECK_ARG(p.A != nullptr && p.B != nullptr && p.out != nullptr, "A",
                "A, B and out must not be null");
   SS_CHECK_ARG(p.B != p.out, "out", "must not alias B (other tiles still read it)");
-  SS_CHECK_ARG(p.maps <= 65535, "maps", p.maps, " maps in one call (at most 65535)");
-  if (p.maps == 0) return;
-  const dim3 grid(static_cast<unsigned>((p.width + 31) / 32),
-                  static_cast<unsigned>((p.dk + 31) / 32), static_cast<unsigned>(p.maps));
-  if (p.transpose_a)
-    map_product_kernel<true><<<grid, dim3(16, 16), 0, stream>>>(p);
-  else
-    map_product_kernel<false><<<grid, dim3(16, 16), 0, stream>>>(p);
-  SS_LAUNCH_CHECK("map_product_kernel");
+  // The maps run along grid.z (at most 65535): more go in several launches,
+  // each on its slice of every operand (B * H of them reach that on a
+  // delta rule's exchange, on some ranks only, so this cannot be an error).
+  for (int64_t first = 0; first < p.maps; first += kMaxGridYZ) {
+    MapsProduct slice = p;
+    slice.maps = std::min(p.maps - first, kMaxGridYZ);
+    slice.A = p.A + first * p.dk * p.dk;
+    slice.B = p.B + first * p.stride_b;
+    if (p.bias != nullptr) slice.bias = p.bias + first * p.stride_bias;
+    slice.out = p.out + first * p.stride_out;
+    const dim3 grid(static_cast<unsigned>((p.width + 31) / 32),
+                    static_cast<unsigned>((p.dk + 31) / 32), static_cast<unsigned>(slice.maps));
+    if (p.transpose_a)
+      map_product_kernel<true><<<grid, dim3(16, 16), 0, stream>>>(slice);
+    else
+      map_product_kernel<false><<<grid, dim3(16, 16), 0, stream>>>(slice);
+    SS_LAUNCH_CHECK("map_product_kernel");
+  }
 }
 
 void chain_maps(const MapsChain* chains, int count, cudaStream_t stream) {
@@ -324,7 +335,7 @@ void chain_maps(const MapsChain* chains, int count, cudaStream_t stream) {
   int64_t max_maps = 0, max_width = 0;
   for (int i = 0; i < count; ++i) {
     const MapsChain& c = chains[i];
-    SS_CHECK_ARG(c.maps >= 0 && c.maps <= 65535, "maps", c.maps, " maps (at most 65535)");
+    SS_CHECK_ARG(c.maps >= 0, "maps", c.maps, " maps");
     SS_CHECK_ARG(c.dk >= 1 && c.dk <= kChainRows && c.dk % 4 == 0, "dk",
                  "chained map products take Dk <= 128, a multiple of 4, got ", c.dk);
     SS_CHECK_ARG(c.width >= 1, "width", "must be positive, got ", c.width);
@@ -337,11 +348,29 @@ void chain_maps(const MapsChain* chains, int count, cudaStream_t stream) {
     max_maps = std::max(max_maps, c.maps);
     max_width = std::max(max_width, c.width);
   }
-  if (max_maps == 0) return;
-  const dim3 grid(static_cast<unsigned>((max_width + kChainCols - 1) / kChainCols),
-                  static_cast<unsigned>(max_maps), static_cast<unsigned>(count));
-  maps_chain_kernel<<<grid, 256, 0, stream>>>(l);
-  SS_LAUNCH_CHECK("maps_chain_kernel");
+  // The maps run along grid.y: more than its limit go in slices, each chain
+  // on its own maps of the slice (none once it has fewer).
+  for (int64_t first = 0; first < max_maps; first += kMaxGridYZ) {
+    MapsChainLaunch slice = l;
+    for (int i = 0; i < count; ++i) {
+      const MapsChain& c = l.chain[i];
+      MapsChain& s = slice.chain[i];
+      s.maps = std::clamp<int64_t>(c.maps - first, 0, kMaxGridYZ);
+      if (s.maps == 0) continue;
+      const int64_t state = first * c.dk * c.width, map = first * c.dk * c.dk;
+      s.x0 = c.x0 + state;
+      s.out = c.out + state;
+      for (int st = 0; st < c.steps; ++st) {
+        s.A[st] = c.A[st] + map;
+        if (c.bias[st] != nullptr) s.bias[st] = c.bias[st] + state;
+      }
+    }
+    const int64_t maps = std::min(max_maps - first, kMaxGridYZ);
+    const dim3 grid(static_cast<unsigned>((max_width + kChainCols - 1) / kChainCols),
+                    static_cast<unsigned>(maps), static_cast<unsigned>(count));
+    maps_chain_kernel<<<grid, 256, 0, stream>>>(slice);
+    SS_LAUNCH_CHECK("maps_chain_kernel");
+  }
 }
 
 void apply_affine_maps(const DeviceMaps& maps, const float* in, float* out, int64_t col0,

@@ -236,6 +236,11 @@ void check_supported(const MixerParams& p) {
   // The output stages store o in 4- to 16-byte pieces (a misaligned address
   // is a sticky CUDA error: the context, and every CP peer, would be lost).
   SS_CHECK_ARG(p.o == nullptr || aligned16(p.o), "o", "must be 16-byte aligned");
+  // The state scans store chunk_states in 8- and 16-byte pieces; the backward
+  // reads them 32 bytes at a time and refuses less, so the forward asks the
+  // same (a forward that passes must not leave states its backward refuses).
+  SS_CHECK_ARG(p.chunk_states == nullptr || reinterpret_cast<uintptr_t>(p.chunk_states) % 32 == 0,
+               "chunk_states", "must be 32-byte aligned");
   check_grid_limits(p);
 }
 

@@ -122,9 +122,18 @@ void lact_cuda_check_sizes(const LactCudaParams& p) {
   lact_check_layout(p);
   SS_CHECK_ARG(p.dtype == DType::f32 || p.dtype == DType::bf16, "dtype",
                "LaCT on the GPU supports f32 and bf16, got ", p.dtype);
-  // cuBLAS takes int sizes and leading dimensions.
-  SS_CHECK_ARG(p.heads * p.dim < (int64_t(1) << 31) && p.hidden < (int64_t(1) << 31), "q",
-               "H D and M must fit in 32 bits");
+  // cuBLAS takes int sizes and leading dimensions (lact_common.cuh's gemm):
+  // the token rows' H D; M, 2M and 4M, the widths and leading dimensions of
+  // the per-pair intermediates (rows_in: [h0 | h2], [z | dh]); and a chunk's
+  // slice of tokens on this rank.
+  constexpr int64_t kIntLimit = int64_t(1) << 31;
+  SS_CHECK_ARG(p.heads * p.dim < kIntLimit, "q", "H D = ", p.heads, " * ", p.dim,
+               " must be < 2^31");
+  SS_CHECK_ARG(4 * p.hidden < kIntLimit, "w0", "hidden width M = ", p.hidden,
+               " is too large (4 M must be < 2^31)");
+  SS_CHECK_ARG(std::min(p.config.chunk, p.seq_len) / p.ranks < kIntLimit,
+               p.config.chunk <= p.seq_len ? "chunk" : "q", "a chunk's slice of ",
+               std::min(p.config.chunk, p.seq_len) / p.ranks, " tokens per rank must be < 2^31");
 }
 
 void lact_cuda_check_data(const LactCudaParams& p, cudaStream_t stream) {

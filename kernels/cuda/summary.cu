@@ -800,6 +800,9 @@ AdoptedForward adopt(PreparedForward& forward) {
 void mixer_summary(const MixerParams& p, float* M, float* E, cudaStream_t stream) {
   SS_CHECK_ARG(M != nullptr, "M", "summary output must not be null");
   SS_CHECK_ARG(E != nullptr, "E", "summary output must not be null");
+  // E stands in for o below, whose alignment the forward's checks test: test
+  // it here under its own name first.
+  SS_CHECK_ARG(detail::aligned16(E), "E", "must be 16-byte aligned");
   // No outputs: o only has to pass validation (it is never written), and
   // the caller's chunk_states / final_state are left alone.
   MixerParams q = p;
