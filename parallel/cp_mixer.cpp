@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <string_view>
 
 #include "comm/collective_check.h"
 #include "core/error.h"
@@ -313,10 +314,15 @@ void CpMixer::DeviceStateDeleter::operator()(DeviceState* state) const {
   delete state;
 }
 void CpMixer::forward_device(const CpForwardArgs&) {
-  collective_check(comm_, [] { SS_FAIL("q", "device tensors need a CUDA build of statescan"); });
+  collective_check(agreement_comm(),
+                   [] { SS_FAIL("q", "device tensors need a CUDA build of statescan"); });
 }
 void CpMixer::backward_device(const CpBackwardArgs&) {
-  collective_check(comm_, [] { SS_FAIL("do", "device tensors need a CUDA build of statescan"); });
+  collective_check(agreement_comm(),
+                   [] { SS_FAIL("do", "device tensors need a CUDA build of statescan"); });
+}
+Communicator& CpMixer::agreement_comm() {
+  return control_ != nullptr ? *control_ : comm_;
 }
 #endif
 
@@ -336,8 +342,15 @@ void CpMixer::forward(const CpForwardArgs& a) {
   Geometry& g = saved->geo;
   TensorRules rules;
   rules.check_values = config_.check_finite;
-  collective_check(comm_, [&] { g = cp_detail::check_forward_local(a, config_, rules); });
-  cp_detail::agree_geometry(comm_, a, config_, exchange_, /*on_device=*/false, g);
+  // Over the GPU path's agreement communicator: a peer on that path meets
+  // these two collectives there, and the placement ("memory") fails on both.
+  Communicator& ctl = agreement_comm();
+  collective_check(ctl, [&] { g = cp_detail::check_forward_local(a, config_, rules); });
+  cp_detail::agree_geometry(ctl, a, config_, exchange_, /*on_device=*/false, g);
+  // Every rank agreed on host tensors and shares comm_'s kind: all throw alike.
+  SS_CHECK_ARG(std::string_view(comm_.backend()) != "nccl", "q",
+               "host tensors need a host communicator (MPI or a single rank); this mixer's is "
+               "NCCL: pass device tensors");
 
   const int P = comm_.size();
   const int64_t H = g.heads, Dk = g.dk, Dv = g.dv, state = Dk * Dv;
@@ -457,7 +470,8 @@ void CpMixer::backward(const CpBackwardArgs& a) {
   }
   const auto t_start = Clock::now();
   bwd_stats_ = CpStepStats{};
-  collective_check(comm_, [&] {
+  Communicator& ctl = agreement_comm();  // as in forward: peers on the GPU path meet these
+  collective_check(ctl, [&] {
     SS_CHECK_ARG(saved_ != nullptr, "backward", "called without a preceding forward");
   });
   const Saved& sv = *saved_;
@@ -467,7 +481,7 @@ void CpMixer::backward(const CpBackwardArgs& a) {
   const int64_t nseg = static_cast<int64_t>(sv.segs.size());
   const Shape qk{g.batch, g.local_len, H, Dk}, vo{g.batch, g.local_len, H, Dv};
   const Shape bth{g.batch, g.local_len, H}, states{g.sequences, H, Dk, Dv};
-  collective_check(comm_, [&] {
+  collective_check(ctl, [&] {
     check_input(a.d_o, vo, config_.check_finite, "do");
     if (a.d_final_state.defined())
       check_input(a.d_final_state, states, config_.check_finite, "d_final_state");
@@ -488,7 +502,7 @@ void CpMixer::backward(const CpBackwardArgs& a) {
     }
     if (a.d_initial_state.defined()) check_output(a.d_initial_state, states, "d_initial_state");
   });
-  cp_detail::agree_backward_outputs(comm_, a);
+  cp_detail::agree_backward_outputs(ctl, a);
 
   MixerBwdParams bp;
   static_cast<MixerParams&>(bp) = sv.params;

@@ -121,6 +121,12 @@ class CpMixer {
   };
   void forward_device(const CpForwardArgs& args);
   void backward_device(const CpBackwardArgs& args);
+  // The communicator both paths agree on arguments over: control_, else
+  // comm_, or over NCCL a host-staged view of it (made once). The host path
+  // uses it too, so that a rank whose tensors sit elsewhere than its peers'
+  // meets them in the same collectives and the placement check ("memory")
+  // fails on every rank instead of leaving them waiting.
+  Communicator& agreement_comm();
   // The exchange this forward uses: exchange_ unless automatic, else the
   // cost model's pick on `link` (collective when it measures).
   Exchange resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops, bool over_nccl);
@@ -135,6 +141,7 @@ class CpMixer {
   CpObserver* observer_;
   std::unique_ptr<Saved> saved_;
   std::unique_ptr<DeviceState, DeviceStateDeleter> device_;
+  std::unique_ptr<Communicator> staged_control_;  // agreement_comm() over NCCL
   bool saved_on_device_ = false;  // the last forward ran the GPU path
   CpStepStats fwd_stats_, bwd_stats_;
   std::optional<LinkModel> auto_link_;

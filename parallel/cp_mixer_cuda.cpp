@@ -119,7 +119,6 @@ struct CpMixer::DeviceState {
   cudaStream_t compute = nullptr;   // kernels
   cudaStream_t exchange = nullptr;  // the scan's communication and composition
   Events events;
-  std::unique_ptr<Communicator> control;  // NcclHostStaged over NCCL, else unused
 
   // Saved by forward for backward.
   bool valid = false;
@@ -285,28 +284,24 @@ std::vector<CheckedInput> forward_inputs(const CpForwardArgs& a) {
           {&a.beta, "beta"}, {&a.initial_state, "initial_state"}};
 }
 
-// The communicator the mixer's host-side agreement uses: the one given to
-// set_control, else `comm` itself, or over NCCL a staged view of it (created
-// once in `slot`).
-Communicator& control_comm(Communicator& comm, Communicator* control,
-                           std::unique_ptr<Communicator>& slot) {
-  if (control != nullptr) return *control;
-#ifdef STATESCAN_HAS_NCCL
-  if (is_nccl(comm)) {
-    if (!slot) slot = std::make_unique<NcclHostStaged>(static_cast<NcclCommunicator&>(comm));
-    return *slot;
-  }
-#endif
-  (void)slot;
-  return comm;
-}
-
 void check_supported(int64_t dk, int64_t dv) {
   SS_CHECK_ARG(dk == dv && (dk == 64 || dk == 128), "dk",
                "the CUDA path supports Dk == Dv in {64, 128}, got Dk ", dk, ", Dv ", dv);
 }
 
 }  // namespace
+
+Communicator& CpMixer::agreement_comm() {
+  if (control_ != nullptr) return *control_;
+#ifdef STATESCAN_HAS_NCCL
+  if (is_nccl(comm_)) {
+    if (!staged_control_)
+      staged_control_ = std::make_unique<NcclHostStaged>(static_cast<NcclCommunicator&>(comm_));
+    return *staged_control_;
+  }
+#endif
+  return comm_;
+}
 
 void CpMixer::forward_device(const CpForwardArgs& a) {
   const auto t_start = Clock::now();
@@ -317,7 +312,7 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
   ds.valid = false;
   ds.kept.reset();  // a previous forward's tiles, never used by a backward
   saved_on_device_ = true;
-  Communicator& ctl = control_comm(comm_, control_, ds.control);
+  Communicator& ctl = agreement_comm();
   const cudaStream_t cs = ds.compute;
 
   // ---- local checks, then agreement ------------------------------------------
@@ -613,7 +608,7 @@ void CpMixer::backward_device(const CpBackwardArgs& a) {
   bwd_stats_.on_device = true;
   if (!device_) device_.reset(new DeviceState());
   DeviceState& ds = *device_;
-  Communicator& ctl = control_comm(comm_, control_, ds.control);
+  Communicator& ctl = agreement_comm();
   const cudaStream_t cs = ds.compute;
   collective_check(ctl, [&] {
     SS_CHECK_ARG(ds.valid && saved_on_device_, "backward",

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "comm/collective_check.h"
@@ -188,10 +189,22 @@ void LactLayer::forward(const LactForwardArgs& a) {
     forward_device(a);
     return;
   }
+  // The same three collectives as the GPU path, over the same communicator:
+  // a peer on that path meets them, and the placement fails on both sides.
+  Communicator& ctl = agreement_comm();
   LocalSizes s;
-  collective_check(comm_, [&] { s = lact_detail::check_forward_shapes(a, kHostF32); });
-  const int64_t hashes[3] = {tensor_hash(a.w0), tensor_hash(a.w1), tensor_hash(a.w2)};
-  lact_detail::agree_on_problem(comm_, s, config_, kHostF32, hashes);
+  collective_check(ctl, [&] { s = lact_detail::check_forward_shapes(a, kHostF32); });
+  int64_t hashes[3] = {};
+  collective_check(ctl, [&] {
+    hashes[0] = tensor_hash(a.w0);
+    hashes[1] = tensor_hash(a.w1);
+    hashes[2] = tensor_hash(a.w2);
+  });
+  lact_detail::agree_on_problem(ctl, s, config_, kHostF32, hashes);
+  // Every rank agreed on host tensors and shares comm_'s kind: all throw alike.
+  SS_CHECK_ARG(std::string_view(comm_.backend()) != "nccl", "q",
+               "host tensors need a host communicator (MPI or a single rank); this layer's is "
+               "NCCL: pass device tensors");
 
   const int P = comm_.size();
   LactParams<float> p = make_params(a, config_, s, P, comm_.rank());
@@ -209,7 +222,7 @@ void LactLayer::backward(const LactBackwardArgs& a) {
     backward_device(a);
     return;
   }
-  collective_check(comm_, [&] {
+  collective_check(agreement_comm(), [&] {
     SS_CHECK_ARG(saved_ != nullptr, "forward", "backward needs a preceding forward on this layer");
     const LactParams<float>& p = saved_->params;
     const LocalSizes s{p.batch, p.local_len(), p.heads, p.dim, p.hidden};
@@ -246,6 +259,9 @@ void LactLayer::backward_device(const LactBackwardArgs&) {
   collective_check(comm_, [] {
     SS_FAIL("d_o", "device tensors need a CUDA build of statescan (this one has no GPU path)");
   });
+}
+Communicator& LactLayer::agreement_comm() {
+  return comm_;
 }
 #endif
 

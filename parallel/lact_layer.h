@@ -96,12 +96,19 @@ class LactLayer {
   LactAllReduce<float> all_reduce(LactExchangeStats& stats);
   void forward_device(const LactForwardArgs& args);
   void backward_device(const LactBackwardArgs& args);
+  // The communicator the host path agrees on arguments over: comm_, or over
+  // NCCL a host-staged view of it (made once), as the GPU path's control
+  // plane is; so that a rank whose tensors sit elsewhere than its peers' meets
+  // them in the same collectives and the placement check fails on every rank
+  // instead of leaving them waiting.
+  Communicator& agreement_comm();
 
   Communicator& comm_;
   LactConfig config_;
   LactExchangeStats forward_exchange_, backward_exchange_;
   std::unique_ptr<Saved> saved_;
   std::unique_ptr<DeviceState, DeviceStateDeleter> device_;
+  std::unique_ptr<Communicator> staged_control_;  // agreement_comm() over NCCL
 };
 
 }  // namespace statescan

@@ -153,6 +153,16 @@ void LactLayer::DeviceStateDeleter::operator()(DeviceState* state) const {
   delete state;
 }
 
+Communicator& LactLayer::agreement_comm() {
+#ifdef STATESCAN_HAS_NCCL
+  if (NcclCommunicator* nccl = as_nccl(comm_)) {
+    if (!staged_control_) staged_control_ = std::make_unique<NcclHostStaged>(*nccl);
+    return *staged_control_;
+  }
+#endif
+  return comm_;
+}
+
 void LactLayer::forward_device(const LactForwardArgs& a) {
   std::unique_ptr<DeviceState, DeviceStateDeleter> state(new DeviceState(comm_));
   Communicator& control = *state->control;

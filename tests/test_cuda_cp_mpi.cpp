@@ -315,6 +315,61 @@ TEST_P(CudaCpErrors, NanInGateOnOneRankFailsEveryRank) {
   mpi().barrier();  // reaching this on every rank is the no-hang check
 }
 
+// One rank passing host tensors while its peers pass device tensors: the two
+// paths run different code, yet meet in the same agreement collectives (over
+// NCCL, the host path's through the staged control plane too), so every rank
+// throws the placement mismatch ("memory") instead of the host rank failing
+// alone on the NCCL communicator and its peers waiting for the timeout.
+TEST_P(CudaCpErrors, HostTensorsOnOneRankFailEveryRank) {
+  const bool mpi_control = std::string(GetParam()) == "nccl_mpi_control";
+  const std::string backend = mpi_control ? "nccl" : GetParam();
+  const std::string skip = why_skip(backend);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  int devices = 1;
+  cudaGetDeviceCount(&devices);
+  ASSERT_EQ(cudaSetDevice(mpi().local_rank() % devices), cudaSuccess);
+  Communicator& comm = world(backend);
+  const int P = comm.size(), r = comm.rank();
+  const bool on_host = r == P - 1;
+  ProblemSpec s;
+  s.variant = Variant::gla;  // vector gates, no beta
+  s.seq_len = 96;
+  s.heads = 2;
+  s.dk = s.dv = 64;
+  const ref::Problem p = random_problem(s, 78);
+  const auto bounds = shard_bounds(s.seq_len, P);
+  const int64_t L = bounds[r + 1] - bounds[r];
+  const Shape qk{1, L, 2, 64};
+  auto part = [&](const std::vector<double>& x, int64_t width) {
+    return slice_tokens(x, 1, s.seq_len, bounds[r], bounds[r + 1], width);
+  };
+  std::vector<float> hq = part(p.q, 128), hk = part(p.k, 128), hv = part(p.v, 128),
+                     hg = part(p.g, 128), ho(static_cast<std::size_t>(L * 128), 12345.f);
+  const DeviceTensor q(hq, DType::f32, qk), k(hk, DType::f32, qk), v(hv, DType::f32, qk),
+      g(hg, DType::f32, qk), o(ho, DType::f32, qk);
+  CpForwardArgs a;
+  a.q = on_host ? TensorView(hq.data(), DType::f32, qk) : q.view();
+  a.k = on_host ? TensorView(hk.data(), DType::f32, qk) : k.view();
+  a.v = on_host ? TensorView(hv.data(), DType::f32, qk) : v.view();
+  a.g = on_host ? TensorView(hg.data(), DType::f32, qk) : g.view();
+  a.o = on_host ? TensorView(ho.data(), DType::f32, qk) : o.view();
+  MixerConfig cfg;
+  cfg.variant = s.variant;
+  CpMixer mixer(comm, cfg, Exchange::ring);
+  if (mpi_control) mixer.set_control(&mpi());
+  bool threw = false;
+  try {
+    mixer.forward(a);
+  } catch (const Error& e) {
+    threw = true;
+    EXPECT_EQ(e.argument(), "memory") << e.what();
+  }
+  EXPECT_TRUE(threw) << "rank " << r << " did not get the error";
+  for (float x : on_host ? ho : o.to_host())
+    ASSERT_EQ(x, 12345.f) << "rank " << r << " wrote o despite the error";
+  mpi().barrier();  // reaching this on every rank is the no-hang check
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, CudaCpErrors,
                          ::testing::Values("nccl", "mpi", "nccl_mpi_control"),
                          [](const ::testing::TestParamInfo<const char*>& i) {
