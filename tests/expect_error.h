@@ -21,4 +21,16 @@ void expect_error(F&& call, const std::string& argument) {
   }
 }
 
+// The argument named by the statescan::Error that `call` throws, or
+// "<no error>": for loops over cases that expect different arguments.
+template <typename F>
+std::string error_argument(F&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return e.argument();
+  }
+  return "<no error>";
+}
+
 }  // namespace statescan::test

@@ -251,17 +251,25 @@ INSTANTIATE_TEST_SUITE_P(AllVariantsExchanges, CudaCpInvariance, ::testing::Valu
 
 // ---- a bad input on one rank: the same error everywhere, no hang ---------------------
 
-class CudaCpErrors : public ::testing::TestWithParam<const char*> {};
+// Both tests' set-up: the backend (skipped where it cannot run) and this
+// rank's GPU.
+class CudaCpErrors : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    mpi_control = std::string(GetParam()) == "nccl_mpi_control";
+    backend = mpi_control ? "nccl" : GetParam();
+    const std::string skip = why_skip(backend);
+    if (!skip.empty()) GTEST_SKIP() << skip;
+    int devices = 1;
+    cudaGetDeviceCount(&devices);
+    ASSERT_EQ(cudaSetDevice(mpi().local_rank() % devices), cudaSuccess);
+  }
+  bool mpi_control = false;
+  std::string backend;
+};
 
 // "nccl_mpi_control": NCCL data plane, agreement over MPI (set_control).
 TEST_P(CudaCpErrors, NanInGateOnOneRankFailsEveryRank) {
-  const bool mpi_control = std::string(GetParam()) == "nccl_mpi_control";
-  const std::string backend = mpi_control ? "nccl" : GetParam();
-  const std::string skip = why_skip(backend);
-  if (!skip.empty()) GTEST_SKIP() << skip;
-  int devices = 1;
-  cudaGetDeviceCount(&devices);
-  ASSERT_EQ(cudaSetDevice(mpi().local_rank() % devices), cudaSuccess);
   Communicator& comm = world(backend);
   const int P = comm.size(), r = comm.rank();
   const int culprit = P - 1;
@@ -321,13 +329,6 @@ TEST_P(CudaCpErrors, NanInGateOnOneRankFailsEveryRank) {
 // throws the placement mismatch ("memory") instead of the host rank failing
 // alone on the NCCL communicator and its peers waiting for the timeout.
 TEST_P(CudaCpErrors, HostTensorsOnOneRankFailEveryRank) {
-  const bool mpi_control = std::string(GetParam()) == "nccl_mpi_control";
-  const std::string backend = mpi_control ? "nccl" : GetParam();
-  const std::string skip = why_skip(backend);
-  if (!skip.empty()) GTEST_SKIP() << skip;
-  int devices = 1;
-  cudaGetDeviceCount(&devices);
-  ASSERT_EQ(cudaSetDevice(mpi().local_rank() % devices), cudaSuccess);
   Communicator& comm = world(backend);
   const int P = comm.size(), r = comm.rank();
   const bool on_host = r == P - 1;

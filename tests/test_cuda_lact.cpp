@@ -23,6 +23,7 @@
 #include "kernels/cuda/lact_hidden.cuh"
 #include "kernels/cuda/lact_ns_cluster.cuh"
 #include "kernels/cuda/lact_token_gemm.cuh"
+#include "tests/expect_error.h"
 #include "tests/lact_cuda_test_util.h"
 
 namespace statescan::test {
@@ -930,16 +931,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LactCudaTokenGemm,
                          });
 
 // ---- bad input --------------------------------------------------------------------
-
-template <typename F>
-std::string error_argument(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.argument();
-  }
-  return "<no error>";
-}
 
 // lact_hidden_grad_launch refuses layouts whose rows or pairs would overlap,
 // and lact_hidden_pack_operands shapes and pointers it cannot take, naming the

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/parallel_for.h"
+#include "tests/expect_error.h"
 #include "tests/lact_test_util.h"
 
 namespace statescan::test {
@@ -314,17 +315,6 @@ TEST_P(LactCpuPath, SingleRankLayerMatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllOptions, LactCpuPath, ::testing::ValuesIn(all_lact_cases()), case_name);
-
-// The argument named by the error that f throws, or "<no error>".
-template <typename F>
-std::string error_argument(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.argument();
-  }
-  return "<no error>";
-}
 
 // ---- the sharded layout -----------------------------------------------------------
 
