@@ -25,6 +25,9 @@ statescan_mpi_env
 WORK=${CI_WORK_DIR:-$(mktemp -d /tmp/statescan-consumer.XXXXXX)}
 mkdir -p "$WORK"
 PREFIX=$WORK/prefix
+# A reused CI_WORK_DIR must not lend this run an earlier install (a header
+# the new install forgot would still be found) or copy of the consumer.
+rm -rf "$PREFIX" "$WORK/cp_consumer" "$WORK/consumer-build"
 step() { echo "ci-consumer: $*"; }
 fail() { echo "ci-consumer: FAILED: $*" >&2; exit 1; }
 

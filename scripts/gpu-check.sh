@@ -124,11 +124,14 @@ if [[ "${LINEAR_ALT:-1}" != 0 ]]; then
       --output-on-failure) \
       >"$OUT/tests_linear_alt.log" 2>&1 || status=1
   grep -E "tests passed|tests failed|Failed" "$OUT/tests_linear_alt.log" | sed 's/^/linear alt: /' | head -8
+  # Each command's own `|| status=1`: without set -e a group's status is its
+  # last command's, and the first one's failure was lost.
   {
-    STATESCAN_LINEAR=scan timeout "$(left 120)" "$BUILD/launch/statescan-bench" -v linear -t 32768,131072
+    STATESCAN_LINEAR=scan timeout "$(left 120)" "$BUILD/launch/statescan-bench" -v linear \
+      -t 32768,131072 || status=1
     STATESCAN_LINEAR=scan timeout "$(left 120)" "$BUILD/launch/statescan-bench" --backward -v linear \
-      -t 32768,131072
-  } >"$OUT/bench_linear_scan.log" 2>&1 || status=1
+      -t 32768,131072 || status=1
+  } >"$OUT/bench_linear_scan.log" 2>&1
 fi
 
 # Opt-in paths (kernels/cuda/cuda_backward.cu ds_in_t, lact_cuda_impl.cuh's
@@ -142,7 +145,8 @@ if [[ "${OPT_IN:-1}" != 0 ]]; then
       >"$OUT/tests_opt_in.log" 2>&1 || status=1
   grep -E "Test +#|tests passed|tests failed" "$OUT/tests_opt_in.log" | sed 's/^/opt-in: /' | head -16
   {
-    bench() { timeout "$(left 120)" "$BUILD/launch/statescan-bench" "$@"; }
+    # Every row's failure counts (the group's status is only its last row's).
+    bench() { timeout "$(left 120)" "$BUILD/launch/statescan-bench" "$@" || status=1; }
     bench --backward -v deltanet -t 32768
     STATESCAN_BWD_DS=f32 bench --backward -v deltanet -t 32768
     # Without the saved T (the default): the old solve path whole, and the
@@ -154,7 +158,7 @@ if [[ "${OPT_IN:-1}" != 0 ]]; then
     STATESCAN_LACT_NS=cluster bench --lact
     STATESCAN_LACT_SPLIT_K=0 bench --lact
     STATESCAN_FWD_OUTPUT=kernel bench -v deltanet,kda -t 32768,131072
-  } >"$OUT/bench_opt_in.log" 2>&1 || status=1
+  } >"$OUT/bench_opt_in.log" 2>&1
 fi
 
 # Backward: tests, the forward+backward table, and KDA at T = 1M with its peak memory.

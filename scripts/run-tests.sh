@@ -7,9 +7,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup-build.sh
 
 # prometheus-cpp-dev: the metrics exporter is built and its HTTP tests run;
-# gnuplot-nox: the benchmark plot test draws a real PNG.
-STATESCAN_PACKAGES+=(prometheus-cpp-dev gnuplot-nox)
+# gnuplot-nox: the benchmark plot test draws a real PNG; python3: the
+# multi-GPU script's smoke test (its summary tables) runs on CI's CPUs too.
+STATESCAN_PACKAGES+=(prometheus-cpp-dev gnuplot-nox python3)
 statescan_install_packages
 statescan_build
 statescan_mpi_env
-ctest --test-dir "${STATESCAN_BUILD_DIR:-build}" --output-on-failure -j2
+# No tests registered (a build folder configured with STATESCAN_WITH_TESTS=OFF,
+# or GoogleTest not found) is a failure, not a pass.
+ctest --test-dir "${STATESCAN_BUILD_DIR:-build}" --output-on-failure --no-tests=error -j2
