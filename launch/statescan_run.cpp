@@ -244,6 +244,9 @@ int Job::run_steps() {
   CpMixer mixer(*cp_comm_, config_, options_.exchange, metrics_.get());
   // Over NCCL the mixer's argument agreement goes over MPI (host, same ranks).
   if (cp_comm_ != &comm_) mixer.set_control(&comm_);
+  // --exchange auto's link probe before the timed steps: with --warmup 0 the
+  // first step counted it as exchange time (3 ms against 0.5 on two CPU ranks).
+  mixer.measure_link_now();
   // Host outputs only where they are written: the CPU path, or GPU steps
   // that copy back (--check, --save). At 1M tokens they are tens of GB whose
   // zero-fill would take longer than the run's timed steps.

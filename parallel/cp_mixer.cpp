@@ -12,6 +12,9 @@
 #include "kernels/mixer_params.h"
 #include "parallel/cp_mixer_internal.h"
 #include "parallel/exchange.h"
+#ifdef STATESCAN_HAS_NCCL
+#include "parallel/exchange_cuda.h"
+#endif
 
 namespace statescan {
 
@@ -272,6 +275,18 @@ void CpMixer::report_to_observer(const CpStepStats& s, Phase total) const {
   observer_->on_exchange(s.exchange, s.exchange_s, s.exchange_bytes);
   observer_->on_phase(Phase::merge, s.merge_s, 0);
   observer_->on_phase(total, s.total_s, 0);
+}
+
+void CpMixer::measure_link_now() {
+  if (exchange_ != Exchange::automatic || comm_.size() == 1 || auto_link_) return;
+#ifdef STATESCAN_HAS_NCCL
+  // As the GPU path's first forward measures it (parallel/cp_mixer_cuda.cpp).
+  if (std::string_view(comm_.backend()) == "nccl") {
+    auto_link_ = measure_link_device(comm_, link_preset(LinkPreset::nvlink));
+    return;
+  }
+#endif
+  auto_link_ = measure_link(comm_);
 }
 
 Exchange CpMixer::resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops,

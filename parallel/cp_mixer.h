@@ -107,9 +107,16 @@ class CpMixer {
 
   const CpStepStats& last_forward_stats() const { return fwd_stats_; }
   const CpStepStats& last_backward_stats() const { return bwd_stats_; }
+  // Collective. With the exchange `auto` on more than one rank, measures the
+  // link now (over NCCL with device buffers, else through the host), which
+  // the first forward would otherwise do inside its own time: statescan-run
+  // calls it before its timed steps, so that a run without warm-up does not
+  // count the probe as exchange time. A no-op otherwise, or once measured.
+  void measure_link_now();
+
   // The link `auto` resolved the exchange with, measured at the first forward
-  // (measure_link; over NCCL measure_link_device); null before that forward,
-  // with an explicit exchange, or on one rank.
+  // or by measure_link_now (measure_link; over NCCL measure_link_device);
+  // null before either, with an explicit exchange, or on one rank.
   const LinkModel* auto_link() const { return auto_link_ ? &*auto_link_ : nullptr; }
 
  private:

@@ -283,6 +283,31 @@ TEST(MeasureLink, AutoMixerReportsTheLinkItResolvedWith) {
   EXPECT_EQ(ring.auto_link(), nullptr);
 }
 
+// measure_link_now measures before any forward (statescan-run's timed steps
+// then exclude the probe), and the forward keeps that figure; with an
+// explicit exchange, or on one rank, it measures nothing.
+TEST(MeasureLink, NowMeasuresBeforeTheFirstForward) {
+  Communicator& comm = world();
+  const CaseProblem cpp =
+      make_problem({Variant::gla, Exchange::automatic, Layout::batch_rows}, comm.size());
+  const int r = comm.rank();
+  CpMixer automatic(comm, cpp.cfg, Exchange::automatic);
+  automatic.measure_link_now();
+  if (comm.size() == 1) {
+    EXPECT_EQ(automatic.auto_link(), nullptr);
+  } else {
+    ASSERT_NE(automatic.auto_link(), nullptr);
+    const double measured = automatic.auto_link()->latency_s;
+    EXPECT_GT(measured, 0);
+    run_cp(automatic, cpp.p, cpp.bounds[r], cpp.bounds[r + 1], cpp.d_o, cpp.dht);
+    ASSERT_NE(automatic.auto_link(), nullptr);
+    EXPECT_EQ(automatic.auto_link()->latency_s, measured) << "measured again at the forward";
+  }
+  CpMixer ring(comm, cpp.cfg, Exchange::ring);
+  ring.measure_link_now();
+  EXPECT_EQ(ring.auto_link(), nullptr);
+}
+
 // ---- errors must reach every rank, with no hang and no partial output -----------
 
 struct CpErrors : ::testing::Test {

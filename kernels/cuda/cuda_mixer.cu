@@ -295,6 +295,9 @@ size_t prepare_workspace_bytes(const MixerParams& p) {
 }
 
 bool intra_reads_t() { return kernel_knobs().bwd_t_from_prepare; }
+bool scan_wmma_forced() {
+  return kernel_knobs().scan_wmma;
+}
 
 ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream, bool prepare_only, bool for_backward) {

@@ -56,6 +56,10 @@ int64_t max_chunks(const MixerParams& p);
 // saved T then serves only the prepare re-run's W and U), so that a saved T
 // gives bitwise that mode's gradients too.
 bool intra_reads_t();
+// STATESCAN_SCAN=wmma: 16-bit state scans through the wmma block kernel (an
+// A/B knob), which the per-head wgmma scans do not honour, so the summary's
+// choice between them must (per_head_supported).
+bool scan_wmma_forced();
 
 // The stages a forward that produces o runs: all three, or only the scan and
 // the output when they read the inputs themselves (ForwardArgs::raw_additive).

@@ -614,9 +614,9 @@ class LactGpu {
       gemm_t(false, false, n, M, D, 1.0, tokens(p_.v, b, t0), weights(dg, b, 2), 0.0,
              rows_out(u1_buf(), b, n, M));
     }
-    gradients_backward_rows_kernel<T><<<static_cast<unsigned>(g_.pairs * n), 128, 0, stream_>>>(
-        h_buf(), e_buf(), u_buf(), u1_buf(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), n, M, g_.H,
-        g_.local_len, t0, static_cast<T*>(gr.dlr0), static_cast<T*>(gr.dlr1),
+    gradients_backward_rows_kernel<T><<<row_grid(g_.pairs * n), kRowThreads, 0, stream_>>>(
+        h_buf(), e_buf(), u_buf(), u1_buf(), tok(p_.lr0), tok(p_.lr1), tok(p_.lr2), g_.pairs * n, n,
+        M, g_.H, g_.local_len, t0, static_cast<T*>(gr.dlr0), static_cast<T*>(gr.dlr1),
         static_cast<T*>(gr.dlr2), z_.get(), gate_.get(), de_buf(), dh_.get());
     SS_LAUNCH_CHECK("gradients_backward_rows_kernel");
     // The rows in separate arrays: dk and dv as two GEMMs each into fp32 sums.

@@ -338,7 +338,7 @@ __global__ void apply_backward_kernel(const float* h, const float* dgate, int64_
   }
 }
 
-// Backward of the update gradient, one block per token row (pair, t): from
+// Backward of the update gradient, a block per token row (pair, t) at a time: from
 // h = [h0 | h2], e, u = [u0 | u2] = k [dG0; dG2]^T and u1 = dG1^T v (fp32)
 // writes dlr0..2 of the token and the operands z = [z0 | z2], gate (lr-
 // weighted, for dk and dv), de and dh = [dh0 | dh2] (for dW, dk, dv).
@@ -346,48 +346,52 @@ __global__ void apply_backward_kernel(const float* h, const float* dgate, int64_
 template <typename T>
 __global__ void gradients_backward_rows_kernel(const float* h, const float* e_in, const float* u,
                                                const float* u1, const T* lr0, const T* lr1,
-                                               const T* lr2, int64_t n, int64_t M, int64_t H,
-                                               int64_t local_len, int64_t t0, T* dlr0, T* dlr1,
-                                               T* dlr2, T* z_out, T* gate_out, T* de_out,
+                                               const T* lr2, int64_t rows, int64_t n, int64_t M,
+                                               int64_t H, int64_t local_len, int64_t t0, T* dlr0,
+                                               T* dlr1, T* dlr2, T* z_out, T* gate_out, T* de_out,
                                                T* dh_out) {
-  const int64_t row = blockIdx.x;  // pair * n + t
-  const int64_t pair = row / n, t = row % n;
-  const float l0 = lr_at(lr0, pair, t, H, local_len, t0);
-  const float l1 = lr_at(lr1, pair, t, H, local_len, t0);
-  const float l2 = lr_at(lr2, pair, t, H, local_len, t0);
-  float s0 = 0, s1 = 0, s2 = 0;
-  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
-    const int64_t i = row * M + j, i0 = row * 2 * M + j, i2 = i0 + M;
-    const SiluF s(h[i0]);
-    const float hv = h[i2], ev = e_in[i], u0 = u[i0], u2 = u[i2], v1 = u1[i];
-    const float gate = s.value * hv, z0 = ev * hv * s.d1, z2 = ev * s.value;
-    s0 += z0 * u0;
-    s2 += z2 * u2;
-    s1 -= gate * v1;
-    z_out[i0] = from_float<T>(l0 * z0);
-    z_out[i2] = from_float<T>(l2 * z2);
-    gate_out[i] = from_float<T>(l1 * gate);
-    const float dz0 = l0 * u0, dz2 = l2 * u2, dgate = -l1 * v1;
-    de_out[i] = from_float<T>(dz2 * s.value + dz0 * hv * s.d1);
-    const float dact = dz2 * ev + dgate * hv;
-    dh_out[i2] = from_float<T>(dz0 * ev * s.d1 + dgate * s.value);
-    dh_out[i0] = from_float<T>(dz0 * ev * hv * s.d2 + dact * s.d1);
-  }
   __shared__ float red[3][32];
-  s0 = warp_sum(s0);
-  s1 = warp_sum(s1);
-  s2 = warp_sum(s2);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  if (lane == 0) red[0][warp] = s0, red[1][warp] = s1, red[2][warp] = s2;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float a = 0, b = 0, c = 0;
-    for (int w = 0; w < warps; ++w) a += red[0][w], b += red[1][w], c += red[2][w];
-    const int64_t b_row = pair / H, hh = pair % H;
-    const int64_t idx = (b_row * local_len + t0 + t) * H + hh;
-    dlr0[idx] = from_float<T>(a);
-    dlr1[idx] = from_float<T>(b);
-    dlr2[idx] = from_float<T>(c);
+  // Blocks stride over the rows (row_grid caps the grid), as the other row
+  // kernels do: one block a row overflowed grid.x past 2^31 - 1 rows.
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {  // pair * n + t
+    const int64_t pair = row / n, t = row % n;
+    const float l0 = lr_at(lr0, pair, t, H, local_len, t0);
+    const float l1 = lr_at(lr1, pair, t, H, local_len, t0);
+    const float l2 = lr_at(lr2, pair, t, H, local_len, t0);
+    float s0 = 0, s1 = 0, s2 = 0;
+    for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
+      const int64_t i = row * M + j, i0 = row * 2 * M + j, i2 = i0 + M;
+      const SiluF s(h[i0]);
+      const float hv = h[i2], ev = e_in[i], u0 = u[i0], u2 = u[i2], v1 = u1[i];
+      const float gate = s.value * hv, z0 = ev * hv * s.d1, z2 = ev * s.value;
+      s0 += z0 * u0;
+      s2 += z2 * u2;
+      s1 -= gate * v1;
+      z_out[i0] = from_float<T>(l0 * z0);
+      z_out[i2] = from_float<T>(l2 * z2);
+      gate_out[i] = from_float<T>(l1 * gate);
+      const float dz0 = l0 * u0, dz2 = l2 * u2, dgate = -l1 * v1;
+      de_out[i] = from_float<T>(dz2 * s.value + dz0 * hv * s.d1);
+      const float dact = dz2 * ev + dgate * hv;
+      dh_out[i2] = from_float<T>(dz0 * ev * s.d1 + dgate * s.value);
+      dh_out[i0] = from_float<T>(dz0 * ev * hv * s.d2 + dact * s.d1);
+    }
+    s0 = warp_sum(s0);
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    if (lane == 0) red[0][warp] = s0, red[1][warp] = s1, red[2][warp] = s2;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float a = 0, b = 0, c = 0;
+      for (int w = 0; w < warps; ++w) a += red[0][w], b += red[1][w], c += red[2][w];
+      const int64_t b_row = pair / H, hh = pair % H;
+      const int64_t idx = (b_row * local_len + t0 + t) * H + hh;
+      dlr0[idx] = from_float<T>(a);
+      dlr1[idx] = from_float<T>(b);
+      dlr2[idx] = from_float<T>(c);
+    }
+    __syncthreads();  // red is the next row's
   }
 }
 

@@ -110,13 +110,14 @@ SummaryScan& summary_scan_setting() {
 
 // Whether the per-head scans (chunk_scan_wgmma.cuh) can run `p`: delta
 // rules, 16-bit, Dk = Dv = 128, chunk 64, a build with sm_90a code on a 9.0
-// device.
+// device, and not STATESCAN_SCAN=wmma (the A/B knob the block scans honour:
+// the per-head launch refuses it, which failed every CP step under it).
 bool per_head_supported(const MixerParams& p) {
   // Two attribute queries once per summary: cheap enough not to cache.
   int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));
   return detail::wgmma_device(device) && has_beta(p.variant) && p.dtype != DType::f32 &&
-         p.dk == 128 && p.dv == 128 && p.chunk == 64;
+         p.dk == 128 && p.dv == 128 && p.chunk == 64 && !detail::scan_wmma_forced();
 }
 
 // Whether the summary's final-state-only scans (E, and M's identity scan) run
