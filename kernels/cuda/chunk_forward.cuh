@@ -163,9 +163,11 @@ unsigned scan_cluster_ctas(Kernel kernel, dim3 grid, int threads, size_t smem, i
     return static_cast<unsigned>(forced);
   }
   static std::mutex mutex;
-  static std::map<std::tuple<const void*, unsigned, int64_t>, unsigned> cache;
+  static std::map<std::tuple<int, const void*, unsigned, int64_t>, unsigned> cache;
   const int64_t total = int64_t{grid.x} * grid.y * grid.z;
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), grid.x, total);
+  int device = 0;  // the pick depends on the GPU's clusters: one per device
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), grid.x, total);
   std::lock_guard<std::mutex> lock(mutex);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   const int64_t single = std::min<int64_t>(total, active_clusters(kernel, threads, smem, 1));
@@ -1148,7 +1150,10 @@ void launch_chunk_kernels(const ForwardArgs& a, int stages, cudaStream_t stream)
             auto kernel = chunk_state_scan_wgmma_pair_kernel<Elem, kDecay != Decay::none, kMode>;
             constexpr size_t bytes = pair_scan_bytes<kMode>();
             const int64_t clusters = a.heads * a.num_segments;
-            static const int fit = active_clusters(kernel, Tr::kThreads, bytes, 2);
+            struct FitTag {};  // one cache per instance, one entry per device
+            const int fit = cached_device_check<FitTag>(0, 0, [&](int, int64_t, int64_t) {
+              return active_clusters(kernel, Tr::kThreads, bytes, 2);
+            });
             SS_CHECK_ARG(clusters <= fit, "scan_pair_state", clusters,
                          " pairs of CTAs do not fit the GPU at once (cuda::summary_pieces "
                          "sizes the runs so that they do)");

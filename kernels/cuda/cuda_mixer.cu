@@ -1,6 +1,7 @@
 // Host side of the chunkwise CUDA forward: argument checks, the packed-sequence
 // chunk tables, workspace layout and the per-variant dispatch.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -262,13 +263,16 @@ bool device_available() {
 }
 
 int multiprocessor_count() {
-  static int cached[64] = {};
+  // Atomic: threads driving different (or the same) GPUs fill it at once.
+  static std::atomic<int> cached[64] = {};
   int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));
-  int local = 0;
-  int& count = device < 64 ? cached[device] : local;  // beyond 64 devices: asked every time
-  if (count == 0)
-    SS_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (device < 64) {
+    if (const int known = cached[device].load(std::memory_order_relaxed); known != 0) return known;
+  }
+  int count = 0;  // beyond 64 devices: asked every time
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (device < 64) cached[device].store(count, std::memory_order_relaxed);
   return count;
 }
 

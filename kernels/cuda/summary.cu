@@ -143,16 +143,16 @@ __global__ void pair_scan_probe_kernel() {}
 
 // Pairs of CTAs (E's run beside its maps, chunk_state_scan_wgmma_pair_kernel)
 // the device holds at once: clusters of two must fit inside a GPC, so this
-// can be less than half the multiprocessors. Once per process.
+// can be less than half the multiprocessors. Once per device.
+struct PairScanCapacityTag {};
 int64_t pair_scan_capacity() {
-  static const int64_t pairs = [] {
+  return detail::cached_device_check<PairScanCapacityTag>(0, 0, [](int, int64_t, int64_t) {
     constexpr size_t bytes = std::max(detail::pair_scan_bytes<detail::WgmmaScan::maps>(),
                                       detail::pair_scan_bytes<detail::WgmmaScan::maps_out>());
     return static_cast<int64_t>(detail::active_clusters(
         pair_scan_probe_kernel, detail::ScanWgmmaTraits<detail::WgmmaScan::state>::kThreads, bytes,
         2));
-  }();
-  return pairs;
+  });
 }
 
 // Run g of `pieces` nearly equal runs of n chunks: chunks [first, first + count).
