@@ -12,6 +12,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "comm/communicator.h"
@@ -264,6 +265,19 @@ class CudaCpErrors : public ::testing::TestWithParam<const char*> {
     cudaGetDeviceCount(&devices);
     ASSERT_EQ(cudaSetDevice(mpi().local_rank() % devices), cudaSuccess);
   }
+  // One ring forward of `variant` on `a`; the error it threw, if any.
+  std::optional<Error> forward_error(Communicator& comm, Variant variant, const CpForwardArgs& a) {
+    MixerConfig cfg;
+    cfg.variant = variant;
+    CpMixer mixer(comm, cfg, Exchange::ring);
+    if (mpi_control) mixer.set_control(&mpi());
+    try {
+      mixer.forward(a);
+    } catch (const Error& e) {
+      return e;
+    }
+    return std::nullopt;
+  }
   bool mpi_control = false;
   std::string backend;
 };
@@ -304,19 +318,12 @@ TEST_P(CudaCpErrors, NanInGateOnOneRankFailsEveryRank) {
   const DeviceTensor o16(std::vector<float>(static_cast<std::size_t>(L * 128), 12345.f),
                          DType::bf16, qk);
   a.o = o16.view();
-  MixerConfig cfg;
-  cfg.variant = s.variant;
-  CpMixer mixer(comm, cfg, Exchange::ring);
-  if (mpi_control) mixer.set_control(&mpi());
-  bool threw = false;
-  try {
-    mixer.forward(a);
-  } catch (const Error& e) {
-    threw = true;
-    EXPECT_EQ(e.argument(), "g") << e.what();
-    EXPECT_EQ(e.rank(), culprit) << e.what();
+  const std::optional<Error> e = forward_error(comm, s.variant, a);
+  EXPECT_TRUE(e) << "rank " << r << " did not get the error";
+  if (e) {
+    EXPECT_EQ(e->argument(), "g") << e->what();
+    EXPECT_EQ(e->rank(), culprit) << e->what();
   }
-  EXPECT_TRUE(threw) << "rank " << r << " did not get the error";
   const float sentinel = round_to(DType::bf16, 12345.f);
   for (float x : o16.to_host())
     ASSERT_EQ(x, sentinel) << "rank " << r << " wrote o despite the error";
@@ -354,18 +361,11 @@ TEST_P(CudaCpErrors, HostTensorsOnOneRankFailEveryRank) {
   a.v = on_host ? TensorView(hv.data(), DType::f32, qk) : v.view();
   a.g = on_host ? TensorView(hg.data(), DType::f32, qk) : g.view();
   a.o = on_host ? TensorView(ho.data(), DType::f32, qk) : o.view();
-  MixerConfig cfg;
-  cfg.variant = s.variant;
-  CpMixer mixer(comm, cfg, Exchange::ring);
-  if (mpi_control) mixer.set_control(&mpi());
-  bool threw = false;
-  try {
-    mixer.forward(a);
-  } catch (const Error& e) {
-    threw = true;
-    EXPECT_EQ(e.argument(), "memory") << e.what();
+  const std::optional<Error> e = forward_error(comm, s.variant, a);
+  EXPECT_TRUE(e) << "rank " << r << " did not get the error";
+  if (e) {
+    EXPECT_EQ(e->argument(), "memory") << e->what();
   }
-  EXPECT_TRUE(threw) << "rank " << r << " did not get the error";
   for (float x : on_host ? ho : o.to_host())
     ASSERT_EQ(x, 12345.f) << "rank " << r << " wrote o despite the error";
   mpi().barrier();  // reaching this on every rank is the no-hang check
