@@ -414,6 +414,8 @@ TEST(RunCli, AverageThroughputIsTokensOverTime) {
 
 // ---- bad input: every rank reports it, nothing is written ------------------------------
 
+// The error names the file and the element's index in it (the library's own
+// check would name g and an index within rank 1's shard).
 TEST(RunCli, NaNInGateFailsOnEveryRankWithoutWriting) {
   TempDir dir;
   Inputs in = make_inputs(Variant::gated_deltanet, {}, 9);
@@ -421,8 +423,28 @@ TEST(RunCli, NaNInGateFailsOnEveryRankWithoutWriting) {
   write_inputs(in, dir.in());
   const RunResult r = run_cli(dir, "--variant gated_deltanet " + io_args(dir));
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-  expect_every_rank_reports(r, "argument 'g'");
+  expect_every_rank_reports(r, "g.npy': ");
+  expect_every_rank_reports(r, "element [0, 20, 1] is nan");
   EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+}
+
+// A positive log gate in a file likewise, and Inf in another input.
+TEST(RunCli, BadValuesInFilesNameTheFileAndTheElement) {
+  for (const bool gate : {true, false}) {
+    TempDir dir;
+    Inputs in = make_inputs(Variant::gla, {}, 16);
+    if (gate)
+      in.problem.g[(7 * kHeads + 1) * kDk + 3] = 0.5;  // GLA's vector gate [B, T, H, Dk]
+    else
+      in.problem.k[(30 * kHeads) * kDk + 2] = std::numeric_limits<double>::infinity();
+    write_inputs(in, dir.in());
+    const RunResult r = run_cli(dir, "--variant gla " + io_args(dir));
+    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+    expect_every_rank_reports(r, gate ? "g.npy': " : "k.npy': ");
+    expect_every_rank_reports(r, gate ? "element [0, 7, 1, 3] is 0.5 (log gates"
+                                      : "element [0, 30, 0, 2] is inf");
+    EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+  }
 }
 
 TEST(RunCli, WrongShapeOfVFailsOnEveryRankWithoutWriting) {
