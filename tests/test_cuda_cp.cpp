@@ -90,6 +90,10 @@ class CudaSummary : public ::testing::TestWithParam<SummaryParam> {
   void expect_summary_matches_cpu();
 };
 
+// The GPU summary (M, E) of problem `s` in `dtype` against the CPU's on the
+// same fp32 values (rows: B, or one for packed sequences).
+void expect_summary_matches_cpu(const ProblemSpec& s, DType dtype, uint64_t seed);
+
 // Sets the process-wide summary scan for a scope, and restores it.
 class SummaryScanScope {
  public:
@@ -154,11 +158,16 @@ void CudaSummary::expect_summary_matches_cpu() {
   const uint64_t seed = 17 + 1000 * static_cast<uint64_t>(variant) +
                         100 * static_cast<uint64_t>(dtype) + static_cast<uint64_t>(dim) +
                         (layout == Layout::packed ? 7 : 0);
+  statescan::test::expect_summary_matches_cpu(s, dtype, seed);
+}
+
+void expect_summary_matches_cpu(const ProblemSpec& s, DType dtype, uint64_t seed) {
   ref::Problem p = random_problem(s, seed);
   round_problem(p, dtype);
 
-  const int64_t rows = layout == Layout::packed ? 1 : s.batch;
-  const int64_t m_size = has_beta(variant) ? dim * dim : dim;
+  const int64_t dim = s.dk;
+  const int64_t rows = s.cu_seqlens.empty() ? s.batch : 1;
+  const int64_t m_size = has_beta(s.variant) ? dim * dim : dim;
   const int64_t H = s.heads, state = dim * dim;
 
   // Host fp32 copies of exactly what the GPU sees.
@@ -391,6 +400,8 @@ TEST_P(CudaTwoLevelSummary, MatchesTheReference) {
     if (pieces == 1) GTEST_SKIP() << "no per-head scans here (needs an sm_90a build on a 9.0 GPU)";
     EXPECT_LE(pieces, 22) << "more runs than chunks";
   }
+  // The plain summary (no first-segment maps) through the same runs.
+  expect_summary_matches_cpu(s, dtype, seed);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -28,11 +28,13 @@ constexpr double kF32Tol = 1e-5;  // DESIGN §7 vs fp64
 // bf16 (tests/test_cuda_lact.cpp explains the learning rates' bound).
 constexpr double kBf16OutTol = 5e-3, kBf16GradTol = 8e-3, kBf16RateGradTol = 2e-2;
 
-// MPI world, and (when every rank has a GPU) an NCCL communicator over it on
-// this rank's GPU. Built once for the whole binary: NCCL setup is slow.
+// MPI world, and (when every rank has a GPU of its own) an NCCL communicator
+// over it on this rank's GPU. Built once for the whole binary: NCCL setup is
+// slow. The MPI cases need only a GPU on every rank (ranks may share one, as
+// on a one-GPU machine), the NCCL ones a GPU per rank.
 struct World {
   std::unique_ptr<MpiCommunicator> mpi;
-  std::string skip;  // why the GPU tests cannot run here, agreed by all ranks
+  std::string skip_mpi, skip_nccl;  // why the cases cannot run here, agreed by all ranks
   cudaStream_t stream = nullptr;
   std::unique_ptr<NcclCommunicator> nccl;
 
@@ -40,20 +42,25 @@ struct World {
     mpi = MpiCommunicator::world();
     int devices = 0;
     if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
-    int64_t short_of_gpus = mpi->local_size() > devices ? 1 : 0;
-    mpi->all_reduce_max(&short_of_gpus, 1, CommType::i64);
-    if (short_of_gpus != 0) {
-      skip = "needs one GPU per rank; this node has " + std::to_string(devices) + " for " +
-             std::to_string(mpi->local_size()) + " ranks";
+    int64_t short_of[2] = {devices < 1 ? 1 : 0, mpi->local_size() > devices ? 1 : 0};
+    mpi->all_reduce_max(short_of, 2, CommType::i64);
+    if (short_of[0] != 0) {
+      skip_mpi = skip_nccl = "needs a GPU on every rank; this one sees none";
       return;
     }
     if (cudaSetDevice(NcclCommunicator::device_for(*mpi)) != cudaSuccess ||
         cudaStreamCreate(&stream) != cudaSuccess) {
-      skip = "could not select this rank's GPU";
+      skip_mpi = skip_nccl = "could not select this rank's GPU";
+      return;
+    }
+    if (short_of[1] != 0) {
+      skip_nccl = "NCCL needs one GPU per rank; this node has " + std::to_string(devices) +
+                  " for " + std::to_string(mpi->local_size()) + " ranks";
       return;
     }
     nccl = NcclCommunicator::create(*mpi, stream);
   }
+  const std::string& skip(bool over_nccl) const { return over_nccl ? skip_nccl : skip_mpi; }
 };
 
 World& world() {
@@ -85,7 +92,8 @@ void PrintTo(const ShardCase& c, std::ostream* os) {
 class LactCudaSharding : public ::testing::TestWithParam<ShardCase> {
  protected:
   void SetUp() override {
-    if (!world().skip.empty()) GTEST_SKIP() << world().skip;
+    const std::string& why = world().skip(GetParam().over_nccl);
+    if (!why.empty()) GTEST_SKIP() << why;
   }
 };
 
@@ -147,7 +155,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, LactCudaSharding, ::testing::ValuesIn(shard_case
 class LactCudaErrorsMpi : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!world().skip.empty()) GTEST_SKIP() << world().skip;
+    if (!world().skip(true).empty()) GTEST_SKIP() << world().skip(true);
   }
 
   // Forward over NCCL with rank `culprit`'s input broken for `argument`.

@@ -421,6 +421,7 @@ TEST(LactLayout, ShardRefusesWrongSizes) {
   EXPECT_EQ(error_argument([&] { lact_shard(short_global, B, T, inner, C, P, 2); }), "global");
   try {
     lact_shard(short_global, B, T, inner, C, P, 0);
+    ADD_FAILURE() << "a short global tensor was taken";
   } catch (const Error& e) {
     // The message gives the expected and the actual size.
     EXPECT_NE(e.message().find(std::to_string(B * T * inner)), std::string::npos) << e.what();
@@ -440,6 +441,7 @@ TEST(LactLayout, UnshardRefusesWrongSizes) {
             "local");
   try {
     lact_unshard(short_local, B, T, inner, C, P, 0, global);
+    ADD_FAILURE() << "a short local tensor was taken";
   } catch (const Error& e) {
     EXPECT_NE(e.message().find(std::to_string(local.size())), std::string::npos) << e.what();
     EXPECT_NE(e.message().find(std::to_string(short_local.size())), std::string::npos) << e.what();

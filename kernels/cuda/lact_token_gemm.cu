@@ -14,6 +14,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -349,7 +350,16 @@ bool lact_token_gemm_fits(const LactTokenGemmParams& p) {
   return misfit(p, &why) == nullptr;
 }
 
+namespace {
+std::atomic<int64_t> g_token_gemm_calls{0};
+}  // namespace
+
+int64_t lact_token_gemm_calls() {
+  return g_token_gemm_calls.load();
+}
+
 void lact_token_gemm(const LactTokenGemmParams& p, cudaStream_t stream) {
+  g_token_gemm_calls.fetch_add(1);
   const char* why = nullptr;
   const char* arg = misfit(p, &why);
   SS_CHECK_ARG(arg == nullptr, arg, "lact_token_gemm: ", why, " (pairs ", p.pairs, ", m ", p.m,

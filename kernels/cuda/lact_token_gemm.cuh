@@ -63,4 +63,9 @@ bool lact_token_gemm_fits(const LactTokenGemmParams& p);
 // statescan::Error naming the argument where lact_token_gemm_fits fails.
 void lact_token_gemm(const LactTokenGemmParams& p, cudaStream_t stream);
 
+// Calls of lact_token_gemm in this process so far: the layer takes it only
+// where it fits and falls back to cuBLAS silently otherwise (by design: the
+// fit is per GEMM), so a test of the opt-in path checks that it ran.
+int64_t lact_token_gemm_calls();
+
 }  // namespace statescan::cuda::lact_detail
