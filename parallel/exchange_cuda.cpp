@@ -11,7 +11,9 @@
 #include "core/error.h"
 #include "kernels/cuda/cp_kernels.h"
 #ifdef STATESCAN_HAS_NCCL
+#include "comm/collective_check.h"
 #include "comm/nccl_communicator.h"
+#include "comm/nccl_host_staged.h"
 #endif
 
 namespace statescan {
@@ -223,7 +225,18 @@ LinkModel measure_link_device(Communicator& comm, const LinkModel& base) {
     // in that latency's noise; 64 MiB is ~0.4 ms of transfer.
     probe.large = std::size_t{1} << 24;
     float* buffers = nullptr;
-    SS_CUDA_CHECK(cudaMalloc(&buffers, 2 * probe.large * sizeof(float) + 4 * sizeof(double)));
+    // Agreed over a host-staged view of the communicator: a rank whose GPU
+    // has no room for the probe fails every rank, not only itself (its peers
+    // would wait in the first shift until the timeout).
+    try {
+      NcclHostStaged control(*nccl);
+      collective_check(control, [&] {
+        SS_CUDA_CHECK(cudaMalloc(&buffers, 2 * probe.large * sizeof(float) + 4 * sizeof(double)));
+      });
+    } catch (...) {
+      (void)cudaFree(buffers);  // a rank whose own allocation succeeded
+      throw;
+    }
     cudaEvent_t begin = nullptr, end = nullptr;
     auto release = [&] {
       if (begin != nullptr) (void)cudaEventDestroy(begin);
