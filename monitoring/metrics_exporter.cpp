@@ -10,6 +10,7 @@
 #include "core/error.h"
 
 #if defined(STATESCAN_HAS_PROMETHEUS)
+#include <netdb.h>
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
 #include <prometheus/family.h>
@@ -17,9 +18,39 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #endif
 
 namespace statescan {
+
+#if defined(STATESCAN_HAS_PROMETHEUS)
+namespace {
+
+// Whether this host can bind a TCP socket to `address` on some free port
+// (IPv4, IPv6 in brackets or not, or a name that resolves to either).
+bool address_bindable(std::string address) {
+  if (address.size() >= 2 && address.front() == '[' && address.back() == ']')
+    address = address.substr(1, address.size() - 2);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* list = nullptr;
+  if (::getaddrinfo(address.c_str(), "0", &hints, &list) != 0) return false;
+  bool bound = false;
+  for (const addrinfo* a = list; a != nullptr && !bound; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    bound = ::bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+    ::close(fd);
+  }
+  ::freeaddrinfo(list);
+  return bound;
+}
+
+}  // namespace
+#endif
 
 namespace {
 
@@ -150,6 +181,10 @@ struct PrometheusMetrics {
     try {
       exposer = std::make_unique<prometheus::Exposer>(where, 1);
     } catch (const std::exception& e) {
+      // civetweb does not say whether the address or the port failed: an
+      // address this host cannot bind on any port is the address's fault.
+      SS_CHECK_ARG(address_bindable(bind_address), "metrics-bind", "cannot serve metrics on ",
+                   where, ": ", bind_address, " is not an address of this host (", e.what(), ")");
       SS_FAIL("metrics-port", "cannot serve metrics on ", where, ": ", e.what());
     }
     exposer->RegisterCollectable(registry);
