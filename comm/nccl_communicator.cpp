@@ -114,13 +114,17 @@ std::string gpu_identity(int device) {
 // ---- creation --------------------------------------------------------------------
 
 int NcclCommunicator::device_for(const MpiCommunicator& mpi) {
+  const int local = statescan::local_rank();  // before anything here can throw (see claim_gpu)
   int devices = 0;
   SS_CUDA_CHECK(cudaGetDeviceCount(&devices));
   SS_CHECK_ARG(devices > 0, "device", "no CUDA device is visible to rank ", mpi.rank());
-  return statescan::local_rank() % devices;
+  return local % devices;
 }
 
 int NcclCommunicator::claim_gpu(MpiCommunicator& mpi, std::string* identity) {
+  // The world's node-local rank first: its first call is a collective over
+  // MPI_COMM_WORLD, which a rank must not skip by throwing below (no GPU).
+  (void)statescan::local_rank();
   int device = -1;
   collective_check(mpi, [&] {
     device = device_for(mpi);
@@ -145,13 +149,14 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(MpiCommunicator& mpi,
   check_comm_timeout(timeout, "timeout");
   std::string identity;
   const int device = claim_gpu(mpi, &identity);
-  if (!options.allow_shared_gpu) {
-    // The same text on every rank, so every rank throws alike.
-    const std::string conflict = shared_device(mpi, identity);
-    SS_CHECK_ARG(conflict.empty(), "device", conflict,
-                 "; NCCL needs a GPU per rank: run one rank per GPU (or set "
-                 "Options::allow_shared_gpu)");
-  }
+  // Every rank runs the identity all-gather, whatever its allow_shared_gpu (a
+  // per-rank option: skipping the collective on some ranks would pair their
+  // next one with it). The same text on every rank, so every rank throws
+  // alike where the option is off everywhere.
+  const std::string conflict = shared_device(mpi, identity);
+  SS_CHECK_ARG(options.allow_shared_gpu || conflict.empty(), "device", conflict,
+               "; NCCL needs a GPU per rank: run one rank per GPU (or set "
+               "Options::allow_shared_gpu)");
   collective_check(mpi, [&] { SS_CUDA_CHECK(cudaSetDevice(device)); });
 
   // Rank 0's failure here (no usable network interface, say) must reach the

@@ -80,8 +80,9 @@ struct NcclOptions {
   // Two ranks of the communicator on one GPU (the same GPU UUID on the same
   // host) are refused by default, on every rank, naming both: NCCL does not
   // support it (it rejects it or hangs). Ranks outside the communicator may
-  // share GPUs with it freely. True skips the check and its all-gather,
-  // leaving the verdict to NCCL.
+  // share GPUs with it freely. True keeps the all-gather (every rank runs the
+  // same collectives whatever its options) but not the refusal, leaving the
+  // verdict to NCCL.
   bool allow_shared_gpu = false;
 };
 

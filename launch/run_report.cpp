@@ -268,6 +268,13 @@ void save_npy_files(const std::string& dir, const std::vector<NamedArray>& array
   const std::string staging_prefix = ".statescan-partial-" + std::to_string(::getpid()) + "-";
   std::vector<std::pair<fs::path, fs::path>> staged;  // (staging, final)
   std::vector<fs::path> renamed;
+  // The folder holds one run's results: an output an earlier run left there
+  // that this one does not write (dq.npy after a forward-only run, dbeta.npy
+  // after a variant without beta) would read as this run's. Removed once
+  // this run's files are staged and before any is renamed into place, so
+  // that a failed removal leaves none of them behind either.
+  static const char* const kOutputNames[] = {"o",   "ht",   "dq",   "dk",   "dv",  "dg",  "dbeta",
+                                             "dh0", "dlr0", "dlr1", "dlr2", "dw0", "dw1", "dw2"};
   try {
     for (const NamedArray& a : arrays) {
       const fs::path final_path = fs::path(dir) / (a.name + ".npy");
@@ -277,6 +284,17 @@ void save_npy_files(const std::string& dir, const std::vector<NamedArray>& array
                    "--save", a.name, " holds ", a.data ? a.data->size() : 0, " values, but ",
                    shape_string(a.shape), " needs ", numel(a.shape));
       write_npy(staging.string(), a.shape, a.data->data());
+    }
+    for (const char* name : kOutputNames) {
+      const bool written = std::any_of(arrays.begin(), arrays.end(),
+                                       [&](const NamedArray& a) { return a.name == name; });
+      if (written) continue;
+      const fs::path stale = fs::path(dir) / (std::string(name) + ".npy");
+      std::error_code ec;
+      if (!fs::is_regular_file(stale, ec)) continue;
+      fs::remove(stale, ec);
+      SS_CHECK_ARG(!ec, "--save", "cannot remove ", stale.string(),
+                   " left by an earlier run: ", ec.message());
     }
     for (const auto& [staging, final_path] : staged) {
       std::error_code ec;
@@ -290,22 +308,6 @@ void save_npy_files(const std::string& dir, const std::vector<NamedArray>& array
     for (const auto& [staging, final_path] : staged) fs::remove(staging, ec);
     for (const auto& path : renamed) fs::remove(path, ec);
     throw;
-  }
-  // The folder holds one run's results: an output an earlier run left there
-  // that this one does not write (dq.npy after a forward-only run, dbeta.npy
-  // after a variant without beta) would read as this run's.
-  static const char* const kOutputNames[] = {"o",   "ht",   "dq",   "dk",   "dv",  "dg",  "dbeta",
-                                             "dh0", "dlr0", "dlr1", "dlr2", "dw0", "dw1", "dw2"};
-  for (const char* name : kOutputNames) {
-    const bool written = std::any_of(arrays.begin(), arrays.end(),
-                                     [&](const NamedArray& a) { return a.name == name; });
-    if (written) continue;
-    const fs::path stale = fs::path(dir) / (std::string(name) + ".npy");
-    std::error_code ec;
-    if (!fs::is_regular_file(stale, ec)) continue;
-    fs::remove(stale, ec);
-    SS_CHECK_ARG(!ec, "--save", "cannot remove ", stale.string(),
-                 " left by an earlier run: ", ec.message());
   }
 }
 

@@ -231,9 +231,13 @@ TEST_F(Mpi, TheWorldsNodeLocalRankOutlivesASplit) {
   const auto& pair = dynamic_cast<const MpiCommunicator&>(*sub);
   EXPECT_EQ(local_rank(), comm_->local_rank());
   EXPECT_EQ(local_size(), comm_->local_size());
-  // On one host (CI) the pairs' node-local ranks are 0 and 1.
+  // On one host (CI) the pairs' node-local ranks are 0 and 1, while the
+  // world's node-local rank (the GPU choice's) stays the world rank: ranks 2
+  // and 3 would otherwise take ranks 0's and 1's GPUs.
   if (comm_->local_size() == comm_->size()) {
     EXPECT_EQ(pair.local_rank(), comm_->rank() % 2);
+    EXPECT_EQ(local_rank(), comm_->rank());
+    EXPECT_EQ(local_size(), comm_->size());
   }
 }
 

@@ -42,10 +42,10 @@ struct World {
     mpi = MpiCommunicator::world();
     int devices = 0;
     if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
-    int64_t short_of[2] = {devices < 1 ? 1 : 0, mpi->local_size() > devices ? 1 : 0};
-    mpi->all_reduce_max(short_of, 2, CommType::i64);
-    if (short_of[0] != 0) {
-      skip_mpi = skip_nccl = "needs a GPU on every rank; this one sees none";
+    int64_t without_gpu = devices < 1 ? 1 : 0;
+    mpi->all_reduce_max(&without_gpu, 1, CommType::i64);
+    if (without_gpu != 0) {
+      skip_mpi = skip_nccl = "needs a GPU on every rank; some rank sees none";
       return;
     }
     if (cudaSetDevice(NcclCommunicator::device_for(*mpi)) != cudaSuccess ||
@@ -53,11 +53,9 @@ struct World {
       skip_mpi = skip_nccl = "could not select this rank's GPU";
       return;
     }
-    if (short_of[1] != 0) {
-      skip_nccl = "NCCL needs one GPU per rank; this node has " + std::to_string(devices) +
-                  " for " + std::to_string(mpi->local_size()) + " ranks";
-      return;
-    }
+    // By GPU identity, as create() decides (one visible GPU per rank is fine).
+    skip_nccl = NcclCommunicator::gpu_conflict(*mpi);
+    if (!skip_nccl.empty()) return;
     nccl = NcclCommunicator::create(*mpi, stream);
   }
   const std::string& skip(bool over_nccl) const { return over_nccl ? skip_nccl : skip_mpi; }

@@ -599,12 +599,15 @@ TEST(RunCli, KeepPreparedIsRefusedWhereItCannotApply) {
   }
 }
 
-// --no-save-t likewise: the CPU path has no T to save or not.
+// --no-save-t likewise: the CPU path has no T to save or not (a variant and
+// dtype that would save one on the GPU, so that this rule is the one refusing).
 TEST(RunCli, NoSaveTIsRefusedOnTheCpuPath) {
   TempDir dir;
-  const RunResult r = run_cli(dir, "--no-save-t --device cpu --seq-len 45 --iters 1 --warmup 0");
+  const RunResult r = run_cli(dir,
+                              "--no-save-t --variant deltanet --dtype bf16 --device cpu "
+                              "--seq-len 45 --iters 1 --warmup 0");
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-  expect_every_rank_reports(r, "argument '--no-save-t'");
+  expect_every_rank_reports(r, "argument '--no-save-t': applies to --device cuda only");
   EXPECT_EQ(r.out.find("# Avg"), std::string::npos) << "ran anyway:\n" << r.out;
 }
 
