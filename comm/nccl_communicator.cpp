@@ -114,29 +114,31 @@ std::string gpu_identity(int device) {
 // ---- creation --------------------------------------------------------------------
 
 int NcclCommunicator::device_for(const MpiCommunicator& mpi) {
-  const int local = statescan::local_rank();  // before anything here can throw (see claim_gpu)
+  // First: its first call is a collective over MPI_COMM_WORLD, which a rank
+  // must not skip by throwing below (no GPU) while its peers enter it.
+  const int local = statescan::local_rank();
   int devices = 0;
   SS_CUDA_CHECK(cudaGetDeviceCount(&devices));
   SS_CHECK_ARG(devices > 0, "device", "no CUDA device is visible to rank ", mpi.rank());
   return local % devices;
 }
 
-int NcclCommunicator::claim_gpu(MpiCommunicator& mpi, std::string* identity) {
-  // The world's node-local rank first: its first call is a collective over
-  // MPI_COMM_WORLD, which a rank must not skip by throwing below (no GPU).
-  (void)statescan::local_rank();
+int NcclCommunicator::claim_gpu(MpiCommunicator& mpi, std::string* conflict) {
   int device = -1;
+  std::string identity;
   collective_check(mpi, [&] {
     device = device_for(mpi);
-    *identity = gpu_identity(device);
+    identity = gpu_identity(device);
   });
+  // Every rank runs this all-gather, whatever its caller makes of the text.
+  *conflict = shared_device(mpi, identity);
   return device;
 }
 
 std::string NcclCommunicator::gpu_conflict(MpiCommunicator& mpi) {
-  std::string identity;
-  (void)claim_gpu(mpi, &identity);
-  return shared_device(mpi, identity);
+  std::string conflict;
+  (void)claim_gpu(mpi, &conflict);
+  return conflict;
 }
 
 // Order matters: the GPU is chosen (and agreed to be valid on every rank)
@@ -147,13 +149,12 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(MpiCommunicator& mpi,
                                                            const Options& options) {
   const std::chrono::milliseconds timeout = options.timeout.value_or(comm_timeout_from_env());
   check_comm_timeout(timeout, "timeout");
-  std::string identity;
-  const int device = claim_gpu(mpi, &identity);
-  // Every rank runs the identity all-gather, whatever its allow_shared_gpu (a
-  // per-rank option: skipping the collective on some ranks would pair their
-  // next one with it). The same text on every rank, so every rank throws
-  // alike where the option is off everywhere.
-  const std::string conflict = shared_device(mpi, identity);
+  // The identity all-gather runs on every rank whatever its allow_shared_gpu
+  // (a per-rank option: skipping the collective on some ranks would pair
+  // their next one with it). The same text on every rank, so every rank
+  // throws alike where the option is off everywhere.
+  std::string conflict;
+  const int device = claim_gpu(mpi, &conflict);
   SS_CHECK_ARG(options.allow_shared_gpu || conflict.empty(), "device", conflict,
                "; NCCL needs a GPU per rank: run one rank per GPU (or set "
                "Options::allow_shared_gpu)");

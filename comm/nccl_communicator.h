@@ -179,9 +179,11 @@ class NcclCommunicator final : public Communicator {
  private:
   NcclCommunicator(ncclComm_t comm, int device, cudaStream_t stream,
                    std::chrono::milliseconds timeout);
-  // device_for(mpi) and that GPU's identity ("GPU-<uuid>"), agreed on: a
-  // failure on one rank throws the same error on every rank. Collective.
-  static int claim_gpu(MpiCommunicator& mpi, std::string* identity);
+  // device_for(mpi), agreed on (a failure on one rank throws the same error
+  // on every rank), and shared_device()'s verdict on that GPU's identity
+  // ("GPU-<uuid>") into `conflict`: "" unless two ranks would drive it.
+  // Collective.
+  static int claim_gpu(MpiCommunicator& mpi, std::string* conflict);
   void check_usable() const;
   void check_device_buffer(const void* p, std::size_t count, const char* name) const;
   void check_peer(int peer, bool allow_self, const char* name) const;

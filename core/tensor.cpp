@@ -75,16 +75,21 @@ void check_tensor(const TensorView& t, const Shape& shape, DType dtype, Memory m
   check_contiguous(t, name);
 }
 
-void check_finite(const float* data, int64_t n, const char* name) {
+int64_t first_invalid(const float* data, int64_t n, bool log_gates) {
   for (int64_t i = 0; i < n; ++i)
-    SS_CHECK_ARG(std::isfinite(data[i]), name, "element ", i, " is ", data[i],
-                 " (NaN/Inf not allowed)");
+    if (!std::isfinite(data[i]) || (log_gates && data[i] > 0.f)) return i;
+  return -1;
+}
+
+void check_finite(const float* data, int64_t n, const char* name) {
+  const int64_t i = first_invalid(data, n, false);
+  SS_CHECK_ARG(i < 0, name, "element ", i, " is ", data[i], " (NaN/Inf not allowed)");
 }
 
 void check_log_gates(const float* data, int64_t n, const char* name) {
-  for (int64_t i = 0; i < n; ++i)
-    SS_CHECK_ARG(std::isfinite(data[i]) && data[i] <= 0.f, name, "element ", i, " is ", data[i],
-                 " (log gates must be finite and <= 0: alpha = exp(g) in (0, 1])");
+  const int64_t i = first_invalid(data, n, true);
+  SS_CHECK_ARG(i < 0, name, "element ", i, " is ", data[i],
+               " (log gates must be finite and <= 0: alpha = exp(g) in (0, 1])");
 }
 
 }  // namespace statescan

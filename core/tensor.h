@@ -74,6 +74,10 @@ void check_memory(const TensorView& t, Memory expected, const char* name);
 // dtype, memory and contiguity.
 void check_tensor(const TensorView& t, const Shape& shape, DType dtype, Memory memory,
                   const char* name);
+// The index of the first element that is not finite or, with log_gates, is
+// > 0 (host fp32 data); -1 when there is none. The scan behind check_finite
+// and check_log_gates, for callers that word the error themselves.
+int64_t first_invalid(const float* data, int64_t n, bool log_gates);
 // Every element finite (host fp32 data).
 void check_finite(const float* data, int64_t n, const char* name);
 // Log gates (DESIGN §2: g = log alpha, alpha in (0, 1]): finite and <= 0.

@@ -101,24 +101,25 @@ std::vector<float> to_float(const NpyArray& a, DType round_as) {
   return out;
 }
 
-// A loaded array's values as the run uses them (rounded to its dtype, which
-// can overflow a float64 file's value to Inf), checked where the run checks
-// its inputs: the error names the file and the element's index in it, where
-// the library's check sees only one rank's shard of the tensor. log_gates:
-// also > 0 is refused (alpha = exp(g) must be in (0, 1]).
-void check_loaded_values(const Loaded& l, const std::vector<float>& x, bool log_gates) {
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    if (std::isfinite(x[i]) && !(log_gates && x[i] > 0.f)) continue;
-    std::string index;
-    for (int64_t rest = static_cast<int64_t>(i), a = static_cast<int64_t>(l.array.shape.size()) - 1;
-         a >= 0; --a) {
-      index = std::to_string(rest % l.array.shape[a]) + (index.empty() ? "" : ", ") + index;
-      rest /= l.array.shape[a];
-    }
-    SS_FAIL(l.path, l.path, " element [", index, "] is ", x[i],
-            log_gates ? " (log gates must be finite and <= 0)" : " (NaN/Inf not allowed)",
-            "; --no-check-finite lets it through");
+// A loaded array's values as the run uses them (to_float), checked where the
+// run checks its inputs (`check`: not --no-check-finite): rounding to the
+// dtype can overflow a float64 file's value to Inf, and the error names the
+// file and the element's index in it, where the library's check sees only
+// one rank's shard of the tensor. log_gates: also > 0 is refused (alpha =
+// exp(g) must be in (0, 1]).
+std::vector<float> loaded_values(const Loaded& l, DType round_as, bool check,
+                                 bool log_gates = false) {
+  std::vector<float> x = to_float(l.array, round_as);
+  const int64_t i = check ? first_invalid(x.data(), static_cast<int64_t>(x.size()), log_gates) : -1;
+  if (i < 0) return x;
+  std::string index;
+  for (int64_t rest = i, a = static_cast<int64_t>(l.array.shape.size()) - 1; a >= 0; --a) {
+    index = std::to_string(rest % l.array.shape[a]) + (index.empty() ? "" : ", ") + index;
+    rest /= l.array.shape[a];
   }
+  SS_FAIL(l.path, l.path, " element [", index, "] is ", x[static_cast<std::size_t>(i)],
+          log_gates ? " (log gates must be finite and <= 0)" : " (NaN/Inf not allowed)",
+          "; --no-check-finite lets it through");
 }
 
 // Tokens [t0, t1) of a [B, T, inner] tensor.
@@ -177,15 +178,10 @@ InputSource InputSource::from_directory(const RunOptions& options) {
   TokenRange& f = s.full_;
   f.t_begin = 0;
   f.t_end = d.seq_len;
-  f.q = to_float(q.array, dt);
-  f.k = to_float(k.array, dt);
-  f.v = to_float(v.array, dt);
   const bool check = options.check_finite;
-  if (check) {
-    check_loaded_values(q, f.q, false);
-    check_loaded_values(k, f.k, false);
-    check_loaded_values(v, f.v, false);
-  }
+  f.q = loaded_values(q, dt, check);
+  f.k = loaded_values(k, dt, check);
+  f.v = loaded_values(v, dt, check);
 
   d.sequences = d.batch;
   if (npy_exists(path_of("cu_seqlens.npy"))) {
@@ -213,27 +209,23 @@ InputSource InputSource::from_directory(const RunOptions& options) {
     const Loaded g = load_float(dir, "g.npy");
     expect_shape(g, vector_gate(variant) ? qk : bth,
                  vector_gate(variant) ? "a vector gate [B, T, H, Dk]" : "a scalar gate [B, T, H]");
-    f.g = to_float(g.array, DType::f32);  // gates stay fp32 (DESIGN §2)
-    if (check) check_loaded_values(g, f.g, true);
+    f.g = loaded_values(g, DType::f32, check, true);  // gates stay fp32 (DESIGN §2)
   }
   if (want_beta) {
     const Loaded beta = load_float(dir, "beta.npy");
     expect_shape(beta, bth, "beta [B, T, H]");
-    f.beta = to_float(beta.array, dt);
-    if (check) check_loaded_values(beta, f.beta, false);
+    f.beta = loaded_values(beta, dt, check);
   }
   if (npy_exists(path_of("h0.npy"))) {
     const Loaded h0 = load_float(dir, "h0.npy");
     expect_shape(h0, states, "the initial state [N, H, Dk, Dv]");
-    f.h0 = to_float(h0.array, DType::f32);
-    if (check) check_loaded_values(h0, f.h0, false);
+    f.h0 = loaded_values(h0, DType::f32, check);
     s.has_h0_ = true;
   }
   if (npy_exists(path_of("do.npy"))) {
     const Loaded d_o = load_float(dir, "do.npy");
     expect_shape(d_o, vo, "the output gradient [B, T, H, Dv]");
-    f.d_o = to_float(d_o.array, dt);
-    if (check) check_loaded_values(d_o, f.d_o, false);
+    f.d_o = loaded_values(d_o, dt, check);
     s.has_do_ = true;
   }
   if (npy_exists(path_of("dht.npy"))) {
@@ -241,8 +233,7 @@ InputSource InputSource::from_directory(const RunOptions& options) {
                  "needs do.npy (the backward pass runs only with do)");
     const Loaded dht = load_float(dir, "dht.npy");
     expect_shape(dht, states, "the final-state gradient [N, H, Dk, Dv]");
-    f.dht = to_float(dht.array, DType::f32);
-    if (check) check_loaded_values(dht, f.dht, false);
+    f.dht = loaded_values(dht, DType::f32, check);
   }
   return s;
 }

@@ -289,14 +289,13 @@ void CpMixer::measure_link_now() {
   auto_link_ = measure_link(comm_);
 }
 
-Exchange CpMixer::resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops,
-                          bool over_nccl) {
+Exchange CpMixer::resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops) {
   if (exchange_ != Exchange::automatic) return exchange_;
-  // Over NCCL the GPU path measured the link with device buffers before
-  // calling (measure_link_device); the preset stands in only if it did not.
-  if (!auto_link_) auto_link_ = over_nccl ? link_preset(LinkPreset::nvlink) : measure_link(comm_);
+  // The first forward's probe, unless the caller measured before (one rank:
+  // no link, nothing measured).
+  measure_link_now();
   return resolve_exchange(exchange_, comm_.size(), map_bytes, state_bytes, apply_flops,
-                          *auto_link_);
+                          auto_link_ ? *auto_link_ : LinkModel{});
 }
 
 namespace {
@@ -425,8 +424,7 @@ void CpMixer::forward(const CpForwardArgs& a) {
     t0 = Clock::now();
     const int64_t map_bytes = static_cast<int64_t>((maps.M.size() + maps.E.size()) * 4);
     const int64_t apply_flops = 2 * rows * H * (maps.diagonal ? Dk : Dk * Dk) * Dv;
-    saved->exchange =
-        resolve(map_bytes, static_cast<int64_t>(maps.E.size() * 4), apply_flops, false);
+    saved->exchange = resolve(map_bytes, static_cast<int64_t>(maps.E.size() * 4), apply_flops);
     ScanResult scan = exclusive_scan(comm_, saved->exchange, maps, ScanOrder::forward);
     fwd_stats_.exchange_s = seconds_since(t0);
     fwd_stats_.exchange_bytes = scan.bytes_sent;

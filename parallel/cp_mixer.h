@@ -135,8 +135,9 @@ class CpMixer {
   // fails on every rank instead of leaving them waiting.
   Communicator& agreement_comm();
   // The exchange this forward uses: exchange_ unless automatic, else the
-  // cost model's pick on `link` (collective when it measures).
-  Exchange resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops, bool over_nccl);
+  // cost model's pick on the link measure_link_now measured (collective when
+  // it measures).
+  Exchange resolve(int64_t map_bytes, int64_t state_bytes, int64_t apply_flops);
   // One call's phases to the observer (if any), host or GPU path alike;
   // `total` is Phase::fwd or Phase::bwd.
   void report_to_observer(const CpStepStats& s, Phase total) const;

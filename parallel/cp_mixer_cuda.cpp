@@ -534,11 +534,9 @@ void CpMixer::forward_device(const CpForwardArgs& a) {
     // predecessor while the summary runs.
     const int64_t map_bytes = rows * H * (m_size + state) * 4;
     const int64_t apply_flops = 2 * rows * H * m_size * Dv;
-    // `auto`: the link measured at the first forward; over NCCL with device
-    // buffers on the GPU (and the GPU's composition rate).
-    if (exchange_ == Exchange::automatic && !auto_link_ && is_nccl(comm_))
-      auto_link_ = measure_link_device(comm_, link_preset(LinkPreset::nvlink));
-    ds.exchange_used = resolve(map_bytes, rows * H * state * 4, apply_flops, is_nccl(comm_));
+    // `auto`: the link measured at the first forward (measure_link_now: over
+    // NCCL with device buffers on the GPU, and the GPU's composition rate).
+    ds.exchange_used = resolve(map_bytes, rows * H * state * 4, apply_flops);
     // The exchange begins with the summary (a ring rank then waits for its
     // predecessor, which runs its own summary meanwhile).
     SS_CUDA_CHECK(cudaStreamWaitEvent(ds.exchange, ev.e[8], 0));

@@ -51,20 +51,15 @@ int64_t device_hash(const TensorView& t) {
 struct LactLayer::DeviceState {
   cudaStream_t stream = nullptr;
   bool owns_stream = false;
-  std::unique_ptr<Communicator> staged_control;  // over NCCL only
-  Communicator* control = nullptr;               // host-buffer collectives
   lact_detail::LocalSizes sizes;
   lact_detail::Placement where;
   cuda::LactCudaParams params;
   cuda::LactCudaSaved saved;
 
   explicit DeviceState(Communicator& comm) {
-    control = &comm;
 #ifdef STATESCAN_HAS_NCCL
     if (NcclCommunicator* nccl = as_nccl(comm)) {
       stream = nccl->stream();
-      staged_control = std::make_unique<NcclHostStaged>(*nccl);
-      control = staged_control.get();
       return;
     }
 #endif
@@ -165,7 +160,7 @@ Communicator& LactLayer::agreement_comm() {
 
 void LactLayer::forward_device(const LactForwardArgs& a) {
   std::unique_ptr<DeviceState, DeviceStateDeleter> state(new DeviceState(comm_));
-  Communicator& control = *state->control;
+  Communicator& control = agreement_comm();
   lact_detail::Placement& where = state->where;
   where.memory = Memory::device;
   where.dtype = a.q.dtype;
@@ -215,15 +210,14 @@ void LactLayer::forward_device(const LactForwardArgs& a) {
 
 void LactLayer::backward_device(const LactBackwardArgs& a) {
   if (device_ == nullptr) {
-    // No device state: agree on the error over a control plane of our own.
-    DeviceState scratch(comm_);
-    collective_check(*scratch.control, [] {
+    // No device state: agree on the error over the layer's control plane.
+    collective_check(agreement_comm(), [] {
       SS_FAIL("forward", "backward needs a preceding forward (on device tensors) on this layer");
     });
     return;
   }
   DeviceState& state = *device_;
-  collective_check(*state.control, [&] {
+  collective_check(agreement_comm(), [&] {
     lact_detail::check_backward_shapes(a, state.sizes, state.where);
     cuda::lact_cuda_check_finite(a.d_o.data, state.where.dtype, a.d_o.numel(), "d_o", state.stream);
   });
