@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iostream>
 #include <limits>
 #include <memory>
 #include <random>
@@ -90,9 +91,20 @@ class CudaSummary : public ::testing::TestWithParam<SummaryParam> {
   void expect_summary_matches_cpu();
 };
 
-// The GPU summary (M, E) of problem `s` in `dtype` against the CPU's on the
-// same fp32 values (rows: B, or one for packed sequences).
-void expect_summary_matches_cpu(const ProblemSpec& s, DType dtype, uint64_t seed);
+// The errors of the GPU summary (M, E) of problem `s` in `dtype` against the
+// CPU's on the same fp32 values (rows: B, or one for packed sequences), under
+// the summary scan in force: E's relative RMS, and M's
+// RMS error over max(||M||, ||I|| * the smallest normal of the input type).
+// Why the floor: M comes from a scan that rounds its copy of S to the input
+// type for W S, as the forward does; once decays take M's entries below that
+// type's normal range (f16: 6.1e-5; 22 chunks of random_problem's gates give
+// ~1e-18) it is held to an absolute precision, and what the CP outputs see of
+// it, M times a state, is that small. Above the floor the error is relative.
+// M_scale: ||M_cpu|| / ||I||.
+struct SummaryErrors {
+  double M, E, M_scale;
+};
+SummaryErrors summary_errors_vs_cpu(const ProblemSpec& s, DType dtype, uint64_t seed);
 
 // Sets the process-wide summary scan for a scope, and restores it.
 class SummaryScanScope {
@@ -158,10 +170,12 @@ void CudaSummary::expect_summary_matches_cpu() {
   const uint64_t seed = 17 + 1000 * static_cast<uint64_t>(variant) +
                         100 * static_cast<uint64_t>(dtype) + static_cast<uint64_t>(dim) +
                         (layout == Layout::packed ? 7 : 0);
-  statescan::test::expect_summary_matches_cpu(s, dtype, seed);
+  const SummaryErrors err = summary_errors_vs_cpu(s, dtype, seed);
+  EXPECT_LE(err.M, state_tol(dtype)) << "M";
+  EXPECT_LE(err.E, state_tol(dtype)) << "E";
 }
 
-void expect_summary_matches_cpu(const ProblemSpec& s, DType dtype, uint64_t seed) {
+SummaryErrors summary_errors_vs_cpu(const ProblemSpec& s, DType dtype, uint64_t seed) {
   ref::Problem p = random_problem(s, seed);
   round_problem(p, dtype);
 
@@ -203,8 +217,18 @@ void expect_summary_matches_cpu(const ProblemSpec& s, DType dtype, uint64_t seed
   E.fill_bytes(0xFF);
   cuda::mixer_summary(dev, M.data(), E.data(), nullptr);
   sync_or_fail();
-  EXPECT_LE(rel_rms(M.to_host(), want_M), state_tol(dtype)) << "M";
-  EXPECT_LE(rel_rms(E.to_host(), want_E), state_tol(dtype)) << "E";
+  const std::vector<float> got_M = M.to_host();
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < got_M.size(); ++i) {
+    diff += (double(got_M[i]) - want_M[i]) * (double(got_M[i]) - want_M[i]);
+    norm += double(want_M[i]) * want_M[i];
+  }
+  const double identity = std::sqrt(static_cast<double>(rows * H * dim));  // ||I||_F
+  const double floor =
+      identity * (dtype == DType::f16 ? 6.103515625e-5 : std::numeric_limits<float>::min());
+  if (!std::isfinite(diff)) diff = std::numeric_limits<double>::infinity();
+  return {std::sqrt(diff) / std::max(std::sqrt(norm), floor), rel_rms(E.to_host(), want_E),
+          std::sqrt(norm) / identity};
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CudaSummary,
@@ -371,6 +395,11 @@ std::string two_level_name(const ::testing::TestParamInfo<TwoLevelParam>& info) 
          (std::get<2>(info.param) == Layout::packed ? "_packed" : "_rows");
 }
 
+// The cap on a 22-chunk 16-bit summary's error against the CPU's fp32 one
+// (measured on an H100, 2026-12-05: at most 6.5e-3 in M, 3.9e-3 in E, bf16,
+// either scan; ~3x margin).
+constexpr double kLongSummaryTol = 2e-2;
+
 class CudaTwoLevelSummary : public ::testing::TestWithParam<TwoLevelParam> {
  protected:
   void SetUp() override {
@@ -400,8 +429,24 @@ TEST_P(CudaTwoLevelSummary, MatchesTheReference) {
     if (pieces == 1) GTEST_SKIP() << "no per-head scans here (needs an sm_90a build on a 9.0 GPU)";
     EXPECT_LE(pieces, 22) << "more runs than chunks";
   }
-  // The plain summary (no first-segment maps) through the same runs.
-  expect_summary_matches_cpu(s, dtype, seed);
+  // The plain summary (no first-segment maps) through the same runs, against
+  // the CPU's, beside the block scan's error on the same problem: over 22
+  // chunks a 16-bit summary drifts from the fp32 one by more than the short
+  // problems' state_tol whatever the scan, so the two-level runs are held to
+  // the block scan's error (what their splitting may add) under a cap.
+  const SummaryErrors two_level = summary_errors_vs_cpu(s, dtype, seed);
+  SummaryErrors blocks{};
+  {
+    const SummaryScanScope block_scope(cuda::SummaryScan::blocks);
+    blocks = summary_errors_vs_cpu(s, dtype, seed);
+  }
+  std::cout << "  summary vs CPU: two-level M " << two_level.M << " E " << two_level.E
+            << ", blocks M " << blocks.M << " E " << blocks.E << "; |M|/|I| " << blocks.M_scale
+            << "\n";
+  EXPECT_LE(two_level.M, 1.25 * blocks.M + 1e-4) << "M: two-level against blocks";
+  EXPECT_LE(two_level.E, 1.25 * blocks.E + 1e-4) << "E: two-level against blocks";
+  EXPECT_LE(blocks.M, kLongSummaryTol) << "M (blocks)";
+  EXPECT_LE(blocks.E, kLongSummaryTol) << "E (blocks)";
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -41,11 +41,6 @@ bool lact_pdl_requested() {
   return pdl;
 }
 
-bool lact_prefetch_requested() {
-  static const bool prefetch = env_choice("STATESCAN_LACT_PREFETCH", {"0", "1"}) == 1;
-  return prefetch;
-}
-
 bool side_stream_requested() {
   static const bool side = env_choice("STATESCAN_LACT_STREAMS", {"2", "1"}) != 1;
   return side;

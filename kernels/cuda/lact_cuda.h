@@ -147,12 +147,6 @@ bool side_stream_requested();
 // per process, any other value an error naming it.
 bool lact_pdl_requested();
 
-// STATESCAN_LACT_PREFETCH: "1" prefetches each chunk's tokens into L2 ahead
-// of the fused hidden-layer kernels (a hint launched before the weight-state
-// kernel that precedes them); unset or "0" does not. Read once per process,
-// any other value an error naming it.
-bool lact_prefetch_requested();
-
 // What lact_cuda_ns_gemms reports for a bf16 layer run in `mode`.
 const char* ns_gemms_name(NsGemms mode, int64_t dim, int64_t hidden);
 

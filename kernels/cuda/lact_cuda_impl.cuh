@@ -162,10 +162,6 @@ class LactGpu {
         d = step.get();
       }
       join_side();
-      // Next come the apply (q: this chunk's after the update, the next
-      // chunk's before it) and the next chunk's key side (k, v, rates).
-      const int64_t next = c + 1 < g_.chunks ? c + 1 : -1;
-      prefetch_tokens(causal_ ? next : c, next, nullptr);
       w_op = step_renorm(weights_of(c), weights_of(c + 1), d);
       if (!causal_) apply(w_op, n, t0);
     }
@@ -215,7 +211,6 @@ class LactGpu {
         ns->forward(Pc, step.get());  // keeps the iterates for ns->backward
         d = step.get();
       }
-      prefetch_tokens(c, c, gr.d_o);
       if (!causal_) apply_backward(gr, step_renorm(Wc, w_next.get(), d), n, t0, dW.get());
       // Without Muon the step's adjoint is dG itself. For bf16 the kernel
       // also writes Wc's operand copy (into w_op_, whose copy of the next
@@ -265,31 +260,6 @@ class LactGpu {
  private:
   static const T* tok(const void* p) { return static_cast<const T*>(p); }
   static constexpr cudaDataType_t kT = data_type<T>();
-
-  // Chunk q_chunk's q and chunk kv_chunk's k, v, learning rates (and d_o,
-  // in the backward) into L2 ahead of the fused kernels that load them
-  // (l2_prefetch_kernel), launched before the small weight-state kernel that
-  // precedes those (step_renorm, step_renorm_backward); -1 skips. Only where
-  // the fused kernels run, and where STATESCAN_LACT_PREFETCH asks for it.
-  void prefetch_tokens(int64_t q_chunk, int64_t kv_chunk, const void* d_o) {
-    if (!prefetch_) return;
-    PrefetchSlices s;
-    s.batches = g_.B;
-    auto add = [&](const void* a, int64_t c, int64_t width) {
-      if (a == nullptr || c < 0) return;
-      s.first[s.count] =
-          reinterpret_cast<const unsigned char*>(tok(a) + g_.slice_start(c) * width);
-      s.bytes[s.count] = g_.slice_len(p_.seq_len, c) * width * static_cast<int64_t>(sizeof(T));
-      s.stride[s.count++] = g_.local_len * width * static_cast<int64_t>(sizeof(T));
-    };
-    add(p_.q, q_chunk, g_.H * g_.D);
-    for (const void* a : {p_.k, p_.v, d_o}) add(a, kv_chunk, g_.H * g_.D);
-    for (const void* a : {p_.lr0, p_.lr1, p_.lr2}) add(a, kv_chunk, g_.H);
-    static_assert(PrefetchSlices::kMax >= 7, "q, k, v, d_o and three learning rates");
-    if (s.count == 0) return;
-    l2_prefetch_kernel<<<4, 128, 0, stream_>>>(s);
-    SS_LAUNCH_CHECK("l2_prefetch_kernel");
-  }
 
   // Views of one batch row b for a GEMM batched over its H heads.
   Operand tokens(const void* base, int64_t b, int64_t t0) const {
@@ -660,8 +630,6 @@ class LactGpu {
   bool fused_hidden_;
   bool token_gemm_ = std::is_same<T, bf16>::value && token_gemm_requested();
   bool pdl_ = lact_pdl_requested();  // the fused kernels as dependent launches
-  // The tokens of a chunk prefetched into L2 (prefetch_tokens).
-  bool prefetch_ = fused_hidden_ && lact_prefetch_requested();
   // The side stream (side_stream) and its cuBLAS handle, where the fused
   // hidden layer runs and side_stream_requested (else null); fork_ / join_
   // order it against stream_.

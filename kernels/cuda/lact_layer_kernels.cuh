@@ -408,49 +408,5 @@ __global__ void store_tokens_kernel(const float* src, int64_t B, int64_t n, int6
   }
 }
 
-// ---- L2 prefetch of a chunk's tokens --------------------------------------------
-
-// The slices l2_prefetch_kernel hands to L2: for each array i, `batches`
-// ranges of bytes[i] bytes, the first at first[i], the others stride[i]
-// bytes apart (a chunk's rows of every batch row).
-struct PrefetchSlices {
-  static constexpr int kMax = 8;
-  const unsigned char* first[kMax] = {};
-  int64_t bytes[kMax] = {}, stride[kMax] = {};
-  int count = 0;
-  int64_t batches = 1;
-};
-
-// Hands each slice to L2 in 64 KB pieces (cp.async.bulk.prefetch.L2, sm_90;
-// elsewhere it does nothing): hints, not copies, that finish in the memory
-// system after this kernel returns. Each range is rounded inwards to 16 bytes
-// (the instruction's alignment): a hint may miss a few bytes but never
-// touches memory outside the arrays. Why: each fused hidden-layer kernel's
-// CTAs (one wave) first load their resident tokens, 128 KB each, all at once
-// from HBM with the tensor pipe idle (~18 % of the key side's stall samples
-// sat before its first pass, PERF_NOTES, fortieth session); prefetched
-// during the small kernel before them, those loads come from L2.
-static __global__ void l2_prefetch_kernel(PrefetchSlices s) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int64_t kPiece = 64 << 10;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int i = 0; i < s.count; ++i)
-    for (int64_t b = 0; b < s.batches; ++b) {
-      const auto first = reinterpret_cast<uintptr_t>(s.first[i] + b * s.stride[i]);
-      const uintptr_t begin = (first + 15) & ~uintptr_t{15};
-      const uintptr_t end = (first + static_cast<uintptr_t>(s.bytes[i])) & ~uintptr_t{15};
-      if (end <= begin) continue;
-      const int64_t bytes = static_cast<int64_t>(end - begin),
-                    pieces = (bytes + kPiece - 1) / kPiece;
-      for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < pieces; p += stride) {
-        const uint32_t size = static_cast<uint32_t>(std::min(kPiece, bytes - p * kPiece));
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(begin + p * kPiece),
-                     "r"(size)
-                     : "memory");
-      }
-    }
-#endif
-}
-
 }  // namespace lact_detail
 }  // namespace statescan::cuda
