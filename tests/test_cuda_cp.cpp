@@ -93,8 +93,8 @@ class CudaSummary : public ::testing::TestWithParam<SummaryParam> {
 
 // The errors of the GPU summary (M, E) of problem `s` in `dtype` against the
 // CPU's on the same fp32 values (rows: B, or one for packed sequences), under
-// the summary scan in force: E's relative RMS, and M's
-// RMS error over max(||M||, ||I|| * the smallest normal of the input type).
+// the summary scan in force: E's relative RMS, and M's RMS error over
+// max(||M||, ||I|| * the smallest normal of the input type).
 // Why the floor: M comes from a scan that rounds its copy of S to the input
 // type for W S, as the forward does; once decays take M's entries below that
 // type's normal range (f16: 6.1e-5; 22 chunks of random_problem's gates give
