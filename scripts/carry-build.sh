@@ -36,10 +36,16 @@ for target in "$@"; do
   [[ -n "$bin" ]] || { echo "carry-build: no executable named $target in $BUILD" >&2; exit 1; }
   gzip -c -6 "$bin" >"$CARRY/$target.gz"
 done
+# The revision the binaries were built from (a stale pack is easy to carry).
+{ git -C "$ROOT" rev-parse --short HEAD
+  git -C "$ROOT" diff --quiet HEAD -- . ':!build-carry' || echo "with uncommitted changes"
+} >"$CARRY/REVISION" 2>/dev/null || echo unknown >"$CARRY/REVISION"
 cat >"$CARRY/unpack.sh" <<'EOF'
 #!/usr/bin/env bash
-# Unpacks the binaries beside this script into /tmp/carry and prints that folder.
+# Unpacks the binaries beside this script into /tmp/carry and prints that
+# folder (and, on stderr, the revision they were built from).
 set -euo pipefail
+echo "carried binaries built from: $(tr '\n' ' ' <"$(dirname "$0")/REVISION")" >&2
 mkdir -p /tmp/carry
 for gz in "$(dirname "$0")"/*.gz; do
   name=$(basename "$gz" .gz)
