@@ -6,6 +6,9 @@
 #include <string>
 
 #include "core/error.h"
+#ifdef STATESCAN_HAS_NCCL
+#include "comm/nccl_host_staged.h"
+#endif
 
 namespace statescan {
 
@@ -143,6 +146,21 @@ std::unique_ptr<Communicator> SingleRankCommunicator::split(int color, int key) 
   (void)key;
   SS_CHECK_ARG(color >= 0, "color", "is ", color, ", must be >= 0");
   return std::make_unique<SingleRankCommunicator>();
+}
+
+bool is_nccl(const Communicator& comm) {
+  return std::strcmp(comm.backend(), "nccl") == 0;
+}
+
+Communicator& host_collectives(Communicator& comm, std::unique_ptr<Communicator>& slot) {
+#ifdef STATESCAN_HAS_NCCL
+  if (is_nccl(comm)) {
+    if (!slot) slot = std::make_unique<NcclHostStaged>(static_cast<NcclCommunicator&>(comm));
+    return *slot;
+  }
+#endif
+  (void)slot;
+  return comm;
 }
 
 }  // namespace statescan

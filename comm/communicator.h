@@ -96,4 +96,14 @@ class SingleRankCommunicator final : public Communicator {
   std::unique_ptr<Communicator> split(int color, int key) override;
 };
 
+// Whether `comm` is an NCCL communicator (backend() "nccl": device buffers,
+// stream-ordered).
+bool is_nccl(const Communicator& comm);
+
+// `comm` for host-buffer collectives (control planes: argument agreement,
+// collective error reports): `comm` itself, or where it is an NCCL
+// communicator a host-staged view of it (NcclHostStaged), made at the first
+// call into `slot`, which the caller keeps for the next calls.
+Communicator& host_collectives(Communicator& comm, std::unique_ptr<Communicator>& slot);
+
 }  // namespace statescan

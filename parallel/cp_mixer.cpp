@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <string_view>
 
 #include "comm/collective_check.h"
 #include "core/error.h"
@@ -281,7 +280,7 @@ void CpMixer::measure_link_now() {
   if (exchange_ != Exchange::automatic || comm_.size() == 1 || auto_link_) return;
 #ifdef STATESCAN_HAS_NCCL
   // As the GPU path's first forward measures it (parallel/cp_mixer_cuda.cpp).
-  if (std::string_view(comm_.backend()) == "nccl") {
+  if (is_nccl(comm_)) {
     auto_link_ = measure_link_device(comm_, link_preset(LinkPreset::nvlink));
     return;
   }
@@ -335,10 +334,11 @@ void CpMixer::backward_device(const CpBackwardArgs&) {
   collective_check(agreement_comm(),
                    [] { SS_FAIL("do", "device tensors need a CUDA build of statescan"); });
 }
-Communicator& CpMixer::agreement_comm() {
-  return control_ != nullptr ? *control_ : comm_;
-}
 #endif
+
+Communicator& CpMixer::agreement_comm() {
+  return control_ != nullptr ? *control_ : host_collectives(comm_, staged_control_);
+}
 
 void CpMixer::forward(const CpForwardArgs& a) {
   if (any_on_device(a)) {
@@ -362,7 +362,7 @@ void CpMixer::forward(const CpForwardArgs& a) {
   collective_check(ctl, [&] { g = cp_detail::check_forward_local(a, config_, rules); });
   cp_detail::agree_geometry(ctl, a, config_, exchange_, /*on_device=*/false, g);
   // Every rank agreed on host tensors and shares comm_'s kind: all throw alike.
-  SS_CHECK_ARG(std::string_view(comm_.backend()) != "nccl", "q",
+  SS_CHECK_ARG(!is_nccl(comm_), "q",
                "host tensors need a host communicator (MPI or a single rank); this mixer's is "
                "NCCL: pass device tensors");
 

@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <optional>
 #include <string>
@@ -41,7 +40,6 @@
 #include "parallel/exchange_cuda.h"
 #ifdef STATESCAN_HAS_NCCL
 #include "comm/nccl_communicator.h"
-#include "comm/nccl_host_staged.h"
 #endif
 
 namespace statescan {
@@ -182,10 +180,6 @@ void CpMixer::DeviceStateDeleter::operator()(DeviceState* state) const {
 
 namespace {
 
-bool is_nccl(const Communicator& comm) {
-  return std::strcmp(comm.backend(), "nccl") == 0;
-}
-
 // Waits for `stream`: through the NCCL communicator's watchdog when there is
 // one (a dead peer then fails instead of hanging), else directly.
 void wait_stream(Communicator& comm, cudaStream_t stream) {
@@ -290,18 +284,6 @@ void check_supported(int64_t dk, int64_t dv) {
 }
 
 }  // namespace
-
-Communicator& CpMixer::agreement_comm() {
-  if (control_ != nullptr) return *control_;
-#ifdef STATESCAN_HAS_NCCL
-  if (is_nccl(comm_)) {
-    if (!staged_control_)
-      staged_control_ = std::make_unique<NcclHostStaged>(static_cast<NcclCommunicator&>(comm_));
-    return *staged_control_;
-  }
-#endif
-  return comm_;
-}
 
 void CpMixer::forward_device(const CpForwardArgs& a) {
   const auto t_start = Clock::now();

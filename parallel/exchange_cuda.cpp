@@ -2,7 +2,6 @@
 #include "parallel/exchange_cuda.h"
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -34,10 +33,6 @@ void copy_d2d(float* dst, const float* src, int64_t count, cudaStream_t stream) 
   if (count > 0)
     SS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(count) * sizeof(float),
                                   cudaMemcpyDeviceToDevice, stream));
-}
-
-bool is_nccl_backend(const Communicator& comm) {
-  return std::strcmp(comm.backend(), "nccl") == 0;
 }
 
 // The host path: stage through host memory and run the host scan.
@@ -183,7 +178,7 @@ int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const Devic
   const Order ord{comm.rank(), comm.size(), order == ScanOrder::reverse};
   // Only a ring rank with a predecessor has work (its receive) that does not
   // read its own maps; everything else starts once they are ready.
-  const bool receive_first = is_nccl_backend(comm) && strategy == Exchange::ring && ord.size > 1 &&
+  const bool receive_first = is_nccl(comm) && strategy == Exchange::ring && ord.size > 1 &&
                              ord.rank_at(ord.pos() - 1) >= 0;
   if (!receive_first && maps_ready != nullptr)
     SS_CUDA_CHECK(cudaStreamWaitEvent(stream, maps_ready, 0));
@@ -193,7 +188,7 @@ int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const Devic
         cudaMemsetAsync(incoming, 0, maps.maps() * maps.dk * maps.dv * sizeof(float), stream));
     return 0;
   }
-  if (!is_nccl_backend(comm)) return scan_staged(comm, strategy, maps, order, incoming, stream);
+  if (!is_nccl(comm)) return scan_staged(comm, strategy, maps, order, incoming, stream);
 #ifdef STATESCAN_HAS_NCCL
   auto& nccl = static_cast<NcclCommunicator&>(comm);
   NcclStreamScope swap(nccl, stream);

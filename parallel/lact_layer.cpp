@@ -3,7 +3,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <string_view>
 #include <vector>
 
 #include "comm/collective_check.h"
@@ -75,7 +74,14 @@ void timed_all_reduce(Communicator& comm, float* data, std::size_t count,
 }
 
 void agree_on_problem(Communicator& control, const LocalSizes& s, const LactConfig& config,
-                      const Placement& where, const int64_t weight_hashes[3]) {
+                      const Placement& where, const LactForwardArgs& a,
+                      int64_t (*hash)(const TensorView&)) {
+  int64_t weight_hashes[3] = {};
+  collective_check(control, [&] {
+    weight_hashes[0] = hash(a.w0);
+    weight_hashes[1] = hash(a.w1);
+    weight_hashes[2] = hash(a.w2);
+  });
   // Every rank must hold the same problem: equal sizes, options (the momentum
   // compared bit for bit through its integer image), placement and initial
   // weights.
@@ -189,20 +195,14 @@ void LactLayer::forward(const LactForwardArgs& a) {
     forward_device(a);
     return;
   }
-  // The same three collectives as the GPU path, over the same communicator:
+  // The same collectives as the GPU path, over the same communicator:
   // a peer on that path meets them, and the placement fails on both sides.
   Communicator& ctl = agreement_comm();
   LocalSizes s;
   collective_check(ctl, [&] { s = lact_detail::check_forward_shapes(a, kHostF32); });
-  int64_t hashes[3] = {};
-  collective_check(ctl, [&] {
-    hashes[0] = tensor_hash(a.w0);
-    hashes[1] = tensor_hash(a.w1);
-    hashes[2] = tensor_hash(a.w2);
-  });
-  lact_detail::agree_on_problem(ctl, s, config_, kHostF32, hashes);
+  lact_detail::agree_on_problem(ctl, s, config_, kHostF32, a, tensor_hash);
   // Every rank agreed on host tensors and shares comm_'s kind: all throw alike.
-  SS_CHECK_ARG(std::string_view(comm_.backend()) != "nccl", "q",
+  SS_CHECK_ARG(!is_nccl(comm_), "q",
                "host tensors need a host communicator (MPI or a single rank); this layer's is "
                "NCCL: pass device tensors");
 
@@ -260,9 +260,10 @@ void LactLayer::backward_device(const LactBackwardArgs&) {
     SS_FAIL("d_o", "device tensors need a CUDA build of statescan (this one has no GPU path)");
   });
 }
-Communicator& LactLayer::agreement_comm() {
-  return comm_;
-}
 #endif
+
+Communicator& LactLayer::agreement_comm() {
+  return host_collectives(comm_, staged_control_);
+}
 
 }  // namespace statescan

@@ -19,7 +19,6 @@
 #include "parallel/lact_layer_internal.h"
 #ifdef STATESCAN_HAS_NCCL
 #include "comm/nccl_communicator.h"
-#include "comm/nccl_host_staged.h"
 #endif
 
 namespace statescan {
@@ -148,16 +147,6 @@ void LactLayer::DeviceStateDeleter::operator()(DeviceState* state) const {
   delete state;
 }
 
-Communicator& LactLayer::agreement_comm() {
-#ifdef STATESCAN_HAS_NCCL
-  if (NcclCommunicator* nccl = as_nccl(comm_)) {
-    if (!staged_control_) staged_control_ = std::make_unique<NcclHostStaged>(*nccl);
-    return *staged_control_;
-  }
-#endif
-  return comm_;
-}
-
 void LactLayer::forward_device(const LactForwardArgs& a) {
   std::unique_ptr<DeviceState, DeviceStateDeleter> state(new DeviceState(comm_));
   Communicator& control = agreement_comm();
@@ -170,14 +159,7 @@ void LactLayer::forward_device(const LactForwardArgs& a) {
                  "LaCT on the GPU takes f32 or bf16 tensors, got ", where.dtype);
     s = lact_detail::check_forward_shapes(a, where);
   });
-  // Inside the check: a copy that fails on one rank must fail them all.
-  int64_t hashes[3] = {};
-  collective_check(control, [&] {
-    hashes[0] = device_hash(a.w0);
-    hashes[1] = device_hash(a.w1);
-    hashes[2] = device_hash(a.w2);
-  });
-  lact_detail::agree_on_problem(control, s, config_, where, hashes);
+  lact_detail::agree_on_problem(control, s, config_, where, a, device_hash);
 
   cuda::LactCudaParams& p = state->params;
   p.config = config_;

@@ -34,9 +34,12 @@ void timed_all_reduce(Communicator& comm, float* data, std::size_t count,
                       LactExchangeStats& stats);
 
 // Collective over `control` (host buffers): every rank must pass the same
-// sizes, options, placement and initial weights (given as content hashes).
-// Throws the same statescan::Error on every rank otherwise.
+// sizes, options, placement and initial weights (compared by their content
+// hashes, `hash` of a.w0, a.w1, a.w2: the host's or the device's; a hash that
+// fails on one rank fails every rank). Throws the same statescan::Error on
+// every rank otherwise.
 void agree_on_problem(Communicator& control, const LocalSizes& s, const LactConfig& config,
-                      const Placement& where, const int64_t weight_hashes[3]);
+                      const Placement& where, const LactForwardArgs& a,
+                      int64_t (*hash)(const TensorView&));
 
 }  // namespace statescan::lact_detail
