@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/lact_hidden.cuh"
@@ -47,6 +48,17 @@ constexpr double kBf16RateGradTol = 2e-2;
 struct Tolerances {
   double o, inputs, rates, weights;
 };
+
+// Whether the current device is compute capability 9.0, where the fused
+// hidden-layer kernels and lact_token_gemm must take every shape these tests
+// run (elsewhere they may not, and the tests skip).
+bool on_sm90_device() {
+  int device = 0, major = 0, minor = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
 constexpr Tolerances kF32{kF32Tol, kF32Tol, kF32Tol, kF32Tol};
 constexpr Tolerances kBf16{kBf16OutTol, kBf16InputGradTol, kBf16RateGradTol, kBf16WeightGradTol};
 
@@ -544,11 +556,7 @@ TEST(LactCudaHiddenPath, ReportsThePath) {
   const bool fused = cuda::lact_detail::lact_hidden_supported(256, 512);
   EXPECT_STREQ(cuda::lact_cuda_hidden_path(DType::bf16, 256, 512),
                fused && cuda::lact_detail::hidden_fused_requested() ? "fused" : "cublas");
-  int device = 0, major = 0, minor = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), cudaSuccess);
-  if (major == 9 && minor == 0)
+  if (on_sm90_device())
     // Every shape the fused-kernel tests below run (they skip where it does
     // not fit, so a shape that stopped fitting must fail here).
     for (const auto& [D, M] :
@@ -905,13 +913,7 @@ TEST_P(LactCudaTokenGemm, MatchesReference) {
   if (!cuda::lact_detail::lact_token_gemm_fits(prm)) {
     // On a 9.0 device every case here must fit: a skip there would hide a
     // shape or alignment rule that stopped taking it.
-    int device = 0, major = 0, minor = 0;
-    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-              cudaSuccess);
-    ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
-              cudaSuccess);
-    ASSERT_FALSE(major == 9 && minor == 0) << "lact_token_gemm_fits refused a test case on 9.0";
+    ASSERT_FALSE(on_sm90_device()) << "lact_token_gemm_fits refused a test case on 9.0";
     GTEST_SKIP() << "no token GEMM on this device or build";
   }
   std::vector<double> first;
