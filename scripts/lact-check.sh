@@ -37,6 +37,11 @@
 #               OUTDIR/src_LABEL.txt, its stall samples phase by phase
 #               (scripts/ncu_phases.py) and its pipes' and shared memory's
 #               utilisation (scripts/ncu_phases.py --raw)
+#   BIN_DIR     a folder holding statescan-bench and test_cuda_lact built
+#               elsewhere for sm_90a (scripts/carry-build.sh; build-carry/
+#               unpack.sh prints the folder): nothing is built, the tests are
+#               the suite alone (TESTS=suite), and SUITE_KNOBS (space-separated
+#               NAME=VALUE) reruns its bf16 layer tests once under each
 set -uo pipefail
 
 OUT=${1:?usage: scripts/lact-check.sh OUTDIR}
@@ -46,20 +51,25 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
 KNOBS=${KNOBS-STATESCAN_LACT_STREAMS=1 STATESCAN_LACT_PDL=1 STATESCAN_LACT_TOKEN_GEMM=fused STATESCAN_LACT_HIDDEN=cublas}
 BENCH=$BUILD/launch/statescan-bench
+SUITE=$BUILD/tests/test_cuda_lact
+if [[ -n "${BIN_DIR:-}" ]]; then
+  BENCH=$BIN_DIR/statescan-bench SUITE=$BIN_DIR/test_cuda_lact
+  [[ "${TESTS:-1}" == 0 ]] || TESTS=suite
+fi
 REF_BUILD=$BUILD-ref
 REF_BENCH=$REF_BUILD/launch/statescan-bench
 status=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 
-{
-  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv || true
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$OUT/build.log" 2>&1 || true
+[[ -n "${BIN_DIR:-}" ]] || {
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
     if [[ "${TESTS:-1}" == 0 ]]; then cmake --build "$BUILD" --target statescan-bench -j16; else
       cmake --build "$BUILD" --target test_cuda_lact statescan-bench -j16; fi &&
     { [[ "${TESTS:-1}" == 0 ]] || ! grep -q "STATESCAN_HAVE_NCCL:INTERNAL=ON" "$BUILD/CMakeCache.txt" ||
       cmake --build "$BUILD" --target test_cuda_lact_mpi -j16; }
-} >"$OUT/build.log" 2>&1 || { echo "lact-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
+} >>"$OUT/build.log" 2>&1 || { echo "lact-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
 if [[ -n "${REF_SRC:-}" ]]; then
   REF_SRC=$(cd "$REF_SRC" && pwd) || exit 1
   {
@@ -71,7 +81,7 @@ if [[ -n "${REF_SRC:-}" ]]; then
 fi
 
 if [[ "${TESTS:-1}" != 0 ]]; then
-  timeout "${TEST_TIMEOUT:-300}" "$BUILD/tests/test_cuda_lact" >"$OUT/tests.log" 2>&1
+  timeout "${TEST_TIMEOUT:-300}" "$SUITE" >"$OUT/tests.log" 2>&1
   rc=$?
   if [[ $rc != 0 ]]; then
     status=1
@@ -87,12 +97,21 @@ if [[ "${TESTS:-1}" != 0 ]]; then
       >"$OUT/tests_knobs.log" 2>&1 || status=1
     grep -E "tests passed|tests failed|\(Failed\)|Timeout" "$OUT/tests_knobs.log" | sed 's/^/knobs: /'
   fi
+  i=0
+  for knob in ${SUITE_KNOBS:-}; do
+    timeout "${TEST_TIMEOUT:-300}" env "$knob" "$SUITE" --gtest_filter='*Bf16*' \
+      >"$OUT/tests_suite_knob$i.log" 2>&1 || status=1
+    grep -E "^\[  (PASSED|FAILED) " "$OUT/tests_suite_knob$i.log" | sed "s/^/$knob: /"
+    grep -E "^\[  FAILED  \]" "$OUT/tests_suite_knob$i.log" | head -10
+    i=$((i + 1))
+  done
 fi
 
 # Registers, spills and stack of the fused hidden-layer kernels (this tree's
 # and the reference's), from the objects' SASS resource usage.
 res_usage() {  # res_usage BUILD_DIR LABEL
   local obj
+  [[ -d "$1" ]] || return 0
   obj=$(find "$1" -name 'lact_hidden.cu.o' | head -1)
   [[ -n "$obj" ]] && command -v cuobjdump >/dev/null || return 0
   echo "# $2: lact_hidden.cu resource usage (cuobjdump -res-usage)"
@@ -104,7 +123,7 @@ res_usage() {  # res_usage BUILD_DIR LABEL
              sub(/\(LactHidden[A-Za-z]*Params.*$/, "", dem)
              printf "  %-48s %s %s %s\n", dem, $1, $2, $4 }'
 }
-{ res_usage "$BUILD" "this tree"; [[ -z "${REF_SRC:-}" ]] || res_usage "$REF_BUILD" "the reference"; } \
+{ [[ -n "${BIN_DIR:-}" ]] || res_usage "$BUILD" "this tree"; [[ -z "${REF_SRC:-}" ]] || res_usage "$REF_BUILD" "the reference"; } \
   >"$OUT/res_usage.txt" 2>&1
 
 # One benchmark row: bench LOG [ENV...] -- [ARGS...] (BIN: the binary, by

@@ -81,4 +81,35 @@ for broken in "$WORK/build" "$WORK/build-ref"; do
   fi
   printf '%s\n' "$msg" | grep -q "build.*failed, see" || fail "no build-failure message for $broken"
 done
+# 4. Carried binaries (BIN_DIR): nothing is configured or built, the rows
+#    come from BIN_DIR's statescan-bench, the suite runs once and once more
+#    per SUITE_KNOBS entry with that variable set (a failing rerun fails the
+#    script).
+BIN=$WORK/carried
+mkdir -p "$BIN"
+cat >"$BIN/statescan-bench" <<'EOS'
+#!/usr/bin/env bash
+echo "# cuBLAS bf16 GEMM 4096^3 700.0 TFLOP/s"
+echo "fwd 7.${STATESCAN_LACT_STREAMS:-0} 1 2 3 53.0 -"
+echo "fwd+bwd 97.0 1 2 3 53.5 2.00e-03"
+EOS
+cat >"$BIN/test_cuda_lact" <<'EOS'
+#!/usr/bin/env bash
+echo "[  PASSED  ] 3 tests (filter ${*:-none}, knob ${STATESCAN_LACT_STREAMS:-unset})."
+[[ "${STATESCAN_LACT_STREAMS:-}" != 1 ]]
+EOS
+chmod +x "$BIN"/*
+printf '#!/usr/bin/env bash\necho cmake ran >>"%s"\nexit 1\n' "$WORK/cmake_calls" >"$STUBS/cmake"
+if out=$(BIN_DIR="$BIN" MUON=0 KNOBS="STATESCAN_LACT_STREAMS=3" \
+  SUITE_KNOBS="STATESCAN_LACT_STREAMS=3 STATESCAN_LACT_STREAMS=1" bash "$SCRIPT" "$WORK/out4"); then
+  fail "a failing suite rerun under SUITE_KNOBS did not fail the script"
+fi
+printf '%s\n' "$out"
+[[ ! -e "$WORK/cmake_calls" ]] || fail "cmake ran with BIN_DIR set"
+printf '%s\n' "$out" | grep -q '^suite: .*knob unset' || fail "no plain suite run"
+printf '%s\n' "$out" | grep -q '^STATESCAN_LACT_STREAMS=3: .*filter --gtest_filter=\*Bf16\*, knob 3' ||
+  fail "no suite rerun under STATESCAN_LACT_STREAMS=3"
+printf '%s\n' "$out" | grep -q '^  STATESCAN_LACT_STREAMS=3, no Muon  *7.3 ' ||
+  fail "the knob's row did not come from BIN_DIR's statescan-bench"
+printf '%s\n' "$out" | grep -q '^  default, no Muon  *7.0 ' || fail "no default row from BIN_DIR"
 echo "lact_check_smoke: OK"

@@ -41,9 +41,15 @@ bool lact_pdl_requested() {
   return pdl;
 }
 
-bool side_stream_requested() {
-  static const bool side = env_choice("STATESCAN_LACT_STREAMS", {"2", "1"}) != 1;
-  return side;
+int lact_streams_requested() {
+  static const int streams = [] {
+    switch (env_choice("STATESCAN_LACT_STREAMS", {"1", "2", "3"})) {
+      case 0: return 1;
+      case 2: return 3;
+      default: return 2;
+    }
+  }();
+  return streams;
 }
 }  // namespace lact_detail
 

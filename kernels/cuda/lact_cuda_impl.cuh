@@ -75,21 +75,18 @@ class LactGpu {
       gate_lo_ = PoolArray<T>(nm, stream);
     }
     if (!std::is_same<T, float>::value) w_op_ = PoolArray<T>(g_.state(), stream);
-    if (fused_hidden_ && side_stream_requested()) {
-      side_ = side_stream();
-      side_blas_ = blas_handle(side_, 1);
-      SS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-      SS_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
-    }
+    const int streams = fused_hidden_ ? lact_streams_requested() : 1;
+    if (streams >= 2) side_ = Lane(1);
+    // Not with split-K: gemm_sliced's partials are one scratch per layer.
+    if (streams >= 3 && split_k_knob() == 1) pair_ = Lane(2);
   }
   LactGpu(const LactGpu&) = delete;
   LactGpu& operator=(const LactGpu&) = delete;
   ~LactGpu() {
-    // Side work still queued (an exception left a loop between on_side and
-    // join_side) reads arrays that stream_ frees in its order.
-    if (side_pending_) cudaStreamWaitEvent(stream_, join_, 0);
-    if (fork_ != nullptr) cudaEventDestroy(fork_);
-    if (join_ != nullptr) cudaEventDestroy(join_);
+    // Work still queued on a lane (an exception left a loop between its
+    // fork and join) reads arrays that stream_ frees in its order.
+    side_.release(stream_);
+    pair_.release(stream_);
   }
 
   void forward(const LactDeviceAllReduce& all_reduce, LactCudaSaved* saved) {
@@ -130,10 +127,10 @@ class LactGpu {
     // The fused apply writes only o and reads the chunk's weight copy: it
     // runs on the side stream beside the update (key side, G, Newton-Schulz),
     // joined before step_renorm overwrites that copy.
-    const bool side = side_ != nullptr && fused_apply();
+    const bool side = side_ && fused_apply();
     auto apply = [&](const T* w, int64_t n, int64_t t0) {
       if (side)
-        on_side([&] { apply_forward(w, n, t0); });
+        on_lane(side_, [&] { apply_forward(w, n, t0); });
       else
         apply_forward(w, n, t0);
     };
@@ -161,11 +158,11 @@ class LactGpu {
         ns->forward(update, step.get());
         d = step.get();
       }
-      join_side();
+      join(side_);
       w_op = step_renorm(weights_of(c), weights_of(c + 1), d);
       if (!causal_) apply(w_op, n, t0);
     }
-    join_side();
+    join(side_);
   }
 
   void backward(const LactCudaGrads& gr, const LactCudaSaved& saved,
@@ -196,7 +193,7 @@ class LactGpu {
     // The causal schedule's apply backward on the side stream: fused, its
     // outputs gate_ and dh_ are not the buffers of the update's gradient rows
     // (zdh_, gde_: fused too wherever side_ exists).
-    const bool side = causal_ && side_ != nullptr && fused_apply_backward(gr);
+    const bool side = causal_ && side_ && fused_apply_backward(gr);
 
     for (int64_t c = g_.chunks - 1; c >= 0; --c) {
       const int64_t n = g_.slice_len(p_.seq_len, c), t0 = g_.slice_start(c);
@@ -228,7 +225,7 @@ class LactGpu {
       // dW products (added after the update's, the order of the sums as
       // without the side stream) and before the next chunk's
       // step_renorm_backward overwrites the copy.
-      if (side) on_side([&] { apply_backward_tokens(gr, w_op, n, t0); });
+      if (side) on_lane(side_, [&] { apply_backward_tokens(gr, w_op, n, t0); });
       if (muon) ns->backward(Pc, d_step.get(), dG.get());
       if (momentum_) {
         momentum_backward_kernel<<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
@@ -238,11 +235,14 @@ class LactGpu {
       if (all_reduce) all_reduce(dG.get(), state, stream_);
       gradients_backward(gr, w_op, dG.get(), n, t0, dW.get());
       if (side) {
-        join_side();
+        join(side_);
         apply_backward_weights(gr, n, t0, dW.get());
       } else if (causal_) {
         apply_backward(gr, w_op, n, t0, dW.get());
       }
+      // dW's blocks, the rows the pair lane read (gate_, de), before the
+      // next chunk writes them.
+      join(pair_);
     }
 
     PoolArray<float> d_init(g_.H * g_.block(), stream_);
@@ -396,7 +396,7 @@ class LactGpu {
       // writes none of the tokens and reads none of the outputs (step_renorm,
       // the weights' copy, a dW GEMM); on the side stream an event wait
       // precedes every launch.
-      h.dependent = pdl_ && stream_ != side_;
+      h.dependent = pdl_ && stream_ != side_.stream;
       h.w = w;
       h.lr0 = tok(p_.lr0), h.lr1 = tok(p_.lr1), h.lr2 = tok(p_.lr2);
       h.z = z_.get(), h.gate = gate_.get(), h.z_lo = z_lo_.get(), h.gate_lo = gate_lo_.get();
@@ -446,19 +446,25 @@ class LactGpu {
           g_.local_len, t0, z_.get(), gate_.get(), z_lo_.get(), gate_lo_.get());
       SS_LAUNCH_CHECK("key_side_kernel");
     }
+    // [G0; G2] = [z0 | z2]^T k,  G1 = -v^T gate (+ the low bf16 terms):
+    // G1 on the pair lane (another block of G).
+    on_lane(pair_, [&] {
+      for (int64_t b = 0; b < g_.B; ++b) {
+        gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0),
+               rows_in<T>(gate_.get(), b, n, M), 0.0, weight_grad(G, b, 2));
+        if (split_update_)
+          gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0),
+                 rows_in<T>(gate_lo_.get(), b, n, M), 1.0, weight_grad(G, b, 2));
+      }
+    });
     for (int64_t b = 0; b < g_.B; ++b) {
-      // [G0; G2] = [z0 | z2]^T k,  G1 = -v^T gate (+ the low bf16 terms).
       gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(z_.get(), b, n, M2), tokens(p_.k, b, t0),
              0.0, weight_grad(G, b, 0));
-      gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(gate_.get(), b, n, M),
-             0.0, weight_grad(G, b, 2));
-      if (split_update_) {
+      if (split_update_)
         gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(z_lo_.get(), b, n, M2),
                tokens(p_.k, b, t0), 1.0, weight_grad(G, b, 0));
-        gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0),
-               rows_in<T>(gate_lo_.get(), b, n, M), 1.0, weight_grad(G, b, 2));
-      }
     }
+    join(pair_);  // G whole (the all-reduce, the step read it); z_, gate_ free
   }
 
   void store_tokens(const float* acc, int64_t n, int64_t t0, void* dst) {
@@ -502,14 +508,18 @@ class LactGpu {
   }
   // Its weight side from gate_ and dh_: o = W1 gate: dW1 += do gate^T;
   // d[W0; W2] += dh^T q.
+  // dW1's term on the pair lane (after the update's, in its order).
   void apply_backward_weights(const LactCudaGrads& gr, int64_t n, int64_t t0, float* dW) {
     const int64_t M = g_.M, M2 = 2 * g_.M;
-    for (int64_t b = 0; b < g_.B; ++b) {
-      gemm_t(true, false, g_.D, M, n, 1.0, tokens(gr.d_o, b, t0), rows_in<T>(gate_.get(), b, n, M),
-             1.0, weight_grad(dW, b, 2));
+    on_lane(pair_, [&] {
+      for (int64_t b = 0; b < g_.B; ++b)
+        gemm_t(true, false, g_.D, M, n, 1.0, tokens(gr.d_o, b, t0),
+               rows_in<T>(gate_.get(), b, n, M), 1.0, weight_grad(dW, b, 2));
+    });
+    for (int64_t b = 0; b < g_.B; ++b)
       gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(dh_.get(), b, n, M2), tokens(p_.q, b, t0),
              1.0, weight_grad(dW, b, 0));
-    }
+    join(pair_);
   }
 
   // gradients_backward's rows (z, gate, de, dh, dlr) by lact_hidden_grad_kernel
@@ -568,11 +578,17 @@ class LactGpu {
                {kw_.get() + pb * 4 * md, kT, D, 4 * md}, 0.0, tokens_out(gr.dk, b, t0));
         gemm_t(false, false, n, D, M2, -1.0, rows_in<T>(gde, b, n, M2),
                {t1_.get() + pb * 2 * md, kT, D, 2 * md}, 0.0, tokens_out(gr.dv, b, t0));
-        gemm_t(true, false, D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(gde + M, b, n, M2), 1.0,
-               weight_grad(dW, b, 2));
+      }
+      // dW1 on the pair lane, d[W0; W2] here (different blocks of dW); the
+      // backward joins the lane after the apply's terms.
+      on_lane(pair_, [&] {
+        for (int64_t b = 0; b < g_.B; ++b)
+          gemm_t(true, false, D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(gde + M, b, n, M2),
+                 1.0, weight_grad(dW, b, 2));
+      });
+      for (int64_t b = 0; b < g_.B; ++b)
         gemm_t(true, false, M2, D, n, 1.0, rows_in<T>(zdh + M2, b, n, 2 * M2), tokens(p_.k, b, t0),
                1.0, weight_grad(dW, b, 0));
-      }
       return;
     }
     const T* dg = operand_copy(dG, dg_op_);
@@ -630,41 +646,65 @@ class LactGpu {
   bool fused_hidden_;
   bool token_gemm_ = std::is_same<T, bf16>::value && token_gemm_requested();
   bool pdl_ = lact_pdl_requested();  // the fused kernels as dependent launches
-  // The side stream (side_stream) and its cuBLAS handle, where the fused
-  // hidden layer runs and side_stream_requested (else null); fork_ / join_
-  // order it against stream_.
-  cudaStream_t side_ = nullptr;
-  cublasHandle_t side_blas_ = nullptr;
-  cudaEvent_t fork_ = nullptr, join_ = nullptr;
-  bool side_pending_ = false;  // join_ recorded and not yet waited on by stream_
+  // A stream beside stream_ (side_stream's slot), its cuBLAS handle and the
+  // events that order it against stream_; empty (false) where the layer runs
+  // on fewer streams (lact_streams_requested), and on_lane then runs its work
+  // on stream_ in the same order.
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    cublasHandle_t blas = nullptr;
+    cudaEvent_t fork = nullptr, joined = nullptr;
+    bool pending = false;  // `joined` recorded and not yet waited on by stream_
+    Lane() = default;
+    explicit Lane(int slot) : stream(side_stream(slot)), blas(blas_handle(stream, slot)) {
+      SS_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+      SS_CUDA_CHECK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
+    }
+    explicit operator bool() const { return stream != nullptr; }
+    // The layer's destructor: `main` waits for what is still queued here.
+    void release(cudaStream_t main) noexcept {
+      if (pending) cudaStreamWaitEvent(main, joined, 0);
+      if (fork != nullptr) cudaEventDestroy(fork);
+      if (joined != nullptr) cudaEventDestroy(joined);
+    }
+  };
+  // side_: each chunk's output side (the fused apply; the backward's apply
+  // and dq), beside the update chain. pair_: one GEMM of each pair of
+  // token-contracted weight GEMMs that write different blocks.
+  Lane side_, pair_;
 
-  // f() with stream_ and blas_ standing for the side stream: what f
-  // enqueues (launches, GEMMs) runs after everything enqueued on stream_ so
-  // far and beside what is enqueued there next, until join_side(). f must
-  // not allocate (the pool's arrays belong to stream_) nor write what
-  // stream_'s work before the join reads.
+  // f() with stream_ and blas_ standing for the lane's: what f enqueues
+  // (launches, GEMMs) runs after everything enqueued on stream_ so far and
+  // beside what is enqueued there next, until join(lane). f must not
+  // allocate (the pool's arrays belong to stream_) nor write what stream_'s
+  // work before the join reads or writes.
   template <typename F>
-  void on_side(F&& f) {
-    SS_CUDA_CHECK(cudaEventRecord(fork_, stream_));
-    SS_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+  void on_lane(Lane& lane, F&& f) {
+    if (!lane) {
+      f();
+      return;
+    }
+    SS_CUDA_CHECK(cudaEventRecord(lane.fork, stream_));
+    SS_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, lane.fork, 0));
     struct Swap {
       LactGpu& g;
+      Lane& lane;
       cudaStream_t stream;
       cublasHandle_t blas;
       ~Swap() {
         g.stream_ = stream, g.blas_ = blas;
         // Recorded even when f threw: the destructor's wait covers what it enqueued.
-        g.side_pending_ = cudaEventRecord(g.join_, g.side_) == cudaSuccess;
+        lane.pending = cudaEventRecord(lane.joined, lane.stream) == cudaSuccess;
       }
-    } swap{*this, stream_, blas_};
-    stream_ = side_, blas_ = side_blas_;
+    } swap{*this, lane, stream_, blas_};
+    stream_ = lane.stream, blas_ = lane.blas;
     f();
   }
-  // stream_ waits for the side stream's work so far.
-  void join_side() {
-    if (!side_pending_) return;
-    SS_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
-    side_pending_ = false;
+  // stream_ waits for the lane's work so far.
+  void join(Lane& lane) {
+    if (!lane.pending) return;
+    SS_CUDA_CHECK(cudaStreamWaitEvent(stream_, lane.joined, 0));
+    lane.pending = false;
   }
   PoolArray<float> w_init_, norm0_;
   // Rows of 2M: h_, u_ (fp32), z_, dh_ (operands); rows of M: e_, u1_ (fp32),
