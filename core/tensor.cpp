@@ -1,5 +1,6 @@
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -89,6 +90,30 @@ void check_finite(const float* data, int64_t n, const char* name) {
 void check_log_gates(const float* data, int64_t n, const char* name) {
   const int64_t i = first_invalid(data, n, true);
   SS_CHECK_ARG(i < 0, name, "element ", i, " is ", data[i],
+               " (log gates must be finite and <= 0: alpha = exp(g) in (0, 1])");
+}
+
+std::string index_string(const Shape& shape, int64_t flat) {
+  std::vector<int64_t> at(shape.size());
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    const int64_t extent = std::max<int64_t>(shape[d], 1);
+    at[d] = flat % extent;
+    flat /= extent;
+  }
+  return shape_string(at);
+}
+
+void check_finite(const TensorView& t, const char* name) {
+  const float* data = t.as<const float>();
+  const int64_t i = first_invalid(data, t.numel(), false);
+  SS_CHECK_ARG(i < 0, name, "element ", index_string(t.shape, i), " is ", data[i],
+               " (NaN/Inf not allowed)");
+}
+
+void check_log_gates(const TensorView& t, const char* name) {
+  const float* data = t.as<const float>();
+  const int64_t i = first_invalid(data, t.numel(), true);
+  SS_CHECK_ARG(i < 0, name, "element ", index_string(t.shape, i), " is ", data[i],
                " (log gates must be finite and <= 0: alpha = exp(g) in (0, 1])");
 }
 

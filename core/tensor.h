@@ -84,5 +84,13 @@ void check_finite(const float* data, int64_t n, const char* name);
 // A positive gate grows the state by e^g a token, to inf within a few
 // dozen tokens, with no error of its own.
 void check_log_gates(const float* data, int64_t n, const char* name);
+// The same for a host fp32 tensor (contiguous, as check_tensor leaves it):
+// the error names the offending element by its coordinates, "[b, t, h, d]"
+// (a flat index into a [B, T, H, D] shard is no help to whoever must find
+// the token).
+void check_finite(const TensorView& t, const char* name);
+void check_log_gates(const TensorView& t, const char* name);
+// "[i0, i1, ...]": the coordinates of row-major index `flat` in `shape`.
+std::string index_string(const Shape& shape, int64_t flat);
 
 }  // namespace statescan

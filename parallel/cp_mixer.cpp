@@ -30,7 +30,7 @@ double seconds_since(Clock::time_point t0) {
 
 void check_input(const TensorView& t, const Shape& shape, bool values, const char* name) {
   check_tensor(t, shape, DType::f32, Memory::host, name);
-  if (values) check_finite(t.as<const float>(), t.numel(), name);
+  if (values) check_finite(t, name);
 }
 
 void check_output(const TensorView& t, const Shape& shape, const char* name) {
@@ -41,7 +41,7 @@ void check_output(const TensorView& t, const Shape& shape, const char* name) {
 void check_input(const TensorView& t, const Shape& shape, DType dtype, const TensorRules& rules,
                  const char* name) {
   check_tensor(t, shape, dtype, rules.memory, name);
-  if (rules.check_values) check_finite(t.as<const float>(), t.numel(), name);
+  if (rules.check_values) check_finite(t, name);
 }
 
 void check_output(const TensorView& t, const Shape& shape, DType dtype, const TensorRules& rules,
@@ -82,7 +82,7 @@ Geometry check_forward_local(const CpForwardArgs& a, const MixerConfig& cfg,
     check_input(a.g, vector_gate(cfg.variant) ? qk : bth, DType::f32, rules, "g");
     // The local kernel refuses a positive gate too, but on its rank alone:
     // here, inside the collective check, every rank learns of it.
-    if (a.g.memory == Memory::host) check_log_gates(a.g.as<const float>(), a.g.numel(), "g");
+    if (a.g.memory == Memory::host) check_log_gates(a.g, "g");
   } else {
     SS_CHECK_ARG(!a.g.defined(), "g", "must be undefined for variant ", to_string(cfg.variant));
   }

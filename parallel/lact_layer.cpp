@@ -227,7 +227,7 @@ void LactLayer::backward(const LactBackwardArgs& a) {
     const LactParams<float>& p = saved_->params;
     const LocalSizes s{p.batch, p.local_len(), p.heads, p.dim, p.hidden};
     lact_detail::check_backward_shapes(a, s, kHostF32);
-    check_finite(a.d_o.as<const float>(), a.d_o.numel(), "d_o");
+    check_finite(a.d_o, "d_o");
   });
   LactGradParams<float> g;
   g.d_o = a.d_o.as<const float>();

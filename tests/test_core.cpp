@@ -411,6 +411,24 @@ TEST(TensorChecks, NonFiniteElementNamesArgumentAndIndex) {
   expect_error_naming("g", [&] { check_finite(x.data(), 8, "g"); });
 }
 
+TEST(TensorChecks, NonFiniteTensorElementNamedByCoordinates) {
+  std::vector<float> x(2 * 3 * 2 * 4, -0.25f);
+  const TensorView t(x.data(), DType::f32, {2, 3, 2, 4}, Memory::host);
+  EXPECT_NO_THROW(check_finite(t, "q"));
+  EXPECT_NO_THROW(check_log_gates(t, "g"));
+  // Flat 1 * 24 + 2 * 8 + 0 * 4 + 3 = 43: batch row 1, token 2, head 0, dim 3.
+  x[43] = std::numeric_limits<float>::infinity();
+  std::string what = expect_error_naming("q", [&] { check_finite(t, "q"); });
+  EXPECT_NE(what.find("element [1, 2, 0, 3]"), std::string::npos) << what;
+  x[43] = -1.f;
+  x[9] = 0.5f;  // a positive log gate: [0, 1, 0, 1]
+  EXPECT_NO_THROW(check_finite(t, "g"));
+  what = expect_error_naming("g", [&] { check_log_gates(t, "g"); });
+  EXPECT_NE(what.find("element [0, 1, 0, 1]"), std::string::npos) << what;
+  EXPECT_EQ(index_string({5}, 4), "[4]");
+  EXPECT_EQ(index_string({2, 3}, 5), "[1, 2]");
+}
+
 TEST(TensorChecks, ShapeHelpers) {
   EXPECT_EQ(numel({2, 3, 4}), 24);
   EXPECT_EQ(numel({}), 1);
