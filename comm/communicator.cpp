@@ -152,6 +152,12 @@ bool is_nccl(const Communicator& comm) {
   return std::strcmp(comm.backend(), "nccl") == 0;
 }
 
+void check_host_tensors_allowed(const Communicator& comm, const char* argument, const char* owner) {
+  SS_CHECK_ARG(!is_nccl(comm), argument,
+               "host tensors need a host communicator (MPI or a single rank); this ", owner,
+               "'s is NCCL: pass device tensors");
+}
+
 Communicator& host_collectives(Communicator& comm, std::unique_ptr<Communicator>& slot) {
 #ifdef STATESCAN_HAS_NCCL
   if (is_nccl(comm)) {

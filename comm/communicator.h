@@ -100,6 +100,12 @@ class SingleRankCommunicator final : public Communicator {
 // stream-ordered).
 bool is_nccl(const Communicator& comm);
 
+// Host tensors take host collectives: throws statescan::Error naming
+// `argument` where `comm` is NCCL ("this <owner>'s is NCCL: pass device
+// tensors"). Local; callers reach it on every rank alike (the ranks have
+// agreed on where their tensors live and share the communicator's kind).
+void check_host_tensors_allowed(const Communicator& comm, const char* argument, const char* owner);
+
 // `comm` for host-buffer collectives (control planes: argument agreement,
 // collective error reports): `comm` itself, or where it is an NCCL
 // communicator a host-staged view of it (NcclHostStaged), made at the first

@@ -362,9 +362,7 @@ void CpMixer::forward(const CpForwardArgs& a) {
   collective_check(ctl, [&] { g = cp_detail::check_forward_local(a, config_, rules); });
   cp_detail::agree_geometry(ctl, a, config_, exchange_, /*on_device=*/false, g);
   // Every rank agreed on host tensors and shares comm_'s kind: all throw alike.
-  SS_CHECK_ARG(!is_nccl(comm_), "q",
-               "host tensors need a host communicator (MPI or a single rank); this mixer's is "
-               "NCCL: pass device tensors");
+  check_host_tensors_allowed(comm_, "q", "mixer");
 
   const int P = comm_.size();
   const int64_t H = g.heads, Dk = g.dk, Dv = g.dv, state = Dk * Dv;

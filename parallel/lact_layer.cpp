@@ -202,9 +202,7 @@ void LactLayer::forward(const LactForwardArgs& a) {
   collective_check(ctl, [&] { s = lact_detail::check_forward_shapes(a, kHostF32); });
   lact_detail::agree_on_problem(ctl, s, config_, kHostF32, a, tensor_hash);
   // Every rank agreed on host tensors and shares comm_'s kind: all throw alike.
-  SS_CHECK_ARG(!is_nccl(comm_), "q",
-               "host tensors need a host communicator (MPI or a single rank); this layer's is "
-               "NCCL: pass device tensors");
+  check_host_tensors_allowed(comm_, "q", "layer");
 
   const int P = comm_.size();
   LactParams<float> p = make_params(a, config_, s, P, comm_.rank());

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <random>
 #include <stdexcept>
@@ -157,6 +158,42 @@ TEST(SingleRank, IsAGroupOfOne) {
   EXPECT_EQ(comm.size(), 1);
   EXPECT_STREQ(comm.backend(), "single");
   comm.barrier();
+}
+
+// Host tensors over NCCL are refused by name, whichever owner asks; a host
+// communicator takes them. (A stand-in that only says "nccl": the check
+// must not call it.)
+TEST(HostTensors, NeedAHostCommunicator) {
+  struct NamedNccl final : Communicator {
+    int rank() const override { return 0; }
+    int size() const override { return 1; }
+    const char* backend() const override { return "nccl"; }
+    void all_gather(const void*, void*, std::size_t, CommType) override { ADD_FAILURE(); }
+    void all_reduce_sum(void*, std::size_t, CommType) override { ADD_FAILURE(); }
+    void all_reduce_max(void*, std::size_t, CommType) override { ADD_FAILURE(); }
+    void broadcast(void*, std::size_t, CommType, int) override { ADD_FAILURE(); }
+    void send(const void*, std::size_t, CommType, int, int) override { ADD_FAILURE(); }
+    void recv(void*, std::size_t, CommType, int, int) override { ADD_FAILURE(); }
+    void send_recv(const void*, std::size_t, int, void*, std::size_t, int, CommType, int) override {
+      ADD_FAILURE();
+    }
+    void barrier() override { ADD_FAILURE(); }
+    std::unique_ptr<Communicator> split(int, int) override { return nullptr; }
+  };
+  SingleRankCommunicator single;
+  EXPECT_FALSE(is_nccl(single));
+  EXPECT_NO_THROW(check_host_tensors_allowed(single, "q", "mixer"));
+  NamedNccl nccl;
+  EXPECT_TRUE(is_nccl(nccl));
+  try {
+    check_host_tensors_allowed(nccl, "q", "layer");
+    ADD_FAILURE() << "host tensors over NCCL were not refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "q");
+    EXPECT_NE(std::string(e.what()).find("this layer's is NCCL: pass device tensors"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(SingleRank, BroadcastFromAnotherRootThrows) {
