@@ -82,17 +82,6 @@ int64_t first_invalid(const float* data, int64_t n, bool log_gates) {
   return -1;
 }
 
-void check_finite(const float* data, int64_t n, const char* name) {
-  const int64_t i = first_invalid(data, n, false);
-  SS_CHECK_ARG(i < 0, name, "element ", i, " is ", data[i], " (NaN/Inf not allowed)");
-}
-
-void check_log_gates(const float* data, int64_t n, const char* name) {
-  const int64_t i = first_invalid(data, n, true);
-  SS_CHECK_ARG(i < 0, name, "element ", i, " is ", data[i],
-               " (log gates must be finite and <= 0: alpha = exp(g) in (0, 1])");
-}
-
 std::string index_string(const Shape& shape, int64_t flat) {
   std::vector<int64_t> at(shape.size());
   for (std::size_t d = shape.size(); d-- > 0;) {
@@ -103,18 +92,37 @@ std::string index_string(const Shape& shape, int64_t flat) {
   return shape_string(at);
 }
 
+namespace {
+
+// The one refusal behind check_finite and check_log_gates: the first invalid
+// element of data[0, n), named by where(i) (its index or its coordinates).
+template <typename Where>
+void check_values(const float* data, int64_t n, bool log_gates, const char* name, Where&& where) {
+  const int64_t i = first_invalid(data, n, log_gates);
+  if (i < 0) return;
+  SS_FAIL(name, "element ", where(i), " is ", data[i],
+          log_gates ? " (log gates must be finite and <= 0: alpha = exp(g) in (0, 1])"
+                    : " (NaN/Inf not allowed)");
+}
+
+}  // namespace
+
+void check_finite(const float* data, int64_t n, const char* name) {
+  check_values(data, n, false, name, [](int64_t i) { return i; });
+}
+
+void check_log_gates(const float* data, int64_t n, const char* name) {
+  check_values(data, n, true, name, [](int64_t i) { return i; });
+}
+
 void check_finite(const TensorView& t, const char* name) {
-  const float* data = t.as<const float>();
-  const int64_t i = first_invalid(data, t.numel(), false);
-  SS_CHECK_ARG(i < 0, name, "element ", index_string(t.shape, i), " is ", data[i],
-               " (NaN/Inf not allowed)");
+  check_values(t.as<const float>(), t.numel(), false, name,
+               [&](int64_t i) { return index_string(t.shape, i); });
 }
 
 void check_log_gates(const TensorView& t, const char* name) {
-  const float* data = t.as<const float>();
-  const int64_t i = first_invalid(data, t.numel(), true);
-  SS_CHECK_ARG(i < 0, name, "element ", index_string(t.shape, i), " is ", data[i],
-               " (log gates must be finite and <= 0: alpha = exp(g) in (0, 1])");
+  check_values(t.as<const float>(), t.numel(), true, name,
+               [&](int64_t i) { return index_string(t.shape, i); });
 }
 
 }  // namespace statescan

@@ -112,12 +112,8 @@ std::vector<float> loaded_values(const Loaded& l, DType round_as, bool check,
   std::vector<float> x = to_float(l.array, round_as);
   const int64_t i = check ? first_invalid(x.data(), static_cast<int64_t>(x.size()), log_gates) : -1;
   if (i < 0) return x;
-  std::string index;
-  for (int64_t rest = i, a = static_cast<int64_t>(l.array.shape.size()) - 1; a >= 0; --a) {
-    index = std::to_string(rest % l.array.shape[a]) + (index.empty() ? "" : ", ") + index;
-    rest /= l.array.shape[a];
-  }
-  SS_FAIL(l.path, l.path, " element [", index, "] is ", x[static_cast<std::size_t>(i)],
+  SS_FAIL(l.path, l.path, " element ", index_string(l.array.shape, i), " is ",
+          x[static_cast<std::size_t>(i)],
           log_gates ? " (log gates must be finite and <= 0)" : " (NaN/Inf not allowed)",
           "; --no-check-finite lets it through");
 }
