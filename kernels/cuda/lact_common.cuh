@@ -54,8 +54,8 @@ constexpr cudaDataType_t data_type<double>() {
 
 // One handle per (host thread, device, slot), created on first use and kept
 // for the life of the thread: cublasCreate costs far more than one LaCT
-// chunk. Slots 1 and 2 serve the layer's side streams (side_stream), so
-// that no two streams share a handle's workspace.
+// chunk. Slot 1 serves the layer's side stream (side_stream), so that the
+// two streams never share a handle's workspace.
 inline cublasHandle_t blas_handle(cudaStream_t stream, int slot = 0) {
   int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));
@@ -70,18 +70,16 @@ inline cublasHandle_t blas_handle(cudaStream_t stream, int slot = 0) {
   return h;
 }
 
-// The bf16 layer's extra streams per (host thread, device, slot 1 or 2),
-// non-blocking (no implicit order with the legacy default stream), created
-// on first use and kept: LactGpu runs on slot 1 the output side of a chunk
-// (the fused apply, the backward's apply and dq), which reads only the
-// chunk's weights, beside the update chain on the caller's stream, and on
-// slot 2 one GEMM of each pair of token-contracted weight GEMMs
-// (LactGpu::on_lane).
-inline cudaStream_t side_stream(int slot) {
+// The bf16 layer's second stream per (host thread, device), non-blocking (no
+// implicit order with the legacy default stream), created on first use and
+// kept: LactGpu runs there the output side of a chunk (the fused apply, the
+// backward's apply and dq), which reads only the chunk's weights, beside the
+// update chain on the caller's stream (LactGpu::on_lane).
+inline cudaStream_t side_stream() {
   int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));
-  thread_local std::map<std::pair<int, int>, cudaStream_t> streams;
-  cudaStream_t& s = streams[{device, slot}];
+  thread_local std::map<int, cudaStream_t> streams;
+  cudaStream_t& s = streams[device];
   if (s == nullptr) SS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   return s;
 }

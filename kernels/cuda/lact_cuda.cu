@@ -41,15 +41,9 @@ bool lact_pdl_requested() {
   return pdl;
 }
 
-int lact_streams_requested() {
-  static const int streams = [] {
-    switch (env_choice("STATESCAN_LACT_STREAMS", {"1", "2", "3"})) {
-      case 0: return 1;
-      case 2: return 3;
-      default: return 2;
-    }
-  }();
-  return streams;
+bool side_stream_requested() {
+  static const bool side = env_choice("STATESCAN_LACT_STREAMS", {"2", "1"}) != 1;
+  return side;
 }
 }  // namespace lact_detail
 

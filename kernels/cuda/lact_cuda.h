@@ -130,15 +130,14 @@ NsGemms ns_gemms_requested();
 // them on cuBLAS; read once per process, any other value an error naming it.
 bool hidden_fused_requested();
 
-// STATESCAN_LACT_STREAMS: how many streams a layer on the fused hidden layer
-// runs a chunk on. "2" (or unset) runs each chunk's output side (the apply,
-// the backward's apply and dq) on a second stream beside the update chain;
-// "3" also runs the pairs of token-contracted weight GEMMs that write
-// different blocks (G1 beside [G0; G2], dW1 beside d[W0; W2]) on a third
-// stream, each pair on a half-filled grid; "1" keeps all of it on the
-// caller's stream. The same kernels and every sum in the same order in each
-// case. Read once per process, any other value an error naming it.
-int lact_streams_requested();
+// STATESCAN_LACT_STREAMS: unset or "2" lets a layer on the fused hidden layer
+// run each chunk's output side (the apply, the backward's apply and dq) on a
+// second stream beside the update chain (the same kernels, and every sum in
+// the same order, as on one stream); "1" keeps all of it on the caller's
+// stream. (A third stream for the pairs of token-contracted weight GEMMs was
+// measured slower: PERF_NOTES, forty-fourth session.)
+// Read once per process, any other value an error naming it.
+bool side_stream_requested();
 
 // STATESCAN_LACT_PDL: "1" launches the fused hidden-layer kernels that run
 // on the caller's stream as programmatic dependents of the kernel before

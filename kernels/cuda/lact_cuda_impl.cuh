@@ -75,10 +75,7 @@ class LactGpu {
       gate_lo_ = PoolArray<T>(nm, stream);
     }
     if (!std::is_same<T, float>::value) w_op_ = PoolArray<T>(g_.state(), stream);
-    const int streams = fused_hidden_ ? lact_streams_requested() : 1;
-    if (streams >= 2) side_ = Lane(1);
-    // Not with split-K: gemm_sliced's partials are one scratch per layer.
-    if (streams >= 3 && split_k_knob() == 1) pair_ = Lane(2);
+    if (fused_hidden_ && side_stream_requested()) side_ = Lane::open();
   }
   LactGpu(const LactGpu&) = delete;
   LactGpu& operator=(const LactGpu&) = delete;
@@ -86,7 +83,6 @@ class LactGpu {
     // Work still queued on a lane (an exception left a loop between its
     // fork and join) reads arrays that stream_ frees in its order.
     side_.release(stream_);
-    pair_.release(stream_);
   }
 
   void forward(const LactDeviceAllReduce& all_reduce, LactCudaSaved* saved) {
@@ -240,9 +236,6 @@ class LactGpu {
       } else if (causal_) {
         apply_backward(gr, w_op, n, t0, dW.get());
       }
-      // dW's blocks, the rows the pair lane read (gate_, de), before the
-      // next chunk writes them.
-      join(pair_);
     }
 
     PoolArray<float> d_init(g_.H * g_.block(), stream_);
@@ -446,25 +439,19 @@ class LactGpu {
           g_.local_len, t0, z_.get(), gate_.get(), z_lo_.get(), gate_lo_.get());
       SS_LAUNCH_CHECK("key_side_kernel");
     }
-    // [G0; G2] = [z0 | z2]^T k,  G1 = -v^T gate (+ the low bf16 terms):
-    // G1 on the pair lane (another block of G).
-    on_lane(pair_, [&] {
-      for (int64_t b = 0; b < g_.B; ++b) {
-        gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0),
-               rows_in<T>(gate_.get(), b, n, M), 0.0, weight_grad(G, b, 2));
-        if (split_update_)
-          gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0),
-                 rows_in<T>(gate_lo_.get(), b, n, M), 1.0, weight_grad(G, b, 2));
-      }
-    });
     for (int64_t b = 0; b < g_.B; ++b) {
+      // [G0; G2] = [z0 | z2]^T k,  G1 = -v^T gate (+ the low bf16 terms).
       gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(z_.get(), b, n, M2), tokens(p_.k, b, t0),
              0.0, weight_grad(G, b, 0));
-      if (split_update_)
+      gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(gate_.get(), b, n, M),
+             0.0, weight_grad(G, b, 2));
+      if (split_update_) {
         gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(z_lo_.get(), b, n, M2),
                tokens(p_.k, b, t0), 1.0, weight_grad(G, b, 0));
+        gemm_t(true, false, g_.D, M, n, -1.0, tokens(p_.v, b, t0),
+               rows_in<T>(gate_lo_.get(), b, n, M), 1.0, weight_grad(G, b, 2));
+      }
     }
-    join(pair_);  // G whole (the all-reduce, the step read it); z_, gate_ free
   }
 
   void store_tokens(const float* acc, int64_t n, int64_t t0, void* dst) {
@@ -508,18 +495,14 @@ class LactGpu {
   }
   // Its weight side from gate_ and dh_: o = W1 gate: dW1 += do gate^T;
   // d[W0; W2] += dh^T q.
-  // dW1's term on the pair lane (after the update's, in its order).
   void apply_backward_weights(const LactCudaGrads& gr, int64_t n, int64_t t0, float* dW) {
     const int64_t M = g_.M, M2 = 2 * g_.M;
-    on_lane(pair_, [&] {
-      for (int64_t b = 0; b < g_.B; ++b)
-        gemm_t(true, false, g_.D, M, n, 1.0, tokens(gr.d_o, b, t0),
-               rows_in<T>(gate_.get(), b, n, M), 1.0, weight_grad(dW, b, 2));
-    });
-    for (int64_t b = 0; b < g_.B; ++b)
+    for (int64_t b = 0; b < g_.B; ++b) {
+      gemm_t(true, false, g_.D, M, n, 1.0, tokens(gr.d_o, b, t0), rows_in<T>(gate_.get(), b, n, M),
+             1.0, weight_grad(dW, b, 2));
       gemm_t(true, false, M2, g_.D, n, 1.0, rows_in<T>(dh_.get(), b, n, M2), tokens(p_.q, b, t0),
              1.0, weight_grad(dW, b, 0));
-    join(pair_);
+    }
   }
 
   // gradients_backward's rows (z, gate, de, dh, dlr) by lact_hidden_grad_kernel
@@ -578,17 +561,11 @@ class LactGpu {
                {kw_.get() + pb * 4 * md, kT, D, 4 * md}, 0.0, tokens_out(gr.dk, b, t0));
         gemm_t(false, false, n, D, M2, -1.0, rows_in<T>(gde, b, n, M2),
                {t1_.get() + pb * 2 * md, kT, D, 2 * md}, 0.0, tokens_out(gr.dv, b, t0));
-      }
-      // dW1 on the pair lane, d[W0; W2] here (different blocks of dW); the
-      // backward joins the lane after the apply's terms.
-      on_lane(pair_, [&] {
-        for (int64_t b = 0; b < g_.B; ++b)
-          gemm_t(true, false, D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(gde + M, b, n, M2),
-                 1.0, weight_grad(dW, b, 2));
-      });
-      for (int64_t b = 0; b < g_.B; ++b)
+        gemm_t(true, false, D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(gde + M, b, n, M2), 1.0,
+               weight_grad(dW, b, 2));
         gemm_t(true, false, M2, D, n, 1.0, rows_in<T>(zdh + M2, b, n, 2 * M2), tokens(p_.k, b, t0),
                1.0, weight_grad(dW, b, 0));
+      }
       return;
     }
     const T* dg = operand_copy(dG, dg_op_);
@@ -646,19 +623,23 @@ class LactGpu {
   bool fused_hidden_;
   bool token_gemm_ = std::is_same<T, bf16>::value && token_gemm_requested();
   bool pdl_ = lact_pdl_requested();  // the fused kernels as dependent launches
-  // A stream beside stream_ (side_stream's slot), its cuBLAS handle and the
-  // events that order it against stream_; empty (false) where the layer runs
-  // on fewer streams (lact_streams_requested), and on_lane then runs its work
-  // on stream_ in the same order.
+  // A stream beside stream_ (side_stream), its cuBLAS handle and the events
+  // that order it against stream_; empty (false) where the layer runs on one
+  // stream (side_stream_requested), and on_lane then runs its work on
+  // stream_ in the same order.
   struct Lane {
     cudaStream_t stream = nullptr;
     cublasHandle_t blas = nullptr;
     cudaEvent_t fork = nullptr, joined = nullptr;
     bool pending = false;  // `joined` recorded and not yet waited on by stream_
-    Lane() = default;
-    explicit Lane(int slot) : stream(side_stream(slot)), blas(blas_handle(stream, slot)) {
-      SS_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-      SS_CUDA_CHECK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
+    // The thread's side stream with handle slot 1 (blas_handle).
+    static Lane open() {
+      Lane lane;
+      lane.stream = side_stream();
+      lane.blas = blas_handle(lane.stream, 1);
+      SS_CUDA_CHECK(cudaEventCreateWithFlags(&lane.fork, cudaEventDisableTiming));
+      SS_CUDA_CHECK(cudaEventCreateWithFlags(&lane.joined, cudaEventDisableTiming));
+      return lane;
     }
     explicit operator bool() const { return stream != nullptr; }
     // The layer's destructor: `main` waits for what is still queued here.
@@ -668,10 +649,9 @@ class LactGpu {
       if (joined != nullptr) cudaEventDestroy(joined);
     }
   };
-  // side_: each chunk's output side (the fused apply; the backward's apply
-  // and dq), beside the update chain. pair_: one GEMM of each pair of
-  // token-contracted weight GEMMs that write different blocks.
-  Lane side_, pair_;
+  // Each chunk's output side (the fused apply; the backward's apply and dq),
+  // beside the update chain.
+  Lane side_;
 
   // f() with stream_ and blas_ standing for the lane's: what f enqueues
   // (launches, GEMMs) runs after everything enqueued on stream_ so far and
