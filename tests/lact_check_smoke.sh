@@ -100,16 +100,16 @@ echo "[  PASSED  ] 3 tests (filter ${*:-none}, knob ${STATESCAN_LACT_STREAMS:-un
 EOS
 chmod +x "$BIN"/*
 printf '#!/usr/bin/env bash\necho cmake ran >>"%s"\nexit 1\n' "$WORK/cmake_calls" >"$STUBS/cmake"
-if out=$(BIN_DIR="$BIN" MUON=0 KNOBS="STATESCAN_LACT_STREAMS=3" \
-  SUITE_KNOBS="STATESCAN_LACT_STREAMS=3 STATESCAN_LACT_STREAMS=1" bash "$SCRIPT" "$WORK/out4"); then
+if out=$(BIN_DIR="$BIN" MUON=0 KNOBS="STATESCAN_LACT_STREAMS=2" \
+  SUITE_KNOBS="STATESCAN_LACT_STREAMS=2 STATESCAN_LACT_STREAMS=1" bash "$SCRIPT" "$WORK/out4"); then
   fail "a failing suite rerun under SUITE_KNOBS did not fail the script"
 fi
 printf '%s\n' "$out"
 [[ ! -e "$WORK/cmake_calls" ]] || fail "cmake ran with BIN_DIR set"
 printf '%s\n' "$out" | grep -q '^suite: .*knob unset' || fail "no plain suite run"
-printf '%s\n' "$out" | grep -q '^STATESCAN_LACT_STREAMS=3: .*filter --gtest_filter=\*Bf16\*, knob 3' ||
-  fail "no suite rerun under STATESCAN_LACT_STREAMS=3"
-printf '%s\n' "$out" | grep -q '^  STATESCAN_LACT_STREAMS=3, no Muon  *7.3 ' ||
+printf '%s\n' "$out" | grep -q '^STATESCAN_LACT_STREAMS=2: .*filter --gtest_filter=\*Bf16\*, knob 2' ||
+  fail "no suite rerun under STATESCAN_LACT_STREAMS=2"
+printf '%s\n' "$out" | grep -q '^  STATESCAN_LACT_STREAMS=2, no Muon  *7.2 ' ||
   fail "the knob's row did not come from BIN_DIR's statescan-bench"
 printf '%s\n' "$out" | grep -q '^  default, no Muon  *7.0 ' || fail "no default row from BIN_DIR"
 echo "lact_check_smoke: OK"
