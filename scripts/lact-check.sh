@@ -24,6 +24,13 @@
 #   NCU_KNOBS   with NCU=1, the same table once more under each of these
 #               NAME=VALUE knobs (space-separated; default none): a kernel's
 #               A/B in one call
+#   NCU_INSITU=1  with NCU=1, the default's table once more with ncu's
+#               cache flush and clock lock off (--cache-control none
+#               --clock-control none): each kernel as it runs in the layer,
+#               its inputs where the kernels before it left them (L2), at the
+#               GPU's own clocks; still one kernel at a time, so the sum
+#               against the benchmark's wall time tells what overlap and gaps
+#               are worth
 #   REF_SRC     a folder with another revision's source tree (e.g. made by
 #               `git archive main | tar -x -C .ref`, git-ignored and passed to
 #               the device tool in `carry`): its statescan-bench is built in
@@ -162,12 +169,15 @@ NCU_RUN=("$BENCH" --lact --muon-steps 0 --no-check -T 32768 --warmup 0 --iters 1
 
 # The kernels' times a chunk: ncu_table NAME [ENV...] writes $OUT/NAME.txt
 # (BIN: the binary, by default this tree's).
+# (NCU_FLAGS: more ncu options, as a string.)
 ncu_table() {
   local name=$1
   shift
   local run=("${NCU_RUN[@]}")
   run[0]=${BIN:-$BENCH}
-  timeout "${BENCH_TIMEOUT:-240}" env "$@" ncu --profile-from-start off \
+  local flags=()
+  read -ra flags <<<"${NCU_FLAGS:-}"
+  timeout "${BENCH_TIMEOUT:-240}" env "$@" ncu --profile-from-start off ${flags[@]+"${flags[@]}"} \
     --metrics gpu__time_duration.sum --csv "${run[@]}" \
     >"$OUT/$name.csv" 2>"$OUT/$name.log" &&
     { [[ $# -eq 0 ]] || echo "# under $*"; python3 "$ROOT/scripts/ncu_kernels.py" "$OUT/$name.csv" 8; } \
@@ -176,6 +186,11 @@ ncu_table() {
 ncu_names=()
 if [[ "${NCU:-0}" == 1 ]] && command -v ncu >/dev/null; then
   ncu_table ncu_kernels && ncu_names+=(ncu_kernels)
+  if [[ "${NCU_INSITU:-0}" == 1 ]]; then
+    NCU_FLAGS="--cache-control none --clock-control none" ncu_table ncu_insitu &&
+      { sed -i '1i # in situ: no cache flush, clocks not locked' "$OUT/ncu_insitu.txt"
+        ncu_names+=(ncu_insitu); }
+  fi
   if [[ -n "${REF_SRC:-}" ]]; then
     BIN=$REF_BENCH ncu_table ncu_ref
     [[ -s "$OUT/ncu_ref.txt" ]] &&
