@@ -143,6 +143,19 @@ TEST_P(LactCudaF32, SingleChunkSequenceMatchesReference) {
   compare(LactSizes{2, 40, 2, 16, 32}, 64, DType::f32, kF32, 3000);
 }
 
+// D and M not multiples of 4: rows of the weights and of the token arrays
+// that start off any 16-byte boundary.
+TEST_P(LactCudaF32, WidthsNotMultiplesOfFourMatchReference) {
+  compare(LactSizes{1, 40, 2, 10, 14}, 16, DType::f32, kF32, 1500);
+}
+
+// W1's rows longer than the 512 columns a warp of the weight-row kernels
+// (the step and its backward) keeps in registers: their loops over the row,
+// which no other test reaches.
+TEST_P(LactCudaF32, RowsBeyondRegistersMatchReference) {
+  compare(LactSizes{1, 24, 1, 8, 520}, 8, DType::f32, kF32, 1600);
+}
+
 TEST_P(LactCudaF32, RunsRepeatBitwise) {
   expect_repeatable(LactSizes{2, 96, 2, 16, 32}, 32, DType::f32, 8000);
 }
