@@ -41,8 +41,9 @@ EOS
 chmod +x "$dir/launch/statescan-bench"
 EOF
 printf '#!/usr/bin/env bash\nexit 1\n' >"$STUBS/nvidia-smi"
-# ncu: records which binary it profiled (the CSV is not parsed further here).
-printf '#!/usr/bin/env bash\nfor a in "$@"; do [[ "$a" == */statescan-bench ]] && echo "profiled $a"; done\nexit 0\n' \
+# ncu: records which binary it profiled and whether the cache flush was
+# turned off (the CSV is not parsed further here).
+printf '#!/usr/bin/env bash\nfor a in "$@"; do [[ "$a" == */statescan-bench ]] && echo "profiled $a"; [[ "$a" == --cache-control ]] && echo "cache flush set"; done\nexit 0\n' \
   >"$STUBS/ncu"
 cat >"$STUBS/cuobjdump" <<'EOF'
 #!/usr/bin/env bash
@@ -64,11 +65,16 @@ printf '%s\n' "$out" | grep -q 'lact_hidden_grad_kernel .*REG:168 STACK:16 LOCAL
   fail "no resource-usage line"
 [[ $(printf '%s\n' "$out" | grep -c 'resource usage') == 2 ]] || fail "resource usage not for both trees"
 
-# 2. The kernel tables: this tree's binary first, then the reference's.
-BUILD_DIR="$WORK/build" TESTS=0 MUON=0 KNOBS="" BENCH_ROWS=0 NCU=1 REF_SRC="$WORK/ref-src" \
-  bash "$SCRIPT" "$WORK/out2" >/dev/null 2>"$WORK/out2.err"
+# 2. The kernel tables: this tree's binary first, then the reference's; with
+#    NCU_INSITU=1 once more with ncu's cache flush set (to none), only there.
+BUILD_DIR="$WORK/build" TESTS=0 MUON=0 KNOBS="" BENCH_ROWS=0 NCU=1 NCU_INSITU=1 \
+  REF_SRC="$WORK/ref-src" bash "$SCRIPT" "$WORK/out2" >/dev/null 2>"$WORK/out2.err"
 grep -qx "profiled $WORK/build/launch/statescan-bench" "$WORK/out2/ncu_kernels.csv" ||
   fail "the kernel table did not profile this tree's binary"
+grep -qx "cache flush set" "$WORK/out2/ncu_insitu.csv" ||
+  fail "the in-place table did not pass --cache-control"
+grep -q "cache flush set" "$WORK/out2/ncu_kernels.csv" &&
+  fail "the default kernel table passed --cache-control"
 grep -qx "profiled $WORK/build-ref/launch/statescan-bench" "$WORK/out2/ncu_ref.csv" ||
   fail "the reference's kernel table did not profile the reference's binary"
 
