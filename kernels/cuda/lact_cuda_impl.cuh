@@ -625,8 +625,8 @@ class LactGpu {
   bool pdl_ = lact_pdl_requested();  // the fused kernels as dependent launches
   // A stream beside stream_ (side_stream), its cuBLAS handle and the events
   // that order it against stream_; empty (false) where the layer runs on one
-  // stream (side_stream_requested), and on_lane then runs its work on
-  // stream_ in the same order.
+  // stream (side_stream_requested), and the callers then run that work on
+  // stream_ themselves.
   struct Lane {
     cudaStream_t stream = nullptr;
     cublasHandle_t blas = nullptr;
@@ -657,13 +657,10 @@ class LactGpu {
   // (launches, GEMMs) runs after everything enqueued on stream_ so far and
   // beside what is enqueued there next, until join(lane). f must not
   // allocate (the pool's arrays belong to stream_) nor write what stream_'s
-  // work before the join reads or writes.
+  // work before the join reads or writes. `lane` is not empty (the callers
+  // test it).
   template <typename F>
   void on_lane(Lane& lane, F&& f) {
-    if (!lane) {
-      f();
-      return;
-    }
     SS_CUDA_CHECK(cudaEventRecord(lane.fork, stream_));
     SS_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, lane.fork, 0));
     struct Swap {
