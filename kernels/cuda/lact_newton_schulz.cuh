@@ -781,19 +781,14 @@ class NewtonSchulz {
         SS_CUDA_CHECK(cudaMemcpyAsync(iterates_.get() + s * mats_ * mn, X_.get(),
                                       mats_ * mn * sizeof(U), cudaMemcpyDeviceToDevice, stream_));
       gram(h, X_.get());
-      if (in_place()) {
-        // B = b A + c A A into A (nothing reads A after it here), then
-        // X = a X + B X into X: no copies.
-        ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), A_.get(), kMuonB, A_.get());
-        ns_gemm(h, false, false, m_, n_, m_, 1.0, A_.get(), X_.get(), kMuonA, X_.get());
-        continue;
-      }
-      poly(h);
-      // Y = a X + B X.
-      SS_CUDA_CHECK(cudaMemcpyAsync(Y_.get(), X_.get(), mats_ * mn * sizeof(U),
-                                    cudaMemcpyDeviceToDevice, stream_));
-      ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X_.get(), kMuonA, Y_.get());
-      std::swap(X_, Y_);
+      // B into A where in_place(): nothing reads A after it here.
+      U* Bm = in_place() ? A_.get() : Bm_.get();
+      poly(h, Bm);
+      // Y = a X + B X (into X where in_place()).
+      U* Xn = in_place() ? X_.get() : Y_.get();
+      start_value(Xn, X_.get(), mn);
+      ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm, X_.get(), kMuonA, Xn);
+      if (!in_place()) std::swap(X_, Y_);
     }
     ns_store_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
         X_.get(), mats_, static_cast<int>(M_), static_cast<int>(D_), out);
@@ -818,19 +813,16 @@ class NewtonSchulz {
       gram(h, X);
       // Y = a X + B X:  dB = dY X^T; X^T is the right operand of A = X X^T too.
       ns_gemm(h, false, true, m_, m_, n_, 1.0, X_.get(), X, 0.0, dB_.get(), true);
-      poly(h);
+      poly(h, Bm_.get());  // not into A: dA's products read A below
       // B = b A + c A A:  dA = b dB + c (dB A + A dB); dB A takes A as its right
       // operand as A A just did (A untouched in between).
-      SS_CUDA_CHECK(cudaMemcpyAsync(dA_.get(), dB_.get(), mats_ * mm * sizeof(U),
-                                    cudaMemcpyDeviceToDevice, stream_));
+      start_value(dA_.get(), dB_.get(), mm);
       ns_gemm(h, false, false, m_, m_, m_, kMuonC, dB_.get(), A_.get(), kMuonB, dA_.get(), true);
       ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), dB_.get(), 1.0, dA_.get());
       // Y = a X + B X:  dXn = a dY + B dY (into dY's own array where
       // in_place(): dY is not read after this product).
       U* dXn = in_place() ? X_.get() : Y_.get();
-      if (!in_place())
-        SS_CUDA_CHECK(cudaMemcpyAsync(Y_.get(), X_.get(), mats_ * mn * sizeof(U),
-                                      cudaMemcpyDeviceToDevice, stream_));
+      start_value(dXn, X_.get(), mn);
       ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X_.get(), kMuonA, dXn);
       // A = X X^T:  dXn += (dA + dA^T) X  (Bm_ is free now: it holds S).
       symmetrise_kernel<U><<<tile_grid(m_, m_), tile_block(), 0, stream_>>>(
@@ -884,11 +876,18 @@ class NewtonSchulz {
   void gram(cublasHandle_t h, const U* X) {
     ns_gemm(h, false, true, m_, m_, n_, 1.0, X, X, 0.0, A_.get());
   }
-  // Bm = b A + c A A for every matrix.
-  void poly(cublasHandle_t h) {
-    SS_CUDA_CHECK(cudaMemcpyAsync(Bm_.get(), A_.get(), mats_ * m_ * m_ * sizeof(U),
-                                  cudaMemcpyDeviceToDevice, stream_));
-    ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), A_.get(), kMuonB, Bm_.get());
+  // Bm = b A + c A A for every matrix (Bm may be A itself: in_place()).
+  void poly(cublasHandle_t h, U* Bm) {
+    start_value(Bm, A_.get(), m_ * m_);
+    ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), A_.get(), kMuonB, Bm);
+  }
+
+  // C's start value for a product that adds beta C (cuBLAS takes C in
+  // place): a copy of `from`'s `per` values a matrix, none where C is it.
+  void start_value(U* C, const U* from, int64_t per) {
+    if (C != from)
+      SS_CUDA_CHECK(
+          cudaMemcpyAsync(C, from, mats_ * per * sizeof(U), cudaMemcpyDeviceToDevice, stream_));
   }
 
   // C = alpha op(A) op(B) + beta C over the mats_ matrices (packed operands),
