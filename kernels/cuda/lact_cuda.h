@@ -114,9 +114,11 @@ namespace lact_detail {
 // STATESCAN_LACT_NS picks how bf16 layers run their Newton-Schulz products
 // (lact_newton_schulz.cuh, NewtonSchulz), read once per process: unset or
 // "bf16x3" two-part bf16 operands through split3_kernel + one cuBLAS GEMM;
-// "fp32" fp32 GEMMs; "fused" the two-part products in ns_gemm_fused_kernel
-// (opt-in: passes the GPU suite but measured ~10 % slower on an H200,
-// 2026-12-02; shapes it does not take fall back to the split path per call);
+// "fp32" fp32 GEMMs; "fused" the two-part products formed from the fp32
+// operands inside the GEMM, ns_gemm_wgmma_kernel on a 9.0 device and
+// ns_gemm_fused_kernel elsewhere (opt-in: passes the GPU suite but measured
+// ~8 % slower than bf16x3 on an H100, 2026-12-05; shapes they do not take
+// fall back to the split path per call);
 // "cluster" the forward's steps (also the backward's recomputation of them)
 // in ns_cluster_kernel where ns_cluster_supported (lact_ns_cluster.cuh)
 // holds for the layer's shape, everything else as bf16x3 (opt-in: passes the

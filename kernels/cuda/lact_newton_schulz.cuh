@@ -1,6 +1,6 @@
 // Muon's Newton-Schulz iteration on the GPU for the LaCT layer
 // (lact_cuda_impl.cuh): the layout kernels, the two-part bf16 products
-// (split3 and the fused mma.sync GEMM), and the NewtonSchulz class that runs
+// (split3, and the fused GEMMs on mma.sync and on wgmma), and the NewtonSchulz class that runs
 // the steps forward and backward in every STATESCAN_LACT_NS mode.
 #pragma once
 
@@ -19,7 +19,9 @@
 #include "kernels/cuda/lact_common.cuh"
 #include "kernels/cuda/lact_cuda.h"
 #include "kernels/cuda/lact_ns_cluster.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/warp_mma.cuh"
+#include "kernels/cuda/wgmma.cuh"
 
 namespace statescan::cuda {
 namespace lact_detail {
@@ -282,8 +284,9 @@ __global__ void ns_normalise_backward_kernel(const U* __restrict__ Xp,
 // ms, forward + backward 666.8 -> 492.3 ms against the fp32 GEMMs, the layer's
 // error vs fp64 unchanged (7.3e-3 on the bench's check problem). f32 layers
 // keep their double Newton-Schulz. STATESCAN_LACT_NS=fused (opt-in: passes
-// the GPU suite, slower on an H200; lact_cuda.h) computes the same three
-// products in ns_gemm_fused_kernel, splitting in registers instead of through
+// the GPU suite, slower; lact_cuda.h) computes the same three products in
+// ns_gemm_wgmma_kernel on a 9.0 device and ns_gemm_fused_kernel elsewhere,
+// splitting as they stage the fp32 operands instead of through
 // split3_kernel's buffers.
 // The mode: ns_gemms_requested() (lact_cuda.h).
 
@@ -431,6 +434,9 @@ struct NsGemmParams {
   int64_t mats;
   int M, N, K;
   float alpha, beta;  // beta == 0: C is not read (it may be uninitialised)
+  // beta's term reads Cin in place of C where set (Cin may be A or B, not
+  // another part of C): C = alpha op(A) op(B) + beta Cin without a copy.
+  const float* Cin = nullptr;
 };
 
 // Loads one operand tile of kRows x kCols floats (as stored: row r of the
@@ -528,6 +534,7 @@ __global__ void __launch_bounds__(NsFusedTile::kThreads)
     const float* A = p.A + b * int64_t(M) * K;
     const float* B = p.B + b * int64_t(K) * N;
     float* C = p.C + b * int64_t(M) * N;
+    const float* Cin = p.Cin != nullptr ? p.Cin + b * int64_t(M) * N : C;
 
     // Stage k tile kt of both operands into buffer s (committed by the caller).
     auto load = [&](int s, int kt) {
@@ -611,7 +618,7 @@ __global__ void __launch_bounds__(NsFusedTile::kThreads)
           float2* out = reinterpret_cast<float2*>(C + row * N + col);
           float2 v = make_float2(p.alpha * acc[tm][tn][2 * h], p.alpha * acc[tm][tn][2 * h + 1]);
           if (p.beta != 0.f) {
-            const float2 old = *out;
+            const float2 old = *reinterpret_cast<const float2*>(Cin + row * N + col);
             v.x += p.beta * old.x;
             v.y += p.beta * old.y;
           }
@@ -620,11 +627,191 @@ __global__ void __launch_bounds__(NsFusedTile::kThreads)
   }
 }
 
+// ---- the two-part products on wgmma (STATESCAN_LACT_NS=fused on sm_90a) ------
+//
+// Why: the split path spends ~512 us of a Muon chunk (H100, the issue's shape)
+// in split3_kernel, bound by its bytes, and the mma.sync kernel above runs at
+// ~1.3x the split path's time. This one forms hi and lo from the fp32
+// operands as it stages them and runs the products on warpgroup MMAs: a
+// 64 x 64 tile of C a CTA of one warpgroup, 64-deep k blocks in two stages.
+// Each block's fp32 A (M x K, rows of K) and B go through registers into
+// shared memory as bf16 hi and lo in wgmma's 128-byte swizzle: A and a
+// transposed B (stored N x K) K-major, rows of 64 k; an untransposed B
+// (K x N) MN-major, rows of k; every 16-byte global load becomes two 8-byte
+// shared stores. Block kt + 1's loads are in flight in registers while block
+// kt's MMAs run. Per k16 step the products A_hi B_hi, A_hi B_lo, A_lo B_hi
+// into one fp32 accumulator: the same three products as the split path,
+// summed in another order (not the same bits; deterministic). op(A) = A only
+// (Newton-Schulz never transposes A); the host checks the rest as for
+// ns_gemm_fused_kernel (fused_fits).
+//
+// The tile: Newton-Schulz's products are small (12 matrices of 256 x 256 or
+// 256 x 512 at the benchmark's shape). 128 x 128 tiles in two warpgroups
+// (48-96 CTAs, one an SM at 129 KB) and 64 x 128 ones took 323-325 us for a
+// chunk's forward steps on an H100; 64 x 64 (192-384 CTAs, three an SM at
+// 65 KB, whose loads and MMAs overlap one another's) 263, as 128 x 64 did
+// (PERF_NOTES, forty-sixth session). The fp32 operands' traffic from L2,
+// which smaller tiles raise, is what binds it then.
+struct NsWgmmaTile {
+  static constexpr int kM = 64, kN = 64, kK = 64, kThreads = 128;  // one warpgroup
+  static constexpr int kPart = kM * kK * 2;  // one bf16 part of an A or B block: 8 KB
+  static constexpr int kStage = 4 * kPart;   // A hi, A lo, B hi, B lo
+  static constexpr int kStages = 2;
+  static constexpr int kSmem = kStages * kStage + 1024;  // + the 1024-byte alignment
+  static constexpr int kLoads = kM * kK / 4 / kThreads;  // float4 loads an operand a thread
+  static constexpr int kMinBlocks = 3;                   // CTAs an SM (registers: <= 170)
+};
+static_assert(NsWgmmaTile::kN == NsWgmmaTile::kM && NsWgmmaTile::kK == 64,
+              "A and B blocks take the same loads; a 64-deep block is one 128-byte swizzle row");
+
+// Byte offset of 16-bit element (row, col) of a 128-byte-swizzled tile whose
+// rows hold 64 elements: the 16-byte piece col / 8 of row `row` sits at piece
+// (col / 8) ^ (row % 8) (TMA's CU_TENSOR_MAP_SWIZZLE_128B; wgmma_desc_sw128).
+__device__ __forceinline__ uint32_t ns_sw128_offset(int row, int col) {
+  return static_cast<uint32_t>(row * 128 + ((((col >> 3) ^ (row & 7)) << 4) | ((col & 7) << 1)));
+}
+
+// Four consecutive fp32 values as bf16 hi and lo (detail::split_bf16x2: the
+// split path's parts), each 8 bytes, stored at byte offset `off` of the hi and
+// lo tiles.
+__device__ __forceinline__ void ns_store_parts(unsigned char* hi, unsigned char* lo, uint32_t off,
+                                               float4 v) {
+  uint32_t h0, l0, h1, l1;
+  detail::split_bf16x2(v.x, v.y, h0, l0);
+  detail::split_bf16x2(v.z, v.w, h1, l1);
+  *reinterpret_cast<uint2*>(hi + off) = make_uint2(h0, h1);
+  *reinterpret_cast<uint2*>(lo + off) = make_uint2(l0, l1);
+}
+
+template <bool kTB>
+__global__ void __launch_bounds__(NsWgmmaTile::kThreads, NsWgmmaTile::kMinBlocks)
+    ns_gemm_wgmma_kernel(const __grid_constant__ NsGemmParams p) {
+  using Tile = NsWgmmaTile;
+  extern __shared__ __align__(128) unsigned char ns_smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(ns_smem_raw) + 1023) & ~uintptr_t{1023});
+  const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+  const int m0 = blockIdx.y * Tile::kM, n0 = blockIdx.x * Tile::kN;
+  const int M = p.M, N = p.N, K = p.K;
+  const int k_tiles = (K + Tile::kK - 1) / Tile::kK;
+
+  for (int64_t b = blockIdx.z; b < p.mats; b += gridDim.z) {
+    // Within a matrix, 32-bit offsets (NewtonSchulz checks 3 M D < 2^31).
+    const float* A = p.A + b * int64_t(M) * K;
+    const float* B = p.B + b * int64_t(K) * N;
+    float* C = p.C + b * int64_t(M) * N;
+    const float* Cin = p.Cin != nullptr ? p.Cin + b * int64_t(M) * N : C;
+
+    // Block kt of both operands into registers: load f = t + 128 i is row
+    // f / 16, columns 4 (f % 16) .. + 3 of the A block and of a transposed B
+    // block (rows n), of an untransposed one row k (rows of 64 n alike); zeros
+    // past the edges (K, M, N multiples of 16: a float4 is wholly inside or
+    // outside).
+    float4 ra[Tile::kLoads], rb[Tile::kLoads];
+    auto load = [&](int kt) {
+      const int k0 = kt * Tile::kK;
+#pragma unroll
+      for (int i = 0; i < Tile::kLoads; ++i) {
+        const int f = t + Tile::kThreads * i;
+        const int r = f >> 4, c = 4 * (f & 15);
+        ra[i] = m0 + r < M && k0 + c < K
+                    ? *reinterpret_cast<const float4*>(A + (m0 + r) * K + k0 + c)
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
+        if constexpr (kTB) {
+          rb[i] = n0 + r < N && k0 + c < K
+                      ? *reinterpret_cast<const float4*>(B + (n0 + r) * K + k0 + c)
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+        } else {
+          rb[i] = k0 + r < K && n0 + c < N
+                      ? *reinterpret_cast<const float4*>(B + (k0 + r) * N + n0 + c)
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+    };
+    // The registers into stage s as hi and lo parts: the same (row, column)
+    // places for both operands, K-major for A and a transposed B, MN-major
+    // (rows of k) for an untransposed B.
+    auto store = [&](int s) {
+      unsigned char* st = smem + s * Tile::kStage;
+#pragma unroll
+      for (int i = 0; i < Tile::kLoads; ++i) {
+        const int f = t + Tile::kThreads * i;
+        const uint32_t off = ns_sw128_offset(f >> 4, 4 * (f & 15));
+        ns_store_parts(st, st + Tile::kPart, off, ra[i]);
+        ns_store_parts(st + 2 * Tile::kPart, st + 3 * Tile::kPart, off, rb[i]);
+      }
+    };
+
+    float acc[Tile::kN / 2];
+#pragma unroll
+    for (int e = 0; e < Tile::kN / 2; ++e) acc[e] = 0.f;
+    load(0);
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int s = kt & 1;
+      // Stage s was last read by block kt - 2's MMAs, which the warpgroup
+      // has waited for (wgmma_wait<1> at the end of block kt - 1).
+      __syncthreads();
+      store(s);
+      detail::fence_proxy_async_shared();
+      __syncthreads();
+      if (kt + 1 < k_tiles) load(kt + 1);  // in flight during the MMAs
+      const unsigned char* st = smem + s * Tile::kStage;
+      const uint64_t a_hi = detail::wgmma_desc_sw128(st, 1024);
+      const uint64_t a_lo = detail::wgmma_desc_sw128(st + Tile::kPart, 1024);
+      // An MN-major B is one 64-column atom (its leading offset unused).
+      const uint64_t b_hi =
+          kTB ? detail::wgmma_desc_sw128(st + 2 * Tile::kPart, 1024)
+              : detail::wgmma_desc_sw128_mn(st + 2 * Tile::kPart, Tile::kPart, 1024);
+      const uint64_t b_lo =
+          kTB ? detail::wgmma_desc_sw128(st + 3 * Tile::kPart, 1024)
+              : detail::wgmma_desc_sw128_mn(st + 3 * Tile::kPart, Tile::kPart, 1024);
+      // A k16 step: 32 bytes along a K-major row; two 8-row atoms (2048 B)
+      // down an MN-major tile.
+      constexpr uint32_t kBStep = kTB ? 32 : 2048;
+      detail::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Tile::kK / 16; ++kk) {
+        const uint64_t ah = detail::wgmma_desc_advance(a_hi, 32 * kk);
+        const uint64_t al = detail::wgmma_desc_advance(a_lo, 32 * kk);
+        const uint64_t bh = detail::wgmma_desc_advance(b_hi, kBStep * kk);
+        const uint64_t bl = detail::wgmma_desc_advance(b_lo, kBStep * kk);
+        detail::wgmma_m64n64k16_ss<true, !kTB>(acc, ah, bh);
+        detail::wgmma_m64n64k16_ss<true, !kTB>(acc, ah, bl);
+        detail::wgmma_m64n64k16_ss<true, !kTB>(acc, al, bh);
+      }
+      detail::wgmma_commit();
+      detail::wgmma_wait<1>();
+    }
+    detail::wgmma_wait<0>();
+
+    // The m64n64 accumulator: column block j holds (row r, columns 8 j + 2 q
+    // .. + 1) in acc[4 j], acc[4 j + 1] and row r + 8 in acc[4 j + 2 ..],
+    // r = 16 warp + lane / 4, q = lane % 4; N is even, so a pair is wholly
+    // inside or past the edge.
+    const int r0 = m0 + 16 * warp + lane / 4;
+#pragma unroll
+    for (int j = 0; j < Tile::kN / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r0 + 8 * h, col = n0 + 8 * j + 2 * (lane % 4);
+        if (row >= M || col >= N) continue;
+        float2* out = reinterpret_cast<float2*>(C + row * N + col);
+        float2 v = make_float2(p.alpha * acc[4 * j + 2 * h], p.alpha * acc[4 * j + 2 * h + 1]);
+        if (p.beta != 0.f) {
+          const float2 old = *reinterpret_cast<const float2*>(Cin + row * N + col);
+          v.x += p.beta * old.x;
+          v.y += p.beta * old.y;
+        }
+        *out = v;
+      }
+  }
+}
+
 // Muon's NS_s over all 3 * pairs matrices of a [pairs, 3MD] array at once,
 // each Newton-Schulz product one batched GEMM in U (for U = float, unless
 // STATESCAN_LACT_NS=fp32: one bf16 GEMM of two-part operands, or with
-// STATESCAN_LACT_NS=fused one ns_gemm_fused_kernel launch where the shape
-// allows).
+// STATESCAN_LACT_NS=fused one ns_gemm_wgmma_kernel or ns_gemm_fused_kernel
+// launch where the shape allows).
 template <typename U>
 class NewtonSchulz {
  public:
@@ -654,6 +841,21 @@ class NewtonSchulz {
       // The largest operand is m x n (m <= n).
       split_a_ = PoolArray<bf16>(3 * mats_ * m_ * n_, stream);
       split_b_ = PoolArray<bf16>(3 * mats_ * m_ * n_, stream);
+    }
+    if constexpr (std::is_same<U, float>::value) {
+      if (fused_) {
+        int device = 0;
+        SS_CUDA_CHECK(cudaGetDevice(&device));
+        wgmma_ = detail::wgmma_device(device);
+        if (wgmma_) {
+          SS_CUDA_CHECK(cudaFuncSetAttribute(ns_gemm_wgmma_kernel<true>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             NsWgmmaTile::kSmem));
+          SS_CUDA_CHECK(cudaFuncSetAttribute(ns_gemm_wgmma_kernel<false>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             NsWgmmaTile::kSmem));
+        }
+      }
     }
     if (cluster_) {
       const int m = static_cast<int>(m_), n = static_cast<int>(n_);
@@ -786,8 +988,7 @@ class NewtonSchulz {
       poly(h, Bm);
       // Y = a X + B X (into X where in_place()).
       U* Xn = in_place() ? X_.get() : Y_.get();
-      start_value(Xn, X_.get(), mn);
-      ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm, X_.get(), kMuonA, Xn);
+      ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm, X_.get(), kMuonA, Xn, X_.get());
       if (!in_place()) std::swap(X_, Y_);
     }
     ns_store_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
@@ -796,7 +997,7 @@ class NewtonSchulz {
   }
 
   void backward_eager(const float* P, const float* d_out, float* dP) {
-    const int64_t mn = m_ * n_, mm = m_ * m_;
+    const int64_t mn = m_ * n_;
     forget_splits();
     cublasHandle_t h = blas_handle(stream_);
     // dX in X_, the next adjoint in Y_.
@@ -812,18 +1013,17 @@ class NewtonSchulz {
       const U* X = iterates_.get() + s * mats_ * mn;
       gram(h, X);
       // Y = a X + B X:  dB = dY X^T; X^T is the right operand of A = X X^T too.
-      ns_gemm(h, false, true, m_, m_, n_, 1.0, X_.get(), X, 0.0, dB_.get(), true);
+      ns_gemm(h, false, true, m_, m_, n_, 1.0, X_.get(), X, 0.0, dB_.get(), nullptr, true);
       poly(h, Bm_.get());  // not into A: dA's products read A below
       // B = b A + c A A:  dA = b dB + c (dB A + A dB); dB A takes A as its right
       // operand as A A just did (A untouched in between).
-      start_value(dA_.get(), dB_.get(), mm);
-      ns_gemm(h, false, false, m_, m_, m_, kMuonC, dB_.get(), A_.get(), kMuonB, dA_.get(), true);
+      ns_gemm(h, false, false, m_, m_, m_, kMuonC, dB_.get(), A_.get(), kMuonB, dA_.get(),
+              dB_.get(), true);
       ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), dB_.get(), 1.0, dA_.get());
       // Y = a X + B X:  dXn = a dY + B dY (into dY's own array where
       // in_place(): dY is not read after this product).
       U* dXn = in_place() ? X_.get() : Y_.get();
-      start_value(dXn, X_.get(), mn);
-      ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X_.get(), kMuonA, dXn);
+      ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X_.get(), kMuonA, dXn, X_.get());
       // A = X X^T:  dXn += (dA + dA^T) X  (Bm_ is free now: it holds S).
       symmetrise_kernel<U><<<tile_grid(m_, m_), tile_block(), 0, stream_>>>(
           dA_.get(), mats_, static_cast<int>(m_), Bm_.get());
@@ -878,8 +1078,7 @@ class NewtonSchulz {
   }
   // Bm = b A + c A A for every matrix (Bm may be A itself: in_place()).
   void poly(cublasHandle_t h, U* Bm) {
-    start_value(Bm, A_.get(), m_ * m_);
-    ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), A_.get(), kMuonB, Bm);
+    ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), A_.get(), kMuonB, Bm, A_.get());
   }
 
   // C's start value for a product that adds beta C (cuBLAS takes C in
@@ -890,21 +1089,30 @@ class NewtonSchulz {
           cudaMemcpyAsync(C, from, mats_ * per * sizeof(U), cudaMemcpyDeviceToDevice, stream_));
   }
 
-  // C = alpha op(A) op(B) + beta C over the mats_ matrices (packed operands),
-  // in U, or in split mode as one bf16 GEMM of two-part operands. In split
-  // mode `b_unchanged` says that B has not been written since the previous
-  // split of a B operand: if that split was of the same matrix in the same
-  // stacking, split_b_ still holds it and is used as it is.
+  // C = alpha op(A) op(B) + beta C_in over the mats_ matrices (packed
+  // operands), in U, or in split mode as one bf16 GEMM of two-part operands.
+  // C_in is c_in, or C where c_in is null: the fused kernels read it
+  // themselves (no copy), the cuBLAS paths take C's start value in place
+  // (start_value). In split mode `b_unchanged` says that B has not been
+  // written since the previous split of a B operand: if that split was of
+  // the same matrix in the same stacking, split_b_ still holds it and is used
+  // as it is.
   void ns_gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
-               const U* A, const U* B, double beta, U* C, bool b_unchanged = false) {
+               const U* A, const U* B, double beta, U* C, const U* c_in = nullptr,
+               bool b_unchanged = false) {
+    if (c_in == C || beta == 0.0) c_in = nullptr;
     if (!split_) {
+      if (c_in != nullptr) start_value(C, c_in, M * N);
       gemm_sliced(h, stream_, ta, tb, M, N, K, alpha, op(A, ta ? M : K, M * K),
                   op(B, tb ? K : N, K * N), beta, out_(C, N, M * N), mats_, compute_, split_k_);
       return;
     }
     if constexpr (std::is_same<U, float>::value) {
-      if (fused_ && fused_fits(M, N, K, A, B, C)) {
-        ns_gemm_fused(ta, tb, M, N, K, alpha, A, B, beta, C);
+      if (fused_ && fused_fits(M, N, K, A, B, C, c_in)) {
+        if (wgmma_ && !ta)
+          ns_gemm_wgmma(tb, M, N, K, alpha, A, B, beta, C, c_in);
+        else
+          ns_gemm_fused(ta, tb, M, N, K, alpha, A, B, beta, C, c_in);
         // The fused kernel leaves split_a_ / split_b_ untouched, so their keys
         // still name what they hold, except where the source was C: forget
         // those, as the split path below does, so that a later fallback call
@@ -912,6 +1120,7 @@ class NewtonSchulz {
         forget_splits_of(C);
         return;
       }
+      if (c_in != nullptr) start_value(C, c_in, M * N);
       // A: [hi | hi | lo] along K; B: [hi ; lo ; hi] along K.
       const SplitKey ka{A, ta ? K : M, ta ? M : K, !ta}, kb{B, tb ? N : K, tb ? K : N, tb};
       const bool need_b = !(b_unchanged && kb == split_b_key_);
@@ -944,14 +1153,16 @@ class NewtonSchulz {
     if (C == split_b_key_.src) split_b_key_ = SplitKey{};
   }
 
-  // Whether ns_gemm_fused_kernel takes this call. Decided per call on the host
+  // Whether the fused kernels take this call (ns_gemm_wgmma_kernel's 64 x 64
+  // tiles take whatever ns_gemm_fused_kernel's do). Decided per call on the host
   // (the same answer in the eager run and the captured graph): M, N, K
   // multiples of 16 (the kernel's whole-chunk edge handling), 16-byte aligned
   // operands (cp.async; NewtonSchulz's buffers and their per-matrix offsets
-  // always are), the row tiles within grid y, and C apart from A and B (the
+  // always are, c_in too), the row tiles within grid y, and C apart from A and B (the
   // kernel reads A and B tiles while other CTAs write C). Anything else, e.g.
   // a head dim D = 24, goes through split3 + cuBLAS as without the knob.
-  bool fused_fits(int64_t M, int64_t N, int64_t K, const U* A, const U* B, const U* C) const {
+  bool fused_fits(int64_t M, int64_t N, int64_t K, const U* A, const U* B, const U* C,
+                  const U* c_in) const {
     constexpr int64_t kMul = NsFusedTile::kDimMultiple;
     const auto aligned = [](const void* p) {
       return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
@@ -962,14 +1173,14 @@ class NewtonSchulz {
     };
     return M > 0 && N > 0 && K > 0 && M % kMul == 0 && N % kMul == 0 && K % kMul == 0 &&
            (M + NsFusedTile::kM - 1) / NsFusedTile::kM <= 65535 && aligned(A) && aligned(B) &&
-           aligned(C) && apart(A, M * K) && apart(B, K * N);
+           aligned(C) && (c_in == nullptr || aligned(c_in)) && apart(A, M * K) && apart(B, K * N);
   }
 
   // One ns_gemm_fused_kernel launch over the mats_ matrices (fused_fits holds).
   void ns_gemm_fused(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const U* A,
-                     const U* B, double beta, U* C) {
+                     const U* B, double beta, U* C, const U* c_in) {
     NsGemmParams prm;
-    prm.A = A, prm.B = B, prm.C = C, prm.mats = mats_;
+    prm.A = A, prm.B = B, prm.C = C, prm.Cin = c_in, prm.mats = mats_;
     prm.M = static_cast<int>(M), prm.N = static_cast<int>(N), prm.K = static_cast<int>(K);
     prm.alpha = static_cast<float>(alpha), prm.beta = static_cast<float>(beta);
     const dim3 grid(static_cast<unsigned>((N + NsFusedTile::kN - 1) / NsFusedTile::kN),
@@ -984,6 +1195,24 @@ class NewtonSchulz {
     else
       ns_gemm_fused_kernel<true, true><<<grid, block, 0, stream_>>>(prm);
     SS_LAUNCH_CHECK("ns_gemm_fused_kernel");
+  }
+
+  // One ns_gemm_wgmma_kernel launch over the mats_ matrices (fused_fits
+  // holds, op(A) = A).
+  void ns_gemm_wgmma(bool tb, int64_t M, int64_t N, int64_t K, double alpha, const U* A, const U* B,
+                     double beta, U* C, const U* c_in) {
+    NsGemmParams prm;
+    prm.A = A, prm.B = B, prm.C = C, prm.Cin = c_in, prm.mats = mats_;
+    prm.M = static_cast<int>(M), prm.N = static_cast<int>(N), prm.K = static_cast<int>(K);
+    prm.alpha = static_cast<float>(alpha), prm.beta = static_cast<float>(beta);
+    const dim3 grid(static_cast<unsigned>((N + NsWgmmaTile::kN - 1) / NsWgmmaTile::kN),
+                    static_cast<unsigned>((M + NsWgmmaTile::kM - 1) / NsWgmmaTile::kM), mat_grid());
+    if (tb)
+      ns_gemm_wgmma_kernel<true><<<grid, NsWgmmaTile::kThreads, NsWgmmaTile::kSmem, stream_>>>(prm);
+    else
+      ns_gemm_wgmma_kernel<false>
+          <<<grid, NsWgmmaTile::kThreads, NsWgmmaTile::kSmem, stream_>>>(prm);
+    SS_LAUNCH_CHECK("ns_gemm_wgmma_kernel");
   }
 
   // The matrix a split buffer holds: source, its rows x cols and stacking.
@@ -1033,9 +1262,13 @@ class NewtonSchulz {
   PoolArray<double> sums_;
   NsGemms mode_;
   bool split_ = std::is_same<U, float>::value && mode_ != NsGemms::fp32;
-  // STATESCAN_LACT_NS=fused: split-mode products through ns_gemm_fused_kernel
-  // where fused_fits (opt-in: passes the GPU suite, slower on an H200; README).
+  // STATESCAN_LACT_NS=fused: split-mode products through the fused kernels
+  // where fused_fits (opt-in: passes the GPU suite, slower; README).
   bool fused_ = split_ && mode_ == NsGemms::fused;
+  // Where the device runs wgmma (wgmma_device): the fused products by
+  // ns_gemm_wgmma_kernel instead of ns_gemm_fused_kernel (op(A) = A, which is
+  // every Newton-Schulz product).
+  bool wgmma_ = false;
   // STATESCAN_LACT_NS=cluster: the forward's steps in ns_cluster_kernel where
   // the shape and device allow (opt-in; the backward's steps stay on the
   // split path).
