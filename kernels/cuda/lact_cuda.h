@@ -113,7 +113,9 @@ void lact_cuda_backward(const LactCudaParams& p, const LactCudaGrads& g, const L
 namespace lact_detail {
 // STATESCAN_LACT_NS picks how bf16 layers run their Newton-Schulz products
 // (lact_newton_schulz.cuh, NewtonSchulz), read once per process: unset or
-// "bf16x3" two-part bf16 operands through split3_kernel + one cuBLAS GEMM;
+// "bf16x3" two-part bf16 operands through split3_kernel + one cuBLAS GEMM
+// (on a 9.0 device the products whose operands would take two split
+// launches in ns_gemm_wgmma_kernel instead: NewtonSchulz::routes_fused);
 // "fp32" fp32 GEMMs; "fused" the two-part products formed from the fp32
 // operands inside the GEMM, ns_gemm_wgmma_kernel on a 9.0 device and
 // ns_gemm_fused_kernel elsewhere (opt-in: passes the GPU suite but measured

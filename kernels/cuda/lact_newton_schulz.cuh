@@ -650,8 +650,9 @@ __global__ void __launch_bounds__(NsFusedTile::kThreads)
 // (48-96 CTAs, one an SM at 129 KB) and 64 x 128 ones took 323-325 us for a
 // chunk's forward steps on an H100; 64 x 64 (192-384 CTAs, three an SM at
 // 65 KB, whose loads and MMAs overlap one another's) 263, as 128 x 64 did
-// (PERF_NOTES, forty-sixth session). The fp32 operands' traffic from L2,
-// which smaller tiles raise, is what binds it then.
+// (PERF_NOTES, forty-sixth session). What binds it then is the loads'
+// latency (ncu: ~6 warps an SM, the top stall the loads' scoreboard, L2 at
+// 18 % of its throughput): each block waits for loads issued one block ahead.
 struct NsWgmmaTile {
   static constexpr int kM = 64, kN = 64, kK = 64, kThreads = 128;  // one warpgroup
   static constexpr int kPart = kM * kK * 2;  // one bf16 part of an A or B block: 8 KB
@@ -843,7 +844,7 @@ class NewtonSchulz {
       split_b_ = PoolArray<bf16>(3 * mats_ * m_ * n_, stream);
     }
     if constexpr (std::is_same<U, float>::value) {
-      if (fused_) {
+      if (split_) {
         int device = 0;
         SS_CUDA_CHECK(cudaGetDevice(&device));
         wgmma_ = detail::wgmma_device(device);
@@ -986,10 +987,11 @@ class NewtonSchulz {
       // B into A where in_place(): nothing reads A after it here.
       U* Bm = in_place() ? A_.get() : Bm_.get();
       poly(h, Bm);
-      // Y = a X + B X (into X where in_place()).
-      U* Xn = in_place() ? X_.get() : Y_.get();
+      // Y = a X + B X (into X where the split path runs it in place).
+      U* Xn = in_place() && !routes_fused(false, false, m_, n_, m_, Bm, X_.get(), false) ? X_.get()
+                                                                                         : Y_.get();
       ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm, X_.get(), kMuonA, Xn, X_.get());
-      if (!in_place()) std::swap(X_, Y_);
+      if (Xn != X_.get()) std::swap(X_, Y_);
     }
     ns_store_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
         X_.get(), mats_, static_cast<int>(M_), static_cast<int>(D_), out);
@@ -1020,16 +1022,18 @@ class NewtonSchulz {
       ns_gemm(h, false, false, m_, m_, m_, kMuonC, dB_.get(), A_.get(), kMuonB, dA_.get(),
               dB_.get(), true);
       ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), dB_.get(), 1.0, dA_.get());
-      // Y = a X + B X:  dXn = a dY + B dY (into dY's own array where
-      // in_place(): dY is not read after this product).
-      U* dXn = in_place() ? X_.get() : Y_.get();
+      // Y = a X + B X:  dXn = a dY + B dY (into dY's own array where the
+      // split path runs it in place: dY is not read after this product).
+      U* dXn = in_place() && !routes_fused(false, false, m_, n_, m_, Bm_.get(), X_.get(), false)
+                   ? X_.get()
+                   : Y_.get();
       ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X_.get(), kMuonA, dXn, X_.get());
       // A = X X^T:  dXn += (dA + dA^T) X  (Bm_ is free now: it holds S).
       symmetrise_kernel<U><<<tile_grid(m_, m_), tile_block(), 0, stream_>>>(
           dA_.get(), mats_, static_cast<int>(m_), Bm_.get());
       SS_LAUNCH_CHECK("symmetrise_kernel");
       ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X, 1.0, dXn);
-      if (!in_place()) std::swap(X_, Y_);
+      if (dXn != X_.get()) std::swap(X_, Y_);
     }
     // X_0 = Xp / (||Xp|| + eps): Xp (unscaled, oriented) into Y_.
     ns_load_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
@@ -1069,7 +1073,9 @@ class NewtonSchulz {
   // of C's start value (Y = X before Y = a X + B X; B = A before B = b A +
   // c A A): 6.3 and 3.1 MB a step at the benchmark shape, ~4.5 and ~2.5 us
   // each, 25 copies a chunk forward and backward. The same products on the
-  // same values, so the same bits.
+  // same values, so the same bits. A product that routes_fused never runs in
+  // place (its kernel reads the fp32 operands while other CTAs write C): the
+  // callers check that too.
   bool in_place() const { return split_ && !fused_; }
 
   // A = X X^T for every matrix.
@@ -1108,7 +1114,7 @@ class NewtonSchulz {
       return;
     }
     if constexpr (std::is_same<U, float>::value) {
-      if (fused_ && fused_fits(M, N, K, A, B, C, c_in)) {
+      if (routes_fused(ta, tb, M, N, K, A, B, b_unchanged) && fused_fits(M, N, K, A, B, C, c_in)) {
         if (wgmma_ && !ta)
           ns_gemm_wgmma(tb, M, N, K, alpha, A, B, beta, C, c_in);
         else
@@ -1151,6 +1157,27 @@ class NewtonSchulz {
   void forget_splits_of(const U* C) {
     if (C == split_a_key_.src) split_a_key_ = SplitKey{};
     if (C == split_b_key_.src) split_b_key_ = SplitKey{};
+  }
+
+  // Whether a split-mode product goes to the fused kernels (where fused_fits
+  // also holds): every product in STATESCAN_LACT_NS=fused; in the other split
+  // modes on a 9.0 device (wgmma_), the products whose operands the split
+  // path would split in two launches, neither sharing one read of a matrix
+  // (X X^T, A A) nor reusing the previous product's split of B (b_unchanged):
+  // Y = a X + B X, and in the backward a dY + B dY, S X and A dB. H100, the
+  // benchmark's shape, ncu in place (PERF_NOTES, forty-sixth session): those
+  // take 17.1-17.5 us in ns_gemm_wgmma_kernel against 20.9-21.8 for two
+  // splits and the cuBLAS GEMM (A dB: 13.9 against 15.2); the products with
+  // one split launch are faster on the split path (X X^T 17.3 against 20.9).
+  bool routes_fused(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const U* A, const U* B,
+                    bool b_unchanged) const {
+    if (!split_) return false;
+    if (fused_) return true;
+    if (!wgmma_ || ta) return false;
+    const SplitKey ka{A, M, K, true}, kb{B, tb ? N : K, tb ? K : N, tb};
+    const bool need_b = !(b_unchanged && kb == split_b_key_);
+    const bool one_read = A == B && ka.rows == kb.rows && ka.cols == kb.cols;
+    return need_b && !one_read;
   }
 
   // Whether the fused kernels take this call (ns_gemm_wgmma_kernel's 64 x 64
@@ -1265,8 +1292,8 @@ class NewtonSchulz {
   // STATESCAN_LACT_NS=fused: split-mode products through the fused kernels
   // where fused_fits (opt-in: passes the GPU suite, slower; README).
   bool fused_ = split_ && mode_ == NsGemms::fused;
-  // Where the device runs wgmma (wgmma_device): the fused products by
-  // ns_gemm_wgmma_kernel instead of ns_gemm_fused_kernel (op(A) = A, which is
+  // Where the device runs wgmma (wgmma_device), in every split mode: the fused
+  // products by ns_gemm_wgmma_kernel instead of ns_gemm_fused_kernel (op(A) = A, which is
   // every Newton-Schulz product).
   bool wgmma_ = false;
   // STATESCAN_LACT_NS=cluster: the forward's steps in ns_cluster_kernel where
