@@ -439,6 +439,32 @@ struct NsGemmParams {
   const float* Cin = nullptr;
 };
 
+// Matrix b's operands and output in both fused kernels.
+struct NsMatrix {
+  const float *A, *B;
+  float* C;
+  const float* Cin;
+};
+__device__ __forceinline__ NsMatrix ns_matrix(const NsGemmParams& p, int64_t b) {
+  float* C = p.C + b * int64_t(p.M) * p.N;
+  return {p.A + b * int64_t(p.M) * p.K, p.B + b * int64_t(p.K) * p.N, C,
+          p.Cin != nullptr ? p.Cin + b * int64_t(p.M) * p.N : C};
+}
+
+// The epilogue's pair (row, col .. col + 1) of C = alpha acc + beta C_in
+// (N is even, so a pair is wholly inside or past the edge: skipped then).
+__device__ __forceinline__ void ns_store_pair(const NsGemmParams& p, const NsMatrix& mat, int row,
+                                              int col, float x, float y) {
+  if (row >= p.M || col >= p.N) return;
+  float2 v = make_float2(p.alpha * x, p.alpha * y);
+  if (p.beta != 0.f) {
+    const float2 old = *reinterpret_cast<const float2*>(mat.Cin + row * p.N + col);
+    v.x += p.beta * old.x;
+    v.y += p.beta * old.y;
+  }
+  *reinterpret_cast<float2*>(mat.C + row * p.N + col) = v;
+}
+
 // Loads one operand tile of kRows x kCols floats (as stored: row r of the
 // tile is global row row0 + r, columns col0 ..) into `dst` (row stride ld_dst)
 // with 16-byte cp.async, thread t of NsFusedTile::kThreads; chunks past
@@ -531,10 +557,8 @@ __global__ void __launch_bounds__(NsFusedTile::kThreads)
 
   for (int64_t b = blockIdx.z; b < p.mats; b += gridDim.z) {
     // Within a matrix, 32-bit offsets (NewtonSchulz checks 3 M D < 2^31).
-    const float* A = p.A + b * int64_t(M) * K;
-    const float* B = p.B + b * int64_t(K) * N;
-    float* C = p.C + b * int64_t(M) * N;
-    const float* Cin = p.Cin != nullptr ? p.Cin + b * int64_t(M) * N : C;
+    const NsMatrix mat = ns_matrix(p, b);
+    const float *A = mat.A, *B = mat.B;
 
     // Stage k tile kt of both operands into buffer s (committed by the caller).
     auto load = [&](int s, int kt) {
@@ -612,18 +636,9 @@ __global__ void __launch_bounds__(NsFusedTile::kThreads)
 #pragma unroll
       for (int tn = 0; tn < Tile::kNTiles; ++tn)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = m0 + wm + 16 * tm + g + 8 * h, col = n0 + wn + 8 * tn + 2 * i;
-          if (row >= M || col >= N) continue;
-          float2* out = reinterpret_cast<float2*>(C + row * N + col);
-          float2 v = make_float2(p.alpha * acc[tm][tn][2 * h], p.alpha * acc[tm][tn][2 * h + 1]);
-          if (p.beta != 0.f) {
-            const float2 old = *reinterpret_cast<const float2*>(Cin + row * N + col);
-            v.x += p.beta * old.x;
-            v.y += p.beta * old.y;
-          }
-          *out = v;
-        }
+        for (int h = 0; h < 2; ++h)
+          ns_store_pair(p, mat, m0 + wm + 16 * tm + g + 8 * h, n0 + wn + 8 * tn + 2 * i,
+                        acc[tm][tn][2 * h], acc[tm][tn][2 * h + 1]);
   }
 }
 
@@ -698,10 +713,8 @@ __global__ void __launch_bounds__(NsWgmmaTile::kThreads, NsWgmmaTile::kMinBlocks
 
   for (int64_t b = blockIdx.z; b < p.mats; b += gridDim.z) {
     // Within a matrix, 32-bit offsets (NewtonSchulz checks 3 M D < 2^31).
-    const float* A = p.A + b * int64_t(M) * K;
-    const float* B = p.B + b * int64_t(K) * N;
-    float* C = p.C + b * int64_t(M) * N;
-    const float* Cin = p.Cin != nullptr ? p.Cin + b * int64_t(M) * N : C;
+    const NsMatrix mat = ns_matrix(p, b);
+    const float *A = mat.A, *B = mat.B;
 
     // Block kt of both operands into registers: load f = t + 128 i is row
     // f / 16, columns 4 (f % 16) .. + 3 of the A block and of a transposed B
@@ -793,18 +806,9 @@ __global__ void __launch_bounds__(NsWgmmaTile::kThreads, NsWgmmaTile::kMinBlocks
 #pragma unroll
     for (int j = 0; j < Tile::kN / 8; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = r0 + 8 * h, col = n0 + 8 * j + 2 * (lane % 4);
-        if (row >= M || col >= N) continue;
-        float2* out = reinterpret_cast<float2*>(C + row * N + col);
-        float2 v = make_float2(p.alpha * acc[4 * j + 2 * h], p.alpha * acc[4 * j + 2 * h + 1]);
-        if (p.beta != 0.f) {
-          const float2 old = *reinterpret_cast<const float2*>(Cin + row * N + col);
-          v.x += p.beta * old.x;
-          v.y += p.beta * old.y;
-        }
-        *out = v;
-      }
+      for (int h = 0; h < 2; ++h)
+        ns_store_pair(p, mat, r0 + 8 * h, n0 + 8 * j + 2 * (lane % 4), acc[4 * j + 2 * h],
+                      acc[4 * j + 2 * h + 1]);
   }
 }
 
