@@ -243,7 +243,12 @@ INSTANTIATE_TEST_SUITE_P(Subset, LactCudaBf16, ::testing::ValuesIn(bf16_cases())
 // environment: bf16x3 (split3 + cuBLAS, the default), cluster (the forward's
 // steps in ns_cluster_kernel where the shape allows), fused and fp32; the
 // backward from the forward's iterates. Against the fp64 reference matrix by
-// matrix, outputs poisoned with NaN. Shapes: the Gram side m = min(M, D) in
+// matrix, outputs poisoned with NaN. Each mode also runs with the wgmma kernel
+// allowed and not (NewtonSchulzBf16's allow_wgmma): on a 9.0 device the first
+// sends the default's two-split products and the fused mode's products to
+// ns_gemm_wgmma_kernel, the second keeps them on the split path and on the
+// mma.sync kernel, which would otherwise run there on other devices only.
+// Shapes: the Gram side m = min(M, D) in
 // {32, 64, 128, 256} with n = 2 m (the cluster kernel: 1, 2, 4 and 8 CTAs;
 // M < D transposes W0 and W2 instead of W1), and m = 48 (no cluster kernel).
 // Tolerances: the host model of the two-part products
@@ -258,7 +263,7 @@ struct NsShape {
   int64_t pairs, M, D;
 };
 
-using NsParam = std::tuple<NsShape, NsGemms>;
+using NsParam = std::tuple<NsShape, NsGemms, bool>;  // bool: allow_wgmma
 
 class LactCudaNewtonSchulz : public ::testing::TestWithParam<NsParam> {
  protected:
@@ -311,7 +316,8 @@ TEST_P(LactCudaNewtonSchulz, MatchesReference) {
   DeviceTensor P(ref.P, DType::f32), d_out(ref.d_out, DType::f32);
   DeviceTensor out(ref.P.size(), DType::f32), dP(ref.P.size(), DType::f32);
   {
-    cuda::lact_detail::NewtonSchulzBf16 ns(s.pairs, s.M, s.D, kNsSteps, true, mode, nullptr);
+    cuda::lact_detail::NewtonSchulzBf16 ns(s.pairs, s.M, s.D, kNsSteps, true, mode, nullptr,
+                                           std::get<2>(GetParam()));
     ns.forward(static_cast<const float*>(P.data()), static_cast<float*>(out.data()));
     ns.backward(static_cast<const float*>(P.data()), static_cast<const float*>(d_out.data()),
                 static_cast<float*>(dP.data()));
@@ -361,7 +367,8 @@ std::string ns_param_name(const ::testing::TestParamInfo<NsParam>& info) {
   const NsShape& s = std::get<0>(info.param);
   const char* modes[] = {"bf16x3", "fp32", "fused", "cluster"};
   return "pairs" + std::to_string(s.pairs) + "_M" + std::to_string(s.M) + "_D" +
-         std::to_string(s.D) + "_" + modes[static_cast<int>(std::get<1>(info.param))];
+         std::to_string(s.D) + "_" + modes[static_cast<int>(std::get<1>(info.param))] +
+         (std::get<2>(info.param) ? "" : "_no_wgmma");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -369,7 +376,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(
         ::testing::Values(NsShape{3, 64, 32}, NsShape{2, 128, 64}, NsShape{2, 256, 128},
                           NsShape{4, 512, 256}, NsShape{1, 256, 512}, NsShape{2, 96, 48}),
-        ::testing::Values(NsGemms::bf16x3, NsGemms::cluster, NsGemms::fused, NsGemms::fp32)),
+        ::testing::Values(NsGemms::bf16x3, NsGemms::cluster, NsGemms::fused, NsGemms::fp32),
+        ::testing::Bool()),
     ns_param_name);
 
 // ---- the fused hidden layer alone -------------------------------------------------

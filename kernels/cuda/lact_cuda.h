@@ -162,11 +162,12 @@ const char* ns_gemms_name(NsGemms mode, int64_t dim, int64_t hidden);
 // D x M); out = NS_steps of every matrix of P. backward() needs
 // keep_iterates and follows a forward() of the same P: dP = (dNS/dP)^T d_out.
 // Ordered on `stream`; repeated calls on the same pointers replay one CUDA
-// graph, as in the layer.
+// graph, as in the layer. `allow_wgmma` false: no product on the wgmma
+// kernel, as on a device without it (NewtonSchulz).
 class NewtonSchulzBf16 {
  public:
   NewtonSchulzBf16(int64_t pairs, int64_t M, int64_t D, int steps, bool keep_iterates, NsGemms mode,
-                   cudaStream_t stream);
+                   cudaStream_t stream, bool allow_wgmma = true);
   ~NewtonSchulzBf16();
   NewtonSchulzBf16(const NewtonSchulzBf16&) = delete;
   NewtonSchulzBf16& operator=(const NewtonSchulzBf16&) = delete;

@@ -16,16 +16,17 @@ struct NewtonSchulzBf16::Impl {
     return g;
   }
   Impl(int64_t pairs, int64_t M, int64_t D, int steps, bool keep_iterates, NsGemms mode,
-       cudaStream_t stream)
-      : ns(geo(pairs, M, D), steps, keep_iterates, stream, mode) {}
+       cudaStream_t stream, bool allow_wgmma)
+      : ns(geo(pairs, M, D), steps, keep_iterates, stream, mode, allow_wgmma) {}
 };
 
 NewtonSchulzBf16::NewtonSchulzBf16(int64_t pairs, int64_t M, int64_t D, int steps,
-                                   bool keep_iterates, NsGemms mode, cudaStream_t stream) {
+                                   bool keep_iterates, NsGemms mode, cudaStream_t stream,
+                                   bool allow_wgmma) {
   SS_CHECK_ARG(pairs > 0 && M > 0 && D > 0, "w0", "Newton-Schulz needs pairs, M, D > 0, got ",
                pairs, ", ", M, ", ", D);
   SS_CHECK_ARG(steps > 0, "muon_steps", "Newton-Schulz needs at least one step, got ", steps);
-  impl_ = std::make_unique<Impl>(pairs, M, D, steps, keep_iterates, mode, stream);
+  impl_ = std::make_unique<Impl>(pairs, M, D, steps, keep_iterates, mode, stream, allow_wgmma);
 }
 NewtonSchulzBf16::~NewtonSchulzBf16() = default;
 void NewtonSchulzBf16::forward(const float* P, float* out) {

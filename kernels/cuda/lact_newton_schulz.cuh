@@ -822,8 +822,11 @@ class NewtonSchulz {
  public:
   // `mode`: how a bf16 layer (U = float) runs the products, STATESCAN_LACT_NS
   // unless a caller (the tests, statescan-bench --lact-ns) names one.
+  // `allow_wgmma` false keeps every product off ns_gemm_wgmma_kernel, as on a
+  // device without wgmma: the tests' way to run the split path's and the
+  // mma.sync kernel's products on a 9.0 device too.
   NewtonSchulz(const Geo& g, int steps, bool keep_iterates, cudaStream_t stream,
-               NsGemms mode = ns_gemms_requested())
+               NsGemms mode = ns_gemms_requested(), bool allow_wgmma = true)
       : compute_(wide_compute<U>()),
         M_(g.M),
         D_(g.D),
@@ -851,7 +854,7 @@ class NewtonSchulz {
       if (split_) {
         int device = 0;
         SS_CUDA_CHECK(cudaGetDevice(&device));
-        wgmma_ = detail::wgmma_device(device);
+        wgmma_ = allow_wgmma && detail::wgmma_device(device);
         if (wgmma_) {
           SS_CUDA_CHECK(cudaFuncSetAttribute(ns_gemm_wgmma_kernel<true>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
