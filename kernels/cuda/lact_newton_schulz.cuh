@@ -995,8 +995,7 @@ class NewtonSchulz {
       U* Bm = in_place() ? A_.get() : Bm_.get();
       poly(h, Bm);
       // Y = a X + B X (into X where the split path runs it in place).
-      U* Xn = in_place() && !routes_fused(false, false, m_, n_, m_, Bm, X_.get(), false) ? X_.get()
-                                                                                         : Y_.get();
+      U* Xn = apply_target(Bm);
       ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm, X_.get(), kMuonA, Xn, X_.get());
       if (Xn != X_.get()) std::swap(X_, Y_);
     }
@@ -1031,9 +1030,7 @@ class NewtonSchulz {
       ns_gemm(h, false, false, m_, m_, m_, kMuonC, A_.get(), dB_.get(), 1.0, dA_.get());
       // Y = a X + B X:  dXn = a dY + B dY (into dY's own array where the
       // split path runs it in place: dY is not read after this product).
-      U* dXn = in_place() && !routes_fused(false, false, m_, n_, m_, Bm_.get(), X_.get(), false)
-                   ? X_.get()
-                   : Y_.get();
+      U* dXn = apply_target(Bm_.get());
       ns_gemm(h, false, false, m_, n_, m_, 1.0, Bm_.get(), X_.get(), kMuonA, dXn, X_.get());
       // A = X X^T:  dXn += (dA + dA^T) X  (Bm_ is free now: it holds S).
       symmetrise_kernel<U><<<tile_grid(m_, m_), tile_block(), 0, stream_>>>(
@@ -1085,6 +1082,14 @@ class NewtonSchulz {
   // callers check that too.
   bool in_place() const { return split_ && !fused_; }
 
+  // The target of a X + Bm X (forward) or a dY + Bm dY (backward), X_ the
+  // right operand and beta's term: X_ itself where the split path runs it in
+  // place, else Y_ (the callers swap the two after it).
+  U* apply_target(const U* Bm) {
+    return in_place() && !routes_fused(false, false, m_, n_, m_, Bm, X_.get(), false) ? X_.get()
+                                                                                      : Y_.get();
+  }
+
   // A = X X^T for every matrix.
   void gram(cublasHandle_t h, const U* X) {
     ns_gemm(h, false, true, m_, m_, n_, 1.0, X, X, 0.0, A_.get());
@@ -1134,17 +1139,14 @@ class NewtonSchulz {
         return;
       }
       if (c_in != nullptr) start_value(C, c_in, M * N);
-      // A: [hi | hi | lo] along K; B: [hi ; lo ; hi] along K.
-      const SplitKey ka{A, ta ? K : M, ta ? M : K, !ta}, kb{B, tb ? N : K, tb ? K : N, tb};
-      const bool need_b = !(b_unchanged && kb == split_b_key_);
+      const SplitPlan plan = split_plan(ta, tb, M, N, K, A, B, b_unchanged);
+      const SplitKey &ka = plan.ka, &kb = plan.kb;
       Split3Targets targets{};
       targets.t[0] = {split_a_.get(), ka.k_is_cols, 0b100};
       targets.count = 1;
-      // X X^T and A A: one read of the matrix writes both stackings.
-      const bool both = need_b && A == B && ka.rows == kb.rows && ka.cols == kb.cols;
-      if (both) targets.t[targets.count++] = {split_b_.get(), kb.k_is_cols, 0b010};
+      if (plan.both) targets.t[targets.count++] = {split_b_.get(), kb.k_is_cols, 0b010};
       split3(A, ka.rows, ka.cols, targets);
-      if (need_b && !both) {
+      if (plan.two_launches()) {
         Split3Targets tb_only{};
         tb_only.t[0] = {split_b_.get(), kb.k_is_cols, 0b010};
         tb_only.count = 1;
@@ -1181,10 +1183,7 @@ class NewtonSchulz {
     if (!split_) return false;
     if (fused_) return true;
     if (!wgmma_ || ta) return false;
-    const SplitKey ka{A, M, K, true}, kb{B, tb ? N : K, tb ? K : N, tb};
-    const bool need_b = !(b_unchanged && kb == split_b_key_);
-    const bool one_read = A == B && ka.rows == kb.rows && ka.cols == kb.cols;
-    return need_b && !one_read;
+    return split_plan(ta, tb, M, N, K, A, B, b_unchanged).two_launches();
   }
 
   // Whether the fused kernels take this call (ns_gemm_wgmma_kernel's 64 x 64
@@ -1210,13 +1209,20 @@ class NewtonSchulz {
            aligned(C) && (c_in == nullptr || aligned(c_in)) && apart(A, M * K) && apart(B, K * N);
   }
 
-  // One ns_gemm_fused_kernel launch over the mats_ matrices (fused_fits holds).
-  void ns_gemm_fused(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const U* A,
-                     const U* B, double beta, U* C, const U* c_in) {
+  // Both fused kernels' parameters for one product over the mats_ matrices.
+  NsGemmParams gemm_params(int64_t M, int64_t N, int64_t K, double alpha, const U* A, const U* B,
+                           double beta, U* C, const U* c_in) const {
     NsGemmParams prm;
     prm.A = A, prm.B = B, prm.C = C, prm.Cin = c_in, prm.mats = mats_;
     prm.M = static_cast<int>(M), prm.N = static_cast<int>(N), prm.K = static_cast<int>(K);
     prm.alpha = static_cast<float>(alpha), prm.beta = static_cast<float>(beta);
+    return prm;
+  }
+
+  // One ns_gemm_fused_kernel launch over the mats_ matrices (fused_fits holds).
+  void ns_gemm_fused(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const U* A,
+                     const U* B, double beta, U* C, const U* c_in) {
+    const NsGemmParams prm = gemm_params(M, N, K, alpha, A, B, beta, C, c_in);
     const dim3 grid(static_cast<unsigned>((N + NsFusedTile::kN - 1) / NsFusedTile::kN),
                     static_cast<unsigned>((M + NsFusedTile::kM - 1) / NsFusedTile::kM), mat_grid());
     const dim3 block(NsFusedTile::kThreads);
@@ -1235,10 +1241,7 @@ class NewtonSchulz {
   // holds, op(A) = A).
   void ns_gemm_wgmma(bool tb, int64_t M, int64_t N, int64_t K, double alpha, const U* A, const U* B,
                      double beta, U* C, const U* c_in) {
-    NsGemmParams prm;
-    prm.A = A, prm.B = B, prm.C = C, prm.Cin = c_in, prm.mats = mats_;
-    prm.M = static_cast<int>(M), prm.N = static_cast<int>(N), prm.K = static_cast<int>(K);
-    prm.alpha = static_cast<float>(alpha), prm.beta = static_cast<float>(beta);
+    const NsGemmParams prm = gemm_params(M, N, K, alpha, A, B, beta, C, c_in);
     const dim3 grid(static_cast<unsigned>((N + NsWgmmaTile::kN - 1) / NsWgmmaTile::kN),
                     static_cast<unsigned>((M + NsWgmmaTile::kM - 1) / NsWgmmaTile::kM), mat_grid());
     if (tb)
@@ -1258,6 +1261,27 @@ class NewtonSchulz {
       return src == o.src && rows == o.rows && cols == o.cols && k_is_cols == o.k_is_cols;
     }
   };
+
+  // What the split path would split for a product: A as [hi | hi | lo] along
+  // K (always), B as [hi ; lo ; hi] along K unless split_b_ still holds that
+  // (need_b false: `b_unchanged` and the same key), and both from one read of
+  // the matrix where A is B in the same shape (X X^T, A A).
+  struct SplitPlan {
+    SplitKey ka, kb;
+    bool need_b, both;
+    bool two_launches() const { return need_b && !both; }
+  };
+  SplitPlan split_plan(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const U* A, const U* B,
+                       bool b_unchanged) const {
+    SplitPlan plan;
+    plan.ka = SplitKey{A, ta ? K : M, ta ? M : K, !ta};
+    plan.kb = SplitKey{B, tb ? N : K, tb ? K : N, tb};
+    plan.need_b = !(b_unchanged && plan.kb == split_b_key_);
+    plan.both =
+        plan.need_b && A == B && plan.ka.rows == plan.kb.rows && plan.ka.cols == plan.kb.cols;
+    return plan;
+  }
+
   // Every forward_eager / backward_eager starts with no split reused: the
   // sources change between calls, and a captured graph must make the same
   // choices as the eager run before it.
