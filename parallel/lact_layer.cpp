@@ -12,6 +12,25 @@
 namespace statescan {
 namespace lact_detail {
 
+namespace {
+// The layer's four tensor shapes for its sizes (tokens [B, T_local, H, D],
+// rates [B, T_local, H], W0 and W2 [H, M, D], W1 [H, D, M]) and the check
+// of one tensor against one of them in `where`'s dtype and memory.
+struct LayerShapes {
+  Shape tokens, rates, wide, narrow;
+  const Placement& where;
+  LayerShapes(const LocalSizes& s, const Placement& w)
+      : tokens{s.batch, s.local_len, s.heads, s.dim},
+        rates{s.batch, s.local_len, s.heads},
+        wide{s.heads, s.hidden, s.dim},
+        narrow{s.heads, s.dim, s.hidden},
+        where(w) {}
+  void check(const TensorView& t, const Shape& shape, const char* name) const {
+    check_tensor(t, shape, where.dtype, where.memory, name);
+  }
+};
+}  // namespace
+
 LocalSizes check_forward_shapes(const LactForwardArgs& a, const Placement& where) {
   SS_CHECK_ARG(a.q.defined() && a.q.shape.size() == 4, "q", "must be [B, T_local, H, D], got ",
                shape_string(a.q.shape));
@@ -26,42 +45,32 @@ LocalSizes check_forward_shapes(const LactForwardArgs& a, const Placement& where
   SS_CHECK_ARG(s.batch >= 1 && s.local_len >= 1 && s.heads >= 1 && s.dim >= 1, "q",
                "every extent must be >= 1, got ", shape_string(a.q.shape));
   SS_CHECK_ARG(s.hidden >= 1, "w0", "hidden width M must be >= 1, got ", shape_string(a.w0.shape));
-  const Shape tokens{s.batch, s.local_len, s.heads, s.dim};
-  const Shape rates{s.batch, s.local_len, s.heads};
-  const Shape wide{s.heads, s.hidden, s.dim}, narrow{s.heads, s.dim, s.hidden};
-  auto check = [&](const TensorView& t, const Shape& shape, const char* name) {
-    check_tensor(t, shape, where.dtype, where.memory, name);
-  };
-  check(a.q, tokens, "q");
-  check(a.k, tokens, "k");
-  check(a.v, tokens, "v");
-  check(a.lr0, rates, "lr0");
-  check(a.lr1, rates, "lr1");
-  check(a.lr2, rates, "lr2");
-  check(a.w0, wide, "w0");
-  check(a.w1, narrow, "w1");
-  check(a.w2, wide, "w2");
-  check(a.o, tokens, "o");
+  const LayerShapes x(s, where);
+  x.check(a.q, x.tokens, "q");
+  x.check(a.k, x.tokens, "k");
+  x.check(a.v, x.tokens, "v");
+  x.check(a.lr0, x.rates, "lr0");
+  x.check(a.lr1, x.rates, "lr1");
+  x.check(a.lr2, x.rates, "lr2");
+  x.check(a.w0, x.wide, "w0");
+  x.check(a.w1, x.narrow, "w1");
+  x.check(a.w2, x.wide, "w2");
+  x.check(a.o, x.tokens, "o");
   return s;
 }
 
 void check_backward_shapes(const LactBackwardArgs& a, const LocalSizes& s, const Placement& where) {
-  const Shape tokens{s.batch, s.local_len, s.heads, s.dim};
-  const Shape rates{s.batch, s.local_len, s.heads};
-  const Shape wide{s.heads, s.hidden, s.dim}, narrow{s.heads, s.dim, s.hidden};
-  auto check = [&](const TensorView& t, const Shape& shape, const char* name) {
-    check_tensor(t, shape, where.dtype, where.memory, name);
-  };
-  check(a.d_o, tokens, "d_o");
-  check(a.dq, tokens, "dq");
-  check(a.dk, tokens, "dk");
-  check(a.dv, tokens, "dv");
-  check(a.dlr0, rates, "dlr0");
-  check(a.dlr1, rates, "dlr1");
-  check(a.dlr2, rates, "dlr2");
-  check(a.dw0, wide, "dw0");
-  check(a.dw1, narrow, "dw1");
-  check(a.dw2, wide, "dw2");
+  const LayerShapes x(s, where);
+  x.check(a.d_o, x.tokens, "d_o");
+  x.check(a.dq, x.tokens, "dq");
+  x.check(a.dk, x.tokens, "dk");
+  x.check(a.dv, x.tokens, "dv");
+  x.check(a.dlr0, x.rates, "dlr0");
+  x.check(a.dlr1, x.rates, "dlr1");
+  x.check(a.dlr2, x.rates, "dlr2");
+  x.check(a.dw0, x.wide, "dw0");
+  x.check(a.dw1, x.narrow, "dw1");
+  x.check(a.dw2, x.wide, "dw2");
 }
 
 void timed_all_reduce(Communicator& comm, float* data, std::size_t count,

@@ -2,7 +2,9 @@
 // ref::Problem and collect its outputs as flat vectors.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -14,6 +16,18 @@ namespace statescan::test {
 struct CpOutputs {
   std::vector<float> o, ht, dq, dk, dv, dg, dbeta, dh0;
 };
+
+// Uneven contiguous shards of T tokens over P ranks: rank r gets a share
+// proportional to r + 1 (so the last rank holds the most), every shard >= 1
+// token; returns the P + 1 bounds.
+inline std::vector<int64_t> shard_bounds(int64_t T, int P) {
+  std::vector<int64_t> b(static_cast<std::size_t>(P + 1), 0);
+  const int64_t weight = static_cast<int64_t>(P) * (P + 1) / 2;
+  for (int r = 1; r < P; ++r)
+    b[r] = std::max<int64_t>(b[r - 1] + 1, T * (r * (r + 1) / 2) / weight);
+  b[P] = T;
+  return b;
+}
 
 // Copies tokens [t0, t1) of a [B,T,H,D] tensor (D = inner) into a new vector.
 inline std::vector<float> slice_tokens(const std::vector<double>& x, int64_t B, int64_t T,

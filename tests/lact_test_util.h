@@ -1,7 +1,10 @@
 // Helpers for the LaCT suites: random problems, option cases with readable
-// names, and runs of the kernel (unsharded) and of LactLayer (on one rank's
-// slices) that return every output as a flat vector.
+// names, runs of the kernel (unsharded) and of LactLayer (on one rank's
+// slices) that return every output as a flat vector, and the comparison of a
+// rank's slices with an unsharded run.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
@@ -103,6 +106,33 @@ struct LactResult {
 template <typename T>
 std::vector<T> as(const std::vector<double>& x) {
   return std::vector<T>(x.begin(), x.end());
+}
+
+// Rank r's outputs of a layer sharded over P ranks (LaCT's chunk-interleaved
+// layout, lact_shard) against an unsharded run: the token outputs within
+// out_tol (o) and grad_tol (dq, dk, dv), the learning rates' within rate_tol,
+// the weight gradients (every rank holds all of them) within grad_tol.
+struct ShardTolerances {
+  double out, grad, rate;
+};
+template <typename T>
+void expect_slices_match(const LactResult<T>& mine, const LactResult<double>& full,
+                         const LactSizes& s, int64_t chunk, int P, int r,
+                         const ShardTolerances& tol) {
+  auto local = [&](const std::vector<double>& x, int64_t inner) {
+    return lact_shard(x, s.batch, s.seq_len, inner, chunk, P, r);
+  };
+  const int64_t HD = s.heads * s.dim, H = s.heads;
+  EXPECT_LE(rel_rms(mine.o, local(full.o, HD)), tol.out) << "rank " << r << " o";
+  EXPECT_LE(rel_rms(mine.dq, local(full.dq, HD)), tol.grad) << "rank " << r << " dq";
+  EXPECT_LE(rel_rms(mine.dk, local(full.dk, HD)), tol.grad) << "rank " << r << " dk";
+  EXPECT_LE(rel_rms(mine.dv, local(full.dv, HD)), tol.grad) << "rank " << r << " dv";
+  EXPECT_LE(rel_rms(mine.dlr0, local(full.dlr0, H)), tol.rate) << "rank " << r << " dlr0";
+  EXPECT_LE(rel_rms(mine.dlr1, local(full.dlr1, H)), tol.rate) << "rank " << r << " dlr1";
+  EXPECT_LE(rel_rms(mine.dlr2, local(full.dlr2, H)), tol.rate) << "rank " << r << " dlr2";
+  EXPECT_LE(rel_rms(mine.dw0, full.dw0), tol.grad) << "rank " << r << " dw0";
+  EXPECT_LE(rel_rms(mine.dw1, full.dw1), tol.grad) << "rank " << r << " dw1";
+  EXPECT_LE(rel_rms(mine.dw2, full.dw2), tol.grad) << "rank " << r << " dw2";
 }
 
 // Kernel params over the given (typed) inputs of a problem; unsharded.

@@ -84,16 +84,6 @@ Communicator& world(const std::string& backend) {
   return *nccl;
 }
 
-// Uneven contiguous shards: rank r gets a share proportional to r + 1.
-std::vector<int64_t> shard_bounds(int64_t T, int P) {
-  std::vector<int64_t> b(static_cast<std::size_t>(P + 1), 0);
-  const int64_t weight = static_cast<int64_t>(P) * (P + 1) / 2;
-  for (int r = 1; r < P; ++r)
-    b[r] = std::max<int64_t>(b[r - 1] + 1, T * (r * (r + 1) / 2) / weight);
-  b[P] = T;
-  return b;
-}
-
 enum class Layout { batch_rows, packed_on_boundary, packed_across };
 
 struct Case {

@@ -109,23 +109,10 @@ TEST_P(LactCudaSharding, ShardedLayerMatchesUnshardedReference) {
   LactLayer layer(comm, cfg);
   const LactResult<double> mine = run_lact_gpu_layer(layer, p, P, r, c.dtype);
   const LactResult<double> full = run_lact_kernel<double>(p, cfg);
-  auto local = [&](const std::vector<double>& x, int64_t inner) {
-    return lact_shard(x, s.batch, s.seq_len, inner, c.chunk, P, r);
-  };
   const bool f32 = c.dtype == DType::f32;
-  const double out_tol = f32 ? kF32Tol : kBf16OutTol, grad_tol = f32 ? kF32Tol : kBf16GradTol;
-  const double rate_tol = f32 ? kF32Tol : kBf16RateGradTol;
-  const int64_t HD = s.heads * s.dim, H = s.heads;
-  EXPECT_LE(rel_rms(mine.o, local(full.o, HD)), out_tol) << "rank " << r << " o";
-  EXPECT_LE(rel_rms(mine.dq, local(full.dq, HD)), grad_tol) << "rank " << r << " dq";
-  EXPECT_LE(rel_rms(mine.dk, local(full.dk, HD)), grad_tol) << "rank " << r << " dk";
-  EXPECT_LE(rel_rms(mine.dv, local(full.dv, HD)), grad_tol) << "rank " << r << " dv";
-  EXPECT_LE(rel_rms(mine.dlr0, local(full.dlr0, H)), rate_tol) << "rank " << r << " dlr0";
-  EXPECT_LE(rel_rms(mine.dlr1, local(full.dlr1, H)), rate_tol) << "rank " << r << " dlr1";
-  EXPECT_LE(rel_rms(mine.dlr2, local(full.dlr2, H)), rate_tol) << "rank " << r << " dlr2";
-  EXPECT_LE(rel_rms(mine.dw0, full.dw0), grad_tol) << "rank " << r << " dw0";
-  EXPECT_LE(rel_rms(mine.dw1, full.dw1), grad_tol) << "rank " << r << " dw1";
-  EXPECT_LE(rel_rms(mine.dw2, full.dw2), grad_tol) << "rank " << r << " dw2";
+  expect_slices_match(mine, full, s, c.chunk, P, r,
+                      {f32 ? kF32Tol : kBf16OutTol, f32 ? kF32Tol : kBf16GradTol,
+                       f32 ? kF32Tol : kBf16RateGradTol});
 }
 
 std::vector<ShardCase> shard_cases() {
