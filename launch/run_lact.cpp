@@ -185,9 +185,8 @@ void LactJob::setup_device() {
 StepTimes LactJob::step_device(LactLayer& layer, LactOutputs& out, bool copy_back) {
   DeviceRun& r = *device_run_;
   const LactDims& d = data_.dims;
-  const Shape tokens{d.batch, local_.length, d.heads, d.dim},
-      rates{d.batch, local_.length, d.heads};
-  const Shape wide{d.heads, d.hidden, d.dim}, narrow{d.heads, d.dim, d.hidden};
+  const LactShapes x(d.batch, local_.length, d.heads, d.dim, d.hidden);
+  const Shape &tokens = x.tokens, &rates = x.rates, &wide = x.wide, &narrow = x.narrow;
   LactForwardArgs fa;
   fa.q = r.q.view(tokens);
   fa.k = r.k.view(tokens);
@@ -311,8 +310,8 @@ void LactJob::add_exchange(const LactLayer& layer, StepTimes& t) const {
 // layer's all-reduces.
 StepTimes LactJob::step(LactLayer& layer, const LactSlice& in, LactOutputs& out) const {
   const LactDims& d = data_.dims;
-  const Shape tokens{d.batch, in.length, d.heads, d.dim}, rates{d.batch, in.length, d.heads};
-  const Shape wide{d.heads, d.hidden, d.dim}, narrow{d.heads, d.dim, d.hidden};
+  const LactShapes x(d.batch, in.length, d.heads, d.dim, d.hidden);
+  const Shape &tokens = x.tokens, &rates = x.rates, &wide = x.wide, &narrow = x.narrow;
   LactForwardArgs fa;
   fa.q = view(in.q, tokens);
   fa.k = view(in.k, tokens);
@@ -413,8 +412,8 @@ LactOutputs LactJob::gather(const LactOutputs& local) {
 // The outputs of this run with their file names and full shapes, in report order.
 std::vector<NamedArray> LactJob::named(const LactOutputs& o) const {
   const LactDims& d = data_.dims;
-  const Shape tokens{d.batch, d.seq_len, d.heads, d.dim}, rates{d.batch, d.seq_len, d.heads};
-  const Shape wide{d.heads, d.hidden, d.dim}, narrow{d.heads, d.dim, d.hidden};
+  const LactShapes x(d.batch, d.seq_len, d.heads, d.dim, d.hidden);  // the whole sequence
+  const Shape &tokens = x.tokens, &rates = x.rates, &wide = x.wide, &narrow = x.narrow;
   std::vector<NamedArray> list{{"o", tokens, &o.o}};
   if (!backward_) return list;
   list.insert(list.end(), {{"dq", tokens, &o.dq},

@@ -13,18 +13,12 @@ namespace statescan {
 namespace lact_detail {
 
 namespace {
-// The layer's four tensor shapes for its sizes (tokens [B, T_local, H, D],
-// rates [B, T_local, H], W0 and W2 [H, M, D], W1 [H, D, M]) and the check
-// of one tensor against one of them in `where`'s dtype and memory.
-struct LayerShapes {
-  Shape tokens, rates, wide, narrow;
+// The layer's tensor shapes for its sizes and the check of one tensor
+// against one of them in `where`'s dtype and memory.
+struct LayerShapes : LactShapes {
   const Placement& where;
   LayerShapes(const LocalSizes& s, const Placement& w)
-      : tokens{s.batch, s.local_len, s.heads, s.dim},
-        rates{s.batch, s.local_len, s.heads},
-        wide{s.heads, s.hidden, s.dim},
-        narrow{s.heads, s.dim, s.hidden},
-        where(w) {}
+      : LactShapes(s.batch, s.local_len, s.heads, s.dim, s.hidden), where(w) {}
   void check(const TensorView& t, const Shape& shape, const char* name) const {
     check_tensor(t, shape, where.dtype, where.memory, name);
   }

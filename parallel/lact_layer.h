@@ -34,6 +34,19 @@
 
 namespace statescan {
 
+// The shapes of one rank's LaCT tensors, as LactLayer checks them: tokens
+// [B, T_local, H, D] (q, k, v, o, d_o and dq, dk, dv), rates [B, T_local, H]
+// (lr0..2 and their gradients), wide [H, M, D] (w0, w2, dw0, dw2) and
+// narrow [H, D, M] (w1, dw1).
+struct LactShapes {
+  Shape tokens, rates, wide, narrow;
+  LactShapes(int64_t batch, int64_t local_len, int64_t heads, int64_t dim, int64_t hidden)
+      : tokens{batch, local_len, heads, dim},
+        rates{batch, local_len, heads},
+        wide{heads, hidden, dim},
+        narrow{heads, dim, hidden} {}
+};
+
 struct LactForwardArgs {
   // Local slices, contiguous, host fp32 or device f32/bf16 (all alike):
   // q, k, v [B, T_local, H, D]; lr0, lr1, lr2 [B, T_local, H] (> 0).

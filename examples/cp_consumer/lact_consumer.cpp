@@ -26,6 +26,7 @@
 namespace {
 
 using statescan::DType;
+using statescan::LactShapes;
 using statescan::Shape;
 using statescan::TensorView;
 
@@ -118,8 +119,9 @@ Run slices_of(const LayerInputs& in, int64_t chunk, int64_t ranks, int64_t rank)
 statescan::LactExchangeStats forward_backward(statescan::Communicator& comm,
                                               const statescan::LactConfig& config,
                                               const LayerInputs& in, Run& r) {
-  const Shape tokens{kBatch, r.len, kHeads, kDim}, rates{kBatch, r.len, kHeads};
-  const Shape wide{kHeads, kHidden, kDim}, narrow{kHeads, kDim, kHidden};
+  // This rank's tensor shapes (LactShapes: tokens, rates, wide W0/W2, narrow W1).
+  const LactShapes x(kBatch, r.len, kHeads, kDim, kHidden);
+  const Shape &tokens = x.tokens, &rates = x.rates, &wide = x.wide, &narrow = x.narrow;
   auto view = [](const std::vector<float>& x, const Shape& s) {
     return TensorView(const_cast<float*>(x.data()), DType::f32, s);
   };
