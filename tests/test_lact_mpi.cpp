@@ -69,7 +69,7 @@ TEST_P(LactSharding, Fp64KernelEqualsUnsharded) {
   const LactResult<double> mine = run_lact_kernel<double>(
       p, cfg, true, comm.size(), comm.rank(),
       [&](double* data, std::size_t n) { comm.all_reduce_sum(data, n, CommType::f64); });
-  expect_slices_match(mine, full, s, c.chunk, world().size(), world().rank(),
+  expect_slices_match(mine, full, s, c.chunk, comm.size(), comm.rank(),
                       {kF64ShardTol, kF64ShardTol, kF64ShardTol});
 }
 
@@ -82,8 +82,8 @@ TEST_P(LactSharding, Fp32LayerMatchesReference) {
   const LactConfig cfg = c.options.config(c.chunk);
   LactLayer layer(comm, cfg);
   const LactResult<float> mine = run_lact_layer(layer, p, comm.size(), comm.rank());
-  expect_slices_match(mine, run_lact_kernel<double>(p, cfg), s, c.chunk, world().size(),
-                      world().rank(), {kTol, kTol, kTol});
+  expect_slices_match(mine, run_lact_kernel<double>(p, cfg), s, c.chunk, comm.size(), comm.rank(),
+                      {kTol, kTol, kTol});
 }
 
 // The layer's exchange statistics count exactly its fast-weight all-reduces:
