@@ -27,6 +27,7 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
+#include "tests/cuda_mixer_test_util.h"
 #include "tests/expect_error.h"
 #include "tests/test_util.h"
 
@@ -42,65 +43,33 @@ Tolerances tolerances(DType t) {
   return {8e-3, 2e-2, 8e-3};
 }
 
-// Rounds x to what a tensor of dtype `t` holds; returns the storage bytes.
-std::vector<unsigned char> to_storage(DType t, std::vector<double>& x) {
-  std::vector<float> f(x.begin(), x.end());
-  std::vector<unsigned char> bytes(f.size() * size_of(t));
-  convert_from_float(t, f.data(), bytes.data(), f.size());
-  convert_to_float(t, bytes.data(), f.data(), f.size());
-  x.assign(f.begin(), f.end());
-  return bytes;
-}
-
-std::vector<double> from_storage(DType t, const std::vector<unsigned char>& bytes) {
-  std::vector<float> f(bytes.size() / size_of(t));
-  convert_to_float(t, bytes.data(), f.data(), f.size());
-  return std::vector<double>(f.begin(), f.end());
-}
-
-std::vector<double> to_double(const std::vector<float>& x) {
-  return std::vector<double>(x.begin(), x.end());
-}
-
 bool all_bytes(const std::vector<unsigned char>& x, unsigned char value) {
   for (unsigned char e : x)
     if (e != value) return false;
   return true;
 }
 
-// A forward + backward problem on the GPU. The constructor rounds the
-// reference problem's inputs (and the incoming gradients) to what the device
-// sees, so the reference and the kernels compute from identical values.
+// A forward + backward problem on the GPU: the inputs (DeviceInputs, rounded
+// to what the device sees), the incoming gradients (rounded alike) and the
+// outputs.
 class GpuBackward {
  public:
   GpuBackward(ref::Problem& p, DType dtype, int64_t chunk, bool with_dht, uint64_t seed)
-      : ref_(p), dtype_(dtype), chunk_(chunk) {
-    p.scale = static_cast<float>(p.scale);
-    for (auto* g : {&p.g, &p.h0})
-      for (auto& e : *g) e = static_cast<float>(e);
+      : in_(p, dtype, chunk) {
     std::mt19937_64 rng(seed);
     d_o_host_ = randn(p.v.size(), rng);
     if (with_dht) {
       dht_host_ = randn(static_cast<size_t>(p.num_sequences() * p.heads * p.dk * p.dv), rng);
       for (auto& e : dht_host_) e = static_cast<float>(e);
     }
-    q_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.q));
-    k_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.k));
-    v_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.v));
     d_o_ = DeviceBuffer<unsigned char>(to_storage(dtype, d_o_host_));
-    if (!p.beta.empty()) beta_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.beta));
-    if (!p.g.empty()) g_ = DeviceBuffer<float>(std::vector<float>(p.g.begin(), p.g.end()));
-    if (!p.h0.empty()) h0_ = DeviceBuffer<float>(std::vector<float>(p.h0.begin(), p.h0.end()));
     if (with_dht)
       dht_ = DeviceBuffer<float>(std::vector<float>(dht_host_.begin(), dht_host_.end()));
-    if (!p.cu_seqlens.empty()) cu_seqlens_ = DeviceBuffer<int64_t>(p.cu_seqlens);
 
-    MixerParams host = base_params();
-    host.cu_seqlens = p.cu_seqlens.empty() ? nullptr : p.cu_seqlens.data();
-    const size_t state = static_cast<size_t>(p.heads * p.dk * p.dv);
+    const size_t state = in_.state_size();
     const size_t elem = size_of(dtype);
     o_ = DeviceBuffer<unsigned char>(p.v.size() * elem);
-    chunk_states_ = DeviceBuffer<float>(state * count_chunks(host));
+    chunk_states_ = DeviceBuffer<float>(state * in_.num_chunks());
     dq_ = DeviceBuffer<unsigned char>(p.q.size() * elem);
     dk_ = DeviceBuffer<unsigned char>(p.k.size() * elem);
     dv_ = DeviceBuffer<unsigned char>(p.v.size() * elem);
@@ -109,28 +78,7 @@ class GpuBackward {
     dh0_ = DeviceBuffer<float>(state * p.num_sequences());
   }
 
-  MixerParams base_params() const {
-    MixerParams m;
-    m.variant = ref_.variant;
-    m.batch = ref_.batch;
-    m.seq_len = ref_.seq_len;
-    m.heads = ref_.heads;
-    m.dk = ref_.dk;
-    m.dv = ref_.dv;
-    m.chunk = chunk_;
-    m.scale = static_cast<float>(ref_.scale);
-    m.l2norm_qk = ref_.l2norm_qk;
-    m.dtype = dtype_;
-    m.cu_seqlens = cu_seqlens_.size() ? cu_seqlens_.data() : nullptr;
-    m.num_segments = ref_.num_sequences();
-    m.q = q_.data();
-    m.k = k_.data();
-    m.v = v_.data();
-    m.g = g_.size() ? g_.data() : nullptr;
-    m.beta = beta_.size() ? beta_.data() : nullptr;
-    m.initial_state = h0_.size() ? h0_.data() : nullptr;
-    return m;
-  }
+  MixerParams base_params() const { return in_.params(); }
 
   // The forward, saving the chunk states the backward reads (and T where
   // saved_t is given: MixerParams::saved_t).
@@ -140,7 +88,7 @@ class GpuBackward {
     m.chunk_states = chunk_states_.data();
     m.saved_t = saved_t;
     cuda::mixer_forward(m, nullptr);
-    check_sync();
+    check_device_sync();
   }
 
   // Backward parameters with every output poisoned (NaN bytes) first, so an
@@ -165,19 +113,20 @@ class GpuBackward {
 
   void run_backward() {
     cuda::mixer_backward(backward_params(), nullptr);
-    check_sync();
+    check_device_sync();
   }
 
-  ref::Grads want() const { return ref::backward(ref_, d_o_host_, dht_host_); }
+  ref::Grads want() const { return ref::backward(in_.problem(), d_o_host_, dht_host_); }
 
   // Gradients as computed (dtype-rounded where stored in dtype).
   ref::Grads got() const {
+    const DType dtype = in_.dtype();
     ref::Grads g;
-    g.dq = from_storage(dtype_, dq_.to_host());
-    g.dk = from_storage(dtype_, dk_.to_host());
-    g.dv = from_storage(dtype_, dv_.to_host());
+    g.dq = from_storage(dtype, dq_.to_host());
+    g.dk = from_storage(dtype, dk_.to_host());
+    g.dv = from_storage(dtype, dv_.to_host());
     if (dg_.size()) g.dg = to_double(dg_.to_host());
-    if (dbeta_.size()) g.dbeta = from_storage(dtype_, dbeta_.to_host());
+    if (dbeta_.size()) g.dbeta = from_storage(dtype, dbeta_.to_host());
     g.dh0 = to_double(dh0_.to_host());
     return g;
   }
@@ -195,19 +144,11 @@ class GpuBackward {
   }
   std::vector<double> dh0() const { return to_double(dh0_.to_host()); }
 
-  static void check_sync() {
-    const cudaError_t status = cudaDeviceSynchronize();
-    ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
-  }
-
  private:
-  const ref::Problem& ref_;
-  DType dtype_;
-  int64_t chunk_;
+  DeviceInputs in_;
   std::vector<double> d_o_host_, dht_host_;
-  DeviceBuffer<unsigned char> q_, k_, v_, beta_, o_, d_o_, dq_, dk_, dv_, dbeta_;
-  DeviceBuffer<float> g_, h0_, dht_, chunk_states_, dg_, dh0_;
-  DeviceBuffer<int64_t> cu_seqlens_;
+  DeviceBuffer<unsigned char> o_, d_o_, dq_, dk_, dv_, dbeta_;
+  DeviceBuffer<float> dht_, chunk_states_, dg_, dh0_;
 };
 
 void expect_grads_match(const ref::Grads& got, const ref::Grads& want, const Tolerances& tol) {
@@ -226,26 +167,8 @@ void expect_grads_match(const ref::Grads& got, const ref::Grads& want, const Tol
   EXPECT_LE(dh0, tol.state) << "dh0";
 }
 
-using Param = std::tuple<Variant, DType, int64_t>;
-
-class CudaBackward : public ::testing::TestWithParam<Param> {
+class CudaBackward : public CudaMixerTest {
  protected:
-  void SetUp() override {
-    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
-  }
-  Variant variant() const { return std::get<0>(GetParam()); }
-  DType dtype() const { return std::get<1>(GetParam()); }
-  int64_t dim() const { return std::get<2>(GetParam()); }
-
-  ProblemSpec spec() const {
-    ProblemSpec s;
-    s.variant = variant();
-    s.batch = 2;
-    s.seq_len = 150;  // two full chunks of 64 and a partial one
-    s.heads = 3;
-    s.dk = s.dv = dim();
-    return s;
-  }
   // One batch row of packed sequences (an empty-ish one of length 1 among
   // them) with an initial state: the bitwise checks of the backward's
   // alternative paths against its default.
@@ -257,11 +180,6 @@ class CudaBackward : public ::testing::TestWithParam<Param> {
     s.with_h0 = true;
     return s;
   }
-  uint64_t seed(uint64_t salt) const {
-    return 1000003ull * salt + 7919ull * static_cast<uint64_t>(variant()) +
-           101ull * static_cast<uint64_t>(dtype()) + static_cast<uint64_t>(dim());
-  }
-
   // A problem with an initial state and a final-state gradient, run forward
   // and backward once: what the workspace, determinism and batching checks
   // compare their other runs against. (GpuBackward keeps a reference to the
@@ -398,7 +316,7 @@ TEST_P(CudaBackward, UsesCallerWorkspace) {
   const size_t bytes = cuda::backward_workspace_bytes(m);
   DeviceBuffer<unsigned char> workspace(bytes);
   cuda::mixer_backward(m, workspace.data(), bytes, nullptr);
-  GpuBackward::check_sync();
+  check_device_sync();
   const auto got = gpu.raw_outputs();
   expect_same_outputs(got, expected);
   expect_error([&] { cuda::mixer_backward(m, workspace.data(), bytes - 1, nullptr); }, "workspace");
@@ -457,7 +375,7 @@ TEST_P(CudaBackward, RecomputedChunkStatesGiveTheSavedStatesGradients) {
   m.chunk_states = nullptr;
   m.recompute_chunk_states = true;
   cuda::mixer_backward(m, nullptr);
-  GpuBackward::check_sync();
+  check_device_sync();
   const auto got = gpu.raw_outputs();
   expect_same_outputs(got, expected);
 
@@ -468,7 +386,7 @@ TEST_P(CudaBackward, RecomputedChunkStatesGiveTheSavedStatesGradients) {
   EXPECT_GT(bytes, cuda::backward_workspace_bytes(m));  // room for the states
   DeviceBuffer<unsigned char> workspace(bytes);
   cuda::mixer_backward(m, workspace.data(), bytes, nullptr);
-  GpuBackward::check_sync();
+  check_device_sync();
   const auto again = gpu.raw_outputs();
   expect_same_outputs(again, expected);
   expect_error(
@@ -505,7 +423,7 @@ TEST_P(CudaBackward, SavedTGivesTheSolvedTGradients) {
   m.saved_t = saved.data();
   EXPECT_LE(cuda::backward_workspace_bytes(m), cuda::backward_workspace_bytes(gpu.backward_params()));
   cuda::mixer_backward(m, nullptr);
-  GpuBackward::check_sync();
+  check_device_sync();
   expect_same_outputs(gpu.raw_outputs(), expected);
 }
 
@@ -560,7 +478,7 @@ TEST_P(CudaBackward, StateGradOnlyWritesOnlyInitialStateGradient) {
   m.state_grad_only = true;
   m.chunk_states = nullptr;  // not needed by the pre-pass
   cuda::mixer_backward(m, nullptr);
-  GpuBackward::check_sync();
+  check_device_sync();
   EXPECT_LE(rel_rms(gpu.dh0(), full), 1e-6) << "dh0";
   EXPECT_LE(rel_rms(gpu.dh0(), gpu.want().dh0), tolerances(dtype()).state) << "dh0 vs reference";
   const auto raw = gpu.raw_outputs();
@@ -611,22 +529,13 @@ TEST_P(CudaBackward, RejectsMisalignedGradientBuffers) {
     if (name == "dk") m.dk_out = shift(m.dk_out);
     if (name == "dv") m.dv_out = shift(m.dv_out);
     expect_error([&] { cuda::mixer_backward(m, nullptr); }, name);
-    GpuBackward::check_sync();
+    check_device_sync();
     const auto raw = gpu.raw_outputs();
     for (size_t i = 0; i < raw.size(); ++i) EXPECT_TRUE(all_bytes(raw[i], 0xFF)) << "output " << i;
   }
 }
 
-std::string param_name(const ::testing::TestParamInfo<Param>& info) {
-  return variant_name(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param)) + "_d" +
-         std::to_string(std::get<2>(info.param));
-}
-
-INSTANTIATE_TEST_SUITE_P(AllVariants, CudaBackward,
-                         ::testing::Combine(::testing::ValuesIn(kAllVariants),
-                                            ::testing::Values(DType::f32, DType::bf16, DType::f16),
-                                            ::testing::Values<int64_t>(64, 128)),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(AllVariants, CudaBackward, all_mixer_params(), mixer_param_name);
 
 // B*H fills the GPU: 16 heads x 32 chunks = 512 (chunk, head) items, more
 // than the persistent grid, bf16, every variant.

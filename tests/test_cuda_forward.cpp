@@ -25,6 +25,7 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/mixer_params.h"
+#include "tests/cuda_mixer_test_util.h"
 #include "tests/expect_error.h"
 #include "tests/test_util.h"
 
@@ -35,69 +36,15 @@ double tolerance(DType t) {
   return t == DType::f32 ? 1e-5 : 5e-3;
 }
 
-// Rounds x to what a tensor of dtype `t` holds; returns the storage bytes.
-std::vector<unsigned char> to_storage(DType t, std::vector<double>& x) {
-  std::vector<float> f(x.begin(), x.end());
-  std::vector<unsigned char> bytes(f.size() * size_of(t));
-  convert_from_float(t, f.data(), bytes.data(), f.size());
-  convert_to_float(t, bytes.data(), f.data(), f.size());
-  x.assign(f.begin(), f.end());
-  return bytes;
-}
-
-std::vector<double> from_storage(DType t, const std::vector<unsigned char>& bytes) {
-  std::vector<float> f(bytes.size() / size_of(t));
-  convert_to_float(t, bytes.data(), f.data(), f.size());
-  return std::vector<double>(f.begin(), f.end());
-}
-
-// A problem on the GPU. The constructor rounds the reference problem's inputs
-// to what the device sees (dtype for q/k/v/beta, fp32 for g and h0), so the
-// reference and the kernels compute from identical values.
+// A forward problem on the GPU: the inputs (DeviceInputs, rounded to what
+// the device sees) and the outputs.
 class GpuProblem {
  public:
-  GpuProblem(ref::Problem& p, DType dtype, int64_t chunk) : ref_(p), dtype_(dtype), chunk_(chunk) {
-    p.scale = static_cast<float>(p.scale);
-    for (auto* g : {&p.g, &p.h0})
-      for (auto& e : *g) e = static_cast<float>(e);
-    q_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.q));
-    k_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.k));
-    v_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.v));
-    if (!p.beta.empty()) beta_ = DeviceBuffer<unsigned char>(to_storage(dtype, p.beta));
-    if (!p.g.empty()) g_ = DeviceBuffer<float>(std::vector<float>(p.g.begin(), p.g.end()));
-    if (!p.h0.empty()) h0_ = DeviceBuffer<float>(std::vector<float>(p.h0.begin(), p.h0.end()));
-    if (!p.cu_seqlens.empty()) cu_seqlens_ = DeviceBuffer<int64_t>(p.cu_seqlens);
-
-    MixerParams host = params_without_outputs();
-    host.cu_seqlens = p.cu_seqlens.empty() ? nullptr : p.cu_seqlens.data();
-    num_chunks_ = count_chunks(host);
-    const std::size_t state = static_cast<std::size_t>(p.heads * p.dk * p.dv);
+  GpuProblem(ref::Problem& p, DType dtype, int64_t chunk) : in_(p, dtype, chunk) {
+    const std::size_t state = in_.state_size();
     o_ = DeviceBuffer<unsigned char>(p.q.size() / p.dk * p.dv * size_of(dtype));
     final_state_ = DeviceBuffer<float>(state * p.num_sequences());
-    chunk_states_ = DeviceBuffer<float>(state * num_chunks_);
-  }
-
-  MixerParams params_without_outputs() const {
-    MixerParams m;
-    m.variant = ref_.variant;
-    m.batch = ref_.batch;
-    m.seq_len = ref_.seq_len;
-    m.heads = ref_.heads;
-    m.dk = ref_.dk;
-    m.dv = ref_.dv;
-    m.chunk = chunk_;
-    m.scale = static_cast<float>(ref_.scale);
-    m.l2norm_qk = ref_.l2norm_qk;
-    m.dtype = dtype_;
-    m.cu_seqlens = cu_seqlens_.size() ? cu_seqlens_.data() : nullptr;
-    m.num_segments = ref_.num_sequences();
-    m.q = q_.data();
-    m.k = k_.data();
-    m.v = v_.data();
-    m.g = g_.size() ? g_.data() : nullptr;
-    m.beta = beta_.size() ? beta_.data() : nullptr;
-    m.initial_state = h0_.size() ? h0_.data() : nullptr;
-    return m;
+    chunk_states_ = DeviceBuffer<float>(state * in_.num_chunks());
   }
 
   // Every output poisoned with NaN (all-ones bytes) first, so an element the
@@ -106,7 +53,7 @@ class GpuProblem {
     o_.fill_bytes(0xFF);
     final_state_.fill_bytes(0xFF);
     chunk_states_.fill_bytes(0xFF);
-    MixerParams m = params_without_outputs();
+    MixerParams m = in_.params();
     m.o = o_.data();
     m.final_state = final_state_.data();
     m.chunk_states = chunk_states_.data();
@@ -115,61 +62,27 @@ class GpuProblem {
 
   void run_chunkwise() {
     cuda::mixer_forward(params(), nullptr);
-    check_sync();
+    check_device_sync();
   }
   void run_decode() {
     cuda::decode_forward(params(), nullptr);
-    check_sync();
+    check_device_sync();
   }
 
-  std::vector<double> o() const { return from_storage(dtype_, o_.to_host()); }
-  std::vector<double> final_state() const { return cast_double(final_state_.to_host()); }
-  std::vector<double> chunk_states() const { return cast_double(chunk_states_.to_host()); }
-  int64_t num_chunks() const { return num_chunks_; }
+  std::vector<double> o() const { return from_storage(in_.dtype(), o_.to_host()); }
+  std::vector<double> final_state() const { return to_double(final_state_.to_host()); }
+  std::vector<double> chunk_states() const { return to_double(chunk_states_.to_host()); }
+  int64_t num_chunks() const { return in_.num_chunks(); }
 
  private:
-  static std::vector<double> cast_double(const std::vector<float>& x) {
-    return std::vector<double>(x.begin(), x.end());
-  }
-  static void check_sync() {
-    const cudaError_t status = cudaDeviceSynchronize();
-    ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
-  }
-
-  const ref::Problem& ref_;
-  DType dtype_;
-  int64_t chunk_;
-  int64_t num_chunks_ = 0;
-  DeviceBuffer<unsigned char> q_, k_, v_, beta_, o_;
-  DeviceBuffer<float> g_, h0_, final_state_, chunk_states_;
-  DeviceBuffer<int64_t> cu_seqlens_;
+  DeviceInputs in_;
+  DeviceBuffer<unsigned char> o_;
+  DeviceBuffer<float> final_state_, chunk_states_;
 };
 
-using Param = std::tuple<Variant, DType, int64_t>;
-
-class CudaForward : public ::testing::TestWithParam<Param> {
+class CudaForward : public CudaMixerTest {
  protected:
-  void SetUp() override {
-    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
-  }
-  Variant variant() const { return std::get<0>(GetParam()); }
-  DType dtype() const { return std::get<1>(GetParam()); }
-  int64_t dim() const { return std::get<2>(GetParam()); }
   double tol() const { return tolerance(dtype()); }
-
-  ProblemSpec spec() const {
-    ProblemSpec s;
-    s.variant = variant();
-    s.batch = 2;
-    s.seq_len = 150;  // two full chunks and a partial one
-    s.heads = 3;
-    s.dk = s.dv = dim();
-    return s;
-  }
-  uint64_t seed(uint64_t salt) const {
-    return 1000003ull * salt + 7919ull * static_cast<uint64_t>(variant()) +
-           101ull * static_cast<uint64_t>(dtype()) + static_cast<uint64_t>(dim());
-  }
 
   // Chunkwise forward vs the reference: o and final state (errors printed,
   // so a run shows the margins, not only pass/fail).
@@ -428,11 +341,6 @@ TEST_P(CudaForward, RefusesScanClusterItCannotTake) {
   }
 }
 
-std::string param_name(const ::testing::TestParamInfo<Param>& info) {
-  return variant_name(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param)) + "_d" +
-         std::to_string(std::get<2>(info.param));
-}
-
 // Sizes of a small DeltaNet problem with aligned stand-ins for its tensors:
 // the checks below refuse it before any pointer is read, so no device is
 // needed.
@@ -483,11 +391,7 @@ TEST(CudaSizes, GridLimitsNameTheArgument) {
   EXPECT_NO_THROW(cuda::check_grid_limits(p));
 }
 
-INSTANTIATE_TEST_SUITE_P(AllVariants, CudaForward,
-                         ::testing::Combine(::testing::ValuesIn(kAllVariants),
-                                            ::testing::Values(DType::f32, DType::bf16, DType::f16),
-                                            ::testing::Values<int64_t>(64, 128)),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(AllVariants, CudaForward, all_mixer_params(), mixer_param_name);
 
 // Many heads (B*H = 256 blocks per kernel row, more than the SMs of an H200)
 // with a partial last chunk, bf16, every variant.
