@@ -39,8 +39,7 @@ struct Tolerances {
 };
 
 Tolerances tolerances(DType t) {
-  if (t == DType::f32) return {1e-5, 1e-5, 1e-5};
-  return {8e-3, 2e-2, 8e-3};
+  return {grad_tol(t), gate_grad_tol(t), grad_tol(t)};
 }
 
 bool all_bytes(const std::vector<unsigned char>& x, unsigned char value) {

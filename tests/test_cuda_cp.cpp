@@ -34,16 +34,6 @@
 namespace statescan::test {
 namespace {
 
-double state_tol(DType t) {
-  return t == DType::f32 ? 1e-5 : 5e-3;
-}
-double grad_tol(DType t) {
-  return t == DType::f32 ? 1e-5 : 8e-3;
-}
-double gate_grad_tol(DType t) {
-  return t == DType::f32 ? 1e-5 : 2e-2;
-}
-
 void sync_or_fail() {
   const cudaError_t status = cudaDeviceSynchronize();
   ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
@@ -171,8 +161,8 @@ void CudaSummary::expect_summary_matches_cpu() {
                         100 * static_cast<uint64_t>(dtype) + static_cast<uint64_t>(dim) +
                         (layout == Layout::packed ? 7 : 0);
   const SummaryErrors err = summary_errors_vs_cpu(s, dtype, seed);
-  EXPECT_LE(err.M, state_tol(dtype)) << "M";
-  EXPECT_LE(err.E, state_tol(dtype)) << "E";
+  EXPECT_LE(err.M, output_tol(dtype)) << "M";
+  EXPECT_LE(err.E, output_tol(dtype)) << "E";
 }
 
 SummaryErrors summary_errors_vs_cpu(const ProblemSpec& s, DType dtype, uint64_t seed) {
@@ -312,7 +302,7 @@ int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t s
     // E: the last segment's final state from its initial state.
     const std::vector<double> ht = ref::forward(p).ht;
     const std::vector<double> want(ht.end() - rows * H * state, ht.end());
-    EXPECT_LE(rel_rms(E.to_host(), want), state_tol(dtype)) << "E";
+    EXPECT_LE(rel_rms(E.to_host(), want), output_tol(dtype)) << "E";
   }
 
   for (const bool with_dht : {true, false}) {
@@ -331,7 +321,7 @@ int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t s
                   ref_grads.dh0.begin() + (r + 1) * H * state);
     }
     sync_or_fail();
-    EXPECT_LE(rel_rms(dS0.to_host(), want), state_tol(dtype)) << "dS0";
+    EXPECT_LE(rel_rms(dS0.to_host(), want), output_tol(dtype)) << "dS0";
   }
   return pieces;
 }
@@ -1039,8 +1029,8 @@ TEST_P(CpGpuSingleRank, ForwardMatchesReference) {
   CpMixer mixer(comm, cfg_, Exchange::automatic);
   const CpOutputs out = run_cp_device(mixer, p_, dtype(), 0, p_.seq_len, d_o_, dht_, false);
   const ref::Outputs want = ref::forward(p_);
-  EXPECT_LE(rel_rms(out.o, want.o), state_tol(dtype())) << "o";
-  EXPECT_LE(rel_rms(out.ht, want.ht), state_tol(dtype())) << "final state";
+  EXPECT_LE(rel_rms(out.o, want.o), output_tol(dtype())) << "o";
+  EXPECT_LE(rel_rms(out.ht, want.ht), output_tol(dtype())) << "final state";
   EXPECT_TRUE(mixer.last_forward_stats().on_device);
 }
 
@@ -1055,7 +1045,7 @@ TEST_P(CpGpuSingleRank, BackwardMatchesReference) {
   if (!p_.g.empty()) EXPECT_LE(rel_rms(out.dg, want.dg), gate_grad_tol(dtype())) << "dg";
   if (!p_.beta.empty())
     EXPECT_LE(rel_rms(out.dbeta, want.dbeta), gate_grad_tol(dtype())) << "dbeta";
-  EXPECT_LE(rel_rms(out.dh0, want.dh0), state_tol(dtype())) << "dh0";
+  EXPECT_LE(rel_rms(out.dh0, want.dh0), output_tol(dtype())) << "dh0";
 }
 
 // Every output and gradient of `got` bitwise equal to `want`'s.

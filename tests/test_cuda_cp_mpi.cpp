@@ -26,19 +26,10 @@
 namespace statescan::test {
 namespace {
 
-// f32: CP and single-GPU runs differ only in how the boundary state is
-// formed (fp32 maps vs the carried state): DESIGN §7's fp32 bar. bf16: the
-// single-GPU run rounds the carried state to bf16 for its products, the CP
-// run composes it in fp32: bf16's state bar.
-double tol(DType t) {
-  return t == DType::f32 ? 1e-5 : 5e-3;
-}
-double grad_tol(DType t) {
-  return t == DType::f32 ? 1e-5 : 8e-3;
-}
-double gate_grad_tol(DType t) {
-  return t == DType::f32 ? 1e-5 : 2e-2;
-}
+// Tolerances: test_util.h's DESIGN §7 bars. f32: CP and single-GPU runs
+// differ only in how the boundary state is formed (fp32 maps vs the carried
+// state). bf16: the single-GPU run rounds the carried state to bf16 for its
+// products, the CP run composes it in fp32: bf16's state bar (output_tol).
 
 MpiCommunicator& mpi() {
   static std::unique_ptr<MpiCommunicator> comm = MpiCommunicator::world();
@@ -196,14 +187,14 @@ TEST_P(CudaCpInvariance, ForwardEqualsSingleGpu) {
   const DType t = GetParam().dtype;
   const auto [full, mine] = run(false);
   const int64_t H = p_.heads, Dv = p_.dv;
-  EXPECT_LE(rel_rms(mine.o, local(full.o, H * Dv)), tol(t)) << "o, rank " << r_;
-  EXPECT_LE(rel_rms(mine.ht, full.ht), tol(t)) << "final state, rank " << r_;
+  EXPECT_LE(rel_rms(mine.o, local(full.o, H * Dv)), output_tol(t)) << "o, rank " << r_;
+  EXPECT_LE(rel_rms(mine.ht, full.ht), output_tol(t)) << "final state, rank " << r_;
   // The single-GPU run itself against the fp64 reference, so that the two
   // cannot agree on a wrong answer.
   if (r_ == 0) {
     const ref::Outputs ro = ref::forward(p_);
-    EXPECT_LE(rel_rms(full.o, ro.o), tol(t));
-    EXPECT_LE(rel_rms(full.ht, ro.ht), tol(t));
+    EXPECT_LE(rel_rms(full.o, ro.o), output_tol(t));
+    EXPECT_LE(rel_rms(full.ht, ro.ht), output_tol(t));
   }
 }
 
@@ -220,7 +211,7 @@ TEST_P(CudaCpInvariance, BackwardEqualsSingleGpu) {
         << "dg, rank " << r_;
   if (has_beta(p_.variant))
     EXPECT_LE(rel_rms(mine.dbeta, local(full.dbeta, H)), gate_grad_tol(t)) << "dbeta, rank " << r_;
-  EXPECT_LE(rel_rms(mine.dh0, full.dh0), tol(t)) << "dh0, rank " << r_;
+  EXPECT_LE(rel_rms(mine.dh0, full.dh0), output_tol(t)) << "dh0, rank " << r_;
 }
 
 std::vector<Case> all_cases() {

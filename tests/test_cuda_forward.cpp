@@ -32,10 +32,6 @@
 namespace statescan::test {
 namespace {
 
-double tolerance(DType t) {
-  return t == DType::f32 ? 1e-5 : 5e-3;
-}
-
 // A forward problem on the GPU: the inputs (DeviceInputs, rounded to what
 // the device sees) and the outputs.
 class GpuProblem {
@@ -82,7 +78,7 @@ class GpuProblem {
 
 class CudaForward : public CudaMixerTest {
  protected:
-  double tol() const { return tolerance(dtype()); }
+  double tol() const { return output_tol(dtype()); }
 
   // Chunkwise forward vs the reference: o and final state (errors printed,
   // so a run shows the margins, not only pass/fail).
@@ -414,8 +410,8 @@ TEST_P(CudaForwardManyHeads, MatchesReference) {
   GpuProblem gpu(p, DType::bf16, 64);
   gpu.run_chunkwise();
   const ref::Outputs want = ref::forward(p);
-  EXPECT_LE(rel_rms(gpu.o(), want.o), tolerance(DType::bf16)) << "o";
-  EXPECT_LE(rel_rms(gpu.final_state(), want.ht), tolerance(DType::bf16)) << "final state";
+  EXPECT_LE(rel_rms(gpu.o(), want.o), output_tol(DType::bf16)) << "o";
+  EXPECT_LE(rel_rms(gpu.final_state(), want.ht), output_tol(DType::bf16)) << "final state";
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CudaForwardManyHeads, ::testing::ValuesIn(kAllVariants),

@@ -311,7 +311,7 @@ TEST_P(LactCudaNewtonSchulz, MatchesReference) {
   const NsGemms mode = std::get<1>(GetParam());
   const NsReference& ref = ns_reference(s);
   const double tol = mode == NsGemms::fp32 ? kNsTolFp32 : kNsTol;
-  const double grad_tol = mode == NsGemms::fp32 ? kNsGradTolFp32 : kNsGradTol;
+  const double dp_tol = mode == NsGemms::fp32 ? kNsGradTolFp32 : kNsGradTol;
   const int64_t md = s.M * s.D, block = 3 * md;
   DeviceTensor P(ref.P, DType::f32), d_out(ref.d_out, DType::f32);
   DeviceTensor out(ref.P.size(), DType::f32), dP(ref.P.size(), DType::f32);
@@ -334,7 +334,7 @@ TEST_P(LactCudaNewtonSchulz, MatchesReference) {
           << "NS, pair " << pair << " slot " << slot;
       EXPECT_LE(rel_rms(std::vector<double>(got_dP.begin() + from, got_dP.begin() + to),
                         std::vector<double>(ref.dP.begin() + from, ref.dP.begin() + to)),
-                grad_tol)
+                dp_tol)
           << "dP, pair " << pair << " slot " << slot;
     }
 }
