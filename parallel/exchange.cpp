@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "parallel/exchange_internal.h"
 
 namespace statescan {
 namespace {
@@ -80,16 +81,7 @@ std::vector<float> pack(const ScanMaps& s) {
   return buf;
 }
 
-// Scan positions: forward order is rank order, reverse order the opposite.
-struct Order {
-  int rank, size;
-  bool reverse;
-  int pos() const { return reverse ? size - 1 - rank : rank; }
-  int rank_at(int p) const {
-    if (p < 0 || p >= size) return -1;
-    return reverse ? size - 1 - p : p;
-  }
-};
+using exchange_detail::Order;
 
 constexpr int kTagRing = 7101, kTagTree = 7102, kTagShift = 7103;
 
@@ -118,10 +110,8 @@ int64_t scan_ring(Communicator& comm, const ScanMaps& s, const Order& ord, float
   const Dims d = dims_of(s);
   const int prev = ord.rank_at(ord.pos() - 1), next = ord.rank_at(ord.pos() + 1);
   std::fill(S, S + d.maps * d.state(), 0.f);
-  // Blocks along Dv: the next rank starts on block j while this one receives
-  // block j+1, so P hops cost about one state transfer plus P block latencies.
-  const int64_t blocks = std::min<int64_t>(4, d.dv);
-  const int64_t width = (d.dv + blocks - 1) / blocks;
+  // Blocks along Dv (exchange_detail::ring_block_width).
+  const int64_t width = exchange_detail::ring_block_width(d.dv);
   std::vector<float> in, out;
   int64_t sent = 0;
   for (int64_t c0 = 0; c0 < d.dv; c0 += width) {

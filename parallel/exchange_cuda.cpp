@@ -9,6 +9,7 @@
 #include "core/device_pool.h"
 #include "core/error.h"
 #include "kernels/cuda/cp_kernels.h"
+#include "parallel/exchange_internal.h"
 #ifdef STATESCAN_HAS_NCCL
 #include "comm/collective_check.h"
 #include "comm/nccl_communicator.h"
@@ -18,16 +19,7 @@
 namespace statescan {
 namespace {
 
-// Scan positions: forward order is rank order, reverse order the opposite.
-struct Order {
-  int rank, size;
-  bool reverse;
-  int pos() const { return reverse ? size - 1 - rank : rank; }
-  int rank_at(int p) const {
-    if (p < 0 || p >= size) return -1;
-    return reverse ? size - 1 - p : p;
-  }
-};
+using exchange_detail::Order;
 
 void copy_d2d(float* dst, const float* src, int64_t count, cudaStream_t stream) {
   if (count > 0)
@@ -103,10 +95,10 @@ int64_t scan_ring(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& 
   const int prev = ord.rank_at(ord.pos() - 1), next = ord.rank_at(ord.pos() + 1);
   const int64_t state = d.maps() * d.dk * d.dv;
   SS_CUDA_CHECK(cudaMemsetAsync(S, 0, state * sizeof(float), stream));
-  // Blocks along Dv (as the host ring): the next rank starts on block j while
-  // this one receives and computes block j+1.
-  const int64_t blocks = std::min<int64_t>(4, d.dv);
-  const int64_t width = (d.dv + blocks - 1) / blocks;
+  // Blocks along Dv as the host ring's (exchange_detail::ring_block_width):
+  // the next rank starts on block j while this one receives and computes
+  // block j+1.
+  const int64_t width = exchange_detail::ring_block_width(d.dv);
   const int64_t block_max = d.maps() * d.dk * width;
   PoolArray<float> in(block_max, stream), out(block_max, stream);
   cuda::DeviceMaps mine;

@@ -60,6 +60,9 @@ for f in include/statescan/core/error.h include/statescan/parallel/cp_mixer.h \
          lib/cmake/statescan/statescanConfig.cmake lib/cmake/statescan/statescanTargets.cmake; do
   [ -f "$PREFIX/$f" ] || fail "the install lacks $f"
 done
+# The modules' private headers (pieces their own sources share) stay out.
+leaked=$(find "$PREFIX/include/statescan" -name '*_internal.h' | head -3)
+[ -z "$leaked" ] || fail "the install carries private headers: $leaked"
 
 step "building examples/cp_consumer against the installed package"
 # A copy outside the source tree: the consumer must not see the sources.
