@@ -208,6 +208,7 @@ src_profile() {
   local label=$1 regex=$2
   shift 2
   local rep="$BUILD/src_$label"
+  mkdir -p "$BUILD"  # with BIN_DIR nothing was built here
   timeout 300 env "$@" ncu --set full --import-source yes --kernel-name-base demangled \
     -k "regex:$regex" --launch-skip 1 --launch-count 1 -o "$rep" -f "${NCU_RUN[@]}" \
     >"$OUT/src_$label.log" 2>&1 &&
