@@ -232,7 +232,7 @@ double predicted_exchange_seconds(Exchange e, int ranks, int64_t map_bytes, int6
       // P-1 dependent hops, each applying one map, pipelined over the blocks:
       // the first block crosses every hop, the others follow one slowest hop
       // apart. On one flat link this is (P-1 + blocks-1) equal hop times.
-      const double blocks = 4;
+      const double blocks = static_cast<double>(exchange_detail::kRingBlocks);
       double first_block = 0, slowest = 0;
       for (int r = 0; r + 1 < ranks; ++r) {
         const Hop h = hop_between(link, r, r + 1);

@@ -23,9 +23,12 @@ struct Order {
 
 // The ring's blocks along Dv: the next rank starts on block j while this one
 // receives block j + 1, so P hops cost about one state transfer plus P block
-// latencies. Up to 4 blocks of this width (the last one may be narrower).
+// latencies. kRingBlocks blocks (fewer where Dv is smaller) of this width, the
+// last one possibly narrower; predicted_exchange_seconds models the same
+// count.
+constexpr int64_t kRingBlocks = 4;
 inline int64_t ring_block_width(int64_t dv) {
-  const int64_t blocks = std::min<int64_t>(4, dv);
+  const int64_t blocks = std::min<int64_t>(kRingBlocks, dv);
   return (dv + blocks - 1) / blocks;
 }
 
