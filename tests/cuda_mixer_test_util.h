@@ -1,5 +1,6 @@
 // Shared by the CUDA forward and backward suites (test_cuda_forward.cpp,
-// test_cuda_backward.cpp): a reference problem's inputs rounded to what the
+// test_cuda_backward.cpp; test_cuda_cp.cpp takes the sizes fill and the
+// sync check): a reference problem's inputs rounded to what the
 // device holds and uploaded, the MixerParams that read them, and the suites'
 // common parametrisation (variant x dtype x head dim). Both suites compare
 // against the fp64 reference on the exact values the kernels see, so the
@@ -48,6 +49,24 @@ inline void check_device_sync() {
   ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
 }
 
+// The sizes and options of `p` as MixerParams in `dtype` with chunks of
+// `chunk`; no tensors (the caller points it at them and at cu_seqlens).
+inline MixerParams mixer_sizes(const ref::Problem& p, DType dtype, int64_t chunk) {
+  MixerParams m;
+  m.variant = p.variant;
+  m.batch = p.batch;
+  m.seq_len = p.seq_len;
+  m.heads = p.heads;
+  m.dk = p.dk;
+  m.dv = p.dv;
+  m.chunk = chunk;
+  m.scale = static_cast<float>(p.scale);
+  m.l2norm_qk = p.l2norm_qk;
+  m.dtype = dtype;
+  m.num_segments = p.num_sequences();
+  return m;
+}
+
 // A reference problem's inputs on the device. The constructor rounds `p` in
 // place to what the device sees (dtype for q, k, v and beta; fp32 for the
 // scale, g and h0), so the reference run afterwards computes from identical
@@ -73,19 +92,8 @@ class DeviceInputs {
 
   // The problem's sizes and inputs; no outputs.
   MixerParams params() const {
-    MixerParams m;
-    m.variant = ref_.variant;
-    m.batch = ref_.batch;
-    m.seq_len = ref_.seq_len;
-    m.heads = ref_.heads;
-    m.dk = ref_.dk;
-    m.dv = ref_.dv;
-    m.chunk = chunk_;
-    m.scale = static_cast<float>(ref_.scale);
-    m.l2norm_qk = ref_.l2norm_qk;
-    m.dtype = dtype_;
+    MixerParams m = mixer_sizes(ref_, dtype_, chunk_);
     m.cu_seqlens = cu_seqlens_.size() ? cu_seqlens_.data() : nullptr;
-    m.num_segments = ref_.num_sequences();
     m.q = q_.data();
     m.k = k_.data();
     m.v = v_.data();

@@ -77,12 +77,10 @@ class GpuBackward {
     dh0_ = DeviceBuffer<float>(state * p.num_sequences());
   }
 
-  MixerParams base_params() const { return in_.params(); }
-
   // The forward, saving the chunk states the backward reads (and T where
   // saved_t is given: MixerParams::saved_t).
   void run_forward(void* saved_t = nullptr) {
-    MixerParams m = base_params();
+    MixerParams m = in_.params();
     m.o = o_.data();
     m.chunk_states = chunk_states_.data();
     m.saved_t = saved_t;
@@ -97,7 +95,7 @@ class GpuBackward {
     dg_.fill_bytes(0xFF);
     dh0_.fill_bytes(0xFF);
     MixerBwdParams m;
-    static_cast<MixerParams&>(m) = base_params();
+    static_cast<MixerParams&>(m) = in_.params();
     m.chunk_states = chunk_states_.data();
     m.d_o = d_o_.data();
     m.d_final_state = dht_.size() ? dht_.data() : nullptr;

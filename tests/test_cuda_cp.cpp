@@ -29,36 +29,14 @@
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "tests/cuda_cp_test_util.h"
+#include "tests/cuda_mixer_test_util.h"
 #include "tests/expect_error.h"
 
 namespace statescan::test {
 namespace {
 
-void sync_or_fail() {
-  const cudaError_t status = cudaDeviceSynchronize();
-  ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
-}
-
 std::vector<float> as_float(const std::vector<double>& x) {
   return std::vector<float>(x.begin(), x.end());
-}
-
-// The sizes and options of `p` as MixerParams (chunk 64) in `dtype`; the
-// caller points it at tensors and cu_seqlens.
-MixerParams params_of(const ref::Problem& p, DType dtype) {
-  MixerParams m;
-  m.variant = p.variant;
-  m.batch = p.batch;
-  m.seq_len = p.seq_len;
-  m.heads = p.heads;
-  m.dk = p.dk;
-  m.dv = p.dv;
-  m.chunk = 64;
-  m.scale = static_cast<float>(p.scale);
-  m.l2norm_qk = p.l2norm_qk;
-  m.dtype = dtype;
-  m.num_segments = p.num_sequences();
-  return m;
 }
 
 // ---- cuda::mixer_summary vs cpu::mixer_summary -----------------------------------
@@ -177,7 +155,7 @@ SummaryErrors summary_errors_vs_cpu(const ProblemSpec& s, DType dtype, uint64_t 
   // Host fp32 copies of exactly what the GPU sees.
   const auto q = as_float(p.q), k = as_float(p.k), v = as_float(p.v), g = as_float(p.g),
              beta = as_float(p.beta), h0 = as_float(p.h0);
-  MixerParams host = params_of(p, DType::f32);
+  MixerParams host = mixer_sizes(p, DType::f32, 64);
   host.cu_seqlens = p.cu_seqlens.empty() ? nullptr : p.cu_seqlens.data();
   host.q = q.data();
   host.k = k.data();
@@ -206,7 +184,7 @@ SummaryErrors summary_errors_vs_cpu(const ProblemSpec& s, DType dtype, uint64_t 
   M.fill_bytes(0xFF);
   E.fill_bytes(0xFF);
   cuda::mixer_summary(dev, M.data(), E.data(), nullptr);
-  sync_or_fail();
+  check_device_sync();
   const std::vector<float> got_M = M.to_host();
   double diff = 0, norm = 0;
   for (std::size_t i = 0; i < got_M.size(); ++i) {
@@ -264,7 +242,7 @@ int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t s
   const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), dtype, {});
   std::unique_ptr<DeviceBuffer<int64_t>> cu;
   if (packed) cu = std::make_unique<DeviceBuffer<int64_t>>(p.cu_seqlens);
-  MixerParams dev = params_of(p, dtype);
+  MixerParams dev = mixer_sizes(p, dtype, 64);
   dev.cu_seqlens = cu ? cu->data() : nullptr;
   dev.q = q.view().data;
   dev.k = k.view().data;
@@ -296,7 +274,7 @@ int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t s
     cuda::PreparedForward prepared(dev, nullptr);
     prepared.summary(M.data(), with_E ? E.data() : nullptr, nullptr, with_M, &first);
   }
-  sync_or_fail();
+  check_device_sync();
   if (with_M) EXPECT_TRUE(bitwise_equal(M.to_host(), P.to_host())) << "M = P";
   if (with_E) {
     // E: the last segment's final state from its initial state.
@@ -320,7 +298,7 @@ int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t s
       want.insert(want.end(), ref_grads.dh0.begin() + r * H * state,
                   ref_grads.dh0.begin() + (r + 1) * H * state);
     }
-    sync_or_fail();
+    check_device_sync();
     EXPECT_LE(rel_rms(dS0.to_host(), want), output_tol(dtype)) << "dS0";
   }
   return pieces;
@@ -462,7 +440,7 @@ TEST(CudaTwoLevelSummaryErrors, RefusesMismatchedPieces) {
   const DeviceTensor q(as_float(p.q), DType::bf16, {}), k(as_float(p.k), DType::bf16, {}),
       v(as_float(p.v), DType::bf16, {}), beta(as_float(p.beta), DType::bf16, {});
   const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), DType::bf16, {});
-  MixerParams dev = params_of(p, DType::bf16);
+  MixerParams dev = mixer_sizes(p, DType::bf16, 64);
   dev.q = q.view().data;
   dev.k = k.view().data;
   dev.v = v.view().data;
@@ -486,7 +464,7 @@ TEST(CudaTwoLevelSummaryErrors, RefusesMismatchedPieces) {
                                        dS0.data(), nullptr);
       },
       "t_begin");
-  sync_or_fail();
+  check_device_sync();
 }
 
 // Additive rules keep the pre-pass: the summary refuses to make their maps.
@@ -500,7 +478,7 @@ TEST(CudaFirstSegmentMapsErrors, RefusesAdditiveRules) {
   const DeviceTensor q(as_float(p.q), DType::bf16, {}), k(as_float(p.k), DType::bf16, {}),
       v(as_float(p.v), DType::bf16, {}), g(as_float(p.g), DType::f32, {});
   const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), DType::bf16, {});
-  MixerParams dev = params_of(p, DType::bf16);
+  MixerParams dev = mixer_sizes(p, DType::bf16, 64);
   dev.q = q.view().data;
   dev.k = k.view().data;
   dev.v = v.view().data;
@@ -511,7 +489,7 @@ TEST(CudaFirstSegmentMapsErrors, RefusesAdditiveRules) {
   cuda::PreparedForward prepared(dev, nullptr);
   const cuda::FirstSegmentMaps first{P.data(), Hmaps.data()};
   expect_error([&] { prepared.summary(M.data(), E.data(), nullptr, true, &first); }, "first");
-  sync_or_fail();
+  check_device_sync();
 }
 
 // ---- affine-map kernels vs host math ---------------------------------------------
@@ -565,11 +543,11 @@ TEST_P(AffineMaps, ApplyMatchesHost) {
   maps.E = dE.data();
   out.fill_bytes(0xFF);
   cuda::apply_affine_maps(maps, din.data(), out.data(), c0, w, nullptr);
-  sync_or_fail();
+  check_device_sync();
   EXPECT_LE(rel_rms(out.to_host(), host_apply(M, E, in, c0, w)), 1e-6);
   out.fill_bytes(0xFF);
   cuda::apply_affine_maps(maps, nullptr, out.data(), c0, w, nullptr);  // zero incoming state
-  sync_or_fail();
+  check_device_sync();
   EXPECT_LE(rel_rms(out.to_host(), host_apply(M, E, {}, c0, w)), 1e-6);
 }
 
@@ -595,7 +573,7 @@ TEST_P(AffineMaps, ComposeMatchesHost) {
   DeviceBuffer<float> scratch(static_cast<std::size_t>(kMaps * (m_size() + kDk * kDv)));
   cuda::compose_affine_maps(kMaps, kDk, kDv, diagonal(), dMl.data(), dEl.data(), dMe.data(),
                             dEe.data(), scratch.data(), nullptr);
-  sync_or_fail();
+  check_device_sync();
   EXPECT_LE(rel_rms(dMl.to_host(), want_M), 1e-6) << "M";
   EXPECT_LE(rel_rms(dEl.to_host(), want_E), 1e-6) << "E";
 }
@@ -660,7 +638,7 @@ TEST_P(MultiplyMaps, MatchesHost) {
   mp.ld_b = mp.ld_bias = mp.ld_out = ld;
   mp.stride_b = mp.stride_bias = mp.stride_out = dk * ld;
   cuda::multiply_maps(mp, nullptr);
-  sync_or_fail();
+  check_device_sync();
   EXPECT_LE(rel_rms(out.to_host(), want), 1e-6);
 }
 
@@ -792,7 +770,7 @@ TEST_P(ChainMaps, MatchesHost) {
   // In place: out is the last step's bias (the pre-pass writes dS0 over X_0).
   if (bias == Bias::in_place && steps > 0) mc[0].out = chains[0].dbias.back().data();
   cuda::chain_maps(mc, static_cast<int>(chains.size()), nullptr);
-  sync_or_fail();
+  check_device_sync();
   const double bound = 1e-6 * std::max(steps, 1);
   EXPECT_LE(rel_rms(bias == Bias::in_place && steps > 0 ? chains[0].dbias.back().to_host()
                                                         : chains[0].out.to_host(),
@@ -859,7 +837,7 @@ TEST(AffineMapKernels, TransposeMatchesHost) {
   DeviceBuffer<float> dM(M), dMt(M.size());
   dMt.fill_bytes(0xFF);
   cuda::transpose_maps(dM.data(), dMt.data(), maps, dk, nullptr);
-  sync_or_fail();
+  check_device_sync();
   EXPECT_EQ(rel_rms(dMt.to_host(), want), 0.0);
 }
 
@@ -890,7 +868,7 @@ TEST(AffineMapKernels, CountsNonFiniteElements) {
             static_cast<const char*>(p.view().data) + offset * static_cast<int64_t>(size_of(t));
         DeviceBuffer<int64_t> count(std::vector<int64_t>{0});
         cuda::count_nonfinite(start, n, t, count.data(), nullptr);
-        sync_or_fail();
+        check_device_sync();
         EXPECT_EQ(count.to_host()[0], want) << to_string(t) << " offset " << offset << " n " << n;
       }
     }
@@ -928,7 +906,7 @@ TEST(AffineMapKernels, CountsBadLogGates) {
       DeviceBuffer<int64_t> count(std::vector<int64_t>{0});
       cuda::count_bad_log_gates(static_cast<const float*>(p.view().data) + offset, n, count.data(),
                                 nullptr);
-      sync_or_fail();
+      check_device_sync();
       EXPECT_EQ(count.to_host()[0], want) << "offset " << offset << " n " << n;
     }
   }
@@ -961,7 +939,7 @@ TEST(AffineMapKernels, FillsIdentity) {
   DeviceBuffer<float> out(2 * 8 * 8);
   out.fill_bytes(0xFF);
   cuda::fill_identity(out.data(), 2, 8, 8, nullptr);
-  sync_or_fail();
+  check_device_sync();
   const auto h = out.to_host();
   for (int64_t m = 0; m < 2; ++m)
     for (int64_t i = 0; i < 8; ++i)
