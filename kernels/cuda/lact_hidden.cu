@@ -667,21 +667,15 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           const int a = 4 * c8 + 2 * e + u;
-          const SiluFast sl(ak[a]);
-          const float hv = ak[a + 16], u0 = ak[a + 32], u2 = ak[a + 48];
-          const float ev = -av[a], v1 = av[a + 16];
-          const float gate = sl.value * hv, z0 = ev * hv * sl.d1, z2 = ev * sl.value;
-          s0[e] += z0 * u0;
-          s2[e] += z2 * u2;
-          s1[e] -= gate * v1;
-          z0o[u] = l0[e] * z0;
-          z2o[u] = l2[e] * z2;
-          go[u] = l1[e] * gate;
-          const float dz0 = l0[e] * u0, dz2 = l2[e] * u2, dgate = -l1[e] * v1;
-          deo[u] = dz2 * sl.value + dz0 * hv * sl.d1;
-          const float dact = dz2 * ev + dgate * hv;
-          dh2o[u] = dz0 * ev * sl.d1 + dgate * sl.value;
-          dh0o[u] = dz0 * ev * hv * sl.d2 + dact * sl.d1;
+          const GradRowsOut g =
+              grad_rows_element(SiluFast(ak[a]), ak[a + 16], -av[a], ak[a + 32], ak[a + 48],
+                                av[a + 16], l0[e], l1[e], l2[e], s0[e], s1[e], s2[e]);
+          z0o[u] = g.z0;
+          z2o[u] = g.z2;
+          go[u] = g.gate;
+          deo[u] = g.de;
+          dh0o[u] = g.dh0;
+          dh2o[u] = g.dh2;
         }
         wz0[c8] = detail::pack2<bf16>(z0o[0], z0o[1]);
         wz2[c8] = detail::pack2<bf16>(z2o[0], z2o[1]);

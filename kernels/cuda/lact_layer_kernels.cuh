@@ -361,20 +361,14 @@ __global__ void gradients_backward_rows_kernel(const float* h, const float* e_in
     float s0 = 0, s1 = 0, s2 = 0;
     for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
       const int64_t i = row * M + j, i0 = row * 2 * M + j, i2 = i0 + M;
-      const SiluF s(h[i0]);
-      const float hv = h[i2], ev = e_in[i], u0 = u[i0], u2 = u[i2], v1 = u1[i];
-      const float gate = s.value * hv, z0 = ev * hv * s.d1, z2 = ev * s.value;
-      s0 += z0 * u0;
-      s2 += z2 * u2;
-      s1 -= gate * v1;
-      z_out[i0] = from_float<T>(l0 * z0);
-      z_out[i2] = from_float<T>(l2 * z2);
-      gate_out[i] = from_float<T>(l1 * gate);
-      const float dz0 = l0 * u0, dz2 = l2 * u2, dgate = -l1 * v1;
-      de_out[i] = from_float<T>(dz2 * s.value + dz0 * hv * s.d1);
-      const float dact = dz2 * ev + dgate * hv;
-      dh_out[i2] = from_float<T>(dz0 * ev * s.d1 + dgate * s.value);
-      dh_out[i0] = from_float<T>(dz0 * ev * hv * s.d2 + dact * s.d1);
+      const GradRowsOut g =
+          grad_rows_element(SiluF(h[i0]), h[i2], e_in[i], u[i0], u[i2], u1[i], l0, l1, l2, s0, s1, s2);
+      z_out[i0] = from_float<T>(g.z0);
+      z_out[i2] = from_float<T>(g.z2);
+      gate_out[i] = from_float<T>(g.gate);
+      de_out[i] = from_float<T>(g.de);
+      dh_out[i2] = from_float<T>(g.dh2);
+      dh_out[i0] = from_float<T>(g.dh0);
     }
     s0 = warp_sum(s0);
     s1 = warp_sum(s1);
