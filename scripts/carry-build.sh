@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # carry-build.sh TARGET... — build GPU binaries here (no GPU needed) for sm_90a
-# and pack them, gzipped, into <repo>/build-carry/ (git-ignored), for the GPU
+# and pack them, xz-compressed, into <repo>/build-carry/ (git-ignored), for the GPU
 # lending tool's `carry`; on the device machine `build-carry/unpack.sh` puts
 # them in /tmp/carry (and prints that folder), ready to run.
 #
@@ -9,7 +9,8 @@
 # (one suite, a gtest filter) then fits in what is left of a session's time.
 # The binaries link the CUDA runtime dynamically (the device has the same CUDA
 # major version); `carry` takes 64 MiB in all, so one or two binaries a call
-# (test_cuda_cp is 98 MB, 42 MB gzipped).
+# (test_cuda_cp is 98 MB, 42 MB gzipped; xz packs statescan-bench's 102 MB
+# into 35 MB where gzip took 44, so that it travels with test_cuda_lact).
 #
 # Environment knobs:
 #   BUILD_DIR  build folder (default /tmp/statescan-carry-build; configured on
@@ -34,10 +35,11 @@ mkdir -p "$CARRY"
 for target in "$@"; do
   bin=$(find "$BUILD" -type f -name "$target" -perm -u+x | head -1)
   [[ -n "$bin" ]] || { echo "carry-build: no executable named $target in $BUILD" >&2; exit 1; }
-  # Stripped of host symbols and at gzip's best: carry's 64 MiB hold the
-  # repository too (statescan-bench 44.7 -> 44.3 MB, test_cuda_lact 18.7 -> 18.4).
+  # Stripped of host symbols and at xz's best (2026-12-06, H100 device: /usr/bin/xz):
+  # carry's 64 MiB hold the repository too (statescan-bench 102 MB -> 35.1, gzip -9 44.3;
+  # test_cuda_lact -> 15.0, gzip 18.5).
   strip -o "$CARRY/$target" "$bin"
-  gzip -9 "$CARRY/$target"
+  xz -9 -T0 "$CARRY/$target"
 done
 # The revision the binaries were built from (a stale pack is easy to carry).
 { git -C "$ROOT" rev-parse --short HEAD
@@ -50,9 +52,13 @@ cat >"$CARRY/unpack.sh" <<'EOF'
 set -euo pipefail
 echo "carried binaries built from: $(tr '\n' ' ' <"$(dirname "$0")/REVISION")" >&2
 mkdir -p /tmp/carry
-for gz in "$(dirname "$0")"/*.gz; do
-  name=$(basename "$gz" .gz)
-  gunzip -c "$gz" >"/tmp/carry/$name"
+for packed in "$(dirname "$0")"/*.gz "$(dirname "$0")"/*.xz; do
+  [[ -e "$packed" ]] || continue
+  name=$(basename "${packed%.*}")
+  case "$packed" in
+    *.gz) gunzip -c "$packed" >"/tmp/carry/$name" ;;
+    *.xz) xz -dc "$packed" >"/tmp/carry/$name" ;;
+  esac
   chmod +x "/tmp/carry/$name"
 done
 echo /tmp/carry
