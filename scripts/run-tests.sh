@@ -8,8 +8,9 @@ source scripts/setup-build.sh
 
 # prometheus-cpp-dev: the metrics exporter is built and its HTTP tests run;
 # gnuplot-nox: the benchmark plot test draws a real PNG; python3: the
-# multi-GPU script's smoke test (its summary tables) runs on CI's CPUs too.
-STATESCAN_PACKAGES+=(prometheus-cpp-dev gnuplot-nox python3)
+# multi-GPU script's smoke test (its summary tables) runs on CI's CPUs too;
+# xz-utils: scripts/kernel-probe.sh packs its probes with xz (its smoke test).
+STATESCAN_PACKAGES+=(prometheus-cpp-dev gnuplot-nox python3 xz-utils)
 statescan_install_packages
 statescan_build
 statescan_mpi_env
