@@ -46,6 +46,7 @@
 #include <utility>
 
 #include "core/cuda_check.h"
+#include "core/env_knob.h"
 #include "core/error.h"
 #include "kernels/cuda/cluster_copy.cuh"
 #include "kernels/cuda/lact_hidden.cuh"
@@ -145,6 +146,39 @@ __device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[N], int 
     const uint32_t a = odd ? got : w[2 * m], b = odd ? w[2 * m + 1] : got;
     if (store)
       *reinterpret_cast<uint2*>(row + 8 * (2 * m + (q & 1)) + 4 * (q >> 1)) = make_uint2(a, b);
+  }
+}
+
+// store_quad_row in 16-byte pieces (STATESCAN_LACT_ROW_STORE=16, the gradient
+// rows' kernel; opt-in, not yet measured): for each 4 c8 blocks g, a 4 x 4
+// transpose of words across the quad in two exchanges (lanes q ^ 1, then
+// q ^ 2) leaves lane q columns 32 g + 8 q .. + 7, so that each instruction
+// writes 64 contiguous bytes of each of its 8 rows instead of 32: half the
+// store instructions and of the cache lines they touch, for twice the
+// shuffles and ~3 times the selects. Why try it: with its stores removed the
+// kernel runs 55 us instead of 86, and stores half as wide (4 bytes a lane)
+// cost 12 us more (PERF_NOTES, fiftieth session).
+template <int N>
+__device__ __forceinline__ void store_quad_row16(bf16* row, uint32_t (&w)[N], int q, bool store) {
+  static_assert(N % 4 == 0, "groups of four c8 blocks");
+  const bool odd = q & 1, high = q & 2;
+#pragma unroll
+  for (int g = 0; g < N / 4; ++g) {
+    const uint32_t* x = w + 4 * g;
+    // Exchange 1: the even lane keeps blocks 0 and 2, the odd lane 1 and 3, each
+    // as the pair (lane 2 (q / 2)'s word, lane 2 (q / 2) + 1's).
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? x[0] : x[1], 1);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? x[2] : x[3], 1);
+    const uint32_t o0 = odd ? x[1] : x[0], o1 = odd ? x[3] : x[2];
+    const uint32_t a0 = odd ? r0 : o0, a1 = odd ? o0 : r0;  // block q % 2
+    const uint32_t b0 = odd ? r1 : o1, b1 = odd ? o1 : r1;  // block q % 2 + 2
+    // Exchange 2: lanes 0, 1 keep their first block and take the pair of lanes 2,
+    // 3; lanes 2, 3 keep their second and take the pair of lanes 0, 1.
+    const uint32_t s0 = __shfl_xor_sync(0xffffffffu, high ? a0 : b0, 2);
+    const uint32_t s1 = __shfl_xor_sync(0xffffffffu, high ? a1 : b1, 2);
+    const uint32_t k0 = high ? b0 : a0, k1 = high ? b1 : a1;
+    const uint4 v = high ? make_uint4(s0, s1, k0, k1) : make_uint4(k0, k1, s0, s1);
+    if (store) *reinterpret_cast<uint4*>(row + 32 * g + 8 * q) = v;
   }
 }
 
@@ -554,6 +588,8 @@ struct GradMaps {
   CUtensorMap k, v, w, dg, w1t, dg1t;
 };
 
+// kWide: the rows in 16-byte pieces (store_quad_row16), else 8 (store_quad_row).
+template <bool kWide>
 __global__ void __launch_bounds__(GradTile::kThreads, 1)
     lact_hidden_grad_kernel(const __grid_constant__ LactHiddenGradParams p,
                             const __grid_constant__ GradMaps maps) {
@@ -648,6 +684,12 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
   pipe.start_turns(wg);
 
   detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
+  auto store_row = [q](bf16* row, uint32_t(&w)[4], bool valid) {
+    if constexpr (kWide)
+      store_quad_row16(row, w, q, valid);
+    else
+      store_quad_row(row, w, q, valid);
+  };
   for (int j = 0, i = 0; j < js; ++j) {
     pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
 
@@ -684,12 +726,12 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
         wd0[c8] = detail::pack2<bf16>(dh0o[0], dh0o[1]);
         wd2[c8] = detail::pack2<bf16>(dh2o[0], dh2o[1]);
       }
-      store_quad_row(p.z + row * p.z_ld + col, wz0, q, valid);
-      store_quad_row(p.z + row * p.z_ld + M + col, wz2, q, valid);
-      store_quad_row(p.gate + row * p.gate_ld + col, wg1, q, valid);
-      store_quad_row(p.de + row * p.de_ld + col, wde, q, valid);
-      store_quad_row(p.dh + row * p.dh_ld + col, wd0, q, valid);
-      store_quad_row(p.dh + row * p.dh_ld + M + col, wd2, q, valid);
+      store_row(p.z + row * p.z_ld + col, wz0, valid);
+      store_row(p.z + row * p.z_ld + M + col, wz2, valid);
+      store_row(p.gate + row * p.gate_ld + col, wg1, valid);
+      store_row(p.de + row * p.de_ld + col, wde, valid);
+      store_row(p.dh + row * p.dh_ld + col, wd0, valid);
+      store_row(p.dh + row * p.dh_ld + M + col, wd2, valid);
     }
   }
   // The rows' sums over all M columns: this lane's, then the quad's.
@@ -862,8 +904,11 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t str
   const dim3 grid(static_cast<unsigned>((p.n + Tile::kRows - 1) / Tile::kRows),
                   static_cast<unsigned>(pairs));
   const size_t smem = Tile::smem_bytes(static_cast<int>(p.D));
-  detail::launch_kernel_maybe_dependent(p.dependent, lact_hidden_grad_kernel, grid, Tile::kThreads,
-                                        smem, stream, "lact_hidden_grad_kernel", p, maps);
+  // STATESCAN_LACT_ROW_STORE: the rows in 8-byte pieces (default) or 16.
+  static const bool wide = env_choice("STATESCAN_LACT_ROW_STORE", {"8", "16"}) == 1;
+  detail::launch_kernel_maybe_dependent(
+      p.dependent, wide ? lact_hidden_grad_kernel<true> : lact_hidden_grad_kernel<false>, grid,
+      Tile::kThreads, smem, stream, "lact_hidden_grad_kernel", p, maps);
 }
 
 bool lact_hidden_supported(int64_t D, int64_t M) {
