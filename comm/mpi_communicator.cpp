@@ -467,28 +467,19 @@ void MpiCommunicator::broadcast(void* data, std::size_t count, CommType type, in
 }
 
 void MpiCommunicator::send(const void* data, std::size_t count, CommType type, int peer, int tag) {
-  const MPI_Datatype dt = mpi_type(type);
-  const std::size_t elem = size_of(type);
-  check_peer(peer, false, "peer");
-  check_tag(tag);
-  if (peer == -1) return;
-  check_usable();
-  check_buffer(data, count, "data");
-  for (std::size_t i = 0, pieces = message_piece_count(count, max_piece_elements_); i < pieces;
-       ++i) {
-    const auto [offset, n] = piece(i, count, max_piece_elements_);
-    Pending sent;
-    sent.peer = peer;
-    SS_MPI_CHECK(MPI_Isend(byte_offset(data, offset * elem), static_cast<int>(n), dt, peer, tag,
-                           comm_, &sent.request));
-    await(&sent, 1, "MPI_Isend", "send");
-    if (sent.rc != MPI_SUCCESS) detail::throw_mpi_error(sent.rc, "MPI_Isend", __FILE__, __LINE__);
-  }
+  // message() only reads the buffer when sending.
+  message(const_cast<void*>(data), count, type, peer, tag, false);
 }
 
 void MpiCommunicator::recv(void* data, std::size_t count, CommType type, int peer, int tag) {
+  message(data, count, type, peer, tag, true);
+}
+
+void MpiCommunicator::message(void* data, std::size_t count, CommType type, int peer, int tag,
+                              bool receive) {
   const MPI_Datatype dt = mpi_type(type);
   const std::size_t elem = size_of(type);
+  const char* call = receive ? "MPI_Irecv" : "MPI_Isend";
   check_peer(peer, false, "peer");
   check_tag(tag);
   if (peer == -1) return;
@@ -497,13 +488,19 @@ void MpiCommunicator::recv(void* data, std::size_t count, CommType type, int pee
   for (std::size_t i = 0, pieces = message_piece_count(count, max_piece_elements_); i < pieces;
        ++i) {
     const auto [offset, n] = piece(i, count, max_piece_elements_);
-    Pending received;
-    received.peer = peer;
-    received.receive = true;
-    SS_MPI_CHECK(MPI_Irecv(byte_offset(data, offset * elem), static_cast<int>(n), dt, peer, tag,
-                           comm_, &received.request));
-    await(&received, 1, "MPI_Irecv", "recv");
-    check_received(received.rc, received.status, dt, n, peer, "count", "MPI_Irecv");
+    Pending op;
+    op.peer = peer;
+    op.receive = receive;
+    void* at = byte_offset(data, offset * elem);
+    if (receive)
+      SS_MPI_CHECK(MPI_Irecv(at, static_cast<int>(n), dt, peer, tag, comm_, &op.request));
+    else
+      SS_MPI_CHECK(MPI_Isend(at, static_cast<int>(n), dt, peer, tag, comm_, &op.request));
+    await(&op, 1, call, receive ? "recv" : "send");
+    if (receive)
+      check_received(op.rc, op.status, dt, n, peer, "count", call);
+    else if (op.rc != MPI_SUCCESS)
+      detail::throw_mpi_error(op.rc, call, __FILE__, __LINE__);
   }
 }
 

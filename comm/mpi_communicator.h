@@ -151,6 +151,9 @@ class MpiCommunicator final : public Communicator {
   // Throws if an earlier call timed out (the communicator is then unusable).
   void check_usable() const;
   void all_reduce(void* data, std::size_t count, CommType type, MPI_Op op, const char* name);
+  // send (receive false, data only read) and recv: the message in pieces,
+  // each posted and waited for with the timeout.
+  void message(void* data, std::size_t count, CommType type, int peer, int tag, bool receive);
   void timed_barrier(const char* op);
   // Polls `ops` until every one completed or the timeout passed; on timeout
   // cancels the receives, keeps the rest in stranded_, marks this
