@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # kernel-probe.sh NAME=FILE.cu ... — A/B probes of the fused LaCT kernels for a
 # device call: each FILE.cu is a variant of kernels/cuda/lact_hidden.cu (the
-# file itself for the baseline); each is compiled with the CUDA build's flags,
-# linked with scripts/probe/lact_hidden_probe.cu against that build's
-# libraries into probe_NAME, and packed (xz) into <repo>/build-probe/ (git-
+# file itself for the baseline); each is compiled with the flags that matter
+# to the library's CUDA files (-O3, sm_90a, its two defines; a copy here, as
+# the build folder's generator files differ between Make and Ninja), linked
+# with scripts/probe/lact_hidden_probe.cu against that build's libraries into
+# probe_NAME, and packed (xz) into <repo>/build-probe/ (git-
 # ignored) with run.sh, which unpacks them on the device and runs every probe
 # in every mode of MODES, alternating, REPEAT times:
 #   run({command: "build-probe/run.sh", carry: ["build-probe"]})
@@ -33,12 +35,12 @@ for spec in "$@"; do
     { echo "kernel-probe: '$spec' is not NAME=FILE.cu with a plain NAME and an existing FILE" >&2; exit 2; }
 done
 [[ -f "$BUILD/CMakeCache.txt" ]] || { echo "kernel-probe: $BUILD is not a configured build (scripts/carry-build.sh configures one)" >&2; exit 1; }
+ARCH=$(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$BUILD/CMakeCache.txt")
+[[ "$ARCH" == 90a ]] || { echo "kernel-probe: $BUILD is built for '$ARCH', the fused kernels need 90a" >&2; exit 1; }
 cmake --build "$BUILD" --target statescan_kernels statescan_core -j "${JOBS:-$(nproc)}" >/dev/null
 KERNELS=$(find "$BUILD" -name libstatescan_kernels.a | head -1)
 CORE=$(find "$BUILD" -name libstatescan_core.a | head -1)
 [[ -n "$KERNELS" && -n "$CORE" ]] || { echo "kernel-probe: no statescan_kernels / statescan_core in $BUILD" >&2; exit 1; }
-ARCH=$(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$BUILD/CMakeCache.txt")
-[[ "$ARCH" == 90a ]] || { echo "kernel-probe: $BUILD is built for '$ARCH', the fused kernels need 90a" >&2; exit 1; }
 FLAGS=(-O3 -DNDEBUG -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a
        -DSTATESCAN_CUDA_SM90A=1 -DSTATESCAN_HAS_CUDA=1)
 INC=(-I"$ROOT")

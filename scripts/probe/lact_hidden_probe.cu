@@ -17,7 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -110,6 +110,8 @@ int main(int argc, char** argv) {
     const double median = us[us.size() / 2];
     std::printf("%-16s %-14s D %3lld  median %7.1f us  min %7.1f  %4.0f TFLOP/s\n", label.c_str(),
                 mode.c_str(), static_cast<long long>(D), median, us.front(), flop / median * 1e-6);
+    SS_CUDA_CHECK(cudaEventDestroy(start));
+    SS_CUDA_CHECK(cudaEventDestroy(stop));
     for (void* p : g_buffers) SS_CUDA_CHECK(cudaFree(p));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lact_hidden_probe: %s\n", e.what());
