@@ -125,6 +125,32 @@ static_assert(HiddenTile::stages(LactHiddenMode::key_side) >= HiddenTile::kMaxD 
                   HiddenTile::stages(LactHiddenMode::apply) >= HiddenTile::kMaxD / HiddenTile::kK,
               "lact_hidden_kernel needs a pass of D in stages");
 
+// One piece of a row: a plain store, or with kStream st.global.cs (cache
+// streaming: allocated in L2 evict-first, so that the rows, which are read
+// once by a later kernel, do not push out what the kernel itself rereads).
+template <bool kStream, typename T>
+__device__ __forceinline__ void store_piece(T* at, T value) {
+  if constexpr (kStream)
+    __stcs(at, value);
+  else
+    *at = value;
+}
+
+// STATESCAN_LACT_ROW_HINT: the key side's and apply_backward's rows stored
+// with st.global.cs (`cs`, the default) or plain. Why only those two (H100,
+// fifty-first session, 4,096 tokens, H 4, M 512): alone, each kernel ran
+// 14-20 % faster with cs at D 256 and 128 (key side 45.0 -> 38.9 us at D
+// 256, apply_backward 45.0 -> 38.3), the gradient rows' kernel 0 % at D 256
+// and 15 % at D 128. In the layer (`statescan-bench --lact --muon-steps 0`,
+// three rounds alternating) the two gained 99.74 -> 99.06 ms forward +
+// backward and the forward 27.94 -> 27.61, while the gradient rows' kernel
+// with cs lost 0.45 ms: the GEMMs right after it read its rows, and some of
+// them still from L2.
+bool row_stream() {
+  static const bool stream = env_choice("STATESCAN_LACT_ROW_HINT", {"cs", "plain"}) != 1;
+  return stream;
+}
+
 // Stores the N / 4 x 8 bf16 columns of one row that a quad of lanes holds in
 // the m64nN accumulator layout (lane q: the pairs at columns 8 c8 + 2 q,
 // c8 = 0 .. N - 1, as w[c8]) in 8-byte pieces that the quad writes as 32
@@ -135,8 +161,9 @@ static_assert(HiddenTile::stages(LactHiddenMode::key_side) >= HiddenTile::kMaxD 
 // sectors), and the key side with its low terms (six arrays) took 151 us a
 // chunk against 63 without them (ncu, H200). Why not 16-byte pieces: a
 // second exchange costs more instructions than the stores it saves (the
-// epilogue's issue slots bound these kernels).
-template <int N>
+// epilogue's issue slots bound these kernels). kStream: st.global.cs
+// (row_stream).
+template <int N, bool kStream = false>
 __device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[N], int q, bool store) {
   static_assert(N % 2 == 0, "pairs of c8 blocks");
   const bool odd = q & 1;
@@ -145,19 +172,22 @@ __device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[N], int 
     const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[2 * m] : w[2 * m + 1], 1);
     const uint32_t a = odd ? got : w[2 * m], b = odd ? w[2 * m + 1] : got;
     if (store)
-      *reinterpret_cast<uint2*>(row + 8 * (2 * m + (q & 1)) + 4 * (q >> 1)) = make_uint2(a, b);
+      store_piece<kStream>(reinterpret_cast<uint2*>(row + 8 * (2 * m + (q & 1)) + 4 * (q >> 1)),
+                           make_uint2(a, b));
   }
 }
 
-// store_quad_row in 16-byte pieces (STATESCAN_LACT_ROW_STORE=16, the gradient
-// rows' kernel; opt-in, not yet measured): for each 4 c8 blocks g, a 4 x 4
+// store_quad_row in 16-byte pieces (the gradient rows' kernel up to D 128,
+// STATESCAN_LACT_ROW_STORE): for each 4 c8 blocks g, a 4 x 4
 // transpose of words across the quad in two exchanges (lanes q ^ 1, then
 // q ^ 2) leaves lane q columns 32 g + 8 q .. + 7, so that each instruction
 // writes 64 contiguous bytes of each of its 8 rows instead of 32: half the
 // store instructions and of the cache lines they touch, for twice the
 // shuffles and ~3 times the selects. Why try it: with its stores removed the
 // kernel runs 55 us instead of 86, and stores half as wide (4 bytes a lane)
-// cost 12 us more (PERF_NOTES, fiftieth session).
+// cost 12 us more (PERF_NOTES, fiftieth session). Measured (H100, fifty-first
+// session, the kernel alone, 4,096 tokens, H 4, M 512): slower at D 256 (90.5
+// against 87.2 us), faster at D 128 (59.7 against 63.2).
 template <int N>
 __device__ __forceinline__ void store_quad_row16(bf16* row, uint32_t (&w)[N], int q, bool store) {
   static_assert(N % 4 == 0, "groups of four c8 blocks");
@@ -291,7 +321,7 @@ struct HiddenMaps {
 // so that the epilogue without them is straight-line code: as a run-time
 // branch per store it split the epilogue into ~20 blocks (and a divergence
 // check before each exchange) that ptxas scheduled one by one.
-template <LactHiddenMode kMode, int kKbs, bool kLo = false>
+template <LactHiddenMode kMode, int kKbs, bool kLo = false, bool kStream = false>
 __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     lact_hidden_kernel(const __grid_constant__ LactHiddenParams p,
                        const __grid_constant__ HiddenMaps maps) {
@@ -304,6 +334,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   constexpr int kStages = Tile::stages(kMode);
   static_assert(kApply == (kKbs > 0), "kKbs is the apply's");
   static_assert(kKey || !kLo, "kLo is the key side's");
+  static_assert(!kApply || !kStream, "o is not streamed: the next layer reads it");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -517,9 +548,9 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
             d0[c8] = detail::pack2<bf16>(a0[0], a0[1]);
             d2[c8] = detail::pack2<bf16>(a2[0], a2[1]);
           }
-          store_quad_row(p.gate + row * M + col, gw, q, valid);
-          store_quad_row(p.dh + row * 2 * M + col, d0, q, valid);
-          store_quad_row(p.dh + row * 2 * M + M + col, d2, q, valid);
+          store_quad_row<8, kStream>(p.gate + row * M + col, gw, q, valid);
+          store_quad_row<8, kStream>(p.dh + row * 2 * M + col, d0, q, valid);
+          store_quad_row<8, kStream>(p.dh + row * 2 * M + M + col, d2, q, valid);
         } else {
           // key_side_kernel's formulas, e = -v W1.
           float z0[16], z2[16], gt[16];
@@ -543,8 +574,8 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
               else
                 hi[c8] = detail::pack2<bf16>(x[2 * c8], x[2 * c8 + 1]);
             }
-            store_quad_row(hi_row, hi, q, valid);
-            if constexpr (kLo) store_quad_row(lo_row, lo, q, valid);
+            store_quad_row<8, kStream>(hi_row, hi, q, valid);
+            if constexpr (kLo) store_quad_row<8, kStream>(lo_row, lo, q, valid);
           };
           store(z0, p.z + row * 2 * M + col, kLo ? p.z_lo + row * 2 * M + col : nullptr);
           store(z2, p.z + row * 2 * M + M + col, kLo ? p.z_lo + row * 2 * M + M + col : nullptr);
@@ -588,7 +619,8 @@ struct GradMaps {
   CUtensorMap k, v, w, dg, w1t, dg1t;
 };
 
-// kWide: the rows in 16-byte pieces (store_quad_row16), else 8 (store_quad_row).
+// kWide: the rows in 16-byte pieces (store_quad_row16), else 8 (store_quad_row);
+// plain stores (row_stream's measurements).
 template <bool kWide>
 __global__ void __launch_bounds__(GradTile::kThreads, 1)
     lact_hidden_grad_kernel(const __grid_constant__ LactHiddenGradParams p,
@@ -803,16 +835,25 @@ __global__ void __launch_bounds__(kPackThreads)
 
 // The kernel for the mode (and for the apply, D: a multiple of 64 up to
 // 256, as lact_hidden_supported checked).
+template <bool kStream, typename F>
+void with_row_kernel(LactHiddenMode mode, bool lo, F&& f) {
+  if (mode == LactHiddenMode::key_side && lo)
+    f(lact_hidden_kernel<LactHiddenMode::key_side, 0, true, kStream>);
+  else if (mode == LactHiddenMode::key_side)
+    f(lact_hidden_kernel<LactHiddenMode::key_side, 0, false, kStream>);
+  else
+    f(lact_hidden_kernel<LactHiddenMode::apply_backward, 0, false, kStream>);
+}
+
 template <typename F>
 void with_hidden_kernel(LactHiddenMode mode, int64_t D, bool lo, F&& f) {
   static_assert(HiddenTile::kMaxD == 4 * HiddenTile::kK, "the apply's instances below");
-  if (mode == LactHiddenMode::key_side && lo)
-    f(lact_hidden_kernel<LactHiddenMode::key_side, 0, true>);
-  else if (mode == LactHiddenMode::key_side)
-    f(lact_hidden_kernel<LactHiddenMode::key_side, 0>);
-  else if (mode == LactHiddenMode::apply_backward)
-    f(lact_hidden_kernel<LactHiddenMode::apply_backward, 0>);
-  else if (D == HiddenTile::kK)
+  if (mode != LactHiddenMode::apply) {
+    if (row_stream())
+      with_row_kernel<true>(mode, lo, f);
+    else
+      with_row_kernel<false>(mode, lo, f);
+  } else if (D == HiddenTile::kK)
     f(lact_hidden_kernel<LactHiddenMode::apply, 1>);
   else if (D == 2 * HiddenTile::kK)
     f(lact_hidden_kernel<LactHiddenMode::apply, 2>);
@@ -904,8 +945,12 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t str
   const dim3 grid(static_cast<unsigned>((p.n + Tile::kRows - 1) / Tile::kRows),
                   static_cast<unsigned>(pairs));
   const size_t smem = Tile::smem_bytes(static_cast<int>(p.D));
-  // STATESCAN_LACT_ROW_STORE: the rows in 8-byte pieces (default) or 16.
-  static const bool wide = env_choice("STATESCAN_LACT_ROW_STORE", {"8", "16"}) == 1;
+  // STATESCAN_LACT_ROW_STORE: the rows in 16-byte pieces up to D 128 and 8
+  // above (auto, the default; store_quad_row16 has the kernel's figures), or
+  // always 8 or 16. In the layer (H100, `--muon-steps 0`, two rounds
+  // alternating), 16 at D 128: 75.31 -> 74.58 ms forward + backward.
+  static const int width = env_choice("STATESCAN_LACT_ROW_STORE", {"auto", "8", "16"});
+  const bool wide = width == 2 || (width <= 0 && p.D <= 128);
   detail::launch_kernel_maybe_dependent(
       p.dependent, wide ? lact_hidden_grad_kernel<true> : lact_hidden_grad_kernel<false>, grid,
       Tile::kThreads, smem, stream, "lact_hidden_grad_kernel", p, maps);
