@@ -125,30 +125,28 @@ static_assert(HiddenTile::stages(LactHiddenMode::key_side) >= HiddenTile::kMaxD 
                   HiddenTile::stages(LactHiddenMode::apply) >= HiddenTile::kMaxD / HiddenTile::kK,
               "lact_hidden_kernel needs a pass of D in stages");
 
-// One piece of a row: a plain store, or with kStream st.global.cs (cache
-// streaming: allocated in L2 evict-first, so that the rows, which are read
-// once by a later kernel, do not push out what the kernel itself rereads).
-template <bool kStream, typename T>
-__device__ __forceinline__ void store_piece(T* at, T value) {
-  if constexpr (kStream)
-    __stcs(at, value);
-  else
-    *at = value;
+// One 8- or 16-byte piece of a row, as one vector store instruction. Why asm:
+// from `*reinterpret_cast<uint2*>(p) = make_uint2(a, b)` after the quad's
+// selects, NVVM emitted half of the key side's pieces (and of the gradient
+// rows') as two 4-byte stores, so each such instruction half-filled the 8
+// sectors it touched (ncu: 21.3 bytes a sector, 1.5 times the requests
+// expected). With vector pieces the forward at the issue's shape ran 27.09 ms
+// against 27.94 (H100, fifty-first session, three rounds in each of two calls).
+__device__ __forceinline__ void store_vector(uint2* at, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(at), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ void store_vector(uint4* at, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
 }
 
-// STATESCAN_LACT_ROW_HINT: the key side's and apply_backward's rows stored
-// with st.global.cs (`cs`, the default) or plain. Why only those two (H100,
-// fifty-first session, 4,096 tokens, H 4, M 512): alone, each kernel ran
-// 14-20 % faster with cs at D 256 and 128 (key side 45.0 -> 38.9 us at D
-// 256, apply_backward 45.0 -> 38.3), the gradient rows' kernel 0 % at D 256
-// and 15 % at D 128. In the layer (`statescan-bench --lact --muon-steps 0`,
-// three rounds alternating) the two gained 99.74 -> 99.06 ms forward +
-// backward and the forward 27.94 -> 27.61, while the gradient rows' kernel
-// with cs lost 0.45 ms: the GEMMs right after it read its rows, and some of
-// them still from L2.
-bool row_stream() {
-  static const bool stream = env_choice("STATESCAN_LACT_ROW_HINT", {"cs", "plain"}) != 1;
-  return stream;
+template <bool kVector>
+__device__ __forceinline__ void store_row_piece(uint2* at, uint2 v) {
+  if constexpr (kVector)
+    store_vector(at, v);
+  else
+    *at = v;
 }
 
 // Stores the N / 4 x 8 bf16 columns of one row that a quad of lanes holds in
@@ -161,9 +159,9 @@ bool row_stream() {
 // sectors), and the key side with its low terms (six arrays) took 151 us a
 // chunk against 63 without them (ncu, H200). Why not 16-byte pieces: a
 // second exchange costs more instructions than the stores it saves (the
-// epilogue's issue slots bound these kernels). kStream: st.global.cs
-// (row_stream).
-template <int N, bool kStream = false>
+// epilogue's issue slots bound these kernels). kVector: each piece one vector
+// store (store_vector); else as the compiler makes it (the gradient rows').
+template <int N, bool kVector = true>
 __device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[N], int q, bool store) {
   static_assert(N % 2 == 0, "pairs of c8 blocks");
   const bool odd = q & 1;
@@ -172,8 +170,8 @@ __device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[N], int 
     const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[2 * m] : w[2 * m + 1], 1);
     const uint32_t a = odd ? got : w[2 * m], b = odd ? w[2 * m + 1] : got;
     if (store)
-      store_piece<kStream>(reinterpret_cast<uint2*>(row + 8 * (2 * m + (q & 1)) + 4 * (q >> 1)),
-                           make_uint2(a, b));
+      store_row_piece<kVector>(reinterpret_cast<uint2*>(row + 8 * (2 * m + (q & 1)) + 4 * (q >> 1)),
+                               make_uint2(a, b));
   }
 }
 
@@ -208,7 +206,7 @@ __device__ __forceinline__ void store_quad_row16(bf16* row, uint32_t (&w)[N], in
     const uint32_t s1 = __shfl_xor_sync(0xffffffffu, high ? a1 : b1, 2);
     const uint32_t k0 = high ? b0 : a0, k1 = high ? b1 : a1;
     const uint4 v = high ? make_uint4(s0, s1, k0, k1) : make_uint4(k0, k1, s0, s1);
-    if (store) *reinterpret_cast<uint4*>(row + 32 * g + 8 * q) = v;
+    if (store) store_vector(reinterpret_cast<uint4*>(row + 32 * g + 8 * q), v);
   }
 }
 
@@ -321,7 +319,7 @@ struct HiddenMaps {
 // so that the epilogue without them is straight-line code: as a run-time
 // branch per store it split the epilogue into ~20 blocks (and a divergence
 // check before each exchange) that ptxas scheduled one by one.
-template <LactHiddenMode kMode, int kKbs, bool kLo = false, bool kStream = false>
+template <LactHiddenMode kMode, int kKbs, bool kLo = false>
 __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
     lact_hidden_kernel(const __grid_constant__ LactHiddenParams p,
                        const __grid_constant__ HiddenMaps maps) {
@@ -334,7 +332,6 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
   constexpr int kStages = Tile::stages(kMode);
   static_assert(kApply == (kKbs > 0), "kKbs is the apply's");
   static_assert(kKey || !kLo, "kLo is the key side's");
-  static_assert(!kApply || !kStream, "o is not streamed: the next layer reads it");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -548,9 +545,9 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
             d0[c8] = detail::pack2<bf16>(a0[0], a0[1]);
             d2[c8] = detail::pack2<bf16>(a2[0], a2[1]);
           }
-          store_quad_row<8, kStream>(p.gate + row * M + col, gw, q, valid);
-          store_quad_row<8, kStream>(p.dh + row * 2 * M + col, d0, q, valid);
-          store_quad_row<8, kStream>(p.dh + row * 2 * M + M + col, d2, q, valid);
+          store_quad_row(p.gate + row * M + col, gw, q, valid);
+          store_quad_row(p.dh + row * 2 * M + col, d0, q, valid);
+          store_quad_row(p.dh + row * 2 * M + M + col, d2, q, valid);
         } else {
           // key_side_kernel's formulas, e = -v W1.
           float z0[16], z2[16], gt[16];
@@ -574,8 +571,8 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
               else
                 hi[c8] = detail::pack2<bf16>(x[2 * c8], x[2 * c8 + 1]);
             }
-            store_quad_row<8, kStream>(hi_row, hi, q, valid);
-            if constexpr (kLo) store_quad_row<8, kStream>(lo_row, lo, q, valid);
+            store_quad_row(hi_row, hi, q, valid);
+            if constexpr (kLo) store_quad_row(lo_row, lo, q, valid);
           };
           store(z0, p.z + row * 2 * M + col, kLo ? p.z_lo + row * 2 * M + col : nullptr);
           store(z2, p.z + row * 2 * M + M + col, kLo ? p.z_lo + row * 2 * M + M + col : nullptr);
@@ -620,7 +617,11 @@ struct GradMaps {
 };
 
 // kWide: the rows in 16-byte pieces (store_quad_row16), else 8 (store_quad_row);
-// plain stores (row_stream's measurements).
+// each 8-byte piece stored as the compiler makes it (store_quad_row<4, false>:
+// half of them as two 4-byte stores). Why not store_vector as the key side: in
+// the layer (H100, fifty-first session, three rounds alternating) vector
+// pieces here cost ~0.5 ms a forward + backward (99.00 against 98.51 ms), the
+// kernel alone 89.4 against 87.2 us at D 256.
 template <bool kWide>
 __global__ void __launch_bounds__(GradTile::kThreads, 1)
     lact_hidden_grad_kernel(const __grid_constant__ LactHiddenGradParams p,
@@ -720,7 +721,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
     if constexpr (kWide)
       store_quad_row16(row, w, q, valid);
     else
-      store_quad_row(row, w, q, valid);
+      store_quad_row<4, false>(row, w, q, valid);
   };
   for (int j = 0, i = 0; j < js; ++j) {
     pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
@@ -835,25 +836,16 @@ __global__ void __launch_bounds__(kPackThreads)
 
 // The kernel for the mode (and for the apply, D: a multiple of 64 up to
 // 256, as lact_hidden_supported checked).
-template <bool kStream, typename F>
-void with_row_kernel(LactHiddenMode mode, bool lo, F&& f) {
-  if (mode == LactHiddenMode::key_side && lo)
-    f(lact_hidden_kernel<LactHiddenMode::key_side, 0, true, kStream>);
-  else if (mode == LactHiddenMode::key_side)
-    f(lact_hidden_kernel<LactHiddenMode::key_side, 0, false, kStream>);
-  else
-    f(lact_hidden_kernel<LactHiddenMode::apply_backward, 0, false, kStream>);
-}
-
 template <typename F>
 void with_hidden_kernel(LactHiddenMode mode, int64_t D, bool lo, F&& f) {
   static_assert(HiddenTile::kMaxD == 4 * HiddenTile::kK, "the apply's instances below");
-  if (mode != LactHiddenMode::apply) {
-    if (row_stream())
-      with_row_kernel<true>(mode, lo, f);
-    else
-      with_row_kernel<false>(mode, lo, f);
-  } else if (D == HiddenTile::kK)
+  if (mode == LactHiddenMode::key_side && lo)
+    f(lact_hidden_kernel<LactHiddenMode::key_side, 0, true>);
+  else if (mode == LactHiddenMode::key_side)
+    f(lact_hidden_kernel<LactHiddenMode::key_side, 0>);
+  else if (mode == LactHiddenMode::apply_backward)
+    f(lact_hidden_kernel<LactHiddenMode::apply_backward, 0>);
+  else if (D == HiddenTile::kK)
     f(lact_hidden_kernel<LactHiddenMode::apply, 1>);
   else if (D == 2 * HiddenTile::kK)
     f(lact_hidden_kernel<LactHiddenMode::apply, 2>);
