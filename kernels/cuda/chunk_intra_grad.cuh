@@ -35,6 +35,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/chunk_tile_ops.cuh"
+#include "kernels/cuda/quad_store.cuh"
 #include "kernels/cuda/warp_mma.cuh"
 
 namespace statescan::cuda::detail {
@@ -114,6 +115,24 @@ __device__ __forceinline__ void slab_row_dots_by(float (&out)[2], const float (&
   }
 }
 
+// Row r of a warp's slab (kNT 8-column blocks from column n0, this lane's
+// pairs in w) to out + row(r) D when `valid`: in 8-byte pieces after a quad
+// exchange where kNT is even (detail::store_quad_row: whole 32-byte sectors),
+// else 4 bytes a lane from the fragment layout. Every lane of the warp calls
+// it (the exchange).
+template <int D, int kNT, typename T, typename Row>
+__device__ __forceinline__ void store_slab_row(T* out, const uint32_t (&w)[kNT], Row& row, int r,
+                                               int n0, bool valid) {
+  const int q = threadIdx.x & 3;
+  if constexpr (kNT % 2 == 0) {
+    store_quad_row(valid ? out + row(r) * D + n0 : out, w, q, valid);
+  } else if (valid) {
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+      *reinterpret_cast<uint32_t*>(out + row(r) * D + n0 + 8 * j + 2 * q) = w[j];
+  }
+}
+
 // dq, dk from the slab accumulators gq, gk (gradients w.r.t. the normalised
 // q, k) through the L2 norm, dx = r (dn - n (n . dn)), with the full row dots
 // n . dn = sum over the kParts column parts p of sQG[p kMC + r] and the exact
@@ -128,31 +147,42 @@ __device__ __forceinline__ void slab_store_dq_dk(const float (&gq)[kNT][4],
                                                  int m0, int n0, int L) {
   const int lane = threadIdx.x & 31, g = lane >> 2, i2 = 2 * (lane & 3);
 #pragma unroll
-  for (int j = 0; j < kNT; ++j)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = m0 + g + 8 * hr, col = n0 + 8 * j + i2;
-      if (r >= L) continue;
-      float x0 = gq[j][2 * hr], x1 = gq[j][2 * hr + 1];
-      float y0 = gk[j][2 * hr], y1 = gk[j][2 * hr + 1];
-      if constexpr (kL2Norm) {
-        const float2 q2 = q_exact(r, col);
-        const float2 k2 = k_exact(r, col);
-        const float rq = sRq[r], rk = sRk[r];
-        float qgr = 0.f, kgr = 0.f;
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = m0 + g + 8 * hr;
+    const bool valid = r < L;
+    float rq = 0.f, rk = 0.f, qgr = 0.f, kgr = 0.f;
+    if constexpr (kL2Norm) {
+      if (valid) {
+        rq = sRq[r], rk = sRk[r];
 #pragma unroll
         for (int p = 0; p < kParts; ++p) {
           qgr += sQG[p * kMC + r];
           kgr += sKG[p * kMC + r];
         }
-        x0 = rq * (x0 - q2.x * qgr);
-        x1 = rq * (x1 - q2.y * qgr);
-        y0 = rk * (y0 - k2.x * kgr);
-        y1 = rk * (y1 - k2.y * kgr);
       }
-      *reinterpret_cast<uint32_t*>(dq_out + row(r) * Dk + col) = pack2<T>(x0, x1);
-      *reinterpret_cast<uint32_t*>(dk_out + row(r) * Dk + col) = pack2<T>(y0, y1);
     }
+    uint32_t wq[kNT], wk[kNT];
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+      const int col = n0 + 8 * j + i2;
+      float x0 = gq[j][2 * hr], x1 = gq[j][2 * hr + 1];
+      float y0 = gk[j][2 * hr], y1 = gk[j][2 * hr + 1];
+      if constexpr (kL2Norm) {
+        if (valid) {
+          const float2 q2 = q_exact(r, col);
+          const float2 k2 = k_exact(r, col);
+          x0 = rq * (x0 - q2.x * qgr);
+          x1 = rq * (x1 - q2.y * qgr);
+          y0 = rk * (y0 - k2.x * kgr);
+          y1 = rk * (y1 - k2.y * kgr);
+        }
+      }
+      wq[j] = pack2<T>(x0, x1);
+      wk[j] = pack2<T>(y0, y1);
+    }
+    store_slab_row<Dk>(dq_out, wq, row, r, n0, valid);
+    store_slab_row<Dk>(dk_out, wk, row, r, n0, valid);
+  }
 }
 
 // The delta rules' dv = beta T^T dU of a warp's 16 rows from m0 and kNT
@@ -169,17 +199,21 @@ __device__ __forceinline__ void intra_store_dv(float (&dbp)[2], const T* hT, int
   float tu[kNT][4] = {};
   warp_mm_16xn<T, true, true, kNT>(tu, hT, ldc, sDVp, ldv, m0, n0, C);
 #pragma unroll
-  for (int j = 0; j < kNT; ++j)
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = m0 + g + 8 * hr;
+    const bool valid = r < L;
+    const float beta = valid ? sBeta[r] : 0.f;
+    uint32_t w[kNT];
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = m0 + g + 8 * hr, col = n0 + 8 * j + i2;
+    for (int j = 0; j < kNT; ++j) {
+      const int col = n0 + 8 * j + i2;
       const float x = tu[j][2 * hr], y = tu[j][2 * hr + 1];
       const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(sV + r * ldv + col));
       dbp[hr] += x * v2.x + y * v2.y;
-      if (r < L)
-        *reinterpret_cast<uint32_t*>(dv_out + row(r) * Dv + col) =
-            pack2<T>(sBeta[r] * x, sBeta[r] * y);
+      w[j] = pack2<T>(beta * x, beta * y);
     }
+    store_slab_row<Dv>(dv_out, w, row, r, n0, valid);
+  }
 }
 
 // The quad's sums of a warp's row partials (rows m0 + g and m0 + g + 8, as
@@ -400,13 +434,21 @@ __global__ void __launch_bounds__(512, 1)
     float acc[4][4] = {};
     warp_mm_16x32<T, true, true>(acc, sA, kLdC, sDO, kLdV, r0, c0, C);
     warp_mm_16x32<T, false, true>(acc, sKb, kLdK, sDS, kLdV, r0, c0, Dk);
-    for_slab_pairs(r0, c0, [&](int j, int hr, int r, int col) {
-      const uint32_t x = pack2<T>(acc[j][2 * hr], acc[j][2 * hr + 1]);
-      if constexpr (kDelta)
-        *reinterpret_cast<uint32_t*>(sDVp + r * kLdV + col) = x;
-      else if (r < L)
-        *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dv) + row(r) * Dv + col) = x;
-    });
+    if constexpr (kDelta) {
+      for_slab_pairs(r0, c0, [&](int j, int hr, int r, int col) {
+        *reinterpret_cast<uint32_t*>(sDVp + r * kLdV + col) =
+            pack2<T>(acc[j][2 * hr], acc[j][2 * hr + 1]);
+      });
+    } else {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = r0 + g + 8 * hr;
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) w[j] = pack2<T>(acc[j][2 * hr], acc[j][2 * hr + 1]);
+        store_slab_row<Dv>(static_cast<T*>(a.dv), w, row, r, c0, r < L);
+      }
+    }
   });
   if (active) warp_mm_16xn<T, false, false, kNTk>(gq, sDO, kLdV, sS, kLdV, m0, n0k, Dv);
   __syncthreads();  // V' and dV' complete

@@ -52,6 +52,7 @@
 #include "kernels/cuda/lact_hidden.cuh"
 #include "kernels/cuda/lact_math.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/quad_store.cuh"
 #include "kernels/cuda/tensor_map.cuh"
 #include "kernels/cuda/warp_mma.cuh"
 #include "kernels/cuda/wgmma.cuh"
@@ -125,57 +126,7 @@ static_assert(HiddenTile::stages(LactHiddenMode::key_side) >= HiddenTile::kMaxD 
                   HiddenTile::stages(LactHiddenMode::apply) >= HiddenTile::kMaxD / HiddenTile::kK,
               "lact_hidden_kernel needs a pass of D in stages");
 
-// One 8- or 16-byte piece of a row, as one vector store instruction. Why asm:
-// from `*reinterpret_cast<uint2*>(p) = make_uint2(a, b)` after the quad's
-// selects, NVVM emitted half of the key side's pieces (and of the gradient
-// rows') as two 4-byte stores, so each such instruction half-filled the 8
-// sectors it touched (ncu: 21.3 bytes a sector, 1.5 times the requests
-// expected). With vector pieces the forward at the issue's shape ran 27.09 ms
-// against 27.94 (H100, fifty-first session, three rounds in each of two calls).
-__device__ __forceinline__ void store_vector(uint2* at, uint2 v) {
-  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(at), "r"(v.x), "r"(v.y) : "memory");
-}
-__device__ __forceinline__ void store_vector(uint4* at, uint4 v) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
-}
-
-template <bool kVector>
-__device__ __forceinline__ void store_row_piece(uint2* at, uint2 v) {
-  if constexpr (kVector)
-    store_vector(at, v);
-  else
-    *at = v;
-}
-
-// Stores the N / 4 x 8 bf16 columns of one row that a quad of lanes holds in
-// the m64nN accumulator layout (lane q: the pairs at columns 8 c8 + 2 q,
-// c8 = 0 .. N - 1, as w[c8]) in 8-byte pieces that the quad writes as 32
-// contiguous bytes (whole sectors): one exchange between lanes q and q ^ 1
-// leaves the even lane of a pair columns 8 c8 .. + 3 of the even c8 and the
-// odd lane those of the odd c8 (lanes 2, 3: + 4). Why not straight from the
-// layout: each instruction would write 4 bytes into each of 8 rows (half
-// sectors), and the key side with its low terms (six arrays) took 151 us a
-// chunk against 63 without them (ncu, H200). Why not 16-byte pieces: a
-// second exchange costs more instructions than the stores it saves (the
-// epilogue's issue slots bound these kernels). kVector: each piece one vector
-// store (store_vector); else as the compiler makes it (the gradient rows').
-template <int N, bool kVector = true>
-__device__ __forceinline__ void store_quad_row(bf16* row, uint32_t (&w)[N], int q, bool store) {
-  static_assert(N % 2 == 0, "pairs of c8 blocks");
-  const bool odd = q & 1;
-#pragma unroll
-  for (int m = 0; m < N / 2; ++m) {
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[2 * m] : w[2 * m + 1], 1);
-    const uint32_t a = odd ? got : w[2 * m], b = odd ? w[2 * m + 1] : got;
-    if (store)
-      store_row_piece<kVector>(reinterpret_cast<uint2*>(row + 8 * (2 * m + (q & 1)) + 4 * (q >> 1)),
-                               make_uint2(a, b));
-  }
-}
-
-// store_quad_row in 16-byte pieces (the gradient rows' kernel up to D 128,
+// detail::store_quad_row (quad_store.cuh) in 16-byte pieces (the gradient rows' kernel up to D 128,
 // STATESCAN_LACT_ROW_STORE): for each 4 c8 blocks g, a 4 x 4
 // transpose of words across the quad in two exchanges (lanes q ^ 1, then
 // q ^ 2) leaves lane q columns 32 g + 8 q .. + 7, so that each instruction
@@ -206,7 +157,7 @@ __device__ __forceinline__ void store_quad_row16(bf16* row, uint32_t (&w)[N], in
     const uint32_t s1 = __shfl_xor_sync(0xffffffffu, high ? a1 : b1, 2);
     const uint32_t k0 = high ? b0 : a0, k1 = high ? b1 : a1;
     const uint4 v = high ? make_uint4(s0, s1, k0, k1) : make_uint4(k0, k1, s0, s1);
-    if (store) store_vector(reinterpret_cast<uint4*>(row + 32 * g + 8 * q), v);
+    if (store) detail::store_vector(reinterpret_cast<uint4*>(row + 32 * g + 8 * q), v);
   }
 }
 
@@ -509,7 +460,7 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
 #pragma unroll
         for (int c8 = 0; c8 < 8; ++c8)
           w[c8] = detail::pack2<bf16>(ob[kb][4 * c8 + 2 * e], ob[kb][4 * c8 + 2 * e + 1]);
-        store_quad_row(o_row + Tile::kK * kb, w, q, t < p.n);
+        detail::store_quad_row(o_row + Tile::kK * kb, w, q, t < p.n);
       }
     }
   } else {
@@ -545,9 +496,9 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
             d0[c8] = detail::pack2<bf16>(a0[0], a0[1]);
             d2[c8] = detail::pack2<bf16>(a2[0], a2[1]);
           }
-          store_quad_row(p.gate + row * M + col, gw, q, valid);
-          store_quad_row(p.dh + row * 2 * M + col, d0, q, valid);
-          store_quad_row(p.dh + row * 2 * M + M + col, d2, q, valid);
+          detail::store_quad_row(p.gate + row * M + col, gw, q, valid);
+          detail::store_quad_row(p.dh + row * 2 * M + col, d0, q, valid);
+          detail::store_quad_row(p.dh + row * 2 * M + M + col, d2, q, valid);
         } else {
           // key_side_kernel's formulas, e = -v W1.
           float z0[16], z2[16], gt[16];
@@ -571,8 +522,8 @@ __global__ void __launch_bounds__(HiddenTile::kThreads, 1)
               else
                 hi[c8] = detail::pack2<bf16>(x[2 * c8], x[2 * c8 + 1]);
             }
-            store_quad_row(hi_row, hi, q, valid);
-            if constexpr (kLo) store_quad_row(lo_row, lo, q, valid);
+            detail::store_quad_row(hi_row, hi, q, valid);
+            if constexpr (kLo) detail::store_quad_row(lo_row, lo, q, valid);
           };
           store(z0, p.z + row * 2 * M + col, kLo ? p.z_lo + row * 2 * M + col : nullptr);
           store(z2, p.z + row * 2 * M + M + col, kLo ? p.z_lo + row * 2 * M + M + col : nullptr);
@@ -617,7 +568,7 @@ struct GradMaps {
 };
 
 // kWide: the rows in 16-byte pieces (store_quad_row16), else 8 (store_quad_row);
-// each 8-byte piece stored as the compiler makes it (store_quad_row<4, false>:
+// each 8-byte piece stored as the compiler makes it (detail::store_quad_row<4, false>:
 // half of them as two 4-byte stores). Why not store_vector as the key side: in
 // the layer (H100, fifty-first session, three rounds alternating) vector
 // pieces here cost ~0.5 ms a forward + backward (99.00 against 98.51 ms), the
@@ -721,7 +672,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
     if constexpr (kWide)
       store_quad_row16(row, w, q, valid);
     else
-      store_quad_row<4, false>(row, w, q, valid);
+      detail::store_quad_row<4, false>(row, w, q, valid);
   };
   for (int j = 0, i = 0; j < js; ++j) {
     pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
