@@ -126,41 +126,6 @@ static_assert(HiddenTile::stages(LactHiddenMode::key_side) >= HiddenTile::kMaxD 
                   HiddenTile::stages(LactHiddenMode::apply) >= HiddenTile::kMaxD / HiddenTile::kK,
               "lact_hidden_kernel needs a pass of D in stages");
 
-// detail::store_quad_row (quad_store.cuh) in 16-byte pieces (the gradient rows' kernel up to D 128,
-// STATESCAN_LACT_ROW_STORE): for each 4 c8 blocks g, a 4 x 4
-// transpose of words across the quad in two exchanges (lanes q ^ 1, then
-// q ^ 2) leaves lane q columns 32 g + 8 q .. + 7, so that each instruction
-// writes 64 contiguous bytes of each of its 8 rows instead of 32: half the
-// store instructions and of the cache lines they touch, for twice the
-// shuffles and ~3 times the selects. Why try it: with its stores removed the
-// kernel runs 55 us instead of 86, and stores half as wide (4 bytes a lane)
-// cost 12 us more (PERF_NOTES, fiftieth session). Measured (H100, fifty-first
-// session, the kernel alone, 4,096 tokens, H 4, M 512): slower at D 256 (90.5
-// against 87.2 us), faster at D 128 (59.7 against 63.2).
-template <int N>
-__device__ __forceinline__ void store_quad_row16(bf16* row, uint32_t (&w)[N], int q, bool store) {
-  static_assert(N % 4 == 0, "groups of four c8 blocks");
-  const bool odd = q & 1, high = q & 2;
-#pragma unroll
-  for (int g = 0; g < N / 4; ++g) {
-    const uint32_t* x = w + 4 * g;
-    // Exchange 1: the even lane keeps blocks 0 and 2, the odd lane 1 and 3, each
-    // as the pair (lane 2 (q / 2)'s word, lane 2 (q / 2) + 1's).
-    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? x[0] : x[1], 1);
-    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? x[2] : x[3], 1);
-    const uint32_t o0 = odd ? x[1] : x[0], o1 = odd ? x[3] : x[2];
-    const uint32_t a0 = odd ? r0 : o0, a1 = odd ? o0 : r0;  // block q % 2
-    const uint32_t b0 = odd ? r1 : o1, b1 = odd ? o1 : r1;  // block q % 2 + 2
-    // Exchange 2: lanes 0, 1 keep their first block and take the pair of lanes 2,
-    // 3; lanes 2, 3 keep their second and take the pair of lanes 0, 1.
-    const uint32_t s0 = __shfl_xor_sync(0xffffffffu, high ? a0 : b0, 2);
-    const uint32_t s1 = __shfl_xor_sync(0xffffffffu, high ? a1 : b1, 2);
-    const uint32_t k0 = high ? b0 : a0, k1 = high ? b1 : a1;
-    const uint4 v = high ? make_uint4(s0, s1, k0, k1) : make_uint4(k0, k1, s0, s1);
-    if (store) detail::store_vector(reinterpret_cast<uint4*>(row + 32 * g + 8 * q), v);
-  }
-}
-
 // f(std::integral_constant<int, 1 + I>{}) for each I, in order.
 template <typename F, int... I>
 __device__ __forceinline__ void for_each_from_1(F&& f, std::integer_sequence<int, I...>) {
@@ -567,12 +532,12 @@ struct GradMaps {
   CUtensorMap k, v, w, dg, w1t, dg1t;
 };
 
-// kWide: the rows in 16-byte pieces (store_quad_row16), else 8 (store_quad_row);
-// each 8-byte piece stored as the compiler makes it (detail::store_quad_row<4, false>:
-// half of them as two 4-byte stores). Why not store_vector as the key side: in
-// the layer (H100, fifty-first session, three rounds alternating) vector
-// pieces here cost ~0.5 ms a forward + backward (99.00 against 98.51 ms), the
-// kernel alone 89.4 against 87.2 us at D 256.
+// kWide: the rows in 16-byte pieces (detail::store_quad_row16), else 8
+// (detail::store_quad_row), each 8-byte piece stored as the compiler makes it
+// (store_quad_row<4, false>: half of them as two 4-byte stores). Why not store_vector as the key
+// side: in the layer (H100, fifty-first session, three rounds alternating) vector pieces here cost
+// ~0.5 ms a forward + backward (99.00 against 98.51 ms), the kernel alone 89.4 against 87.2 us at D
+// 256.
 template <bool kWide>
 __global__ void __launch_bounds__(GradTile::kThreads, 1)
     lact_hidden_grad_kernel(const __grid_constant__ LactHiddenGradParams p,
@@ -670,7 +635,7 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
   detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
   auto store_row = [q](bf16* row, uint32_t(&w)[4], bool valid) {
     if constexpr (kWide)
-      store_quad_row16(row, w, q, valid);
+      detail::store_quad_row16(row, w, q, valid);
     else
       detail::store_quad_row<4, false>(row, w, q, valid);
   };
@@ -889,7 +854,8 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t str
                   static_cast<unsigned>(pairs));
   const size_t smem = Tile::smem_bytes(static_cast<int>(p.D));
   // STATESCAN_LACT_ROW_STORE: the rows in 16-byte pieces up to D 128 and 8
-  // above (auto, the default; store_quad_row16 has the kernel's figures), or
+  // above (auto, the default; quad_store.cuh's store_quad_row16 has the
+  // kernel's figures), or
   // always 8 or 16. In the layer (H100, `--muon-steps 0`, two rounds
   // alternating), 16 at D 128: 75.31 -> 74.58 ms forward + backward.
   static const int width = env_choice("STATESCAN_LACT_ROW_STORE", {"auto", "8", "16"});

@@ -361,8 +361,8 @@ __global__ void gradients_backward_rows_kernel(const float* h, const float* e_in
     float s0 = 0, s1 = 0, s2 = 0;
     for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
       const int64_t i = row * M + j, i0 = row * 2 * M + j, i2 = i0 + M;
-      const GradRowsOut g =
-          grad_rows_element(SiluF(h[i0]), h[i2], e_in[i], u[i0], u[i2], u1[i], l0, l1, l2, s0, s1, s2);
+      const GradRowsOut g = grad_rows_element(SiluF(h[i0]), h[i2], e_in[i], u[i0], u[i2], u1[i], l0,
+                                              l1, l2, s0, s1, s2);
       z_out[i0] = from_float<T>(g.z0);
       z_out[i2] = from_float<T>(g.z2);
       gate_out[i] = from_float<T>(g.gate);

@@ -66,4 +66,41 @@ __device__ __forceinline__ void store_quad_row(T* row, const uint32_t (&w)[N], i
   }
 }
 
+// store_quad_row in 16-byte pieces (the LaCT gradient rows' kernel up to
+// D 128, STATESCAN_LACT_ROW_STORE): for each 4 blocks g, a 4 x 4 transpose of
+// words across the quad in two exchanges (lanes q ^ 1, then q ^ 2) leaves
+// lane q columns 32 g + 8 q .. + 7, so that each instruction writes 64
+// contiguous bytes of each of its 8 rows instead of 32: half the store
+// instructions and of the cache lines they touch, for twice the shuffles and
+// ~3 times the selects. Why try it: with its stores removed that kernel runs
+// 55 us instead of 86, and stores half as wide (4 bytes a lane) cost 12 us
+// more (PERF_NOTES, fiftieth session). Measured (H100, fifty-first session,
+// the kernel alone, 4,096 tokens, H 4, M 512): slower at D 256 (90.5 against
+// 87.2 us), faster at D 128 (59.7 against 63.2). `row` is 16-byte aligned.
+template <int N, typename T>
+__device__ __forceinline__ void store_quad_row16(T* row, const uint32_t (&w)[N], int q,
+                                                 bool store) {
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  static_assert(N % 4 == 0, "groups of four 8-column blocks");
+  const bool odd = q & 1, high = q & 2;
+#pragma unroll
+  for (int g = 0; g < N / 4; ++g) {
+    const uint32_t* x = w + 4 * g;
+    // Exchange 1: the even lane keeps blocks 0 and 2, the odd lane 1 and 3, each
+    // as the pair (lane 2 (q / 2)'s word, lane 2 (q / 2) + 1's).
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? x[0] : x[1], 1);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? x[2] : x[3], 1);
+    const uint32_t o0 = odd ? x[1] : x[0], o1 = odd ? x[3] : x[2];
+    const uint32_t a0 = odd ? r0 : o0, a1 = odd ? o0 : r0;  // block q % 2
+    const uint32_t b0 = odd ? r1 : o1, b1 = odd ? o1 : r1;  // block q % 2 + 2
+    // Exchange 2: lanes 0, 1 keep their first block and take the pair of lanes 2,
+    // 3; lanes 2, 3 keep their second and take the pair of lanes 0, 1.
+    const uint32_t s0 = __shfl_xor_sync(0xffffffffu, high ? a0 : b0, 2);
+    const uint32_t s1 = __shfl_xor_sync(0xffffffffu, high ? a1 : b1, 2);
+    const uint32_t k0 = high ? b0 : a0, k1 = high ? b1 : a1;
+    const uint4 v = high ? make_uint4(s0, s1, k0, k1) : make_uint4(k0, k1, s0, s1);
+    if (store) store_vector(reinterpret_cast<uint4*>(row + 32 * g + 8 * q), v);
+  }
+}
+
 }  // namespace statescan::cuda::detail
