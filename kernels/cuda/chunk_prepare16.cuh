@@ -48,6 +48,7 @@
 
 #include "kernels/cuda/chunk_tile_ops.cuh"
 #include "kernels/cuda/cp_kernels.h"
+#include "kernels/cuda/quad_store.cuh"
 #include "kernels/cuda/warp_mma.cuh"
 
 namespace statescan::cuda::detail {
@@ -387,10 +388,12 @@ __global__ void __launch_bounds__(512, 2)
         else
           warp_mm_16xn<T, false, false, 2>(acc, x, kLdK, s2, kLdK, 16 * I, 16 * J, Dk);
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int hr = 0; hr < 2; ++hr) {
+          const int t = 16 * I + g + 8 * hr;
+          uint32_t w[2];  // A's row t, columns 16 J .. + 15: whole sectors (quad_store.cuh)
 #pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int t = 16 * I + g + 8 * hr, s = 16 * J + 8 * j + i2;
+          for (int j = 0; j < 2; ++j) {
+            const int s = 16 * J + 8 * j + i2;
             float v0 = acc[j][2 * hr], v1 = acc[j][2 * hr + 1];
             if constexpr (Tr::kRaw && kL2Norm) {  // the raw rows' products, normalised
               const float rt = is_m ? sRk[t] : sRq[t];
@@ -402,13 +405,14 @@ __global__ void __launch_bounds__(512, 2)
               v1 = s + 1 <= t ? v1 * __expf(sG[t] - sG[s + 1]) : 0.f;
             }
             if (!is_m) {
-              *reinterpret_cast<uint32_t*>(out_a + t * C + s) =
-                  pack2<T>(s <= t ? v0 * scale : 0.f, s + 1 <= t ? v1 * scale : 0.f);
+              w[j] = pack2<T>(s <= t ? v0 * scale : 0.f, s + 1 <= t ? v1 * scale : 0.f);
             } else {
               if (s < t) fKK[t * kLdF + s] = v0;
               if (s + 1 < t) fKK[t * kLdF + s + 1] = v1;
             }
           }
+          if (!is_m) store_quad_row(out_a + t * C + 16 * J, w, lane & 3, true);  // warp-uniform
+        }
       }
     };
     if constexpr (kVector && kDelta) {
@@ -570,14 +574,17 @@ __global__ void __launch_bounds__(512, 2)
         if constexpr (kVector)
           warp_mm_16xn<T, false, true, kNT>(acc, t_hi, kLdC, x_lo, kLdK, m0, n0, m0 + 16);
         warp_mm_16xn<T, false, true, kNT>(acc, t_lo, kLdC, x_hi, kLdK, m0, n0, m0 + 16);
+        // Whole sectors: one quad exchange, then 8-byte pieces (quad_store.cuh;
+        // straight from the fragment layout each store wrote 4 bytes into each
+        // of 8 rows). The workspace tile is C rows whatever L is, so every row
+        // is written.
 #pragma unroll
-        for (int j = 0; j < kNT; ++j)
+        for (int hr = 0; hr < 2; ++hr) {
+          uint32_t w[kNT];
 #pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int r = m0 + g + 8 * hr, col = n0 + 8 * j + i2;
-            *reinterpret_cast<uint32_t*>(out + r * D + col) =
-                pack2<T>(acc[j][2 * hr], acc[j][2 * hr + 1]);
-          }
+          for (int j = 0; j < kNT; ++j) w[j] = pack2<T>(acc[j][2 * hr], acc[j][2 * hr + 1]);
+          store_quad_row(out + (m0 + g + 8 * hr) * D + n0, w, lane & 3, true);
+        }
       };
       using KTiles = std::integral_constant<int, Dk / (8 * kParts)>;
       using VTiles = std::integral_constant<int, Dv / (8 * kParts)>;
