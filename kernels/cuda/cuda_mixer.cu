@@ -429,11 +429,15 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
 
 void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stages,
                            cudaStream_t stream) {
-  // A prepare-only plan has no V' or T-typed states for the output kernel
-  // (the grouped linear scan needs neither: it fuses the output).
+  // A prepare-only plan has no V' or T-typed states for the output kernel.
+  // Scans that form the output themselves need neither: the grouped linear
+  // scan, the fused delta scan, and the per-head identity scan of the
+  // two-level summary's maps (its runs' H). The last came through only with
+  // fuse_output set by the plan, so STATESCAN_FWD_OUTPUT=kernel refused
+  // every two-level summary with first-segment maps (test_cuda_cp_output_kernel).
   const bool grouped = a.group_chunks > 0;
-  SS_CHECK_ARG(!(stages & kStageOutput) || a.ws_states != nullptr || grouped || a.fuse_output,
-               "stages",
+  const bool forms_output = grouped || a.fuse_output || (a.scan_per_head && a.scan_identity);
+  SS_CHECK_ARG(!(stages & kStageOutput) || a.ws_states != nullptr || forms_output, "stages",
                "the output stage needs a full forward plan (this one is prepare-only)");
   SS_CHECK_ARG(!(stages & kStageScan) || a.ws_states != nullptr || a.chunk_states != nullptr ||
                    a.final_state != nullptr ||
