@@ -5,8 +5,9 @@
 // layout each store instruction writes 4 bytes into each of 8 rows, half a
 // 32-byte sector each; the helpers here exchange words within the quad first
 // so that each lane stores 8 (store_quad_row) or 16 bytes (store_quad_row16)
-// and the quad whole sectors. Used by the fused LaCT kernels (lact_hidden.cu)
-// and the chunkwise backward's dq, dk, dv (chunk_intra_grad.cuh).
+// and the quad whole sectors. Used by the fused LaCT kernels (lact_hidden.cu),
+// the chunkwise backward's dq, dk, dv (chunk_intra_grad.cuh) and the forward's
+// W, U and A tiles (chunk_prepare16.cuh).
 #pragma once
 
 #include <cstdint>
