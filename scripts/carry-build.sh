@@ -12,16 +12,29 @@
 # (test_cuda_cp is 98 MB, 42 MB gzipped; xz packs statescan-bench's 102 MB
 # into 35 MB where gzip took 44, so that it travels with test_cuda_lact).
 #
+# Beside the binaries goes entries.sh: every ctest entry that runs one of them
+# (tests/CMakeLists.txt's knob entries: STATESCAN_FWD_OUTPUT=kernel through
+# the delta-rule cases, and so on), with its environment and filter, so that
+# the device runs what `ctest` would without a build tree:
+#   build-carry/entries.sh [REGEX]   (entries whose name matches; default all)
+# prints one line an entry (passed / skipped counts, or the failures) and
+# exits 1 if any failed. Why: a knob entry nobody ran for sessions had been
+# failing (test_cuda_cp_output_kernel, fifty-second session), while carried
+# binaries were run by hand with the default environment only.
+#
 # Environment knobs:
 #   BUILD_DIR  build folder (default /tmp/statescan-carry-build; configured on
 #              first use: Release, CUDA on, MPI off, tests on)
+#   CARRY_DIR  where the pack goes (default <repo>/build-carry; another
+#              build-carry-* folder keeps two packs apart, e.g. base and new
+#              binaries for an A/B in back-to-back calls)
 #   JOBS       parallel build jobs (default: the CPU count)
 set -euo pipefail
 
 (($# > 0)) || { echo "usage: scripts/carry-build.sh TARGET..." >&2; exit 2; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-/tmp/statescan-carry-build}
-CARRY=$ROOT/build-carry
+CARRY=${CARRY_DIR:-$ROOT/build-carry}
 LIMIT=$((64 * 1024 * 1024))
 
 if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
@@ -65,11 +78,81 @@ echo /tmp/carry
 EOF
 chmod +x "$CARRY/unpack.sh"
 
+# The ctest entries of the packed binaries (ctest's JSON listing), each as one
+# `entry NAME ENV... -- COMMAND...` line, the binary's path replaced by its
+# unpacked one; a suite's discovered cases as one entry named after it.
+{
+  cat <<'EOF'
+#!/usr/bin/env bash
+# The ctest entries of the binaries beside this script (written by
+# scripts/carry-build.sh): entries.sh [REGEX] runs those whose name matches.
+# ENTRY_TIMEOUT: seconds an entry (default 300).
+set -uo pipefail
+here=$(dirname "$0")
+"$here/unpack.sh" >/dev/null || exit 1
+pattern=${1:-.}
+failed=0
+entry() {
+  local name=$1 envs=()
+  shift
+  while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+  shift
+  [[ $name =~ $pattern ]] || return 0
+  local log
+  log=$(env "${envs[@]}" timeout "${ENTRY_TIMEOUT:-300}" "$@" --gtest_brief=1 2>&1)
+  local rc=$?
+  local counts
+  counts=$(grep -E '^\[  (PASSED|SKIPPED) ' <<<"$log" | sed -E 's/^\[  ([A-Z]+) +\] ([0-9]+).*/\2 \1/' |
+    tr '[:upper:]' '[:lower:]' | tr '\n' ' ')
+  if ((rc == 0)); then
+    # Every case skipped is no test at all (no GPU, or a filter that matches
+    # only cases this build or device cannot run).
+    [[ $counts == *passed* && $counts != "0 passed"* ]] || counts="$counts(none ran)"
+    echo "$name: ok, ${counts:-no gtest summary}"
+  else
+    failed=1
+    echo "$name: FAILED (exit $rc), ${counts:-no gtest summary}"
+    grep -E '^\[  FAILED  \]|Failure|exception' <<<"$log" | head -8 | sed 's/^/    /'
+  fi
+}
+EOF
+  (cd "$BUILD" && ctest -N --show-only=json-v1) | python3 -c '
+import json, shlex, sys, os
+bins = {os.path.realpath(p): os.path.basename(p) for p in sys.argv[1:]}
+whole = set()  # binaries whose discovered cases are already one whole-suite entry
+def emit(name, env, cmd):
+    print(" ".join(["entry", shlex.quote(name)] + [shlex.quote(e) for e in env] + ["--"]
+                   + [shlex.quote(c) for c in cmd]))
+for t in json.load(sys.stdin).get("tests", []):
+    cmd = t.get("command") or []
+    hit = [bins[os.path.realpath(c)] for c in cmd if os.path.realpath(c) in bins]
+    if not hit:
+        continue
+    env = []
+    for prop in t.get("properties", []):
+        if prop["name"] == "ENVIRONMENT":
+            env = prop["value"]
+    # gtest_discover_tests makes one entry a case (run with
+    # --gtest_also_run_disabled_tests): one process for the whole suite instead.
+    if "--gtest_also_run_disabled_tests" in cmd:
+        if hit[0] not in whole:
+            whole.add(hit[0])
+            emit(hit[0], env, ["/tmp/carry/" + hit[0]])
+        continue
+    emit(t["name"], env, ["/tmp/carry/" + bins[os.path.realpath(c)]
+                          if os.path.realpath(c) in bins else c for c in cmd])
+' $(for target in "$@"; do find "$BUILD" -type f -name "$target" -perm -u+x | head -1; done)
+  echo 'exit "$failed"'
+} >"$CARRY/entries.sh"
+chmod +x "$CARRY/entries.sh"
+
 total=$(du -cb "$CARRY" | tail -1 | cut -f1)
 du -h "$CARRY"/*
 if ((total > LIMIT)); then
   echo "carry-build: $CARRY holds $total bytes, over carry's 64 MiB: pack fewer targets" >&2
   exit 1
 fi
-echo "carry-build: pass carry=[\"build-carry\"]; on the device: export" \
-  "LD_LIBRARY_PATH=/usr/local/cuda/lib64:\$LD_LIBRARY_PATH; d=\$(build-carry/unpack.sh); \$d/TARGET ..."
+rel=${CARRY#"$ROOT"/}
+echo "carry-build: pass carry=[\"$rel\"]; on the device: export" \
+  "LD_LIBRARY_PATH=/usr/local/cuda/lib64:\$LD_LIBRARY_PATH; d=\$($rel/unpack.sh); \$d/TARGET ..." \
+  "or $rel/entries.sh [REGEX] for the ctest entries"
