@@ -88,6 +88,8 @@ chmod +x "$CARRY/unpack.sh"
 # scripts/carry-build.sh): entries.sh [REGEX] runs those whose name matches.
 # ENTRY_TIMEOUT: seconds an entry (default 300).
 set -uo pipefail
+# The binaries link the CUDA runtime dynamically (see carry-build.sh).
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 here=$(dirname "$0")
 "$here/unpack.sh" >/dev/null || exit 1
 pattern=${1:-.}
