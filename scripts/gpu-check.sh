@@ -33,7 +33,9 @@
 #                    `test_cuda_lact_ns_*`: STATESCAN_LACT_NS=fp32 / fused / cluster;
 #                    `test_cuda_lact_split_k`: STATESCAN_LACT_SPLIT_K=4;
 #                    `_output_kernel` / `_output_scan`: where delta rules form o;
-#                    `_cluster_1` / `_2` / `_8`: STATESCAN_SCAN_CLUSTER)
+#                    `_cluster_1` / `_2` / `_8`: STATESCAN_SCAN_CLUSTER;
+#                    `_prepare_fp32`, `_scan_bv_16` / `_32`, `_linear_tiles`:
+#                    STATESCAN_PREPARE, STATESCAN_SCAN_BV, STATESCAN_LINEAR=tiles)
 #                    and their rows against the default's (bench_opt_in.log:
 #                    DeltaNet forward+backward at 32K, the LaCT benchmark with
 #                    the automatic split-K, the delta rules' forward through
@@ -140,7 +142,7 @@ if [[ "${OPT_IN:-1}" != 0 ]]; then
   cmake --build "$BUILD" --target test_cuda_backward test_cuda_cp test_cuda_lact -j16 \
     >>"$OUT/build.log" 2>&1 &&
     (cd "$BUILD" && timeout "$(left 400)" ctest --timeout 150 \
-      -R '_ds_f32$|_t_solve$|test_cuda_lact_ns_|test_cuda_lact_split_k|_output_(kernel|scan)$|_cluster_[128]$' \
+      -R '_ds_f32$|_t_solve$|test_cuda_lact_ns_|test_cuda_lact_split_k|_output_(kernel|scan)$|_cluster_[128]$|_prepare_fp32$|_scan_bv_(16|32)$|_linear_tiles$' \
       --output-on-failure) \
       >"$OUT/tests_opt_in.log" 2>&1 || status=1
   grep -E "Test +#|tests passed|tests failed" "$OUT/tests_opt_in.log" | sed 's/^/opt-in: /' | head -16
