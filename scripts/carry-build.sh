@@ -45,8 +45,10 @@ cmake --build "$BUILD" --target "$@" -j "${JOBS:-$(nproc)}"
 
 rm -rf "$CARRY"
 mkdir -p "$CARRY"
+bins=()  # the packed binaries' paths in the build tree (entries.sh below)
 for target in "$@"; do
   bin=$(find "$BUILD" -type f -name "$target" -perm -u+x | head -1)
+  bins+=("$bin")
   [[ -n "$bin" ]] || { echo "carry-build: no executable named $target in $BUILD" >&2; exit 1; }
   # Stripped of host symbols and at xz's best (2026-12-06, H100 device: /usr/bin/xz):
   # carry's 64 MiB hold the repository too (statescan-bench 102 MB -> 35.1, gzip -9 44.3;
@@ -143,7 +145,7 @@ for t in json.load(sys.stdin).get("tests", []):
         continue
     emit(t["name"], env, ["/tmp/carry/" + bins[os.path.realpath(c)]
                           if os.path.realpath(c) in bins else c for c in cmd])
-' $(for target in "$@"; do find "$BUILD" -type f -name "$target" -perm -u+x | head -1; done)
+' "${bins[@]}"
   echo 'exit "$failed"'
 } >"$CARRY/entries.sh"
 chmod +x "$CARRY/entries.sh"

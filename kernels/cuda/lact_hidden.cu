@@ -855,9 +855,9 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t str
   const size_t smem = Tile::smem_bytes(static_cast<int>(p.D));
   // STATESCAN_LACT_ROW_STORE: the rows in 16-byte pieces up to D 128 and 8
   // above (auto, the default; quad_store.cuh's store_quad_row16 has the
-  // kernel's figures), or
-  // always 8 or 16. In the layer (H100, `--muon-steps 0`, two rounds
-  // alternating), 16 at D 128: 75.31 -> 74.58 ms forward + backward.
+  // kernel's figures), or always 8 or 16. In the layer (H100, `--muon-steps
+  // 0`, two rounds alternating), 16 at D 128: 75.31 -> 74.58 ms forward +
+  // backward.
   static const int width = env_choice("STATESCAN_LACT_ROW_STORE", {"auto", "8", "16"});
   const bool wide = width == 2 || (width <= 0 && p.D <= 128);
   detail::launch_kernel_maybe_dependent(
