@@ -103,7 +103,12 @@ entry() {
   shift
   [[ $name =~ $pattern ]] || return 0
   local log
-  log=$(env "${envs[@]}" timeout "${ENTRY_TIMEOUT:-300}" "$@" --gtest_brief=1 2>&1)
+  # No colour codes, and any left stripped: under mpiexec the ranks write to
+  # a pseudo-terminal, so gtest colours its summary lines, which then matched
+  # nothing below (every MPI entry read "(none ran)"). MPI entries print one
+  # summary a rank.
+  log=$(env "${envs[@]}" timeout "${ENTRY_TIMEOUT:-300}" "$@" --gtest_brief=1 --gtest_color=no 2>&1 |
+    sed -E $'s/\x1b\\[[0-9;]*m//g')
   local rc=$?
   local counts
   counts=$(grep -E '^\[  (PASSED|SKIPPED) ' <<<"$log" | sed -E 's/^\[  ([A-Z]+) +\] ([0-9]+).*/\2 \1/' |
