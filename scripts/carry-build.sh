@@ -24,7 +24,9 @@
 #
 # Environment knobs:
 #   BUILD_DIR  build folder (default /tmp/statescan-carry-build; configured on
-#              first use: Release, CUDA on, MPI off, tests on)
+#              first use: Release, CUDA on, MPI off, Prometheus off, tests on;
+#              a folder configured with MPI on packs the MPI suites too: this
+#              machine's OpenMPI 4.1 and the device's share libmpi.so.40)
 #   CARRY_DIR  where the pack goes (default <repo>/build-carry; another
 #              build-carry-* folder keeps two packs apart, e.g. base and new
 #              binaries for an A/B in back-to-back calls)
@@ -39,7 +41,8 @@ LIMIT=$((64 * 1024 * 1024))
 
 if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
-    -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_MPI=OFF -DSTATESCAN_WITH_TESTS=ON
+    -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_MPI=OFF -DSTATESCAN_WITH_PROMETHEUS=OFF \
+    -DSTATESCAN_WITH_TESTS=ON
 fi
 cmake --build "$BUILD" --target "$@" -j "${JOBS:-$(nproc)}"
 
@@ -50,6 +53,14 @@ for target in "$@"; do
   bin=$(find "$BUILD" -type f -name "$target" -perm -u+x | head -1)
   bins+=("$bin")
   [[ -n "$bin" ]] || { echo "carry-build: no executable named $target in $BUILD" >&2; exit 1; }
+  # The device has no prometheus-cpp (its own builds turn the exporter off):
+  # a binary linked against it fails there at load time, every rank of an MPI
+  # test with it (statescan-run, fifty-third session).
+  if ldd "$bin" 2>/dev/null | grep -qE 'libprometheus|libcivetweb'; then
+    echo "carry-build: $target links prometheus-cpp, which the device lacks: configure" \
+      "$BUILD with -DSTATESCAN_WITH_PROMETHEUS=OFF" >&2
+    exit 1
+  fi
   # Stripped of host symbols and at xz's best (2026-12-06, H100 device: /usr/bin/xz):
   # carry's 64 MiB hold the repository too (statescan-bench 102 MB -> 35.1, gzip -9 44.3;
   # test_cuda_lact -> 15.0, gzip 18.5).
