@@ -71,10 +71,17 @@ done
 { git -C "$ROOT" rev-parse --short HEAD
   git -C "$ROOT" diff --quiet HEAD -- . ':!build-carry' || echo "with uncommitted changes"
 } >"$CARRY/REVISION" 2>/dev/null || echo unknown >"$CARRY/REVISION"
+# Each binary's path in the build tree: a test may run another binary by the
+# path the build baked into it (test_run_cli runs statescan-run so), which
+# unpack.sh then links to the unpacked copy.
+for i in "${!bins[@]}"; do
+  printf '%s %s\n' "$(basename "${bins[$i]}")" "$(realpath "${bins[$i]}")"
+done >"$CARRY/PATHS"
 cat >"$CARRY/unpack.sh" <<'EOF'
 #!/usr/bin/env bash
 # Unpacks the binaries beside this script into /tmp/carry and prints that
-# folder (and, on stderr, the revision they were built from).
+# folder (and, on stderr, the revision they were built from); links each
+# binary's build-tree path (PATHS) to its copy where that path is free.
 set -euo pipefail
 echo "carried binaries built from: $(tr '\n' ' ' <"$(dirname "$0")/REVISION")" >&2
 mkdir -p /tmp/carry
@@ -87,6 +94,12 @@ for packed in "$(dirname "$0")"/*.gz "$(dirname "$0")"/*.xz; do
   esac
   chmod +x "/tmp/carry/$name"
 done
+if [[ -f "$(dirname "$0")/PATHS" ]]; then
+  while read -r name path; do
+    [[ -e "$path" && ! -L "$path" ]] && continue  # a real build tree there: leave it
+    mkdir -p "$(dirname "$path")" 2>/dev/null && ln -sfn "/tmp/carry/$name" "$path" || true
+  done <"$(dirname "$0")/PATHS"
+fi
 echo /tmp/carry
 EOF
 chmod +x "$CARRY/unpack.sh"
