@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# carry_build_smoke.sh SCRIPT BUILD_DIR: scripts/carry-build.sh on CI's CPUs
+# against this build (a device call must not be the first run of a change to
+# it; two of its bugs were found on the device in the fifty-third session):
+#   - it packs test_core (and test_comm_mpi in an MPI build) with REVISION,
+#     PATHS, unpack.sh and entries.sh;
+#   - entries.sh runs test_core's cases and counts them (CPU cases pass here),
+#     and an MPI entry's, whose ranks gtest colours under mpiexec;
+#   - unpack.sh links a binary's build-tree path to its copy where that path
+#     is free, and leaves a real file there alone;
+#   - it refuses a binary linked against prometheus-cpp (where this build
+#     links statescan-run against it).
+set -euo pipefail
+script=$1 build=$2
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+fail() {
+  echo "carry-build smoke: $*"
+  exit 1
+}
+
+targets=(test_core)
+mpi=0
+if grep -q "STATESCAN_HAVE_MPI:INTERNAL=ON" "$build/CMakeCache.txt" && command -v mpiexec >/dev/null; then
+  targets+=(test_comm_mpi)
+  mpi=1
+fi
+CARRY_DIR=$out/pack BUILD_DIR=$build JOBS=1 bash "$script" "${targets[@]}" >"$out/pack.log" 2>&1 ||
+  { cat "$out/pack.log"; fail "packing ${targets[*]} failed"; }
+for f in REVISION PATHS entries.sh unpack.sh "${targets[@]/%/.xz}"; do
+  [[ -s "$out/pack/$f" ]] || fail "the pack lacks $f"
+done
+core=$(realpath "$(find "$build" -type f -name test_core -perm -u+x | head -1)")
+grep -qx "test_core $core" "$out/pack/PATHS" || { cat "$out/pack/PATHS"; fail "PATHS lacks test_core's path"; }
+bash -n "$out/pack/entries.sh"
+
+# entries.sh: the suite's cases as one entry, counted.
+bash "$out/pack/entries.sh" '^test_core$' >"$out/entries.log" 2>&1 || { cat "$out/entries.log"; fail "test_core's entry failed"; }
+grep -qE '^test_core: ok, [1-9][0-9]* passed' "$out/entries.log" || { cat "$out/entries.log"; fail "test_core's cases were not counted"; }
+if ((mpi)); then
+  bash "$out/pack/entries.sh" '^test_comm_mpi_np2$' >"$out/mpi.log" 2>&1 || { cat "$out/mpi.log"; fail "test_comm_mpi_np2 failed"; }
+  grep -qE '^test_comm_mpi_np2: ok, [1-9][0-9]* passed [0-9 a-z]*[1-9][0-9]* passed' "$out/mpi.log" ||
+    { cat "$out/mpi.log"; fail "test_comm_mpi_np2's two ranks' cases were not counted"; }
+  ! grep -q "none ran" "$out/mpi.log" || { cat "$out/mpi.log"; fail "an MPI entry read '(none ran)'"; }
+fi
+
+# unpack.sh: a free build-tree path becomes a link to the copy; a real file stays.
+cp -r "$out/pack" "$out/moved"
+mkdir -p "$out/tree/taken"
+echo real >"$out/tree/taken/test_core"
+printf 'test_core %s\n' "$out/tree/free/tests/test_core" >"$out/moved/PATHS"
+carry=$(bash "$out/moved/unpack.sh" 2>/dev/null)
+[[ "$(readlink "$out/tree/free/tests/test_core")" == "$carry/test_core" ]] ||
+  fail "unpack.sh did not link the free build-tree path"
+printf 'test_core %s\n' "$out/tree/taken/test_core" >"$out/moved/PATHS"
+bash "$out/moved/unpack.sh" >/dev/null 2>&1
+[[ ! -L "$out/tree/taken/test_core" && "$(cat "$out/tree/taken/test_core")" == real ]] ||
+  fail "unpack.sh replaced a real file at a build-tree path"
+
+# The exporter: the device has no prometheus-cpp.
+run=$(find "$build" -type f -name statescan-run -perm -u+x | head -1)
+if [[ -n "$run" ]] && ldd "$run" 2>/dev/null | grep -q libprometheus; then
+  if CARRY_DIR=$out/refused BUILD_DIR=$build JOBS=1 bash "$script" statescan-run >"$out/refused.log" 2>&1; then
+    fail "packed a statescan-run linked against prometheus-cpp"
+  fi
+  grep -q "links prometheus-cpp, which the device lacks" "$out/refused.log" ||
+    { cat "$out/refused.log"; fail "the refusal does not say why"; }
+fi
+echo "carry-build smoke: ok (${targets[*]})"
