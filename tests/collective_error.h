@@ -27,9 +27,10 @@ void expect_collective_error(Communicator& comm, F&& call, const std::string& ar
     threw = true;
     EXPECT_EQ(e.argument(), argument) << e.what();
     EXPECT_EQ(e.rank(), reporter) << e.what();
-    if (reporter != culprit)
+    if (reporter != culprit) {
       EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(culprit)), std::string::npos)
           << e.what();
+    }
   }
   EXPECT_TRUE(threw) << "rank " << r << " did not get the error";
   for (float x : output)

@@ -81,8 +81,12 @@ TEST_P(CpSingleRank, MatchesReferenceForwardAndBackward) {
   EXPECT_LE(rel_rms(out.dq, rg.dq), kTol);
   EXPECT_LE(rel_rms(out.dk, rg.dk), kTol);
   EXPECT_LE(rel_rms(out.dv, rg.dv), kTol);
-  if (has_gate(c.variant)) EXPECT_LE(rel_rms(out.dg, rg.dg), kTol);
-  if (has_beta(c.variant)) EXPECT_LE(rel_rms(out.dbeta, rg.dbeta), kTol);
+  if (has_gate(c.variant)) {
+    EXPECT_LE(rel_rms(out.dg, rg.dg), kTol);
+  }
+  if (has_beta(c.variant)) {
+    EXPECT_LE(rel_rms(out.dbeta, rg.dbeta), kTol);
+  }
   EXPECT_LE(rel_rms(out.dh0, rg.dh0), kTol);
 }
 

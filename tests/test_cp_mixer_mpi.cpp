@@ -114,7 +114,9 @@ TEST_P(CpInvariance, EqualsSingleRank) {
 
   CpMixer cp(comm, cpp.cfg, c.exchange);
   const CpOutputs mine = run_cp(cp, p, bounds[r], bounds[r + 1], cpp.d_o, cpp.dht);
-  if (P > 1) EXPECT_EQ(cp.last_forward_stats().exchange, c.exchange);
+  if (P > 1) {
+    EXPECT_EQ(cp.last_forward_stats().exchange, c.exchange);
+  }
 
   const int64_t B = p.batch, H = s.heads, Dk = s.dk, Dv = s.dv;
   const bool vec = vector_gate(c.variant);
@@ -127,10 +129,12 @@ TEST_P(CpInvariance, EqualsSingleRank) {
   EXPECT_LE(rel_rms(mine.dq, local(full.dq, H * Dk)), kTol) << "rank " << r;
   EXPECT_LE(rel_rms(mine.dk, local(full.dk, H * Dk)), kTol) << "rank " << r;
   EXPECT_LE(rel_rms(mine.dv, local(full.dv, H * Dv)), kTol) << "rank " << r;
-  if (has_gate(c.variant))
+  if (has_gate(c.variant)) {
     EXPECT_LE(rel_rms(mine.dg, local(full.dg, vec ? H * Dk : H)), kTol) << "rank " << r;
-  if (has_beta(c.variant))
+  }
+  if (has_beta(c.variant)) {
     EXPECT_LE(rel_rms(mine.dbeta, local(full.dbeta, H)), kTol) << "rank " << r;
+  }
   EXPECT_LE(rel_rms(mine.dh0, full.dh0), kTol) << "rank " << r;
 
   // The single-rank run itself against the fp64 reference, so that the two
@@ -242,7 +246,9 @@ TEST(MeasureLink, EveryRankGetsTheSamePositiveFigures) {
   EXPECT_EQ(m.gpus_per_node, base.gpus_per_node);
   // Where the transfer drowned in the latency's noise (bandwidth_measured
   // false) the bandwidth is the base's; either way every rank agrees.
-  if (!m.bandwidth_measured) EXPECT_EQ(m.bandwidth_Bps, base.bandwidth_Bps);
+  if (!m.bandwidth_measured) {
+    EXPECT_EQ(m.bandwidth_Bps, base.bandwidth_Bps);
+  }
   std::vector<double> all(3 * static_cast<std::size_t>(comm.size()));
   const double mine[3] = {m.latency_s, m.bandwidth_Bps, m.bandwidth_measured ? 1.0 : 0.0};
   comm.all_gather(mine, all.data(), 3, CommType::f64);

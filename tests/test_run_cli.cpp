@@ -237,12 +237,14 @@ void expect_outputs_match_reference(const TempDir& dir, const Inputs& in) {
   EXPECT_LE(rel_rms(read_output(dir, "dk.npy", qk), grads.dk), kTolerance) << "dk";
   EXPECT_LE(rel_rms(read_output(dir, "dv.npy", vo), grads.dv), kTolerance) << "dv";
   EXPECT_LE(rel_rms(read_output(dir, "dh0.npy", states), grads.dh0), kTolerance) << "dh0";
-  if (has_gate(p.variant))
+  if (has_gate(p.variant)) {
     EXPECT_LE(rel_rms(read_output(dir, "dg.npy", vector_gate(p.variant) ? qk : bth), grads.dg),
               kTolerance)
         << "dg";
-  if (has_beta(p.variant))
+  }
+  if (has_beta(p.variant)) {
     EXPECT_LE(rel_rms(read_output(dir, "dbeta.npy", bth), grads.dbeta), kTolerance) << "dbeta";
+  }
 }
 
 int count_occurrences(const std::string& text, const std::string& needle) {
