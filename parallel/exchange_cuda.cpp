@@ -21,12 +21,6 @@ namespace {
 
 using exchange_detail::Order;
 
-void copy_d2d(float* dst, const float* src, int64_t count, cudaStream_t stream) {
-  if (count > 0)
-    SS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(count) * sizeof(float),
-                                  cudaMemcpyDeviceToDevice, stream));
-}
-
 // The host path: stage through host memory and run the host scan.
 int64_t scan_staged(Communicator& comm, Exchange strategy, const DeviceScanMaps& d, ScanOrder order,
                     float* incoming, cudaStream_t stream) {
@@ -51,6 +45,12 @@ int64_t scan_staged(Communicator& comm, Exchange strategy, const DeviceScanMaps&
 }
 
 #ifdef STATESCAN_HAS_NCCL
+
+void copy_d2d(float* dst, const float* src, int64_t count, cudaStream_t stream) {
+  if (count > 0)
+    SS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(count) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream));
+}
 
 constexpr int kTag = 0;  // NCCL ignores tags; pairs match in posting order
 

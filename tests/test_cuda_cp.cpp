@@ -275,7 +275,9 @@ int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t s
     prepared.summary(M.data(), with_E ? E.data() : nullptr, nullptr, with_M, &first);
   }
   check_device_sync();
-  if (with_M) EXPECT_TRUE(bitwise_equal(M.to_host(), P.to_host())) << "M = P";
+  if (with_M) {
+    EXPECT_TRUE(bitwise_equal(M.to_host(), P.to_host())) << "M = P";
+  }
   if (with_E) {
     // E: the last segment's final state from its initial state.
     const std::vector<double> ht = ref::forward(p).ht;
@@ -776,8 +778,9 @@ TEST_P(ChainMaps, MatchesHost) {
                                                         : chains[0].out.to_host(),
                     chains[0].want),
             bound);
-  if (chains.size() > 1)
+  if (chains.size() > 1) {
     EXPECT_LE(rel_rms(chains[1].out.to_host(), chains[1].want), bound) << "second chain";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -1020,9 +1023,12 @@ TEST_P(CpGpuSingleRank, BackwardMatchesReference) {
   EXPECT_LE(rel_rms(out.dq, want.dq), grad_tol(dtype())) << "dq";
   EXPECT_LE(rel_rms(out.dk, want.dk), grad_tol(dtype())) << "dk";
   EXPECT_LE(rel_rms(out.dv, want.dv), grad_tol(dtype())) << "dv";
-  if (!p_.g.empty()) EXPECT_LE(rel_rms(out.dg, want.dg), gate_grad_tol(dtype())) << "dg";
-  if (!p_.beta.empty())
+  if (!p_.g.empty()) {
+    EXPECT_LE(rel_rms(out.dg, want.dg), gate_grad_tol(dtype())) << "dg";
+  }
+  if (!p_.beta.empty()) {
     EXPECT_LE(rel_rms(out.dbeta, want.dbeta), gate_grad_tol(dtype())) << "dbeta";
+  }
   EXPECT_LE(rel_rms(out.dh0, want.dh0), output_tol(dtype())) << "dh0";
 }
 

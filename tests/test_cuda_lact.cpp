@@ -216,8 +216,9 @@ TEST_P(LactCudaBf16, FusedHiddenShapePartialChunkMatchesReference) {
 TEST_P(LactCudaBf16, TokenGemmShapeMatchesReference) {
   const int64_t calls = cuda::lact_detail::lact_token_gemm_calls();
   compare(LactSizes{1, 256, 2, 128, 128}, 256, DType::bf16, kBf16, 5700);
-  if (cuda::lact_detail::token_gemm_requested())
+  if (cuda::lact_detail::token_gemm_requested()) {
     EXPECT_GT(cuda::lact_detail::lact_token_gemm_calls(), calls) << "lact_token_gemm never ran";
+  }
 }
 
 TEST_P(LactCudaBf16, RunsRepeatBitwise) {
@@ -577,12 +578,13 @@ TEST(LactCudaHiddenPath, ReportsThePath) {
   const bool fused = cuda::lact_detail::lact_hidden_supported(256, 512);
   EXPECT_STREQ(cuda::lact_cuda_hidden_path(DType::bf16, 256, 512),
                fused && cuda::lact_detail::hidden_fused_requested() ? "fused" : "cublas");
-  if (on_sm90_device())
+  if (on_sm90_device()) {
     // Every shape the fused-kernel tests below run (they skip where it does
     // not fit, so a shape that stopped fitting must fail here).
     for (const auto& [D, M] :
          {std::pair<int64_t, int64_t>{64, 64}, {128, 192}, {192, 128}, {256, 512}, {64, 128}})
       EXPECT_TRUE(cuda::lact_detail::lact_hidden_supported(D, M)) << "D " << D << ", M " << M;
+  }
 }
 
 // Past its addressing the layer takes the cuBLAS path instead of failing
