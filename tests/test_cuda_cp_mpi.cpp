@@ -165,7 +165,9 @@ class CudaCpInvariance : public ::testing::TestWithParam<Case> {
       EXPECT_EQ(cp.last_forward_stats().exchange, c.exchange);
       // In forward order every rank but the last sends (ring and tree send
       // nothing from the last rank).
-      if (r_ + 1 < P_) EXPECT_GT(cp.last_forward_stats().exchange_bytes, 0);
+      if (r_ + 1 < P_) {
+        EXPECT_GT(cp.last_forward_stats().exchange_bytes, 0);
+      }
     }
     EXPECT_TRUE(cp.last_forward_stats().on_device);
     return {std::move(full), std::move(mine)};
@@ -206,11 +208,13 @@ TEST_P(CudaCpInvariance, BackwardEqualsSingleGpu) {
   EXPECT_LE(rel_rms(mine.dq, local(full.dq, H * Dk)), grad_tol(t)) << "dq, rank " << r_;
   EXPECT_LE(rel_rms(mine.dk, local(full.dk, H * Dk)), grad_tol(t)) << "dk, rank " << r_;
   EXPECT_LE(rel_rms(mine.dv, local(full.dv, H * Dv)), grad_tol(t)) << "dv, rank " << r_;
-  if (has_gate(p_.variant))
+  if (has_gate(p_.variant)) {
     EXPECT_LE(rel_rms(mine.dg, local(full.dg, vec ? H * Dk : H)), gate_grad_tol(t))
         << "dg, rank " << r_;
-  if (has_beta(p_.variant))
+  }
+  if (has_beta(p_.variant)) {
     EXPECT_LE(rel_rms(mine.dbeta, local(full.dbeta, H)), gate_grad_tol(t)) << "dbeta, rank " << r_;
+  }
   EXPECT_LE(rel_rms(mine.dh0, full.dh0), output_tol(t)) << "dh0, rank " << r_;
 }
 
