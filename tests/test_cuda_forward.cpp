@@ -21,6 +21,7 @@
 
 #include "core/device_buffer.h"
 #include "core/dtype.h"
+#include "core/env_knob.h"
 #include "core/error.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cuda_mixer.h"
@@ -255,14 +256,12 @@ TEST_P(CudaForward, DecodeMatchesChunkwise) {
 
 // Whether this process forces the tile kernels on every problem through an
 // A/B knob (cuda_mixer.cu: STATESCAN_PREPARE=fp32, STATESCAN_SCAN=wmma,
-// STATESCAN_LINEAR=tiles); the knob entries run this suite under each.
+// STATESCAN_LINEAR=tiles), read as the library reads them; the knob entries
+// run this suite under each.
 bool tile_knob_set() {
-  const auto is = [](const char* name, const char* value) {
-    const char* got = std::getenv(name);
-    return got != nullptr && std::string(got) == value;
-  };
-  return is("STATESCAN_PREPARE", "fp32") || is("STATESCAN_SCAN", "wmma") ||
-         is("STATESCAN_LINEAR", "tiles");
+  return env_choice("STATESCAN_PREPARE", {"16", "fp32"}) == 1 ||
+         env_choice("STATESCAN_SCAN", {"mma", "wmma"}) == 1 ||
+         env_choice("STATESCAN_LINEAR", {"grouped", "scan", "tiles"}) == 2;
 }
 
 // Linear attention with 16-bit inputs and no L2 norm runs kernels that read
