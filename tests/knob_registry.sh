@@ -19,10 +19,10 @@ set -euo pipefail
 ROOT=$1
 shift
 
-# Variables the tests reach through an API instead of by name: VARIABLE=API.
-API_SET=(
-  STATESCAN_CP_LINEAR=set_summary_linear_part
-  STATESCAN_SUMMARY_SCAN=SummaryScanScope
+# Variables the tests reach through an API instead of by name, and that API.
+declare -A API_SET=(
+  [STATESCAN_CP_LINEAR]=set_summary_linear_part
+  [STATESCAN_SUMMARY_SCAN]=SummaryScanScope
 )
 
 mapfile -t sources < <(find "$ROOT"/core "$ROOT"/kernels "$ROOT"/comm "$ROOT"/parallel \
@@ -44,10 +44,7 @@ for knob in "${knobs[@]}"; do
   if grep -qE "${knob}([^A-Z0-9_]|$)" "$ROOT/tests/CMakeLists.txt" "${test_sources[@]}"; then
     continue
   fi
-  api=""
-  for entry in "${API_SET[@]}"; do
-    [[ ${entry%%=*} == "$knob" ]] && api=${entry#*=}
-  done
+  api=${API_SET[$knob]:-}
   if [[ -z $api ]]; then
     miss "$knob is read but no ctest entry or test source sets it"
   elif ! grep -q "$api" "${test_sources[@]}"; then
