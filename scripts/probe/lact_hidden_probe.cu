@@ -10,7 +10,9 @@
 // Inputs are uniform random (fixed seeds), outputs are not checked: the
 // suite (test_cuda_lact) is the correctness oracle. Prints the median and the
 // minimum of 50 launches (CUDA events, 10 warm-up launches) and the rate of
-// the kernel's products.
+// the kernel's products. PROBE_DUMP=FILE writes the outputs' bytes (poisoned
+// with 0xff before the first launch) to FILE, so that two store paths of the
+// same kernel (STATESCAN_LACT_ROW_STORE) can be compared with cmp.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -19,7 +21,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -44,10 +48,14 @@ bf16* random_bf16(int64_t n, float scale, unsigned seed) {
   return dev;
 }
 
+std::vector<std::pair<bf16*, int64_t>> g_outputs;
+
 bf16* output(int64_t n) {
   bf16* dev = nullptr;
   SS_CUDA_CHECK(cudaMalloc(&dev, n * sizeof(bf16)));
+  SS_CUDA_CHECK(cudaMemset(dev, 0xff, n * sizeof(bf16)));
   g_buffers.push_back(dev);
+  g_outputs.emplace_back(dev, n);
   return dev;
 }
 
@@ -112,6 +120,16 @@ int main(int argc, char** argv) {
                 mode.c_str(), static_cast<long long>(D), median, us.front(), flop / median * 1e-6);
     SS_CUDA_CHECK(cudaEventDestroy(start));
     SS_CUDA_CHECK(cudaEventDestroy(stop));
+    if (const char* dump = std::getenv("PROBE_DUMP")) {
+      FILE* f = std::fopen(dump, "wb");
+      if (f == nullptr) throw std::runtime_error(std::string("cannot write ") + dump);
+      for (const auto& [dev, count] : g_outputs) {
+        std::vector<bf16> host(static_cast<size_t>(count));
+        SS_CUDA_CHECK(cudaMemcpy(host.data(), dev, count * sizeof(bf16), cudaMemcpyDeviceToHost));
+        std::fwrite(host.data(), sizeof(bf16), host.size(), f);
+      }
+      std::fclose(f);
+    }
     for (void* p : g_buffers) SS_CUDA_CHECK(cudaFree(p));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lact_hidden_probe: %s\n", e.what());
