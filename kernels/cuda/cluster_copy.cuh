@@ -236,32 +236,6 @@ __device__ __forceinline__ void tensor_copy_to_shared_3d(void* dst, const CUtens
       : "memory");
 }
 
-// A box of a 3D tensor map from this CTA's shared memory to global memory at
-// coordinates (c0, c1, c2) (TMA store; rows past the map's dimensions are not
-// written), in the issuing thread's bulk async-group. The writers of the box
-// fence (fence_proxy_async_shared) and sync with the issuer first.
-__device__ __forceinline__ void tensor_store_from_shared_3d(const CUtensorMap* map, const void* src,
-                                                            int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(shared_address(src)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-// Closes the issuing thread's bulk async-group of stores.
-__device__ __forceinline__ void bulk_store_commit() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-// Waits until at most N of the thread's store groups still read shared
-// memory (kRead: their sources may then be overwritten) or are pending at all.
-template <int N, bool kRead>
-__device__ __forceinline__ void bulk_store_wait() {
-  if constexpr (kRead)
-    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-  else
-    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // Four floats at a shared::cluster address (cluster_shared_address), 16-byte
 // aligned: another CTA's shared memory after a cluster barrier.
 __device__ __forceinline__ float4 load_shared_cluster_f4(uint32_t address) {

@@ -518,67 +518,31 @@ struct GradTile {
   static constexpr size_t kBox = size_t{kCols} * kK * 2;  // 4 KB
   static constexpr size_t kStageBytes = 6 * kBox;
   static constexpr size_t tokens_bytes(int D) { return 2 * (D / kK) * kTokenBox; }
-  static constexpr size_t barriers_end(int D) {
-    return tokens_bytes(D) + kStages * kStageBytes + 8 * (2 * kStages + 1);
-  }
-  static constexpr size_t smem_bytes(int D) { return barriers_end(D) + 1024; }
-  // The TMA-store epilogue (GradStore::tma): each warpgroup's six output
-  // boxes of a pass (64 rows x 32 columns, 64-byte rows in the 64-byte
-  // swizzle), 24 KB, over v's tiles where they are that large (v's A operand
-  // is then in registers), else after the barriers.
-  static constexpr size_t kOutBox = size_t{64} * kCols * 2;  // 4 KB
-  static constexpr size_t kStagingBytes = 2 * 6 * kOutBox;
-  static constexpr bool staging_over_v(int D) { return (D / kK) * kTokenBox >= kStagingBytes; }
-  static constexpr size_t staging_offset(int D) {
-    return staging_over_v(D) ? (D / kK) * kTokenBox : (barriers_end(D) + 1023) / 1024 * 1024;
-  }
-  static constexpr size_t smem_bytes_tma(int D) {
-    return staging_over_v(D) ? smem_bytes(D) : staging_offset(D) + kStagingBytes + 1024;
+  static constexpr size_t smem_bytes(int D) {
+    return tokens_bytes(D) + kStages * kStageBytes + 8 * (2 * kStages + 1) + 1024;
   }
 };
 static_assert(GradTile::smem_bytes(HiddenTile::kMaxD) <= 227 * 1024 &&
                   GradTile::kStages >= HiddenTile::kMaxD / GradTile::kK,
               "lact_hidden_grad_kernel: shared memory, or fewer stages than a pass of D");
-static_assert(GradTile::smem_bytes_tma(64) <= 227 * 1024 &&
-                  GradTile::smem_bytes_tma(128) <= 227 * 1024 &&
-                  GradTile::smem_bytes_tma(192) <= 227 * 1024 &&
-                  GradTile::smem_bytes_tma(HiddenTile::kMaxD) <= 227 * 1024,
-              "lact_hidden_grad_kernel: the TMA-store epilogue's staging exceeds shared memory");
-
-// How the gradient kernel writes its six output rows: from the fragment
-// layout in 8- or 16-byte pieces per lane after quad exchanges
-// (detail::store_quad_row, store_quad_row16), or staged by stmatrix and
-// written by TMA stores (see lact_hidden_grad_kernel).
-enum class GradStore { quad8, quad16, tma };
 
 // k, v boxes of 128 rows x 64; W0, W2 (and dG0, dG2) as rows of D in boxes of
-// 32 rows x 64; W1^T and dG1^T ([pairs * M][D]) the same. The outputs (for
-// GradStore::tma only) as [pairs][n][width] arrays, boxes of 64 rows x 32.
+// 32 rows x 64; W1^T and dG1^T ([pairs * M][D]) the same.
 struct GradMaps {
   CUtensorMap k, v, w, dg, w1t, dg1t;
-  CUtensorMap z, gate, de, dh;
 };
 
-// kStore: the rows in 16-byte pieces (quad16: detail::store_quad_row16), in 8
-// (quad8: detail::store_quad_row), each 8-byte piece stored as the compiler
-// makes it (store_quad_row<4, false>: half of them as two 4-byte stores), or
-// by TMA (tma). Why not store_vector as the key side: in the layer (H100,
-// fifty-first session, three rounds alternating) vector pieces here cost ~0.5
-// ms a forward + backward (99.00 against 98.51 ms), the kernel alone 89.4
-// against 87.2 us at D 256.
-//
-// tma (kKbs = D / 64): the row stores cost ~30 of the kernel's ~86 us at D
-// 256 (PERF_NOTES, fiftieth session): 36 store instructions a warp a pass,
-// each touching 8 cache lines, beside products that read both operands from
-// shared memory. Here each warp writes its rows of a pass into the
-// warpgroup's six staging boxes with 12 stmatrix (the fragment layout as it
-// is: no exchanges, no selects), and one thread stores the six boxes by TMA,
-// whose reads of the boxes overlap the next pass; the rows past the slice are
-// clipped by the tensor maps. The staging needs shared memory that the
-// resident v held at D 256, so v's A operand of the [v W1 | u1] products
-// comes from registers (64 a thread at D 256, loaded once by ldmatrix), which
-// also takes a fifth of the products' operand reads off shared memory.
-template <GradStore kStore, int kKbs = 0>
+// kWide: the rows in 16-byte pieces (detail::store_quad_row16), else 8
+// (detail::store_quad_row), each 8-byte piece stored as the compiler makes it
+// (store_quad_row<4, false>: half of them as two 4-byte stores). Why not store_vector as the key
+// side: in the layer (H100, fifty-first session, three rounds alternating) vector pieces here cost
+// ~0.5 ms a forward + backward (99.00 against 98.51 ms), the kernel alone 89.4 against 87.2 us at D
+// 256. Why not TMA stores (fifty-fourth session, 3e50b6b: rows staged by stmatrix, one thread a
+// warpgroup storing the boxes, v's operand in registers to free the staging): bit-identical but
+// slower, 90.7-93.8 against 85.7-86.1 us at D 256 and 100.3 against 99.5 ms in the layer (H100);
+// the same stores into an L2-resident window take 68-70 us and none at all 56-58, so most of
+// their cost is the writes' trip to DRAM, not the store instructions (PERF_NOTES).
+template <bool kWide>
 __global__ void __launch_bounds__(GradTile::kThreads, 1)
     lact_hidden_grad_kernel(const __grid_constant__ LactHiddenGradParams p,
                             const __grid_constant__ GradMaps maps) {
@@ -594,9 +558,6 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
   unsigned char* vs = base + size_t(kbs) * Tile::kTokenBox;
   unsigned char* stages = base + Tile::tokens_bytes(D);
   const StagePipe<kStages> pipe{reinterpret_cast<uint64_t*>(stages + kStages * Tile::kStageBytes)};
-  constexpr bool kTma = kStore == GradStore::tma;
-  static_assert(!kTma || (kKbs >= 1 && kKbs <= HiddenTile::kMaxD / Tile::kK),
-                "lact_hidden_grad_kernel: the TMA stores need D / 64 at compile time");
 
   const int tid = threadIdx.x;
   const int64_t pair = blockIdx.y, b = pair / p.H, h = pair % p.H;
@@ -659,72 +620,31 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
   auto token_desc = [&](uint64_t tokens, int kb, int kk) {
     return detail::wgmma_desc_advance(tokens, kb * uint32_t{Tile::kTokenBox} + 32 * kk);
   };
-  // v's A fragments (kTma): k16 slice 4 kb + kk in vf[16 kb + 4 kk ..].
-  uint32_t vf[kTma ? 16 * kKbs : 1];
-  auto slice = [&](uint32_t so, auto kb, auto kk, auto first) {
+  auto slice = [&](uint32_t so, int kb, int kk, auto first) {
     constexpr bool kFirst = decltype(first)::value;
     detail::wgmma_m64n128k16_ss_bf16<kFirst>(ak, token_desc(k_desc, kb, kk),
                                              detail::wgmma_desc_advance(stage_desc, so + 32 * kk));
-    const uint64_t b1 = detail::wgmma_desc_advance(stage_desc, so + 4 * Tile::kBox + 32 * kk);
-    if constexpr (kTma) {
-      const uint32_t* a = vf + 16 * decltype(kb)::value + 4 * decltype(kk)::value;
-      if constexpr (kFirst)
-        detail::wgmma_m64n64k16_rs_first<true, false>(av, a, b1);
-      else
-        detail::wgmma_m64n64k16_rs<true, false>(av, a, b1);
-    } else {
-      detail::wgmma_m64n64k16_ss<true, false, kFirst>(av, token_desc(v_desc, kb, kk), b1);
-    }
+    detail::wgmma_m64n64k16_ss<true, false, kFirst>(
+        av, token_desc(v_desc, kb, kk),
+        detail::wgmma_desc_advance(stage_desc, so + 4 * Tile::kBox + 32 * kk));
   };
-  auto products = [&](int st, auto kb, auto first) {
+  auto products = [&](int st, int kb, auto first) {
     const uint32_t s = st * uint32_t{Tile::kStageBytes};
-    slice(s, kb, std::integral_constant<int, 0>{}, first);
-    slice(s, kb, std::integral_constant<int, 1>{}, std::false_type{});
-    slice(s, kb, std::integral_constant<int, 2>{}, std::false_type{});
-    slice(s, kb, std::integral_constant<int, 3>{}, std::false_type{});
+    slice(s, kb, 0, first);
+#pragma unroll
+    for (int kk = 1; kk < 4; ++kk) slice(s, kb, kk, std::false_type{});
   };
   pipe.start_turns(wg);
 
   detail::mbarrier_wait_cta(pipe.tokens_full(), 0);
-  // The staging boxes of this warpgroup (kTma): output o at + o kOutBox.
-  unsigned char* staged = base + Tile::staging_offset(D) + wg * 6 * Tile::kOutBox;
-  constexpr int kStoreBar = StagePipe<kStages>::kTurn + 2;  // + wg; the turns take 1, 2
-  if constexpr (kTma) {
-    // ldmatrix lane l: row l % 8 (+ 8 for odd matrices) of the warp's 16,
-    // 16-byte piece 2 kk + (matrix / 2) of the 128-byte swizzled row.
-    const int m = lane / 8, vrow = 64 * wg + 16 * warp + lane % 8 + 8 * (m & 1);
-    const uint32_t vrow_at = detail::shared_address(vs) + vrow * 128;
-#pragma unroll
-    for (int kb = 0; kb < kKbs; ++kb)
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        uint32_t r4[4];
-        detail::ldmatrix_x4_at<false>(
-            r4, vrow_at + kb * uint32_t{Tile::kTokenBox} + 16 * ((2 * kk + m / 2) ^ (vrow % 8)));
-#pragma unroll
-        for (int x = 0; x < 4; ++x) vf[16 * kb + 4 * kk + x] = r4[x];
-      }
-    // Every consumer holds its fragments before the staging (over v at D 256)
-    // is written.
-    detail::named_barrier_sync(kStoreBar + 2, Tile::kConsumers);
-  }
   auto store_row = [q](bf16* row, uint32_t(&w)[4], bool valid) {
-    if constexpr (kStore == GradStore::quad16)
+    if constexpr (kWide)
       detail::store_quad_row16(row, w, q, valid);
     else
       detail::store_quad_row<4, false>(row, w, q, valid);
   };
-  const bool issuer = tid % 128 == 0;  // the warpgroup's TMA stores (kTma)
   for (int j = 0, i = 0; j < js; ++j) {
-    if constexpr (kTma)
-      pipe.template pass<kKbs>(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
-    else
-      pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
-    if constexpr (kTma) {
-      // The previous pass's stores have read the boxes before they are rewritten.
-      if (issuer) detail::bulk_store_wait<0, true>();
-      detail::named_barrier_sync(kStoreBar + wg, 128);
-    }
+    pipe.pass(i, kbs, wg, lane, wg == 0 || j + 1 < js, products);
 
     // Element a = 4 c8 + 2 e + u (c8 = 0..3) of each 32-column block is row
     // r + 8 e, column 32 j + 8 c8 + 2 q + u: h0 ak[a], h2 ak[a + 16],
@@ -759,46 +679,13 @@ __global__ void __launch_bounds__(GradTile::kThreads, 1)
         wd0[c8] = detail::pack2<bf16>(dh0o[0], dh0o[1]);
         wd2[c8] = detail::pack2<bf16>(dh2o[0], dh2o[1]);
       }
-      if constexpr (kTma) {
-        // Matrix c8 of rows 8 e .. of the warp's 16: lane l gives row l % 8 of
-        // matrix l / 8, its 16-byte piece swizzled by (row / 2) % 4 (64-byte
-        // rows, the 64-byte swizzle).
-        const int srow = 16 * warp + 8 * e + lane % 8;
-        unsigned char* at = staged + srow * 64 + 16 * ((lane / 8) ^ ((srow / 2) % 4));
-        detail::stmatrix_x4(at, wz0[0], wz0[1], wz0[2], wz0[3]);
-        detail::stmatrix_x4(at + Tile::kOutBox, wz2[0], wz2[1], wz2[2], wz2[3]);
-        detail::stmatrix_x4(at + 2 * Tile::kOutBox, wg1[0], wg1[1], wg1[2], wg1[3]);
-        detail::stmatrix_x4(at + 3 * Tile::kOutBox, wde[0], wde[1], wde[2], wde[3]);
-        detail::stmatrix_x4(at + 4 * Tile::kOutBox, wd0[0], wd0[1], wd0[2], wd0[3]);
-        detail::stmatrix_x4(at + 5 * Tile::kOutBox, wd2[0], wd2[1], wd2[2], wd2[3]);
-        (void)row, (void)col, (void)valid;
-      } else {
-        store_row(p.z + row * p.z_ld + col, wz0, valid);
-        store_row(p.z + row * p.z_ld + M + col, wz2, valid);
-        store_row(p.gate + row * p.gate_ld + col, wg1, valid);
-        store_row(p.de + row * p.de_ld + col, wde, valid);
-        store_row(p.dh + row * p.dh_ld + col, wd0, valid);
-        store_row(p.dh + row * p.dh_ld + M + col, wd2, valid);
-      }
+      store_row(p.z + row * p.z_ld + col, wz0, valid);
+      store_row(p.z + row * p.z_ld + M + col, wz2, valid);
+      store_row(p.gate + row * p.gate_ld + col, wg1, valid);
+      store_row(p.de + row * p.de_ld + col, wde, valid);
+      store_row(p.dh + row * p.dh_ld + col, wd0, valid);
+      store_row(p.dh + row * p.dh_ld + M + col, wd2, valid);
     }
-    if constexpr (kTma) {
-      detail::fence_proxy_async_shared();
-      detail::named_barrier_sync(kStoreBar + wg, 128);
-      if (issuer) {
-        const int t = row0 + 64 * wg, c = Tile::kCols * j, pr = static_cast<int>(pair);
-        detail::tensor_store_from_shared_3d(&maps.z, staged, c, t, pr);
-        detail::tensor_store_from_shared_3d(&maps.z, staged + Tile::kOutBox, M + c, t, pr);
-        detail::tensor_store_from_shared_3d(&maps.gate, staged + 2 * Tile::kOutBox, c, t, pr);
-        detail::tensor_store_from_shared_3d(&maps.de, staged + 3 * Tile::kOutBox, c, t, pr);
-        detail::tensor_store_from_shared_3d(&maps.dh, staged + 4 * Tile::kOutBox, c, t, pr);
-        detail::tensor_store_from_shared_3d(&maps.dh, staged + 5 * Tile::kOutBox, M + c, t, pr);
-        detail::bulk_store_commit();
-      }
-    }
-  }
-  // The boxes stay in shared memory until the stores have read them.
-  if constexpr (kTma) {
-    if (issuer) detail::bulk_store_wait<0, false>();
   }
   // The rows' sums over all M columns: this lane's, then the quad's.
 #pragma unroll
@@ -969,46 +856,17 @@ void lact_hidden_grad_launch(const LactHiddenGradParams& given, cudaStream_t str
   maps.dg1t = detail::tile_map_2d(p.dg1t, t_rows, p.D, Tile::kK, Tile::kCols, swz, "w1");
   const dim3 grid(static_cast<unsigned>((p.n + Tile::kRows - 1) / Tile::kRows),
                   static_cast<unsigned>(pairs));
-  const int D = static_cast<int>(p.D);
+  const size_t smem = Tile::smem_bytes(static_cast<int>(p.D));
   // STATESCAN_LACT_ROW_STORE: the rows in 16-byte pieces up to D 128 and 8
   // above (auto, the default; quad_store.cuh's store_quad_row16 has the
-  // kernel's figures), always 8 or 16, or by TMA stores (tma, opt-in until
-  // measured). In the layer (H100, `--muon-steps 0`, two rounds alternating),
-  // 16 at D 128: 75.31 -> 74.58 ms forward + backward.
-  static const int store = env_choice("STATESCAN_LACT_ROW_STORE", {"auto", "8", "16", "tma"});
-  if (store == 3) {
-    // The outputs as [pairs][n][width]: a box's rows past n are not written.
-    auto out_map = [&](const bf16* out, int64_t ld, int64_t width, const char* name) {
-      const int64_t dims[3] = {width, p.n, pairs}, strides[2] = {2 * ld, 2 * ld * p.n};
-      const int box[3] = {Tile::kCols, 64, 1};
-      return detail::tile_map_3d(out, dims, strides, box, name, CU_TENSOR_MAP_SWIZZLE_64B);
-    };
-    maps.z = out_map(p.z, p.z_ld, 2 * p.M, "z");
-    maps.gate = out_map(p.gate, p.gate_ld, p.M, "gate");
-    maps.de = out_map(p.de, p.de_ld, p.M, "de");
-    maps.dh = out_map(p.dh, p.dh_ld, 2 * p.M, "dh");
-    const size_t smem = Tile::smem_bytes_tma(D);
-    auto go = [&](auto kernel) {
-      detail::launch_kernel_maybe_dependent(p.dependent, kernel, grid, Tile::kThreads, smem, stream,
-                                            "lact_hidden_grad_kernel", p, maps);
-    };
-    // D is a multiple of 64 up to 256 (lact_hidden_supported).
-    switch (D / Tile::kK) {
-      case 1:
-        return go(lact_hidden_grad_kernel<GradStore::tma, 1>);
-      case 2:
-        return go(lact_hidden_grad_kernel<GradStore::tma, 2>);
-      case 3:
-        return go(lact_hidden_grad_kernel<GradStore::tma, 3>);
-      default:
-        return go(lact_hidden_grad_kernel<GradStore::tma, 4>);
-    }
-  }
-  const bool wide = store == 2 || (store <= 0 && p.D <= 128);
+  // kernel's figures), or always 8 or 16. In the layer (H100, `--muon-steps
+  // 0`, two rounds alternating), 16 at D 128: 75.31 -> 74.58 ms forward +
+  // backward.
+  static const int width = env_choice("STATESCAN_LACT_ROW_STORE", {"auto", "8", "16"});
+  const bool wide = width == 2 || (width <= 0 && p.D <= 128);
   detail::launch_kernel_maybe_dependent(
-      p.dependent,
-      wide ? lact_hidden_grad_kernel<GradStore::quad16> : lact_hidden_grad_kernel<GradStore::quad8>,
-      grid, Tile::kThreads, Tile::smem_bytes(D), stream, "lact_hidden_grad_kernel", p, maps);
+      p.dependent, wide ? lact_hidden_grad_kernel<true> : lact_hidden_grad_kernel<false>, grid,
+      Tile::kThreads, smem, stream, "lact_hidden_grad_kernel", p, maps);
 }
 
 bool lact_hidden_supported(int64_t D, int64_t M) {

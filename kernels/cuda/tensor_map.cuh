@@ -60,11 +60,9 @@ inline CUtensorMap tile_map_2d(const void* base, int64_t rows, int64_t cols, int
 
 // A 3D tensor map over 16-bit elements: dims[0] contiguous, dims[1] and
 // dims[2] `strides` bytes apart (multiples of 16, ascending), boxes of box[]
-// with the 128-byte swizzle (or `swizzle`); coordinates past a dimension
-// arrive as zeros, and a store's rows past one are not written.
+// with the 128-byte swizzle; coordinates past a dimension arrive as zeros.
 inline CUtensorMap tile_map_3d(const void* base, const int64_t (&dims)[3],
-                               const int64_t (&strides)[2], const int (&box)[3], const char* arg,
-                               CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+                               const int64_t (&strides)[2], const int (&box)[3], const char* arg) {
   CUtensorMap map;
   const cuuint64_t d[3] = {static_cast<cuuint64_t>(dims[0]), static_cast<cuuint64_t>(dims[1]),
                            static_cast<cuuint64_t>(dims[2])};
@@ -75,7 +73,7 @@ inline CUtensorMap tile_map_3d(const void* base, const int64_t (&dims)[3],
   const cuuint32_t unit[3] = {1, 1, 1};
   const CUresult r =
       encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), d, st, b,
-                     unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                     unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   SS_CHECK_ARG(r == CUDA_SUCCESS, arg, "cuTensorMapEncodeTiled failed (", static_cast<int>(r),
                ") for a [", dims[2], "][", dims[1], "][", dims[0], "] array, strides ", strides[0],

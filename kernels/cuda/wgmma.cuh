@@ -116,17 +116,6 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Four 8 x 8 16-bit matrices from the fragment layout (lane 4 g + q holds row
-// g, columns 2 q, 2 q + 1 of each): lane l gives the address of stored row
-// l % 8 of matrix l / 8 (16 bytes), matrix m's fragment in r[m].
-__device__ __forceinline__ void stmatrix_x4(const void* row, uint32_t r0, uint32_t r1, uint32_t r2,
-                                            uint32_t r3) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a),
-               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-
 // Four 8 x 8 16-bit matrices stored transposed: lane l gives the address of
 // stored row l % 8 of matrix l / 8 (16 bytes), matrix m's fragment in r[m].
 __device__ __forceinline__ void stmatrix_x4_trans(const void* row, uint32_t r0, uint32_t r1,

@@ -13,6 +13,8 @@
 // the kernel's products. PROBE_DUMP=FILE writes the outputs' bytes (poisoned
 // with 0xff before the first launch) to FILE, so that two store paths of the
 // same kernel (STATESCAN_LACT_ROW_STORE) can be compared with cmp.
+// PROBE_PAD=E pads the gradient kernel's output rows by E elements (a
+// multiple of 8): their pitch is then not a power of two.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -83,8 +85,10 @@ int main(int argc, char** argv) {
       g.k = k, g.v = v, g.w = w, g.dg = random_bf16(H * 3 * M * D, 0.05f, 4);
       g.w1t = random_bf16(H * M * D, 0.05f, 5), g.dg1t = random_bf16(H * M * D, 0.05f, 6);
       g.lr0 = lr0, g.lr1 = lr1, g.lr2 = lr2;
-      g.z = output(n * H * 2 * M), g.dh = output(n * H * 2 * M);
-      g.gate = output(n * H * M), g.de = output(n * H * M);
+      const int64_t pad = std::getenv("PROBE_PAD") ? std::atoll(std::getenv("PROBE_PAD")) : 0;
+      g.z_ld = g.dh_ld = 2 * M + pad, g.gate_ld = g.de_ld = M + pad;
+      g.z = output(n * H * g.z_ld), g.dh = output(n * H * g.dh_ld);
+      g.gate = output(n * H * g.gate_ld), g.de = output(n * H * g.de_ld);
       g.dlr0 = output(n * H), g.dlr1 = output(n * H), g.dlr2 = output(n * H);
       flop = 2.0 * n * H * D * 6 * M;  // [h0 | h2 | u0 | u2] and [v W1 | u1]
     } else if (mode == "key" || mode == "apply_backward") {
