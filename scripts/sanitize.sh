@@ -24,8 +24,7 @@ ctest --test-dir "$BUILD" -j "${JOBS:-$(nproc)}" --no-tests=error >"$BUILD/sanit
 grep -E "tests passed|tests failed" "$BUILD/sanitize.log" || tail -5 "$BUILD/sanitize.log"
 # A report in a child process (statescan-run under mpirun) may not fail its
 # test: look for them in every test's output as well.
-if grep -lE "runtime error:|ERROR: AddressSanitizer" "$BUILD/Testing/Temporary/LastTest.log" >/dev/null; then
-  grep -m5 -E "runtime error:|ERROR: AddressSanitizer" "$BUILD/Testing/Temporary/LastTest.log"
+if grep -m5 -E "runtime error:|ERROR: AddressSanitizer" "$BUILD/Testing/Temporary/LastTest.log"; then
   status=1
 fi
 ((status == 0)) && echo "sanitize: every entry passed, no sanitizer report" || echo "sanitize: FAILED, see $BUILD/sanitize.log"

@@ -85,7 +85,8 @@ int main(int argc, char** argv) {
       g.k = k, g.v = v, g.w = w, g.dg = random_bf16(H * 3 * M * D, 0.05f, 4);
       g.w1t = random_bf16(H * M * D, 0.05f, 5), g.dg1t = random_bf16(H * M * D, 0.05f, 6);
       g.lr0 = lr0, g.lr1 = lr1, g.lr2 = lr2;
-      const int64_t pad = std::getenv("PROBE_PAD") ? std::atoll(std::getenv("PROBE_PAD")) : 0;
+      const char* pad_env = std::getenv("PROBE_PAD");
+      const int64_t pad = pad_env != nullptr ? std::atoll(pad_env) : 0;
       g.z_ld = g.dh_ld = 2 * M + pad, g.gate_ld = g.de_ld = M + pad;
       g.z = output(n * H * g.z_ld), g.dh = output(n * H * g.dh_ld);
       g.gate = output(n * H * g.gate_ld), g.de = output(n * H * g.de_ld);
