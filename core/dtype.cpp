@@ -47,7 +47,9 @@ static float float_of(uint32_t u) {
 
 uint16_t float_to_bf16_bits(float x) {
   uint32_t u = bits_of(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  // A NaN stays a NaN: truncated, with the quiet bit set (a payload in the low bits alone would
+  // truncate to inf).
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
   // Adding 0x7fff plus the lowest kept bit rounds half to even; a carry into
   // the exponent correctly produces the next binade or inf.
   u += 0x7fffu + ((u >> 16) & 1u);

@@ -13,7 +13,8 @@ int64_t count_chunks(const MixerParams& p) {
 int64_t first_chunk_of_segment(const MixerParams& p, int64_t n) {
   if (p.cu_seqlens == nullptr) return n * ((p.seq_len + p.chunk - 1) / p.chunk);
   int64_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += (p.cu_seqlens[i + 1] - p.cu_seqlens[i] + p.chunk - 1) / p.chunk;
+  for (int64_t i = 0; i < n; ++i)
+    c += (p.cu_seqlens[i + 1] - p.cu_seqlens[i] + p.chunk - 1) / p.chunk;
   return c;
 }
 

@@ -539,8 +539,8 @@ int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
     if (!m.bwd_note.empty()) out << "#   bwd/pre-pass not measured: " << m.bwd_note << "\n";
     if (std::isfinite(m.prepass_alone_ms)) {
       std::snprintf(line, sizeof line,
-                    "#   pre-pass = its scan on the backward's prepared tiles (shared with the local "
-                    "backward, prepare %.3f ms); standalone (prepare + scan): %.3f ms\n",
+                    "#   pre-pass = its scan on the backward's prepared tiles (shared with the "
+                    "local backward, prepare %.3f ms); standalone (prepare + scan): %.3f ms\n",
                     m.bwd_prepare_ms, m.prepass_alone_ms);
       out << line;
     }

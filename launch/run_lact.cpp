@@ -544,7 +544,8 @@ void LactJob::report_step_metrics(const StepTimes& t) const {
   metrics_->on_allreduce(t.exchange_s, static_cast<int64_t>(t.exchange_bytes));
   const int64_t tokens = d.batch * local_.length;
   const double seconds = std::max(t.fwd_s + t.bwd_s, 1e-9);  // a clock tick can read 0
-  metrics_->on_step({tokens, seconds, lact_step_flops(tokens * d.heads, d.dim, d.hidden, backward_)});
+  metrics_->on_step(
+      {tokens, seconds, lact_step_flops(tokens * d.heads, d.dim, d.hidden, backward_)});
   const MemoryUse memory = device_memory(device_);
   metrics_->set_device_memory(memory.current_bytes, memory.peak_bytes);
 }

@@ -274,7 +274,10 @@ Options parse(int argc, char** argv) {
   SS_CHECK_ARG(o.save_t || o.backward, "--no-save-t", "applies to --backward only");
   SS_CHECK_ARG(!(o.keep_prepared && o.recompute), "--keep-prepared",
                "cannot be combined with --recompute (the kept tiles go with saved chunk states)");
-  const unsigned mode = o.cp_measure ? kMeasure : o.cp_model ? kModel : o.backward ? kBackward : kForward;
+  const unsigned mode = o.cp_measure ? kMeasure
+                        : o.cp_model ? kModel
+                        : o.backward ? kBackward
+                                     : kForward;
   const char* mode_name = o.cp_measure ? "--cp-measure"
                           : o.cp_model ? "--cp-model"
                           : o.backward ? "--backward"
@@ -778,7 +781,8 @@ int run_backward_table(const Options& opt, const cudaDeviceProp& prop) {
   std::printf(opt.save_t
                   ? "# T: saved by forward, two 16-bit parts (MixerParams::saved_t, 4 C bytes per\n"
                     "#   token-head; delta rules without a vector gate: the others have none)\n"
-                  : "# T: not saved (--no-save-t): the backward's prepare re-run solves it again\n");
+                  : "# T: not saved (--no-save-t): the backward's prepare re-run solves it "
+                    "again\n");
   if (opt.keep_prepared)
     std::printf(
         "# prepared tiles: kept by forward for backward (--keep-prepared: PreparedForward ->\n"

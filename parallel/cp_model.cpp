@@ -104,7 +104,8 @@ double cp_summary_first_flops(const CpLayer& l) {
 double cp_summary_bytes(const CpLayer& l, bool backward) {
   const double es = static_cast<double>(size_of(l.dtype));
   if (backward && !diagonal_maps(l))
-    return es * static_cast<double>(l.dk + l.dv) * static_cast<double>(l.batch * l.seq_len * l.heads);
+    return es * static_cast<double>(l.dk + l.dv) *
+           static_cast<double>(l.batch * l.seq_len * l.heads);
   const double gates =
       has_gate(l.variant) ? (vector_gate(l.variant) ? 4.0 * static_cast<double>(l.dk) : 4.0) : 0.0;
   const double per_token =
@@ -313,7 +314,8 @@ std::string format_cp_model_table(const CpLayer& layer, const CpLocalTimes& time
   else
     s +=
         "#  slack 0: no prepare stage beside the reverse exchange (additive rules, or not known)\n";
-  s += "#  summary fwd(2) = the first rank's E or the last rank's maps (delta rules), the slower;\n";
+  s += "#  summary fwd(2) = the first rank's E or the last rank's maps (delta rules), the "
+       "slower;\n";
   s += "#  summary fwd(P >= 3) = a middle rank's E beside its maps; summary bwd = delta rules:\n";
   s += "#  one H^T dO GEMM from the forward's maps, additive rules: the reverse-scan pre-pass\n";
   s += fmt("#  overlap %.2f of the local pass hides the exchange (state-independent A/W/U work);\n",

@@ -181,7 +181,9 @@ ScanResult exclusive_scan(Communicator& comm, Exchange strategy, const ScanMaps&
   const Order ord{comm.rank(), comm.size(), order == ScanOrder::reverse};
   if (ord.size == 1) return r;
   switch (strategy) {
-    case Exchange::allgather: r.bytes_sent = scan_allgather(comm, maps, ord, r.incoming.data()); break;
+    case Exchange::allgather:
+      r.bytes_sent = scan_allgather(comm, maps, ord, r.incoming.data());
+      break;
     case Exchange::ring: r.bytes_sent = scan_ring(comm, maps, ord, r.incoming.data()); break;
     case Exchange::tree: r.bytes_sent = scan_tree(comm, maps, ord, r.incoming.data()); break;
     case Exchange::automatic: SS_FAIL("exchange", "must be resolved before the scan");
@@ -386,7 +388,8 @@ Exchange resolve_exchange(Exchange requested, int ranks, int64_t map_bytes, int6
   Exchange best = Exchange::ring;
   double best_s = std::numeric_limits<double>::infinity();
   for (Exchange e : {Exchange::ring, Exchange::allgather, Exchange::tree}) {
-    const double t = predicted_exchange_seconds(e, ranks, map_bytes, state_bytes, apply_flops, link);
+    const double t =
+        predicted_exchange_seconds(e, ranks, map_bytes, state_bytes, apply_flops, link);
     if (t < best_s) {
       best_s = t;
       best = e;

@@ -90,8 +90,8 @@ LinkModel link_preset(LinkPreset preset, int gpus_per_node = 8);
 // agree on the slowest figures (all-reduce max), so every rank resolves
 // `auto` alike. Where the large shift takes less than 1.25x the small one,
 // its transfer time is lost in the latency's noise: the bandwidth is then
-// the base's and `bandwidth_measured` false (never a fit of noise). compose_flops_per_s and the node layout come from `base`.
-// A group of one returns `base`.
+// the base's and `bandwidth_measured` false (never a fit of noise). compose_flops_per_s and the
+// node layout come from `base`. A group of one returns `base`.
 LinkModel measure_link(Communicator& comm, const LinkModel& base = {});
 
 // What measure_link and its device twin (parallel/exchange_cuda.h) share:

@@ -213,8 +213,8 @@ void LactLayer::backward_device(const LactBackwardArgs& a) {
   g.dw1 = a.dw1.data;
   g.dw2 = a.dw2.data;
   backward_exchange_ = {};
-  cuda::lact_cuda_backward(state.params, g, state.saved, state.all_reduce(comm_, backward_exchange_),
-                           state.stream);
+  cuda::lact_cuda_backward(state.params, g, state.saved,
+                           state.all_reduce(comm_, backward_exchange_), state.stream);
   state.finish(comm_, backward_exchange_);
 }
 

@@ -36,7 +36,8 @@ inline std::vector<float> slice_tokens(const std::vector<double>& x, int64_t B, 
   out.reserve(static_cast<std::size_t>(B * (t1 - t0) * inner));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t i = 0; i < inner; ++i) out.push_back(static_cast<float>(x[(b * T + t) * inner + i]));
+      for (int64_t i = 0; i < inner; ++i)
+        out.push_back(static_cast<float>(x[(b * T + t) * inner + i]));
   return out;
 }
 
@@ -83,7 +84,8 @@ inline CpOutputs run_cp(CpMixer& mixer, const ref::Problem& p, int64_t t0, int64
   fa.v = TensorView(v.data(), DType::f32, vo);
   if (!g.empty()) fa.g = TensorView(g.data(), DType::f32, gs);
   if (!beta.empty()) fa.beta = TensorView(beta.data(), DType::f32, bth);
-  if (!cu.empty()) fa.cu_seqlens = TensorView(cu.data(), DType::i64, {static_cast<int64_t>(cu.size())});
+  if (!cu.empty())
+    fa.cu_seqlens = TensorView(cu.data(), DType::i64, {static_cast<int64_t>(cu.size())});
   if (!h0.empty()) fa.initial_state = TensorView(h0.data(), DType::f32, st);
   fa.o = TensorView(out.o.data(), DType::f32, vo);
   fa.final_state = TensorView(out.ht.data(), DType::f32, st);

@@ -63,7 +63,8 @@ TEST_P(CpSingleRank, MatchesReferenceForwardAndBackward) {
   auto d_o = round_f32(randn(p.v.size(), rng));
   std::vector<double> dht;
   if (c.with_state)
-    dht = round_f32(randn(static_cast<std::size_t>(p.num_sequences() * s.heads * s.dk * s.dv), rng));
+    dht =
+        round_f32(randn(static_cast<std::size_t>(p.num_sequences() * s.heads * s.dk * s.dv), rng));
 
   const ref::Outputs ro = ref::forward(p);
   const ref::Grads rg = ref::backward(p, d_o, dht);

@@ -418,7 +418,8 @@ TEST_P(CudaBackward, SavedTGivesTheSolvedTGradients) {
   gpu.run_forward(saved.data());
   m = gpu.backward_params();
   m.saved_t = saved.data();
-  EXPECT_LE(cuda::backward_workspace_bytes(m), cuda::backward_workspace_bytes(gpu.backward_params()));
+  EXPECT_LE(cuda::backward_workspace_bytes(m),
+            cuda::backward_workspace_bytes(gpu.backward_params()));
   cuda::mixer_backward(m, nullptr);
   check_device_sync();
   expect_same_outputs(gpu.raw_outputs(), expected);

@@ -317,8 +317,9 @@ TEST_P(ServedMetrics, AllReducesCountAsExchangeUnderTheirOwnStrategy) {
   EXPECT_TRUE(near(
       value_of(samples, "statescan_exchange_bytes_total", labels({{"strategy", "allreduce"}})),
       3.0 * bytes));
-  EXPECT_TRUE(near(
-      value_of(samples, "statescan_phase_seconds_total", labels({{"phase", "exchange"}})), s1 + s2));
+  EXPECT_TRUE(
+      near(value_of(samples, "statescan_phase_seconds_total", labels({{"phase", "exchange"}})),
+           s1 + s2));
   for (const char* strategy : {"allgather", "ring", "tree"})
     EXPECT_TRUE(near(
         value_of(samples, "statescan_exchange_bytes_total", labels({{"strategy", strategy}})), 0));

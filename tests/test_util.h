@@ -62,7 +62,9 @@ inline std::vector<double> randn(std::size_t n, std::mt19937_64& rng, double std
   return x;
 }
 
-inline double log_sigmoid(double x) { return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x)); }
+inline double log_sigmoid(double x) {
+  return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x));
+}
 inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 // L2-normalises every length-d vector of x in place.
@@ -115,7 +117,8 @@ inline ref::Problem random_problem(const ProblemSpec& s, uint64_t seed) {
     p.beta = randn(btH, rng);
     for (auto& e : p.beta) e = sigmoid(e);
   }
-  if (s.with_h0) p.h0 = randn(static_cast<std::size_t>(p.num_sequences() * s.heads * s.dk * s.dv), rng, 0.1);
+  if (s.with_h0)
+    p.h0 = randn(static_cast<std::size_t>(p.num_sequences() * s.heads * s.dk * s.dv), rng, 0.1);
   return p;
 }
 

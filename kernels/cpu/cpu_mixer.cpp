@@ -188,7 +188,8 @@ struct WorkItem {
 std::vector<int64_t> segment_first_chunks(const MixerParams& p) {
   std::vector<int64_t> first(static_cast<std::size_t>(p.num_segments), 0);
   for (int64_t n = 1; n < p.num_segments; ++n)
-    first[n] = first[n - 1] + (segment_end(p, n - 1) - segment_begin(p, n - 1) + p.chunk - 1) / p.chunk;
+    first[n] =
+        first[n - 1] + (segment_end(p, n - 1) - segment_begin(p, n - 1) + p.chunk - 1) / p.chunk;
   return first;
 }
 

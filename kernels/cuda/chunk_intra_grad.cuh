@@ -606,7 +606,8 @@ __global__ void __launch_bounds__(512, 1)
         for (int e = 0; e < 4; e += 2) {
           const int t = 16 * I + g + 8 * (e >> 1), s = 16 * J + 8 * j + i2;
           const float x = s < t ? sBeta[s] * (p1[j][e] + p2[j][e] * up(s)) : 0.f;
-          const float y = s + 1 < t ? sBeta[s + 1] * (p1[j][e + 1] + p2[j][e + 1] * up(s + 1)) : 0.f;
+          const float y =
+              s + 1 < t ? sBeta[s + 1] * (p1[j][e + 1] + p2[j][e + 1] * up(s + 1)) : 0.f;
           *reinterpret_cast<uint32_t*>(hDT + t * kLdC + s) = pack2<T>(x, y);
         }
     });

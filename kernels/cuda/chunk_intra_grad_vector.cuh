@@ -21,7 +21,8 @@
 // every block and dimension of the item (kMaxDrop: the f16 range, and the
 // gate gradient's precision, which the CPU model in test_chunk_bwd_model
 // bounds). An item with a larger drop takes the diagonal blocks exactly on
-// the CUDA cores instead (one exponential per term), decided once per item. The key gram KK (delta rule) contracts over d, so there the
+// the CUDA cores instead (one exponential per term), decided once per item.
+// The key gram KK (delta rule) contracts over d, so there the
 // factor e^{b_rho(I-1) - b_rho(J)} (<= 1, J < I) scales the A operand per
 // dimension (warp_mm_16xn_xscaled), on the diagonal too within the same
 // bound (the factor is then e^{drop} >= 1: A operand k_t e^{b_t - b_rho(I)}).
@@ -64,7 +65,8 @@ struct IntraVecTraits {
                                     2 * kParts * kMaxChunk + 4 * Dk;
   static constexpr size_t kBytes = kOffRows + sizeof(float) * kRowFloats;
   static_assert(2 * kTile >= kBTile, "q and dW hold the fp32 db");
-  static_assert(kBytes <= 227 * 1024, "chunk_intra_grad_vector_kernel exceeds Hopper shared memory");
+  static_assert(kBytes <= 227 * 1024,
+                "chunk_intra_grad_vector_kernel exceeds Hopper shared memory");
   static_assert(Dk % (16 * kParts) == 0, "each warp takes a column quarter in n8 pairs");
 };
 
