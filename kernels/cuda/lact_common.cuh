@@ -228,20 +228,6 @@ inline int64_t split_k_knob() {
   return knob;
 }
 
-// STATESCAN_LACT_ROW_PAD: E elements (a multiple of 8, 0 to 1024; unset 0) added to the pitch
-// of the fused backward's packed gradient rows ([z | dh] 4M, [gate | de] 2M). Opt-in, to
-// measure whether the gradient kernel's stores, 64-byte pieces of rows 2 or 4 KB apart at the
-// same column offset, are slowed by that power-of-two stride (fifty-fourth session's question).
-inline int64_t lact_row_pad_knob() {
-  static const int64_t knob = [] {
-    const int64_t e = env_int("STATESCAN_LACT_ROW_PAD", 0, 0, 1024);
-    SS_CHECK_ARG(e % 8 == 0, "STATESCAN_LACT_ROW_PAD",
-                 "must be a multiple of 8 (16-byte aligned rows), got ", e);
-    return e;
-  }();
-  return knob;
-}
-
 // Slices of the contraction for `batch` GEMMs of m x n fp32 outputs, k long:
 // a power of two dividing k; automatically enough for ~2 output tiles of 128
 // x 128 per SM, each slice >= 256 long.

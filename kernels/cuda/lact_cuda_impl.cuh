@@ -272,12 +272,7 @@ class LactGpu {
   // Per-pair intermediates of n rows of `width` (M or 2M), pair-major.
   template <typename X>
   Operand rows_in(const X* buf, int64_t b, int64_t n, int64_t width) const {
-    return rows_at(buf, b, n, width);
-  }
-  // The same with a row pitch ld >= the width the GEMM reads.
-  template <typename X>
-  Operand rows_at(const X* buf, int64_t b, int64_t n, int64_t ld) const {
-    return {buf + b * g_.H * n * ld, data_type<X>(), ld, n * ld};
+    return {buf + b * g_.H * n * width, data_type<X>(), width, n * width};
   }
   template <typename X>
   Output rows_out(X* buf, int64_t b, int64_t n, int64_t width) const {
@@ -323,14 +318,7 @@ class LactGpu {
   float* h_buf() { return lazy(h_, 2 * rows_alloc(), stream_); }
   float* e_buf() { return lazy(e_, rows_alloc(), stream_); }
   // Elements of a per-pair array of rows of M over the longest slice.
-  std::size_t rows_alloc(int64_t width) const {
-    return static_cast<std::size_t>(g_.pairs * g_.max_n * width);
-  }
-  std::size_t rows_alloc() const { return rows_alloc(g_.M); }
-  // The fused backward's packed rows [z | dh] and [gate | de]: their pitch, with
-  // STATESCAN_LACT_ROW_PAD's padding (lact_row_pad_knob).
-  int64_t zdh_ld() const { return 4 * g_.M + lact_row_pad_knob(); }
-  int64_t gde_ld() const { return 2 * g_.M + lact_row_pad_knob(); }
+  std::size_t rows_alloc() const { return static_cast<std::size_t>(g_.pairs * g_.max_n * g_.M); }
   // `a`, allocated with `size` elements on first use.
   template <typename X>
   static X* lazy(PoolArray<X>& a, std::size_t size, cudaStream_t stream) {
@@ -528,8 +516,9 @@ class LactGpu {
     if constexpr (std::is_same<T, bf16>::value) {
       if (!fused_hidden_) return false;
       const int64_t md = g_.md(), pairs = g_.pairs;
-      T* zdh = lazy(zdh_, rows_alloc(zdh_ld()), stream_);
-      T* gde = lazy(gde_, rows_alloc(gde_ld()), stream_);
+      const std::size_t rows = rows_alloc();
+      T* zdh = lazy(zdh_, 4 * rows, stream_);
+      T* gde = lazy(gde_, 2 * rows, stream_);
       T* kw = lazy(kw_, static_cast<std::size_t>(pairs * 4 * md), stream_);
       T* t1 = lazy(t1_, static_cast<std::size_t>(pairs * 2 * md), stream_);
       // dG's bf16 rows go straight into kw and t1: the block copy of dG
@@ -541,8 +530,8 @@ class LactGpu {
       h.lr0 = tok(p_.lr0), h.lr1 = tok(p_.lr1), h.lr2 = tok(p_.lr2);
       h.dlr0 = static_cast<T*>(gr.dlr0), h.dlr1 = static_cast<T*>(gr.dlr1),
       h.dlr2 = static_cast<T*>(gr.dlr2);
-      h.z = zdh, h.dh = zdh + 2 * g_.M, h.z_ld = h.dh_ld = zdh_ld();
-      h.gate = gde, h.de = gde + g_.M, h.gate_ld = h.de_ld = gde_ld();
+      h.z = zdh, h.dh = zdh + 2 * g_.M, h.z_ld = h.dh_ld = 4 * g_.M;
+      h.gate = gde, h.de = gde + g_.M, h.gate_ld = h.de_ld = 2 * g_.M;
       h.B = g_.B, h.H = g_.H, h.D = g_.D, h.M = g_.M, h.local_len = g_.local_len, h.t0 = t0,
       h.n = n;
       h.dependent = pdl_;  // after lact_hidden_pack_operands, which writes only kw and t1
@@ -568,14 +557,14 @@ class LactGpu {
       const T* gde = gde_.get();
       for (int64_t b = 0; b < g_.B; ++b) {
         const int64_t pb = b * g_.H;  // the row's first pair
-        gemm_t(false, false, n, D, 2 * M2, 1.0, rows_at<T>(zdh, b, n, zdh_ld()),
+        gemm_t(false, false, n, D, 2 * M2, 1.0, rows_in<T>(zdh, b, n, 2 * M2),
                {kw_.get() + pb * 4 * md, kT, D, 4 * md}, 0.0, tokens_out(gr.dk, b, t0));
-        gemm_t(false, false, n, D, M2, -1.0, rows_at<T>(gde, b, n, gde_ld()),
+        gemm_t(false, false, n, D, M2, -1.0, rows_in<T>(gde, b, n, M2),
                {t1_.get() + pb * 2 * md, kT, D, 2 * md}, 0.0, tokens_out(gr.dv, b, t0));
-        gemm_t(true, false, D, M, n, -1.0, tokens(p_.v, b, t0), rows_at<T>(gde + M, b, n, gde_ld()),
-               1.0, weight_grad(dW, b, 2));
-        gemm_t(true, false, M2, D, n, 1.0, rows_at<T>(zdh + M2, b, n, zdh_ld()),
-               tokens(p_.k, b, t0), 1.0, weight_grad(dW, b, 0));
+        gemm_t(true, false, D, M, n, -1.0, tokens(p_.v, b, t0), rows_in<T>(gde + M, b, n, M2), 1.0,
+               weight_grad(dW, b, 2));
+        gemm_t(true, false, M2, D, n, 1.0, rows_in<T>(zdh + M2, b, n, 2 * M2), tokens(p_.k, b, t0),
+               1.0, weight_grad(dW, b, 0));
       }
       return;
     }

@@ -541,7 +541,10 @@ struct GradMaps {
 // warpgroup storing the boxes, v's operand in registers to free the staging): bit-identical but
 // slower, 90.7-93.8 against 85.7-86.1 us at D 256 and 100.3 against 99.5 ms in the layer (H100);
 // the same stores into an L2-resident window take 68-70 us and none at all 56-58, so most of
-// their cost is the writes' trip to DRAM, not the store instructions (PERF_NOTES).
+// their cost is the writes' trip to DRAM, not the store instructions (PERF_NOTES). Nor is it the
+// rows' power-of-two pitch (fifty-fifth session): padded pitches were no faster alone and slower in
+// the layer; a pitch off 32-byte sectors (16 or 48 bytes of padding) doubled the kernel, so row
+// pitches must keep the pieces' sectors whole (the layer's, 2M and 4M bf16, always do).
 template <bool kWide>
 __global__ void __launch_bounds__(GradTile::kThreads, 1)
     lact_hidden_grad_kernel(const __grid_constant__ LactHiddenGradParams p,
