@@ -130,13 +130,14 @@ entry() {
   # No colour codes, and any left stripped: under mpiexec the ranks write to
   # a pseudo-terminal, so gtest colours its summary lines, which then matched
   # nothing below (every MPI entry read "(none ran)"). MPI entries print one
-  # summary a rank.
+  # summary a rank: the same counts on every rank read once, "(each of N ranks)".
   log=$(env "${envs[@]}" timeout "${ENTRY_TIMEOUT:-300}" "$@" --gtest_brief=1 --gtest_color=no 2>&1 |
     sed -E $'s/\x1b\\[[0-9;]*m//g')
   local rc=$?
   local counts
   counts=$(grep -E '^\[  (PASSED|SKIPPED) ' <<<"$log" | sed -E 's/^\[  ([A-Z]+) +\] ([0-9]+).*/\2 \1/' |
-    tr '[:upper:]' '[:lower:]' | tr '\n' ' ')
+    tr '[:upper:]' '[:lower:]' | sort -k2,2 -k1,1n | uniq -c |
+    awk '{ n = $1; $1 = ""; sub(/^ +/, ""); printf "%s%s ", $0, (n > 1 ? " (each of " n " ranks)" : "") }')
   if ((rc == 0)); then
     # Every case skipped is no test at all (no GPU, or a filter that matches
     # only cases this build or device cannot run).
