@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # column_limit.sh ROOT [EXTRA_SOURCE...] — every C++/CUDA source line of the
-# modules, tests and examples within .clang-format's ColumnLimit (read from
-# ROOT/.clang-format). Exits 1 listing each longer line as FILE:LINE: WIDTH.
+# modules, tests, examples and scripts within .clang-format's ColumnLimit (read
+# from ROOT/.clang-format). Exits 1 listing each longer line as FILE:LINE: WIDTH.
+# WIDTH is awk's length: bytes under mawk (Debian's awk), so a line with
+# non-ASCII characters (µ, ≥) is held to a little less than clang-format's limit.
 # EXTRA_SOURCE files are checked too (the ctest entry
 # column_limit_catches_a_long_line passes one with a long line and expects it named).
 # Why: the files are not clang-formatted whole (their hand layout of kernels
