@@ -994,6 +994,19 @@ enum ForwardStage : int {
   kAllStages = kStagePrepare | kStageScan | kStageOutput,
 };
 
+// Whether the scan stage forms the output itself, so that the output stage
+// reads no V' and no T-typed states: the grouped linear scan (raw path), the
+// fused delta scan (fuse_output) and the per-head identity scan of the
+// two-level summary (its runs' H). launch_chunk_kernels dispatches on these
+// flags (and refuses them for an instance without that scan);
+// launch_forward_stages asks here before it launches anything, so that the
+// two cannot disagree (they once did: STATESCAN_FWD_OUTPUT=kernel refused
+// every two-level summary with first-segment maps).
+inline bool scan_forms_output(const ForwardArgs& a) {
+  return (a.raw_additive && a.group_chunks > 0) || a.fuse_output ||
+         (a.scan_per_head && a.scan_identity);
+}
+
 // The instantiations whose kernels can read their inputs in place
 // (ForwardArgs::raw_additive), forward and backward; the host sets
 // raw_additive only for them (plan_forward), and a mismatch is a bug.

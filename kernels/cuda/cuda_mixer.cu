@@ -429,19 +429,13 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
 
 void launch_forward_stages(const MixerParams& p, const ForwardArgs& a, int stages,
                            cudaStream_t stream) {
-  // A prepare-only plan has no V' or T-typed states for the output kernel.
-  // Scans that form the output themselves need neither: the grouped linear
-  // scan, the fused delta scan, and the per-head identity scan of the
-  // two-level summary's maps (its runs' H). The last came through only with
-  // fuse_output set by the plan, so STATESCAN_FWD_OUTPUT=kernel refused
-  // every two-level summary with first-segment maps (test_cuda_cp_output_kernel).
-  const bool grouped = a.group_chunks > 0;
-  const bool forms_output = grouped || a.fuse_output || (a.scan_per_head && a.scan_identity);
-  SS_CHECK_ARG(!(stages & kStageOutput) || a.ws_states != nullptr || forms_output, "stages",
+  // A prepare-only plan has no V' or T-typed states for the output kernel;
+  // scans that form the output themselves need neither (scan_forms_output).
+  const bool scan_output = scan_forms_output(a) && (stages & kStageOutput);
+  SS_CHECK_ARG(!(stages & kStageOutput) || a.ws_states != nullptr || scan_output, "stages",
                "the output stage needs a full forward plan (this one is prepare-only)");
   SS_CHECK_ARG(!(stages & kStageScan) || a.ws_states != nullptr || a.chunk_states != nullptr ||
-                   a.final_state != nullptr ||
-                   ((grouped || a.fuse_output) && (stages & kStageOutput)),
+                   a.final_state != nullptr || scan_output,
                "stages", "the scan stage has nothing to write (no states of any kind)");
   switch (p.variant) {
     case Variant::linear:
