@@ -221,25 +221,6 @@ TEST_P(LactCudaBf16, TokenGemmShapeMatchesReference) {
   }
 }
 
-// Under STATESCAN_LACT_L2_PERSIST (test_cuda_lact_l2_persist) a layer on the
-// fused shapes raises the device's persisting-L2 limit while it runs: it must
-// put back the limit it found (here a non-zero one), not zero or its own.
-TEST_P(LactCudaBf16, LeavesThePersistingL2LimitAsFound) {
-  int device = 0, most = 0;
-  SS_CUDA_CHECK(cudaGetDevice(&device));
-  SS_CUDA_CHECK(cudaDeviceGetAttribute(&most, cudaDevAttrMaxPersistingL2CacheSize, device));
-  if (most == 0) GTEST_SKIP() << "no persisting L2 set-aside on this device";
-  size_t original = 0, before = 0, after = 0;
-  SS_CUDA_CHECK(cudaDeviceGetLimit(&original, cudaLimitPersistingL2CacheSize));
-  SS_CUDA_CHECK(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, static_cast<size_t>(most) / 4));
-  SS_CUDA_CHECK(cudaDeviceGetLimit(&before, cudaLimitPersistingL2CacheSize));
-  compare(LactSizes{2, 256, 2, 64, 128}, 128, DType::bf16, kBf16, 5600);
-  SS_CUDA_CHECK(cudaDeviceGetLimit(&after, cudaLimitPersistingL2CacheSize));
-  SS_CUDA_CHECK(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, original));
-  EXPECT_GT(before, 0u);
-  EXPECT_EQ(after, before);
-}
-
 TEST_P(LactCudaBf16, RunsRepeatBitwise) {
   expect_repeatable(LactSizes{1, 256, 2, 32, 64}, 128, DType::bf16, 9000);
 }

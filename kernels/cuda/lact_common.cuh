@@ -215,63 +215,6 @@ __device__ __forceinline__ void for_each_warp_row(int64_t rows, Row&& row) {
     row(r, lane);
 }
 
-// ---- an L2 set-aside for rows read back (STATESCAN_LACT_L2_PERSIST) ---------
-
-// While open: the device's persisting-L2 limit raised to `persist` bytes (at
-// most the device's maximum) and an access-policy window on `stream` over
-// [base, base + bytes) (at most the device's largest window) whose lines
-// persist with the ratio that the set-aside covers, so that the kernels and
-// GEMMs launched on `stream` afterwards keep those rows on chip. Closing (or
-// the destructor) takes the window off the stream, drops the persisting
-// lines to normal and puts the previous limit back.
-class L2Persist {
- public:
-  L2Persist() = default;
-  L2Persist(const L2Persist&) = delete;
-  L2Persist& operator=(const L2Persist&) = delete;
-  ~L2Persist() { close(); }
-  explicit operator bool() const { return stream_ != nullptr; }
-
-  void open(cudaStream_t stream, const void* base, size_t bytes, size_t persist) {
-    close();
-    int device = 0, most = 0, window = 0;
-    SS_CUDA_CHECK(cudaGetDevice(&device));
-    SS_CUDA_CHECK(cudaDeviceGetAttribute(&most, cudaDevAttrMaxPersistingL2CacheSize, device));
-    SS_CUDA_CHECK(cudaDeviceGetAttribute(&window, cudaDevAttrMaxAccessPolicyWindowSize, device));
-    SS_CHECK_ARG(most > 0 && window > 0, "STATESCAN_LACT_L2_PERSIST",
-                 "this device has no persisting L2 set-aside");
-    const size_t aside = std::min(persist, static_cast<size_t>(most));
-    const size_t span = std::min(bytes, static_cast<size_t>(window));
-    SS_CUDA_CHECK(cudaDeviceGetLimit(&limit_, cudaLimitPersistingL2CacheSize));
-    SS_CUDA_CHECK(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, aside));
-    cudaStreamAttrValue attr{};
-    attr.accessPolicyWindow.base_ptr = const_cast<void*>(base);
-    attr.accessPolicyWindow.num_bytes = span;
-    attr.accessPolicyWindow.hitRatio =
-        span == 0 ? 0.f : std::min(1.f, static_cast<float>(aside) / static_cast<float>(span));
-    attr.accessPolicyWindow.hitProp = cudaAccessPropertyPersisting;
-    attr.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
-    stream_ = stream;  // close() restores the limit even if the next call fails
-    SS_CUDA_CHECK(cudaStreamSetAttribute(stream, cudaStreamAttributeAccessPolicyWindow, &attr));
-  }
-
-  // Errors here are dropped: close runs from destructors, and a window left
-  // on the stream only changes how its lines are cached.
-  void close() noexcept {
-    if (stream_ == nullptr) return;
-    cudaStreamAttrValue attr{};
-    attr.accessPolicyWindow.num_bytes = 0;
-    cudaStreamSetAttribute(stream_, cudaStreamAttributeAccessPolicyWindow, &attr);
-    cudaCtxResetPersistingL2Cache();
-    cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, limit_);
-    stream_ = nullptr;
-  }
-
- private:
-  cudaStream_t stream_ = nullptr;
-  size_t limit_ = 0;
-};
-
 // ---- split-K GEMMs (the kernels above) ----------------------------------------
 
 // STATESCAN_LACT_SPLIT_K: unset or 1 no split (the default: on an H200 at the

@@ -45,11 +45,6 @@ bool side_stream_requested() {
   static const bool side = env_choice("STATESCAN_LACT_STREAMS", {"2", "1"}) != 1;
   return side;
 }
-
-int64_t l2_persist_requested() {
-  static const int64_t bytes = env_int("STATESCAN_LACT_L2_PERSIST", 0, 0, 1024) << 20;
-  return bytes;
-}
 }  // namespace lact_detail
 
 namespace {

@@ -152,19 +152,6 @@ bool side_stream_requested();
 // per process, any other value an error naming it.
 bool lact_pdl_requested();
 
-// STATESCAN_LACT_L2_PERSIST: N (1..1024) sets N MB of the L2 aside (capped at
-// the device's limit) for the rows that a layer's fused kernels write and
-// its next GEMMs read back: the forward's z (key side -> the G GEMMs), the
-// backward's [gate | de] (gradient rows -> the dv and dW1 GEMMs). They are
-// rewritten every chunk at the same addresses, so persisting lines would
-// never travel to DRAM. Unset or 0: off. Opt-in, an experiment (the
-// gradient kernel alone ran ~18 us faster with its stores in an L2-resident
-// window: PERF_NOTES, fifty-fourth session). While a layer runs it changes
-// the device's persisting-L2 limit and its stream's access-policy window,
-// and restores both after. Read once per process; any other value is an
-// error naming it. Returns the bytes asked for.
-int64_t l2_persist_requested();
-
 // What lact_cuda_ns_gemms reports for a bf16 layer run in `mode`.
 const char* ns_gemms_name(NsGemms mode, int64_t dim, int64_t hidden);
 

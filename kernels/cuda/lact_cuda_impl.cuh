@@ -119,9 +119,6 @@ class LactGpu {
     load_weights_kernel<T><<<grid_for(state, kThreads), kThreads, 0, stream_>>>(
         tok(p_.w0), tok(p_.w1), tok(p_.w2), g_.pairs, g_.H, g_.md(), weights_of(0));
     SS_LAUNCH_CHECK("load_weights_kernel");
-    // The key side's z, read back by the G GEMMs (opt-in).
-    if (const int64_t aside = l2_persist_requested())
-      l2_.open(stream_, z_.get(), z_.size() * sizeof(T), static_cast<size_t>(aside));
     const T* w_op = nullptr;
     // The fused apply writes only o and reads the chunk's weight copy: it
     // runs on the side stream beside the update (key side, G, Newton-Schulz),
@@ -522,9 +519,6 @@ class LactGpu {
       const std::size_t rows = rows_alloc();
       T* zdh = lazy(zdh_, 4 * rows, stream_);
       T* gde = lazy(gde_, 2 * rows, stream_);
-      // [gate | de], read back by the dv and dW1 GEMMs (opt-in).
-      if (const int64_t aside = l2_persist_requested(); aside > 0 && !l2_)
-        l2_.open(stream_, gde, 2 * rows * sizeof(T), static_cast<size_t>(aside));
       T* kw = lazy(kw_, static_cast<std::size_t>(pairs * 4 * md), stream_);
       T* t1 = lazy(t1_, static_cast<std::size_t>(pairs * 2 * md), stream_);
       // dG's bf16 rows go straight into kw and t1: the block copy of dG
@@ -699,9 +693,6 @@ class LactGpu {
   PoolArray<T> zdh_, gde_, kw_, t1_;
   PoolArray<T> dg_op_;     // the cuBLAS path's bf16 dG (operand_copy)
   SplitKScratch split_k_;  // gemm_t's split-K partials and pointer arrays
-  // STATESCAN_LACT_L2_PERSIST's window over z_ (forward) or gde_ (backward);
-  // declared last, so that it closes before those arrays go back to the pool.
-  L2Persist l2_;
 };
 
 template <typename T, typename U>
