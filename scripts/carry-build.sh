@@ -112,7 +112,8 @@ chmod +x "$CARRY/unpack.sh"
 #!/usr/bin/env bash
 # The ctest entries of the binaries beside this script (written by
 # scripts/carry-build.sh): entries.sh [REGEX] runs those whose name matches.
-# ENTRY_TIMEOUT: seconds an entry (default 300).
+# ENTRY_TIMEOUT: seconds an entry (default 600: test_cuda_cp's delta-rule entries
+# took ~230 s on an H200, its two-level summary cases 12-27 s each).
 set -uo pipefail
 # The binaries link the CUDA runtime dynamically (see carry-build.sh).
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -131,7 +132,7 @@ entry() {
   # a pseudo-terminal, so gtest colours its summary lines, which then matched
   # nothing below (every MPI entry read "(none ran)"). MPI entries print one
   # summary a rank: the same counts on every rank read once, "(each of N ranks)".
-  log=$(env "${envs[@]}" timeout "${ENTRY_TIMEOUT:-300}" "$@" --gtest_brief=1 --gtest_color=no 2>&1 |
+  log=$(env "${envs[@]}" timeout "${ENTRY_TIMEOUT:-600}" "$@" --gtest_brief=1 --gtest_color=no 2>&1 |
     sed -E $'s/\x1b\\[[0-9;]*m//g')
   local rc=$?
   local counts
