@@ -219,21 +219,44 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, CudaSummary,
 
 using FirstMapsParam = std::tuple<Variant, DType, int64_t, Layout>;
 
+// Problem `s` in `dtype` from `seed`, with d_o and dht, and what the fp64
+// reference says of it: the final states and dh0 with and without dht. Built
+// once per test and shared by its rounds (scans, E beside the maps or not):
+// the reference's backward at CudaTwoLevelSummary's size takes seconds, and
+// the rounds differ only on the GPU.
+struct FirstMapsCase {
+  ref::Problem p;
+  std::vector<double> d_o, dht;
+  std::vector<double> ht, dh0_with_dht, dh0_without_dht;
+};
+
+FirstMapsCase first_maps_case(const ProblemSpec& s, DType dtype, uint64_t seed) {
+  FirstMapsCase c;
+  c.p = random_problem(s, seed);
+  round_problem(c.p, dtype);
+  std::mt19937_64 rng(seed + 1);
+  c.d_o = round_to_dtype(randn(c.p.v.size(), rng), dtype);
+  const int64_t N = c.p.num_sequences(), state = s.dk * s.dk;
+  c.dht = round_f32(randn(static_cast<std::size_t>(N * s.heads * state), rng));
+  c.ht = ref::forward(c.p).ht;
+  c.dh0_with_dht = ref::backward(c.p, c.d_o, c.dht).dh0;
+  c.dh0_without_dht = ref::backward(c.p, c.d_o, std::vector<double>(c.dht.size(), 0.0)).dh0;
+  return c;
+}
+
 // The summary of problem `s` in `dtype` with the first segments' maps (E
 // beside them where with_E, as on a middle rank; alone as on the last):
 // dS0 from first_segment_state_grad against the reference's dh0 of every
 // row's first segment, with and without dht; E against the reference's final
 // state of every row's last segment; M = P where the first segment is the
 // row's only one. Returns the summary's piece count (cuda::summary_pieces).
-int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t seed, bool with_E) {
+int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, const FirstMapsCase& c,
+                                   bool with_E) {
   const bool packed = !s.cu_seqlens.empty();
-  ref::Problem p = random_problem(s, seed);
-  round_problem(p, dtype);
-  std::mt19937_64 rng(seed + 1);
-  const std::vector<double> d_o = round_to_dtype(randn(p.v.size(), rng), dtype);
+  const ref::Problem& p = c.p;
+  const std::vector<double>& d_o = c.d_o;
+  const std::vector<double>& dht = c.dht;
   const int64_t N = p.num_sequences(), H = s.heads, dim = s.dk, state = dim * dim;
-  const std::vector<double> dht = round_f32(randn(static_cast<std::size_t>(N * H * state), rng));
-  const std::vector<double> no_dht(dht.size(), 0.0);
 
   const DeviceTensor q(as_float(p.q), dtype, {}), k(as_float(p.k), dtype, {}),
       v(as_float(p.v), dtype, {}), g(as_float(p.g), DType::f32, {}),
@@ -280,8 +303,7 @@ int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t s
   }
   if (with_E) {
     // E: the last segment's final state from its initial state.
-    const std::vector<double> ht = ref::forward(p).ht;
-    const std::vector<double> want(ht.end() - rows * H * state, ht.end());
+    const std::vector<double> want(c.ht.end() - rows * H * state, c.ht.end());
     EXPECT_LE(rel_rms(E.to_host(), want), output_tol(dtype)) << "E";
   }
 
@@ -289,7 +311,7 @@ int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t s
     SCOPED_TRACE(with_dht ? "with dht" : "without dht");
     dS0.fill_bytes(0xFF);
     std::vector<double> want;
-    const ref::Grads ref_grads = ref::backward(p, d_o, with_dht ? dht : no_dht);
+    const std::vector<double>& dh0 = with_dht ? c.dh0_with_dht : c.dh0_without_dht;
     for (int64_t r = 0; r < rows; ++r) {
       // The first segment of row r: sequence r (rows) or 0 (packed).
       const int64_t end = packed ? p.cu_seqlens[1] : p.seq_len;
@@ -297,8 +319,7 @@ int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, uint64_t s
           with_dht ? static_cast<const float*>(d_ht.view().data) + r * H * state : nullptr;
       cuda::first_segment_state_grad(dev, first, dO.view().data, r, 0, end, d_end,
                                      dS0.data() + r * H * state, nullptr);
-      want.insert(want.end(), ref_grads.dh0.begin() + r * H * state,
-                  ref_grads.dh0.begin() + (r + 1) * H * state);
+      want.insert(want.end(), dh0.begin() + r * H * state, dh0.begin() + (r + 1) * H * state);
     }
     check_device_sync();
     EXPECT_LE(rel_rms(dS0.to_host(), want), output_tol(dtype)) << "dS0";
@@ -333,12 +354,13 @@ TEST_P(CudaFirstSegmentMaps, GiveThePrePassStateGradient) {
   const uint64_t seed = 900 + 1000 * static_cast<uint64_t>(variant) +
                         100 * static_cast<uint64_t>(dtype) + static_cast<uint64_t>(dim) +
                         (packed ? 7 : 0);
+  const FirstMapsCase c = first_maps_case(s, dtype, seed);
   for (cuda::SummaryScan scan : kSummaryScans) {
     SCOPED_TRACE(scan_name(scan));
     const SummaryScanScope scope(scan);
     for (const bool with_E : {false, true}) {
       SCOPED_TRACE(with_E ? "E beside" : "maps alone");
-      expect_first_maps_give_dh0(s, dtype, seed, with_E);
+      expect_first_maps_give_dh0(s, dtype, c, with_E);
     }
   }
 }
@@ -395,9 +417,10 @@ TEST_P(CudaTwoLevelSummary, MatchesTheReference) {
     s.batch = 2;
   const uint64_t seed = 4100 + 1000 * static_cast<uint64_t>(variant) +
                         100 * static_cast<uint64_t>(dtype) + (layout == Layout::packed ? 7 : 0);
+  const FirstMapsCase c = first_maps_case(s, dtype, seed);
   for (const bool with_E : {false, true}) {
     SCOPED_TRACE(with_E ? "E beside" : "maps alone");
-    const int64_t pieces = expect_first_maps_give_dh0(s, dtype, seed, with_E);
+    const int64_t pieces = expect_first_maps_give_dh0(s, dtype, c, with_E);
     if (pieces == 1) GTEST_SKIP() << "no per-head scans here (needs an sm_90a build on a 9.0 GPU)";
     EXPECT_LE(pieces, 22) << "more runs than chunks";
   }
