@@ -114,19 +114,49 @@ chmod +x "$CARRY/unpack.sh"
 # scripts/carry-build.sh): entries.sh [REGEX] runs those whose name matches.
 # ENTRY_TIMEOUT: seconds an entry (default 600: test_cuda_cp's delta-rule entries
 # took ~230 s on an H200, its two-level summary cases 12-27 s each).
+# ENTRY_JOBS: entries run at once (default 1). Why: the knob entries of
+# test_cuda_cp spend most of their time in the fp64 CPU references at 2 threads
+# (STATESCAN_NUM_THREADS=2), so on the device's 16 cores several entries share
+# the GPU in the time of one; their lines are printed in the listed order.
 set -uo pipefail
 # The binaries link the CUDA runtime dynamically (see carry-build.sh).
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 here=$(dirname "$0")
+# Unpacked once, before any entry starts: a binary rewritten while another
+# entry runs it fails with "Text file busy".
 "$here/unpack.sh" >/dev/null || exit 1
 pattern=${1:-.}
-failed=0
+jobs_max=${ENTRY_JOBS:-1}
+results=$(mktemp -d)
+trap 'rm -rf "$results"' EXIT
+count=0
 entry() {
-  local name=$1 envs=()
+  [[ $1 =~ $pattern ]] || return 0
+  count=$((count + 1))
+  if ((jobs_max > 1)); then
+    while (($(jobs -rp | wc -l) >= jobs_max)); do wait -n; done
+    run_entry "$@" >"$results/$count" &
+  else
+    run_entry "$@" | tee "$results/$count"
+  fi
+}
+# Waits for the entries still running, prints their lines in the listed order
+# when they ran at once, and exits 1 if any failed.
+finish() {
+  wait
+  local n failed=0
+  for ((n = 1; n <= count; n++)); do
+    ((jobs_max > 1)) && cat "$results/$n"
+    grep -q '^[^ ].*: FAILED' "$results/$n" && failed=1
+  done
+  ((count > 0)) || { echo "no entry matches '$pattern'"; failed=1; }
+  exit "$failed"
+}
+run_entry() {
+  local name=$1 envs=() start=$SECONDS
   shift
   while [[ $1 != -- ]]; do envs+=("$1"); shift; done
   shift
-  [[ $name =~ $pattern ]] || return 0
   local log
   # No colour codes, and any left stripped: under mpiexec the ranks write to
   # a pseudo-terminal, so gtest colours its summary lines, which then matched
@@ -143,10 +173,9 @@ entry() {
     # Every case skipped is no test at all (no GPU, or a filter that matches
     # only cases this build or device cannot run).
     [[ $counts == *passed* && $counts != "0 passed"* ]] || counts="$counts(none ran)"
-    echo "$name: ok, ${counts:-no gtest summary}"
+    echo "$name: ok, ${counts:-no gtest summary }($((SECONDS - start)) s)"
   else
-    failed=1
-    echo "$name: FAILED (exit $rc), ${counts:-no gtest summary}"
+    echo "$name: FAILED (exit $rc), ${counts:-no gtest summary }($((SECONDS - start)) s)"
     grep -E '^\[  FAILED  \]|Failure|exception' <<<"$log" | head -8 | sed 's/^/    /'
   fi
 }
@@ -177,7 +206,7 @@ for t in json.load(sys.stdin).get("tests", []):
     emit(t["name"], env, ["/tmp/carry/" + bins[os.path.realpath(c)]
                           if os.path.realpath(c) in bins else c for c in cmd])
 ' "${bins[@]}"
-  echo 'exit "$failed"'
+  echo finish
 } >"$CARRY/entries.sh"
 chmod +x "$CARRY/entries.sh"
 

@@ -5,7 +5,9 @@
 #   - it packs test_core (and test_comm_mpi in an MPI build) with REVISION,
 #     PATHS, unpack.sh and entries.sh;
 #   - entries.sh runs test_core's cases and counts them (CPU cases pass here),
-#     and an MPI entry's, whose ranks gtest colours under mpiexec;
+#     and an MPI entry's, whose ranks gtest colours under mpiexec; with
+#     ENTRY_JOBS=2 it runs entries at once, prints their lines in order and
+#     fails if one failed; a pattern matching no entry fails;
 #   - unpack.sh links a binary's build-tree path to its copy where that path
 #     is free, and leaves a real file there alone;
 #   - it refuses a binary linked against prometheus-cpp (where this build
@@ -43,6 +45,18 @@ if ((mpi)); then
     { cat "$out/mpi.log"; fail "test_comm_mpi_np2's two ranks' cases were not counted"; }
   ! grep -q "none ran" "$out/mpi.log" || { cat "$out/mpi.log"; fail "an MPI entry read '(none ran)'"; }
 fi
+
+# ENTRY_JOBS: entries at once, their lines in the listed order; a failed
+# entry among them makes the script fail; a pattern matching none is an error.
+cp "$out/pack/entries.sh" "$out/pack/entries-fail.sh"
+sed -i 's/^finish$/entry zz_fails -- false\nfinish/' "$out/pack/entries-fail.sh"
+ENTRY_JOBS=2 bash "$out/pack/entries-fail.sh" '^test_core$|^zz_fails$' >"$out/jobs.log" 2>&1 &&
+  { cat "$out/jobs.log"; fail "entries.sh passed with a failed entry run at once"; }
+[[ "$(grep -oE '^[a-z_]+: (ok|FAILED)' "$out/jobs.log" | tr '\n' ' ')" == "test_core: ok zz_fails: FAILED " ]] ||
+  { cat "$out/jobs.log"; fail "ENTRY_JOBS=2 did not print both entries' lines in order"; }
+bash "$out/pack/entries.sh" '^no_such_entry$' >"$out/none.log" 2>&1 &&
+  { cat "$out/none.log"; fail "entries.sh passed a pattern that matches no entry"; }
+grep -q "no entry matches" "$out/none.log" || { cat "$out/none.log"; fail "no reason for matching none"; }
 
 # unpack.sh: a free build-tree path becomes a link to the copy; a real file stays.
 cp -r "$out/pack" "$out/moved"
