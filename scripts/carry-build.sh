@@ -88,11 +88,16 @@ mkdir -p /tmp/carry
 for packed in "$(dirname "$0")"/*.gz "$(dirname "$0")"/*.xz; do
   [[ -e "$packed" ]] || continue
   name=$(basename "${packed%.*}")
+  # Unpacked already from this very pack: left as it is, so that a binary
+  # running meanwhile (another entries.sh) is not rewritten ("Text file busy").
+  sum=$(cksum <"$packed")
+  [[ -x "/tmp/carry/$name" && "$(cat "/tmp/carry/.$name.cksum" 2>/dev/null)" == "$sum" ]] && continue
   case "$packed" in
     *.gz) gunzip -c "$packed" >"/tmp/carry/$name" ;;
     *.xz) xz -dc "$packed" >"/tmp/carry/$name" ;;
   esac
   chmod +x "/tmp/carry/$name"
+  echo "$sum" >"/tmp/carry/.$name.cksum"
 done
 if [[ -f "$(dirname "$0")/PATHS" ]]; then
   while read -r name path; do

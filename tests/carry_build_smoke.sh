@@ -9,7 +9,8 @@
 #     ENTRY_JOBS=2 it runs entries at once, prints their lines in order and
 #     fails if one failed; a pattern matching no entry fails;
 #   - unpack.sh links a binary's build-tree path to its copy where that path
-#     is free, and leaves a real file there alone;
+#     is free, and leaves a real file there alone; it leaves a copy from the
+#     same pack as it is and rewrites one from another;
 #   - it refuses a binary linked against prometheus-cpp (where this build
 #     links statescan-run against it).
 set -euo pipefail
@@ -66,6 +67,14 @@ printf 'test_core %s\n' "$out/tree/free/tests/test_core" >"$out/moved/PATHS"
 carry=$(bash "$out/moved/unpack.sh" 2>/dev/null)
 [[ "$(readlink "$out/tree/free/tests/test_core")" == "$carry/test_core" ]] ||
   fail "unpack.sh did not link the free build-tree path"
+# unpack.sh again from the same pack leaves the copy alone (an entry may be
+# running it); from another pack it writes it again.
+touch -d @946684800 "$carry/test_core"
+bash "$out/moved/unpack.sh" >/dev/null 2>&1
+[[ "$(stat -c %Y "$carry/test_core")" == 946684800 ]] || fail "unpack.sh rewrote a binary unpacked from the same pack"
+echo other >"$carry/.test_core.cksum"
+bash "$out/moved/unpack.sh" >/dev/null 2>&1
+[[ "$(stat -c %Y "$carry/test_core")" != 946684800 ]] || fail "unpack.sh kept a binary from another pack"
 printf 'test_core %s\n' "$out/tree/taken/test_core" >"$out/moved/PATHS"
 bash "$out/moved/unpack.sh" >/dev/null 2>&1
 [[ ! -L "$out/tree/taken/test_core" && "$(cat "$out/tree/taken/test_core")" == real ]] ||
