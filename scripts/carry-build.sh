@@ -180,7 +180,10 @@ run_entry() {
     [[ $counts == *passed* && $counts != "0 passed"* ]] || counts="$counts(none ran)"
     echo "$name: ok, ${counts:-no gtest summary }($((SECONDS - start)) s)"
   else
-    echo "$name: FAILED (exit $rc), ${counts:-no gtest summary }($((SECONDS - start)) s)"
+    # 124: stopped at the limit, which says nothing of the cases it had not reached.
+    local why="exit $rc"
+    ((rc == 124)) && why="timed out at ENTRY_TIMEOUT ${ENTRY_TIMEOUT:-600} s"
+    echo "$name: FAILED ($why), ${counts:-no gtest summary }($((SECONDS - start)) s)"
     grep -E '^\[  FAILED  \]|Failure|exception' <<<"$log" | head -8 | sed 's/^/    /'
   fi
 }

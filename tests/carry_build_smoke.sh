@@ -7,7 +7,8 @@
 #   - entries.sh runs test_core's cases and counts them (CPU cases pass here),
 #     and an MPI entry's, whose ranks gtest colours under mpiexec; with
 #     ENTRY_JOBS=2 it runs entries at once, prints their lines in order and
-#     fails if one failed; a pattern matching no entry fails;
+#     fails if one failed; an entry stopped at ENTRY_TIMEOUT says so; a
+#     pattern matching no entry fails;
 #   - unpack.sh links a binary's build-tree path to its copy where that path
 #     is free, and leaves a real file there alone; it leaves a copy from the
 #     same pack as it is and rewrites one from another;
@@ -55,6 +56,11 @@ ENTRY_JOBS=2 bash "$out/pack/entries-fail.sh" '^test_core$|^zz_fails$' >"$out/jo
   { cat "$out/jobs.log"; fail "entries.sh passed with a failed entry run at once"; }
 [[ "$(grep -oE '^[a-z_]+: (ok|FAILED)' "$out/jobs.log" | tr '\n' ' ')" == "test_core: ok zz_fails: FAILED " ]] ||
   { cat "$out/jobs.log"; fail "ENTRY_JOBS=2 did not print both entries' lines in order"; }
+sed -i 's/^entry zz_fails -- false$/entry zz_slow -- bash -c "sleep 5"/' "$out/pack/entries-fail.sh"
+ENTRY_TIMEOUT=1 bash "$out/pack/entries-fail.sh" '^zz_slow$' >"$out/slow.log" 2>&1 &&
+  { cat "$out/slow.log"; fail "entries.sh passed an entry stopped at its limit"; }
+grep -q '^zz_slow: FAILED (timed out at ENTRY_TIMEOUT 1 s)' "$out/slow.log" ||
+  { cat "$out/slow.log"; fail "an entry stopped at its limit does not say so"; }
 bash "$out/pack/entries.sh" '^no_such_entry$' >"$out/none.log" 2>&1 &&
   { cat "$out/none.log"; fail "entries.sh passed a pattern that matches no entry"; }
 grep -q "no entry matches" "$out/none.log" || { cat "$out/none.log"; fail "no reason for matching none"; }
