@@ -56,7 +56,9 @@ for target in "$@"; do
   # The device has no prometheus-cpp (its own builds turn the exporter off):
   # a binary linked against it fails there at load time, every rank of an MPI
   # test with it (statescan-run, fifty-third session).
-  if ldd "$bin" 2>/dev/null | grep -qE 'libprometheus|libcivetweb'; then
+  # grep reads all of ldd's lines (no -q): under pipefail, ldd killed by SIGPIPE
+  # when grep -q quits at its match would turn the match into a miss.
+  if ldd "$bin" 2>/dev/null | grep -E 'libprometheus|libcivetweb' >/dev/null; then
     echo "carry-build: $target links prometheus-cpp, which the device lacks: configure" \
       "$BUILD with -DSTATESCAN_WITH_PROMETHEUS=OFF" >&2
     exit 1

@@ -88,7 +88,7 @@ bash "$out/moved/unpack.sh" >/dev/null 2>&1
 
 # The exporter: the device has no prometheus-cpp.
 run=$(find "$build" -type f -name statescan-run -perm -u+x | head -1)
-if [[ -n "$run" ]] && ldd "$run" 2>/dev/null | grep -q libprometheus; then
+if [[ -n "$run" ]] && ldd "$run" 2>/dev/null | grep libprometheus >/dev/null; then
   if CARRY_DIR=$out/refused BUILD_DIR=$build JOBS=1 bash "$script" statescan-run >"$out/refused.log" 2>&1; then
     fail "packed a statescan-run linked against prometheus-cpp"
   fi

@@ -61,7 +61,9 @@ printf '%s\n' "$out"
 rows=$(printf '%s\n' "$out" | awk '/^  (default|reference)/ { sub(/,$/, "", $1); print $1, $(NF - 5) }')
 expect=$(printf '%s\n' "default 1.1" "reference 2.2" "default 1.3" "reference 2.4")
 [[ "$rows" == "$expect" ]] || fail "rows (label, fwd ms) were:"$'\n'"$rows"$'\n'"expected:"$'\n'"$expect"
-printf '%s\n' "$out" | grep -q 'lact_hidden_grad_kernel .*REG:168 STACK:16 LOCAL:0' ||
+# Here-strings, not `printf | grep -q`: under pipefail printf's SIGPIPE, when
+# grep -q quits at its first match, fails the pipeline at random.
+grep -q 'lact_hidden_grad_kernel .*REG:168 STACK:16 LOCAL:0' <<<"$out" ||
   fail "no resource-usage line"
 [[ $(printf '%s\n' "$out" | grep -c 'resource usage') == 2 ]] || fail "resource usage not for both trees"
 
@@ -85,7 +87,7 @@ for broken in "$WORK/build" "$WORK/build-ref"; do
     REF_SRC="$WORK/ref-src" bash "$SCRIPT" "$WORK/out3"); then
     fail "a failing build of $broken was not reported"
   fi
-  printf '%s\n' "$msg" | grep -q "build.*failed, see" || fail "no build-failure message for $broken"
+  grep -q "build.*failed, see" <<<"$msg" || fail "no build-failure message for $broken"
 done
 # 4. Carried binaries (BIN_DIR): nothing is configured or built, the rows
 #    come from BIN_DIR's statescan-bench, the suite runs once and once more
@@ -112,10 +114,10 @@ if out=$(BIN_DIR="$BIN" MUON=0 KNOBS="STATESCAN_LACT_STREAMS=2" \
 fi
 printf '%s\n' "$out"
 [[ ! -e "$WORK/cmake_calls" ]] || fail "cmake ran with BIN_DIR set"
-printf '%s\n' "$out" | grep -q '^suite: .*knob unset' || fail "no plain suite run"
-printf '%s\n' "$out" | grep -q '^STATESCAN_LACT_STREAMS=2: .*filter --gtest_filter=\*Bf16\*, knob 2' ||
+grep -q '^suite: .*knob unset' <<<"$out" || fail "no plain suite run"
+grep -q '^STATESCAN_LACT_STREAMS=2: .*filter --gtest_filter=\*Bf16\*, knob 2' <<<"$out" ||
   fail "no suite rerun under STATESCAN_LACT_STREAMS=2"
-printf '%s\n' "$out" | grep -q '^  STATESCAN_LACT_STREAMS=2, no Muon  *7.2 ' ||
+grep -q '^  STATESCAN_LACT_STREAMS=2, no Muon  *7.2 ' <<<"$out" ||
   fail "the knob's row did not come from BIN_DIR's statescan-bench"
-printf '%s\n' "$out" | grep -q '^  default, no Muon  *7.0 ' || fail "no default row from BIN_DIR"
+grep -q '^  default, no Muon  *7.0 ' <<<"$out" || fail "no default row from BIN_DIR"
 echo "lact_check_smoke: OK"
