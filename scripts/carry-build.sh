@@ -2,7 +2,8 @@
 # carry-build.sh TARGET... — build GPU binaries here (no GPU needed) for sm_90a
 # and pack them, xz-compressed, into <repo>/build-carry/ (git-ignored), for the GPU
 # lending tool's `carry`; on the device machine `build-carry/unpack.sh` puts
-# them in /tmp/carry (and prints that folder), ready to run.
+# them in /tmp/carry/build-carry (the pack folder's name: two packs unpacked in
+# one call keep their binaries apart) and prints that folder, ready to run.
 #
 # Why: a fresh device machine spends ~2 minutes of its device time building the
 # CUDA library; a binary built here runs there in seconds. A test-only call
@@ -81,33 +82,39 @@ for i in "${!bins[@]}"; do
 done >"$CARRY/PATHS"
 cat >"$CARRY/unpack.sh" <<'EOF'
 #!/usr/bin/env bash
-# Unpacks the binaries beside this script into /tmp/carry and prints that
-# folder (and, on stderr, the revision they were built from); links each
-# binary's build-tree path (PATHS) to its copy where that path is free.
+# Unpacks the binaries beside this script into /tmp/carry/<this folder's name>
+# and prints that folder (and, on stderr, the revision they were built from);
+# links each binary's build-tree path (PATHS) to its copy where that path is
+# free. Why a folder a pack: an A/B unpacks a base and a new pack in one call,
+# whose binaries share their names.
 set -euo pipefail
-echo "carried binaries built from: $(tr '\n' ' ' <"$(dirname "$0")/REVISION")" >&2
-mkdir -p /tmp/carry
-for packed in "$(dirname "$0")"/*.gz "$(dirname "$0")"/*.xz; do
+here=$(cd "$(dirname "$0")" && pwd)
+echo "carried binaries built from: $(tr '\n' ' ' <"$here/REVISION")" >&2
+dest=/tmp/carry/$(basename "$here")
+mkdir -p "$dest"
+for packed in "$here"/*.gz "$here"/*.xz; do
   [[ -e "$packed" ]] || continue
   name=$(basename "${packed%.*}")
   # Unpacked already from this very pack: left as it is, so that a binary
   # running meanwhile (another entries.sh) is not rewritten ("Text file busy").
   sum=$(cksum <"$packed")
-  [[ -x "/tmp/carry/$name" && "$(cat "/tmp/carry/.$name.cksum" 2>/dev/null)" == "$sum" ]] && continue
+  [[ -x "$dest/$name" && "$(cat "$dest/.$name.cksum" 2>/dev/null)" == "$sum" ]] && continue
   case "$packed" in
-    *.gz) gunzip -c "$packed" >"/tmp/carry/$name" ;;
-    *.xz) xz -dc "$packed" >"/tmp/carry/$name" ;;
+    *.gz) gunzip -c "$packed" >"$dest/$name" ;;
+    *.xz) xz -dc "$packed" >"$dest/$name" ;;
   esac
-  chmod +x "/tmp/carry/$name"
-  echo "$sum" >"/tmp/carry/.$name.cksum"
+  chmod +x "$dest/$name"
+  echo "$sum" >"$dest/.$name.cksum"
 done
-if [[ -f "$(dirname "$0")/PATHS" ]]; then
+# A build-tree path is one place: of two packs with the same binary, the one
+# unpacked last owns it.
+if [[ -f "$here/PATHS" ]]; then
   while read -r name path; do
     [[ -e "$path" && ! -L "$path" ]] && continue  # a real build tree there: leave it
-    mkdir -p "$(dirname "$path")" 2>/dev/null && ln -sfn "/tmp/carry/$name" "$path" || true
-  done <"$(dirname "$0")/PATHS"
+    mkdir -p "$(dirname "$path")" 2>/dev/null && ln -sfn "$dest/$name" "$path" || true
+  done <"$here/PATHS"
 fi
-echo /tmp/carry
+echo "$dest"
 EOF
 chmod +x "$CARRY/unpack.sh"
 
@@ -130,8 +137,9 @@ set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 here=$(dirname "$0")
 # Unpacked once, before any entry starts: a binary rewritten while another
-# entry runs it fails with "Text file busy".
-"$here/unpack.sh" >/dev/null || exit 1
+# entry runs it fails with "Text file busy". The entries name their binary as
+# @CARRIED@/NAME: this pack's folder under /tmp/carry.
+carried=$("$here/unpack.sh") || exit 1
 pattern=${1:-.}
 jobs_max=${ENTRY_JOBS:-1}
 results=$(mktemp -d)
@@ -164,12 +172,12 @@ run_entry() {
   shift
   while [[ $1 != -- ]]; do envs+=("$1"); shift; done
   shift
-  local log
+  local cmd=("${@//@CARRIED@/$carried}") log
   # No colour codes, and any left stripped: under mpiexec the ranks write to
   # a pseudo-terminal, so gtest colours its summary lines, which then matched
   # nothing below (every MPI entry read "(none ran)"). MPI entries print one
   # summary a rank: the same counts on every rank read once, "(each of N ranks)".
-  log=$(env "${envs[@]}" timeout "${ENTRY_TIMEOUT:-600}" "$@" --gtest_brief=1 --gtest_color=no 2>&1 |
+  log=$(env "${envs[@]}" timeout "${ENTRY_TIMEOUT:-600}" "${cmd[@]}" --gtest_brief=1 --gtest_color=no 2>&1 |
     sed -E $'s/\x1b\\[[0-9;]*m//g')
   local rc=$?
   local counts
@@ -211,9 +219,9 @@ for t in json.load(sys.stdin).get("tests", []):
     if "--gtest_also_run_disabled_tests" in cmd:
         if hit[0] not in whole:
             whole.add(hit[0])
-            emit(hit[0], env, ["/tmp/carry/" + hit[0]])
+            emit(hit[0], env, ["@CARRIED@/" + hit[0]])
         continue
-    emit(t["name"], env, ["/tmp/carry/" + bins[os.path.realpath(c)]
+    emit(t["name"], env, ["@CARRIED@/" + bins[os.path.realpath(c)]
                           if os.path.realpath(c) in bins else c for c in cmd])
 ' "${bins[@]}"
   echo finish

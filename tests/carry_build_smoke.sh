@@ -9,15 +9,18 @@
 #     ENTRY_JOBS=2 it runs entries at once, prints their lines in order and
 #     fails if one failed; an entry stopped at ENTRY_TIMEOUT says so; a
 #     pattern matching no entry fails;
-#   - unpack.sh links a binary's build-tree path to its copy where that path
-#     is free, and leaves a real file there alone; it leaves a copy from the
-#     same pack as it is and rewrites one from another;
+#   - unpack.sh unpacks into a folder named after the pack's (two packs keep
+#     their binaries apart); it links a binary's build-tree path to its copy
+#     where that path is free, and leaves a real file there alone; it leaves a
+#     copy from the same pack as it is and rewrites one from another;
 #   - it refuses a binary linked against prometheus-cpp (where this build
 #     links statescan-run against it).
 set -euo pipefail
 script=$1 build=$2
 out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+# The packs' folder names are unique: unpack.sh writes to /tmp/carry/<name>.
+pack=$out/smoke-pack-$$ moved=$out/smoke-moved-$$
+trap 'rm -rf "$out" "/tmp/carry/${pack##*/}" "/tmp/carry/${moved##*/}"' EXIT
 fail() {
   echo "carry-build smoke: $*"
   exit 1
@@ -29,20 +32,20 @@ if grep -q "STATESCAN_HAVE_MPI:INTERNAL=ON" "$build/CMakeCache.txt" && command -
   targets+=(test_comm_mpi)
   mpi=1
 fi
-CARRY_DIR=$out/pack BUILD_DIR=$build JOBS=1 bash "$script" "${targets[@]}" >"$out/pack.log" 2>&1 ||
+CARRY_DIR=$pack BUILD_DIR=$build JOBS=1 bash "$script" "${targets[@]}" >"$out/pack.log" 2>&1 ||
   { cat "$out/pack.log"; fail "packing ${targets[*]} failed"; }
 for f in REVISION PATHS entries.sh unpack.sh "${targets[@]/%/.xz}"; do
-  [[ -s "$out/pack/$f" ]] || fail "the pack lacks $f"
+  [[ -s "$pack/$f" ]] || fail "the pack lacks $f"
 done
 core=$(realpath "$(find "$build" -type f -name test_core -perm -u+x | head -1)")
-grep -qx "test_core $core" "$out/pack/PATHS" || { cat "$out/pack/PATHS"; fail "PATHS lacks test_core's path"; }
-bash -n "$out/pack/entries.sh"
+grep -qx "test_core $core" "$pack/PATHS" || { cat "$pack/PATHS"; fail "PATHS lacks test_core's path"; }
+bash -n "$pack/entries.sh"
 
 # entries.sh: the suite's cases as one entry, counted.
-bash "$out/pack/entries.sh" '^test_core$' >"$out/entries.log" 2>&1 || { cat "$out/entries.log"; fail "test_core's entry failed"; }
+bash "$pack/entries.sh" '^test_core$' >"$out/entries.log" 2>&1 || { cat "$out/entries.log"; fail "test_core's entry failed"; }
 grep -qE '^test_core: ok, [1-9][0-9]* passed' "$out/entries.log" || { cat "$out/entries.log"; fail "test_core's cases were not counted"; }
 if ((mpi)); then
-  bash "$out/pack/entries.sh" '^test_comm_mpi_np2$' >"$out/mpi.log" 2>&1 || { cat "$out/mpi.log"; fail "test_comm_mpi_np2 failed"; }
+  bash "$pack/entries.sh" '^test_comm_mpi_np2$' >"$out/mpi.log" 2>&1 || { cat "$out/mpi.log"; fail "test_comm_mpi_np2 failed"; }
   grep -qE '^test_comm_mpi_np2: ok, [1-9][0-9]* passed \(each of 2 ranks\)' "$out/mpi.log" ||
     { cat "$out/mpi.log"; fail "test_comm_mpi_np2's two ranks' cases were not counted"; }
   ! grep -q "none ran" "$out/mpi.log" || { cat "$out/mpi.log"; fail "an MPI entry read '(none ran)'"; }
@@ -50,39 +53,45 @@ fi
 
 # ENTRY_JOBS: entries at once, their lines in the listed order; a failed
 # entry among them makes the script fail; a pattern matching none is an error.
-cp "$out/pack/entries.sh" "$out/pack/entries-fail.sh"
-sed -i 's/^finish$/entry zz_fails -- false\nfinish/' "$out/pack/entries-fail.sh"
-ENTRY_JOBS=2 bash "$out/pack/entries-fail.sh" '^test_core$|^zz_fails$' >"$out/jobs.log" 2>&1 &&
+cp "$pack/entries.sh" "$pack/entries-fail.sh"
+sed -i 's/^finish$/entry zz_fails -- false\nfinish/' "$pack/entries-fail.sh"
+ENTRY_JOBS=2 bash "$pack/entries-fail.sh" '^test_core$|^zz_fails$' >"$out/jobs.log" 2>&1 &&
   { cat "$out/jobs.log"; fail "entries.sh passed with a failed entry run at once"; }
 [[ "$(grep -oE '^[a-z_]+: (ok|FAILED)' "$out/jobs.log" | tr '\n' ' ')" == "test_core: ok zz_fails: FAILED " ]] ||
   { cat "$out/jobs.log"; fail "ENTRY_JOBS=2 did not print both entries' lines in order"; }
-sed -i 's/^entry zz_fails -- false$/entry zz_slow -- bash -c "sleep 5"/' "$out/pack/entries-fail.sh"
-ENTRY_TIMEOUT=1 bash "$out/pack/entries-fail.sh" '^zz_slow$' >"$out/slow.log" 2>&1 &&
+sed -i 's/^entry zz_fails -- false$/entry zz_slow -- bash -c "sleep 5"/' "$pack/entries-fail.sh"
+ENTRY_TIMEOUT=1 bash "$pack/entries-fail.sh" '^zz_slow$' >"$out/slow.log" 2>&1 &&
   { cat "$out/slow.log"; fail "entries.sh passed an entry stopped at its limit"; }
 grep -q '^zz_slow: FAILED (timed out at ENTRY_TIMEOUT 1 s)' "$out/slow.log" ||
   { cat "$out/slow.log"; fail "an entry stopped at its limit does not say so"; }
-bash "$out/pack/entries.sh" '^no_such_entry$' >"$out/none.log" 2>&1 &&
+bash "$pack/entries.sh" '^no_such_entry$' >"$out/none.log" 2>&1 &&
   { cat "$out/none.log"; fail "entries.sh passed a pattern that matches no entry"; }
 grep -q "no entry matches" "$out/none.log" || { cat "$out/none.log"; fail "no reason for matching none"; }
 
 # unpack.sh: a free build-tree path becomes a link to the copy; a real file stays.
-cp -r "$out/pack" "$out/moved"
+cp -r "$pack" "$moved"
 mkdir -p "$out/tree/taken"
 echo real >"$out/tree/taken/test_core"
-printf 'test_core %s\n' "$out/tree/free/tests/test_core" >"$out/moved/PATHS"
-carry=$(bash "$out/moved/unpack.sh" 2>/dev/null)
+printf 'test_core %s\n' "$out/tree/free/tests/test_core" >"$moved/PATHS"
+carry=$(bash "$moved/unpack.sh" 2>/dev/null)
+[[ "$carry" == "/tmp/carry/${moved##*/}" ]] || fail "unpack.sh unpacked into $carry, not /tmp/carry/${moved##*/}"
 [[ "$(readlink "$out/tree/free/tests/test_core")" == "$carry/test_core" ]] ||
   fail "unpack.sh did not link the free build-tree path"
+# Two packs unpacked one after the other keep their binaries apart (an A/B in
+# one call): the first pack's copy is not the second's.
+first=$(bash "$pack/unpack.sh" 2>/dev/null)
+[[ "$first" != "$carry" && -x "$first/test_core" && -x "$carry/test_core" ]] ||
+  fail "two packs unpacked into one folder ($first, $carry)"
 # unpack.sh again from the same pack leaves the copy alone (an entry may be
 # running it); from another pack it writes it again.
 touch -d @946684800 "$carry/test_core"
-bash "$out/moved/unpack.sh" >/dev/null 2>&1
+bash "$moved/unpack.sh" >/dev/null 2>&1
 [[ "$(stat -c %Y "$carry/test_core")" == 946684800 ]] || fail "unpack.sh rewrote a binary unpacked from the same pack"
 echo other >"$carry/.test_core.cksum"
-bash "$out/moved/unpack.sh" >/dev/null 2>&1
+bash "$moved/unpack.sh" >/dev/null 2>&1
 [[ "$(stat -c %Y "$carry/test_core")" != 946684800 ]] || fail "unpack.sh kept a binary from another pack"
-printf 'test_core %s\n' "$out/tree/taken/test_core" >"$out/moved/PATHS"
-bash "$out/moved/unpack.sh" >/dev/null 2>&1
+printf 'test_core %s\n' "$out/tree/taken/test_core" >"$moved/PATHS"
+bash "$moved/unpack.sh" >/dev/null 2>&1
 [[ ! -L "$out/tree/taken/test_core" && "$(cat "$out/tree/taken/test_core")" == real ]] ||
   fail "unpack.sh replaced a real file at a build-tree path"
 
