@@ -78,7 +78,8 @@ class Communicator {
   virtual std::chrono::milliseconds timeout() const { return std::chrono::milliseconds::zero(); }
 };
 
-// A group of one: collectives copy, point-to-point to anyone but self throws.
+// A group of one: collectives copy; send and recv take only peer -1 (nobody),
+// send_recv also itself (0), whose message it copies.
 class SingleRankCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }

@@ -379,6 +379,11 @@ void MpiCommunicator::check_tag(int tag) const {
 // Pieces of a large message land at their offset inside each rank's slot: the
 // receive type is `n` elements resized to the extent of one whole slot.
 void MpiCommunicator::all_gather(const void* send, void* recv, std::size_t count, CommType type) {
+  timed_all_gather(send, recv, count, type, "all_gather");
+}
+
+void MpiCommunicator::timed_all_gather(const void* send, void* recv, std::size_t count,
+                                       CommType type, const char* op) {
   const MPI_Datatype dt = mpi_type(type);
   const std::size_t elem = size_of(type);
   check_usable();
@@ -393,7 +398,7 @@ void MpiCommunicator::all_gather(const void* send, void* recv, std::size_t count
     Pending gather;
     SS_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : send, static_cast<int>(count), dt, recv,
                                 static_cast<int>(count), dt, comm_, &gather.request));
-    await(&gather, 1, "MPI_Iallgather", "all_gather");
+    await(&gather, 1, "MPI_Iallgather", op);
     if (gather.rc != MPI_SUCCESS) {
       detail::throw_mpi_error(gather.rc, "MPI_Iallgather", __FILE__, __LINE__);
     }
@@ -411,7 +416,7 @@ void MpiCommunicator::all_gather(const void* send, void* recv, std::size_t count
     SS_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : byte_offset(send, offset * elem),
                                 static_cast<int>(n), dt, byte_offset(recv, offset * elem), 1,
                                 slot.get(), comm_, &gather.request));
-    await(&gather, 1, "MPI_Iallgather", "all_gather");
+    await(&gather, 1, "MPI_Iallgather", op);
     if (gather.rc != MPI_SUCCESS) {
       detail::throw_mpi_error(gather.rc, "MPI_Iallgather", __FILE__, __LINE__);
     }
@@ -582,10 +587,37 @@ void MpiCommunicator::timed_barrier(const char* op) {
 }
 
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
-  SS_CHECK_ARG(color >= 0, "color", "is ", color, ", must be >= 0");
-  // MPI_Comm_split has no non-blocking form: a timed barrier first makes sure
-  // every rank arrived, so the split itself cannot wait on a missing one.
-  timed_barrier("split");
+  check_usable();
+  // MPI_Comm_split has no non-blocking form, so a timed all-gather of every
+  // rank's (call, color, key) runs first: the split itself then starts only
+  // once every rank is known to be in split, not missing (a timeout here) nor
+  // in another collective (a barrier would match a peer's barrier() and leave
+  // this rank in MPI_Comm_split for ever), and a bad color on any rank is the
+  // same error on every rank instead of a throw that leaves the others waiting.
+  constexpr int64_t kSplitCall = 0x5353'73706c6974;  // "SS" "split"
+  const std::size_t n = static_cast<std::size_t>(size_);
+  // Heap bytes, handed to stranded_buffers_ on a throw: a timed-out gather
+  // stays posted and may still write them when a late peer arrives.
+  std::vector<unsigned char> gathered((n + 1) * 3 * sizeof(int64_t));
+  auto* all = reinterpret_cast<int64_t*>(gathered.data());
+  int64_t* mine = all + 3 * n;
+  mine[0] = kSplitCall;
+  mine[1] = color;
+  mine[2] = key;
+  try {
+    timed_all_gather(mine, all, 3, CommType::i64, "split");
+  } catch (...) {
+    stranded_buffers_.push_back(std::move(gathered));
+    throw;
+  }
+  for (std::size_t r = 0; r < n; ++r) {
+    SS_CHECK_ARG(all[3 * r] == kSplitCall, "split", "rank ", r,
+                 " made another collective call where this rank called split");
+  }
+  for (std::size_t r = 0; r < n; ++r) {
+    SS_CHECK_ARG(all[3 * r + 1] >= 0, "color", "is ", all[3 * r + 1], " on rank ", r,
+                 ", must be >= 0");
+  }
   MPI_Comm group = MPI_COMM_NULL;
   SS_MPI_CHECK(MPI_Comm_split(comm_, color, key, &group));
   std::unique_ptr<MpiCommunicator> sub(new MpiCommunicator(group, Adopt{}, timeout_));

@@ -122,9 +122,11 @@ class MpiCommunicator final : public Communicator {
   void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
                  std::size_t recv_count, int source, CommType type, int tag) override;
   void barrier() override;
-  // Returns an MpiCommunicator over the new group (color must be >= 0). The
-  // sub-group inherits this communicator's timeout. A timed barrier runs first,
-  // so a rank that never calls split is reported instead of hanging the others.
+  // Returns an MpiCommunicator over the new group (color must be >= 0 on
+  // every rank: a bad one is the same error on all). The sub-group inherits
+  // this communicator's timeout. A timed all-gather of every rank's call and
+  // color runs first, so a rank that never calls split, or makes another
+  // collective call instead, is reported instead of hanging the others.
   std::unique_ptr<Communicator> split(int color, int key) override;
 
   // Zero waits forever; negative throws. See the file comment.
@@ -155,6 +157,9 @@ class MpiCommunicator final : public Communicator {
   // each posted and waited for with the timeout.
   void message(void* data, std::size_t count, CommType type, int peer, int tag, bool receive);
   void timed_barrier(const char* op);
+  // all_gather, its waits and errors named `op` (split gathers every rank's call first).
+  void timed_all_gather(const void* send, void* recv, std::size_t count, CommType type,
+                        const char* op);
   // Polls `ops` until every one completed or the timeout passed; on timeout
   // cancels the receives, keeps the rest in stranded_, marks this
   // communicator failed and throws naming `call`, `op` and the peer.

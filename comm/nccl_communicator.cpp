@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "comm/collective_check.h"
+#include "comm/nccl_host_staged.h"
 #include "core/cuda_check.h"
 
 namespace statescan {
@@ -147,18 +148,25 @@ std::string NcclCommunicator::gpu_conflict(MpiCommunicator& mpi) {
 std::unique_ptr<NcclCommunicator> NcclCommunicator::create(MpiCommunicator& mpi,
                                                            cudaStream_t stream,
                                                            const Options& options) {
-  const std::chrono::milliseconds timeout = options.timeout.value_or(comm_timeout_from_env());
-  check_comm_timeout(timeout, "timeout");
+  // Checked on every rank at once: one rank's bad timeout (or environment
+  // variable, read only where no timeout is given) is every rank's error.
+  std::chrono::milliseconds timeout{0};
+  collective_check(mpi, [&] {
+    timeout = options.timeout ? *options.timeout : comm_timeout_from_env();
+    check_comm_timeout(timeout, "timeout");
+  });
   // The identity all-gather runs on every rank whatever its allow_shared_gpu
   // (a per-rank option: skipping the collective on some ranks would pair
-  // their next one with it). The same text on every rank, so every rank
-  // throws alike where the option is off everywhere.
+  // their next one with it). The same text on every rank; the refusal is
+  // agreed too, since ranks may differ in the option.
   std::string conflict;
   const int device = claim_gpu(mpi, &conflict);
-  SS_CHECK_ARG(options.allow_shared_gpu || conflict.empty(), "device", conflict,
-               "; NCCL needs a GPU per rank: run one rank per GPU (or set "
-               "Options::allow_shared_gpu)");
-  collective_check(mpi, [&] { SS_CUDA_CHECK(cudaSetDevice(device)); });
+  collective_check(mpi, [&] {
+    SS_CHECK_ARG(options.allow_shared_gpu || conflict.empty(), "device", conflict,
+                 "; NCCL needs a GPU per rank: run one rank per GPU (or set "
+                 "Options::allow_shared_gpu)");
+    SS_CUDA_CHECK(cudaSetDevice(device));
+  });
 
   // Rank 0's failure here (no usable network interface, say) must reach the
   // others now, not after they time out in the broadcast.
@@ -182,8 +190,20 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(MpiCommunicator& mpi,
     if (comm != nullptr) ncclCommAbort(comm);
     throw;
   }
-  await_init(comm, timeout, "ncclCommInitRankConfig");
-  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(comm, device, stream, timeout));
+  // Initialised and set up everywhere, or aborted everywhere: a rank whose
+  // init or set-up failed alone would leave its peers a communicator whose
+  // first call waits out the timeout and reports something else.
+  std::unique_ptr<NcclCommunicator> made;
+  try {
+    collective_check(mpi, [&] {
+      await_init(comm, timeout, "ncclCommInitRankConfig");              // aborts on failure
+      made.reset(new NcclCommunicator(comm, device, stream, timeout));  // aborts on failure
+    });
+  } catch (...) {
+    if (made) made->abort("a peer failed to set up its NCCL communicator");
+    throw;
+  }
+  return made;
 }
 
 // Takes an initialised communicator; aborts it if anything here fails, since
@@ -496,9 +516,14 @@ void NcclCommunicator::barrier() {
 }
 
 std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
-  SS_CHECK_ARG(color >= 0, "color", "is ", color, ", must be >= 0");
   check_usable();
   SS_CHECK_ARG(group_depth_ == 0, "split", "called inside group_start/group_end");
+  // The color is agreed over this communicator first: a rank that threw alone
+  // would leave the others in ncclCommSplit until the timeout, which then
+  // aborts this (the parent) communicator on all of them.
+  NcclHostStaged control(*this);
+  collective_check(control,
+                   [&] { SS_CHECK_ARG(color >= 0, "color", "is ", color, ", must be >= 0"); });
   ncclConfig_t config = nonblocking_config();
   ncclComm_t sub = nullptr;
   const ncclResult_t rc = ncclCommSplit(comm_, color, key, &sub, &config);
@@ -516,9 +541,21 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
     if (sub != nullptr) ncclCommAbort(sub);
     throw;
   }
-  SS_CHECK_ARG(sub != nullptr, "nccl", "ncclCommSplit returned no communicator for color ", color);
-  await_init(sub, timeout_, "ncclCommSplit");
-  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(sub, device_, stream_, timeout_));
+  // The child initialised and set up on every rank, or aborted on every rank
+  // (as in create), agreed over the parent, which is idle again.
+  std::unique_ptr<NcclCommunicator> made;
+  try {
+    collective_check(control, [&] {
+      SS_CHECK_ARG(sub != nullptr, "nccl", "ncclCommSplit returned no communicator for color ",
+                   color);
+      await_init(sub, timeout_, "ncclCommSplit");                         // aborts on failure
+      made.reset(new NcclCommunicator(sub, device_, stream_, timeout_));  // aborts on failure
+    });
+  } catch (...) {
+    if (made) made->abort("a peer failed to set up its part of the split");
+    throw;
+  }
+  return made;
 }
 
 }  // namespace statescan

@@ -217,9 +217,8 @@ LinkModel measure_link_device(Communicator& comm, const LinkModel& base) {
     // would wait in the first shift until the timeout).
     try {
       NcclHostStaged control(*nccl);
-      collective_check(control, [&] {
-        SS_CUDA_CHECK(cudaMalloc(&buffers, 2 * probe.large * sizeof(float) + 4 * sizeof(double)));
-      });
+      collective_check(
+          control, [&] { SS_CUDA_CHECK(cudaMalloc(&buffers, 2 * probe.large * sizeof(float))); });
     } catch (...) {
       (void)cudaFree(buffers);  // a rank whose own allocation succeeded
       throw;
@@ -245,14 +244,12 @@ LinkModel measure_link_device(Communicator& comm, const LinkModel& base) {
         SS_CUDA_CHECK(cudaEventElapsedTime(&ms, begin, end));
         return 1e-3 * ms;
       };
+      // Host-staged, so that the wait for the all-reduce is the watched one:
+      // a copy of its result straight into pageable host memory would block
+      // the host inside CUDA until the peers arrived, with no timeout.
+      NcclHostStaged staged(*nccl);
       probe.agree_max = [&](double* values, int n) {
-        SS_CHECK_ARG(n >= 1 && n <= 4, "n", "is ", n, ", the probe holds 1..4 values");
-        auto* dev = reinterpret_cast<double*>(buffers + 2 * probe.large);
-        const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(double);
-        SS_CUDA_CHECK(cudaMemcpyAsync(dev, values, bytes, cudaMemcpyHostToDevice, nccl->stream()));
-        nccl->all_reduce_max(dev, static_cast<std::size_t>(n), CommType::f64);
-        SS_CUDA_CHECK(cudaMemcpyAsync(values, dev, bytes, cudaMemcpyDeviceToHost, nccl->stream()));
-        nccl->wait();
+        staged.all_reduce_max(values, static_cast<std::size_t>(n), CommType::f64);
       };
       const LinkModel m = link_from_ring_probe(probe, base);
       release();

@@ -179,10 +179,13 @@ TEST_P(MpiFault, EveryOtherRankReportsTheTimeoutInTime) {
   world->barrier();  // every survivor has timed out
   if (is_victim) {
     // The late matching call completes what the survivors left posted
-    // (split's timed barrier is the part they were waiting in).
+    // (split's timed all-gather of every rank's call, color and key is the
+    // part they were waiting in; a late split would go on into
+    // MPI_Comm_split, which they never join).
     Buffers late;
     if (fault.op == Op::split) {
-      doomed->barrier();
+      std::vector<int64_t> calls(3 * static_cast<std::size_t>(doomed->size()));
+      doomed->all_gather(calls.data() + 3 * doomed->rank(), calls.data(), 3, CommType::i64);
     } else {
       run(fault.op, *doomed, late);
     }
@@ -197,6 +200,56 @@ INSTANTIATE_TEST_SUITE_P(
                       Fault{Op::all_reduce_max, Victim::last}, Fault{Op::broadcast, Victim::first},
                       Fault{Op::barrier, Victim::last}, Fault{Op::split, Victim::last}),
     fault_name);
+
+// ---- split's agreement ----------------------------------------------------------------
+
+// split gathers every rank's (call, color, key) before MPI_Comm_split, which
+// cannot time out. Where it began with a barrier, a peer's barrier() matched
+// it and the splitting ranks then waited in MPI_Comm_split for ever. Another
+// kind of collective (a barrier) against that gather is an erroneous MPI
+// program whose outcome is MPI's (here OpenMPI truncates the messages, fatal
+// on MPI_COMM_WORLD's handler); a peer in an all-gather of the same shape is
+// well defined, and every splitting rank must name it at once.
+TEST(MpiSplit, APeerInAnotherCollectiveCallIsNamedAtOnce) {
+  const auto world = coordinator();
+  const auto comm = world->split(0, world->rank());
+  comm->set_timeout(kTimeout);
+  const int other = comm->size() - 1;
+  if (comm->rank() == other) {
+    std::vector<int64_t> values(3 * static_cast<std::size_t>(comm->size()), 7);
+    const Outcome o = timed(
+        [&] { comm->all_gather(values.data() + 3 * other, values.data(), 3, CommType::i64); });
+    EXPECT_FALSE(o.threw) << o.what;
+  } else {
+    const Outcome o = timed([&] { (void)comm->split(0, comm->rank()); });
+    ASSERT_TRUE(o.threw) << "split returned after " << o.elapsed.count() << " ms";
+    EXPECT_EQ(o.argument, "split") << o.what;
+    EXPECT_NE(o.what.find("rank " + std::to_string(other) + " made another collective call"),
+              std::string::npos)
+        << o.what;
+    EXPECT_LT(o.elapsed, kTimeout);
+  }
+  world->barrier();
+}
+
+// A bad color on one rank is the same error on every rank, at once (it was
+// thrown by that rank alone, and the others waited out the timeout).
+TEST(MpiSplit, ABadColorOnOneRankFailsEveryRankAlike) {
+  const auto world = coordinator();
+  const auto comm = world->split(0, world->rank());
+  comm->set_timeout(kTimeout);
+  const int bad = comm->size() - 1;
+  const Outcome o = timed([&] { (void)comm->split(comm->rank() == bad ? -2 : 0, comm->rank()); });
+  ASSERT_TRUE(o.threw) << "split returned after " << o.elapsed.count() << " ms";
+  EXPECT_EQ(o.argument, "color") << o.what;
+  EXPECT_NE(o.what.find("is -2 on rank " + std::to_string(bad)), std::string::npos) << o.what;
+  EXPECT_LT(o.elapsed, kTimeout);
+  // The gather completed on every rank: the communicator is still usable.
+  int64_t one = 1;
+  comm->all_reduce_sum(&one, 1, CommType::i64);
+  EXPECT_EQ(one, comm->size());
+  world->barrier();
+}
 
 // ---- point to point -----------------------------------------------------------------
 

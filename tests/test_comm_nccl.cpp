@@ -300,6 +300,31 @@ TEST_F(NcclTest, SplitIntoEvenAndOddGroups) {
   for (int i = 0; i < sub->size(); ++i) EXPECT_EQ(got[i], me % 2 + 2 * i);
 }
 
+// A bad color on one rank is every rank's error (agreed over the parent
+// before ncclCommSplit), and the parent stays usable: a rank that threw alone
+// left the others in ncclCommSplit until the timeout aborted the parent.
+TEST_F(NcclTest, ABadColorOnOneRankFailsEveryRankAlike) {
+  const int P = comm_->size(), me = comm_->rank();
+  try {
+    (void)comm_->split(me == P - 1 ? -2 : 0, me);
+    ADD_FAILURE() << "split returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "color") << e.what();
+    EXPECT_NE(std::string(e.what()).find("is -2"), std::string::npos) << e.what();
+  }
+  DeviceBuffer<int64_t> one(std::vector<int64_t>{1});
+  comm_->all_reduce_sum(one.data(), 1, CommType::i64);
+  comm_->wait();
+  EXPECT_EQ(one.to_host()[0], P);
+}
+
+// A bad timeout on one rank is every rank's error, before any NCCL call.
+TEST_F(NcclTest, ABadTimeoutOnOneRankFailsEveryCreate) {
+  NcclCommunicator::Options options;
+  if (mpi_->rank() == mpi_->size() - 1) options.timeout = milliseconds(-5);
+  expect_error([&] { (void)NcclCommunicator::create(*mpi_, stream_, options); }, "timeout");
+}
+
 TEST_F(NcclTest, SplitOrdersByKey) {
   const int P = comm_->size(), me = comm_->rank();
   const auto reversed = comm_->split(0, -me);
