@@ -150,10 +150,10 @@ void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfi
   // one rank asks for final_state and another does not, the all-reduce that
   // fills it would run on some ranks only; a different exchange posts
   // messages the others never match.
-  static const char* const kNames[] = {"batch",      "heads",     "dk",           "dv",
-                                       "cu_seqlens", "variant",   "chunk",        "initial_state",
-                                       "cu_seqlens", "memory",    "check_finite", "final_state",
-                                       "exchange",   "l2norm_qk", "scale",        "local_len"};
+  static const char* const kNames[] = {
+      "batch",    "heads",         "dk",         "dv",     "cu_seqlens",   "variant",
+      "chunk",    "initial_state", "cu_seqlens", "memory", "check_finite", "final_state",
+      "exchange", "l2norm_qk",     "scale",      "dtype",  "local_len"};
   const int64_t mine[] = {g.batch,
                           g.heads,
                           g.dk,
@@ -169,6 +169,7 @@ void agree_geometry(Communicator& comm, const CpForwardArgs& a, const MixerConfi
                           static_cast<int64_t>(exchange),
                           cfg.l2norm_qk ? 1 : 0,
                           scale_bits,
+                          static_cast<int64_t>(a.q.dtype),
                           g.local_len};
   constexpr int64_t kFields = sizeof(mine) / sizeof(mine[0]);
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == kFields, "a name per field");
@@ -398,6 +399,9 @@ void CpMixer::forward(const CpForwardArgs& a) {
   p.initial_state = init.data();
 
   const int64_t rows = a.cu_seqlens.defined() ? 1 : g.batch;
+  // Resolved below where P > 1; one rank exchanges nothing, and reports an
+  // automatic choice as ring and any other as configured, as the GPU path does.
+  saved->exchange = exchange_ == Exchange::automatic ? Exchange::ring : exchange_;
   if (P > 1) {
     // 1. summary of the shard: S_out = M S_in + E for the segment that leaves it.
     auto t0 = Clock::now();

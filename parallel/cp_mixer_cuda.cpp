@@ -97,7 +97,14 @@ using Clock = std::chrono::steady_clock;
 struct Events {
   cudaEvent_t e[10] = {};
   Events() {
-    for (auto& ev : e) SS_CUDA_CHECK(cudaEventCreate(&ev));
+    try {
+      for (auto& ev : e) SS_CUDA_CHECK(cudaEventCreate(&ev));
+    } catch (...) {
+      // No destructor runs for a constructor that throws: the ones made go here.
+      for (auto& ev : e)
+        if (ev != nullptr) (void)cudaEventDestroy(ev);
+      throw;
+    }
   }
   ~Events() {
     for (auto& ev : e) (void)cudaEventDestroy(ev);
@@ -153,7 +160,11 @@ struct CpMixer::DeviceState {
     // Blocking streams: they wait for work the caller queued on the legacy
     // default stream (inputs copied there are complete when we start).
     SS_CUDA_CHECK(cudaStreamCreate(&compute));
-    SS_CUDA_CHECK(cudaStreamCreate(&exchange));
+    const cudaError_t rc = cudaStreamCreate(&exchange);
+    if (rc != cudaSuccess) {
+      (void)cudaStreamDestroy(compute);  // the destructor does not run
+      SS_CUDA_CHECK(rc);
+    }
   }
   ~DeviceState() {
     // Buffers free on `compute`: finish everything first.

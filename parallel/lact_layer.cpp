@@ -78,7 +78,7 @@ void timed_all_reduce(Communicator& comm, float* data, std::size_t count,
 
 void agree_on_problem(Communicator& control, const LocalSizes& s, const LactConfig& config,
                       const Placement& where, const LactForwardArgs& a,
-                      int64_t (*hash)(const TensorView&)) {
+                      const std::function<int64_t(const TensorView&)>& hash) {
   int64_t weight_hashes[3] = {};
   collective_check(control, [&] {
     weight_hashes[0] = hash(a.w0);

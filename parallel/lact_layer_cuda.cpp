@@ -32,15 +32,6 @@ NcclCommunicator* as_nccl(Communicator& comm) {
 }
 #endif
 
-// Hash of a device tensor's bytes (copied to the host once per forward; the
-// weights are H M D values, small next to the tokens).
-int64_t device_hash(const TensorView& t) {
-  const std::size_t bytes = static_cast<std::size_t>(t.numel()) * size_of(t.dtype);
-  std::vector<unsigned char> host(bytes);
-  SS_CUDA_CHECK(cudaMemcpy(host.data(), t.data, bytes, cudaMemcpyDeviceToHost));
-  return content_hash(host.data(), bytes);
-}
-
 }  // namespace
 
 // Streams and the state forward saves for backward.
@@ -74,25 +65,42 @@ struct LactLayer::DeviceState {
   DeviceState(const DeviceState&) = delete;
   DeviceState& operator=(const DeviceState&) = delete;
 
-  // Waits until everything enqueued on the stream is done (through NCCL's
-  // watchdog when the communicator is NCCL), then adds the GPU time of the
-  // pass's NCCL all-reduces to `stats`.
-  void finish(Communicator& comm, LactExchangeStats& stats) {
+  // Waits until everything enqueued on the stream is done, through NCCL's
+  // watchdog when the communicator is NCCL (a collective queued there may
+  // wait for a peer).
+  void drain(Communicator& comm) {
 #ifdef STATESCAN_HAS_NCCL
     if (NcclCommunicator* nccl = as_nccl(comm)) {
       nccl->wait(stream);
-      for (std::size_t i = 0; i + 1 < events_used; i += 2) {
-        float ms = 0;
-        SS_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
-        stats.seconds += 1e-3 * ms;
-      }
-      events_used = 0;
       return;
     }
 #endif
     (void)comm;
-    (void)stats;
     SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  // drain(), then adds the GPU time of the pass's NCCL all-reduces to `stats`.
+  void finish(Communicator& comm, LactExchangeStats& stats) {
+    drain(comm);
+    for (std::size_t i = 0; i + 1 < events_used; i += 2) {
+      float ms = 0;
+      SS_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
+      stats.seconds += 1e-3 * ms;
+    }
+    events_used = 0;
+  }
+
+  // Hash of a device tensor's bytes as the layer's stream sees them: after
+  // the work queued there (a trainer's weight update on a non-blocking
+  // stream, which a copy on the legacy default stream would not wait for).
+  // Once per forward; the weights are H M D values, small next to the tokens.
+  int64_t hash(Communicator& comm, const TensorView& t) {
+    const std::size_t bytes = static_cast<std::size_t>(t.numel()) * size_of(t.dtype);
+    std::vector<unsigned char> host(bytes);
+    drain(comm);  // watched: the copy below then waits for nothing but itself
+    SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), t.data, bytes, cudaMemcpyDeviceToHost, stream));
+    SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return content_hash(host.data(), bytes);
   }
 
   // The all-reduce of device fp32 buffers over `comm`, counted into `stats`.
@@ -157,7 +165,8 @@ void LactLayer::forward_device(const LactForwardArgs& a) {
                  "LaCT on the GPU takes f32 or bf16 tensors, got ", where.dtype);
     s = lact_detail::check_forward_shapes(a, where);
   });
-  lact_detail::agree_on_problem(control, s, config_, where, a, device_hash);
+  lact_detail::agree_on_problem(control, s, config_, where, a,
+                                [&](const TensorView& t) { return state->hash(comm_, t); });
 
   cuda::LactCudaParams& p = state->params;
   p.config = config_;
@@ -197,6 +206,13 @@ void LactLayer::backward_device(const LactBackwardArgs& a) {
     return;
   }
   DeviceState& state = *device_;
+#ifdef STATESCAN_HAS_NCCL
+  // Over NCCL the pass runs on the communicator's stream as it is now: the
+  // trainer may have moved it since forward (whose work is complete), and
+  // d_o was written there.
+  if (NcclCommunicator* nccl = as_nccl(comm_); nccl != nullptr && !state.owns_stream)
+    state.stream = nccl->stream();
+#endif
   collective_check(agreement_comm(), [&] {
     lact_detail::check_backward_shapes(a, state.sizes, state.where);
     cuda::lact_cuda_check_finite(a.d_o.data, state.where.dtype, a.d_o.numel(), "d_o", state.stream);

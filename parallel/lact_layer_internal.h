@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "comm/communicator.h"
 #include "core/tensor.h"
@@ -40,6 +41,6 @@ void timed_all_reduce(Communicator& comm, float* data, std::size_t count,
 // every rank otherwise.
 void agree_on_problem(Communicator& control, const LocalSizes& s, const LactConfig& config,
                       const Placement& where, const LactForwardArgs& a,
-                      int64_t (*hash)(const TensorView&));
+                      const std::function<int64_t(const TensorView&)>& hash);
 
 }  // namespace statescan::lact_detail

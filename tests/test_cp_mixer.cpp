@@ -102,6 +102,34 @@ std::vector<Case> all_cases() {
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CpSingleRank, ::testing::ValuesIn(all_cases()), case_name);
 
+// One rank exchanges nothing, yet its stats (and observers) report the
+// configured exchange, an automatic one as ring: the host path reported ring
+// for every configuration, the GPU path the configured one.
+TEST(CpSingleRankStats, ReportTheConfiguredExchange) {
+  ProblemSpec s;
+  s.variant = Variant::gated_deltanet;
+  s.heads = 2;
+  s.dk = 8;
+  s.dv = 8;
+  s.seq_len = 24;
+  ref::Problem p = random_problem(s, 77);
+  round_to_float(p);
+  std::mt19937_64 rng(78);
+  const auto d_o = round_f32(randn(p.v.size(), rng));
+  SingleRankCommunicator comm;
+  MixerConfig cfg;
+  cfg.variant = s.variant;
+  cfg.chunk = 16;
+  for (const auto& [configured, reported] : {std::pair{Exchange::allgather, Exchange::allgather},
+                                             {Exchange::ring, Exchange::ring},
+                                             {Exchange::tree, Exchange::tree},
+                                             {Exchange::automatic, Exchange::ring}}) {
+    CpMixer mixer(comm, cfg, configured);
+    (void)run_cp(mixer, p, 0, p.seq_len, d_o, {});
+    EXPECT_EQ(mixer.last_forward_stats().exchange, reported) << to_string(configured);
+  }
+}
+
 // ---- argument checking ----------------------------------------------------------
 
 struct BadInputFixture : ::testing::Test {

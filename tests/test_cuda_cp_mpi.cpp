@@ -357,6 +357,44 @@ TEST_P(CudaCpErrors, HostTensorsOnOneRankFailEveryRank) {
   mpi().barrier();  // reaching this on every rank is the no-hang check
 }
 
+// One rank in bf16 while its peers pass f32: every shape agrees and the
+// exchange is fp32 either way, so nothing else would notice the mixed
+// precision; the agreement names the dtype on every rank.
+TEST_P(CudaCpErrors, ADtypeOnOneRankFailsEveryRank) {
+  Communicator& comm = world(backend);
+  const int P = comm.size(), r = comm.rank();
+  if (P < 2) GTEST_SKIP() << "needs a peer with the other dtype (every rank skips alike)";
+  const DType dtype = r == P - 1 ? DType::bf16 : DType::f32;
+  ProblemSpec s;
+  s.variant = Variant::gla;
+  s.seq_len = 96;
+  s.heads = 2;
+  s.dk = s.dv = 64;
+  const ref::Problem p = random_problem(s, 79);
+  const auto bounds = shard_bounds(s.seq_len, P);
+  const int64_t L = bounds[r + 1] - bounds[r];
+  const Shape qk{1, L, 2, 64};
+  auto part = [&](const std::vector<double>& x, int64_t width) {
+    return slice_tokens(x, 1, s.seq_len, bounds[r], bounds[r + 1], width);
+  };
+  const DeviceTensor q(part(p.q, 128), dtype, qk), k(part(p.k, 128), dtype, qk),
+      v(part(p.v, 128), dtype, qk), g(part(p.g, 128), DType::f32, qk),
+      o(std::vector<float>(static_cast<std::size_t>(L * 128), 12345.f), dtype, qk);
+  CpForwardArgs a;
+  a.q = q.view();
+  a.k = k.view();
+  a.v = v.view();
+  a.g = g.view();
+  a.o = o.view();
+  const std::optional<Error> e = forward_error(comm, s.variant, a);
+  EXPECT_TRUE(e) << "rank " << r << " did not get the error";
+  if (e) {
+    EXPECT_EQ(e->argument(), "dtype") << e->what();
+  }
+  for (float x : o.to_host()) ASSERT_EQ(x, 12345.f) << "rank " << r << " wrote o despite the error";
+  mpi().barrier();  // reaching this on every rank is the no-hang check
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, CudaCpErrors,
                          ::testing::Values("nccl", "mpi", "nccl_mpi_control"),
                          [](const ::testing::TestParamInfo<const char*>& i) {
