@@ -9,7 +9,8 @@ namespace {
 void check_shape(const FlopShape& s) {
   SS_CHECK_ARG(s.tokens >= 0, "tokens", "is ", s.tokens);
   SS_CHECK_ARG(s.heads >= 0, "heads", "is ", s.heads);
-  SS_CHECK_ARG(s.dk >= 0 && s.dv >= 0, "dk", "head dims ", s.dk, " x ", s.dv, " must be >= 0");
+  SS_CHECK_ARG(s.dk >= 0, "dk", "is ", s.dk);
+  SS_CHECK_ARG(s.dv >= 0, "dv", "is ", s.dv);
   SS_CHECK_ARG(s.chunk > 0, "chunk", "is ", s.chunk);
 }
 

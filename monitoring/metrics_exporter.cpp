@@ -346,8 +346,9 @@ void MetricsExporter::on_step(const StepSample& step) {
 }
 
 void MetricsExporter::set_device_memory(int64_t current_bytes, int64_t peak_bytes) {
-  SS_CHECK_ARG(current_bytes >= 0 && peak_bytes >= current_bytes, "peak_bytes", "device memory ",
-               current_bytes, " B current, ", peak_bytes, " B peak (need 0 <= current <= peak)");
+  SS_CHECK_ARG(current_bytes >= 0, "current_bytes", "is ", current_bytes, ", must be >= 0");
+  SS_CHECK_ARG(peak_bytes >= current_bytes, "peak_bytes", "device memory ", current_bytes,
+               " B current, ", peak_bytes, " B peak (need current <= peak)");
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->totals.device_memory_current = current_bytes;
   impl_->totals.device_memory_peak = peak_bytes;

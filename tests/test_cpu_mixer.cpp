@@ -566,6 +566,12 @@ TEST_P(CpuMixerArguments, SummaryRejectsNullOutputs) {
   const MixerParams p = params();
   std::vector<float> E(static_cast<std::size_t>(p.heads * p.dk * p.dv), kSentinel);
   expect_rejects([&] { cpu::mixer_summary(p, nullptr, E.data()); }, "M", {&E});
+  // A summary call writes no o; a null E must be named as E, not as the o it
+  // stands in for during validation.
+  MixerParams no_o = p;
+  no_o.o = nullptr;
+  std::vector<float> M(static_cast<std::size_t>(p.heads * p.dk * p.dk), kSentinel);
+  expect_rejects([&] { cpu::mixer_summary(no_o, M.data(), nullptr); }, "E", {&M});
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CpuMixerArguments, ::testing::ValuesIn(kAllVariants),

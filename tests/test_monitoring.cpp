@@ -527,6 +527,7 @@ TEST(MetricsExporterSetup, InvalidReportsAreRefused) {
   expect_error([&] { m.on_step({1, 0.0, 0}); }, "seconds");
   expect_error([&] { m.on_step({1, 1.0, INFINITY}); }, "flops");
   expect_error([&] { m.set_device_memory(10, 5); }, "peak_bytes");
+  expect_error([&] { m.set_device_memory(-5, 10); }, "current_bytes");
   expect_error([&] { m.on_allreduce(-1.0, 8); }, "seconds");
   expect_error([&] { m.on_allreduce(0.1, -8); }, "bytes");
   // Refused reports leave the totals untouched.
@@ -581,6 +582,7 @@ TEST(FlopModel, InvalidShapesAreRefused) {
   expect_error([] { chunkwise_forward_flops({Variant::kda, -1, 1, 64, 64, 64}); }, "tokens");
   expect_error([] { chunkwise_backward_flops({Variant::kda, 64, 1, 64, 64, 0}); }, "chunk");
   expect_error([] { chunkwise_backward_flops({Variant::kda, 64, 1, -1, 64, 64}); }, "dk");
+  expect_error([] { chunkwise_forward_flops({Variant::kda, 64, 1, 64, -1, 64}); }, "dv");
 }
 
 TEST(FlopModel, LactCountsItsTokenGemms) {

@@ -448,6 +448,10 @@ const BadInput kBadInputs[] = {
      false},
     {"g_inf", Variant::retention, false,
      [](Problem& p, Vec&, Vec&) { p.g[0] = -std::numeric_limits<double>::infinity(); }, "g", false},
+    // alpha = exp(g) > 1: the state grows without bound (the oracle returned
+    // |o| ~ 3e16 at T = 40 instead of refusing, as the kernels do).
+    {"g_positive", Variant::retention, false, [](Problem& p, Vec&, Vec&) { p.g[2] = 0.25; }, "g",
+     false},
     {"beta_missing", Variant::gated_deltanet, false, [](Problem& p, Vec&, Vec&) { p.beta.clear(); },
      "beta", false},
     {"beta_given_for_additive", Variant::retention, false,

@@ -586,13 +586,15 @@ void mixer_backward(const MixerBwdParams& p) {
 }
 
 void mixer_summary(const MixerParams& p, float* M, float* E) {
+  // Its own outputs first: a null E would otherwise stand in for o below and
+  // be reported as o.
+  SS_CHECK_ARG(M != nullptr, "M", "summary output must not be null");
+  SS_CHECK_ARG(E != nullptr, "E", "summary output must not be null");
   // The summary writes no o: validate everything else.
   MixerParams checked = p;
   if (checked.o == nullptr) checked.o = E;
   validate(checked);
   check_cpu_inputs(p);
-  SS_CHECK_ARG(M != nullptr, "M", "summary output must not be null");
-  SS_CHECK_ARG(E != nullptr, "E", "summary output must not be null");
   const int64_t rows = p.cu_seqlens ? 1 : p.batch;
   dispatch(p.variant, [&](auto tag) {
     using Tag = decltype(tag);

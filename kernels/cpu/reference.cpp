@@ -105,6 +105,12 @@ void validate(const Problem& p) {
   check_finite(p.k, "k");
   check_finite(p.v, "v");
   check_finite(p.g, "g");
+  // DESIGN §2: alpha = exp(g) in (0, 1]. The oracle refuses what the kernels
+  // refuse: a positive log gate grows the state without bound, and a
+  // reference computed from it would be confidently meaningless.
+  for (std::size_t i = 0; i < p.g.size(); ++i)
+    SS_CHECK_ARG(p.g[i] <= 0, "g", "element ", i, " is ", p.g[i],
+                 " (log gates must be finite and <= 0: alpha = exp(g) in (0, 1])");
   check_finite(p.beta, "beta");
   check_finite(p.h0, "h0");
 }
