@@ -27,9 +27,10 @@ namespace statescan {
 #if defined(STATESCAN_HAS_PROMETHEUS)
 namespace {
 
-// Whether this host can bind a TCP socket to `address` on some free port
-// (IPv4, IPv6 in brackets or not, or a name that resolves to either).
-bool address_bindable(std::string address) {
+// Whether this host can bind a TCP socket to `address` (IPv4, IPv6 in
+// brackets or not, or a name that resolves to either) on `port` (0: on some
+// free port).
+bool address_bindable(std::string address, int port) {
   if (address.size() >= 2 && address.front() == '[' && address.back() == ']')
     address = address.substr(1, address.size() - 2);
   addrinfo hints{};
@@ -37,7 +38,8 @@ bool address_bindable(std::string address) {
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* list = nullptr;
-  if (::getaddrinfo(address.c_str(), "0", &hints, &list) != 0) return false;
+  if (::getaddrinfo(address.c_str(), std::to_string(port).c_str(), &hints, &list) != 0)
+    return false;
   bool bound = false;
   for (const addrinfo* a = list; a != nullptr && !bound; a = a->ai_next) {
     const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
@@ -53,6 +55,13 @@ bool address_bindable(std::string address) {
 #endif
 
 namespace {
+
+// `address` as it goes before ":port": an IPv6 literal in brackets
+// ("::1" -> "[::1]"), anything else as given.
+std::string with_port(const std::string& address, int port) {
+  const bool bare_ipv6 = address.find(':') != std::string::npos && address.front() != '[';
+  return (bare_ipv6 ? "[" + address + "]" : address) + ":" + std::to_string(port);
+}
 
 int index_of(Phase p) {
   return static_cast<int>(p);
@@ -177,15 +186,22 @@ struct PrometheusMetrics {
 
   // Starts the HTTP server; civetweb reports bind failures as exceptions.
   void serve(const std::string& bind_address, int port) {
-    const std::string where = bind_address + ":" + std::to_string(port);
+    const std::string where = with_port(bind_address, port);
     try {
       exposer = std::make_unique<prometheus::Exposer>(where, 1);
     } catch (const std::exception& e) {
-      // civetweb does not say whether the address or the port failed: an
-      // address this host cannot bind on any port is the address's fault.
-      SS_CHECK_ARG(address_bindable(bind_address), "metrics-bind", "cannot serve metrics on ",
+      // civetweb does not say whether the address or the port failed, so
+      // plain sockets ask: an address this host cannot bind on any port is
+      // the address's fault, a port it cannot bind there the port's; where
+      // both bind, the server itself cannot use the address (a civetweb
+      // built without IPv6, say).
+      SS_CHECK_ARG(address_bindable(bind_address, 0), "metrics-bind", "cannot serve metrics on ",
                    where, ": ", bind_address, " is not an address of this host (", e.what(), ")");
-      SS_FAIL("metrics-port", "cannot serve metrics on ", where, ": ", e.what());
+      SS_CHECK_ARG(port == 0 || address_bindable(bind_address, port), "metrics-port",
+                   "cannot serve metrics on ", where, ": port ", port, " is taken (", e.what(),
+                   ")");
+      SS_FAIL("metrics-bind", "cannot serve metrics on ", where, ": the address and port are free,",
+              " but the metrics server cannot serve on this address (", e.what(), ")");
     }
     exposer->RegisterCollectable(registry);
   }
@@ -257,7 +273,7 @@ int MetricsExporter::port() const {
 
 std::string MetricsExporter::address() const {
   if (!serving()) return {};
-  return impl_->options.bind_address + ":" + std::to_string(impl_->bound_port);
+  return with_port(impl_->options.bind_address, impl_->bound_port);
 }
 
 void MetricsExporter::on_phase(Phase phase, double seconds, int64_t bytes) {

@@ -508,6 +508,23 @@ TEST(MetricsExporterSetup, UnbindableAddressIsRefused) {
   expect_error([&] { MetricsExporter m(o); }, "metrics-bind", "203.0.113.7");
 }
 
+// An IPv6 literal goes in brackets before the port ("::1:0" is no address),
+// and where the server cannot serve it (civetweb built without IPv6) the
+// address is named, not the free port.
+TEST(MetricsExporterSetup, AnIpv6AddressIsServedOrRefusedNamingTheAddress) {
+  if (!MetricsExporter::serving_available()) GTEST_SKIP() << "built without Prometheus";
+  MetricsOptions o;
+  o.port = 0;
+  o.bind_address = "::1";
+  try {
+    MetricsExporter m(o);
+    EXPECT_EQ(m.address(), "[::1]:" + std::to_string(m.port()));
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "metrics-bind") << e.what();
+    EXPECT_NE(std::string(e.what()).find("[::1]:0"), std::string::npos) << e.what();
+  }
+}
+
 TEST(MetricsExporterSetup, WithoutPrometheusAPortIsRefusedNotIgnored) {
   if (MetricsExporter::serving_available()) GTEST_SKIP() << "built with Prometheus";
   MetricsOptions o;
