@@ -45,17 +45,26 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& body) {
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }
+  // The error reported is the lowest failing item's, as the serial loop's
+  // would be, whatever the threads' timing (two ranks, or two runs, then
+  // report the same one). Items are taken in increasing order, so once item
+  // e failed every item below it is already taken and runs to its end (one
+  // of them may fail lower), and none above it need start.
   std::atomic<int64_t> next{0};
+  std::atomic<int64_t> stop{n};  // the lowest failing item so far, n if none
   std::exception_ptr error;
   std::mutex error_mutex;
   auto run = [&] {
     t_inside = true;
-    for (int64_t i; (i = next.fetch_add(1)) < n;) {
+    for (int64_t i; (i = next.fetch_add(1)) < stop.load();) {
       try {
         body(i);
       } catch (...) {
         std::lock_guard<std::mutex> lock(error_mutex);
-        if (!error) error = std::current_exception();
+        if (i < stop.load()) {
+          error = std::current_exception();
+          stop.store(i);
+        }
       }
     }
     t_inside = false;

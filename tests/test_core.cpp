@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/cli_parse.h"
@@ -772,6 +774,32 @@ TEST(ParallelFor, ThreadsFollowTheCpuAffinityNotTheNodesCores) {
 TEST(ParallelFor, ThreadsThatCannotStartLeaveTheirItemsToTheOthers) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(few_stacks_child(), ::testing::ExitedWithCode(0), "");
+}
+
+// Child of TheLowestFailingItemsError...: four workers; item 10 fails late
+// (after item 40 has failed on another thread); exits 0 when item 10's
+// error is the one rethrown, as the serial loop would rethrow it.
+[[noreturn]] void lowest_error_child() {
+  ::setenv("STATESCAN_NUM_THREADS", "4", 1);
+  try {
+    parallel_for(64, [](int64_t i) {
+      if (i == 10) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        SS_FAIL("item", "item 10 failed");
+      }
+      if (i == 40) SS_FAIL("item", "item 40 failed");
+    });
+  } catch (const Error& e) {
+    std::_Exit(std::string(e.what()).find("item 10 failed") != std::string::npos ? 0 : 1);
+  }
+  std::_Exit(2);
+}
+
+// Which error a failed loop reports does not depend on the threads' timing
+// (it was whichever failed first: two runs, or two ranks, could differ).
+TEST(ParallelFor, TheLowestFailingItemsErrorIsRethrown) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(lowest_error_child(), ::testing::ExitedWithCode(0), "");
 }
 
 TEST(ParallelFor, RethrowsTheBodysErrorOnTheCaller) {
