@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string_view>
 
 namespace statescan {
@@ -16,5 +17,10 @@ double parse_number(std::string_view text, const char* flag);
 
 // A finite number > 0.
 double parse_positive_number(std::string_view text, const char* flag);
+
+// Refuses extents whose product (the elements of one tensor) passes 2^48,
+// naming `flag`: each extent is capped on its own, their product is not, and
+// it would overflow int64 (or be no tensor any machine holds).
+void check_tensor_elements(std::initializer_list<int64_t> extents, const char* flag);
 
 }  // namespace statescan

@@ -107,9 +107,13 @@ void release_idle(State& s, int device) {
       SS_CUDA_CHECK(cudaMemPoolTrimTo(s.small_pools[d], 0));
 }
 
+// Named "cuda", as every device failure is: one rank's out-of-memory is no
+// agreed input fault (ranks may need different amounts: uneven shards,
+// kept tiles, a shared GPU), so statescan-run aborts the job on it rather
+// than leaving the peers waiting in the next collective.
 [[noreturn]] void out_of_memory(std::size_t bytes, cudaError_t rc) {
   (void)cudaGetLastError();  // an allocation failure is not sticky; clear it
-  SS_FAIL("bytes", "cannot allocate ", bytes, " bytes of device memory: ", cudaGetErrorString(rc));
+  SS_FAIL("cuda", "cannot allocate ", bytes, " bytes of device memory: ", cudaGetErrorString(rc));
 }
 
 }  // namespace

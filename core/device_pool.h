@@ -34,7 +34,7 @@
 namespace statescan {
 
 // `bytes` of memory on the current device, usable by work queued on `stream`
-// from now on. Throws statescan::Error naming "bytes" when the device has not
+// from now on. Throws statescan::Error naming "cuda" (and the size) when the device has not
 // that much free even after the cache gave its unused blocks back. 0 bytes:
 // nullptr.
 void* pool_alloc(std::size_t bytes, cudaStream_t stream);

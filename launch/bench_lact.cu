@@ -346,7 +346,7 @@ const char* const kLactBenchUsage =
     "                       [--iters 5] [--forward-only] [--no-check]\n";
 
 LactBenchOptions parse_lact_bench_options(int argc, char** argv) {
-  // Bounds far past any real run that keep the products of sizes in int64.
+  // Bounds far past any real run (their products: check_tensor_elements).
   constexpr int64_t kMaxTokens = int64_t{1} << 40, kMaxCount = int64_t{1} << 20,
                     kMaxWidth = int64_t{1} << 16;
   LactBenchOptions o;
@@ -393,9 +393,12 @@ LactBenchOptions parse_lact_bench_options(int argc, char** argv) {
     } else if (a == "--no-check") {
       o.check = false;
     } else {
-      SS_FAIL(a.c_str(), "unknown flag for statescan-bench --lact");
+      SS_CHECK_ARG(a.rfind('-', 0) != 0, a.c_str(), "unknown flag for statescan-bench --lact");
+      SS_FAIL("arguments", "unknown positional argument '", a, "' for statescan-bench --lact");
     }
   }
+  check_tensor_elements({o.batch, o.seq_len, o.heads, std::max(o.dim, o.hidden)}, "--seq-len");
+  check_tensor_elements({o.heads, o.hidden, o.dim}, "--hidden");  // the fast weights
   LactConfig c;
   c.chunk = o.chunk;
   c.momentum = o.momentum;

@@ -138,8 +138,8 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-// Upper bounds of the integer flags: far past any real run, low enough that
-// the products of sizes stay inside int64.
+// Upper bounds of the integer flags, far past any real run (their products
+// are checked by check_tensor_elements).
 constexpr int64_t kMaxTokens = int64_t{1} << 40, kMaxCount = int64_t{1} << 20;
 
 // The modes that read each flag (the backward-only switches --recompute,
@@ -266,9 +266,12 @@ Options parse(int argc, char** argv) {
     } else if (arg == "-h" || arg == "--help") {
       o.help = true;
     } else {
-      SS_FAIL(arg, "unknown option");
+      // A stray word is named "arguments" (main's exit 2 reads the name).
+      SS_CHECK_ARG(arg.rfind('-', 0) != 0, arg, "unknown option");
+      SS_FAIL("arguments", "unknown positional argument '", arg, "'");
     }
   }
+  for (const int64_t T : o.lengths) check_tensor_elements({o.batch, T, o.heads, o.dim}, "-t");
   SS_CHECK_ARG(!o.recompute || o.backward, "--recompute", "applies to --backward only");
   SS_CHECK_ARG(!o.keep_prepared || o.backward, "--keep-prepared", "applies to --backward only");
   SS_CHECK_ARG(o.save_t || o.backward, "--no-save-t", "applies to --backward only");
@@ -1038,7 +1041,7 @@ int main(int argc, char** argv) {
     // that finished and missed its goal (--cp-measure), so a script can tell
     // them apart.
     std::fprintf(stderr, "statescan-bench: %s\n", e.what());
-    return e.argument().rfind('-', 0) == 0 ? 2 : 3;
+    return e.argument().rfind('-', 0) == 0 || e.argument() == "arguments" ? 2 : 3;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "statescan-bench: %s\n", e.what());
     return 3;

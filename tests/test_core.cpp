@@ -294,6 +294,11 @@ TEST(CliParse, Numbers) {
   expect_error_naming("--scale", [] { parse_number("inf", "--scale"); });
   expect_error_naming("--scale", [] { parse_number("nan", "--scale"); });
   expect_error_naming("--scale", [] { parse_number("1e999", "--scale"); });
+  // strtod's other forms are not decimal numbers; a subnormal value is one.
+  expect_error_naming("--scale", [] { parse_number(" 2", "--scale"); });
+  expect_error_naming("--scale", [] { parse_number("0x10", "--scale"); });
+  expect_error_naming("--scale", [] { parse_number("1e-400", "--scale"); });  // underflows to 0
+  EXPECT_GT(parse_number("1e-310", "--scale"), 0.0);
 }
 
 // ---- environment switches: documented values, else an error ----------------

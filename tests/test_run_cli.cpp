@@ -374,6 +374,24 @@ TEST(RunCli, FooterSplitsEveryRanksPassesIntoPhases) {
   EXPECT_EQ(passes, 2 * kRanks) << text;
 }
 
+// JSON text is UTF-8: a --load path that is not (a byte 0xff) reaches the
+// header as U+FFFD beside its escaped quote and a valid two-byte character,
+// and the file stays JSON (the byte was copied raw).
+TEST(RunCli, JsonStaysUtf8ForAPathThatIsNot) {
+  TempDir dir;
+  const Inputs in = make_inputs(Variant::kda, {}, 12);
+  const fs::path odd = dir.file(std::string("in\xff\"q\xc3\xa9"));
+  fs::create_directories(odd);
+  write_inputs(in, odd);
+  const fs::path json = dir.file("run.json");
+  const RunResult r = run_cli(dir, "--variant kda --load '" + odd.string() +
+                                       "' --iters 1 --warmup 0 --no-check --json " + json.string());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::string text = slurp(json);
+  EXPECT_EQ(text.find('\xff'), std::string::npos) << text;
+  EXPECT_NE(text.find("in\\ufffd\\\"q\xc3\xa9"), std::string::npos) << text;
+}
+
 // The average throughput is the steps' tokens over their time: with steps of
 // different lengths it is not the mean of their rates.
 TEST(RunCli, AverageThroughputIsTokensOverTime) {
