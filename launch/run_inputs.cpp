@@ -118,6 +118,20 @@ std::vector<float> loaded_values(const Loaded& l, DType round_as, bool check,
           "; --no-check-finite lets it through");
 }
 
+// LaCT's inputs checked as loaded_values checks the mixer's, always (LaCT
+// refuses --no-check-finite: the layer checks every input, but sees one
+// rank's slice of the file); learning rates (`rate`) also must be > 0.
+std::vector<float> lact_values(const Loaded& l, DType round_as, bool rate = false) {
+  std::vector<float> x = to_float(l.array, round_as);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (std::isfinite(x[i]) && (!rate || x[i] > 0)) continue;
+    SS_FAIL(l.path, l.path, " element ", index_string(l.array.shape, static_cast<int64_t>(i)),
+            " is ", x[i],
+            rate ? " (learning rates must be finite and > 0)" : " (NaN/Inf not allowed)");
+  }
+  return x;
+}
+
 // Tokens [t0, t1) of a [B, T, inner] tensor.
 std::vector<float> slice_tokens(const std::vector<float>& x, int64_t batch, int64_t seq_len,
                                 int64_t inner, int64_t t0, int64_t t1) {
@@ -415,32 +429,32 @@ LactData lact_from_directory(const RunOptions& options) {
   const Shape tokens{d.batch, d.seq_len, d.heads, d.dim}, rates{d.batch, d.seq_len, d.heads};
   const Shape wide{d.heads, d.hidden, d.dim}, narrow{d.heads, d.dim, d.hidden};
   const DType dt = options.dtype;
-  data.q = to_float(q.array, dt);
+  data.q = lact_values(q, dt);
   const std::pair<const char*, std::vector<float>*> token_files[] = {{"k.npy", &data.k},
                                                                      {"v.npy", &data.v}};
   for (const auto& [name, dst] : token_files) {
     const Loaded l = load_float(dir, name);
     expect_shape(l, tokens, "q.npy's shape [B, T, H, D]");
-    *dst = to_float(l.array, dt);
+    *dst = lact_values(l, dt);
   }
   const std::pair<const char*, std::vector<float>*> rate_files[] = {
       {"lr0.npy", &data.lr0}, {"lr1.npy", &data.lr1}, {"lr2.npy", &data.lr2}};
   for (const auto& [name, dst] : rate_files) {
     const Loaded l = load_float(dir, name);
     expect_shape(l, rates, "a learning rate [B, T, H]");
-    *dst = to_float(l.array, DType::f32);
+    *dst = lact_values(l, DType::f32, /*rate=*/true);
   }
-  data.w0 = to_float(w0.array, DType::f32);
+  data.w0 = lact_values(w0, DType::f32);
   const Loaded w1 = load_float(dir, "w1.npy");
   expect_shape(w1, narrow, "W1 [H, D, M]");
-  data.w1 = to_float(w1.array, DType::f32);
+  data.w1 = lact_values(w1, DType::f32);
   const Loaded w2 = load_float(dir, "w2.npy");
   expect_shape(w2, wide, "W2 [H, M, D]");
-  data.w2 = to_float(w2.array, DType::f32);
+  data.w2 = lact_values(w2, DType::f32);
   if (npy_exists((std::filesystem::path(dir) / "do.npy").string())) {
     const Loaded d_o = load_float(dir, "do.npy");
     expect_shape(d_o, tokens, "the output gradient [B, T, H, D]");
-    data.d_o = to_float(d_o.array, dt);
+    data.d_o = lact_values(d_o, dt);
   }
   return data;
 }

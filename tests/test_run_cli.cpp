@@ -777,6 +777,36 @@ TEST(RunCliLactInput, WrongShapeOfW1FailsNamingTheFile) {
   EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
 }
 
+// A bad value in a loaded LaCT file is named by its file and its index in
+// that file, as the mixer's files are (the layer alone saw one rank's slice:
+// "argument 'lr1': element 24", an index into that slice).
+TEST(RunCliLactInput, BadValuesNameTheFileAndTheirIndexInIt) {
+  const test::LactProblem p = test::rounded(test::random_lact_problem(kLactSizes, 44));
+  const Shape rates{1, kLactSeqLen, kLactHeads}, tokens{1, kLactSeqLen, kLactHeads, kLactDim};
+  {
+    TempDir dir;
+    write_lact_inputs(p, dir.in());
+    std::vector<double> lr1 = p.lr1;
+    lr1[2 * 40 + 1] = -1.0;  // token 40, head 1
+    write_f32(dir.in() / "lr1.npy", rates, lr1);
+    const RunResult r = run_cli(dir, "--variant lact --lact-chunk 12 " + io_args(dir), "");
+    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+    expect_every_rank_reports(r, "lr1.npy element [0, 40, 1] is -1 (learning rates must be");
+    EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+  }
+  {
+    TempDir dir;
+    write_lact_inputs(p, dir.in());
+    std::vector<double> v = p.v;
+    v[(30 * kLactHeads + 0) * kLactDim + 5] = std::nan("");
+    write_f32(dir.in() / "v.npy", tokens, v);
+    const RunResult r = run_cli(dir, "--variant lact --lact-chunk 12 " + io_args(dir), "");
+    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+    expect_every_rank_reports(r, "v.npy element [0, 30, 0, 5] is nan");
+    EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+  }
+}
+
 TEST(RunCliLactInput, MixerChunkFlagIsRefused) {
   TempDir dir;
   const RunResult r = run_cli(dir, "--variant lact --seq-len 48 --lact-chunk 12 --iters 1");
