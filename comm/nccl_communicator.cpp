@@ -190,17 +190,24 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(MpiCommunicator& mpi,
     if (comm != nullptr) ncclCommAbort(comm);
     throw;
   }
-  // Initialised and set up everywhere, or aborted everywhere: a rank whose
-  // init or set-up failed alone would leave its peers a communicator whose
-  // first call waits out the timeout and reports something else.
+  return set_up_everywhere(mpi, comm, device, stream, timeout, "ncclCommInitRankConfig");
+}
+
+// Initialised and set up on every rank, or aborted on every rank: a rank
+// whose init or set-up failed alone would leave its peers a communicator
+// whose first call waits out the timeout and reports something else.
+std::unique_ptr<NcclCommunicator> NcclCommunicator::set_up_everywhere(
+    Communicator& control, ncclComm_t comm, int device, cudaStream_t stream,
+    std::chrono::milliseconds timeout, const char* op) {
   std::unique_ptr<NcclCommunicator> made;
   try {
-    collective_check(mpi, [&] {
-      await_init(comm, timeout, "ncclCommInitRankConfig");              // aborts on failure
+    collective_check(control, [&] {
+      SS_CHECK_ARG(comm != nullptr, "nccl", op, " returned no communicator");
+      await_init(comm, timeout, op);                                    // aborts on failure
       made.reset(new NcclCommunicator(comm, device, stream, timeout));  // aborts on failure
     });
   } catch (...) {
-    if (made) made->abort("a peer failed to set up its NCCL communicator");
+    if (made) made->abort(detail::concat("a peer failed to set up its part of ", op));
     throw;
   }
   return made;
@@ -541,21 +548,8 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
     if (sub != nullptr) ncclCommAbort(sub);
     throw;
   }
-  // The child initialised and set up on every rank, or aborted on every rank
-  // (as in create), agreed over the parent, which is idle again.
-  std::unique_ptr<NcclCommunicator> made;
-  try {
-    collective_check(control, [&] {
-      SS_CHECK_ARG(sub != nullptr, "nccl", "ncclCommSplit returned no communicator for color ",
-                   color);
-      await_init(sub, timeout_, "ncclCommSplit");                         // aborts on failure
-      made.reset(new NcclCommunicator(sub, device_, stream_, timeout_));  // aborts on failure
-    });
-  } catch (...) {
-    if (made) made->abort("a peer failed to set up its part of the split");
-    throw;
-  }
-  return made;
+  // Agreed over the parent, which is idle again.
+  return set_up_everywhere(control, sub, device_, stream_, timeout_, "ncclCommSplit");
 }
 
 }  // namespace statescan

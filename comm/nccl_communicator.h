@@ -184,6 +184,12 @@ class NcclCommunicator final : public Communicator {
   // ("GPU-<uuid>") into `conflict`: "" unless two ranks would drive it.
   // Collective.
   static int claim_gpu(MpiCommunicator& mpi, std::string* conflict);
+  // Waits for `comm`'s initialisation and wraps it, inside a collective check
+  // over `control`: on every rank, or aborted on every rank.
+  static std::unique_ptr<NcclCommunicator> set_up_everywhere(Communicator& control, ncclComm_t comm,
+                                                             int device, cudaStream_t stream,
+                                                             std::chrono::milliseconds timeout,
+                                                             const char* op);
   void check_usable() const;
   void check_device_buffer(const void* p, std::size_t count, const char* name) const;
   void check_peer(int peer, bool allow_self, const char* name) const;

@@ -315,6 +315,32 @@ TEST_P(CudaCpErrors, NanInGateOnOneRankFailsEveryRank) {
   mpi().barrier();  // reaching this on every rank is the no-hang check
 }
 
+// This rank's shard of a GLA problem (vector gates, no beta; T 96, H 2,
+// D 64) as host floats, and an o holding the sentinel 12345.
+struct GlaShard {
+  Shape shape;
+  std::vector<float> q, k, v, g, o;
+};
+GlaShard gla_shard(const Communicator& comm, uint64_t seed) {
+  ProblemSpec s;
+  s.variant = Variant::gla;
+  s.seq_len = 96;
+  s.heads = 2;
+  s.dk = s.dv = 64;
+  const ref::Problem p = random_problem(s, seed);
+  const auto bounds = shard_bounds(s.seq_len, comm.size());
+  const int64_t t0 = bounds[comm.rank()], t1 = bounds[comm.rank() + 1];
+  auto part = [&](const std::vector<double>& x) {
+    return slice_tokens(x, 1, s.seq_len, t0, t1, 128);
+  };
+  return {Shape{1, t1 - t0, 2, 64},
+          part(p.q),
+          part(p.k),
+          part(p.v),
+          part(p.g),
+          std::vector<float>(static_cast<std::size_t>((t1 - t0) * 128), 12345.f)};
+}
+
 // One rank passing host tensors while its peers pass device tensors: the two
 // paths run different code, yet meet in the same agreement collectives (over
 // NCCL, the host path's through the staged control plane too), so every rank
@@ -325,34 +351,22 @@ TEST_P(CudaCpErrors, HostTensorsOnOneRankFailEveryRank) {
   const int P = comm.size(), r = comm.rank();
   if (P < 2) GTEST_SKIP() << "needs a peer on the other path (every rank skips alike)";
   const bool on_host = r == P - 1;
-  ProblemSpec s;
-  s.variant = Variant::gla;  // vector gates, no beta
-  s.seq_len = 96;
-  s.heads = 2;
-  s.dk = s.dv = 64;
-  const ref::Problem p = random_problem(s, 78);
-  const auto bounds = shard_bounds(s.seq_len, P);
-  const int64_t L = bounds[r + 1] - bounds[r];
-  const Shape qk{1, L, 2, 64};
-  auto part = [&](const std::vector<double>& x, int64_t width) {
-    return slice_tokens(x, 1, s.seq_len, bounds[r], bounds[r + 1], width);
-  };
-  std::vector<float> hq = part(p.q, 128), hk = part(p.k, 128), hv = part(p.v, 128),
-                     hg = part(p.g, 128), ho(static_cast<std::size_t>(L * 128), 12345.f);
-  const DeviceTensor q(hq, DType::f32, qk), k(hk, DType::f32, qk), v(hv, DType::f32, qk),
-      g(hg, DType::f32, qk), o(ho, DType::f32, qk);
+  GlaShard h = gla_shard(comm, 78);
+  const Shape& qk = h.shape;
+  const DeviceTensor q(h.q, DType::f32, qk), k(h.k, DType::f32, qk), v(h.v, DType::f32, qk),
+      g(h.g, DType::f32, qk), o(h.o, DType::f32, qk);
   CpForwardArgs a;
-  a.q = on_host ? TensorView(hq.data(), DType::f32, qk) : q.view();
-  a.k = on_host ? TensorView(hk.data(), DType::f32, qk) : k.view();
-  a.v = on_host ? TensorView(hv.data(), DType::f32, qk) : v.view();
-  a.g = on_host ? TensorView(hg.data(), DType::f32, qk) : g.view();
-  a.o = on_host ? TensorView(ho.data(), DType::f32, qk) : o.view();
-  const std::optional<Error> e = forward_error(comm, s.variant, a);
+  a.q = on_host ? TensorView(h.q.data(), DType::f32, qk) : q.view();
+  a.k = on_host ? TensorView(h.k.data(), DType::f32, qk) : k.view();
+  a.v = on_host ? TensorView(h.v.data(), DType::f32, qk) : v.view();
+  a.g = on_host ? TensorView(h.g.data(), DType::f32, qk) : g.view();
+  a.o = on_host ? TensorView(h.o.data(), DType::f32, qk) : o.view();
+  const std::optional<Error> e = forward_error(comm, Variant::gla, a);
   EXPECT_TRUE(e) << "rank " << r << " did not get the error";
   if (e) {
     EXPECT_EQ(e->argument(), "memory") << e->what();
   }
-  for (float x : on_host ? ho : o.to_host())
+  for (float x : on_host ? h.o : o.to_host())
     ASSERT_EQ(x, 12345.f) << "rank " << r << " wrote o despite the error";
   mpi().barrier();  // reaching this on every rank is the no-hang check
 }
@@ -365,28 +379,16 @@ TEST_P(CudaCpErrors, ADtypeOnOneRankFailsEveryRank) {
   const int P = comm.size(), r = comm.rank();
   if (P < 2) GTEST_SKIP() << "needs a peer with the other dtype (every rank skips alike)";
   const DType dtype = r == P - 1 ? DType::bf16 : DType::f32;
-  ProblemSpec s;
-  s.variant = Variant::gla;
-  s.seq_len = 96;
-  s.heads = 2;
-  s.dk = s.dv = 64;
-  const ref::Problem p = random_problem(s, 79);
-  const auto bounds = shard_bounds(s.seq_len, P);
-  const int64_t L = bounds[r + 1] - bounds[r];
-  const Shape qk{1, L, 2, 64};
-  auto part = [&](const std::vector<double>& x, int64_t width) {
-    return slice_tokens(x, 1, s.seq_len, bounds[r], bounds[r + 1], width);
-  };
-  const DeviceTensor q(part(p.q, 128), dtype, qk), k(part(p.k, 128), dtype, qk),
-      v(part(p.v, 128), dtype, qk), g(part(p.g, 128), DType::f32, qk),
-      o(std::vector<float>(static_cast<std::size_t>(L * 128), 12345.f), dtype, qk);
+  const GlaShard h = gla_shard(comm, 79);
+  const DeviceTensor q(h.q, dtype, h.shape), k(h.k, dtype, h.shape), v(h.v, dtype, h.shape),
+      g(h.g, DType::f32, h.shape), o(h.o, dtype, h.shape);
   CpForwardArgs a;
   a.q = q.view();
   a.k = k.view();
   a.v = v.view();
   a.g = g.view();
   a.o = o.view();
-  const std::optional<Error> e = forward_error(comm, s.variant, a);
+  const std::optional<Error> e = forward_error(comm, Variant::gla, a);
   EXPECT_TRUE(e) << "rank " << r << " did not get the error";
   if (e) {
     EXPECT_EQ(e->argument(), "dtype") << e->what();
