@@ -71,9 +71,15 @@ for target in "$@"; do
   xz -9 -T0 "$CARRY/$target"
 done
 # The revision the binaries were built from (a stale pack is easy to carry).
-{ git -C "$ROOT" rev-parse --short HEAD
-  git -C "$ROOT" diff --quiet HEAD -- . ':!build-carry' || echo "with uncommitted changes"
-} >"$CARRY/REVISION" 2>/dev/null || echo unknown >"$CARRY/REVISION"
+# Outside a git work tree "unknown" (rev-parse fails; the diff alone would
+# have written "with uncommitted changes").
+if rev=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null); then
+  { echo "$rev"
+    git -C "$ROOT" diff --quiet HEAD -- . ':!build-carry' 2>/dev/null || echo "with uncommitted changes"
+  } >"$CARRY/REVISION"
+else
+  echo unknown >"$CARRY/REVISION"
+fi
 # Each binary's path in the build tree: a test may run another binary by the
 # path the build baked into it (test_run_cli runs statescan-run so), which
 # unpack.sh then links to the unpacked copy.

@@ -61,7 +61,9 @@ for f in include/statescan/core/error.h include/statescan/parallel/cp_mixer.h \
   [ -f "$PREFIX/$f" ] || fail "the install lacks $f"
 done
 # The modules' private headers (pieces their own sources share) stay out.
-leaked=$(find "$PREFIX/include/statescan" -name '*_internal.h' | head -3)
+# No `| head` under pipefail: find killed by SIGPIPE would end the script
+# (set -e) before the message below.
+leaked=$(find "$PREFIX/include/statescan" -name '*_internal.h' -print -quit)
 [ -z "$leaked" ] || fail "the install carries private headers: $leaked"
 
 step "building examples/cp_consumer against the installed package"

@@ -74,12 +74,15 @@ cat >"$OUTDIR/run.sh" <<RUN
 set -uo pipefail
 cd "\$(dirname "\$0")"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-}
-for p in probe_*.xz; do xz -dc "\$p" >"/tmp/\${p%.xz}" && chmod +x "/tmp/\${p%.xz}"; done
+# Exits 1 if any unpacking or probe failed (not only the last probe's status).
+rc=0
+for p in probe_*.xz; do xz -dc "\$p" >"/tmp/\${p%.xz}" && chmod +x "/tmp/\${p%.xz}" || rc=1; done
 for r in \$(seq ${REPEAT:-2}); do
   for mode in ${MODES:-grad}; do for d in ${DS:-256}; do for name in ${names[*]}; do
-    "/tmp/probe_\$name" "\$mode" "\$d" "\$name"
+    "/tmp/probe_\$name" "\$mode" "\$d" "\$name" || { echo "probe_\$name \$mode \$d failed"; rc=1; }
   done; done; done
 done
+exit \$rc
 RUN
 chmod +x "$OUTDIR/run.sh"
 du -sh "$OUTDIR"
