@@ -44,12 +44,12 @@ double parse_positive_number(std::string_view text, const char* flag) {
   return value;
 }
 
-void check_tensor_elements(std::initializer_list<int64_t> extents, const char* flag) {
+void check_tensor_elements(std::initializer_list<NamedExtent> extents, const char* flag) {
   long double elements = 1;
   std::string product;
-  for (const int64_t e : extents) {
-    elements *= static_cast<long double>(e);
-    product += (product.empty() ? "" : " x ") + std::to_string(e);
+  for (const NamedExtent& e : extents) {
+    elements *= static_cast<long double>(e.value);
+    product += (product.empty() ? "" : " x ") + std::string(e.name) + " " + std::to_string(e.value);
   }
   constexpr long double kMaxElements = static_cast<long double>(int64_t{1} << 48);
   SS_CHECK_ARG(elements <= kMaxElements, flag, product, " = ", elements,

@@ -18,9 +18,16 @@ double parse_number(std::string_view text, const char* flag);
 // A finite number > 0.
 double parse_positive_number(std::string_view text, const char* flag);
 
+// One extent of a tensor's shape and the flag (or expression of flags) it came from.
+struct NamedExtent {
+  const char* name;
+  int64_t value;
+};
+
 // Refuses extents whose product (the elements of one tensor) passes 2^48,
-// naming `flag`: each extent is capped on its own, their product is not, and
-// it would overflow int64 (or be no tensor any machine holds).
-void check_tensor_elements(std::initializer_list<int64_t> extents, const char* flag);
+// naming `flag` and listing the extents ("--batch 4 x --seq-len 8 x ..."):
+// each extent is capped on its own, their product is not, and it would
+// overflow int64 (or be no tensor any machine holds).
+void check_tensor_elements(std::initializer_list<NamedExtent> extents, const char* flag);
 
 }  // namespace statescan

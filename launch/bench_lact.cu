@@ -397,8 +397,13 @@ LactBenchOptions parse_lact_bench_options(int argc, char** argv) {
       SS_FAIL("arguments", "unknown positional argument '", a, "' for statescan-bench --lact");
     }
   }
-  check_tensor_elements({o.batch, o.seq_len, o.heads, std::max(o.dim, o.hidden)}, "--seq-len");
-  check_tensor_elements({o.heads, o.hidden, o.dim}, "--hidden");  // the fast weights
+  check_tensor_elements({{"--batch", o.batch},
+                         {"--seq-len", o.seq_len},
+                         {"--heads", o.heads},
+                         {"max(--dim, --hidden)", std::max(o.dim, o.hidden)}},
+                        "--seq-len");
+  check_tensor_elements({{"--heads", o.heads}, {"--hidden", o.hidden}, {"--dim", o.dim}},
+                        "--hidden");  // the fast weights
   LactConfig c;
   c.chunk = o.chunk;
   c.momentum = o.momentum;

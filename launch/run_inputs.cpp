@@ -1,5 +1,6 @@
 #include "launch/run_inputs.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -101,35 +102,52 @@ std::vector<float> to_float(const NpyArray& a, DType round_as) {
   return out;
 }
 
-// A loaded array's values as the run uses them (to_float), checked where the
-// run checks its inputs (`check`: not --no-check-finite): rounding to the
-// dtype can overflow a float64 file's value to Inf, and the error names the
-// file and the element's index in it, where the library's check sees only
-// one rank's shard of the tensor. log_gates: also > 0 is refused (alpha =
-// exp(g) must be in (0, 1]).
-std::vector<float> loaded_values(const Loaded& l, DType round_as, bool check,
-                                 bool log_gates = false) {
+// What a loaded array's values must be.
+enum class ValueRule {
+  finite,
+  log_gates,  // also <= 0 (alpha = exp(g) must be in (0, 1])
+  rates,      // also > 0 (LaCT's learning rates)
+};
+
+// A loaded array's values as the run uses them (to_float), each checked by
+// `rule`: rounding to the dtype can overflow a float64 file's value to Inf,
+// and the error names the file and the element's index in it, where the
+// library's check sees only one rank's shard of the tensor. `hint` ends the
+// message.
+std::vector<float> checked_values(const Loaded& l, DType round_as, ValueRule rule,
+                                  const char* hint = "") {
   std::vector<float> x = to_float(l.array, round_as);
-  const int64_t i = check ? first_invalid(x.data(), static_cast<int64_t>(x.size()), log_gates) : -1;
+  const auto n = static_cast<int64_t>(x.size());
+  int64_t i = -1;
+  if (rule == ValueRule::rates) {
+    const auto bad =
+        std::find_if(x.begin(), x.end(), [](float v) { return !(std::isfinite(v) && v > 0); });
+    if (bad != x.end()) i = bad - x.begin();
+  } else {
+    i = first_invalid(x.data(), n, rule == ValueRule::log_gates);
+  }
   if (i < 0) return x;
+  const char* why = rule == ValueRule::rates       ? " (learning rates must be finite and > 0)"
+                    : rule == ValueRule::log_gates ? " (log gates must be finite and <= 0)"
+                                                   : " (NaN/Inf not allowed)";
   SS_FAIL(l.path, l.path, " element ", index_string(l.array.shape, i), " is ",
-          x[static_cast<std::size_t>(i)],
-          log_gates ? " (log gates must be finite and <= 0)" : " (NaN/Inf not allowed)",
-          "; --no-check-finite lets it through");
+          x[static_cast<std::size_t>(i)], why, hint);
 }
 
-// LaCT's inputs checked as loaded_values checks the mixer's, always (LaCT
-// refuses --no-check-finite: the layer checks every input, but sees one
-// rank's slice of the file); learning rates (`rate`) also must be > 0.
+// The mixer's inputs, checked unless --no-check-finite (`check` false);
+// log_gates: g's rule.
+std::vector<float> loaded_values(const Loaded& l, DType round_as, bool check,
+                                 bool log_gates = false) {
+  if (!check) return to_float(l.array, round_as);
+  return checked_values(l, round_as, log_gates ? ValueRule::log_gates : ValueRule::finite,
+                        "; --no-check-finite lets it through");
+}
+
+// LaCT's inputs, always checked (LaCT refuses --no-check-finite: the layer
+// checks every input too, but sees one rank's slice of the file); learning
+// rates (`rate`) also must be > 0.
 std::vector<float> lact_values(const Loaded& l, DType round_as, bool rate = false) {
-  std::vector<float> x = to_float(l.array, round_as);
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    if (std::isfinite(x[i]) && (!rate || x[i] > 0)) continue;
-    SS_FAIL(l.path, l.path, " element ", index_string(l.array.shape, static_cast<int64_t>(i)),
-            " is ", x[i],
-            rate ? " (learning rates must be finite and > 0)" : " (NaN/Inf not allowed)");
-  }
-  return x;
+  return checked_values(l, round_as, rate ? ValueRule::rates : ValueRule::finite);
 }
 
 // Tokens [t0, t1) of a [B, T, inner] tensor.

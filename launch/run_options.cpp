@@ -305,15 +305,12 @@ RunOptions parse_run_options(int argc, const char* const* argv) {
   // Each extent is capped, their product is not: a shape whose tensors no
   // machine holds (or whose element count overflows) is refused here, naming
   // the flags, not by an allocation's exception after the run set up.
-  if (options.load_dir.empty()) {
-    const long double elements = static_cast<long double>(options.batch) * options.seq_len *
-                                 options.heads * std::max(options.dk, options.dv);
-    constexpr long double kMaxElements = static_cast<long double>(int64_t{1} << 48);
-    SS_CHECK_ARG(elements <= kMaxElements, "--seq-len", "--batch ", options.batch, " x --seq-len ",
-                 options.seq_len, " x --heads ", options.heads, " x max(--dk, --dv) ",
-                 std::max(options.dk, options.dv), " = ", elements,
-                 " elements per tensor, more than 2^48");
-  }
+  if (options.load_dir.empty())
+    check_tensor_elements({{"--batch", options.batch},
+                           {"--seq-len", options.seq_len},
+                           {"--heads", options.heads},
+                           {"max(--dk, --dv)", std::max(options.dk, options.dv)}},
+                          "--seq-len");
   return options;
 }
 

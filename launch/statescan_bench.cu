@@ -271,7 +271,8 @@ Options parse(int argc, char** argv) {
       SS_FAIL("arguments", "unknown positional argument '", arg, "'");
     }
   }
-  for (const int64_t T : o.lengths) check_tensor_elements({o.batch, T, o.heads, o.dim}, "-t");
+  for (const int64_t T : o.lengths)
+    check_tensor_elements({{"-b", o.batch}, {"-t", T}, {"-H", o.heads}, {"-d", o.dim}}, "-t");
   SS_CHECK_ARG(!o.recompute || o.backward, "--recompute", "applies to --backward only");
   SS_CHECK_ARG(!o.keep_prepared || o.backward, "--keep-prepared", "applies to --backward only");
   SS_CHECK_ARG(o.save_t || o.backward, "--no-save-t", "applies to --backward only");
