@@ -22,7 +22,13 @@ STATESCAN_PACKAGES+=(prometheus-cpp-dev)
 statescan_install_packages
 statescan_mpi_env
 
-WORK=${CI_WORK_DIR:-$(mktemp -d /tmp/statescan-consumer.XXXXXX)}
+if [ -n "${CI_WORK_DIR:-}" ]; then
+  WORK=$CI_WORK_DIR
+else
+  # A temp dir of its own: removed after a pass, kept (with its logs) after a failure.
+  WORK=$(mktemp -d /tmp/statescan-consumer.XXXXXX)
+  trap 'rc=$?; if [ "$rc" -eq 0 ]; then rm -rf "$WORK"; else echo "ci-consumer: logs kept in $WORK" >&2; fi' EXIT
+fi
 mkdir -p "$WORK"
 PREFIX=$WORK/prefix
 # A reused CI_WORK_DIR must not lend this run an earlier install (a header
@@ -35,7 +41,8 @@ if [ -n "${STATESCAN_BUILD_DIR:-}" ]; then
   BUILD=$STATESCAN_BUILD_DIR
   # The cache may say Prometheus OFF from before prometheus-cpp-dev was
   # installed: ask CMake to look again.
-  cmake -S "$ROOT" -B "$BUILD" -DSTATESCAN_WITH_PROMETHEUS=ON >"$WORK/configure.log" 2>&1 ||
+  cmake -S "$ROOT" -B "$BUILD" -DSTATESCAN_WITH_PROMETHEUS=ON -DSTATESCAN_WITH_MPI=ON \
+    >"$WORK/configure.log" 2>&1 ||
     { tail -30 "$WORK/configure.log"; fail "configure of $BUILD"; }
 else
   BUILD=$WORK/build
@@ -46,6 +53,8 @@ else
 fi
 grep -q '^STATESCAN_HAVE_PROMETHEUS:INTERNAL=ON' "$BUILD/CMakeCache.txt" ||
   fail "prometheus-cpp was not found by CMake although prometheus-cpp-dev is installed"
+grep -q '^STATESCAN_HAVE_MPI:INTERNAL=ON' "$BUILD/CMakeCache.txt" ||
+  fail "MPI was not found by CMake although OpenMPI is installed (see $WORK/configure.log)"
 
 step "building statescan in $BUILD"
 cmake --build "$BUILD" -j"$(nproc)" >"$WORK/build.log" 2>&1 ||

@@ -19,7 +19,15 @@ STATESCAN_PACKAGES+=(prometheus prometheus-cpp-dev curl jq)
 statescan_install_packages
 statescan_mpi_env
 
-WORK=${CI_WORK_DIR:-$(mktemp -d /tmp/statescan-metrics.XXXXXX)}
+# A temp dir of its own (no CI_WORK_DIR) is removed after a pass and kept,
+# with its logs, after a failure (cleanup below).
+OWN_WORK=""
+if [ -n "${CI_WORK_DIR:-}" ]; then
+  WORK=$CI_WORK_DIR
+else
+  WORK=$(mktemp -d /tmp/statescan-metrics.XXXXXX)
+  OWN_WORK=$WORK
+fi
 mkdir -p "$WORK"
 step() { echo "ci-metrics: $*"; }
 fail() {
@@ -33,8 +41,10 @@ fail() {
 # ---- build statescan-run with the exporter -----------------------------------
 if [ -n "${STATESCAN_BUILD_DIR:-}" ]; then
   BUILD=$STATESCAN_BUILD_DIR
-  # A build folder configured by an older statescan may hold a forced OFF.
-  cmake -S "$ROOT" -B "$BUILD" -DSTATESCAN_WITH_PROMETHEUS=ON >"$WORK/configure.log" 2>&1 ||
+  # A build folder configured by an older statescan (or before OpenMPI was
+  # installed) may hold a forced OFF; the run needs both.
+  cmake -S "$ROOT" -B "$BUILD" -DSTATESCAN_WITH_PROMETHEUS=ON -DSTATESCAN_WITH_MPI=ON \
+    >"$WORK/configure.log" 2>&1 ||
     fail "configure of $BUILD (see $WORK/configure.log)"
 else
   BUILD=$WORK/build
@@ -45,6 +55,8 @@ else
 fi
 grep -q '^STATESCAN_HAVE_PROMETHEUS:INTERNAL=ON' "$BUILD/CMakeCache.txt" ||
   fail "prometheus-cpp was not found by CMake although prometheus-cpp-dev is installed"
+grep -q '^STATESCAN_HAVE_MPI:INTERNAL=ON' "$BUILD/CMakeCache.txt" ||
+  fail "MPI was not found by CMake although OpenMPI is installed (see $WORK/configure.log)"
 step "building statescan-run in $BUILD"
 cmake --build "$BUILD" --target statescan-run -j"$(nproc)" >"$WORK/build.log" 2>&1 ||
   { tail -40 "$WORK/build.log"; fail "build of statescan-run"; }
@@ -62,8 +74,12 @@ EXPECTED_TOKENS=$(((WARMUP + ITERS) * SEQ_LEN))
 
 RUN_PID="" PROM_PID=""
 cleanup() {
+  local rc=$?
   [ -n "$PROM_PID" ] && kill "$PROM_PID" 2>/dev/null && wait "$PROM_PID" 2>/dev/null
   [ -n "$RUN_PID" ] && kill "$RUN_PID" 2>/dev/null && wait "$RUN_PID" 2>/dev/null
+  if [ -n "$OWN_WORK" ]; then
+    if [ "$rc" -eq 0 ]; then rm -rf "$OWN_WORK"; else echo "ci-metrics: logs kept in $OWN_WORK" >&2; fi
+  fi
   return 0
 }
 trap cleanup EXIT

@@ -21,6 +21,7 @@ usage: fla_bench.py [--variants kda,deltanet,gla,linear] [--lengths 32768]
 import argparse
 import json
 import math
+import os
 import sys
 import traceback
 
@@ -139,13 +140,19 @@ def main():
                     help="also print each op's per-kernel CUDA times (torch.profiler)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    try:
+        lengths = [int(t) for t in args.lengths.split(",")]
+    except ValueError:
+        ap.error(f"--lengths: comma-separated token counts, got {args.lengths!r}")
+    if min(lengths) < 1 or args.H < 1 or args.d < 1 or args.n < 1 or args.w < 0:
+        ap.error("--lengths, -H, -d and -n must be >= 1 and -w >= 0")
     import triton
     what = "forward + backward" if args.backward else "forward"
     print(f"# FLA {what}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name()}", flush=True)
     rows = []
     for variant in args.variants.split(","):
-        for T in (int(t) for t in args.lengths.split(",")):
+        for T in lengths:
             row = {"impl": "fla", "variant": variant, "T": T, "H": args.H, "D": args.d}
             try:
                 fn = op_for(variant)
@@ -165,9 +172,10 @@ def main():
                 print(f"  {variant:15s} {T:8d}   failed: {row['error']}", flush=True)
                 traceback.print_exc(file=sys.stderr)
             rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            if args.json:  # after every row: a run cut off by a timeout keeps what it timed
+                with open(args.json + ".tmp", "w") as f:
+                    json.dump(rows, f, indent=1)
+                os.replace(args.json + ".tmp", args.json)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,13 @@ OUT=$(cd "$OUT" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
 status=0
+# A reused OUTDIR must not show an earlier run's files as this run's (a step
+# that fails or is skipped writes nothing). The FLA autotune pack stays: it
+# is the next fresh machine's start.
+rm -f "$OUT"/{build,nccl,tests,tests_bwd,tests_linear_alt,tests_opt_in,fla,ncu_source}.log \
+  "$OUT"/{tests,tests_bwd,bench,bench_bwd,bench_bwd_keep,bench_bwd_1m,fla}.json \
+  "$OUT"/bench{,_linear_scan,_opt_in,_bwd,_bwd_keep,_bwd_1m,_bwd_1m_recompute}.log \
+  "$OUT"/ncu_*.log "$OUT"/{ncu_summary,ncu_phases,summary}.txt "$OUT/ncu_source_sass.csv"
 
 # A device call runs for at most 10 minutes. Every step after the build is
 # bounded by what is left of CALL_SECONDS (default 570, from the script's
@@ -123,7 +130,7 @@ timeout "$(left 300)" "$BUILD/launch/statescan-bench" --json "$OUT/bench.json" $
 if [[ "${LINEAR_ALT:-1}" != 0 ]]; then
   cmake --build "$BUILD" --target test_cuda_backward test_cuda_cp -j16 >>"$OUT/build.log" 2>&1 &&
     (cd "$BUILD" && timeout "$(left 300)" ctest --timeout 120 -R '_linear_(groups_of_2|scan)$' \
-      --output-on-failure) \
+      --output-on-failure --no-tests=error) \
       >"$OUT/tests_linear_alt.log" 2>&1 || status=1
   grep -E "tests passed|tests failed|Failed" "$OUT/tests_linear_alt.log" | sed 's/^/linear alt: /' | head -8
   # Each command's own `|| status=1`: without set -e a group's status is its
@@ -143,7 +150,7 @@ if [[ "${OPT_IN:-1}" != 0 ]]; then
     >>"$OUT/build.log" 2>&1 &&
     (cd "$BUILD" && timeout "$(left 400)" ctest --timeout 150 \
       -R '_ds_f32$|_t_solve$|test_cuda_lact_ns_|test_cuda_lact_split_k|_output_(kernel|scan)$|_cluster_[128]$|_prepare_fp32$|_scan_bv_(16|32)$|_linear_tiles$' \
-      --output-on-failure) \
+      --output-on-failure --no-tests=error) \
       >"$OUT/tests_opt_in.log" 2>&1 || status=1
   grep -E "Test +#|tests passed|tests failed" "$OUT/tests_opt_in.log" | sed 's/^/opt-in: /' | head -16
   {
@@ -223,6 +230,8 @@ fi
 if [[ "${FLA:-1}" != 0 && -d "$ROOT/.fla/fla" ]] && python3 -c "import torch, triton" 2>/dev/null; then
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/.fla/triton-cache} FLA_CACHE_RESULTS=1
   mkdir -p "$TRITON_CACHE_DIR"
+  # The last run's tuned configs (a fresh machine's cache is empty).
+  [[ -s "$OUT/fla_autotune.tgz" ]] && tar xzf "$OUT/fla_autotune.tgz" -C "$TRITON_CACHE_DIR" 2>/dev/null
   # A bound on FLA's run (its autotuning takes minutes per op on a fresh
   # machine: KDA's alone outlasted 4 minutes in the sixteenth session), so
   # that the call keeps time for the table; fla.log keeps what finished.
@@ -231,44 +240,44 @@ if [[ "${FLA:-1}" != 0 && -d "$ROOT/.fla/fla" ]] && python3 -c "import torch, tr
     timeout "$(left "${FLA_TIMEOUT:-900}")" python3 "$ROOT/scripts/fla_bench.py" --json "$OUT/fla.json" \
     $([[ "${BWD:-1}" != 0 ]] && echo --backward) ${FLA_ARGS:-} \
     >"$OUT/fla.log" 2>&1 || echo "gpu-check: FLA comparison failed or ran past FLA_TIMEOUT, see $OUT/fla.log"
+  # Packed under another name and moved into place only when it holds a
+  # config: a failed or untuned run must not replace a good pack.
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
-    tar czf "$OUT/fla_autotune.tgz" --null -T -) 2>/dev/null || true
+    tar czf "$OUT/fla_autotune.tgz.new" --null -T -) 2>/dev/null
+  if [[ -n "$(tar tzf "$OUT/fla_autotune.tgz.new" 2>/dev/null | head -1)" ]]; then
+    mv "$OUT/fla_autotune.tgz.new" "$OUT/fla_autotune.tgz"
+  else
+    rm -f "$OUT/fla_autotune.tgz.new"
+  fi
 fi
 
 echo
 cat "$OUT/bench.log"
 for f in bench_linear_scan.log bench_opt_in.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log ncu_phases.txt; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
+# statescan vs FLA, row by row where both timed the same problem (variant,
+# T, H, D; FLA runs B=1 in bf16, so other statescan rows are left out).
+compare() {  # compare OURS_JSON FIELD TITLE
+  python3 - "$1" "$OUT/fla.json" "$2" "$3" <<'PY' | tee -a "$OUT/summary.txt" || status=1
+import json, sys
+ours_path, fla_path, field, title = sys.argv[1:5]
+ours = {(r["variant"], r["T"], r["H"], r["D"]): r for r in json.load(open(ours_path))
+        if r.get("dtype") == "bf16" and r.get("B") == 1}
+print(f"#\n# statescan vs FLA ({title}, same GPU, same run; B=1, bf16)")
+print(f"# {'variant':15s} {'T':>8s} {'H':>3s} {'D':>4s} {'statescan(ms)':>14s} {'FLA(ms)':>10s} "
+      f"{'FLA/statescan':>14s}")
+for f in json.load(open(fla_path)):
+    o = ours.get((f["variant"], f["T"], f["H"], f["D"]))
+    mine = f"{o[field]:.3f}" if o else "-"
+    head = f"  {f['variant']:15s} {f['T']:8d} {f['H']:3d} {f['D']:4d} {mine:>14s}"
+    if field in f:
+        ratio = f"{f[field] / o[field]:.2f}" if o else "-"
+        print(f"{head} {f[field]:10.3f} {ratio:>14s}")
+    else:
+        print(f"{head} {'refused':>10s}   ({f.get('error', 'not timed')[:60]})")
+PY
+}
 if [[ -f "$OUT/fla.json" && -f "$OUT/bench.json" ]]; then
-  python3 - "$OUT/bench.json" "$OUT/fla.json" <<'PY' | tee "$OUT/summary.txt" || status=1
-import json, sys
-ours = {(r["variant"], r["T"]): r for r in json.load(open(sys.argv[1]))}
-print("#\n# statescan vs FLA (forward, same GPU, same run)")
-print(f"# {'variant':15s} {'T':>8s} {'statescan(ms)':>14s} {'FLA(ms)':>10s} {'FLA/statescan':>14s}")
-for f in json.load(open(sys.argv[2])):
-    o = ours.get((f["variant"], f["T"]))
-    mine = f"{o['ms']:.3f}" if o else "-"
-    if "ms" in f:
-        ratio = f"{f['ms'] / o['ms']:.2f}" if o else "-"
-        print(f"  {f['variant']:15s} {f['T']:8d} {mine:>14s} {f['ms']:10.3f} {ratio:>14s}")
-    else:
-        print(f"  {f['variant']:15s} {f['T']:8d} {mine:>14s} {'refused':>10s}   ({f['error'][:60]})")
-PY
-  if [[ -f "$OUT/bench_bwd.json" ]]; then
-    python3 - "$OUT/bench_bwd.json" "$OUT/fla.json" <<'PY' | tee -a "$OUT/summary.txt" || status=1
-import json, sys
-ours = {(r["variant"], r["T"]): r for r in json.load(open(sys.argv[1]))}
-print("#\n# statescan vs FLA (forward + backward, same GPU, same run)")
-print(f"# {'variant':15s} {'T':>8s} {'statescan(ms)':>14s} {'FLA(ms)':>10s} {'FLA/statescan':>14s}")
-for f in json.load(open(sys.argv[2])):
-    o = ours.get((f["variant"], f["T"]))
-    mine = f"{o['ms_fwd_bwd']:.3f}" if o else "-"
-    if "ms_fwd_bwd" in f:
-        ratio = f"{f['ms_fwd_bwd'] / o['ms_fwd_bwd']:.2f}" if o else "-"
-        print(f"  {f['variant']:15s} {f['T']:8d} {mine:>14s} {f['ms_fwd_bwd']:10.3f} {ratio:>14s}")
-    else:
-        why = f.get("error", "not timed")[:60]
-        print(f"  {f['variant']:15s} {f['T']:8d} {mine:>14s} {'refused':>10s}   ({why})")
-PY
-  fi
+  compare "$OUT/bench.json" ms forward
+  [[ -f "$OUT/bench_bwd.json" ]] && compare "$OUT/bench_bwd.json" ms_fwd_bwd "forward + backward"
 fi
 exit $status

@@ -66,6 +66,10 @@ fi
 REF_BUILD=$BUILD-ref
 REF_BENCH=$REF_BUILD/launch/statescan-bench
 status=0
+# A reused OUTDIR must not show an earlier run's rows or profiles as this
+# run's: the table prints whatever files it finds.
+rm -f "$OUT"/{build_ref,tests,tests_knobs}.log "$OUT"/tests_suite_knob*.log "$OUT"/bench*.log \
+  "$OUT"/ncu_*.{csv,log,txt} "$OUT"/src_*.{log,txt} "$OUT/res_usage.txt"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$OUT/build.log" 2>&1 || true
@@ -100,7 +104,8 @@ if [[ "${TESTS:-1}" != 0 ]]; then
   # The knobs' reruns of the suite and the sharded suite (np 1 here; np 2
   # skips on one GPU).
   if [[ "${TESTS:-1}" != suite ]]; then
-    (cd "$BUILD" && ctest -R '^test_cuda_lact_' --timeout "${TEST_TIMEOUT:-300}" --output-on-failure) \
+    (cd "$BUILD" && ctest -R '^test_cuda_lact_' --timeout "${TEST_TIMEOUT:-300}" --output-on-failure \
+      --no-tests=error) \
       >"$OUT/tests_knobs.log" 2>&1 || status=1
     grep -E "tests passed|tests failed|\(Failed\)|Timeout" "$OUT/tests_knobs.log" | sed 's/^/knobs: /'
   fi
@@ -156,12 +161,12 @@ if [[ "${BENCH_ROWS:-1}" != 0 ]]; then
     done
   fi
   [[ "${MUON:-1}" != 0 ]] && bench bench_muon.log -- --no-check
+  i=0
+  for knob in $KNOBS; do
+    bench "bench_knob$i.log" "$knob" -- --muon-steps 0 --no-check
+    i=$((i + 1))
+  done
 fi
-i=0
-for knob in $KNOBS; do
-  bench "bench_knob$i.log" "$knob" -- --muon-steps 0 --no-check
-  i=$((i + 1))
-done
 
 # The run both ncu passes profile: 8 chunks of the benchmark's shape, one
 # iteration, no Muon and no check.

@@ -48,6 +48,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # NVLink SHARP (multicast) stays off on these machines (see the device notes).
 export NCCL_NVLS_ENABLE=0
 status=0
+# The summary reads every NAME_pP.json in OUTDIR: a reused one must not lend
+# it an earlier run's rows (a failed run writes none; a larger node's P).
+rm -f "$OUT"/*_p*.json "$OUT"/*_p*.log "$OUT"/nsys_lact_p*.txt "$OUT/summary.txt"
 echo "multi-gpu: $NGPU GPU(s)"
 [[ "$NGPU" -ge 2 ]] || { echo "multi-gpu: needs >= 2 GPUs"; exit 1; }
 

@@ -12,8 +12,22 @@ the launches a chunk, and the total, largest first.
 """
 import collections
 import csv
-import re
 import sys
+
+
+def without_parameters(name):
+    """The name less its trailing parameter list only: demangled names hold
+    parentheses before it too ("(anonymous namespace)", "(Mode)2"), and cutting
+    at the first one merged different kernels into one row."""
+    name = name.strip()
+    if not name.endswith(")"):
+        return name
+    depth = 0
+    for i in range(len(name) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(name[i], 0)
+        if depth == 0:
+            return name[:i].strip()
+    return name
 
 
 def main():
@@ -31,20 +45,25 @@ def main():
     scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
              "s": 1e6, "second": 1e6}
     chunks = float(sys.argv[2])
+    if not chunks > 0:
+        sys.exit(f"ncu_kernels.py: CHUNKS must be > 0, got {sys.argv[2]!r}")
+    metric_at = header.index("Metric Name") if "Metric Name" in header else None
     total_us = collections.Counter()
     launches = collections.Counter()
     for r in rows[1:]:
         if len(r) != len(header):
             continue
+        if metric_at is not None and r[metric_at] != "gpu__time_duration.sum":
+            continue
         unit = r[unit_at]
         if unit not in scale:
             sys.exit(f"ncu_kernels.py: unknown time unit {unit!r}")
-        name = re.sub(r"\(.*", "", r[name_at]).strip()[:72]
+        name = without_parameters(r[name_at])
         total_us[name] += float(r[value_at].replace(",", "")) * scale[unit]
         launches[name] += 1
     print(f"# {'us/chunk':>9s} {'launches/chunk':>14s}  kernel")
     for name, us in total_us.most_common():
-        print(f"  {us / chunks:9.1f} {launches[name] / chunks:14.2f}  {name}")
+        print(f"  {us / chunks:9.1f} {launches[name] / chunks:14.2f}  {name[:120]}")
     print(f"  {sum(total_us.values()) / chunks:9.1f} {'':14s}  total")
 
 

@@ -120,4 +120,10 @@ grep -q '^STATESCAN_LACT_STREAMS=2: .*filter --gtest_filter=\*Bf16\*, knob 2' <<
 grep -q '^  STATESCAN_LACT_STREAMS=2, no Muon  *7.2 ' <<<"$out" ||
   fail "the knob's row did not come from BIN_DIR's statescan-bench"
 grep -q '^  default, no Muon  *7.0 ' <<<"$out" || fail "no default row from BIN_DIR"
+# 5. BENCH_ROWS=0 runs no row, the knobs' included, and a reused OUTDIR
+#    (out4's, whose rows are above) shows none of the earlier run's rows.
+out=$(BIN_DIR="$BIN" TESTS=0 BENCH_ROWS=0 KNOBS="STATESCAN_LACT_STREAMS=2" \
+  bash "$SCRIPT" "$WORK/out4") || fail "exit $? with BENCH_ROWS=0"
+grep -q 'no Muon' <<<"$out" && fail "BENCH_ROWS=0 printed rows:"$'\n'"$out"
+compgen -G "$WORK/out4/bench*.log" >/dev/null && fail "the earlier run's bench logs are still in OUTDIR"
 echo "lact_check_smoke: OK"

@@ -23,13 +23,16 @@ mkdir -p "$WORK/bin"
 printf '#!/bin/sh\necho "GPU 0: stub (UUID: 0)"\necho "GPU 1: stub (UUID: 1)"\n' >"$WORK/bin/nvidia-smi"
 chmod +x "$WORK/bin/nvidia-smi"
 
-PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" ITERS=2 \
-  VARIANTS=kda EXCHANGES="auto ring" TOKENS_PER_GPU=256 STRONG_TOKENS=512 HEADS=2 DIM=16 \
-  LACT_TOKENS=64 LACT_HEADS=2 LACT_DIM=8 LACT_HIDDEN=16 RUN_TIMEOUT=120 \
-  bash "$SCRIPT" "$WORK/out" >"$WORK/log" 2>&1
-rc=$?
-cat "$WORK/log"
-[[ $rc -eq 0 ]] || fail "multi-gpu.sh exited $rc"
+run_script() {  # run_script LOG: the script into $WORK/out
+  PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" ITERS=2 \
+    VARIANTS=kda EXCHANGES="auto ring" TOKENS_PER_GPU=256 STRONG_TOKENS=512 HEADS=2 DIM=16 \
+    LACT_TOKENS=64 LACT_HEADS=2 LACT_DIM=8 LACT_HIDDEN=16 RUN_TIMEOUT=120 \
+    bash "$SCRIPT" "$WORK/out" >"$1" 2>&1
+  local rc=$?
+  cat "$1"
+  [[ $rc -eq 0 ]] || fail "multi-gpu.sh exited $rc"
+}
+run_script "$WORK/log"
 grep -q "multi-gpu: 2 GPU(s)" "$WORK/log" || fail "the stub's GPUs were not counted"
 ! grep -q "failed" "$WORK/log" || fail "a run failed"
 
@@ -51,4 +54,10 @@ for study in weak_kda weak_kda_ring strong_kda lact; do
       if (NF != 9 || $6 + 0 <= 0 || $9 + 0 <= 0) { print s ": P = 2 row lacks exchange bytes or efficiency: " $0; exit 1 }
     }' <<<"$rows" || exit 1
 done
+# The same OUTDIR again, holding a row this run does not make (a P = 4 one,
+# as a larger node's run would have left): the tables are this run's alone.
+cp "$WORK/out/weak_kda_p2.json" "$WORK/out/weak_kda_p4.json"
+run_script "$WORK/log2"
+got=$(table weak_kda | awk '{ printf "%s%s", (NR > 1 ? " " : ""), $1 }')
+[[ "$got" == "1 2" ]] || fail "a reused OUTDIR: weak_kda rows for P = '$got', expected '1 2'"
 echo "multi_gpu_smoke: OK"
