@@ -35,7 +35,9 @@ void validate_problem(const MixerParams& p) {
   check_sizes(p);
   SS_CHECK_ARG(std::isfinite(p.scale) && p.scale > 0.f, "scale", "must be finite and > 0, got ",
                p.scale);
-  SS_CHECK_ARG(p.q && p.k && p.v, "q/k/v", "input pointers must not be null");
+  SS_CHECK_ARG(p.q != nullptr, "q", "input pointer must not be null");
+  SS_CHECK_ARG(p.k != nullptr, "k", "input pointer must not be null");
+  SS_CHECK_ARG(p.v != nullptr, "v", "input pointer must not be null");
   SS_CHECK_ARG((p.g != nullptr) == has_gate(p.variant), "g",
                has_gate(p.variant) ? "is required by variant " : "must be null for variant ",
                to_string(p.variant));
@@ -77,7 +79,9 @@ void validate(const MixerBwdParams& p) {
   }
   SS_CHECK_ARG(p.chunk_states != nullptr || p.recompute_chunk_states, "chunk_states",
                "backward needs the chunk states saved by forward (or recompute_chunk_states)");
-  SS_CHECK_ARG(p.dq && p.dk_out && p.dv_out, "dq/dk/dv", "gradient pointers must not be null");
+  SS_CHECK_ARG(p.dq != nullptr, "dq", "gradient pointer must not be null");
+  SS_CHECK_ARG(p.dk_out != nullptr, "dk_out", "gradient pointer must not be null");
+  SS_CHECK_ARG(p.dv_out != nullptr, "dv_out", "gradient pointer must not be null");
   SS_CHECK_ARG((p.dg != nullptr) == (p.g != nullptr), "dg", "must be given exactly when g is");
   SS_CHECK_ARG((p.dbeta != nullptr) == (p.beta != nullptr), "dbeta",
                "must be given exactly when beta is");

@@ -80,12 +80,17 @@ class GpuBackward {
   // The forward, saving the chunk states the backward reads (and T where
   // saved_t is given: MixerParams::saved_t).
   void run_forward(void* saved_t = nullptr) {
-    MixerParams m = in_.params();
-    m.o = o_.data();
-    m.chunk_states = chunk_states_.data();
+    MixerParams m = forward_params();
     m.saved_t = saved_t;
     cuda::mixer_forward(m, nullptr);
     check_device_sync();
+  }
+  // The forward's parameters: o and the chunk states the backward reads.
+  MixerParams forward_params() {
+    MixerParams m = in_.params();
+    m.o = o_.data();
+    m.chunk_states = chunk_states_.data();
+    return m;
   }
 
   // Backward parameters with every output poisoned (NaN bytes) first, so an
@@ -304,7 +309,9 @@ void expect_same_outputs(const std::vector<std::vector<unsigned char>>& got,
 
 // The caller-owned workspace entry point: at least backward_workspace_bytes
 // works (and gives the allocating entry point's results), one byte less is
-// refused naming "workspace".
+// refused naming "workspace", and so is a start 16 bytes past a 32-byte
+// boundary (the fp32 paths' wmma loads from it need 32), before anything
+// runs: the outputs keep their poison.
 TEST_P(CudaBackward, UsesCallerWorkspace) {
   const auto ran = run_once(11, 32);
   GpuBackward& gpu = *ran->gpu;
@@ -317,6 +324,11 @@ TEST_P(CudaBackward, UsesCallerWorkspace) {
   const auto got = gpu.raw_outputs();
   expect_same_outputs(got, expected);
   expect_error([&] { cuda::mixer_backward(m, workspace.data(), bytes - 1, nullptr); }, "workspace");
+  m = gpu.backward_params();  // poisons the outputs again
+  DeviceBuffer<unsigned char> larger(bytes + 16);
+  expect_error([&] { cuda::mixer_backward(m, larger.data() + 16, bytes, nullptr); }, "workspace");
+  check_device_sync();
+  for (const auto& raw : gpu.raw_outputs()) EXPECT_TRUE(all_bytes(raw, 0xFF));
 }
 
 // No float atomics: two runs give bitwise-identical gradients.
@@ -462,6 +474,40 @@ TEST_P(CudaBackward, PreparedBackwardServesThePrePassAndTheBackward) {
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// PreparedBackward's adopting constructor (MixerConfig::keep_prepared): the
+// forward's prepared tiles give mixer_backward's gradients bitwise. A refused
+// hand-over (another problem, another stream) leaves the forward whole and
+// usable; after the hand-over the forward refuses summary() and finish(),
+// whose tiles are the backward's now.
+TEST_P(CudaBackward, PreparedBackwardAdoptsTheForwardsTiles) {
+  ProblemSpec s = spec();
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(15));
+  GpuBackward gpu(p, dtype(), 64, true, seed(15) + 1);
+  gpu.run_forward();
+  gpu.run_backward();
+  const auto expected = gpu.raw_outputs();
+
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  {
+    cuda::PreparedForward forward(gpu.forward_params(), stream);
+    MixerBwdParams m = gpu.backward_params();  // poisons the outputs again
+    MixerBwdParams other = m;
+    other.scale *= 2;
+    expect_error([&] { cuda::PreparedBackward refused(other, forward, stream); }, "p");
+    expect_error([&] { cuda::PreparedBackward refused(m, forward, nullptr); }, "stream");
+    forward.finish(stream);  // the same o and chunk states as the forward above
+    cuda::PreparedBackward adopted(m, forward, stream);
+    expect_error([&] { forward.finish(stream); }, "forward");
+    expect_error([&] { forward.summary(nullptr, nullptr, stream); }, "forward");
+    adopted.run(m, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    expect_same_outputs(gpu.raw_outputs(), expected);
+  }
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 // The CP pre-pass: only d_initial_state, equal to the full run's; every other
 // output keeps its poison.
 TEST_P(CudaBackward, StateGradOnlyWritesOnlyInitialStateGradient) {
@@ -519,13 +565,13 @@ TEST_P(CudaBackward, RejectsMisalignedGradientBuffers) {
     using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Ptr>>, const char, char>;
     return reinterpret_cast<Ptr>(reinterpret_cast<Byte*>(ptr) + size_of(dtype()));
   };
-  for (const std::string name : {"do", "dq", "dk", "dv"}) {
+  for (const std::string name : {"do", "dq", "dk_out", "dv_out"}) {
     SCOPED_TRACE(name);
     MixerBwdParams m = gpu.backward_params();
     if (name == "do") m.d_o = shift(m.d_o);
     if (name == "dq") m.dq = shift(m.dq);
-    if (name == "dk") m.dk_out = shift(m.dk_out);
-    if (name == "dv") m.dv_out = shift(m.dv_out);
+    if (name == "dk_out") m.dk_out = shift(m.dk_out);
+    if (name == "dv_out") m.dv_out = shift(m.dv_out);
     expect_error([&] { cuda::mixer_backward(m, nullptr); }, name);
     check_device_sync();
     const auto raw = gpu.raw_outputs();

@@ -517,6 +517,35 @@ TEST(CudaFirstSegmentMapsErrors, RefusesAdditiveRules) {
   check_device_sync();
 }
 
+// H is written as o is, in 16-byte stores: a misaligned H is refused naming
+// "first" before anything runs (a misaligned store is a sticky error).
+TEST(CudaFirstSegmentMapsErrors, RefusesAMisalignedH) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  ProblemSpec s;
+  s.variant = Variant::deltanet;
+  s.seq_len = 70;
+  s.dk = s.dv = 64;
+  ref::Problem p = random_problem(s, 4);
+  const DeviceTensor q(as_float(p.q), DType::bf16, {}), k(as_float(p.k), DType::bf16, {}),
+      v(as_float(p.v), DType::bf16, {}), beta(as_float(p.beta), DType::bf16, {});
+  const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), DType::bf16, {});
+  MixerParams dev = mixer_sizes(p, DType::bf16, 64);
+  dev.q = q.view().data;
+  dev.k = k.view().data;
+  dev.v = v.view().data;
+  dev.beta = beta.view().data;
+  dev.o = o.view().data;
+  // Pieces as the summary makes them: only H's alignment is wrong.
+  const int64_t pieces = cuda::summary_pieces(dev, true);
+  DeviceBuffer<float> M(s.heads * s.dk * s.dk), E(s.heads * s.dk * s.dv), P(M.size()),
+      piece_P(pieces * M.size());
+  DeviceBuffer<unsigned char> Hmaps(p.q.size() * 2 + 16);
+  cuda::PreparedForward prepared(dev, nullptr);
+  const cuda::FirstSegmentMaps first{P.data(), Hmaps.data() + 2, piece_P.data(), pieces};
+  expect_error([&] { prepared.summary(M.data(), E.data(), nullptr, true, &first); }, "first");
+  check_device_sync();
+}
+
 // ---- affine-map kernels vs host math ---------------------------------------------
 
 class AffineMaps : public ::testing::TestWithParam<bool> {

@@ -305,8 +305,9 @@ __global__ void nonfinite_kernel(const unsigned char* data, int64_t n, int64_t h
 void multiply_maps(const MapsProduct& p, cudaStream_t stream) {
   SS_CHECK_ARG(p.maps >= 0 && p.dk >= 1 && p.width >= 1, "maps", "maps ", p.maps, ", Dk ", p.dk,
                ", width ", p.width);
-  SS_CHECK_ARG(p.A != nullptr && p.B != nullptr && p.out != nullptr, "A",
-               "A, B and out must not be null");
+  SS_CHECK_ARG(p.A != nullptr, "A", "must not be null");
+  SS_CHECK_ARG(p.B != nullptr, "B", "must not be null");
+  SS_CHECK_ARG(p.out != nullptr, "out", "must not be null");
   SS_CHECK_ARG(p.B != p.out, "out", "must not alias B (other tiles still read it)");
   // The maps run along grid.z (at most 65535): more go in several launches,
   // each on its slice of every operand (B * H of them reach that on a
@@ -341,7 +342,8 @@ void chain_maps(const MapsChain* chains, int count, cudaStream_t stream) {
     SS_CHECK_ARG(c.width >= 1, "width", "must be positive, got ", c.width);
     SS_CHECK_ARG(c.steps >= 0 && c.steps <= kMaxChainSteps, "steps", c.steps, " steps (at most ",
                  kMaxChainSteps, ")");
-    SS_CHECK_ARG(c.x0 != nullptr && c.out != nullptr, "x0", "x0 and out must not be null");
+    SS_CHECK_ARG(c.x0 != nullptr, "x0", "must not be null");
+    SS_CHECK_ARG(c.out != nullptr, "out", "must not be null");
     for (int s = 0; s < c.steps; ++s)
       SS_CHECK_ARG(c.A[s] != nullptr, "A", "step ", s, "'s maps must not be null");
     l.chain[i] = c;

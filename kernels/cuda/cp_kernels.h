@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "core/dtype.h"
@@ -100,7 +101,10 @@ struct FirstSegmentMaps {
 
 namespace detail {
 struct AdoptedForward;
-AdoptedForward adopt(PreparedForward& forward);
+// Runs `check` on the forward's problem and stream, then takes its workspace:
+// a check that throws leaves the forward whole (usable, and freed by it).
+AdoptedForward adopt(PreparedForward& forward,
+                     const std::function<void(const MixerParams&, cudaStream_t)>& check);
 }  // namespace detail
 
 // Bits of PreparedForward's `nonfinite` word, one per input the prepare
@@ -149,7 +153,8 @@ class PreparedForward {
   void finish(cudaStream_t stream);
 
  private:
-  friend detail::AdoptedForward detail::adopt(PreparedForward& forward);
+  friend detail::AdoptedForward detail::adopt(
+      PreparedForward& forward, const std::function<void(const MixerParams&, cudaStream_t)>& check);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

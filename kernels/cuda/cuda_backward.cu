@@ -34,6 +34,7 @@ using detail::aligned16;
 using detail::BackwardArgs;
 using detail::GradTraits;
 using detail::max_chunks;
+using detail::workspace_aligned;
 
 size_t align_up(size_t x) {
   return (x + 255) / 256 * 256;
@@ -148,12 +149,14 @@ void check_backward_args(const MixerBwdParams& p) {
     return;
   }
   check_chunk_states(p);
-  SS_CHECK_ARG(p.dq && p.dk_out && p.dv_out, "dq/dk/dv", "gradient pointers must not be null");
+  SS_CHECK_ARG(p.dq != nullptr, "dq", "gradient pointer must not be null");
+  SS_CHECK_ARG(p.dk_out != nullptr, "dk_out", "gradient pointer must not be null");
+  SS_CHECK_ARG(p.dv_out != nullptr, "dv_out", "gradient pointer must not be null");
   // The gradient kernels read do and store dq, dk, dv in 8- to 16-byte pieces
   // (a misaligned address is a sticky CUDA error, not an exception).
   SS_CHECK_ARG(aligned16(p.dq), "dq", "must be 16-byte aligned");
-  SS_CHECK_ARG(aligned16(p.dk_out), "dk", "must be 16-byte aligned");
-  SS_CHECK_ARG(aligned16(p.dv_out), "dv", "must be 16-byte aligned");
+  SS_CHECK_ARG(aligned16(p.dk_out), "dk_out", "must be 16-byte aligned");
+  SS_CHECK_ARG(aligned16(p.dv_out), "dv_out", "must be 16-byte aligned");
   SS_CHECK_ARG((p.dg != nullptr) == (p.g != nullptr), "dg", "must be given exactly when g is");
   SS_CHECK_ARG((p.dbeta != nullptr) == (p.beta != nullptr), "dbeta",
                "must be given exactly when beta is");
@@ -288,7 +291,7 @@ void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_b
   const BackwardLayout l = layout_for(p, recompute);
   SS_CHECK_ARG(workspace != nullptr && workspace_bytes >= l.total, "workspace", "needs ", l.total,
                " bytes, got ", workspace_bytes);
-  SS_CHECK_ARG(aligned16(workspace), "workspace", "must be 16-byte aligned");
+  SS_CHECK_ARG(workspace_aligned(workspace), "workspace", "must be 32-byte aligned");
   char* base = static_cast<char*>(workspace);
   const Prepared prep = prepare_backward(p, recompute, l, base, stream);
   run_backward(p, prep, l, base + l.ds, stream);
@@ -330,13 +333,17 @@ PreparedBackward::PreparedBackward(const MixerBwdParams& p, PreparedForward& for
   SS_CHECK_ARG(!p.recompute_chunk_states, "recompute_chunk_states",
                "a backward from the forward's prepared tiles reads saved chunk states");
   check_chunk_states(p);
-  detail::AdoptedForward f = detail::adopt(forward);
+  // Checked before the hand-over: a refused backward leaves the forward whole.
+  detail::AdoptedForward f = detail::adopt(forward, [&](const MixerParams& prepared,
+                                                        cudaStream_t prepared_stream) {
+    SS_CHECK_ARG(stream == prepared_stream, "stream",
+                 "must be the stream the forward was prepared on");
+    SS_CHECK_ARG(same_problem(p, prepared), "p", "is not the problem the forward was prepared for");
+  });
   Impl& m = *impl_;
   m.forward_workspace = f.workspace;
   m.stream = stream;
   try {
-    SS_CHECK_ARG(stream == f.stream, "stream", "must be the stream the forward was prepared on");
-    SS_CHECK_ARG(same_problem(p, f.params), "p", "is not the problem the forward was prepared for");
     m.problem = p;
     m.layout = layout_for(p, /*recompute=*/false);
     // Only the backward's own part: the tiles are the forward's.

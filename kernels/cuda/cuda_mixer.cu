@@ -20,6 +20,7 @@ using detail::ForwardArgs;
 using detail::max_chunks;
 using detail::MixerTensors;
 using detail::tensors_of;
+using detail::workspace_aligned;
 
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
@@ -323,7 +324,7 @@ ForwardPlan plan_forward(const MixerParams& p, void* workspace, size_t workspace
   const WorkspaceLayout l = layout_for(p, prepare_only);
   SS_CHECK_ARG(workspace != nullptr && workspace_bytes >= l.total, "workspace", "needs ", l.total,
                " bytes, got ", workspace_bytes);
-  SS_CHECK_ARG(aligned16(workspace), "workspace", "must be 16-byte aligned");
+  SS_CHECK_ARG(workspace_aligned(workspace), "workspace", "must be 32-byte aligned");
 
   char* base = static_cast<char*>(workspace);
   ForwardArgs& a = plan.args;

@@ -24,7 +24,8 @@ void mixer_forward(const MixerParams& p, cudaStream_t stream);
 // cu_seqlens not required: packed problems are sized from T).
 size_t forward_workspace_bytes(const MixerParams& p);
 // The same forward with caller-owned workspace of at least
-// forward_workspace_bytes(p) bytes (no allocation on the hot path).
+// forward_workspace_bytes(p) bytes, 32-byte aligned as cudaMalloc's are (no
+// allocation on the hot path).
 void mixer_forward(const MixerParams& p, void* workspace, size_t workspace_bytes,
                    cudaStream_t stream);
 
@@ -55,7 +56,8 @@ void decode_forward(const MixerParams& p, cudaStream_t stream);
 // d_initial_state is written (the CP pre-pass of DESIGN §5).
 void mixer_backward(const MixerBwdParams& p, cudaStream_t stream);
 // With recompute_chunk_states (MixerBwdParams) the workspace also holds the
-// re-derived fp32 chunk states.
+// re-derived fp32 chunk states. The workspace is 32-byte aligned, as the
+// forward's.
 size_t backward_workspace_bytes(const MixerParams& p, bool recompute_chunk_states = false);
 void mixer_backward(const MixerBwdParams& p, void* workspace, size_t workspace_bytes,
                     cudaStream_t stream);

@@ -90,7 +90,10 @@ void check_elements(const T* x, int64_t n, bool positive, const char* name, cuda
   if (rc == cudaSuccess) rc = cudaStreamSynchronize(stream);
   SS_CUDA_CHECK(rc);
   if (found == none) return;
-  SS_CUDA_CHECK(cudaMemcpy(&bad, x + found, sizeof(T), cudaMemcpyDeviceToHost));
+  // On the caller's stream: a plain cudaMemcpy would wait on every blocking
+  // stream (and break another thread's graph capture).
+  SS_CUDA_CHECK(cudaMemcpyAsync(&bad, x + found, sizeof(T), cudaMemcpyDeviceToHost, stream));
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
   float value = 0;
   if constexpr (std::is_same<T, float>::value) {
     value = bad;

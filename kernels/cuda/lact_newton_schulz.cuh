@@ -877,8 +877,11 @@ class NewtonSchulz {
       dB_ = PoolArray<U>(mats_ * m_ * m_, stream);
     }
   }
+  // No host synchronisation: an executable graph destroyed while in flight is
+  // freed when it completes (cudaGraphExecDestroy), and the buffers it uses
+  // go back to the pool in stream order. A wait here blocked the host at the
+  // end of every layer call with Muon and stopped it queuing the next one.
   ~NewtonSchulz() {
-    if (fwd_.exec != nullptr || bwd_.exec != nullptr) (void)cudaStreamSynchronize(stream_);
     if (fwd_.exec != nullptr) (void)cudaGraphExecDestroy(fwd_.exec);
     if (bwd_.exec != nullptr) (void)cudaGraphExecDestroy(bwd_.exec);
   }
@@ -919,8 +922,7 @@ class NewtonSchulz {
       SS_CUDA_CHECK(cudaGraphLaunch(r.exec, stream_));
       return;
     }
-    if (r.exec != nullptr) {
-      (void)cudaStreamSynchronize(stream_);
+    if (r.exec != nullptr) {  // freed once its queued launches complete (see the destructor)
       (void)cudaGraphExecDestroy(r.exec);
       r.exec = nullptr;
     }

@@ -22,8 +22,13 @@ namespace statescan::cuda::detail {
 template <typename Kernel, typename... Args>
 void launch_kernel(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
                    const char* name, const Args&... args) {
-  SS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(smem)));
+  const cudaError_t raised = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (raised != cudaSuccess) {  // e.g. more than the device's opt-in limit: say which kernel
+    (void)cudaGetLastError();
+    SS_FAIL("cuda", name, " cannot have ", smem,
+            " bytes of dynamic shared memory: ", cudaGetErrorString(raised));
+  }
   kernel<<<grid, threads, smem, stream>>>(args...);
   SS_LAUNCH_CHECK(name);
 }
@@ -154,6 +159,13 @@ auto cached_device_check(int64_t a, int64_t b, Fits&& fits) {
 // Whether a pointer is 16-byte aligned (vector loads, tensor maps).
 inline bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// A caller's workspace: its regions lie at multiples of 256 bytes from its
+// start and the fp32 paths load them with wmma, which needs 32-byte aligned
+// pointers (a misaligned load is a sticky error: the context is lost).
+inline bool workspace_aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 32 == 0;
 }
 
 }  // namespace statescan::cuda::detail

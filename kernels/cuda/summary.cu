@@ -463,6 +463,9 @@ void summary_from_plan(const MixerParams& p, const ForwardPlan& plan, float* M, 
                  to_string(p.variant));
     SS_CHECK_ARG(first->P != nullptr && first->H != nullptr, "first",
                  "P and H must not be null");
+    // H is written as o is, in 16-byte vector stores (check_supported's rule
+    // for o: a misaligned store is a sticky error).
+    SS_CHECK_ARG(detail::aligned16(first->H), "first", "H must be 16-byte aligned");
     SS_CHECK_ARG(!with_linear_part || p.cu_seqlens == nullptr || p.num_segments == 1, "M",
                  "taken from the first segments' maps, needs one segment per row (got ",
                  p.num_segments, " segments)");
@@ -653,8 +656,14 @@ PreparedForward::~PreparedForward() {
   if (impl_) pool_free(impl_->workspace, impl_->stream);
 }
 
+// After a PreparedBackward adopted the workspace, the plan's pointers still
+// lead into it: the backward's memory now (or freed).
+static const char* const kHandedOver =
+    "its workspace was handed to a PreparedBackward; prepare the forward again";
+
 void PreparedForward::summary(float* M, float* E, cudaStream_t stream, bool with_linear_part,
                               const FirstSegmentMaps* first) {
+  SS_CHECK_ARG(impl_->workspace != nullptr, "forward", kHandedOver);
   // The tiles are written on the construction stream and freed there: work
   // on another stream could read them half-written, or after they are freed.
   SS_CHECK_ARG(stream == impl_->stream, "stream",
@@ -663,6 +672,7 @@ void PreparedForward::summary(float* M, float* E, cudaStream_t stream, bool with
 }
 
 void PreparedForward::finish(cudaStream_t stream) {
+  SS_CHECK_ARG(impl_->workspace != nullptr, "forward", kHandedOver);
   SS_CHECK_ARG(stream == impl_->stream, "stream",
                "must be the stream PreparedForward was built on");
   detail::launch_forward_stages(impl_->params, impl_->plan.args,
@@ -672,8 +682,10 @@ void PreparedForward::finish(cudaStream_t stream) {
 void first_segment_state_grad(const MixerParams& p, const FirstSegmentMaps& maps, const void* d_o,
                               int64_t row, int64_t t_begin, int64_t t_end, const float* dS_end,
                               float* dS0, cudaStream_t stream) {
-  SS_CHECK_ARG(maps.H != nullptr && maps.P != nullptr && d_o != nullptr && dS0 != nullptr, "maps",
-               "maps.H, maps.P, d_o and dS0 must not be null");
+  SS_CHECK_ARG(maps.H != nullptr && maps.P != nullptr, "maps",
+               "maps.H and maps.P must not be null");
+  SS_CHECK_ARG(d_o != nullptr, "d_o", "must not be null");
+  SS_CHECK_ARG(dS0 != nullptr, "dS0", "must not be null");
   SS_CHECK_ARG(0 <= t_begin && t_begin < t_end && t_end <= p.seq_len, "t_begin",
                "token range [", t_begin, ", ", t_end, ") outside the local length ", p.seq_len);
   SS_CHECK_ARG(row >= 0 && row < p.batch, "row", row, " outside the batch of ", p.batch);
@@ -784,10 +796,12 @@ void first_segment_state_grad(const MixerParams& p, const FirstSegmentMaps& maps
 
 namespace detail {
 
-AdoptedForward adopt(PreparedForward& forward) {
+AdoptedForward adopt(PreparedForward& forward,
+                     const std::function<void(const MixerParams&, cudaStream_t)>& check) {
   SS_CHECK_ARG(forward.impl_ && forward.impl_->workspace != nullptr, "forward",
                "holds no prepared workspace (already handed over)");
   PreparedForward::Impl& s = *forward.impl_;
+  check(s.params, s.stream);
   AdoptedForward a;
   a.params = s.params;
   a.workspace = std::exchange(s.workspace, nullptr);
