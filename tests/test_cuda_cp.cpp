@@ -224,6 +224,34 @@ using FirstMapsParam = std::tuple<Variant, DType, int64_t, Layout>;
 // once per test and shared by its rounds (scans, E beside the maps or not):
 // the reference's backward at CudaTwoLevelSummary's size takes seconds, and
 // the rounds differ only on the GPU.
+// Problem p's inputs on the device in `dtype` (g and h0 in fp32; those p
+// lacks stay null), o poisoned, and the forward's MixerParams over them
+// (chunk 64).
+struct DeviceMixerInputs {
+  DeviceTensor q, k, v, g, beta, h0, o;
+  std::unique_ptr<DeviceBuffer<int64_t>> cu;
+  MixerParams dev;
+  DeviceMixerInputs(const ref::Problem& p, DType dtype)
+      : q(as_float(p.q), dtype, {}),
+        k(as_float(p.k), dtype, {}),
+        v(as_float(p.v), dtype, {}),
+        g(as_float(p.g), DType::f32, {}),
+        beta(as_float(p.beta), dtype, {}),
+        h0(as_float(p.h0), DType::f32, {}),
+        o(DeviceTensor::poisoned(p.v.size(), dtype, {})),
+        dev(mixer_sizes(p, dtype, 64)) {
+    if (!p.cu_seqlens.empty()) cu = std::make_unique<DeviceBuffer<int64_t>>(p.cu_seqlens);
+    dev.cu_seqlens = cu ? cu->data() : nullptr;
+    dev.q = q.view().data;
+    dev.k = k.view().data;
+    dev.v = v.view().data;
+    dev.g = static_cast<const float*>(g.view().data);
+    dev.beta = beta.view().data;
+    dev.initial_state = static_cast<const float*>(h0.view().data);
+    dev.o = o.view().data;
+  }
+};
+
 struct FirstMapsCase {
   ref::Problem p;
   std::vector<double> d_o, dht;
@@ -258,22 +286,9 @@ int64_t expect_first_maps_give_dh0(const ProblemSpec& s, DType dtype, const Firs
   const std::vector<double>& dht = c.dht;
   const int64_t N = p.num_sequences(), H = s.heads, dim = s.dk, state = dim * dim;
 
-  const DeviceTensor q(as_float(p.q), dtype, {}), k(as_float(p.k), dtype, {}),
-      v(as_float(p.v), dtype, {}), g(as_float(p.g), DType::f32, {}),
-      beta(as_float(p.beta), dtype, {}), h0(as_float(p.h0), DType::f32, {}),
-      dO(as_float(d_o), dtype, {}), d_ht(as_float(dht), DType::f32, {});
-  const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), dtype, {});
-  std::unique_ptr<DeviceBuffer<int64_t>> cu;
-  if (packed) cu = std::make_unique<DeviceBuffer<int64_t>>(p.cu_seqlens);
-  MixerParams dev = mixer_sizes(p, dtype, 64);
-  dev.cu_seqlens = cu ? cu->data() : nullptr;
-  dev.q = q.view().data;
-  dev.k = k.view().data;
-  dev.v = v.view().data;
-  dev.g = static_cast<const float*>(g.view().data);
-  dev.beta = beta.view().data;
-  dev.initial_state = static_cast<const float*>(h0.view().data);
-  dev.o = o.view().data;
+  const DeviceMixerInputs in(p, dtype);
+  const MixerParams& dev = in.dev;
+  const DeviceTensor dO(as_float(d_o), dtype, {}), d_ht(as_float(dht), DType::f32, {});
 
   const int64_t rows = packed ? 1 : p.batch;
   // M = P needs the first segment to be the row's last.
@@ -462,15 +477,8 @@ TEST(CudaTwoLevelSummaryErrors, RefusesMismatchedPieces) {
   s.dk = s.dv = 128;
   s.seq_len = 640;
   ref::Problem p = random_problem(s, 5);
-  const DeviceTensor q(as_float(p.q), DType::bf16, {}), k(as_float(p.k), DType::bf16, {}),
-      v(as_float(p.v), DType::bf16, {}), beta(as_float(p.beta), DType::bf16, {});
-  const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), DType::bf16, {});
-  MixerParams dev = mixer_sizes(p, DType::bf16, 64);
-  dev.q = q.view().data;
-  dev.k = k.view().data;
-  dev.v = v.view().data;
-  dev.beta = beta.view().data;
-  dev.o = o.view().data;
+  const DeviceMixerInputs in(p, DType::bf16);
+  const MixerParams& dev = in.dev;
   const int64_t pieces = cuda::summary_pieces(dev, false);
   if (pieces == 1) GTEST_SKIP() << "no per-head scans here (needs an sm_90a build on a 9.0 GPU)";
   const int64_t state = s.dk * s.dv;
@@ -485,7 +493,7 @@ TEST(CudaTwoLevelSummaryErrors, RefusesMismatchedPieces) {
   prepared.summary(M.data(), nullptr, nullptr, true, &first);
   expect_error(
       [&] {
-        cuda::first_segment_state_grad(dev, first, q.view().data, 0, 0, s.seq_len - 64, nullptr,
+        cuda::first_segment_state_grad(dev, first, in.q.view().data, 0, 0, s.seq_len - 64, nullptr,
                                        dS0.data(), nullptr);
       },
       "t_begin");
@@ -500,15 +508,8 @@ TEST(CudaFirstSegmentMapsErrors, RefusesAdditiveRules) {
   s.seq_len = 70;
   s.dk = s.dv = 64;
   ref::Problem p = random_problem(s, 3);
-  const DeviceTensor q(as_float(p.q), DType::bf16, {}), k(as_float(p.k), DType::bf16, {}),
-      v(as_float(p.v), DType::bf16, {}), g(as_float(p.g), DType::f32, {});
-  const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), DType::bf16, {});
-  MixerParams dev = mixer_sizes(p, DType::bf16, 64);
-  dev.q = q.view().data;
-  dev.k = k.view().data;
-  dev.v = v.view().data;
-  dev.g = static_cast<const float*>(g.view().data);
-  dev.o = o.view().data;
+  const DeviceMixerInputs in(p, DType::bf16);
+  const MixerParams& dev = in.dev;
   DeviceBuffer<float> M(s.heads * s.dk * s.dk), E(s.heads * s.dk * s.dv), P(M.size());
   DeviceBuffer<unsigned char> Hmaps(p.q.size() * 2);
   cuda::PreparedForward prepared(dev, nullptr);
@@ -526,15 +527,8 @@ TEST(CudaFirstSegmentMapsErrors, RefusesAMisalignedH) {
   s.seq_len = 70;
   s.dk = s.dv = 64;
   ref::Problem p = random_problem(s, 4);
-  const DeviceTensor q(as_float(p.q), DType::bf16, {}), k(as_float(p.k), DType::bf16, {}),
-      v(as_float(p.v), DType::bf16, {}), beta(as_float(p.beta), DType::bf16, {});
-  const DeviceTensor o = DeviceTensor::poisoned(p.v.size(), DType::bf16, {});
-  MixerParams dev = mixer_sizes(p, DType::bf16, 64);
-  dev.q = q.view().data;
-  dev.k = k.view().data;
-  dev.v = v.view().data;
-  dev.beta = beta.view().data;
-  dev.o = o.view().data;
+  const DeviceMixerInputs in(p, DType::bf16);
+  const MixerParams& dev = in.dev;
   // Pieces as the summary makes them: only H's alignment is wrong.
   const int64_t pieces = cuda::summary_pieces(dev, true);
   DeviceBuffer<float> M(s.heads * s.dk * s.dk), E(s.heads * s.dk * s.dv), P(M.size()),
