@@ -489,7 +489,8 @@ std::string fmt(const char* format, double x) {
 }  // namespace
 
 int run_cp_measure(const CpMeasureOptions& o, std::ostream& out) {
-  SS_CHECK_ARG(cuda::device_available(), "--cp-measure", "needs a CUDA device");
+  // No GPU is a failed run (exit 3), as for the other tables, not a usage error.
+  if (!cuda::device_available()) SS_FAIL("cuda", "--cp-measure needs a CUDA device");
   SS_CHECK_ARG(o.dim == 64 || o.dim == 128, "--dim", "must be 64 or 128");
   SS_CHECK_ARG(o.iters >= 1 && o.warmup >= 0, "-n", "iters >= 1, warmup >= 0");
   SS_CHECK_ARG(!o.variants.empty(), "--variant", "at least one variant");
