@@ -69,6 +69,7 @@
 // also writes the chunk states.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -421,17 +422,22 @@ std::vector<float> head0_slice(const void* data, DType t, int64_t tokens, int64_
 }
 
 // Median of n timed calls of fn on `stream` (after `warmup` untimed ones).
+// The timed calls lie in a profiler range (no-ops unprofiled), so that `ncu
+// --profile-from-start off` sees their kernels alone, however many a call
+// launches (scripts/gpu-check.sh NCU=1).
 template <typename Fn>
 double median_ms(Fn&& fn, int warmup, int iters, cudaStream_t stream) {
   for (int i = 0; i < warmup; ++i) fn();
   std::vector<cudaEvent_t> events(static_cast<std::size_t>(iters) + 1);
   for (auto& e : events) SS_CUDA_CHECK(cudaEventCreate(&e));
+  SS_CUDA_CHECK(cudaProfilerStart());
   SS_CUDA_CHECK(cudaEventRecord(events[0], stream));
   for (int i = 0; i < iters; ++i) {
     fn();
     SS_CUDA_CHECK(cudaEventRecord(events[static_cast<std::size_t>(i) + 1], stream));
   }
   SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  SS_CUDA_CHECK(cudaProfilerStop());
   std::vector<double> times;
   for (int i = 0; i < iters; ++i) {
     float ms = 0;

@@ -43,7 +43,7 @@
 #   KEEP=0           skip the forward+backward table with the forward's prepared
 #                    tiles kept for the backward (`--backward --keep-prepared`,
 #                    BWD_ARGS' lengths)
-#   NCU=1            also time the three forward kernels separately at 32K with
+#   NCU=1            also time each kernel of one forward separately at 32K with
 #                    Nsight Compute (clocks left alone), for NCU_VARIANTS
 #                    (default "kda deltanet linear"), with each kernel's
 #                    speed-of-light throughputs (SM, L1/shared, L2, DRAM: what
@@ -201,11 +201,12 @@ fi
 if [[ "${NCU:-0}" != 0 ]] && command -v ncu >/dev/null; then
   for v in ${NCU_VARIANTS:-kda deltanet linear}; do
     timeout "$(left 180)" ncu --clock-control none --section SpeedOfLight --metrics gpu__time_duration.sum \
-      --kernel-name regex:'chunk_(prepare|state_scan|output)[a-z0-9_]*_kernel' \
-      --launch-skip 3 --launch-count 3 \
+      --profile-from-start off \
       "$BUILD/launch/statescan-bench" -v "$v" -t 32768 -w 1 -n 1 >"$OUT/ncu_$v.log" 2>&1 ||
       echo "gpu-check: ncu $v failed, see $OUT/ncu_$v.log"
-    awk -v v="$v" '/chunk_(prepare|state_scan|output)[a-z0-9_]*_kernel/ { name = $0; sub(/<.*/, "", name); sub(/.*::/, "", name) }
+    # Every kernel of the one timed forward (the bench's profiler range),
+    # however many the variant's path launches.
+    awk -v v="$v" '/, Context [0-9]+, Stream [0-9]+/ { name = $0; sub(/^ +(void )?/, "", name); sub(/[<(].*/, "", name); sub(/.*::/, "", name) }
       /gpu__time_duration.sum/ { print "ncu " v ": " name " " $NF " " $(NF-1) }
       /Throughput/ { line = $0; gsub(/  +/, " ", line); print "ncu " v ": " name line }' "$OUT/ncu_$v.log" |
       tee -a "$OUT/ncu_summary.txt"
