@@ -138,6 +138,8 @@ chmod +x "$CARRY/unpack.sh"
 # test_cuda_cp spend most of their time in the fp64 CPU references at 2 threads
 # (STATESCAN_NUM_THREADS=2), so on the device's 16 cores several entries share
 # the GPU in the time of one; their lines are printed in the listed order.
+# ENTRY_ALLOW_NONE=1: a test_cuda* entry whose cases all skipped passes (by
+# default it fails: on the GPU machine that means no device was seen).
 set -uo pipefail
 # The binaries link the CUDA runtime dynamically (see carry-build.sh).
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -190,10 +192,16 @@ run_entry() {
   counts=$(grep -E '^\[  (PASSED|SKIPPED) ' <<<"$log" | sed -E 's/^\[  ([A-Z]+) +\] ([0-9]+).*/\2 \1/' |
     tr '[:upper:]' '[:lower:]' | sort -k2,2 -k1,1n | uniq -c |
     awk '{ n = $1; $1 = ""; sub(/^ +/, ""); printf "%s%s ", $0, (n > 1 ? " (each of " n " ranks)" : "") }')
-  if ((rc == 0)); then
-    # Every case skipped is no test at all (no GPU, or a filter that matches
-    # only cases this build or device cannot run).
-    [[ $counts == *passed* && $counts != "0 passed"* ]] || counts="$counts(none ran)"
+  local none=0
+  [[ $counts == *passed* && $counts != "0 passed"* ]] || none=1
+  # Every case skipped is no test at all (no GPU, or a filter that matches
+  # only cases this build or device cannot run). A CUDA entry that ran none
+  # fails: these packs run on a GPU machine, where that means a broken driver
+  # or a device the suites do not see (ENTRY_ALLOW_NONE=1 accepts it).
+  if ((rc == 0 && none)) && [[ $name == test_cuda* && ${ENTRY_ALLOW_NONE:-0} != 1 ]]; then
+    echo "$name: FAILED (no case ran: is a GPU visible?), ${counts:-no gtest summary }($((SECONDS - start)) s)"
+  elif ((rc == 0)); then
+    ((none)) && counts="$counts(none ran)"
     echo "$name: ok, ${counts:-no gtest summary }($((SECONDS - start)) s)"
   else
     # 124: stopped at the limit, which says nothing of the cases it had not reached.

@@ -64,6 +64,18 @@ ENTRY_TIMEOUT=1 bash "$pack/entries-fail.sh" '^zz_slow$' >"$out/slow.log" 2>&1 &
   { cat "$out/slow.log"; fail "entries.sh passed an entry stopped at its limit"; }
 grep -q '^zz_slow: FAILED (timed out at ENTRY_TIMEOUT 1 s)' "$out/slow.log" ||
   { cat "$out/slow.log"; fail "an entry stopped at its limit does not say so"; }
+# A CUDA entry whose cases all skipped (no device seen) fails, unless
+# ENTRY_ALLOW_NONE=1; a CPU entry that ran none still reads "(none ran)".
+sed -i 's/^entry zz_slow -- .*$/entry test_cuda_zz -- bash -c "echo \\"[  SKIPPED ] 3 tests\\""/' \
+  "$pack/entries-fail.sh"
+bash "$pack/entries-fail.sh" '^test_cuda_zz$' >"$out/skipped.log" 2>&1 &&
+  { cat "$out/skipped.log"; fail "entries.sh passed a CUDA entry whose cases all skipped"; }
+grep -q '^test_cuda_zz: FAILED (no case ran' "$out/skipped.log" ||
+  { cat "$out/skipped.log"; fail "a CUDA entry that ran no case does not say so"; }
+ENTRY_ALLOW_NONE=1 bash "$pack/entries-fail.sh" '^test_cuda_zz$' >"$out/allowed.log" 2>&1 ||
+  { cat "$out/allowed.log"; fail "ENTRY_ALLOW_NONE=1 did not accept a CUDA entry that ran none"; }
+grep -q '^test_cuda_zz: ok, 3 skipped (none ran)' "$out/allowed.log" ||
+  { cat "$out/allowed.log"; fail "ENTRY_ALLOW_NONE=1: the entry's line is wrong"; }
 bash "$pack/entries.sh" '^no_such_entry$' >"$out/none.log" 2>&1 &&
   { cat "$out/none.log"; fail "entries.sh passed a pattern that matches no entry"; }
 grep -q "no entry matches" "$out/none.log" || { cat "$out/none.log"; fail "no reason for matching none"; }

@@ -70,7 +70,8 @@ grep -q 'lact_hidden_grad_kernel .*REG:168 STACK:16 LOCAL:0' <<<"$out" ||
 # 2. The kernel tables: this tree's binary first, then the reference's; with
 #    NCU_INSITU=1 once more with ncu's cache flush set (to none), only there.
 BUILD_DIR="$WORK/build" TESTS=0 MUON=0 KNOBS="" BENCH_ROWS=0 NCU=1 NCU_INSITU=1 \
-  REF_SRC="$WORK/ref-src" bash "$SCRIPT" "$WORK/out2" >/dev/null 2>"$WORK/out2.err"
+  REF_SRC="$WORK/ref-src" bash "$SCRIPT" "$WORK/out2" >/dev/null 2>"$WORK/out2.err" ||
+  { cat "$WORK/out2.err"; fail "exit $? with NCU=1"; }
 grep -qx "profiled $WORK/build/launch/statescan-bench" "$WORK/out2/ncu_kernels.csv" ||
   fail "the kernel table did not profile this tree's binary"
 grep -qx "cache flush set" "$WORK/out2/ncu_insitu.csv" ||
