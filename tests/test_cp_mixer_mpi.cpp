@@ -14,6 +14,7 @@
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
+#include "parallel/observer.h"
 #include "tests/collective_error.h"
 #include "tests/cp_test_util.h"
 
@@ -224,6 +225,73 @@ TEST(CpControl, TakesOnlyTheSameRanks) {
   } catch (const Error& e) {
     EXPECT_EQ(e.argument(), "control") << e.what();
   }
+}
+
+// ---- the observer at several ranks ---------------------------------------------------
+
+// What a CpObserver heard, call by call.
+struct HeardPhase {
+  Phase phase;
+  double seconds;
+  int64_t bytes;
+  bool with_strategy;
+  Exchange strategy;
+};
+class RecordingObserver : public CpObserver {
+ public:
+  void on_phase(Phase phase, double seconds, int64_t bytes) override {
+    heard.push_back({phase, seconds, bytes, false, Exchange::automatic});
+  }
+  void on_exchange(Exchange strategy, double seconds, int64_t bytes) override {
+    heard.push_back({Phase::exchange, seconds, bytes, true, strategy});
+  }
+  std::vector<HeardPhase> heard;
+};
+
+// Each pass reports summary, exchange (with its strategy and this rank's
+// bytes), merge and its total, as last_*_stats() hold them. At one rank the
+// middle three are zeros (tests/test_monitoring.cpp); here, with an exchange,
+// the summary and the exchange took time and every rank sent bytes. Every
+// variant's forward and backward, both exchanges that send.
+TEST(CpObserver, HearsEveryPhaseOfBothPasses) {
+  Communicator& comm = world();
+  if (comm.size() == 1) GTEST_SKIP() << "the exchange's phases need several ranks";
+  const int r = comm.rank();
+  for (Variant v : kAllVariants)
+    for (Exchange x : {Exchange::allgather, Exchange::ring}) {
+      SCOPED_TRACE(std::string(to_string(v)) + " " + to_string(x));
+      const CaseProblem cpp = make_problem({v, x, Layout::batch_rows}, comm.size());
+      RecordingObserver seen;
+      CpMixer mixer(comm, cpp.cfg, x, &seen);
+      run_cp(mixer, cpp.p, cpp.bounds[r], cpp.bounds[r + 1], cpp.d_o, cpp.dht);
+      ASSERT_EQ(seen.heard.size(), 8u);
+      const CpStepStats* passes[2] = {&mixer.last_forward_stats(), &mixer.last_backward_stats()};
+      double summary = 0;
+      int64_t bytes = 0;
+      for (int pass = 0; pass < 2; ++pass) {
+        const CpStepStats& s = *passes[pass];
+        const HeardPhase* h = &seen.heard[4 * static_cast<std::size_t>(pass)];
+        EXPECT_EQ(h[0].phase, Phase::summary);
+        EXPECT_EQ(h[0].seconds, s.summary_s);
+        EXPECT_TRUE(h[1].with_strategy && h[1].phase == Phase::exchange);
+        EXPECT_EQ(h[1].strategy, x);
+        EXPECT_EQ(h[1].seconds, s.exchange_s);
+        EXPECT_EQ(h[1].bytes, s.exchange_bytes);
+        EXPECT_GT(h[1].seconds, 0) << "pass " << pass;
+        // The ring's ends send in one direction only (the last rank's
+        // forward, the first's backward); an all-gather sends from every rank.
+        if (x == Exchange::allgather) EXPECT_GT(h[1].bytes, 0) << "pass " << pass;
+        bytes += h[1].bytes;
+        EXPECT_EQ(h[2].phase, Phase::merge);
+        EXPECT_EQ(h[2].seconds, s.merge_s);
+        EXPECT_EQ(h[3].phase, pass == 0 ? Phase::fwd : Phase::bwd);
+        EXPECT_EQ(h[3].seconds, s.total_s);
+        EXPECT_LE(h[0].seconds + h[1].seconds + h[2].seconds, h[3].seconds);
+        summary += h[0].seconds;
+      }
+      EXPECT_GT(summary, 0);
+      EXPECT_GT(bytes, 0);
+    }
 }
 
 // ---- `auto` on a measured link -------------------------------------------------------
