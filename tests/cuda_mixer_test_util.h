@@ -162,4 +162,23 @@ inline auto all_mixer_params() {
                             ::testing::Values<int64_t>(64, 128));
 }
 
+// Sizes of a small DeltaNet problem with aligned stand-ins for its tensors
+// (never read): for the checks that refuse arguments before any pointer is
+// read or any device call, which then run without a device (CI).
+inline MixerParams sizes_only() {
+  MixerParams p;
+  p.variant = Variant::deltanet;
+  p.dtype = DType::bf16;
+  p.batch = 1;
+  p.seq_len = 100;
+  p.heads = 2;
+  p.dk = p.dv = 64;
+  p.num_segments = 1;
+  p.chunk = 64;
+  auto* fake = reinterpret_cast<void*>(uintptr_t{1} << 20);
+  p.q = p.k = p.v = p.beta = fake;
+  p.o = fake;
+  return p;
+}
+
 }  // namespace statescan::test

@@ -583,6 +583,64 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, CudaBackward, all_mixer_params(), mixer_pa
 
 // B*H fills the GPU: 16 heads x 32 chunks = 512 (chunk, head) items, more
 // than the persistent grid, bf16, every variant.
+// The backward's own arguments are checked on the host before anything is
+// allocated or launched, so this runs without a device (CI): every bad
+// argument is named, by both entry points and by PreparedBackward where it
+// checks it.
+TEST(CudaBackwardArgs, EachBadArgumentIsNamed) {
+  const auto at = [](uintptr_t offset) {
+    return reinterpret_cast<char*>(uintptr_t{1} << 21) + offset;  // stand-ins, never read
+  };
+  MixerBwdParams good;
+  static_cast<MixerParams&>(good) = sizes_only();
+  good.d_o = at(0);
+  good.dq = good.dk_out = good.dv_out = good.dbeta = at(0);
+  good.chunk_states = reinterpret_cast<float*>(at(0));
+  good.d_initial_state = reinterpret_cast<float*>(at(0));
+  using Tweak = void (*)(MixerBwdParams&, char*);
+  struct Bad {
+    const char* argument;
+    Tweak tweak;
+  };
+  // Each tweak gets a stand-in 8 bytes past a 16-byte boundary.
+  const Bad cases[] = {
+      {"dk", [](MixerBwdParams& m, char*) { m.dk = m.dv = 32; }},
+      {"dk", [](MixerBwdParams& m, char*) { m.dv = 128; }},
+      {"do", [](MixerBwdParams& m, char*) { m.d_o = nullptr; }},
+      {"do", [](MixerBwdParams& m, char* odd) { m.d_o = odd; }},
+      {"chunk_states", [](MixerBwdParams& m, char*) { m.chunk_states = nullptr; }},
+      {"chunk_states",
+       [](MixerBwdParams& m, char* odd) { m.chunk_states = reinterpret_cast<float*>(odd + 8); }},
+      {"dq", [](MixerBwdParams& m, char*) { m.dq = nullptr; }},
+      {"dk_out", [](MixerBwdParams& m, char*) { m.dk_out = nullptr; }},
+      {"dv_out", [](MixerBwdParams& m, char*) { m.dv_out = nullptr; }},
+      {"dq", [](MixerBwdParams& m, char* odd) { m.dq = odd; }},
+      {"dk_out", [](MixerBwdParams& m, char* odd) { m.dk_out = odd; }},
+      {"dv_out", [](MixerBwdParams& m, char* odd) { m.dv_out = odd; }},
+      {"dbeta", [](MixerBwdParams& m, char*) { m.dbeta = nullptr; }},
+      {"dg", [](MixerBwdParams& m, char* odd) { m.dg = reinterpret_cast<float*>(odd + 8); }},
+      {"d_initial_state",
+       [](MixerBwdParams& m, char*) {
+         m.state_grad_only = true;
+         m.d_initial_state = nullptr;
+       }},
+  };
+  for (const Bad& c : cases) {
+    MixerBwdParams m = good;
+    c.tweak(m, at(8));
+    SCOPED_TRACE(c.argument);
+    expect_error([&] { cuda::mixer_backward(m, nullptr); }, c.argument);
+    expect_error([&] { cuda::mixer_backward(m, at(0), size_t{1} << 30, nullptr); }, c.argument);
+  }
+  // PreparedBackward checks the head dims and the chunk states first.
+  MixerBwdParams m = good;
+  m.dk = m.dv = 32;
+  expect_error([&] { cuda::PreparedBackward refused(m, nullptr); }, "dk");
+  m = good;
+  m.chunk_states = nullptr;
+  expect_error([&] { cuda::PreparedBackward refused(m, nullptr); }, "chunk_states");
+}
+
 class CudaBackwardLarge : public ::testing::TestWithParam<Variant> {
  protected:
   void SetUp() override {

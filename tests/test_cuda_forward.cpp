@@ -348,25 +348,6 @@ TEST_P(CudaForward, RefusesScanClusterItCannotTake) {
   }
 }
 
-// Sizes of a small DeltaNet problem with aligned stand-ins for its tensors:
-// the checks below refuse it before any pointer is read, so no device is
-// needed.
-MixerParams sizes_only() {
-  MixerParams p;
-  p.variant = Variant::deltanet;
-  p.dtype = DType::bf16;
-  p.batch = 1;
-  p.seq_len = 100;
-  p.heads = 2;
-  p.dk = p.dv = 64;
-  p.num_segments = 1;
-  p.chunk = 64;
-  auto* fake = reinterpret_cast<void*>(uintptr_t{1} << 20);
-  p.q = p.k = p.v = p.beta = fake;
-  p.o = fake;
-  return p;
-}
-
 // The sizing functions check the sizes they divide by before validate()
 // runs: chunk 0 was a SIGFPE, a negative length a wrapped size_t.
 TEST(CudaSizes, SizingFunctionsNameBadSizes) {
