@@ -100,6 +100,38 @@ inline void PrintTo(const GateCase& c, std::ostream* os) {
 
 inline constexpr GateCase kGateCases[] = {{"mild", 0.0}, {"bound", 3.5}, {"strong", 20.0}};
 
+// Whether gate case g means something for variant v: "mild" (random_problem's
+// gates, or none) for every variant, the stronger decays only with a gate.
+inline bool gate_case_applies(Variant v, const GateCase& g) {
+  return g.per_block == 0 || has_gate(v);
+}
+
+// Every (variant, gates, l2norm) whose gates apply: the parameters of the
+// exact model tests (Combine over all of them had 80 cases that could only
+// skip, strong gates on variants without a gate).
+inline std::vector<std::tuple<Variant, GateCase, bool>> exact_model_cases() {
+  std::vector<std::tuple<Variant, GateCase, bool>> out;
+  for (Variant v : kAllVariants)
+    for (const GateCase& g : kGateCases)
+      if (gate_case_applies(v, g))
+        for (bool l2norm : {false, true}) out.emplace_back(v, g, l2norm);
+  return out;
+}
+
+// The same with a rounding case among `cases`, less those `keep` rejects
+// (combinations the kernels never run).
+template <typename Case, std::size_t N>
+std::vector<std::tuple<Variant, Case, GateCase, bool>> rounding_model_cases(
+    const Case (&cases)[N], bool (*keep)(const Case&, const GateCase&) = nullptr) {
+  std::vector<std::tuple<Variant, Case, GateCase, bool>> out;
+  for (Variant v : kAllVariants)
+    for (const Case& c : cases)
+      for (const GateCase& g : kGateCases)
+        if (gate_case_applies(v, g) && (keep == nullptr || keep(c, g)))
+          for (bool l2norm : {false, true}) out.emplace_back(v, c, g, l2norm);
+  return out;
+}
+
 // The test name of a (variant, rounding case, gates, l2norm) parameter, e.g.
 // kda_v3_bound_l2norm (`Case` has a `name`).
 template <typename Case>

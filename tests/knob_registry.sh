@@ -3,8 +3,8 @@
 # library and its tools read (each "STATESCAN_..." string in core, kernels,
 # comm, parallel, launch, monitoring) against where they are documented and run:
 #   - each is named in README.md;
-#   - each runs in the tests: a ctest entry sets it (tests/CMakeLists.txt), a
-#     test source names it (the test sets it itself), or it is set through the
+#   - each runs in the tests: a ctest entry sets it (KNOB= in tests/CMakeLists.txt), a
+#     test source passes its quoted name (to setenv / ScopedEnv), or it is set through the
 #     API listed in API_SET below, which a test source must name;
 #   - each variable of README's A/B-switch table (rows "| `STATESCAN_X` |") is
 #     still read.
@@ -41,7 +41,10 @@ miss() {
 for knob in "${knobs[@]}"; do
   # Whole names only: STATESCAN_LINEAR must not pass on STATESCAN_LINEAR_GROUP_CHUNKS.
   grep -qE "${knob}([^A-Z0-9_]|$)" "$ROOT/README.md" || miss "$knob is read but README.md does not name it"
-  if grep -qE "${knob}([^A-Z0-9_]|$)" "$ROOT/tests/CMakeLists.txt" "${test_sources[@]}"; then
+  # Set, not merely named: KNOB= in a ctest entry's environment, or the
+  # quoted name a test passes to setenv / ScopedEnv (a comment naming it
+  # runs nothing).
+  if grep -qE "${knob}=" "$ROOT/tests/CMakeLists.txt" || grep -qF "\"${knob}\"" "${test_sources[@]}"; then
     continue
   fi
   api=${API_SET[$knob]:-}

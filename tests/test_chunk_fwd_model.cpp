@@ -60,7 +60,6 @@ class ChunkFwdModel : public ::testing::TestWithParam<ExactParam> {};
 
 TEST_P(ChunkFwdModel, ExactMatchesReference) {
   const auto [variant, gates, l2norm] = GetParam();
-  if (gates.per_block > 0 && !has_gate(variant)) GTEST_SKIP() << "no gate";
   const ref::Problem p = bf16_problem(variant, l2norm, gates, 16);
   const ref::Outputs want = ref::forward(p), got = chunk_forward_model(p, 64);
   EXPECT_LE(rel_rms(got.o, want.o), 1e-10);
@@ -70,8 +69,7 @@ TEST_P(ChunkFwdModel, ExactMatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkFwdModel,
-                         ::testing::Combine(::testing::ValuesIn(kAllVariants),
-                                            ::testing::ValuesIn(kGateCases), ::testing::Bool()),
+                         ::testing::ValuesIn(exact_model_cases()),
                          [](const ::testing::TestParamInfo<ExactParam>& info) {
                            return variant_name(std::get<0>(info.param)) + "_" +
                                   std::get<1>(info.param).name +
@@ -85,7 +83,6 @@ class ChunkFwdModelBf16 : public ::testing::TestWithParam<Bf16Param> {};
 
 TEST_P(ChunkFwdModelBf16, StaysUnderTheBf16Bound) {
   const auto [variant, scheme, gates, l2norm] = GetParam();
-  if (gates.per_block > 0 && !has_gate(variant)) GTEST_SKIP() << "no gate";
   const ref::Problem p = bf16_problem(variant, l2norm, gates, 64);
   const ref::Outputs want = ref::forward(p), got = chunk_forward_model(p, 64, scheme.rounding);
   const double err_o = rel_rms(got.o, want.o), err_s = rel_rms(got.ht, want.ht);
@@ -134,9 +131,7 @@ TEST(ChunkFwdModelOneProduct, DeltaRulesStayUnderTheBf16Bound) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, ChunkFwdModelBf16,
-                         ::testing::Combine(::testing::ValuesIn(kAllVariants),
-                                            ::testing::ValuesIn(kSchemes),
-                                            ::testing::ValuesIn(kGateCases), ::testing::Bool()),
+                         ::testing::ValuesIn(rounding_model_cases(kSchemes)),
                          [](const ::testing::TestParamInfo<Bf16Param>& info) {
                            return model_case_name(info.param);
                          });
