@@ -280,7 +280,9 @@ TEST(CpObserver, HearsEveryPhaseOfBothPasses) {
         EXPECT_GT(h[1].seconds, 0) << "pass " << pass;
         // The ring's ends send in one direction only (the last rank's
         // forward, the first's backward); an all-gather sends from every rank.
-        if (x == Exchange::allgather) EXPECT_GT(h[1].bytes, 0) << "pass " << pass;
+        if (x == Exchange::allgather) {
+          EXPECT_GT(h[1].bytes, 0) << "pass " << pass;
+        }
         bytes += h[1].bytes;
         EXPECT_EQ(h[2].phase, Phase::merge);
         EXPECT_EQ(h[2].seconds, s.merge_s);
