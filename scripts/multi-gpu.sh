@@ -29,6 +29,15 @@
 #   LACT_TOKENS, LACT_HEADS, LACT_DIM, LACT_HIDDEN: the LaCT study's one chunk
 #               (default 1048576, 4, 256, 512)
 #   SKIP_BUILD=1 use BUILD_DIR as it is
+#   BIN_DIR     run the binaries in this folder instead of a build's: a pack from
+#               scripts/carry-build.sh unpacked on the device (BIN_DIR=$(build-carry-X/
+#               unpack.sh)), so that a several-GPU machine, whose minutes count
+#               several times, spends none of them building. It needs
+#               statescan-run for the studies; a suite that is not there is
+#               named and left out (SKIP_TESTS=1 runs none). No build.
+#               Packed, statescan-run, test_comm_nccl and test_cuda_lact_mpi take
+#               49 MB of carry's 64 MiB; test_cuda_cp_mpi (33 MB) goes in a call
+#               of its own (2026-12-07).
 set -uo pipefail
 
 OUT=${1:?usage: scripts/multi-gpu.sh OUTDIR}
@@ -36,6 +45,13 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
+# Where statescan-run and the test suites are: the build's, or BIN_DIR's.
+RUN_BIN=$BUILD/launch/statescan-run
+TEST_DIR=$BUILD/tests
+if [[ -n "${BIN_DIR:-}" ]]; then
+  RUN_BIN=$BIN_DIR/statescan-run
+  TEST_DIR=$BIN_DIR
+fi
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 ITERS=${ITERS:-10}
 DEVICE=${DEVICE:-cuda}
@@ -54,7 +70,17 @@ rm -f "$OUT"/*_p*.json "$OUT"/*_p*.log "$OUT"/nsys_lact_p*.txt "$OUT/summary.txt
 echo "multi-gpu: $NGPU GPU(s)"
 [[ "$NGPU" -ge 2 ]] || { echo "multi-gpu: needs >= 2 GPUs"; exit 1; }
 
-[[ "${SKIP_BUILD:-0}" != 0 ]] || {
+studies=" ${STUDIES:-weak strong lact} "
+if [[ -n "${BIN_DIR:-}" ]]; then
+  [[ -d "$BIN_DIR" ]] || { echo "multi-gpu: BIN_DIR $BIN_DIR is not a folder"; exit 1; }
+  # Every study (and the profile) runs statescan-run: refuse now, not one
+  # failed row at a time.
+  if [[ -n "${studies// /}" || "${PROFILE_LACT:-0}" != 0 ]] && [[ ! -x "$RUN_BIN" ]]; then
+    echo "multi-gpu: no statescan-run in BIN_DIR $BIN_DIR"
+    exit 1
+  fi
+fi
+[[ "${SKIP_BUILD:-0}" != 0 || -n "${BIN_DIR:-}" ]] || {
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
     if [[ "${SKIP_TESTS:-0}" == 0 ]]; then
@@ -71,9 +97,13 @@ for p in 2 4 8; do [[ $p -le $NGPU ]] && ranks+=("$p"); done
 
 if [[ "${SKIP_TESTS:-0}" == 0 ]]; then
   for t in test_comm_nccl test_cuda_cp_mpi test_cuda_lact_mpi; do
-    [[ -x "$BUILD/tests/$t" ]] || continue
+    if [[ ! -x "$TEST_DIR/$t" ]]; then
+      # A build just made every suite; a carried folder may hold some.
+      [[ -z "${BIN_DIR:-}" ]] || echo "multi-gpu: $t not in BIN_DIR, left out"
+      continue
+    fi
     for p in "${ranks[@]}"; do
-      timeout 400 mpirun -np "$p" --oversubscribe --bind-to none "$BUILD/tests/$t" >"$OUT/${t}_np$p.log" 2>&1 || status=1
+      timeout 400 mpirun -np "$p" --oversubscribe --bind-to none "$TEST_DIR/$t" >"$OUT/${t}_np$p.log" 2>&1 || status=1
       echo "$t np$p: $(grep -aE '\[  (PASSED|FAILED|SKIPPED) ' "$OUT/${t}_np$p.log" | tr -d '\033' | sed 's/\[[0-9;]*m//g' | tr '\n' ' ')"
       grep -aE "\[  FAILED  \]" "$OUT/${t}_np$p.log" | head -10
     done
@@ -86,15 +116,13 @@ fi
 run() {
   local name=$1 p=$2 t0=$SECONDS
   shift 2
-  timeout "${RUN_TIMEOUT:-300}" mpirun -np "$p" --oversubscribe --bind-to none "$BUILD/launch/statescan-run" --device "$DEVICE" \
+  timeout "${RUN_TIMEOUT:-300}" mpirun -np "$p" --oversubscribe --bind-to none "$RUN_BIN" --device "$DEVICE" \
     --iters "$ITERS" --warmup 3 --json "$OUT/${name}_p$p.json" "$@" >"$OUT/${name}_p$p.log" 2>&1 ||
     { echo "multi-gpu: $name P=$p failed, see $OUT/${name}_p$p.log"; tail -5 "$OUT/${name}_p$p.log"; status=1; }
   # One line per run as it ends, so a cut-off session still shows progress.
   echo "multi-gpu: $name P=$p $((SECONDS - t0)) s: $(grep -a '^# Avg' "$OUT/${name}_p$p.log")"
   grep -aE '^# rank [0-9]+  (fwd|bwd) ' "$OUT/${name}_p$p.log" | sed "s/^/multi-gpu: $name P=$p /"
 }
-studies=" ${STUDIES:-weak strong lact} "
-
 for v in ${VARIANTS:-kda gated_deltanet}; do
   for p in 1 "${ranks[@]}"; do
     if [[ "$studies" == *" weak "* ]]; then
@@ -126,7 +154,7 @@ if [[ "${PROFILE_LACT:-0}" != 0 ]]; then
       # One report per rank (%q{OMPI_COMM_WORLD_RANK}); the stats of rank 0.
       timeout "${RUN_TIMEOUT:-300}" mpirun -np "$p" --oversubscribe --bind-to none \
         nsys profile -t cuda,nvtx,osrt -o "$OUT/nsys_lact_p${p}_r%q{OMPI_COMM_WORLD_RANK}" -f true \
-        "$BUILD/launch/statescan-run" --device cuda --iters 3 --warmup 1 "${lact_args[@]}" \
+        "$RUN_BIN" --device cuda --iters 3 --warmup 1 "${lact_args[@]}" \
         >"$OUT/nsys_lact_p$p.log" 2>&1 || echo "multi-gpu: nsys LaCT P=$p failed, see $OUT/nsys_lact_p$p.log"
       nsys stats -r cuda_gpu_kern_sum,cuda_api_sum -f csv "$OUT/nsys_lact_p${p}_r0.nsys-rep" \
         >"$OUT/nsys_lact_p$p.txt" 2>&1 || true

@@ -60,4 +60,30 @@ cp "$WORK/out/weak_kda_p2.json" "$WORK/out/weak_kda_p4.json"
 run_script "$WORK/log2"
 got=$(table weak_kda | awk '{ printf "%s%s", (NR > 1 ? " " : ""), $1 }')
 [[ "$got" == "1 2" ]] || fail "a reused OUTDIR: weak_kda rows for P = '$got', expected '1 2'"
+
+# BIN_DIR (a carried pack's folder): its statescan-run runs, nothing is built
+# (BUILD_DIR names no build and SKIP_BUILD is unset), and each suite missing
+# from the folder is named, not passed over in silence.
+mkdir -p "$WORK/carried"
+ln -s "$BUILD/launch/statescan-run" "$WORK/carried/statescan-run"
+carried() {  # carried BIN_DIR LOG: the weak study alone, into $WORK/out3
+  PATH="$WORK/bin:$PATH" DEVICE=cpu BIN_DIR="$1" BUILD_DIR="$WORK/no-build" ITERS=2 \
+    VARIANTS=kda STUDIES=weak TOKENS_PER_GPU=256 HEADS=2 DIM=16 RUN_TIMEOUT=120 \
+    bash "$SCRIPT" "$WORK/out3" >"$2" 2>&1
+}
+carried "$WORK/carried" "$WORK/log3"
+rc=$?
+cat "$WORK/log3"
+[[ $rc -eq 0 ]] || fail "BIN_DIR: multi-gpu.sh exited $rc"
+[[ ! -e "$WORK/no-build" ]] || fail "BIN_DIR: the script configured a build"
+for t in test_comm_nccl test_cuda_cp_mpi test_cuda_lact_mpi; do
+  grep -q "multi-gpu: $t not in BIN_DIR, left out" "$WORK/log3" || fail "BIN_DIR: $t's absence not named"
+done
+got=$(awk '/^# [a-z_]+:/ { on = index($0, "# weak_kda:") == 1; next } /^#/ { next } on && NF { printf "%s%s", (n++ ? " " : ""), $1 }' \
+  "$WORK/out3/summary.txt")
+[[ "$got" == "1 2" ]] || fail "BIN_DIR: weak_kda rows for P = '$got', expected '1 2'"
+# A folder without statescan-run is refused before any run.
+mkdir -p "$WORK/empty"
+carried "$WORK/empty" "$WORK/log4" && fail "BIN_DIR without statescan-run: exit 0"
+grep -q "multi-gpu: no statescan-run in BIN_DIR" "$WORK/log4" || { cat "$WORK/log4"; fail "BIN_DIR without statescan-run: no message"; }
 echo "multi_gpu_smoke: OK"
