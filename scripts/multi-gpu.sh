@@ -29,6 +29,11 @@
 #   LACT_TOKENS, LACT_HEADS, LACT_DIM, LACT_HIDDEN: the LaCT study's one chunk
 #               (default 1048576, 4, 256, 512)
 #   SKIP_BUILD=1 use BUILD_DIR as it is
+#   MODEL_BIN   the statescan-bench whose --cp-model fills the weak tables' model%
+#               column from this node's P = 1 run (default: BIN_DIR's or the
+#               build's where there; else the summary prints the command line,
+#               which any machine runs: the model needs no GPU). A model that
+#               fails fails the script, after every table.
 #   BIN_DIR     run the binaries in this folder instead of a build's: a pack from
 #               scripts/carry-build.sh unpacked on the device (BIN_DIR=$(build-carry-X/
 #               unpack.sh)), so that a several-GPU machine, whose minutes count
@@ -165,8 +170,17 @@ if [[ "${PROFILE_LACT:-0}" != 0 ]]; then
   fi
 fi
 
+# The scaling model beside the weak study (issue 8: measurements against
+# `statescan-bench --cp-model`): it runs on any CPU, so it is taken from
+# BIN_DIR or the build where there, else the summary prints its command line.
+if [[ -z "${MODEL_BIN:-}" ]]; then
+  for c in "${BIN_DIR:+$BIN_DIR/statescan-bench}" "$BUILD/launch/statescan-bench"; do
+    [[ -n "$c" && -x "$c" ]] && { MODEL_BIN=$c; break; }
+  done
+fi
+MODEL_BIN=${MODEL_BIN:-} TOKENS_PER_GPU=$TOKENS_PER_GPU HEADS=$HEADS DIM=$DIM \
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt" || status=1
-import glob, json, os, re, sys
+import glob, json, os, re, subprocess, sys, tempfile
 out = sys.argv[1]
 rows = {}
 for f in glob.glob(os.path.join(out, "*_p*.json")):
@@ -176,12 +190,44 @@ for f in glob.glob(os.path.join(out, "*_p*.json")):
     except Exception as e:  # a failed run leaves a partial file
         print(f"# {f}: unreadable ({e})")
 studies = sorted({k[0] for k in rows})
+model_bin = os.environ.get("MODEL_BIN", "")
+failed = []
+
+
+def model_efficiency(study, base, p_max):
+    """({P: predicted efficiency %}, a note for after the table) of a weak
+    study from `statescan-bench --cp-model` fed this node's P = 1 times."""
+    m = re.match(r"weak_(.+?)(?:_(allgather|ring|tree))?$", study)
+    if not m or not base or p_max < 2:
+        return {}, None
+    variant, exchange = m.group(1), m.group(2)
+    b = base["avg"]
+    cmd = ["--cp-model", "--variant", variant, "--seq-len", os.environ["TOKENS_PER_GPU"],
+           "-H", os.environ["HEADS"], "-d", os.environ["DIM"], "--dtype", "bf16", "-P", str(p_max),
+           "--fwd-ms", f"{b['fwd_ms']:.4f}", "--bwd-ms", f"{(b['bwd_ms'] or 0):.4f}"]
+    if not model_bin:
+        return {}, f"#   model: no statescan-bench here; on any machine: statescan-bench {' '.join(cmd)}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.json")
+        r = subprocess.run([model_bin, *cmd, "--json", path], capture_output=True, text=True)
+        if r.returncode != 0 or not os.path.exists(path):
+            failed.append(study)  # the tables go on; the script fails at the end
+            return {}, (f"#   model: {model_bin} {' '.join(cmd)} failed ({r.returncode}): "
+                        f"{(r.stderr or r.stdout).strip()[-300:]}")
+        pred = json.load(open(path))
+    # The measured exchange's row, or the one `auto` picks.
+    return {x["P"]: 100 * x["efficiency"] for x in pred
+            if (x["exchange"] == exchange if exchange else x["auto_pick"])}, None
+
+
 for s in studies:
     print(f"#\n# {s}: step = fwd + bwd per rank (ms); efficiency vs P = 1"
-          f" ({'weak: tokens per GPU fixed' if s.startswith('weak') else 'strong: total tokens fixed' if s.startswith('strong') else 'one chunk sharded'})")
-    print(f"# {'P':>3} {'fwd_ms':>9} {'bwd_ms':>9} {'step_ms':>9} {'xchg_ms':>8} {'xchg_B/rank':>12} {'hidden%':>8} {'Mtok/s':>9} {'eff%':>6}")
+          f" ({'weak: tokens per GPU fixed' if s.startswith('weak') else 'strong: total tokens fixed' if s.startswith('strong') else 'one chunk sharded'})"
+          f"; model% = the scaling model's efficiency from this P = 1 run")
+    print(f"# {'P':>3} {'fwd_ms':>9} {'bwd_ms':>9} {'step_ms':>9} {'xchg_ms':>8} {'xchg_B/rank':>12} {'hidden%':>8} {'Mtok/s':>9} {'eff%':>6} {'model%':>6}")
     # weak_<variant>_<exchange> tables share weak_<variant>'s P = 1 run.
     base = rows.get((s, 1)) or rows.get((re.sub(r"_(allgather|ring|tree)$", "", s), 1))
+    model, note = model_efficiency(s, base, max(p for (n, p) in rows if n == s))
     for (name, p), r in sorted(rows.items()):
         if name != s:
             continue
@@ -199,6 +245,10 @@ for s in studies:
             b = base["avg"]
             bstep = b["fwd_ms"] + (b["bwd_ms"] or 0)
             eff = f"{100 * bstep / step:6.1f}" if s.startswith("weak") else f"{100 * bstep / (p * step):6.1f}"
-        print(f"  {p:>3} {a['fwd_ms']:9.3f} {(a['bwd_ms'] or 0):9.3f} {step:9.3f} {a['exchange_ms']:8.3f} {xb:12d} {hid:8.1f} {a['tokens_per_s']/1e6:9.2f} {eff:>6}")
+        pred = f"{model[p]:6.1f}" if p in model else "-"
+        print(f"  {p:>3} {a['fwd_ms']:9.3f} {(a['bwd_ms'] or 0):9.3f} {step:9.3f} {a['exchange_ms']:8.3f} {xb:12d} {hid:8.1f} {a['tokens_per_s']/1e6:9.2f} {eff:>6} {pred:>6}")
+    if note:
+        print(note)
+sys.exit(1 if failed else 0)
 PY
 exit $status

@@ -24,7 +24,7 @@ printf '#!/bin/sh\necho "GPU 0: stub (UUID: 0)"\necho "GPU 1: stub (UUID: 1)"\n'
 chmod +x "$WORK/bin/nvidia-smi"
 
 run_script() {  # run_script LOG: the script into $WORK/out
-  PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" ITERS=2 \
+  PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" ITERS=2 MODEL_BIN= \
     VARIANTS=kda EXCHANGES="auto ring" TOKENS_PER_GPU=256 STRONG_TOKENS=512 HEADS=2 DIM=16 \
     LACT_TOKENS=64 LACT_HEADS=2 LACT_DIM=8 LACT_HIDDEN=16 RUN_TIMEOUT=120 \
     bash "$SCRIPT" "$WORK/out" >"$1" 2>&1
@@ -36,8 +36,10 @@ run_script "$WORK/log"
 grep -q "multi-gpu: 2 GPU(s)" "$WORK/log" || fail "the stub's GPUs were not counted"
 ! grep -q "failed" "$WORK/log" || fail "a run failed"
 
-# Each study's table: its P rows, each with 9 columns (weak_kda_ring has no
-# P = 1 row of its own: it shares weak_kda's).
+# Each study's table: its P rows, each with 10 columns (weak_kda_ring has no
+# P = 1 row of its own: it shares weak_kda's). The last, the scaling model's
+# efficiency, is a number on the weak studies' P = 2 rows where the build has
+# statescan-bench (CUDA builds), else "-".
 table() {
   awk -v s="# $1:" '/^# [a-z_]+:/ { on = index($0, s) == 1; next } /^#/ { next } on && NF' \
     "$WORK/out/summary.txt"
@@ -51,8 +53,15 @@ for study in weak_kda weak_kda_ring strong_kda lact; do
   [[ "$got" == "$want" ]] || fail "$study: rows for P = '$got', expected '$want'"
   # P = 2: bytes exchanged and an efficiency, both positive numbers.
   awk -v s="$study" '$1 == 2 {
-      if (NF != 9 || $6 + 0 <= 0 || $9 + 0 <= 0) { print s ": P = 2 row lacks exchange bytes or efficiency: " $0; exit 1 }
+      if (NF != 10 || $6 + 0 <= 0 || $9 + 0 <= 0) { print s ": P = 2 row lacks exchange bytes or efficiency: " $0; exit 1 }
     }' <<<"$rows" || exit 1
+  model=$(awk '$1 == 2 { print $10 }' <<<"$rows")
+  if [[ $study == weak_* && -x "$BUILD/launch/statescan-bench" ]]; then
+    awk -v m="$model" 'BEGIN { exit !(m ~ /^[0-9.]+$/ && m > 0 && m <= 100) }' ||
+      fail "$study: P = 2 model efficiency '$model', expected a percentage"
+  else
+    [[ "$model" == "-" ]] || fail "$study: P = 2 model column '$model', expected '-'"
+  fi
 done
 # The same OUTDIR again, holding a row this run does not make (a P = 4 one,
 # as a larger node's run would have left): the tables are this run's alone.
@@ -67,7 +76,7 @@ got=$(table weak_kda | awk '{ printf "%s%s", (NR > 1 ? " " : ""), $1 }')
 mkdir -p "$WORK/carried"
 ln -s "$BUILD/launch/statescan-run" "$WORK/carried/statescan-run"
 carried() {  # carried BIN_DIR LOG: the weak study alone, into $WORK/out3
-  PATH="$WORK/bin:$PATH" DEVICE=cpu BIN_DIR="$1" BUILD_DIR="$WORK/no-build" ITERS=2 \
+  PATH="$WORK/bin:$PATH" DEVICE=cpu BIN_DIR="$1" BUILD_DIR="$WORK/no-build" ITERS=2 MODEL_BIN= \
     VARIANTS=kda STUDIES=weak TOKENS_PER_GPU=256 HEADS=2 DIM=16 RUN_TIMEOUT=120 \
     bash "$SCRIPT" "$WORK/out3" >"$2" 2>&1
 }
@@ -82,8 +91,21 @@ done
 got=$(awk '/^# [a-z_]+:/ { on = index($0, "# weak_kda:") == 1; next } /^#/ { next } on && NF { printf "%s%s", (n++ ? " " : ""), $1 }' \
   "$WORK/out3/summary.txt")
 [[ "$got" == "1 2" ]] || fail "BIN_DIR: weak_kda rows for P = '$got', expected '1 2'"
+# No statescan-bench there: the model's command line for another machine.
+grep -q "^#   model: no statescan-bench here; on any machine: statescan-bench --cp-model --variant kda --seq-len 256 " \
+  "$WORK/out3/summary.txt" || fail "BIN_DIR: no model command line in the summary"
 # A folder without statescan-run is refused before any run.
 mkdir -p "$WORK/empty"
 carried "$WORK/empty" "$WORK/log4" && fail "BIN_DIR without statescan-run: exit 0"
 grep -q "multi-gpu: no statescan-run in BIN_DIR" "$WORK/log4" || { cat "$WORK/log4"; fail "BIN_DIR without statescan-run: no message"; }
+# A model that fails: the tables still print, the script fails, naming it.
+printf '#!/bin/sh\necho "stub model refused" >&2\nexit 3\n' >"$WORK/bin/bad-model"
+chmod +x "$WORK/bin/bad-model"
+PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" ITERS=2 \
+  MODEL_BIN="$WORK/bin/bad-model" VARIANTS=kda STUDIES=weak TOKENS_PER_GPU=256 HEADS=2 DIM=16 \
+  RUN_TIMEOUT=120 bash "$SCRIPT" "$WORK/out5" >"$WORK/log5" 2>&1 &&
+  { cat "$WORK/log5"; fail "a failing model: exit 0"; }
+grep -q "^#   model: .*bad-model --cp-model .* failed (3): stub model refused" "$WORK/out5/summary.txt" ||
+  { cat "$WORK/log5"; fail "a failing model: not named in the summary"; }
+grep -q "^    2 " "$WORK/out5/summary.txt" || fail "a failing model: the table's P = 2 row is gone"
 echo "multi_gpu_smoke: OK"
