@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# module_deps.sh ROOT [EXTRA_SOURCE...] — DESIGN §1's dependency direction, from
+# the sources' includes: core on nothing; kernels and comm on core; parallel on
+# core, kernels and comm; monitoring on core and parallel (the observer it
+# implements); launch on any. Exits 1 listing each include that points up or
+# sideways as FILE:LINE: MODULE includes OTHER/.
+# EXTRA_SOURCE files are checked as part of kernels/ (the ctest entry
+# module_deps_catches_an_upward_include passes one that includes comm/).
+# Why: the arrows were kept by review alone; one include of comm/ in a kernel
+# would tie the kernels to MPI and NCCL for every consumer of the library.
+set -euo pipefail
+
+(($# >= 1)) || { echo "usage: module_deps.sh ROOT [EXTRA_SOURCE...]" >&2; exit 2; }
+ROOT=$1
+shift
+declare -A allowed=(
+  [core]="core"
+  [kernels]="core kernels"
+  [comm]="core comm"
+  [parallel]="core kernels comm parallel"
+  [monitoring]="core parallel monitoring"
+  [launch]="core kernels comm parallel monitoring launch"
+)
+modules="core kernels comm parallel monitoring launch"
+
+bad=()
+checked=0
+check() {  # check MODULE FILE
+  local module=$1 file=$2 line target
+  ((++checked))
+  while IFS=: read -r line target; do
+    [[ " ${allowed[$module]} " == *" $target "* ]] ||
+      bad+=("$file:$line: $module includes $target/")
+  done < <(awk -v mods=" $modules " '
+    match($0, /^[ \t]*#[ \t]*include[ \t]*"[a-z_]+\//) {
+      s = substr($0, RSTART, RLENGTH); sub(/.*"/, "", s); sub(/\/$/, "", s)
+      if (index(mods, " " s " ")) print FNR ":" s
+    }' "$file")
+}
+for module in $modules; do
+  while IFS= read -r file; do
+    check "$module" "$file"
+  done < <(find "$ROOT/$module" -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' \
+    -o -name '*.h' \) | sort)
+done
+for file in "$@"; do
+  check kernels "$file"
+done
+if ((${#bad[@]} > 0)); then
+  printf '%s\n' "${bad[@]}"
+  echo "module_deps.sh: ${#bad[@]} include(s) against DESIGN §1's direction"
+  exit 1
+fi
+echo "module_deps.sh: $checked files keep DESIGN §1's direction"
