@@ -32,20 +32,50 @@
 #              build-carry-* folder keeps two packs apart, e.g. base and new
 #              binaries for an A/B in back-to-back calls)
 #   JOBS       parallel build jobs (default: the CPU count)
+#   SHARED=1   the project's libraries shared (BUILD_SHARED_LIBS=ON; default
+#              BUILD_DIR /tmp/statescan-carry-build-shared), each packed once
+#              beside the binaries that link it. Why: every static test binary
+#              holds the kernels' ~100 MB of device code, so test_cuda_cp and
+#              test_cuda_backward (66.5 MB packed) did not fit one call's
+#              64 MiB with the working tree; shared, the suites are small and the
+#              kernels travel once.
+# A binary that links a library of the build tree (a shared build) finds it
+# beside itself once unpacked: the build must put $ORIGIN in its run paths
+# (configured here on first use; a BUILD_DIR without it is refused).
 set -euo pipefail
 
 (($# > 0)) || { echo "usage: scripts/carry-build.sh TARGET..." >&2; exit 2; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-BUILD=${BUILD_DIR:-/tmp/statescan-carry-build}
+shared=OFF
+case "${SHARED:-0}" in
+  0) ;;
+  1) shared=ON ;;
+  *) echo "carry-build: SHARED must be 0 or 1, not '$SHARED'" >&2; exit 2 ;;
+esac
+BUILD=${BUILD_DIR:-/tmp/statescan-carry-build$([[ $shared == ON ]] && echo -shared)}
 CARRY=${CARRY_DIR:-$ROOT/build-carry}
 LIMIT=$((64 * 1024 * 1024))
 
 if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
+  # shellcheck disable=SC2016  # $ORIGIN is for the dynamic loader, not bash
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_MPI=OFF -DSTATESCAN_WITH_PROMETHEUS=OFF \
-    -DSTATESCAN_WITH_TESTS=ON
+    -DSTATESCAN_WITH_TESTS=ON -DBUILD_SHARED_LIBS=$shared '-DCMAKE_BUILD_RPATH=$ORIGIN'
+elif [[ $shared == ON ]] && ! grep -qiE '^BUILD_SHARED_LIBS:[A-Z]*=(ON|1|TRUE|YES|Y)$' "$BUILD/CMakeCache.txt"; then
+  echo "carry-build: SHARED=1, but $BUILD builds static libraries: give a BUILD_DIR" \
+    "configured with -DBUILD_SHARED_LIBS=ON, or none (a fresh one is made)" >&2
+  exit 1
 fi
 cmake --build "$BUILD" --target "$@" -j "${JOBS:-$(nproc)}"
+build_real=$(realpath "$BUILD")
+# The libraries of the build tree that FILE links, directly or not.
+tree_libs() {
+  ldd "$1" 2>/dev/null | awk -v b="$build_real/" 'index($3, b) == 1 { print $3 }'
+}
+# Has FILE a run path with $ORIGIN (its folder) in it?
+origin_runpath() {
+  readelf -d "$1" 2>/dev/null | grep -E '\((RUNPATH|RPATH)\)' | grep -qF '$ORIGIN'
+}
 
 rm -rf "$CARRY"
 mkdir -p "$CARRY"
@@ -69,6 +99,22 @@ for target in "$@"; do
   # test_cuda_lact -> 15.0, gzip 18.5).
   strip -o "$CARRY/$target" "$bin"
   xz -9 -T0 "$CARRY/$target"
+  # The build tree's own libraries it links (a shared build), once a pack.
+  # ldd lists the indirect ones too (libstatescan_kernels.so's libstatescan_core.so).
+  libs=$(tree_libs "$bin")
+  for f in "$bin" $libs; do
+    [[ -z $(tree_libs "$f") ]] || origin_runpath "$f" || {
+      echo "carry-build: $f links libraries of $BUILD but has no \$ORIGIN run path, so it" \
+        "would not find them unpacked: configure $BUILD with -DCMAKE_BUILD_RPATH='\$ORIGIN'" >&2
+      exit 1
+    }
+  done
+  for lib in $libs; do
+    name=$(basename "$lib")
+    [[ -e "$CARRY/$name.xz" ]] && continue
+    strip -o "$CARRY/$name" "$lib"
+    xz -9 -T0 "$CARRY/$name"
+  done
 done
 # The revision the binaries were built from (a stale pack is easy to carry).
 # Outside a git work tree "unknown" (rev-parse fails; the diff alone would

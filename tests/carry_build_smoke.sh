@@ -15,8 +15,15 @@
 #     copy from the same pack as it is and rewrites one from another;
 #   - it refuses a binary linked against prometheus-cpp (where this build
 #     links statescan-run against it).
+# carry_build_smoke.sh SCRIPT BUILD_DIR shared: SHARED=1 instead, on a small
+# shared build of its own (CPU only: test_core and libstatescan_core.so):
+#   - a build without $ORIGIN in its run paths is refused, naming the fix;
+#   - with it, the library is packed beside test_core, which runs unpacked
+#     with the build tree's copy of the library gone;
+#   - SHARED=1 on a static BUILD_DIR (BUILD_DIR's) is refused; SHARED=2 is a
+#     usage error.
 set -euo pipefail
-script=$1 build=$2
+script=$1 build=$2 mode=${3:-static}
 out=$(mktemp -d)
 # The packs' folder names are unique: unpack.sh writes to /tmp/carry/<name>.
 pack=$out/smoke-pack-$$ moved=$out/smoke-moved-$$
@@ -25,6 +32,46 @@ fail() {
   echo "carry-build smoke: $*"
   exit 1
 }
+
+if [[ $mode == shared ]]; then
+  root=$(cd "$(dirname "$script")/.." && pwd)
+  lib=$out/shared/core/libstatescan_core.so
+  # shellcheck disable=SC2016  # $ORIGIN is for the dynamic loader
+  configure() {  # configure BUILD_RPATH
+    cmake -S "$root" -B "$out/shared" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+      -DSTATESCAN_WITH_CUDA=OFF -DSTATESCAN_WITH_MPI=OFF -DSTATESCAN_WITH_NCCL=OFF \
+      -DSTATESCAN_WITH_PROMETHEUS=OFF -DSTATESCAN_WITH_TESTS=ON "-DCMAKE_BUILD_RPATH=$1" \
+      >"$out/configure.log" 2>&1 || { cat "$out/configure.log"; fail "configure failed"; }
+  }
+  configure ""
+  SHARED=1 CARRY_DIR=$pack BUILD_DIR=$out/shared JOBS=2 bash "$script" test_core \
+    >"$out/norpath.log" 2>&1 && { cat "$out/norpath.log"; fail "packed a shared build without \$ORIGIN"; }
+  grep -q 'has no \$ORIGIN run path.*-DCMAKE_BUILD_RPATH=' "$out/norpath.log" ||
+    { cat "$out/norpath.log"; fail "the \$ORIGIN refusal does not say why"; }
+  configure '$ORIGIN'
+  SHARED=1 CARRY_DIR=$pack BUILD_DIR=$out/shared JOBS=2 bash "$script" test_core \
+    >"$out/pack.log" 2>&1 || { cat "$out/pack.log"; fail "packing a shared test_core failed"; }
+  [[ -s "$pack/libstatescan_core.so.xz" && -s "$pack/test_core.xz" ]] ||
+    { ls -la "$pack"; fail "the shared pack lacks test_core or libstatescan_core.so"; }
+  [[ -f "$lib" ]] || fail "no $lib: is the build shared?"
+  rm "$lib"  # from here the unpacked test_core can find only the unpacked library
+  carried=$(bash "$pack/unpack.sh" 2>/dev/null)
+  "$carried/test_core" --gtest_brief=1 >"$out/run.log" 2>&1 ||
+    { cat "$out/run.log"; fail "the unpacked test_core did not run beside its library"; }
+  bash "$pack/entries.sh" '^test_core$' >"$out/entries.log" 2>&1 ||
+    { cat "$out/entries.log"; fail "test_core's entry failed in the shared pack"; }
+  if ! grep -qiE '^BUILD_SHARED_LIBS:[A-Z]*=(ON|1|TRUE|YES|Y)$' "$build/CMakeCache.txt"; then
+    SHARED=1 CARRY_DIR=$out/static BUILD_DIR=$build bash "$script" test_core >"$out/static.log" 2>&1 &&
+      fail "SHARED=1 packed from a static build"
+    grep -q "builds static libraries" "$out/static.log" || { cat "$out/static.log"; fail "no reason given"; }
+  fi
+  rc=0
+  SHARED=2 bash "$script" test_core >"$out/usage.log" 2>&1 || rc=$?
+  ((rc == 2)) && grep -q "SHARED must be 0 or 1" "$out/usage.log" ||
+    { cat "$out/usage.log"; fail "SHARED=2: exit $rc"; }
+  echo "carry-build smoke: ok (shared)"
+  exit 0
+fi
 
 targets=(test_core)
 mpi=0
