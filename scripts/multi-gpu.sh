@@ -40,9 +40,11 @@
 #               several times, spends none of them building. It needs
 #               statescan-run for the studies; a suite that is not there is
 #               named and left out (SKIP_TESTS=1 runs none). No build.
-#               Packed, statescan-run, test_comm_nccl and test_cuda_lact_mpi take
-#               49 MB of carry's 64 MiB; test_cuda_cp_mpi (33 MB) goes in a call
-#               of its own (2026-12-07).
+#               Packed static, statescan-run, test_comm_nccl and
+#               test_cuda_lact_mpi take 49 MB of carry's 64 MiB and
+#               test_cuda_cp_mpi (33 MB) needs a call of its own; with
+#               carry-build's SHARED=1 all four and statescan-bench take ~36 MB
+#               (2026-12-07).
 set -uo pipefail
 
 OUT=${1:?usage: scripts/multi-gpu.sh OUTDIR}
