@@ -52,7 +52,9 @@ case "${SHARED:-0}" in
   1) shared=ON ;;
   *) echo "carry-build: SHARED must be 0 or 1, not '$SHARED'" >&2; exit 2 ;;
 esac
-BUILD=${BUILD_DIR:-/tmp/statescan-carry-build$([[ $shared == ON ]] && echo -shared)}
+default_build=/tmp/statescan-carry-build
+[[ $shared == OFF ]] || default_build+=-shared
+BUILD=${BUILD_DIR:-$default_build}
 CARRY=${CARRY_DIR:-$ROOT/build-carry}
 LIMIT=$((64 * 1024 * 1024))
 
@@ -68,20 +70,30 @@ elif [[ $shared == ON ]] && ! grep -qiE '^BUILD_SHARED_LIBS:[A-Z]*=(ON|1|TRUE|YE
 fi
 cmake --build "$BUILD" --target "$@" -j "${JOBS:-$(nproc)}"
 build_real=$(realpath "$BUILD")
-# The libraries of the build tree that FILE links, directly or not.
+# The libraries of the build tree that FILE links, directly or not, one a
+# line. ldd prints each path as the run path spells it (a symlinked BUILD_DIR,
+# a space in it): resolved before comparing.
 tree_libs() {
-  ldd "$1" 2>/dev/null | awk -v b="$build_real/" 'index($3, b) == 1 { print $3 }'
+  local path
+  ldd "$1" 2>/dev/null | sed -n 's/^[[:space:]]*[^[:space:]]* => \(.*\) (0x[0-9a-f]*)$/\1/p' |
+    while IFS= read -r path; do
+      path=$(realpath "$path")
+      [[ $path == "$build_real"/* ]] && printf '%s\n' "$path"
+    done
+  return 0
 }
-# Has FILE a run path with $ORIGIN (its folder) in it?
+# Has FILE a run path whose entry is exactly $ORIGIN (the pack is flat:
+# $ORIGIN/../lib would not find what sits beside it)?
 origin_runpath() {
-  readelf -d "$1" 2>/dev/null | grep -E '\((RUNPATH|RPATH)\)' | grep -qF '$ORIGIN'
+  readelf -d "$1" 2>/dev/null | sed -n 's/.*(\(RUNPATH\|RPATH\)).*\[\(.*\)\]$/\2/p' |
+    tr ':' '\n' | grep -qxF '$ORIGIN'
 }
 
 rm -rf "$CARRY"
 mkdir -p "$CARRY"
 bins=()  # the packed binaries' paths in the build tree (entries.sh below)
 for target in "$@"; do
-  bin=$(find "$BUILD" -type f -name "$target" -perm -u+x | head -1)
+  bin=$(find "$build_real" -type f -name "$target" -perm -u+x | head -1)
   bins+=("$bin")
   [[ -n "$bin" ]] || { echo "carry-build: no executable named $target in $BUILD" >&2; exit 1; }
   # The device has no prometheus-cpp (its own builds turn the exporter off):
@@ -101,15 +113,25 @@ for target in "$@"; do
   xz -9 -T0 "$CARRY/$target"
   # The build tree's own libraries it links (a shared build), once a pack.
   # ldd lists the indirect ones too (libstatescan_kernels.so's libstatescan_core.so).
-  libs=$(tree_libs "$bin")
-  for f in "$bin" $libs; do
+  mapfile -t libs < <(tree_libs "$bin")
+  # Every project library it needs must come from this build (not found, or
+  # an installed copy, would be missing from the pack on the device).
+  needed=$(ldd "$bin" 2>/dev/null | grep -E '^[[:space:]]*libstatescan' || true)
+  in_tree=0
+  for lib in ${libs[@]+"${libs[@]}"}; do [[ $(basename "$lib") == libstatescan* ]] && in_tree=$((in_tree + 1)); done
+  if [[ -n $needed ]] && (($(wc -l <<<"$needed") != in_tree)); then
+    echo "carry-build: $target needs project libraries that are not this build's ($BUILD):" >&2
+    echo "$needed" >&2
+    exit 1
+  fi
+  for f in "$bin" ${libs[@]+"${libs[@]}"}; do
     [[ -z $(tree_libs "$f") ]] || origin_runpath "$f" || {
       echo "carry-build: $f links libraries of $BUILD but has no \$ORIGIN run path, so it" \
         "would not find them unpacked: configure $BUILD with -DCMAKE_BUILD_RPATH='\$ORIGIN'" >&2
       exit 1
     }
   done
-  for lib in $libs; do
+  for lib in ${libs[@]+"${libs[@]}"}; do
     name=$(basename "$lib")
     [[ -e "$CARRY/$name.xz" ]] && continue
     strip -o "$CARRY/$name" "$lib"

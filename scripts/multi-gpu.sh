@@ -80,6 +80,9 @@ echo "multi-gpu: $NGPU GPU(s)"
 studies=" ${STUDIES:-weak strong lact} "
 if [[ -n "${BIN_DIR:-}" ]]; then
   [[ -d "$BIN_DIR" ]] || { echo "multi-gpu: BIN_DIR $BIN_DIR is not a folder"; exit 1; }
+  # Carried binaries link the CUDA runtime dynamically (carry-build.sh), as
+  # the pack's entries.sh says too.
+  export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   # Every study (and the profile) runs statescan-run: refuse now, not one
   # failed row at a time.
   if [[ -n "${studies// /}" || "${PROFILE_LACT:-0}" != 0 ]] && [[ ! -x "$RUN_BIN" ]]; then
@@ -179,6 +182,10 @@ if [[ -z "${MODEL_BIN:-}" ]]; then
   for c in "${BIN_DIR:+$BIN_DIR/statescan-bench}" "$BUILD/launch/statescan-bench"; do
     [[ -n "$c" && -x "$c" ]] && { MODEL_BIN=$c; break; }
   done
+elif [[ ! -x "$MODEL_BIN" ]]; then
+  echo "multi-gpu: MODEL_BIN $MODEL_BIN is not an executable"
+  MODEL_BIN=  # the tables print the model's command line instead
+  status=1
 fi
 MODEL_BIN=${MODEL_BIN:-} TOKENS_PER_GPU=$TOKENS_PER_GPU HEADS=$HEADS DIM=$DIM \
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt" || status=1
@@ -202,24 +209,32 @@ def model_efficiency(study, base, p_max):
     m = re.match(r"weak_(.+?)(?:_(allgather|ring|tree))?$", study)
     if not m or not base or p_max < 2:
         return {}, None
-    variant, exchange = m.group(1), m.group(2)
+    variant = m.group(1)
     b = base["avg"]
+    if not b.get("fwd_ms") or not b.get("bwd_ms"):
+        return {}, "#   model: none (the P = 1 run has no forward + backward time to feed it)"
     cmd = ["--cp-model", "--variant", variant, "--seq-len", os.environ["TOKENS_PER_GPU"],
            "-H", os.environ["HEADS"], "-d", os.environ["DIM"], "--dtype", "bf16", "-P", str(p_max),
-           "--fwd-ms", f"{b['fwd_ms']:.4f}", "--bwd-ms", f"{(b['bwd_ms'] or 0):.4f}"]
+           "--fwd-ms", f"{b['fwd_ms']:.6g}", "--bwd-ms", f"{b['bwd_ms']:.6g}"]
     if not model_bin:
         return {}, f"#   model: no statescan-bench here; on any machine: statescan-bench {' '.join(cmd)}"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.json")
-        r = subprocess.run([model_bin, *cmd, "--json", path], capture_output=True, text=True)
-        if r.returncode != 0 or not os.path.exists(path):
+        try:
+            r = subprocess.run([model_bin, *cmd, "--json", path], capture_output=True, text=True)
+            why = None if r.returncode == 0 and os.path.exists(path) else \
+                f"failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-300:]}"
+        except OSError as e:
+            why = f"failed: {e}"
+        if why:
             failed.append(study)  # the tables go on; the script fails at the end
-            return {}, (f"#   model: {model_bin} {' '.join(cmd)} failed ({r.returncode}): "
-                        f"{(r.stderr or r.stdout).strip()[-300:]}")
+            return {}, f"#   model: {model_bin} {' '.join(cmd)} {why}"
         pred = json.load(open(path))
-    # The measured exchange's row, or the one `auto` picks.
-    return {x["P"]: 100 * x["efficiency"] for x in pred
-            if (x["exchange"] == exchange if exchange else x["auto_pick"])}, None
+    # Each P's row for the exchange that run used: `auto` resolves on the link
+    # statescan-run measured, the model's pick on its preset, so the run's own
+    # choice (config.exchange, "ring (auto; link ...)") names the row.
+    used = {p: r["config"]["exchange"].split()[0] for (n, p), r in rows.items() if n == study}
+    return {x["P"]: 100 * x["efficiency"] for x in pred if used.get(x["P"]) == x["exchange"]}, None
 
 
 for s in studies:

@@ -54,6 +54,11 @@ if [[ $mode == shared ]]; then
   [[ -s "$pack/libstatescan_core.so.xz" && -s "$pack/test_core.xz" ]] ||
     { ls -la "$pack"; fail "the shared pack lacks test_core or libstatescan_core.so"; }
   [[ -f "$lib" ]] || fail "no $lib: is the build shared?"
+  # Through a symlink to the build (ldd then spells the library's path so).
+  ln -s "$out/shared" "$out/shared-link"
+  SHARED=1 CARRY_DIR=$out/linked BUILD_DIR=$out/shared-link JOBS=2 bash "$script" test_core \
+    >"$out/linked.log" 2>&1 || { cat "$out/linked.log"; fail "packing through a symlinked BUILD_DIR failed"; }
+  [[ -s "$out/linked/libstatescan_core.so.xz" ]] || fail "a symlinked BUILD_DIR: the library was left out"
   rm "$lib"  # from here the unpacked test_core can find only the unpacked library
   carried=$(bash "$pack/unpack.sh" 2>/dev/null)
   "$carried/test_core" --gtest_brief=1 >"$out/run.log" 2>&1 ||
@@ -69,6 +74,19 @@ if [[ $mode == shared ]]; then
   SHARED=2 bash "$script" test_core >"$out/usage.log" 2>&1 || rc=$?
   ((rc == 2)) && grep -q "SHARED must be 0 or 1" "$out/usage.log" ||
     { cat "$out/usage.log"; fail "SHARED=2: exit $rc"; }
+  # No BUILD_DIR: the default folder of each mode (a stub cmake records the
+  # build it is asked for and stops the script there).
+  mkdir -p "$out/stub"
+  printf '#!/bin/sh\necho "$*" >>"%s"\ncase "$1" in --build) exit 1 ;; esac\n' "$out/cmake.args" \
+    >"$out/stub/cmake"
+  chmod +x "$out/stub/cmake"
+  for want in "0 /tmp/statescan-carry-build" "1 /tmp/statescan-carry-build-shared"; do
+    : >"$out/cmake.args"
+    env -u BUILD_DIR PATH="$out/stub:$PATH" SHARED=${want%% *} CARRY_DIR=$out/default \
+      bash "$script" test_core >"$out/default.log" 2>&1 || true
+    grep -qx -- "--build ${want#* } --target test_core -j [0-9]*" "$out/cmake.args" ||
+      { cat "$out/default.log" "$out/cmake.args"; fail "SHARED=${want%% *} without BUILD_DIR: not ${want#* }"; }
+  done
   echo "carry-build smoke: ok (shared)"
   exit 0
 fi
