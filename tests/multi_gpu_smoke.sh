@@ -108,4 +108,12 @@ PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" I
 grep -q "^#   model: .*bad-model --cp-model .* failed (3): stub model refused" "$WORK/out5/summary.txt" ||
   { cat "$WORK/log5"; fail "a failing model: not named in the summary"; }
 grep -q "^    2 " "$WORK/out5/summary.txt" || fail "a failing model: the table's P = 2 row is gone"
+# A MODEL_BIN that is not there: named, the command line printed instead, exit 1.
+PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" ITERS=2 \
+  MODEL_BIN="$WORK/no-such-bench" VARIANTS=kda STUDIES=weak TOKENS_PER_GPU=256 HEADS=2 DIM=16 \
+  RUN_TIMEOUT=120 bash "$SCRIPT" "$WORK/out6" >"$WORK/log6" 2>&1 &&
+  { cat "$WORK/log6"; fail "a missing MODEL_BIN: exit 0"; }
+grep -q "MODEL_BIN $WORK/no-such-bench is not an executable" "$WORK/log6" &&
+  grep -q "^#   model: no statescan-bench here" "$WORK/out6/summary.txt" ||
+  { cat "$WORK/log6"; fail "a missing MODEL_BIN: not named, or no command line"; }
 echo "multi_gpu_smoke: OK"
