@@ -116,14 +116,12 @@ for target in "$@"; do
   mapfile -t libs < <(tree_libs "$bin")
   # Every project library it needs must come from this build (not found, or
   # an installed copy, would be missing from the pack on the device).
-  needed=$(ldd "$bin" 2>/dev/null | grep -E '^[[:space:]]*libstatescan' || true)
-  in_tree=0
-  for lib in ${libs[@]+"${libs[@]}"}; do [[ $(basename "$lib") == libstatescan* ]] && in_tree=$((in_tree + 1)); done
-  if [[ -n $needed ]] && (($(wc -l <<<"$needed") != in_tree)); then
-    echo "carry-build: $target needs project libraries that are not this build's ($BUILD):" >&2
-    echo "$needed" >&2
+  while read -r name _ path; do
+    path=${path% (0x*}  # "PATH (0xADDRESS)", or "not found"
+    [[ $(realpath -e "$path" 2>/dev/null) == "$build_real"/* ]] && continue
+    echo "carry-build: $target needs $name from outside $BUILD ($path): not packed" >&2
     exit 1
-  fi
+  done < <(ldd "$bin" 2>/dev/null | grep -E '^[[:space:]]*libstatescan' || true)
   for f in "$bin" ${libs[@]+"${libs[@]}"}; do
     [[ -z $(tree_libs "$f") ]] || origin_runpath "$f" || {
       echo "carry-build: $f links libraries of $BUILD but has no \$ORIGIN run path, so it" \

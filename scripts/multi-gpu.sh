@@ -203,18 +203,22 @@ model_bin = os.environ.get("MODEL_BIN", "")
 failed = []
 
 
-def model_efficiency(study, base, p_max):
+def model_efficiency(study, base):
     """({P: predicted efficiency %}, a note for after the table) of a weak
     study from `statescan-bench --cp-model` fed this node's P = 1 times."""
+    # The exchange each run used, by P: `auto` resolves on the link
+    # statescan-run measured, the model's pick on its preset, so the run's own
+    # choice (config.exchange, "ring (auto; link ...)") names the model's row.
+    used = {p: r["config"]["exchange"].split()[0] for (n, p), r in rows.items() if n == study}
     m = re.match(r"weak_(.+?)(?:_(allgather|ring|tree))?$", study)
-    if not m or not base or p_max < 2:
+    if not m or not base or max(used) < 2:
         return {}, None
     variant = m.group(1)
     b = base["avg"]
     if not b.get("fwd_ms") or not b.get("bwd_ms"):
         return {}, "#   model: none (the P = 1 run has no forward + backward time to feed it)"
     cmd = ["--cp-model", "--variant", variant, "--seq-len", os.environ["TOKENS_PER_GPU"],
-           "-H", os.environ["HEADS"], "-d", os.environ["DIM"], "--dtype", "bf16", "-P", str(p_max),
+           "-H", os.environ["HEADS"], "-d", os.environ["DIM"], "--dtype", "bf16", "-P", str(max(used)),
            "--fwd-ms", f"{b['fwd_ms']:.6g}", "--bwd-ms", f"{b['bwd_ms']:.6g}"]
     if not model_bin:
         return {}, f"#   model: no statescan-bench here; on any machine: statescan-bench {' '.join(cmd)}"
@@ -230,10 +234,6 @@ def model_efficiency(study, base, p_max):
             failed.append(study)  # the tables go on; the script fails at the end
             return {}, f"#   model: {model_bin} {' '.join(cmd)} {why}"
         pred = json.load(open(path))
-    # Each P's row for the exchange that run used: `auto` resolves on the link
-    # statescan-run measured, the model's pick on its preset, so the run's own
-    # choice (config.exchange, "ring (auto; link ...)") names the row.
-    used = {p: r["config"]["exchange"].split()[0] for (n, p), r in rows.items() if n == study}
     return {x["P"]: 100 * x["efficiency"] for x in pred if used.get(x["P"]) == x["exchange"]}, None
 
 
@@ -244,7 +244,7 @@ for s in studies:
     print(f"# {'P':>3} {'fwd_ms':>9} {'bwd_ms':>9} {'step_ms':>9} {'xchg_ms':>8} {'xchg_B/rank':>12} {'hidden%':>8} {'Mtok/s':>9} {'eff%':>6} {'model%':>6}")
     # weak_<variant>_<exchange> tables share weak_<variant>'s P = 1 run.
     base = rows.get((s, 1)) or rows.get((re.sub(r"_(allgather|ring|tree)$", "", s), 1))
-    model, note = model_efficiency(s, base, max(p for (n, p) in rows if n == s))
+    model, note = model_efficiency(s, base)
     for (name, p), r in sorted(rows.items()):
         if name != s:
             continue

@@ -40,16 +40,19 @@ grep -q "multi-gpu: 2 GPU(s)" "$WORK/log" || fail "the stub's GPUs were not coun
 # P = 1 row of its own: it shares weak_kda's). The last, the scaling model's
 # efficiency, is a number on the weak studies' P = 2 rows where the build has
 # statescan-bench (CUDA builds), else "-".
-table() {
+table() {  # table STUDY [SUMMARY]: its rows (default: the first run's summary)
   awk -v s="# $1:" '/^# [a-z_]+:/ { on = index($0, s) == 1; next } /^#/ { next } on && NF' \
-    "$WORK/out/summary.txt"
+    "${2:-$WORK/out/summary.txt}"
+}
+p_list() {  # p_list STUDY [SUMMARY]: its rows' P, space-separated
+  table "$@" | awk '{ printf "%s%s", (NR > 1 ? " " : ""), $1 }'
 }
 for study in weak_kda weak_kda_ring strong_kda lact; do
   rows=$(table "$study")
   [[ -n "$rows" ]] || fail "no table for $study"
   want="1 2"
   [[ $study == weak_kda_ring ]] && want="2"
-  got=$(awk '{ printf "%s%s", (NR > 1 ? " " : ""), $1 }' <<<"$rows")
+  got=$(p_list "$study")
   [[ "$got" == "$want" ]] || fail "$study: rows for P = '$got', expected '$want'"
   # P = 2: bytes exchanged and an efficiency, both positive numbers.
   awk -v s="$study" '$1 == 2 {
@@ -67,18 +70,26 @@ done
 # as a larger node's run would have left): the tables are this run's alone.
 cp "$WORK/out/weak_kda_p2.json" "$WORK/out/weak_kda_p4.json"
 run_script "$WORK/log2"
-got=$(table weak_kda | awk '{ printf "%s%s", (NR > 1 ? " " : ""), $1 }')
+got=$(p_list weak_kda)
 [[ "$got" == "1 2" ]] || fail "a reused OUTDIR: weak_kda rows for P = '$got', expected '1 2'"
+
+# The cases below run the weak study alone: weak OUTDIR LOG [VAR=VALUE...]
+# (the settings override the defaults).
+weak() {
+  local out=$1 log=$2
+  shift 2
+  env PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" ITERS=2 \
+    MODEL_BIN= VARIANTS=kda STUDIES=weak TOKENS_PER_GPU=256 HEADS=2 DIM=16 RUN_TIMEOUT=120 "$@" \
+    bash "$SCRIPT" "$out" >"$log" 2>&1
+}
 
 # BIN_DIR (a carried pack's folder): its statescan-run runs, nothing is built
 # (BUILD_DIR names no build and SKIP_BUILD is unset), and each suite missing
 # from the folder is named, not passed over in silence.
 mkdir -p "$WORK/carried"
 ln -s "$BUILD/launch/statescan-run" "$WORK/carried/statescan-run"
-carried() {  # carried BIN_DIR LOG: the weak study alone, into $WORK/out3
-  PATH="$WORK/bin:$PATH" DEVICE=cpu BIN_DIR="$1" BUILD_DIR="$WORK/no-build" ITERS=2 MODEL_BIN= \
-    VARIANTS=kda STUDIES=weak TOKENS_PER_GPU=256 HEADS=2 DIM=16 RUN_TIMEOUT=120 \
-    bash "$SCRIPT" "$WORK/out3" >"$2" 2>&1
+carried() {  # carried BIN_DIR LOG, into $WORK/out3
+  weak "$WORK/out3" "$2" BIN_DIR="$1" BUILD_DIR="$WORK/no-build" SKIP_BUILD=0 SKIP_TESTS=0
 }
 carried "$WORK/carried" "$WORK/log3"
 rc=$?
@@ -88,8 +99,7 @@ cat "$WORK/log3"
 for t in test_comm_nccl test_cuda_cp_mpi test_cuda_lact_mpi; do
   grep -q "multi-gpu: $t not in BIN_DIR, left out" "$WORK/log3" || fail "BIN_DIR: $t's absence not named"
 done
-got=$(awk '/^# [a-z_]+:/ { on = index($0, "# weak_kda:") == 1; next } /^#/ { next } on && NF { printf "%s%s", (n++ ? " " : ""), $1 }' \
-  "$WORK/out3/summary.txt")
+got=$(p_list weak_kda "$WORK/out3/summary.txt")
 [[ "$got" == "1 2" ]] || fail "BIN_DIR: weak_kda rows for P = '$got', expected '1 2'"
 # No statescan-bench there: the model's command line for another machine.
 grep -q "^#   model: no statescan-bench here; on any machine: statescan-bench --cp-model --variant kda --seq-len 256 " \
@@ -101,17 +111,13 @@ grep -q "multi-gpu: no statescan-run in BIN_DIR" "$WORK/log4" || { cat "$WORK/lo
 # A model that fails: the tables still print, the script fails, naming it.
 printf '#!/bin/sh\necho "stub model refused" >&2\nexit 3\n' >"$WORK/bin/bad-model"
 chmod +x "$WORK/bin/bad-model"
-PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" ITERS=2 \
-  MODEL_BIN="$WORK/bin/bad-model" VARIANTS=kda STUDIES=weak TOKENS_PER_GPU=256 HEADS=2 DIM=16 \
-  RUN_TIMEOUT=120 bash "$SCRIPT" "$WORK/out5" >"$WORK/log5" 2>&1 &&
+weak "$WORK/out5" "$WORK/log5" MODEL_BIN="$WORK/bin/bad-model" &&
   { cat "$WORK/log5"; fail "a failing model: exit 0"; }
 grep -q "^#   model: .*bad-model --cp-model .* failed (3): stub model refused" "$WORK/out5/summary.txt" ||
   { cat "$WORK/log5"; fail "a failing model: not named in the summary"; }
 grep -q "^    2 " "$WORK/out5/summary.txt" || fail "a failing model: the table's P = 2 row is gone"
 # A MODEL_BIN that is not there: named, the command line printed instead, exit 1.
-PATH="$WORK/bin:$PATH" DEVICE=cpu SKIP_BUILD=1 SKIP_TESTS=1 BUILD_DIR="$BUILD" ITERS=2 \
-  MODEL_BIN="$WORK/no-such-bench" VARIANTS=kda STUDIES=weak TOKENS_PER_GPU=256 HEADS=2 DIM=16 \
-  RUN_TIMEOUT=120 bash "$SCRIPT" "$WORK/out6" >"$WORK/log6" 2>&1 &&
+weak "$WORK/out6" "$WORK/log6" MODEL_BIN="$WORK/no-such-bench" &&
   { cat "$WORK/log6"; fail "a missing MODEL_BIN: exit 0"; }
 grep -q "MODEL_BIN $WORK/no-such-bench is not an executable" "$WORK/log6" &&
   grep -q "^#   model: no statescan-bench here" "$WORK/out6/summary.txt" ||
