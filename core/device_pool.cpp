@@ -68,43 +68,61 @@ cudaMemPool_t small_pool(State& s, int device) {
   return pool;
 }
 
-// Makes `device` current until destroyed, then restores the previous one
-// (cudaFree of a block is issued on the device that allocated it).
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) : previous_(current_device()) {
-    if (device != previous_) SS_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceScope() { (void)cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_;
-};
-
-// Frees the idle blocks of `device` (all devices when < 0). Caller holds the lock.
-void release_idle(State& s, int device) {
-  for (auto it = s.blocks.begin(); it != s.blocks.end();) {
-    Block& b = *it->second;
-    if (b.in_use || (device >= 0 && b.device != device)) {
-      ++it;
-      continue;
-    }
-    const DeviceScope scope(b.device);
-    if (b.has_event) SS_CUDA_CHECK(cudaEventSynchronize(b.freed));
-    SS_CUDA_CHECK(cudaFree(b.ptr));
-    (void)cudaEventDestroy(b.freed);  // every cached block has one
-    it = s.blocks.erase(it);
-  }
+// Takes the idle blocks of `device` (all devices when < 0) out of the cache
+// and trims the small allocations' pools. Caller holds the lock; the blocks
+// are freed by free_blocks after it lets go.
+std::vector<std::unique_ptr<Block>> take_idle(State& s, int device) {
   // The small allocations' pool keeps what was freed into it (its release
   // threshold is all of it): give that back too, or an out-of-memory after a
   // phase of many small allocations finds it still reserved. Only memory
   // whose stream-ordered free has executed goes back (no synchronisation
   // here: a stream stuck in a collective must not hang the allocator).
+  // First: should it throw, no block has left the cache yet.
   for (std::size_t d = 0; d < s.small_pools.size(); ++d)
     if (s.small_pools[d] != nullptr && (device < 0 || static_cast<int>(d) == device))
       SS_CUDA_CHECK(cudaMemPoolTrimTo(s.small_pools[d], 0));
+  std::vector<std::unique_ptr<Block>> idle;
+  for (auto it = s.blocks.begin(); it != s.blocks.end();) {
+    if (it->second->in_use || (device >= 0 && it->second->device != device)) {
+      ++it;
+      continue;
+    }
+    idle.push_back(std::move(it->second));
+    it = s.blocks.erase(it);
+  }
+  return idle;
+}
+
+// Waits for each block's last user and frees it. Called without the lock: a
+// block's last user may be a stream that waits a long time (a collective
+// waiting for a peer), and other threads' allocations and frees must go on
+// meanwhile. A failure still frees the rest, then throws the first error.
+void free_blocks(std::vector<std::unique_ptr<Block>> blocks) {
+  if (blocks.empty()) return;
+  const int previous = current_device();  // cudaFree runs on the block's own device
+  cudaError_t first = cudaSuccess;
+  for (const auto& b : blocks) {
+    cudaError_t rc = cudaSetDevice(b->device);
+    if (rc == cudaSuccess && b->has_event) rc = cudaEventSynchronize(b->freed);
+    if (rc == cudaSuccess) rc = cudaFree(b->ptr);
+    (void)cudaEventDestroy(b->freed);  // every cached block has one
+    if (first == cudaSuccess) first = rc;
+  }
+  (void)cudaSetDevice(previous);
+  SS_CUDA_CHECK(first);
+}
+
+// Gives the cache of `device` (all when < 0) back to the driver: the idle
+// blocks taken under `lock`, which is let go while they are freed and held
+// again on return.
+void release_idle(std::unique_lock<std::mutex>& lock, State& s, int device) {
+  std::vector<std::unique_ptr<Block>> idle = take_idle(s, device);
+  lock.unlock();
+  struct Relock {
+    std::unique_lock<std::mutex>& lock;
+    ~Relock() { lock.lock(); }
+  } relock{lock};
+  free_blocks(std::move(idle));
 }
 
 // Named "cuda", as every device failure is: one rank's out-of-memory is no
@@ -122,13 +140,13 @@ void* pool_alloc(std::size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return nullptr;
   State& s = state();
   const int device = current_device();
-  std::lock_guard<std::mutex> lock(s.mutex);
+  std::unique_lock<std::mutex> lock(s.mutex);
   if (bytes < kLargeBytes) {
     void* ptr = nullptr;
     cudaError_t rc = cudaMallocFromPoolAsync(&ptr, bytes, small_pool(s, device), stream);
     if (rc != cudaSuccess) {
       (void)cudaGetLastError();
-      release_idle(s, device);  // the cache may hold what the device lacks
+      release_idle(lock, s, device);  // the cache may hold what the device lacks
       rc = cudaMallocFromPoolAsync(&ptr, bytes, small_pool(s, device), stream);
       if (rc != cudaSuccess) out_of_memory(bytes, rc);
     }
@@ -150,7 +168,7 @@ void* pool_alloc(std::size_t bytes, cudaStream_t stream) {
   cudaError_t rc = cudaMalloc(&ptr, bytes);
   if (rc != cudaSuccess) {
     (void)cudaGetLastError();
-    release_idle(s, device);  // give the cache back, then try once more
+    release_idle(lock, s, device);  // give the cache back, then try once more
     rc = cudaMalloc(&ptr, bytes);
     if (rc != cudaSuccess) out_of_memory(bytes, rc);
   }
@@ -226,8 +244,10 @@ std::size_t pool_small_reserved_bytes() {
 
 void pool_release_cached() {
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  release_idle(s, -1);
+  std::unique_lock<std::mutex> lock(s.mutex);
+  std::vector<std::unique_ptr<Block>> idle = take_idle(s, -1);
+  lock.unlock();
+  free_blocks(std::move(idle));
 }
 
 }  // namespace statescan

@@ -61,7 +61,9 @@ std::size_t pool_small_reserved_bytes();
 
 // Waits for the idle cached blocks' last users and frees them (cudaFree),
 // and trims the small allocations' pool to what is still allocated (memory
-// whose stream-ordered free has not executed yet stays reserved).
+// whose stream-ordered free has not executed yet stays reserved). The waits
+// do not hold the pool: other threads allocate and free meanwhile (so does
+// pool_alloc's own release before its second try).
 void pool_release_cached();
 
 // `count` elements of T from pool_alloc, given back with pool_free on the same

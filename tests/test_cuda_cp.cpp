@@ -10,13 +10,17 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <future>
 #include <iostream>
 #include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -1422,6 +1426,53 @@ TEST_F(DevicePool, LargeBlocksAreReusedInOrderAcrossStreams) {
   EXPECT_EQ(pool_cached_bytes(), 0u);
   SS_CUDA_CHECK(cudaStreamDestroy(s1));
   SS_CUDA_CHECK(cudaStreamDestroy(s2));
+}
+
+// pool_release_cached waits for each idle block's last user without holding
+// the pool: with a block whose stream is held (a host callback standing in
+// for a collective that waits for a peer), another thread's allocations and
+// frees go on while the release waits. The held stream is let go after at
+// most 10 s whatever happens, so a release that holds the pool fails the
+// test instead of hanging it.
+void CUDART_CB wait_for_flag(void* flag) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!static_cast<std::atomic<bool>*>(flag)->load() &&
+         std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+TEST_F(DevicePool, ReleaseWaitsWithoutHoldingThePool) {
+  pool_release_cached();
+  cudaStream_t held = nullptr, other = nullptr;
+  SS_CUDA_CHECK(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking));
+  SS_CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  std::atomic<bool> go{false};
+  void* block = pool_alloc(std::size_t{32} << 20, held);
+  SS_CUDA_CHECK(cudaLaunchHostFunc(held, wait_for_flag, &go));
+  pool_free(block, held);  // idle, its last user behind the callback
+  std::atomic<bool> released{false};
+  std::thread releaser([&] {
+    pool_release_cached();
+    released = true;
+  });
+  // Give the release time to take the block and wait on it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto others = std::async(std::launch::async, [&] {
+    void* small = pool_alloc(std::size_t{1} << 12, other);
+    pool_free(small, other);
+    return pool_cached_bytes();
+  });
+  const bool went_on = others.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
+  const bool release_waited = !released.load();
+  go = true;
+  releaser.join();
+  EXPECT_TRUE(went_on) << "another thread's allocation waited for the release";
+  EXPECT_TRUE(release_waited) << "the release did not wait for the held stream";
+  EXPECT_EQ(others.get(), 0u) << "the released block is still counted as cached";
+  EXPECT_TRUE(released.load());
+  SS_CUDA_CHECK(cudaStreamSynchronize(other));
+  SS_CUDA_CHECK(cudaStreamDestroy(held));
+  SS_CUDA_CHECK(cudaStreamDestroy(other));
 }
 
 // Small allocations come from a stream-ordered pool that keeps what is freed

@@ -1,5 +1,5 @@
 // Pieces every part of the LaCT GPU layer (lact_cuda_impl.cuh) shares: the
-// cuBLAS GEMMs (one handle per thread, device and stream slot; row-major
+// cuBLAS GEMMs (blas_handle.h's handles; row-major
 // operands through cuBLAS's column-major view; split-K for the fp32-output
 // GEMMs), launch geometry, and the layer's sizes (Geo) and weight-block rows.
 #pragma once
@@ -20,6 +20,7 @@
 #include "core/device_pool.h"
 #include "core/env_knob.h"
 #include "core/error.h"
+#include "kernels/cuda/blas_handle.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/lact_cuda.h"
@@ -50,26 +51,6 @@ constexpr cudaDataType_t data_type<double>() {
   return CUDA_R_64F;
 }
 
-// ---- cuBLAS -----------------------------------------------------------------
-
-// One handle per (host thread, device, slot), created on first use and kept
-// for the life of the thread: cublasCreate costs far more than one LaCT
-// chunk. Slot 1 serves the layer's side stream (side_stream), so that the
-// two streams never share a handle's workspace.
-inline cublasHandle_t blas_handle(cudaStream_t stream, int slot = 0) {
-  int device = 0;
-  SS_CUDA_CHECK(cudaGetDevice(&device));
-  thread_local std::map<std::pair<int, int>, cublasHandle_t> handles;
-  cublasHandle_t& h = handles[{device, slot}];
-  if (h == nullptr) {
-    SS_CUBLAS_CHECK(cublasCreate(&h));
-    // Plain fp32 stays fp32: no TF32 (DESIGN §7's 1e-5 budget).
-    SS_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
-  }
-  SS_CUBLAS_CHECK(cublasSetStream(h, stream));
-  return h;
-}
-
 // The bf16 layer's second stream per (host thread, device), non-blocking (no
 // implicit order with the legacy default stream), created on first use and
 // kept: LactGpu runs there the output side of a chunk (the fused apply, the
@@ -83,6 +64,8 @@ inline cudaStream_t side_stream() {
   if (s == nullptr) SS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   return s;
 }
+
+// ---- cuBLAS -----------------------------------------------------------------
 
 // One operand of a batched row-major GEMM: pointer, element type, leading
 // dimension (row stride) and the stride between batch entries, in elements.

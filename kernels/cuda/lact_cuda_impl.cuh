@@ -52,7 +52,7 @@ class LactGpu {
       : p_(p),
         g_(make_geo(p)),
         stream_(stream),
-        blas_(blas_handle(stream)),
+        blas_(detail::blas_handle(stream, detail::BlasSlot::lact)),
         causal_(p.config.schedule == LactSchedule::apply_then_update),
         momentum_(p.config.momentum > 0),
         split_update_(!std::is_same<T, float>::value && p.config.muon_steps > 0),
@@ -632,11 +632,11 @@ class LactGpu {
     cublasHandle_t blas = nullptr;
     cudaEvent_t fork = nullptr, joined = nullptr;
     bool pending = false;  // `joined` recorded and not yet waited on by stream_
-    // The thread's side stream with handle slot 1 (blas_handle).
+    // The thread's side stream with its own cuBLAS handle (BlasSlot::lact_side).
     static Lane open() {
       Lane lane;
       lane.stream = side_stream();
-      lane.blas = blas_handle(lane.stream, 1);
+      lane.blas = detail::blas_handle(lane.stream, detail::BlasSlot::lact_side);
       SS_CUDA_CHECK(cudaEventCreateWithFlags(&lane.fork, cudaEventDisableTiming));
       SS_CUDA_CHECK(cudaEventCreateWithFlags(&lane.joined, cudaEventDisableTiming));
       return lane;

@@ -986,7 +986,7 @@ class NewtonSchulz {
         ns_cluster_launch(c, stream_);
       }
     }
-    cublasHandle_t h = blas_handle(stream_);
+    cublasHandle_t h = detail::blas_handle(stream_, detail::BlasSlot::lact);
     const int split_steps = cluster_ ? 0 : steps_;  // the cluster kernel ran them all
     for (int s = 0; s < split_steps; ++s) {
       if (iterates_.get())
@@ -1009,7 +1009,7 @@ class NewtonSchulz {
   void backward_eager(const float* P, const float* d_out, float* dP) {
     const int64_t mn = m_ * n_;
     forget_splits();
-    cublasHandle_t h = blas_handle(stream_);
+    cublasHandle_t h = detail::blas_handle(stream_, detail::BlasSlot::lact);
     // dX in X_, the next adjoint in Y_.
     ns_load_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
         d_out, static_cast<const U*>(nullptr), mats_, static_cast<int>(M_), static_cast<int>(D_),

@@ -30,6 +30,7 @@
 #include "core/device_pool.h"
 #include "core/env_knob.h"
 #include "core/side_stream.h"
+#include "kernels/cuda/blas_handle.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "kernels/cuda/forward_plan.cuh"
@@ -161,19 +162,6 @@ void piece_chunks(int64_t n, int64_t pieces, int64_t g, int64_t& first, int64_t&
   count = n * (g + 1) / pieces - first;
 }
 
-// One cuBLAS handle per host thread and device, made on first use
-// (cublasCreate is slow) and kept for the thread's life (as LaCT's): one
-// shared by threads would race on its creation and on cublasSetStream, and
-// one thread's GEMMs could land on another thread's stream.
-cublasHandle_t cublas_handle() {
-  thread_local cublasHandle_t handles[64] = {};
-  int device = 0;
-  SS_CUDA_CHECK(cudaGetDevice(&device));
-  SS_CHECK_ARG(device < 64, "device", "more than 64 devices");
-  if (handles[device] == nullptr) SS_CUBLAS_CHECK(cublasCreate(&handles[device]));
-  return handles[device];
-}
-
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
     case DType::bf16:
@@ -204,8 +192,7 @@ void summary_by_products(const MixerParams& p, const ForwardArgs& a, int64_t fir
                          const float* initial_state, float* M_out, float* E_out,
                          cudaStream_t stream) {
   const int64_t H = p.heads, D = p.dk, Dv = p.dv, C = p.chunk, D2 = D * D, DE = D * Dv;
-  cublasHandle_t handle = cublas_handle();
-  SS_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  cublasHandle_t handle = detail::blas_handle(stream, detail::BlasSlot::summary);
   // Two levels' worth of maps: level L in (m_a, e_a) or (m_b, e_b) alternately.
   const int64_t half = (count + 1) / 2;
   auto floats = [&](int64_t n) { return PoolArray<float>(static_cast<size_t>(n), stream); };
@@ -698,8 +685,7 @@ void first_segment_state_grad(const MixerParams& p, const FirstSegmentMaps& maps
                ") of ", p.seq_len);
   const int64_t Hh = p.heads, Dk = p.dk, Dv = p.dv, C = p.chunk;
   SS_CHECK_ARG(t_end - t_begin <= INT32_MAX, "t_end", "more than 2^31 - 1 tokens in one segment");
-  cublasHandle_t handle = cublas_handle();
-  SS_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  cublasHandle_t handle = detail::blas_handle(stream, detail::BlasSlot::summary);
   const size_t elem = size_of(p.dtype);
   const cudaDataType_t t = cuda_type(p.dtype);
   const float one = 1.f, zero = 0.f;
