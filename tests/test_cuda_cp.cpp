@@ -30,6 +30,7 @@
 #include "core/device_pool.h"
 #include "core/error.h"
 #include "kernels/cpu/cpu_mixer.h"
+#include "kernels/cuda/blas_handle.h"
 #include "kernels/cuda/cp_kernels.h"
 #include "kernels/cuda/cuda_mixer.h"
 #include "tests/cuda_cp_test_util.h"
@@ -1474,6 +1475,34 @@ TEST_F(DevicePool, ReleaseWaitsWithoutHoldingThePool) {
   SS_CUDA_CHECK(cudaStreamSynchronize(other));
   SS_CUDA_CHECK(cudaStreamDestroy(held));
   SS_CUDA_CHECK(cudaStreamDestroy(other));
+}
+
+// ---- the kernels' cuBLAS handles (kernels/cuda/blas_handle.h) ----------------------
+
+// One handle per thread and slot, kept: the same slot gives the same handle
+// again (on any stream), another slot or another thread another handle, so
+// that work in flight at once on two streams (the summary beside LaCT, LaCT's
+// side stream beside its caller's) never shares a workspace.
+TEST_F(DevicePool, BlasHandlesAreOnePerThreadAndSlot) {
+  using cuda::detail::blas_handle;
+  using cuda::detail::BlasSlot;
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  SS_CUDA_CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  SS_CUDA_CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  const cublasHandle_t lact = blas_handle(s1, BlasSlot::lact);
+  EXPECT_NE(lact, nullptr);
+  EXPECT_EQ(blas_handle(s2, BlasSlot::lact), lact);
+  const cublasHandle_t side = blas_handle(s2, BlasSlot::lact_side);
+  const cublasHandle_t summary = blas_handle(s1, BlasSlot::summary);
+  EXPECT_NE(side, lact);
+  EXPECT_NE(summary, lact);
+  EXPECT_NE(summary, side);
+  cublasHandle_t elsewhere = nullptr;
+  std::thread([&] { elsewhere = blas_handle(s1, BlasSlot::lact); }).join();
+  EXPECT_NE(elsewhere, nullptr);
+  EXPECT_NE(elsewhere, lact);
+  SS_CUDA_CHECK(cudaStreamDestroy(s1));
+  SS_CUDA_CHECK(cudaStreamDestroy(s2));
 }
 
 // Small allocations come from a stream-ordered pool that keeps what is freed
