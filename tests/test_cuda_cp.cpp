@@ -1497,6 +1497,10 @@ TEST_F(DevicePool, BlasHandlesAreOnePerThreadAndSlot) {
   EXPECT_NE(side, lact);
   EXPECT_NE(summary, lact);
   EXPECT_NE(summary, side);
+  const cublasHandle_t ns = blas_handle(s1, BlasSlot::newton_schulz);
+  EXPECT_NE(ns, lact);
+  EXPECT_NE(ns, side);
+  EXPECT_NE(ns, summary);
   cublasHandle_t elsewhere = nullptr;
   std::thread([&] { elsewhere = blas_handle(s1, BlasSlot::lact); }).join();
   EXPECT_NE(elsewhere, nullptr);

@@ -7,12 +7,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -362,6 +364,63 @@ TEST_P(LactCudaNewtonSchulz, ReportsThePath) {
   if (major >= 9) {
     EXPECT_EQ(cuda::lact_detail::ns_cluster_supported(m, n), cluster_shape);
   }
+}
+
+// Newton-Schulz captures its CUDA graph on a stream of its own and launches
+// it on the caller's, so a blocking caller stream (statescan's tools use
+// them) keeps the graphs while another thread uses the legacy default
+// stream: captured on the blocking stream itself, that thread's calls would
+// fail with cudaErrorStreamCaptureImplicit. A second thread queues memsets on
+// the legacy stream throughout 24 calls that alternate two outputs in runs of
+// three (each run: eager, captured, replayed); every memset must succeed,
+// graphs must have been captured, and both outputs match the reference.
+TEST(LactCudaNewtonSchulzGraphs, CaptureLeavesTheLegacyStreamUsable) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  const NsShape s{2, 128, 64};
+  const NsReference& ref = ns_reference(s);
+  DeviceTensor P(ref.P, DType::f32);
+  DeviceTensor out_a(ref.P.size(), DType::f32), out_b(ref.P.size(), DType::f32);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);  // blocking
+  DeviceTensor scratch(std::size_t{1} << 16, DType::f32);
+  std::atomic<bool> stop{false};
+  std::atomic<int> memsets{0}, failures{0};
+  std::atomic<int> first_failure{cudaSuccess};
+  std::thread legacy_user([&] {
+    while (!stop.load()) {
+      const cudaError_t rc = cudaMemsetAsync(scratch.data(), 0, std::size_t{1} << 18, nullptr);
+      if (rc != cudaSuccess) {
+        (void)cudaGetLastError();
+        int none = cudaSuccess;
+        first_failure.compare_exchange_strong(none, rc);
+        ++failures;
+      }
+      ++memsets;
+    }
+  });
+  int captured = 0;
+  {
+    cuda::lact_detail::NewtonSchulzBf16 ns(s.pairs, s.M, s.D, kNsSteps, false, NsGemms::bf16x3,
+                                           stream);
+    const float* p = static_cast<const float*>(P.data());
+    for (int run = 0; run < 8; ++run)
+      for (int i = 0; i < 3; ++i)
+        ns.forward(p, static_cast<float*>((run % 2 == 0 ? out_a : out_b).data()));
+    captured = ns.graphs_captured();
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  }
+  stop = true;
+  legacy_user.join();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(failures.load(), 0) << "of " << memsets.load()
+                                << " memsets on the legacy stream; first: "
+                                << cudaGetErrorString(
+                                       static_cast<cudaError_t>(first_failure.load()));
+  EXPECT_GT(memsets.load(), 0);
+  EXPECT_EQ(captured, 8) << "one graph a run of three calls";
+  EXPECT_LE(rel_rms(out_a.read(), ref.out), kNsTol);
+  EXPECT_LE(rel_rms(out_b.read(), ref.out), kNsTol);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 std::string ns_param_name(const ::testing::TestParamInfo<NsParam>& info) {

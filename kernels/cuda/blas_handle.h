@@ -1,5 +1,5 @@
 // The cuBLAS handles of the CUDA kernels (the CP summary's product tree and
-// first-segment maps, the LaCT layer's GEMMs and Newton-Schulz): one per
+// first-segment maps, the LaCT layer's GEMMs, Newton-Schulz): one per
 // (host thread, device, slot), made on first use and kept for the thread's
 // life.
 //
@@ -21,16 +21,20 @@
 namespace statescan::cuda::detail {
 
 enum class BlasSlot : int {
-  lact = 0,       // the LaCT layer's caller stream, Newton-Schulz included
+  lact = 0,       // the LaCT layer's caller stream
   lact_side = 1,  // the LaCT layer's side stream (lact_detail::side_stream)
   summary = 2,    // the CP summary's GEMMs, on the mixer's streams
+  // Muon's Newton-Schulz, on its capture stream or the caller's: a handle of
+  // its own, since setting the layer's handle to the capture stream would
+  // move the layer's later GEMMs (issued through a handle taken once) there.
+  newton_schulz = 3,
 };
 
 // The calling thread's handle of `slot` on the current device, bound to
 // `stream`; plain fp32 stays fp32 (CUBLAS_DEFAULT_MATH: no TF32; the callers
 // choose the compute type per GEMM).
 inline cublasHandle_t blas_handle(cudaStream_t stream, BlasSlot slot) {
-  constexpr int kDevices = 64, kSlots = 3;
+  constexpr int kDevices = 64, kSlots = 4;
   thread_local cublasHandle_t handles[kDevices][kSlots] = {};
   int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));

@@ -173,6 +173,8 @@ class NewtonSchulzBf16 {
   NewtonSchulzBf16& operator=(const NewtonSchulzBf16&) = delete;
   void forward(const float* P, float* out);
   void backward(const float* P, const float* d_out, float* dP);
+  // CUDA graphs captured so far (none on the legacy default stream).
+  int graphs_captured() const;
 
  private:
   struct Impl;

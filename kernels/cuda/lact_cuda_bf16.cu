@@ -35,4 +35,7 @@ void NewtonSchulzBf16::forward(const float* P, float* out) {
 void NewtonSchulzBf16::backward(const float* P, const float* d_out, float* dP) {
   impl_->ns.backward(P, d_out, dP);
 }
+int NewtonSchulzBf16::graphs_captured() const {
+  return impl_->ns.captures();
+}
 }  // namespace statescan::cuda::lact_detail

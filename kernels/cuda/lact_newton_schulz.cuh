@@ -899,6 +899,10 @@ class NewtonSchulz {
     replay(bwd_, P, d_out, dP, [&] { backward_eager(P, d_out, dP); });
   }
 
+  // How many graphs replay() has captured so far (for the tests: a blocking
+  // caller stream captures too).
+  int captures() const { return captures_; }
+
  private:
   // One captured sequence: its executable graph and the pointers it baked in.
   struct Replay {
@@ -915,6 +919,15 @@ class NewtonSchulz {
   // GPU-bound and the replay changed little, 221 -> 215 ms forward; it helps
   // where chunks are small.) Any capture failure, and the legacy default
   // stream (not capturable), fall back to eager launches.
+  //
+  // The capture (and the eager first run before it, which sets cuBLAS up for
+  // that stream) runs on a stream of this object's own, non-blocking, ordered
+  // after and before the caller's by events; the graph is launched on the
+  // caller's. Why: while a blocking stream (the caller's may well be one;
+  // statescan's tools' are) is being captured, no thread may use the legacy
+  // default stream: such a call fails with cudaErrorStreamCaptureImplicit
+  // (and ends the capture), so another thread of the trainer would see an
+  // error of ours.
   template <typename F>
   void replay(Replay& r, const void* a, const void* b, const void* c, F&& enqueue) {
     const bool same = r.key[0] == a && r.key[1] == b && r.key[2] == c;
@@ -931,27 +944,40 @@ class NewtonSchulz {
     const bool first = !same || r.calls == 0;
     r.key[0] = a, r.key[1] = b, r.key[2] = c;
     ++r.calls;
-    if (!capturable || r.failed || first) {
+    if (!capturable || r.failed) {
       enqueue();
       return;
     }
+    if (!lane_.open()) {
+      r.failed = true;
+      enqueue();
+      return;
+    }
+    if (first) {  // eager on the capture stream: sets up cuBLAS there, as a capture needs
+      on_lane(enqueue);
+      return;
+    }
     cudaGraph_t graph = nullptr;
-    if (cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    if (cudaStreamBeginCapture(lane_.stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
       (void)cudaGetLastError();
       r.failed = true;
       enqueue();
       return;
     }
     bool captured = true;
+    const cudaStream_t caller = stream_;
+    stream_ = lane_.stream;  // what enqueue() launches on
     try {
       enqueue();
     } catch (...) {  // the capture must end whatever happened; eager below
       captured = false;
     }
-    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    stream_ = caller;
+    const cudaError_t end = cudaStreamEndCapture(lane_.stream, &graph);
     if (captured && end == cudaSuccess && graph != nullptr &&
         cudaGraphInstantiate(&r.exec, graph, 0) == cudaSuccess) {
       (void)cudaGraphDestroy(graph);
+      ++captures_;
       SS_CUDA_CHECK(cudaGraphLaunch(r.exec, stream_));
       return;
     }
@@ -960,6 +986,25 @@ class NewtonSchulz {
     r.exec = nullptr;
     r.failed = true;
     enqueue();  // nothing of the failed capture ran
+  }
+
+  // enqueue() on the capture stream, after the work queued on the caller's
+  // stream so far and before what is queued there next.
+  template <typename F>
+  void on_lane(F&& enqueue) {
+    SS_CUDA_CHECK(cudaEventRecord(lane_.fork, stream_));
+    SS_CUDA_CHECK(cudaStreamWaitEvent(lane_.stream, lane_.fork, 0));
+    const cudaStream_t caller = stream_;
+    stream_ = lane_.stream;
+    try {
+      enqueue();
+    } catch (...) {
+      stream_ = caller;
+      throw;
+    }
+    stream_ = caller;
+    SS_CUDA_CHECK(cudaEventRecord(lane_.join, lane_.stream));
+    SS_CUDA_CHECK(cudaStreamWaitEvent(stream_, lane_.join, 0));
   }
 
   void forward_eager(const float* P, float* out) {
@@ -986,7 +1031,7 @@ class NewtonSchulz {
         ns_cluster_launch(c, stream_);
       }
     }
-    cublasHandle_t h = detail::blas_handle(stream_, detail::BlasSlot::lact);
+    cublasHandle_t h = detail::blas_handle(stream_, detail::BlasSlot::newton_schulz);
     const int split_steps = cluster_ ? 0 : steps_;  // the cluster kernel ran them all
     for (int s = 0; s < split_steps; ++s) {
       if (iterates_.get())
@@ -1009,7 +1054,7 @@ class NewtonSchulz {
   void backward_eager(const float* P, const float* d_out, float* dP) {
     const int64_t mn = m_ * n_;
     forget_splits();
-    cublasHandle_t h = detail::blas_handle(stream_, detail::BlasSlot::lact);
+    cublasHandle_t h = detail::blas_handle(stream_, detail::BlasSlot::newton_schulz);
     // dX in X_, the next adjoint in Y_.
     ns_load_kernel<U><<<tile_grid(m_, n_), tile_block(), 0, stream_>>>(
         d_out, static_cast<const U*>(nullptr), mats_, static_cast<int>(M_), static_cast<int>(D_),
@@ -1317,6 +1362,35 @@ class NewtonSchulz {
   int64_t M_, D_, m_, n_, mats_;
   int steps_;
   cudaStream_t stream_;
+  // replay()'s capture stream (non-blocking) and the events that order its
+  // eager runs after and before the caller's stream, made on first use.
+  // Declared before the buffers: a buffer taken during a run there is given
+  // back on that stream when the buffers go, so it must outlive them.
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
+    Lane() = default;
+    Lane(const Lane&) = delete;
+    Lane& operator=(const Lane&) = delete;
+    ~Lane() { close(); }
+    bool open() {
+      if (stream != nullptr) return true;
+      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+          cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) == cudaSuccess &&
+          cudaEventCreateWithFlags(&join, cudaEventDisableTiming) == cudaSuccess)
+        return true;
+      (void)cudaGetLastError();
+      close();
+      return false;
+    }
+    void close() {
+      if (join != nullptr) (void)cudaEventDestroy(join);
+      if (fork != nullptr) (void)cudaEventDestroy(fork);
+      if (stream != nullptr) (void)cudaStreamDestroy(stream);
+      stream = nullptr, fork = join = nullptr;
+    }
+  } lane_;
+  int captures_ = 0;  // graphs instantiated (captures())
   PoolArray<U> X_, Y_, A_, Bm_, scale_, iterates_, dA_, dB_;
   // Per-slice partial sums of the Frobenius norms: [mats, kNsSlices, 2].
   PoolArray<double> sums_;
