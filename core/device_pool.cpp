@@ -245,9 +245,7 @@ std::size_t pool_small_reserved_bytes() {
 void pool_release_cached() {
   State& s = state();
   std::unique_lock<std::mutex> lock(s.mutex);
-  std::vector<std::unique_ptr<Block>> idle = take_idle(s, -1);
-  lock.unlock();
-  free_blocks(std::move(idle));
+  release_idle(lock, s, -1);
 }
 
 }  // namespace statescan

@@ -34,7 +34,8 @@ enum class BlasSlot : int {
 // `stream`; plain fp32 stays fp32 (CUBLAS_DEFAULT_MATH: no TF32; the callers
 // choose the compute type per GEMM).
 inline cublasHandle_t blas_handle(cudaStream_t stream, BlasSlot slot) {
-  constexpr int kDevices = 64, kSlots = 4;
+  constexpr int kDevices = 64;
+  constexpr int kSlots = static_cast<int>(BlasSlot::newton_schulz) + 1;  // the last slot
   thread_local cublasHandle_t handles[kDevices][kSlots] = {};
   int device = 0;
   SS_CUDA_CHECK(cudaGetDevice(&device));

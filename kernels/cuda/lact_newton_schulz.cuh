@@ -965,14 +965,11 @@ class NewtonSchulz {
       return;
     }
     bool captured = true;
-    const cudaStream_t caller = stream_;
-    stream_ = lane_.stream;  // what enqueue() launches on
     try {
-      enqueue();
+      enqueue_on(lane_.stream, enqueue);
     } catch (...) {  // the capture must end whatever happened; eager below
       captured = false;
     }
-    stream_ = caller;
     const cudaError_t end = cudaStreamEndCapture(lane_.stream, &graph);
     if (captured && end == cudaSuccess && graph != nullptr &&
         cudaGraphInstantiate(&r.exec, graph, 0) == cudaSuccess) {
@@ -994,17 +991,22 @@ class NewtonSchulz {
   void on_lane(F&& enqueue) {
     SS_CUDA_CHECK(cudaEventRecord(lane_.fork, stream_));
     SS_CUDA_CHECK(cudaStreamWaitEvent(lane_.stream, lane_.fork, 0));
-    const cudaStream_t caller = stream_;
-    stream_ = lane_.stream;
-    try {
-      enqueue();
-    } catch (...) {
-      stream_ = caller;
-      throw;
-    }
-    stream_ = caller;
+    enqueue_on(lane_.stream, enqueue);
     SS_CUDA_CHECK(cudaEventRecord(lane_.join, lane_.stream));
     SS_CUDA_CHECK(cudaStreamWaitEvent(stream_, lane_.join, 0));
+  }
+
+  // enqueue() with stream_ (what every launch of it names) pointed at
+  // `stream`, and back to the caller's whatever happens.
+  template <typename F>
+  void enqueue_on(cudaStream_t stream, F&& enqueue) {
+    struct Restore {
+      cudaStream_t& member;
+      cudaStream_t caller;
+      ~Restore() { member = caller; }
+    } restore{stream_, stream_};
+    stream_ = stream;
+    enqueue();
   }
 
   void forward_eager(const float* P, float* out) {
