@@ -856,6 +856,11 @@ __global__ void __launch_bounds__(256, 1)
   using ColM = wmma::col_major;
   constexpr bool kDelta = kRule == Rule::delta;
   constexpr bool kVector = kDecay == Decay::vector;
+  // db (the gates' gradient) exists with a gate only: without one nothing
+  // writes it first or reads it after, so the delta rule's passes that add
+  // to it skip it (they read never-written scratch before, which
+  // compute-sanitizer's initcheck reported on DeltaNet f32).
+  constexpr bool kHasDb = kDecay != Decay::none;
   static_assert(std::is_same_v<T, float>, "16-bit inputs take the intra-chunk kernels");
   constexpr int kThreads = Tr::kThreads, kWarps = Tr::kWarps, kMC = Tr::kMaxChunk;
   extern __shared__ __align__(128) float smem[];
@@ -1134,7 +1139,7 @@ __global__ void __launch_bounds__(256, 1)
       block_mm<RowM, RowM, false>(gq, Dk, sdA, C, k, Dk, C, Dk, C, true);
       block_mm<ColM, RowM, false>(gk, Dk, sdA, C, q, Dk, C, Dk, C, true);
     }
-    if constexpr (kDecay != Decay::none) {
+    if constexpr (kHasDb) {
       __syncthreads();
       for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
         const Quad x = ldq(gq + i), y = ldq(gk + i), xq = ldq(q + i), xk = ldq(k + i);
@@ -1180,7 +1185,7 @@ __global__ void __launch_bounds__(256, 1)
       for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
         const int t = i / Dk, d = i % Dk;
         const Quad tdw = ldq(TdW + i), xk = ldq(k + i);
-        Quad g = ldq(gk + i), dbq = ldq(db + i);
+        Quad g = ldq(gk + i), dbq = kHasDb ? ldq(db + i) : kZero4;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float up, down;  // down unused here
@@ -1190,7 +1195,7 @@ __global__ void __launch_bounds__(256, 1)
           dbq.v[e] += gkh * xk.v[e];
         }
         stq(gk + i, g);
-        stq(db + i, dbq);
+        if constexpr (kHasDb) stq(db + i, dbq);
       }
       __syncthreads();
       // dMm = -strict_lower(T^T tmp), into dT (its last reader was tmp above).
@@ -1225,14 +1230,14 @@ __global__ void __launch_bounds__(256, 1)
       __syncthreads();
       for (int i = 4 * tid; i < C * Dk; i += 4 * kThreads) {
         const Quad kh = ldq(dW + i), kt = ldq(TdW + i), xk = ldq(k + i);
-        Quad g = ldq(gk + i), dbq = ldq(db + i);
+        Quad g = ldq(gk + i), dbq = kHasDb ? ldq(db + i) : kZero4;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           g.v[e] += kh.v[e] + kt.v[e];
           dbq.v[e] += (kh.v[e] - kt.v[e]) * xk.v[e];
         }
         stq(gk + i, g);
-        stq(db + i, dbq);
+        if constexpr (kHasDb) stq(db + i, dbq);
       }
       __syncthreads();
     } else {
@@ -1243,7 +1248,7 @@ __global__ void __launch_bounds__(256, 1)
     }
 
     // ---- gate gradients: b_{L-1} collects the K_ column sums and dgamma ----
-    if constexpr (kDecay != Decay::none) {
+    if constexpr (kHasDb) {
       if (tid < Dk) {
         const float gamma = __expf(gate_b(C - 1, tid));
         db[(L - 1) * Dk + tid] += sColsum[tid] + sDgamma[tid] * gamma;
