@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <ostream>
 #include <random>
@@ -235,8 +236,9 @@ LactResult<T> run_lact_kernel(const LactProblem& pr, const LactConfig& cfg, bool
 // group of `ranks`), outputs poisoned with NaN first so that unwritten
 // elements show. o, dq, ... are local slices; dw0..2 are full. The outputs
 // live in `*out` when given (so a caller can inspect them after a throw).
-inline LactResult<float> run_lact_layer(LactLayer& layer, const LactProblem& pr, int ranks,
-                                        int rank, LactResult<float>* out = nullptr) {
+inline LactResult<float> run_lact_layer(
+    LactLayer& layer, const LactProblem& pr, int ranks, int rank, LactResult<float>* out = nullptr,
+    const std::function<void(LactBackwardArgs&)>& break_backward = {}) {
   const LactSizes& s = pr.s;
   const int64_t C = layer.config().chunk, Tl = s.seq_len / ranks;
   auto local = [&](const std::vector<double>& x, int64_t inner) {
@@ -290,6 +292,7 @@ inline LactResult<float> run_lact_layer(LactLayer& layer, const LactProblem& pr,
   ba.dw0 = view(r.dw0, wide);
   ba.dw1 = view(r.dw1, narrow);
   ba.dw2 = view(r.dw2, wide);
+  if (break_backward) break_backward(ba);
   layer.backward(ba);
   return r;
 }

@@ -711,6 +711,13 @@ TEST_F(NpyTest, TruncatedHeaderThrows) {
   expect_error_naming(file, [&] { read_npy(file); });
 }
 
+TEST_F(NpyTest, NegativeInt64BeyondDoublePrecisionThrows) {
+  const std::vector<int64_t> x{-((int64_t{1} << 53) + 1)};
+  const std::string file = write_raw(
+      "small.npy", 1, "{'descr': '<i8', 'fortran_order': False, 'shape': (1,), }", raw_bytes(x));
+  expect_error_naming(file, [&] { read_npy(file); });
+}
+
 TEST_F(NpyTest, Int64BeyondDoublePrecisionThrows) {
   const std::vector<int64_t> x{(int64_t{1} << 53) + 1};
   const std::string file = write_raw(

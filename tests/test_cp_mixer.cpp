@@ -271,6 +271,24 @@ TEST_F(BadInputFixture, CuSeqlensDisagreeingWithLength) {
   expect_error("cu_seqlens");
 }
 
+// An empty sequence (two equal offsets) is refused, not skipped.
+TEST_F(BadInputFixture, CuSeqlensNotStrictlyIncreasing) {
+  std::vector<int64_t> cu{0, 5, 5, 20};
+  args.cu_seqlens = TensorView(cu.data(), DType::i64, {4});
+  expect_error("cu_seqlens");
+}
+
+// Dk above 256 is refused by the mixer's own checks, naming q.
+TEST_F(BadInputFixture, HeadDimAbove256NamesQ) {
+  const Shape wide{1, 20, 2, 257};
+  std::vector<float> big(static_cast<std::size_t>(20 * 2 * 257), 0.1f);
+  std::vector<float> kbig = big, gates(big.size(), -0.1f);
+  args.q = TensorView(big.data(), DType::f32, wide);
+  args.k = TensorView(kbig.data(), DType::f32, wide);
+  args.g = TensorView(gates.data(), DType::f32, wide);
+  expect_error("q");
+}
+
 // keep_prepared hands the forward's tiles to a backward that reads saved
 // chunk states: with recompute_chunk_states the mixer is refused at once.
 TEST(CpMixerConfig, KeepPreparedWithRecomputedStatesIsRefused) {

@@ -14,6 +14,7 @@
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
+#include "parallel/exchange.h"
 #include "parallel/observer.h"
 #include "tests/collective_error.h"
 #include "tests/cp_test_util.h"
@@ -30,7 +31,7 @@ Communicator& world() {
   return *comm;
 }
 
-enum class Layout { batch_rows, packed_on_boundary, packed_across };
+enum class Layout { batch_rows, packed_on_boundary, packed_across, packed_from_boundary };
 
 struct Case {
   Variant variant;
@@ -40,9 +41,10 @@ struct Case {
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
-  const char* l = c.layout == Layout::batch_rows           ? "rows"
-                  : c.layout == Layout::packed_on_boundary ? "packed_on_boundary"
-                                                           : "packed_across";
+  const char* l = c.layout == Layout::batch_rows             ? "rows"
+                  : c.layout == Layout::packed_on_boundary   ? "packed_on_boundary"
+                  : c.layout == Layout::packed_from_boundary ? "packed_from_boundary"
+                                                             : "packed_across";
   return std::string(to_string(c.variant)) + "_" + to_string(c.exchange) + "_" + l;
 }
 
@@ -61,7 +63,7 @@ struct CaseProblem {
   std::vector<int64_t> bounds;
 };
 
-CaseProblem make_problem(const Case& c, int P) {
+CaseProblem make_problem(const Case& c, int P, int64_t dv = 8) {
   CaseProblem cp;
   const int64_t T = 67;
   cp.bounds = shard_bounds(T, P);
@@ -70,7 +72,7 @@ CaseProblem make_problem(const Case& c, int P) {
   s.seq_len = T;
   s.heads = 2;
   s.dk = 16;
-  s.dv = 8;
+  s.dv = dv;
   s.with_h0 = true;
   s.l2norm_qk = c.variant == Variant::kda;  // exercise the in-op normalisation somewhere
   if (c.layout == Layout::batch_rows) {
@@ -79,6 +81,11 @@ CaseProblem make_problem(const Case& c, int P) {
     // A sequence ending exactly at rank 1's start, one starting there, and a
     // long one that spans every later rank boundary.
     s.cu_seqlens = {0, 3, cp.bounds[1], cp.bounds[1] + 2, T - 4, T};
+  } else if (c.layout == Layout::packed_from_boundary) {
+    // A sequence that starts exactly at rank 1's first token and runs to the
+    // end: rank 1 holds it alone, and its carry must not depend on what
+    // enters rank 1 (M = 0), which only a third rank sees.
+    s.cu_seqlens = {0, 5, cp.bounds[1], T};
   } else {
     // Sequences that cross the first rank boundary and (for P > 2) others.
     s.cu_seqlens = {0, 5, cp.bounds[1] + 1, T};
@@ -151,13 +158,66 @@ std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (Variant v : kAllVariants)
     for (Exchange e : {Exchange::allgather, Exchange::ring, Exchange::tree})
-      for (Layout l : {Layout::batch_rows, Layout::packed_on_boundary, Layout::packed_across})
+      for (Layout l : {Layout::batch_rows, Layout::packed_on_boundary, Layout::packed_across,
+                       Layout::packed_from_boundary})
         cases.push_back({v, e, l});
   return cases;
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariantsExchanges, CpInvariance, ::testing::ValuesIn(all_cases()),
                          case_name);
+
+// The ring splits the state into blocks along Dv; with Dv = 10 the blocks are
+// 3, 3, 3, 1 wide, so the last one is narrower than the rest. The result must
+// still equal a single-rank run.
+TEST(CpRingBlocks, UnevenLastBlockEqualsSingleRank) {
+  Communicator& comm = world();
+  const int P = comm.size(), r = comm.rank();
+  for (Variant v : {Variant::gla, Variant::kda}) {
+    SCOPED_TRACE(to_string(v));
+    const CaseProblem cpp = make_problem({v, Exchange::ring, Layout::batch_rows}, P, 10);
+    const ref::Problem& p = cpp.p;
+    const int64_t T = cpp.spec.seq_len, B = p.batch, H = cpp.spec.heads;
+    SingleRankCommunicator self;
+    CpMixer single(self, cpp.cfg, Exchange::ring);
+    const CpOutputs full = run_cp(single, p, 0, T, cpp.d_o, cpp.dht);
+    CpMixer cp(comm, cpp.cfg, Exchange::ring);
+    const CpOutputs mine = run_cp(cp, p, cpp.bounds[r], cpp.bounds[r + 1], cpp.d_o, cpp.dht);
+    auto local = [&](const std::vector<float>& x, int64_t inner) {
+      std::vector<double> d(x.begin(), x.end());
+      return slice_tokens(d, B, T, cpp.bounds[r], cpp.bounds[r + 1], inner);
+    };
+    EXPECT_LE(rel_rms(mine.o, local(full.o, H * 10)), kTol) << "rank " << r;
+    EXPECT_LE(rel_rms(mine.ht, full.ht), kTol) << "rank " << r;
+    EXPECT_LE(rel_rms(mine.dv, local(full.dv, H * 10)), kTol) << "rank " << r;
+    EXPECT_LE(rel_rms(mine.dh0, full.dh0), kTol) << "rank " << r;
+  }
+}
+
+// The bytes an exchange reports (the most any rank sent) are those that
+// predicted_exchange_bytes models, in both passes, for full and diagonal maps.
+TEST(CpExchangeBytes, MatchThePrediction) {
+  Communicator& comm = world();
+  const int P = comm.size(), r = comm.rank();
+  if (P == 1) GTEST_SKIP() << "one rank exchanges nothing";
+  for (Variant v : {Variant::gla, Variant::kda})
+    for (Exchange x : {Exchange::allgather, Exchange::ring, Exchange::tree}) {
+      SCOPED_TRACE(std::string(to_string(v)) + " " + to_string(x));
+      const CaseProblem cpp = make_problem({v, x, Layout::batch_rows}, P);
+      CpMixer mixer(comm, cpp.cfg, x);
+      run_cp(mixer, cpp.p, cpp.bounds[r], cpp.bounds[r + 1], cpp.d_o, cpp.dht);
+      const int64_t rows = cpp.p.batch, H = cpp.spec.heads, Dk = cpp.spec.dk, Dv = cpp.spec.dv;
+      const int64_t m_size = has_beta(v) ? Dk * Dk : Dk;
+      const int64_t state_bytes = rows * H * Dk * Dv * 4;
+      const int64_t map_bytes = rows * H * m_size * 4 + state_bytes;
+      int64_t most[2] = {mixer.last_forward_stats().exchange_bytes,
+                         mixer.last_backward_stats().exchange_bytes};
+      comm.all_reduce_max(most, 2, CommType::i64);
+      const int64_t want = predicted_exchange_bytes(x, P, map_bytes, state_bytes);
+      EXPECT_EQ(most[0], want) << "forward";
+      EXPECT_EQ(most[1], want) << "backward";
+    }
+}
 
 // MixerConfig::recompute_chunk_states: forward keeps only the incoming states
 // and backward re-runs the local scan from them, so every output and gradient

@@ -562,6 +562,31 @@ TEST(LactErrors, NanCotangentIsRejectedBeforeAnythingIsWritten) {
   }
 }
 
+// Backward's outputs are shape-checked like forward's inputs: a wrong one is
+// refused, naming it, before any gradient is written.
+TEST(LactErrors, BackwardWrongShapesNameTheArgument) {
+  const LactSizes s{1, 8, 2, 4, 6};
+  const LactProblem p = random_lact_problem(s, 4244);
+  SingleRankCommunicator self;
+  LactConfig cfg;
+  cfg.chunk = 4;
+  const std::pair<const char*, std::function<void(LactBackwardArgs&)>> cases[] = {
+      {"dq", [](LactBackwardArgs& b) { b.dq.shape[3] = 3; }},
+      {"dv", [](LactBackwardArgs& b) { b.dv.shape[3] = 3; }},
+      {"dlr0", [](LactBackwardArgs& b) { b.dlr0.shape[2] = 3; }},
+      {"dlr1", [](LactBackwardArgs& b) { b.dlr1.shape[2] = 3; }},
+      {"dlr2", [](LactBackwardArgs& b) { b.dlr2.shape[2] = 3; }},
+      {"dw1", [](LactBackwardArgs& b) { std::swap(b.dw1.shape[1], b.dw1.shape[2]); }},
+  };
+  for (const auto& [name, breakage] : cases) {
+    LactLayer layer(self, cfg);
+    LactResult<float> r;
+    EXPECT_EQ(error_argument([&] { run_lact_layer(layer, p, 1, 0, &r, breakage); }), name);
+    for (const auto* g : {&r.dq, &r.dk, &r.dv, &r.dlr0, &r.dlr1, &r.dlr2, &r.dw0, &r.dw1, &r.dw2})
+      for (float x : *g) ASSERT_TRUE(std::isnan(x)) << name << ": a gradient was written";
+  }
+}
+
 TEST(LactErrors, BackwardWithoutForwardIsRejected) {
   SingleRankCommunicator self;
   LactLayer layer(self, LactConfig{});
