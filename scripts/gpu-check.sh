@@ -40,6 +40,10 @@
 #                    DeltaNet forward+backward at 32K, the LaCT benchmark with
 #                    the automatic split-K, the delta rules' forward through
 #                    the separate output kernel)
+#   SANITIZE=1       also run the compute-sanitizer ctest entries (memcheck of
+#                    the four GPU suites, initcheck and racecheck of the
+#                    chunkwise ones: tests/CMakeLists.txt statescan_sanitize_test;
+#                    ~4 minutes on an H100) into tests_sanitize.log
 #   KEEP=0           skip the forward+backward table with the forward's prepared
 #                    tiles kept for the backward (`--backward --keep-prepared`,
 #                    BWD_ARGS' lengths)
@@ -66,7 +70,7 @@ status=0
 # A reused OUTDIR must not show an earlier run's files as this run's (a step
 # that fails or is skipped writes nothing). The FLA autotune pack stays: it
 # is the next fresh machine's start.
-rm -f "$OUT"/{build,nccl,tests,tests_bwd,tests_linear_alt,tests_opt_in,fla,ncu_source}.log \
+rm -f "$OUT"/{build,nccl,tests,tests_bwd,tests_linear_alt,tests_opt_in,tests_sanitize,fla,ncu_source}.log \
   "$OUT"/{tests,tests_bwd,bench,bench_bwd,bench_bwd_keep,bench_bwd_1m,fla}.json \
   "$OUT"/bench{,_linear_scan,_opt_in,_bwd,_bwd_keep,_bwd_1m,_bwd_1m_recompute}.log \
   "$OUT"/ncu_*.log "$OUT"/{ncu_summary,ncu_phases,summary}.txt "$OUT/ncu_source_sass.csv"
@@ -168,6 +172,17 @@ if [[ "${OPT_IN:-1}" != 0 ]]; then
     STATESCAN_LACT_SPLIT_K=0 bench --lact
     STATESCAN_FWD_OUTPUT=kernel bench -v deltanet,kda -t 32768,131072
   } >"$OUT/bench_opt_in.log" 2>&1
+fi
+
+# The GPU suites under compute-sanitizer (their ctest entries skip, 77, where
+# the sanitizer is not installed, which ctest reports as skipped).
+if [[ "${SANITIZE:-0}" == 1 ]]; then
+  cmake --build "$BUILD" --target test_cuda_backward test_cuda_cp test_cuda_lact -j16 \
+    >>"$OUT/build.log" 2>&1 &&
+    (cd "$BUILD" && timeout "$(left 420)" ctest --timeout 200 -R '_(memcheck|initcheck|racecheck)$' \
+      --output-on-failure --no-tests=error) >"$OUT/tests_sanitize.log" 2>&1 || status=1
+  grep -E "Test +#|tests passed|tests failed" "$OUT/tests_sanitize.log" | sed 's/^/sanitize: /' |
+    head -12
 fi
 
 # Backward: tests, the forward+backward table, and KDA at T = 1M with its peak memory.
