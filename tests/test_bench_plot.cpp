@@ -92,6 +92,20 @@ TEST_F(BenchPlot, DataFileHoldsEveryRowBySeries) {
   EXPECT_NE(script.find("title 'kda'"), std::string::npos);
 }
 
+// The x axis names lengths in M, K or plain tokens, each at its value.
+TEST_F(BenchPlot, AxisLabelsNameMebiAndKibiTokens) {
+  const std::vector<ThroughputPoint> points = {
+      {"kda", 1000, 1e6}, {"kda", 8192, 2e6}, {"kda", 1 << 20, 3e6}, {"kda", 3 << 20, 4e6}};
+  try {
+    plot_throughput(points, (dir_ / "tp.png").string(), "t");
+  } catch (const Error&) {
+  }
+  const std::string script = read_file(dir_ / "tp.gp");
+  EXPECT_NE(script.find("set xtics ('1000' 1000, '8K' 8192, '1M' 1048576, '3M' 3145728)"),
+            std::string::npos)
+      << script;
+}
+
 TEST_F(BenchPlot, MissingGnuplotIsAnErrorThatSaysHowToDrawLater) {
   const char* old_path = std::getenv("PATH");
   const std::string saved = old_path != nullptr ? old_path : "";

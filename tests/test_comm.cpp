@@ -242,6 +242,10 @@ TEST(SingleRank, SendRecvToSelfWithMismatchedCountsThrows) {
   SingleRankCommunicator comm;
   float a[2] = {1.f, 2.f}, b[3] = {0.f, 0.f, 0.f};
   expect_error([&] { comm.send_recv(a, 2, 0, b, 3, 0, CommType::f32, 0); }, "recv_count");
+  // More sent than the receive buffer holds: refused, nothing copied past it.
+  float c[3] = {1.f, 2.f, 3.f}, d[3] = {0.f, 0.f, 9.f};
+  expect_error([&] { comm.send_recv(c, 3, 0, d, 2, 0, CommType::f32, 0); }, "recv_count");
+  EXPECT_EQ(d[2], 9.f);
 }
 
 TEST(SingleRank, NegativeTagThrows) {
@@ -339,6 +343,25 @@ TEST(CollectiveCheckSingle, LongMessagesAreTruncatedAtACharacterBoundary) {
     const std::string kept = text.substr(0, text.size() - marker.size());
     EXPECT_EQ(static_cast<unsigned char>(kept.back()), 0xA9u);
     EXPECT_EQ(static_cast<unsigned char>(kept[kept.size() - 2]), 0xC3u);
+  }
+}
+
+// Text that exactly fills its field (the argument's holds 127 bytes) comes
+// through whole, with no truncation marker; one byte more is truncated.
+TEST(CollectiveCheckSingle, TextThatExactlyFitsIsNotTruncated) {
+  SingleRankCommunicator comm;
+  for (const std::size_t length : {std::size_t{127}, std::size_t{128}}) {
+    const std::string argument(length, 'a');
+    try {
+      collective_check(comm, [&] { SS_FAIL(argument, "bad"); });
+      ADD_FAILURE() << "collective_check did not throw";
+    } catch (const Error& e) {
+      if (length == 127) {
+        EXPECT_EQ(e.argument(), argument);
+      } else {
+        EXPECT_EQ(e.argument(), std::string(115, 'a') + " [truncated]");
+      }
+    }
   }
 }
 

@@ -301,6 +301,21 @@ TEST(CliParse, Numbers) {
   EXPECT_GT(parse_number("1e-310", "--scale"), 0.0);
 }
 
+// Tensors of up to 2^48 elements pass; one element more is refused, naming
+// the flag and the product.
+TEST(CliParse, TensorElementsUpTo2To48) {
+  check_tensor_elements({{"--seq-len", int64_t{1} << 24}, {"--heads", int64_t{1} << 24}},
+                        "--seq-len");
+  check_tensor_elements({{"-b", 1}, {"-t", int64_t{1} << 48}}, "-t");
+  expect_error_naming("-t", [] {
+    check_tensor_elements({{"-b", 1}, {"-t", (int64_t{1} << 48) + 1}}, "-t");
+  });
+  expect_error_naming("--seq-len", [] {
+    check_tensor_elements({{"--seq-len", (int64_t{1} << 24) + 1}, {"--heads", int64_t{1} << 24}},
+                          "--seq-len");
+  });
+}
+
 // ---- environment switches: documented values, else an error ----------------
 
 using test::ScopedEnv;
@@ -352,6 +367,10 @@ TEST(EnvKnob, IntegerInRangeOrFallback) {
   {
     ScopedEnv env(kKnob, "10");
     EXPECT_EQ(env_int(kKnob, 7, 1, 10), 10);
+  }
+  {
+    ScopedEnv env(kKnob, "");  // set but empty: unset, as env_choice takes it
+    EXPECT_EQ(env_int(kKnob, 7, 1, 10), 7);
   }
   for (const char* bad : {"0", "11", "-3", "4x", "x", "99999999999999999999"}) {
     ScopedEnv env(kKnob, bad);

@@ -482,6 +482,18 @@ TEST(MetricsExporterSetup, RecordsWithoutServingWhenNoPortIsGiven) {
   EXPECT_TRUE(near(metrics.snapshot().tokens_per_second, 20));
 }
 
+// A step that counts no FLOPs (0) leaves the last achieved TFLOP/s as it was,
+// in the snapshot as on the served gauge (StepWithoutFlopsKeepsTheLastTflops).
+TEST(MetricsExporterSetup, SnapshotKeepsTheLastTflopsOverAStepWithoutFlops) {
+  MetricsOptions o;
+  o.variant = "kda";
+  MetricsExporter metrics(o);
+  metrics.on_step({100, 0.5, 2e12});
+  metrics.on_step({100, 0.25, 0});
+  EXPECT_TRUE(near(metrics.snapshot().achieved_tflops, 4)) << metrics.snapshot().achieved_tflops;
+  EXPECT_TRUE(near(metrics.snapshot().tokens_per_second, 400));
+}
+
 TEST(MetricsExporterSetup, BusyPortIsRefusedNamingMetricsPort) {
   if (!MetricsExporter::serving_available()) GTEST_SKIP() << "built without Prometheus";
   MetricsOptions o;

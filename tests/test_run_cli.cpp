@@ -6,20 +6,28 @@
 // T = 45 is a multiple of neither the chunk (16) nor the rank count (3), so
 // shard boundaries fall inside chunks. LaCT (T = 48, chunk 12) splits every
 // chunk over the 3 ranks, so each rank holds 4 tokens of each of the 4 chunks.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <ostream>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -372,6 +380,31 @@ TEST(RunCli, FooterSplitsEveryRanksPassesIntoPhases) {
     ++passes;
   }
   EXPECT_EQ(passes, 2 * kRanks) << text;
+  // A row's exchange bytes are the most any rank sent (the ring's middle rank
+  // sends both ways, its ends one way): the ranks' bytes of the last step.
+  int64_t most = 0;
+  int ranks = 0;
+  for (std::size_t pos = text.find("{\"exchange_ms\": "); pos != std::string::npos;
+       pos = text.find("{\"exchange_ms\": ", pos + 1)) {
+    long long bytes = 0;
+    ASSERT_EQ(
+        std::sscanf(text.c_str() + pos, "{\"exchange_ms\": %*f, \"exchange_bytes\": %lld", &bytes),
+        1)
+        << text.substr(pos, 120);
+    most = std::max<int64_t>(most, bytes);
+    ++ranks;
+  }
+  ASSERT_EQ(ranks, kRanks) << text;
+  int rows = 0;
+  for (std::size_t pos = text.find("{\"step\": "); pos != std::string::npos;
+       pos = text.find("{\"step\": ", pos + 1)) {
+    const std::size_t at = text.find("\"exchange_bytes\": ", pos);
+    long long bytes = -1;
+    ASSERT_EQ(std::sscanf(text.c_str() + at, "\"exchange_bytes\": %lld", &bytes), 1);
+    EXPECT_EQ(bytes, most) << text.substr(pos, 200);
+    ++rows;
+  }
+  EXPECT_EQ(rows, 2) << text;
 }
 
 // JSON text is UTF-8: a --load path that is not (a byte 0xff) reaches the
@@ -414,6 +447,9 @@ TEST(RunCli, AverageThroughputIsTokensOverTime) {
     const std::size_t at = text.find("\"tokens_per_s\": ", pos);
     ASSERT_NE(at, std::string::npos);
     ASSERT_EQ(std::sscanf(text.c_str() + at, "\"tokens_per_s\": %lf", &rate), 1);
+    // Each row's rate is the step's B*T tokens over its forward + backward
+    // wall time (not the forward's alone).
+    EXPECT_NEAR(rate, 96 * 1e3 / (fwd + bwd), 1e-6 * rate) << text.substr(pos, 240);
     tokens += rate * (fwd + bwd);
     seconds += fwd + bwd;
     mean_rate += rate / 4;
@@ -431,6 +467,366 @@ TEST(RunCli, AverageThroughputIsTokensOverTime) {
       << text.substr(avg, 160);
   EXPECT_NEAR(rate, tokens / seconds, 1e-6 * rate) << "mean of the rates: " << mean_rate;
 }
+
+// The check compares the CP run with the single-rank run at the fp32 bar,
+// 1e-5, on the CPU for every --dtype (the 16-bit bar, 1e-2 and LaCT's 2e-2,
+// is the GPU's alone): the footer and the JSON say so.
+class RunCliCheckTolerance : public ::testing::TestWithParam<std::pair<std::string, std::string>> {
+};
+
+TEST_P(RunCliCheckTolerance, IsTheFp32BarOnTheCpu) {
+  const auto& [args, common] = GetParam();
+  TempDir dir;
+  const fs::path json = dir.file("run.json");
+  const RunResult r = run_cli(dir, args + " --iters 1 --warmup 0 --json " + json.string(), common);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("(tolerance 1e-05)"), std::string::npos) << r.out;
+  EXPECT_NE(slurp(json).find("\"check\": {\"tolerance\": 1e-05, \"wrong\": 0"), std::string::npos)
+      << slurp(json);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Dtypes, RunCliCheckTolerance,
+    ::testing::Values(
+        std::pair<std::string, std::string>{"--variant gla --seq-len 45 --dtype f32", "--chunk 16"},
+        std::pair<std::string, std::string>{"--variant gla --seq-len 45 --dtype bf16",
+                                            "--chunk 16"},
+        std::pair<std::string, std::string>{
+            "--variant lact --lact-chunk 12 --dk 8 --lact-hidden 16 --seq-len 48 --dtype f32", ""},
+        std::pair<std::string, std::string>{
+            "--variant lact --lact-chunk 12 --dk 8 --lact-hidden 16 --seq-len 48 --dtype bf16",
+            ""}),
+    [](const auto& info) {
+      return std::string(info.param.first.find("lact") != std::string::npos ? "lact_" : "gla_") +
+             (info.param.first.find("bf16") != std::string::npos ? "bf16" : "f32");
+    });
+
+// The check compares against the single-rank run, not the CP run against
+// itself: T = 45 over 3 ranks puts shard boundaries inside chunks, so the two
+// runs sum in different orders and some output differs in its last bits
+// (deterministic: the same inputs and one thread per rank every time).
+TEST(RunCli, CheckMeasuresTheSingleRankRunsDifference) {
+  TempDir dir;
+  const fs::path json = dir.file("run.json");
+  const RunResult r =
+      run_cli(dir, "--variant kda --seq-len 45 --exchange ring --iters 1 --warmup 0 --json " +
+                       json.string());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::string text = slurp(json);
+  const std::size_t at = text.find("\"rel_rms\": {");
+  ASSERT_NE(at, std::string::npos) << text;
+  double largest = 0;
+  int outputs = 0;
+  const std::size_t end = text.find('}', at);
+  for (std::size_t pos = text.find("\": ", at + 12); pos != std::string::npos && pos < end;
+       pos = text.find("\": ", pos + 1)) {
+    double err = -1;
+    ASSERT_EQ(std::sscanf(text.c_str() + pos, "\": %lf", &err), 1) << text.substr(pos, 80);
+    largest = std::max(largest, err);
+    ++outputs;
+  }
+  EXPECT_EQ(outputs, 7) << text;  // o ht dq dk dv dg dbeta (no h0: synthetic)
+  EXPECT_GT(largest, 0.0) << "every output equals the reference bit for bit: " << text;
+  EXPECT_LE(largest, kTolerance) << text;
+}
+
+// --seed picks the synthetic inputs: the header names it, and another seed
+// gives other outputs.
+TEST(RunCli, SeedPicksTheSyntheticInputs) {
+  TempDir dir;
+  std::vector<double> o[2];
+  for (int i = 0; i < 2; ++i) {
+    const std::string seed = std::to_string(7 + i);
+    const RunResult r =
+        run_cli(dir, "--variant gla --seq-len 45 --seed " + seed +
+                         " --iters 1 --warmup 0 --no-check --save " + dir.out().string());
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("inputs synthetic (seed " + seed + ")"), std::string::npos) << r.out;
+    o[i] = read_output(dir, "o.npy", {1, 45, 4, 64});
+  }
+  EXPECT_GT(rel_rms(o[0], o[1]), 0.1) << "--seed 7 and --seed 8 gave the same outputs";
+}
+
+// As many tokens as ranks is the smallest sequence that splits: it runs.
+TEST(RunCli, OneTokenPerRankRuns) {
+  TempDir dir;
+  const RunResult r = run_cli(dir, "--variant kda --seq-len 3 --iters 1 --warmup 0");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("shards 1,1,1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("# Wrong outputs: 0 OK"), std::string::npos) << r.out;
+}
+
+// Outputs over the tolerance fail the run with exit 1 (not 0, and not 2: the
+// arguments and inputs were valid), the footer says FAILED, and the JSON
+// counts them. A NaN let through by --no-check-finite makes every output
+// that depends on it non-finite in both runs, which the check counts as wrong.
+TEST(RunCli, OutputsOverToleranceExitOne) {
+  TempDir dir;
+  Inputs in = make_inputs(Variant::gla, {}, 21);
+  in.problem.v[(30 * kHeads + 1) * kDv + 2] = std::numeric_limits<double>::quiet_NaN();
+  write_inputs(in, dir.in());
+  const fs::path json = dir.file("run.json");
+  const RunResult r =
+      run_cli(dir, "--variant gla --no-check-finite " + io_args(dir) + " --json " + json.string());
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  const std::size_t at = r.out.find("# Wrong outputs: ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  int wrong = 0;
+  char verdict[16] = {};
+  ASSERT_EQ(std::sscanf(r.out.c_str() + at, "# Wrong outputs: %d %15s", &wrong, verdict), 2);
+  EXPECT_GT(wrong, 0) << r.out;
+  EXPECT_STREQ(verdict, "FAILED") << r.out;
+  EXPECT_NE(slurp(json).find("\"wrong\": " + std::to_string(wrong) + ", \"rel_rms\""),
+            std::string::npos)
+      << slurp(json);
+}
+
+// Every rank exits 1, not rank 0 alone (a launcher that reads each rank's
+// status, srun say, must not see a half-successful job): each rank's own exit
+// status, recorded by its shell.
+TEST(RunCli, OutputsOverToleranceExitOneOnEveryRank) {
+  TempDir dir;
+  Inputs in = make_inputs(Variant::gla, {}, 23);
+  in.problem.v[(5 * kHeads + 0) * kDv + 1] = std::numeric_limits<double>::quiet_NaN();
+  write_inputs(in, dir.in());
+  const std::string rc = dir.file("rc.rank").string();
+  const std::string command =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 STATESCAN_NUM_THREADS=1 " +
+      std::string(STATESCAN_MPIEXEC) + " -np " + std::to_string(kRanks) +
+      " --oversubscribe sh -c '\"$0\" \"$@\" 2>/dev/null; echo $? >\"" + rc +
+      "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-unknown}}\"' " + STATESCAN_RUN_PATH +
+      " --device cpu --chunk 16 --variant gla --no-check-finite " + io_args(dir) + " >/dev/null";
+  ASSERT_EQ(std::system(command.c_str()), 0) << "the ranks' shells exit 0";
+  for (int rank = 0; rank < kRanks; ++rank)
+    EXPECT_EQ(slurp(rc + std::to_string(rank)), "1\n") << "rank " << rank;
+}
+
+// ---- arguments refused, naming the flag, before anything runs --------------------------
+
+struct Refusal {
+  const char* name;
+  std::string args;    // after --device cpu
+  std::string common;  // run_cli's `common` (the mixer's --chunk, or nothing for LaCT)
+  std::string needle;  // every rank's error line contains it
+};
+
+void PrintTo(const Refusal& c, std::ostream* os) {
+  *os << c.name;
+}
+
+const std::string kLactArgs = "--variant lact --lact-chunk 12 --dk 8 --lact-hidden 16 --seq-len 48";
+const std::string kMixerChunk = "--chunk " + std::to_string(kChunk);
+
+class RunCliRefuses : public ::testing::TestWithParam<Refusal> {};
+
+TEST_P(RunCliRefuses, NamingTheFlagOnEveryRank) {
+  const Refusal& c = GetParam();
+  TempDir dir;
+  const RunResult r = run_cli(dir, c.args + " --iters 1 --warmup 0", c.common);
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, c.needle);
+  EXPECT_EQ(r.out.find("# Avg"), std::string::npos) << "ran anyway:\n" << r.out;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Flags, RunCliRefuses,
+    ::testing::Values(
+        // LaCT's momentum is in [0, 1): 1 is refused by the flag, not later by the layer.
+        Refusal{"momentum_one", kLactArgs + " --momentum 1", "",
+                "argument '--momentum': must be in [0, 1)"},
+        // Every rank needs a token: a zero in --shards is refused.
+        Refusal{"zero_shard", "--seq-len 45 --shards 0,30,15", kMixerChunk,
+                "argument '--shards': must be in [1, "},
+        Refusal{"dk_257", "--seq-len 45 --dk 257", kMixerChunk,
+                "argument '--dk': must be in [1, 256]"},
+        Refusal{"iters_zero", "--seq-len 45 --iters 0", kMixerChunk,
+                "argument '--iters': must be in [1, "},
+        Refusal{"metrics_port_zero", "--seq-len 45 --metrics-port 0", kMixerChunk,
+                "argument '--metrics-port': must be in [1, 65535]"},
+        // q, k, v share D under LaCT.
+        Refusal{"lact_dv_not_dk", kLactArgs + " --dv 16", "",
+                "argument '--dv': must equal --dk for --variant lact"},
+        Refusal{"metrics_hold_without_port", "--seq-len 45 --metrics-hold 1", kMixerChunk,
+                "argument '--metrics-hold': needs --metrics-port"},
+        Refusal{"metrics_bind_without_port", "--seq-len 45 --metrics-bind 0.0.0.0", kMixerChunk,
+                "argument '--metrics-bind': needs --metrics-port"},
+        // Checked while parsing, before the (missing) directory is looked at.
+        Refusal{"seed_with_load", "--load /nonexistent-statescan-dir --seed 3", kMixerChunk,
+                "argument '--seed': does not apply with --load"},
+        Refusal{"momentum_without_lact", "--seq-len 45 --variant kda --momentum 0.5", kMixerChunk,
+                "argument '--momentum': applies to --variant lact only"},
+        Refusal{"lact_no_check_finite", kLactArgs + " --no-check-finite", "",
+                "argument '--no-check-finite': does not apply to --variant lact"},
+        Refusal{"lact_scale", kLactArgs + " --scale 0.5", "",
+                "argument '--scale': does not apply to --variant lact"},
+        // fp32 inputs save no T on any device: refused as such, not by the
+        // CPU path's "--device cuda only" rule (whose text also says "saves no T").
+        Refusal{"no_save_t_f32", "--seq-len 45 --variant deltanet --dtype f32 --no-save-t",
+                kMixerChunk,
+                "argument '--no-save-t': applies to deltanet and gated_deltanet with --dtype bf16 "
+                "or f16 only (deltanet with f32 saves no T)"}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// ---- --metrics-port: every rank serves its own step on port + local rank ---------------
+
+// A free TCP port p on loopback with p + 1 .. p + n - 1 free too (0: none found).
+int free_port_block(int n) {
+  auto bindable = [](int port) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    socklen_t len = sizeof addr;
+    const int got = ok && ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0
+                        ? ntohs(addr.sin_port)
+                        : 0;
+    ::close(fd);
+    return got;
+  };
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    const int p = bindable(0);
+    if (p == 0 || p + n > 65535) continue;
+    bool all = true;
+    for (int i = 1; i < n && all; ++i) all = bindable(p + i) != 0;
+    if (all) return p;
+  }
+  return 0;
+}
+
+// The body of GET http://127.0.0.1:port/metrics ("" when nothing answers).
+std::string scrape_metrics(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd);
+    return "";
+  }
+  const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  if (::send(fd, request.data(), request.size(), 0) != static_cast<ssize_t>(request.size())) {
+    ::close(fd);
+    return "";
+  }
+  std::string raw;
+  char buf[4096];
+  for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;)
+    raw.append(buf, static_cast<std::size_t>(n));
+  ::close(fd);
+  const std::size_t body = raw.find("\r\n\r\n");
+  return body == std::string::npos ? "" : raw.substr(body + 4);
+}
+
+// The value of the sample `name` whose labels include every one of `labels`
+// (each as `key="value"`); NaN when there is none.
+double metric(const std::string& text, const std::string& name,
+              std::initializer_list<std::string> labels) {
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(name + "{", 0) != 0) continue;
+    const std::size_t close = line.find("} ");
+    bool match = close != std::string::npos;
+    for (const std::string& l : labels) match = match && line.find(l) < close;
+    if (match) return std::stod(line.substr(close + 2));
+  }
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+struct MetricsCase {
+  const char* name;
+  std::string args, common;
+  const char* variant;     // the variant label
+  double flops_per_token;  // the FLOP model's count of one token (all heads), fwd + bwd
+};
+
+void PrintTo(const MetricsCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class RunCliMetrics : public ::testing::TestWithParam<MetricsCase> {};
+
+// Each rank serves its own step on --metrics-port + its node-local rank: its
+// shard's tokens, forward and backward time, and the step's FLOPs (forward +
+// backward) over its time. Scraped while --metrics-hold keeps the exporters up.
+TEST_P(RunCliMetrics, EveryRankServesItsStepsOnItsOwnPort) {
+  const MetricsCase& c = GetParam();
+  const int port = free_port_block(kRanks);
+  if (port == 0) GTEST_SKIP() << "no block of " << kRanks << " free ports";
+  TempDir dir;
+  const fs::path out = dir.file("stdout.txt");
+  const std::string rank_err = dir.file("stderr.rank").string();
+  const std::string command =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 STATESCAN_NUM_THREADS=1 exec " +
+      std::string(STATESCAN_MPIEXEC) + " -np " + std::to_string(kRanks) +
+      " --oversubscribe sh -c 'exec \"$0\" \"$@\" 2>\"" + rank_err +
+      "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-unknown}}\"' " + STATESCAN_RUN_PATH + " --device cpu " +
+      c.common + " " + c.args + " --iters 2 --warmup 0 --no-check --metrics-port " +
+      std::to_string(port) + " --metrics-hold 20 >" + out.string() + " 2>" +
+      dir.file("stderr.txt").string();
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  // Rank 0 says when it holds: every rank's steps are done by then (the
+  // results' agreement is collective).
+  bool holding = false;
+  for (int i = 0; i < 600 && !holding; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    holding = slurp(rank_err + "0").find("holding the metrics exporters") != std::string::npos;
+    if (::waitpid(pid, nullptr, WNOHANG) == pid) break;
+  }
+  std::string text[kRanks];
+  if (holding)
+    for (int r = 0; r < kRanks; ++r) text[r] = scrape_metrics(port + r);
+  ::kill(pid, SIGUSR1);  // mpirun forwards it: the hold ends early
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const std::string err0 = slurp(rank_err + "0");
+  if (err0.find("built without Prometheus") != std::string::npos)
+    GTEST_SKIP() << "statescan-run was built without Prometheus";
+  ASSERT_TRUE(holding) << slurp(out) << err0 << slurp(rank_err + "1") << slurp(rank_err + "2");
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << slurp(out);
+  EXPECT_NE(err0.find("metrics on http://127.0.0.1:" + std::to_string(port) + "/metrics"),
+            std::string::npos)
+      << err0;
+  for (int r = 0; r < kRanks; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r) + " on port " + std::to_string(port + r));
+    const std::string rank = "rank=\"" + std::to_string(r) + "\"";
+    const std::string variant = std::string("variant=\"") + c.variant + "\"";
+    ASSERT_FALSE(text[r].empty());
+    // Two steps of this rank's 16 (LaCT) or 15 (T = 45) tokens.
+    const double tokens = metric(text[r], "statescan_tokens_total", {rank, variant});
+    EXPECT_EQ(tokens, std::string(c.variant) == "lact" ? 32 : 30);
+    for (const char* phase : {"fwd", "bwd"})
+      EXPECT_GT(metric(text[r], "statescan_phase_seconds_total",
+                       {rank, variant, std::string("phase=\"") + phase + "\""}),
+                0.0)
+          << phase << "\n"
+          << text[r];
+    // TFLOP/s over tokens/s of the last step: the FLOPs the model counts per token.
+    const double per_token = metric(text[r], "statescan_achieved_tflops", {rank, variant}) * 1e12 /
+                             metric(text[r], "statescan_tokens_per_second", {rank, variant});
+    EXPECT_NEAR(per_token, c.flops_per_token, 1e-6 * c.flops_per_token) << text[r];
+  }
+}
+
+// Chunkwise linear attention (monitoring/flop_model.h): per token and head,
+// forward C (Dk + Dv) + 4 Dk Dv, backward C (3 Dk + 2 Dv) + 8 Dk Dv; LaCT 64 M D.
+INSTANTIATE_TEST_SUITE_P(
+    Jobs, RunCliMetrics,
+    ::testing::Values(
+        MetricsCase{"linear", "--variant linear --seq-len 45 --heads 2 --dk 8 --dv 8", "--chunk 16",
+                    "linear", (16.0 * (8 + 8) + 4 * 64 + 16.0 * (3 * 8 + 2 * 8) + 8 * 64) * kHeads},
+        MetricsCase{"lact",
+                    "--variant lact --lact-chunk 12 --dk 8 --lact-hidden 16 --seq-len 48 "
+                    "--heads 2",
+                    "", "lact", kHeads * 64.0 * 16 * 8}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 // ---- bad input: every rank reports it, nothing is written ------------------------------
 
@@ -479,6 +875,105 @@ TEST(RunCli, WrongShapeOfVFailsOnEveryRankWithoutWriting) {
   expect_every_rank_reports(r, "v.npy'");  // argument '.../in/v.npy'
 
   EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
+}
+
+// Loaded files that do not fit the variant or each other are refused,
+// naming the file, on every rank, before anything runs or is written.
+TEST(RunCli, InconsistentInputFilesAreRefusedNamingTheFile) {
+  struct Case {
+    const char* what;
+    Variant variant;
+    std::function<void(const Inputs&, const fs::path&)> change;
+    std::string needle;
+  };
+  const Case cases[] = {
+      // A gate file for a variant without decay is refused, not ignored.
+      {"g.npy for deltanet", Variant::deltanet,
+       [](const Inputs&, const fs::path& in) {
+         write_f32(in / "g.npy", {1, kSeqLen, kHeads},
+                   std::vector<double>(static_cast<std::size_t>(kSeqLen * kHeads), -0.1));
+       },
+       "g.npy': must not be given for variant deltanet"},
+      // dht without do: there is no backward pass to take it.
+      {"dht.npy without do.npy", Variant::gla,
+       [](const Inputs&, const fs::path& in) { fs::remove(in / "do.npy"); },
+       "dht.npy': needs do.npy"},
+      // Packed sequences need B = 1: q, k, v with two batch rows.
+      {"cu_seqlens with B = 2", Variant::linear,
+       [](const Inputs& x, const fs::path& in) {
+         const ref::Problem& p = x.problem;
+         std::vector<double> q2 = p.q, k2 = p.k, v2 = p.v, do2 = x.d_o;
+         q2.insert(q2.end(), p.q.begin(), p.q.end());
+         k2.insert(k2.end(), p.k.begin(), p.k.end());
+         v2.insert(v2.end(), p.v.begin(), p.v.end());
+         do2.insert(do2.end(), x.d_o.begin(), x.d_o.end());
+         write_f32(in / "q.npy", {2, kSeqLen, kHeads, kDk}, q2);
+         write_f32(in / "k.npy", {2, kSeqLen, kHeads, kDk}, k2);
+         write_f32(in / "v.npy", {2, kSeqLen, kHeads, kDv}, v2);
+         write_f32(in / "do.npy", {2, kSeqLen, kHeads, kDv}, do2);
+       },
+       "packed sequences need B = 1"},
+  };
+  for (const Case& c : cases) {
+    TempDir dir;
+    const Inputs in = make_inputs(
+        c.variant,
+        c.variant == Variant::linear ? std::vector<int64_t>{0, 20, 45} : std::vector<int64_t>{},
+        31);
+    write_inputs(in, dir.in());
+    c.change(in, dir.in());
+    const RunResult r =
+        run_cli(dir, "--variant " + std::string(to_string(c.variant)) + " " + io_args(dir));
+    EXPECT_EQ(r.exit_code, 2) << c.what << "\n" << r.out << r.err;
+    expect_every_rank_reports(r, c.needle);
+    EXPECT_EQ(files_in(dir.out()), std::set<std::string>{}) << c.what;
+  }
+}
+
+// Under --load the files give the shape: shape flags are ignored, and rank 0
+// says which (once), rather than running a shape the user did not ask for
+// without a word.
+TEST(RunCli, ShapeFlagsIgnoredUnderLoadAreNamed) {
+  TempDir dir;
+  write_inputs(make_inputs(Variant::gla, {}, 35), dir.in());
+  const RunResult r =
+      run_cli(dir, "--variant gla --seq-len 4096 --heads 9 " + io_args(dir) + " --no-check");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.rank_err[0].find("statescan-run: note: --seq-len, --heads ignored with --load"),
+            std::string::npos)
+      << r.rank_err[0];
+  EXPECT_NE(r.out.find("T 45"), std::string::npos) << r.out;
+}
+
+// --shards must sum to T exactly: more tokens than the sequence has is
+// refused as fewer are.
+TEST(RunCli, ShardsSummingPastTIsRefused) {
+  TempDir dir;
+  const RunResult r = run_cli(dir, "--seq-len 45 --shards 15,15,16 --iters 1 --warmup 0");
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r,
+                            "argument '--shards': lengths sum to 46 but the sequence has T = 45");
+}
+
+// --dtype rounds the token inputs only: the initial state stays fp32 (as the
+// gates do), so bf16-representable q, k, v, do with an fp32 h0 give the fp64
+// reference's outputs on that h0.
+TEST(RunCli, InitialStateStaysFp32UnderBf16) {
+  TempDir dir;
+  Inputs in = make_inputs(Variant::retention, {}, 33);
+  const auto bf16 = [](std::vector<double> x) {
+    for (double& v : x) v = round_to(DType::bf16, static_cast<float>(v));
+    return x;
+  };
+  in.problem.q = bf16(in.problem.q);
+  in.problem.k = bf16(in.problem.k);
+  in.problem.v = bf16(in.problem.v);
+  in.d_o = bf16(in.d_o);
+  ASSERT_NE(bf16(in.problem.h0), in.problem.h0) << "h0 should need fp32";
+  write_inputs(in, dir.in());
+  const RunResult r = run_cli(dir, "--variant retention --dtype bf16 " + io_args(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  expect_outputs_match_reference(dir, in);
 }
 
 TEST(RunCli, FailedSaveLeavesNoResultFiles) {
@@ -805,6 +1300,20 @@ TEST(RunCliLactInput, BadValuesNameTheFileAndTheirIndexInIt) {
     expect_every_rank_reports(r, "v.npy element [0, 30, 0, 5] is nan");
     EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
   }
+}
+
+// Learning rates must be > 0: a zero is refused as a negative one is.
+TEST(RunCliLactInput, ZeroLearningRateIsRefused) {
+  TempDir dir;
+  const test::LactProblem p = test::rounded(test::random_lact_problem(kLactSizes, 45));
+  write_lact_inputs(p, dir.in());
+  std::vector<double> lr0 = p.lr0;
+  lr0[2 * 13 + 0] = 0.0;  // token 13, head 0
+  write_f32(dir.in() / "lr0.npy", {1, kLactSeqLen, kLactHeads}, lr0);
+  const RunResult r = run_cli(dir, "--variant lact --lact-chunk 12 " + io_args(dir), "");
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  expect_every_rank_reports(r, "lr0.npy element [0, 13, 0] is 0 (learning rates must be");
+  EXPECT_EQ(files_in(dir.out()), std::set<std::string>{});
 }
 
 TEST(RunCliLactInput, MixerChunkFlagIsRefused) {
