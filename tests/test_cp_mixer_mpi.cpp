@@ -37,6 +37,7 @@ struct Case {
   Variant variant;
   Exchange exchange;
   Layout layout;
+  int64_t dv = 8;  // value head dim
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
@@ -45,7 +46,8 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
                   : c.layout == Layout::packed_on_boundary   ? "packed_on_boundary"
                   : c.layout == Layout::packed_from_boundary ? "packed_from_boundary"
                                                              : "packed_across";
-  return std::string(to_string(c.variant)) + "_" + to_string(c.exchange) + "_" + l;
+  return std::string(to_string(c.variant)) + "_" + to_string(c.exchange) + "_" + l +
+         (c.dv != 8 ? "_dv" + std::to_string(c.dv) : "");
 }
 
 // Readable parameter in test names (gtest_discover_tests puts it in the ctest name).
@@ -63,7 +65,7 @@ struct CaseProblem {
   std::vector<int64_t> bounds;
 };
 
-CaseProblem make_problem(const Case& c, int P, int64_t dv = 8) {
+CaseProblem make_problem(const Case& c, int P) {
   CaseProblem cp;
   const int64_t T = 67;
   cp.bounds = shard_bounds(T, P);
@@ -72,7 +74,7 @@ CaseProblem make_problem(const Case& c, int P, int64_t dv = 8) {
   s.seq_len = T;
   s.heads = 2;
   s.dk = 16;
-  s.dv = dv;
+  s.dv = c.dv;
   s.with_h0 = true;
   s.l2norm_qk = c.variant == Variant::kda;  // exercise the in-op normalisation somewhere
   if (c.layout == Layout::batch_rows) {
@@ -167,32 +169,14 @@ std::vector<Case> all_cases() {
 INSTANTIATE_TEST_SUITE_P(AllVariantsExchanges, CpInvariance, ::testing::ValuesIn(all_cases()),
                          case_name);
 
-// The ring splits the state into blocks along Dv; with Dv = 10 the blocks are
-// 3, 3, 3, 1 wide, so the last one is narrower than the rest. The result must
-// still equal a single-rank run.
-TEST(CpRingBlocks, UnevenLastBlockEqualsSingleRank) {
-  Communicator& comm = world();
-  const int P = comm.size(), r = comm.rank();
-  for (Variant v : {Variant::gla, Variant::kda}) {
-    SCOPED_TRACE(to_string(v));
-    const CaseProblem cpp = make_problem({v, Exchange::ring, Layout::batch_rows}, P, 10);
-    const ref::Problem& p = cpp.p;
-    const int64_t T = cpp.spec.seq_len, B = p.batch, H = cpp.spec.heads;
-    SingleRankCommunicator self;
-    CpMixer single(self, cpp.cfg, Exchange::ring);
-    const CpOutputs full = run_cp(single, p, 0, T, cpp.d_o, cpp.dht);
-    CpMixer cp(comm, cpp.cfg, Exchange::ring);
-    const CpOutputs mine = run_cp(cp, p, cpp.bounds[r], cpp.bounds[r + 1], cpp.d_o, cpp.dht);
-    auto local = [&](const std::vector<float>& x, int64_t inner) {
-      std::vector<double> d(x.begin(), x.end());
-      return slice_tokens(d, B, T, cpp.bounds[r], cpp.bounds[r + 1], inner);
-    };
-    EXPECT_LE(rel_rms(mine.o, local(full.o, H * 10)), kTol) << "rank " << r;
-    EXPECT_LE(rel_rms(mine.ht, full.ht), kTol) << "rank " << r;
-    EXPECT_LE(rel_rms(mine.dv, local(full.dv, H * 10)), kTol) << "rank " << r;
-    EXPECT_LE(rel_rms(mine.dh0, full.dh0), kTol) << "rank " << r;
-  }
-}
+// The ring splits the state into blocks along Dv: Dv = 10 does not split
+// evenly, so its last block is narrower than the rest (giving it the others'
+// width went unseen at np 2 and failed from np 3).
+INSTANTIATE_TEST_SUITE_P(
+    UnevenRingBlocks, CpInvariance,
+    ::testing::Values(Case{Variant::gla, Exchange::ring, Layout::batch_rows, 10},
+                      Case{Variant::kda, Exchange::ring, Layout::batch_rows, 10}),
+    case_name);
 
 // The bytes an exchange reports (the most any rank sent) are those that
 // predicted_exchange_bytes models, in both passes, for full and diagonal maps.

@@ -179,6 +179,27 @@ std::string slurp(const fs::path& path) {
   return ss.str();
 }
 
+// The shell's name for the rank it runs in (Open MPI's, else MPICH's), for
+// per-rank files.
+const std::string kRankVar = "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-unknown}}";
+
+// The shell command that runs statescan-run --device cpu `args` under mpirun
+// on kRanks ranks (one thread each), each rank through `sh -c rank_script`
+// with the binary as $0 and the arguments as "$@". mpirun is exec'd, so that
+// a signal to the shell reaches it.
+std::string mpirun_command(const std::string& rank_script, const std::string& args) {
+  return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 STATESCAN_NUM_THREADS=1 exec " +
+         std::string(STATESCAN_MPIEXEC) + " -np " + std::to_string(kRanks) +
+         " --oversubscribe sh -c '" + rank_script + "' " + STATESCAN_RUN_PATH + " --device cpu " +
+         args;
+}
+
+// The rank script that runs the binary with each rank's stderr in
+// `prefix` + its rank.
+std::string rank_stderr_to(const std::string& prefix) {
+  return "exec \"$0\" \"$@\" 2>\"" + prefix + kRankVar + "\"";
+}
+
 // Runs statescan-run under mpirun with `args`. Each rank writes its stderr
 // straight to a file of its own, so the test sees exactly what every rank
 // printed (mpirun's forwarding may drop a rank's last lines when it tears the
@@ -188,12 +209,8 @@ RunResult run_cli(const TempDir& dir, const std::string& args,
                   const std::string& common = "--chunk " + std::to_string(kChunk)) {
   const fs::path out = dir.file("stdout.txt"), err = dir.file("stderr.txt");
   const std::string rank_err = dir.file("stderr.rank").string();
-  const std::string command =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 STATESCAN_NUM_THREADS=1 " +
-      std::string(STATESCAN_MPIEXEC) + " -np " + std::to_string(kRanks) +
-      " --oversubscribe sh -c 'exec \"$0\" \"$@\" 2>\"" + rank_err +
-      "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-unknown}}\"' " + STATESCAN_RUN_PATH + " --device cpu " +
-      common + " " + args + " >" + out.string() + " 2>" + err.string();
+  const std::string command = mpirun_command(rank_stderr_to(rank_err), common + " " + args) + " >" +
+                              out.string() + " 2>" + err.string();
   const int status = std::system(command.c_str());
   RunResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -591,11 +608,9 @@ TEST(RunCli, OutputsOverToleranceExitOneOnEveryRank) {
   write_inputs(in, dir.in());
   const std::string rc = dir.file("rc.rank").string();
   const std::string command =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 STATESCAN_NUM_THREADS=1 " +
-      std::string(STATESCAN_MPIEXEC) + " -np " + std::to_string(kRanks) +
-      " --oversubscribe sh -c '\"$0\" \"$@\" 2>/dev/null; echo $? >\"" + rc +
-      "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-unknown}}\"' " + STATESCAN_RUN_PATH +
-      " --device cpu --chunk 16 --variant gla --no-check-finite " + io_args(dir) + " >/dev/null";
+      mpirun_command("\"$0\" \"$@\" 2>/dev/null; echo $? >\"" + rc + kRankVar + "\"",
+                     "--chunk 16 --variant gla --no-check-finite " + io_args(dir)) +
+      " >/dev/null";
   ASSERT_EQ(std::system(command.c_str()), 0) << "the ranks' shells exit 0";
   for (int rank = 0; rank < kRanks; ++rank)
     EXPECT_EQ(slurp(rc + std::to_string(rank)), "1\n") << "rank " << rank;
@@ -759,13 +774,10 @@ TEST_P(RunCliMetrics, EveryRankServesItsStepsOnItsOwnPort) {
   const fs::path out = dir.file("stdout.txt");
   const std::string rank_err = dir.file("stderr.rank").string();
   const std::string command =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 STATESCAN_NUM_THREADS=1 exec " +
-      std::string(STATESCAN_MPIEXEC) + " -np " + std::to_string(kRanks) +
-      " --oversubscribe sh -c 'exec \"$0\" \"$@\" 2>\"" + rank_err +
-      "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-unknown}}\"' " + STATESCAN_RUN_PATH + " --device cpu " +
-      c.common + " " + c.args + " --iters 2 --warmup 0 --no-check --metrics-port " +
-      std::to_string(port) + " --metrics-hold 20 >" + out.string() + " 2>" +
-      dir.file("stderr.txt").string();
+      mpirun_command(rank_stderr_to(rank_err),
+                     c.common + " " + c.args + " --iters 2 --warmup 0 --no-check --metrics-port " +
+                         std::to_string(port) + " --metrics-hold 20") +
+      " >" + out.string() + " 2>" + dir.file("stderr.txt").string();
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
