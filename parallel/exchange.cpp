@@ -83,7 +83,7 @@ std::vector<float> pack(const ScanMaps& s) {
 
 using exchange_detail::Order;
 
-constexpr int kTagRing = 7101, kTagTree = 7102, kTagShift = 7103;
+constexpr int kTagRing = 7101, kTagTree = 7102;
 
 int64_t scan_allgather(Communicator& comm, const ScanMaps& s, const Order& ord, float* S) {
   const Dims d = dims_of(s);
@@ -136,26 +136,49 @@ int64_t scan_ring(Communicator& comm, const ScanMaps& s, const Order& ord, float
 
 int64_t scan_tree(Communicator& comm, const ScanMaps& s, const Order& ord, float* S) {
   const Dims d = dims_of(s);
-  // Inclusive Kogge-Stone scan of maps: after the round with distance `dist`,
-  // acc at position p is the composition of positions max(0, p-2*dist+1)..p.
-  std::vector<float> acc = pack(s), got(acc.size()), sending;
+  const std::size_t map_floats = static_cast<std::size_t>(d.maps * d.m_size),
+                    state_floats = static_cast<std::size_t>(d.maps * d.state());
+  // Exclusive Kogge-Stone scan in ceil(log2 P) rounds. Before the round with
+  // distance `dist`, acc at position p composes positions
+  // max(0, p-dist+1)..p and excl max(0, p-dist+1)..p-1: what arrives from
+  // p-dist (its acc) extends both by dist positions. The last round sends
+  // only acc's E, since the receiver needs no map after it: its excl's E
+  // becomes M_excl E_got + E_excl, which is S_in.
+  std::vector<float> acc = pack(s), excl(acc.size()), got(acc.size());
+  std::vector<float> e_new(static_cast<std::size_t>(d.state()));
+  bool have_excl = false;
   int64_t sent = 0;
   for (int dist = 1; dist < ord.size; dist *= 2) {
+    const bool last = 2 * dist >= ord.size;
     const int to = ord.rank_at(ord.pos() + dist), from = ord.rank_at(ord.pos() - dist);
-    sending = acc;
-    comm.send_recv(sending.data(), sending.size(), to, got.data(), got.size(), from,
-                   CommType::f32, kTagTree);
-    if (to >= 0) sent += static_cast<int64_t>(sending.size() * sizeof(float));
-    if (from >= 0) compose_into(d, acc.data(), got.data());
+    const std::size_t n = last ? state_floats : acc.size();
+    const float* send = last ? acc.data() + map_floats : acc.data();
+    comm.send_recv(send, n, to, got.data(), n, from, CommType::f32, kTagTree);
+    if (to >= 0) sent += static_cast<int64_t>(n * sizeof(float));
+    if (from < 0) continue;
+    if (last) {
+      float* E = excl.data() + map_floats;
+      if (!have_excl) std::copy_n(got.data(), state_floats, E);
+      for (int64_t m = 0; have_excl && m < d.maps; ++m) {
+        apply_map(d, excl.data() + m * d.m_size, E + m * d.state(), got.data() + m * d.state(),
+                  e_new.data(), 0, d.dv);
+        std::copy(e_new.begin(), e_new.end(), E + m * d.state());
+      }
+      have_excl = true;
+      break;
+    }
+    // acc is read again only if a later round has a receiver for it.
+    if (ord.rank_at(ord.pos() + 2 * dist) >= 0) compose_into(d, acc.data(), got.data());
+    if (have_excl)
+      compose_into(d, excl.data(), got.data());
+    else
+      excl = got;
+    have_excl = true;
   }
-  // Exclusive result: the predecessor's inclusive E (its map applied to the
-  // zero state entering position 0).
-  const std::size_t state_floats = static_cast<std::size_t>(d.maps * d.state());
-  const float* my_e = acc.data() + d.maps * d.m_size;
-  const int to = ord.rank_at(ord.pos() + 1), from = ord.rank_at(ord.pos() - 1);
-  std::fill(S, S + state_floats, 0.f);
-  comm.send_recv(my_e, state_floats, to, S, state_floats, from, CommType::f32, kTagShift);
-  if (to >= 0) sent += static_cast<int64_t>(state_floats * sizeof(float));
+  if (have_excl)
+    std::copy_n(excl.data() + map_floats, state_floats, S);
+  else
+    std::fill(S, S + state_floats, 0.f);
   return sent;
 }
 
@@ -245,10 +268,11 @@ double predicted_exchange_seconds(Exchange e, int ranks, int64_t map_bytes, int6
       return first_block + (blocks - 1) * slowest;
     }
     case Exchange::tree: {
-      // Composing two maps costs about an application plus a Dk^3 product:
-      // taken as two applications.
+      // Every round but the last sends maps and composes two (acc and excl);
+      // composing two maps costs about an application plus a Dk^3 product,
+      // taken as two applications. The last sends E and applies one map.
       const double rounds = std::ceil(std::log2(P));
-      return rounds * (a + map_bytes / bw + 2 * apply_s) + a + state_bytes / bw;
+      return (rounds - 1) * (a + map_bytes / bw + 4 * apply_s) + a + state_bytes / bw + apply_s;
     }
     case Exchange::automatic:
       break;
@@ -266,7 +290,7 @@ int64_t predicted_exchange_bytes(Exchange e, int ranks, int64_t map_bytes, int64
     case Exchange::tree: {
       int64_t rounds = 0;
       for (int dist = 1; dist < ranks; dist *= 2) ++rounds;
-      return rounds * map_bytes + state_bytes;
+      return (rounds - 1) * map_bytes + state_bytes;
     }
     case Exchange::automatic:
       break;

@@ -10,7 +10,8 @@
 // in fp32, and only the communication pattern differs:
 //   allgather  one all-gather of every (M, E), each rank composes its predecessors
 //   ring       hand-off to the next rank, pipelined in blocks along Dv
-//   tree       Kogge-Stone scan of composed maps, ceil(log2 P) rounds + one shift
+//   tree       exclusive Kogge-Stone scan of composed maps, ceil(log2 P) rounds
+//              (the last one sends E only)
 #pragma once
 
 #include <cstdint>
@@ -111,8 +112,8 @@ double predicted_exchange_seconds(Exchange e, int ranks, int64_t map_bytes, int6
 Exchange resolve_exchange(Exchange requested, int ranks, int64_t map_bytes, int64_t state_bytes,
                           int64_t apply_flops, const LinkModel& link = {});
 // Bytes the busiest rank sends in one scan (what exclusive_scan reports as
-// bytes_sent): allgather (P-1) maps, ring one state, tree ceil(log2 P) maps
-// plus one state. 0 for P <= 1.
+// bytes_sent): allgather (P-1) maps, ring one state, tree ceil(log2 P) - 1
+// maps plus one state. 0 for P <= 1.
 int64_t predicted_exchange_bytes(Exchange e, int ranks, int64_t map_bytes, int64_t state_bytes);
 
 }  // namespace statescan

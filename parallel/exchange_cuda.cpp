@@ -2,6 +2,7 @@
 #include "parallel/exchange_cuda.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,30 +22,69 @@ namespace {
 
 using exchange_detail::Order;
 
-// The host path: stage through host memory and run the host scan.
-int64_t scan_staged(Communicator& comm, Exchange strategy, const DeviceScanMaps& d, ScanOrder order,
-                    float* incoming, cudaStream_t stream) {
-  ScanMaps host;
-  host.rows = d.rows;
-  host.heads = d.heads;
-  host.dk = d.dk;
-  host.dv = d.dv;
-  host.diagonal = d.diagonal;
-  host.M.resize(static_cast<std::size_t>(d.maps() * d.m_size()));
-  host.E.resize(static_cast<std::size_t>(d.maps() * d.dk * d.dv));
-  SS_CUDA_CHECK(cudaMemcpyAsync(host.M.data(), d.M, host.M.size() * sizeof(float),
-                                cudaMemcpyDeviceToHost, stream));
-  SS_CUDA_CHECK(cudaMemcpyAsync(host.E.data(), d.E, host.E.size() * sizeof(float),
-                                cudaMemcpyDeviceToHost, stream));
-  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  ScanResult r = exclusive_scan(comm, strategy, host, order);
-  SS_CUDA_CHECK(cudaMemcpyAsync(incoming, r.incoming.data(), r.incoming.size() * sizeof(float),
-                                cudaMemcpyHostToDevice, stream));
-  SS_CUDA_CHECK(cudaStreamSynchronize(stream));  // r.incoming dies here
-  return r.bytes_sent;
-}
+// Device buffers over a host communicator (mpi), so that ranks sharing a GPU
+// run the same device scans as NCCL ranks (and test them on one GPU): each
+// call waits for the stream, stages the message through host memory, and
+// copies what arrived back before it returns. The scans use only
+// point-to-point and all_gather; the rest is refused.
+class DeviceStaged final : public Communicator {
+ public:
+  DeviceStaged(Communicator& host, cudaStream_t stream) : host_(host), stream_(stream) {}
 
-#ifdef STATESCAN_HAS_NCCL
+  int rank() const override { return host_.rank(); }
+  int size() const override { return host_.size(); }
+  const char* backend() const override { return "device-staged"; }
+  void all_gather(const void* send, void* recv, std::size_t count, CommType type) override {
+    const std::size_t bytes = count * size_of(type);
+    to_host(out_, send, bytes);
+    in_.resize(bytes * static_cast<std::size_t>(size()));
+    host_.all_gather(out_.data(), in_.data(), count, type);
+    to_device(recv, in_);
+  }
+  void send(const void* data, std::size_t count, CommType type, int peer, int tag) override {
+    to_host(out_, data, count * size_of(type));
+    host_.send(out_.data(), count, type, peer, tag);
+  }
+  void recv(void* data, std::size_t count, CommType type, int peer, int tag) override {
+    in_.resize(count * size_of(type));
+    host_.recv(in_.data(), count, type, peer, tag);
+    to_device(data, in_);
+  }
+  void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
+                 std::size_t recv_count, int source, CommType type, int tag) override {
+    if (dest >= 0) to_host(out_, send, send_count * size_of(type));
+    in_.resize(source >= 0 ? recv_count * size_of(type) : 0);
+    host_.send_recv(out_.data(), send_count, dest, in_.data(), recv_count, source, type, tag);
+    if (source >= 0) to_device(recv, in_);
+  }
+  void all_reduce_sum(void*, std::size_t, CommType) override { refuse("all_reduce_sum"); }
+  void all_reduce_max(void*, std::size_t, CommType) override { refuse("all_reduce_max"); }
+  void broadcast(void*, std::size_t, CommType, int) override { refuse("broadcast"); }
+  void barrier() override { host_.barrier(); }
+  std::unique_ptr<Communicator> split(int, int) override { refuse("split"); }
+
+ private:
+  [[noreturn]] static void refuse(const char* op) {
+    SS_FAIL("comm", "the device scan's staged transport has no ", op);
+  }
+  void to_host(std::vector<unsigned char>& host, const void* dev, std::size_t bytes) {
+    host.resize(bytes);
+    if (bytes > 0)
+      SS_CUDA_CHECK(cudaMemcpyAsync(host.data(), dev, bytes, cudaMemcpyDeviceToHost, stream_));
+    SS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  // Waits for the copy: the host buffer is reused by the next call.
+  void to_device(void* dev, const std::vector<unsigned char>& host) {
+    if (!host.empty())
+      SS_CUDA_CHECK(
+          cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, stream_));
+    SS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  Communicator& host_;
+  cudaStream_t stream_;
+  std::vector<unsigned char> out_, in_;
+};
 
 void copy_d2d(float* dst, const float* src, int64_t count, cudaStream_t stream) {
   if (count > 0)
@@ -52,7 +92,9 @@ void copy_d2d(float* dst, const float* src, int64_t count, cudaStream_t stream) 
                                   cudaMemcpyDeviceToDevice, stream));
 }
 
-constexpr int kTag = 0;  // NCCL ignores tags; pairs match in posting order
+// NCCL ignores tags (pairs match in posting order); the staged transport's
+// host messages carry this one.
+constexpr int kTag = 7104;
 
 cuda::DeviceMaps maps_at(const DeviceScanMaps& d, const float* packed) {
   cuda::DeviceMaps m;
@@ -71,7 +113,7 @@ void pack(const DeviceScanMaps& d, float* out, cudaStream_t stream) {
   copy_d2d(out + d.maps() * d.m_size(), d.E, d.maps() * d.dk * d.dv, stream);
 }
 
-int64_t scan_allgather(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& ord, float* S,
+int64_t scan_allgather(Communicator& comm, const DeviceScanMaps& d, const Order& ord, float* S,
                        cudaStream_t stream) {
   const int64_t n = d.maps() * (d.m_size() + d.dk * d.dv);
   const int64_t state = d.maps() * d.dk * d.dv;
@@ -90,7 +132,7 @@ int64_t scan_allgather(NcclCommunicator& comm, const DeviceScanMaps& d, const Or
   return n * static_cast<int64_t>(sizeof(float)) * (ord.size - 1);
 }
 
-int64_t scan_ring(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& ord, float* S,
+int64_t scan_ring(Communicator& comm, const DeviceScanMaps& d, const Order& ord, float* S,
                   cudaStream_t stream, cudaEvent_t maps_ready) {
   const int prev = ord.rank_at(ord.pos() - 1), next = ord.rank_at(ord.pos() + 1);
   const int64_t state = d.maps() * d.dk * d.dv;
@@ -129,34 +171,50 @@ int64_t scan_ring(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& 
   return sent;
 }
 
-int64_t scan_tree(NcclCommunicator& comm, const DeviceScanMaps& d, const Order& ord, float* S,
+// The host scan_tree's exclusive Kogge-Stone scan (parallel/exchange.cpp says
+// how it works) on device buffers: ceil(log2 P) rounds, the last one E only.
+int64_t scan_tree(Communicator& comm, const DeviceScanMaps& d, const Order& ord, float* S,
                   cudaStream_t stream) {
   const int64_t m_floats = d.maps() * d.m_size(), state = d.maps() * d.dk * d.dv;
   const int64_t n = m_floats + state;
-  PoolArray<float> acc(n, stream), got(n, stream), scratch(n, stream);
+  PoolArray<float> acc(n, stream), excl(n, stream), got(n, stream), scratch(n, stream);
   pack(d, acc.get(), stream);
+  bool have_excl = false;
   int64_t sent = 0;
-  // Inclusive Kogge-Stone scan: after the round with distance `dist`, acc at
-  // position p composes positions max(0, p-2*dist+1)..p.
   for (int dist = 1; dist < ord.size; dist *= 2) {
+    const bool last = 2 * dist >= ord.size;
     const int to = ord.rank_at(ord.pos() + dist), from = ord.rank_at(ord.pos() - dist);
-    comm.send_recv(acc.get(), static_cast<std::size_t>(n), to, got.get(),
-                   static_cast<std::size_t>(n), from, CommType::f32, kTag);
-    if (to >= 0) sent += n * static_cast<int64_t>(sizeof(float));
-    if (from >= 0)
-      cuda::compose_affine_maps(d.maps(), d.dk, d.dv, d.diagonal, acc.get(), acc.get() + m_floats,
+    const int64_t count = last ? state : n;
+    comm.send_recv(last ? acc.get() + m_floats : acc.get(), static_cast<std::size_t>(count), to,
+                   got.get(), static_cast<std::size_t>(count), from, CommType::f32, kTag);
+    if (to >= 0) sent += count * static_cast<int64_t>(sizeof(float));
+    if (from < 0) continue;
+    if (last) {
+      // S_in = M_excl E_got + E_excl (E_got alone where nothing came before).
+      if (have_excl)
+        cuda::apply_affine_maps(maps_at(d, excl.get()), got.get(), S, 0, d.dv, stream);
+      else
+        copy_d2d(S, got.get(), state, stream);
+      return sent;
+    }
+    // later <- later composed after what arrived, in place.
+    auto extend = [&](float* later) {
+      cuda::compose_affine_maps(d.maps(), d.dk, d.dv, d.diagonal, later, later + m_floats,
                                 got.get(), got.get() + m_floats, scratch.get(), stream);
+    };
+    if (ord.rank_at(ord.pos() + 2 * dist) >= 0) extend(acc.get());  // a later round sends acc
+    if (have_excl)
+      extend(excl.get());
+    else
+      copy_d2d(excl.get(), got.get(), n, stream);
+    have_excl = true;
   }
-  // Exclusive result: the predecessor's inclusive E.
-  const int to = ord.rank_at(ord.pos() + 1), from = ord.rank_at(ord.pos() - 1);
-  SS_CUDA_CHECK(cudaMemsetAsync(S, 0, state * sizeof(float), stream));
-  comm.send_recv(acc.get() + m_floats, static_cast<std::size_t>(state), to, S,
-                 static_cast<std::size_t>(state), from, CommType::f32, kTag);
-  if (to >= 0) sent += state * static_cast<int64_t>(sizeof(float));
+  if (have_excl)
+    copy_d2d(S, excl.get() + m_floats, state, stream);
+  else
+    SS_CUDA_CHECK(cudaMemsetAsync(S, 0, state * sizeof(float), stream));
   return sent;
 }
-
-#endif  // STATESCAN_HAS_NCCL
 
 }  // namespace
 
@@ -180,24 +238,26 @@ int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const Devic
         cudaMemsetAsync(incoming, 0, maps.maps() * maps.dk * maps.dv * sizeof(float), stream));
     return 0;
   }
-  if (!is_nccl(comm)) return scan_staged(comm, strategy, maps, order, incoming, stream);
+  // Host communicators run the same device scans, each message staged
+  // through host memory (DeviceStaged).
+  std::optional<DeviceStaged> staged;
+  Communicator* link = &comm;
 #ifdef STATESCAN_HAS_NCCL
-  auto& nccl = static_cast<NcclCommunicator&>(comm);
-  NcclStreamScope swap(nccl, stream);
+  std::optional<NcclStreamScope> swap;
+  if (is_nccl(comm)) swap.emplace(static_cast<NcclCommunicator&>(comm), stream);
+#endif
+  if (!is_nccl(comm)) link = &staged.emplace(comm, stream);
   switch (strategy) {
     case Exchange::allgather:
-      return scan_allgather(nccl, maps, ord, incoming, stream);
+      return scan_allgather(*link, maps, ord, incoming, stream);
     case Exchange::ring:
-      return scan_ring(nccl, maps, ord, incoming, stream, receive_first ? maps_ready : nullptr);
+      return scan_ring(*link, maps, ord, incoming, stream, receive_first ? maps_ready : nullptr);
     case Exchange::tree:
-      return scan_tree(nccl, maps, ord, incoming, stream);
+      return scan_tree(*link, maps, ord, incoming, stream);
     case Exchange::automatic:
       break;
   }
   SS_FAIL("exchange", "must be resolved before the scan");
-#else
-  SS_FAIL("comm", "backend '", comm.backend(), "' needs an NCCL build");
-#endif
 }
 
 LinkModel measure_link_device(Communicator& comm, const LinkModel& base) {

@@ -6,12 +6,13 @@
 // With an NCCL communicator (backend() == "nccl") the maps never leave the
 // GPU: allgather is one ncclAllGather then local composition, ring hands the
 // state on in blocks along Dv (each block is sent as soon as it is computed,
-// so the next rank starts while this one works on the next block), tree is a
-// Kogge-Stone scan with grouped send/recv. The communicator's stream is set
-// to `stream` for the call (and restored), so everything is stream-ordered;
-// the call returns once the operations are queued.
-// With a host communicator (single, mpi) the maps are staged through host
-// memory and the host exclusive_scan runs (the call synchronises `stream`).
+// so the next rank starts while this one works on the next block), tree is an
+// exclusive Kogge-Stone scan with grouped send/recv. The communicator's
+// stream is set to `stream` for the call (and restored), so everything is
+// stream-ordered; the call returns once the operations are queued.
+// With a host communicator (mpi: ranks may share a GPU) the same device scans
+// run and each message is staged through host memory (the call synchronises
+// `stream`), so one GPU tests the scans the NCCL path runs.
 #pragma once
 
 #include <cuda_runtime.h>
