@@ -41,9 +41,11 @@
 #                    the automatic split-K, the delta rules' forward through
 #                    the separate output kernel)
 #   SANITIZE=1       also run the compute-sanitizer ctest entries (memcheck of
-#                    the four GPU suites, initcheck and racecheck of the
-#                    chunkwise ones: tests/CMakeLists.txt statescan_sanitize_test;
-#                    ~4 minutes on an H100) into tests_sanitize.log
+#                    the four GPU suites and, with MPI and NCCL, of
+#                    test_cuda_cp_mpi, test_cuda_lact_mpi and test_comm_nccl;
+#                    initcheck and racecheck of the chunkwise ones:
+#                    tests/CMakeLists.txt statescan_sanitize_test; ~5 minutes on
+#                    an H100) into tests_sanitize.log
 #   KEEP=0           skip the forward+backward table with the forward's prepared
 #                    tiles kept for the backward (`--backward --keep-prepared`,
 #                    BWD_ARGS' lengths)
@@ -177,8 +179,13 @@ fi
 # The GPU suites under compute-sanitizer (their ctest entries skip, 77, where
 # the sanitizer is not installed, which ctest reports as skipped).
 if [[ "${SANITIZE:-0}" == 1 ]]; then
-  cmake --build "$BUILD" --target test_cuda_backward test_cuda_cp test_cuda_lact -j16 \
-    >>"$OUT/build.log" 2>&1 &&
+  sanitized=(test_cuda_backward test_cuda_cp test_cuda_lact)
+  # The suites linked with NCCL and MPI have memcheck entries of their own.
+  if grep -q "STATESCAN_HAVE_MPI:INTERNAL=ON" "$BUILD/CMakeCache.txt" &&
+    grep -q "STATESCAN_HAVE_NCCL:INTERNAL=ON" "$BUILD/CMakeCache.txt"; then
+    sanitized+=(test_cuda_cp_mpi test_cuda_lact_mpi test_comm_nccl)
+  fi
+  cmake --build "$BUILD" --target "${sanitized[@]}" -j16 >>"$OUT/build.log" 2>&1 &&
     (cd "$BUILD" && timeout "$(left 420)" ctest --timeout 200 -R '_(memcheck|initcheck|racecheck)$' \
       --output-on-failure --no-tests=error) >"$OUT/tests_sanitize.log" 2>&1 || status=1
   grep -E "Test +#|tests passed|tests failed" "$OUT/tests_sanitize.log" | sed 's/^/sanitize: /' |
