@@ -1,10 +1,11 @@
-// Context-parallel invariance under mpirun (2, 3, 4 ranks): a CP run over
+// Context-parallel invariance under mpirun (2, 3, 4 and 6 ranks): a CP run over
 // uneven shards must equal a single-rank run of the same inputs for outputs,
 // final state and every gradient, for every variant x exchange, including
 // packed sequences whose boundaries fall on and across rank boundaries. Bad
 // input on one rank must raise the same error on every rank.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -77,20 +78,23 @@ CaseProblem make_problem(const Case& c, int P) {
   s.dv = c.dv;
   s.with_h0 = true;
   s.l2norm_qk = c.variant == Variant::kda;  // exercise the in-op normalisation somewhere
+  // Rank 1 starts at b1 >= 2 tokens; a first sequence shorter than that
+  // (5 or 3 tokens up to four ranks, fewer beyond) ends inside rank 0.
+  const int64_t b1 = cp.bounds[1], first = std::min<int64_t>(5, b1 - 1);
   if (c.layout == Layout::batch_rows) {
     s.batch = 2;
   } else if (c.layout == Layout::packed_on_boundary) {
     // A sequence ending exactly at rank 1's start, one starting there, and a
     // long one that spans every later rank boundary.
-    s.cu_seqlens = {0, 3, cp.bounds[1], cp.bounds[1] + 2, T - 4, T};
+    s.cu_seqlens = {0, std::min<int64_t>(3, b1 - 1), b1, b1 + 2, T - 4, T};
   } else if (c.layout == Layout::packed_from_boundary) {
     // A sequence that starts exactly at rank 1's first token and runs to the
     // end: rank 1 holds it alone, and its carry must not depend on what
     // enters rank 1 (M = 0), which only a third rank sees.
-    s.cu_seqlens = {0, 5, cp.bounds[1], T};
+    s.cu_seqlens = {0, first, b1, T};
   } else {
     // Sequences that cross the first rank boundary and (for P > 2) others.
-    s.cu_seqlens = {0, 5, cp.bounds[1] + 1, T};
+    s.cu_seqlens = {0, first, b1 + 1, T};
   }
   const uint64_t seed = 5000 + static_cast<uint64_t>(c.variant) * 64 +
                         static_cast<uint64_t>(c.exchange) * 8 + static_cast<uint64_t>(c.layout);
