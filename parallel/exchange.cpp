@@ -157,12 +157,16 @@ int64_t scan_tree(Communicator& comm, const ScanMaps& s, const Order& ord, float
     if (to >= 0) sent += static_cast<int64_t>(n * sizeof(float));
     if (from < 0) continue;
     if (last) {
+      // S_in = M_excl E_got + E_excl (E_got alone where nothing came before).
       float* E = excl.data() + map_floats;
-      if (!have_excl) std::copy_n(got.data(), state_floats, E);
-      for (int64_t m = 0; have_excl && m < d.maps; ++m) {
-        apply_map(d, excl.data() + m * d.m_size, E + m * d.state(), got.data() + m * d.state(),
-                  e_new.data(), 0, d.dv);
-        std::copy(e_new.begin(), e_new.end(), E + m * d.state());
+      if (!have_excl) {
+        std::copy_n(got.data(), state_floats, E);
+      } else {
+        for (int64_t m = 0; m < d.maps; ++m) {
+          apply_map(d, excl.data() + m * d.m_size, E + m * d.state(), got.data() + m * d.state(),
+                    e_new.data(), 0, d.dv);
+          std::copy(e_new.begin(), e_new.end(), E + m * d.state());
+        }
       }
       have_excl = true;
       break;
