@@ -272,11 +272,15 @@ double predicted_exchange_seconds(Exchange e, int ranks, int64_t map_bytes, int6
       return first_block + (blocks - 1) * slowest;
     }
     case Exchange::tree: {
-      // Every round but the last sends maps and composes two (acc and excl);
-      // composing two maps costs about an application plus a Dk^3 product,
-      // taken as two applications. The last sends E and applies one map.
+      // Every round but the last sends maps; composing two maps costs about
+      // an application plus a Dk^3 product, taken as two applications. The
+      // first round composes one (acc; excl is what arrived), the middle ones
+      // two (acc and excl). The last sends E and applies one map, except at
+      // P = 2, where it is the only round and E is copied.
       const double rounds = std::ceil(std::log2(P));
-      return (rounds - 1) * (a + map_bytes / bw + 4 * apply_s) + a + state_bytes / bw + apply_s;
+      if (rounds == 1) return a + state_bytes / bw;
+      return (a + map_bytes / bw + 2 * apply_s) +
+             (rounds - 2) * (a + map_bytes / bw + 4 * apply_s) + a + state_bytes / bw + apply_s;
     }
     case Exchange::automatic:
       break;

@@ -46,9 +46,9 @@ class DeviceStaged final : public Communicator {
     host_.send(out_.data(), count, type, peer, tag);
   }
   void recv(void* data, std::size_t count, CommType type, int peer, int tag) override {
-    in_.resize(count * size_of(type));
+    in_.resize(peer >= 0 ? count * size_of(type) : 0);
     host_.recv(in_.data(), count, type, peer, tag);
-    to_device(data, in_);
+    if (peer >= 0) to_device(data, in_);  // from nobody: the buffer stays as it is
   }
   void send_recv(const void* send, std::size_t send_count, int dest, void* recv,
                  std::size_t recv_count, int source, CommType type, int tag) override {

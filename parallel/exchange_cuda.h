@@ -11,8 +11,10 @@
 // stream is set to `stream` for the call (and restored), so everything is
 // stream-ordered; the call returns once the operations are queued.
 // With a host communicator (mpi: ranks may share a GPU) the same device scans
-// run and each message is staged through host memory (the call synchronises
-// `stream`), so one GPU tests the scans the NCCL path runs.
+// run and each message is staged through host memory (the host waits for
+// `stream` around every message; the last step, the result into `incoming`,
+// is still queued on `stream` when the call returns, as over NCCL), so one
+// GPU tests the scans the NCCL path runs.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -68,7 +68,9 @@ struct CaseProblem {
 
 CaseProblem make_problem(const Case& c, int P) {
   CaseProblem cp;
-  const int64_t T = 67;
+  // 67 tokens up to four ranks; beyond, enough that rank 1 (the smallest
+  // shard, shard_bounds) holds 6 tokens, which the packed layouts assume.
+  const int64_t T = std::max<int64_t>(67, 6 * static_cast<int64_t>(P) * (P + 1) / 2);
   cp.bounds = shard_bounds(T, P);
   ProblemSpec& s = cp.spec;
   s.variant = c.variant;
@@ -78,23 +80,21 @@ CaseProblem make_problem(const Case& c, int P) {
   s.dv = c.dv;
   s.with_h0 = true;
   s.l2norm_qk = c.variant == Variant::kda;  // exercise the in-op normalisation somewhere
-  // Rank 1 starts at b1 >= 2 tokens; a first sequence shorter than that
-  // (5 or 3 tokens up to four ranks, fewer beyond) ends inside rank 0.
-  const int64_t b1 = cp.bounds[1], first = std::min<int64_t>(5, b1 - 1);
+  const int64_t b1 = cp.bounds[1];          // rank 1's first token, >= 6
   if (c.layout == Layout::batch_rows) {
     s.batch = 2;
   } else if (c.layout == Layout::packed_on_boundary) {
     // A sequence ending exactly at rank 1's start, one starting there, and a
     // long one that spans every later rank boundary.
-    s.cu_seqlens = {0, std::min<int64_t>(3, b1 - 1), b1, b1 + 2, T - 4, T};
+    s.cu_seqlens = {0, 3, b1, b1 + 2, T - 4, T};
   } else if (c.layout == Layout::packed_from_boundary) {
     // A sequence that starts exactly at rank 1's first token and runs to the
     // end: rank 1 holds it alone, and its carry must not depend on what
     // enters rank 1 (M = 0), which only a third rank sees.
-    s.cu_seqlens = {0, first, b1, T};
+    s.cu_seqlens = {0, 5, b1, T};
   } else {
     // Sequences that cross the first rank boundary and (for P > 2) others.
-    s.cu_seqlens = {0, first, b1 + 1, T};
+    s.cu_seqlens = {0, 5, b1 + 1, T};
   }
   const uint64_t seed = 5000 + static_cast<uint64_t>(c.variant) * 64 +
                         static_cast<uint64_t>(c.exchange) * 8 + static_cast<uint64_t>(c.layout);
