@@ -45,7 +45,16 @@ ARCH=$(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$BUILD/CMakeCache.txt")
   cmake --build "$BUILD" --target statescan_kernels statescan_core -j "${JOBS:-$(nproc)}" >/dev/null
 KERNELS=$(find "$BUILD" -name libstatescan_kernels.a | head -1)
 CORE=$(find "$BUILD" -name libstatescan_core.a | head -1)
-[[ -n "$KERNELS" && -n "$CORE" ]] || { echo "kernel-probe: no statescan_kernels / statescan_core in $BUILD" >&2; exit 1; }
+if [[ -z "$KERNELS" || -z "$CORE" ]]; then
+  # The probes run on the device without the build tree: static libraries only.
+  if grep -Eq "^BUILD_SHARED_LIBS:[A-Z]*=(ON|1|TRUE|YES)$" "$BUILD/CMakeCache.txt"; then
+    echo "kernel-probe: $BUILD builds shared libraries; the probes travel alone and" \
+      "link the static ones (configure another BUILD_DIR without BUILD_SHARED_LIBS)" >&2
+  else
+    echo "kernel-probe: no statescan_kernels / statescan_core in $BUILD" >&2
+  fi
+  exit 1
+fi
 FLAGS=(-O3 -DNDEBUG -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a
        -DSTATESCAN_CUDA_SM90A=1 -DSTATESCAN_HAS_CUDA=1)
 INC=(-I"$ROOT")
