@@ -43,22 +43,28 @@ void apply_map(const Dims& d, const float* M, const float* E, const float* in, f
   }
 }
 
+// E_l <- M_l E_e + E_l for every map: the E half of compose_into, and all
+// that the tree's last round needs. M_l is not changed.
+void compose_e_into(const Dims& d, const float* Ml_all, float* El_all, const float* Ee_all) {
+  std::vector<float> e_new(static_cast<std::size_t>(d.state()));
+  for (int64_t m = 0; m < d.maps; ++m) {
+    float* El = El_all + m * d.state();
+    apply_map(d, Ml_all + m * d.m_size, El, Ee_all + m * d.state(), e_new.data(), 0, d.dv);
+    std::copy(e_new.begin(), e_new.end(), El);
+  }
+}
+
 // (M_l, E_l) <- (M_l, E_l) ∘ (M_e, E_e) = (M_l M_e, M_l E_e + E_l) for every map.
 // Buffers are packed as [all M | all E] (see pack()).
 void compose_into(const Dims& d, float* later, const float* earlier) {
   float* Ml_all = later;
-  float* El_all = later + d.maps * d.m_size;
   const float* Me_all = earlier;
-  const float* Ee_all = earlier + d.maps * d.m_size;
-  std::vector<float> e_new(static_cast<std::size_t>(d.state()));
+  // E first: it needs every M_l before it is replaced.
+  compose_e_into(d, Ml_all, later + d.maps * d.m_size, earlier + d.maps * d.m_size);
   std::vector<float> m_new(static_cast<std::size_t>(d.m_size));
   for (int64_t m = 0; m < d.maps; ++m) {
     float* Ml = Ml_all + m * d.m_size;
-    float* El = El_all + m * d.state();
     const float* Me = Me_all + m * d.m_size;
-    // E first: it needs M_l before M_l is replaced.
-    apply_map(d, Ml, El, Ee_all + m * d.state(), e_new.data(), 0, d.dv);
-    std::copy(e_new.begin(), e_new.end(), El);
     if (d.diagonal) {
       for (int64_t i = 0; i < d.dk; ++i) Ml[i] *= Me[i];
       continue;
@@ -141,12 +147,12 @@ int64_t scan_tree(Communicator& comm, const ScanMaps& s, const Order& ord, float
   // Exclusive Kogge-Stone scan in ceil(log2 P) rounds. Before the round with
   // distance `dist`, acc at position p composes positions
   // max(0, p-dist+1)..p and excl max(0, p-dist+1)..p-1: what arrives from
-  // p-dist (its acc) extends both by dist positions. The last round sends
-  // only acc's E, since the receiver needs no map after it: its excl's E
-  // becomes M_excl E_got + E_excl, which is S_in.
+  // p-dist (its acc) extends both by dist positions. So excl holds something
+  // from the second round on (p > 0 received in the first), and after the
+  // scan exactly where p > 0. The last round sends only acc's E, since the
+  // receiver needs no map after it: its excl's E becomes M_excl E_got +
+  // E_excl, which is S_in.
   std::vector<float> acc = pack(s), excl(acc.size()), got(acc.size());
-  std::vector<float> e_new(static_cast<std::size_t>(d.state()));
-  bool have_excl = false;
   int64_t sent = 0;
   for (int dist = 1; dist < ord.size; dist *= 2) {
     const bool last = 2 * dist >= ord.size;
@@ -158,28 +164,20 @@ int64_t scan_tree(Communicator& comm, const ScanMaps& s, const Order& ord, float
     if (from < 0) continue;
     if (last) {
       // S_in = M_excl E_got + E_excl (E_got alone where nothing came before).
-      float* E = excl.data() + map_floats;
-      if (!have_excl) {
-        std::copy_n(got.data(), state_floats, E);
-      } else {
-        for (int64_t m = 0; m < d.maps; ++m) {
-          apply_map(d, excl.data() + m * d.m_size, E + m * d.state(), got.data() + m * d.state(),
-                    e_new.data(), 0, d.dv);
-          std::copy(e_new.begin(), e_new.end(), E + m * d.state());
-        }
-      }
-      have_excl = true;
+      if (dist > 1)
+        compose_e_into(d, excl.data(), excl.data() + map_floats, got.data());
+      else
+        std::copy_n(got.data(), state_floats, excl.data() + map_floats);
       break;
     }
     // acc is read again only if a later round has a receiver for it.
     if (ord.rank_at(ord.pos() + 2 * dist) >= 0) compose_into(d, acc.data(), got.data());
-    if (have_excl)
+    if (dist > 1)
       compose_into(d, excl.data(), got.data());
     else
       excl = got;
-    have_excl = true;
   }
-  if (have_excl)
+  if (ord.pos() > 0)
     std::copy_n(excl.data() + map_floats, state_floats, S);
   else
     std::fill(S, S + state_floats, 0.f);

@@ -179,7 +179,6 @@ int64_t scan_tree(Communicator& comm, const DeviceScanMaps& d, const Order& ord,
   const int64_t n = m_floats + state;
   PoolArray<float> acc(n, stream), excl(n, stream), got(n, stream), scratch(n, stream);
   pack(d, acc.get(), stream);
-  bool have_excl = false;
   int64_t sent = 0;
   for (int dist = 1; dist < ord.size; dist *= 2) {
     const bool last = 2 * dist >= ord.size;
@@ -191,7 +190,7 @@ int64_t scan_tree(Communicator& comm, const DeviceScanMaps& d, const Order& ord,
     if (from < 0) continue;
     if (last) {
       // S_in = M_excl E_got + E_excl (E_got alone where nothing came before).
-      if (have_excl)
+      if (dist > 1)  // excl holds something from the second round on
         cuda::apply_affine_maps(maps_at(d, excl.get()), got.get(), S, 0, d.dv, stream);
       else
         copy_d2d(S, got.get(), state, stream);
@@ -203,13 +202,12 @@ int64_t scan_tree(Communicator& comm, const DeviceScanMaps& d, const Order& ord,
                                 got.get(), got.get() + m_floats, scratch.get(), stream);
     };
     if (ord.rank_at(ord.pos() + 2 * dist) >= 0) extend(acc.get());  // a later round sends acc
-    if (have_excl)
+    if (dist > 1)
       extend(excl.get());
     else
       copy_d2d(excl.get(), got.get(), n, stream);
-    have_excl = true;
   }
-  if (have_excl)
+  if (ord.pos() > 0)  // excl holds positions 0..pos-1
     copy_d2d(S, excl.get() + m_floats, state, stream);
   else
     SS_CUDA_CHECK(cudaMemsetAsync(S, 0, state * sizeof(float), stream));
