@@ -88,6 +88,9 @@ left() {  # left CAP: seconds for the next step: at most CAP, at least 1
   ((cap < 1)) && cap=1
   echo "$cap"
 }
+have() {  # have FEATURE: whether this build has it (STATESCAN_HAVE_<FEATURE>, after configure)
+  grep -q "STATESCAN_HAVE_$1:INTERNAL=ON" "$BUILD/CMakeCache.txt"
+}
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
@@ -96,7 +99,7 @@ left() {  # left CAP: seconds for the next step: at most CAP, at least 1
     -DSTATESCAN_WITH_CUDA=ON -DSTATESCAN_WITH_TESTS=ON &&
     cmake --build "$BUILD" --target test_cuda_forward statescan-bench -j16 &&
     { [[ "${BWD:-1}" == 0 ]] || cmake --build "$BUILD" --target test_cuda_backward -j16; } &&
-    { ! grep -q "STATESCAN_HAVE_NCCL:INTERNAL=ON" "$BUILD/CMakeCache.txt" ||
+    { ! have NCCL ||
       cmake --build "$BUILD" --target test_comm_nccl -j16; }
 } >"$OUT/build.log" 2>&1 || { echo "gpu-check: build failed, see $OUT/build.log"; tail -40 "$OUT/build.log"; exit 1; }
 
@@ -111,7 +114,7 @@ if [[ -x "$BUILD/tests/test_comm_nccl" ]]; then
 fi
 
 # statescan-run on this GPU with more ranks than GPUs (MPI builds only).
-if [[ "${RUN_CLI:-1}" != 0 ]] && grep -q "STATESCAN_HAVE_MPI:INTERNAL=ON" "$BUILD/CMakeCache.txt"; then
+if [[ "${RUN_CLI:-1}" != 0 ]] && have MPI; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   rm -f "$BUILD/run_cli.log"  # the build folder outlives calls: no old lines
   { cmake --build "$BUILD" --target test_run_cli statescan-run -j16 >>"$OUT/build.log" 2>&1 &&
@@ -181,8 +184,7 @@ fi
 if [[ "${SANITIZE:-0}" == 1 ]]; then
   sanitized=(test_cuda_backward test_cuda_cp test_cuda_lact)
   # The suites linked with NCCL and MPI have memcheck entries of their own.
-  if grep -q "STATESCAN_HAVE_MPI:INTERNAL=ON" "$BUILD/CMakeCache.txt" &&
-    grep -q "STATESCAN_HAVE_NCCL:INTERNAL=ON" "$BUILD/CMakeCache.txt"; then
+  if have MPI && have NCCL; then
     sanitized+=(test_cuda_cp_mpi test_cuda_lact_mpi test_comm_nccl)
   fi
   cmake --build "$BUILD" --target "${sanitized[@]}" -j16 >>"$OUT/build.log" 2>&1 &&
