@@ -264,10 +264,15 @@ LinkModel measure_link_device(Communicator& comm, const LinkModel& base) {
   if (nccl != nullptr && comm.size() > 1) {
     const int P = comm.size(), r = comm.rank();
     const int next = (r + 1) % P, prev = (r + P - 1) % P;
+    // How long the probe holds its stream before a timed shift: well above
+    // the time the host takes to queue one send / receive pair (the whole
+    // ~0.2 ms an unheld shift took, at most), and short enough that the 18
+    // shifts add ~36 ms, once, to the first forward that resolves `auto`.
+    constexpr double kProbeHoldSeconds = 2e-3;
     RingProbe probe;
-    // 64 MiB: over NVLink a p2p shift through NCCL costs ~0.2 ms however
-    // small (measured on two H200s), so 4 MiB (~30 us of transfer) was lost
-    // in that latency's noise; 64 MiB is ~0.4 ms of transfer.
+    // 64 MiB, ~0.4 ms of transfer over NVLink: on two H200s (2026-12-01) a
+    // shift timed from an idle stream cost ~0.2 ms however small, and 4 MiB
+    // (~30 us of transfer) was lost in that noise.
     probe.large = std::size_t{1} << 24;
     float* buffers = nullptr;
     // Agreed over a host-staged view of the communicator: a rank whose GPU
@@ -291,9 +296,15 @@ LinkModel measure_link_device(Communicator& comm, const LinkModel& base) {
       SS_CUDA_CHECK(cudaEventCreate(&begin));
       SS_CUDA_CHECK(cudaEventCreate(&end));
       SS_CUDA_CHECK(cudaMemsetAsync(buffers, 0, 2 * probe.large * sizeof(float), nccl->stream()));
-      // GPU time of the shift: events on the communicator's stream around it.
+      // GPU time of the shift: events on the communicator's stream around it,
+      // with the stream held (cuda::hold_stream) while the host queues NCCL's
+      // calls. Recorded on an idle stream, `begin` would also time that
+      // queueing, which a CP step hides (its exchange is queued behind the
+      // summary's kernels); the ~0.2 ms a shift that the unheld probe gave on
+      // 2026-12-01, for 8 B and 4 MiB alike, may be mostly that.
       probe.shift = [&](std::size_t count) {
         nccl->barrier();  // start together: a late peer is not link time
+        cuda::hold_stream(nccl->stream(), kProbeHoldSeconds);
         SS_CUDA_CHECK(cudaEventRecord(begin, nccl->stream()));
         nccl->send_recv(buffers, count, next, buffers + probe.large, count, prev, CommType::f32, 0);
         SS_CUDA_CHECK(cudaEventRecord(end, nccl->stream()));

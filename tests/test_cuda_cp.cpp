@@ -1000,6 +1000,33 @@ TEST(AffineMapKernels, FillsIdentity) {
       for (int64_t j = 0; j < 8; ++j) ASSERT_EQ(h[(m * 8 + i) * 8 + j], i == j ? 1.f : 0.f);
 }
 
+// hold_stream keeps its stream busy for the time asked, and an event recorded
+// after it and one after the next launch time that launch alone: what the
+// NCCL link probe relies on to time a shift without the host's queueing.
+TEST(AffineMapKernels, HoldStreamDelaysWhatIsQueuedBehindIt) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  DeviceBuffer<float> out(2 * 8 * 8);
+  cudaEvent_t ev[3] = {};
+  for (cudaEvent_t& e : ev) ASSERT_EQ(cudaEventCreate(&e), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(ev[0], nullptr), cudaSuccess);
+  cuda::hold_stream(nullptr, 5e-3);
+  ASSERT_EQ(cudaEventRecord(ev[1], nullptr), cudaSuccess);
+  cuda::fill_identity(out.data(), 2, 8, 8, nullptr);
+  ASSERT_EQ(cudaEventRecord(ev[2], nullptr), cudaSuccess);
+  check_device_sync();
+  float held = 0.f, after = 0.f;
+  ASSERT_EQ(cudaEventElapsedTime(&held, ev[0], ev[1]), cudaSuccess);
+  ASSERT_EQ(cudaEventElapsedTime(&after, ev[1], ev[2]), cudaSuccess);
+  for (cudaEvent_t e : ev) cudaEventDestroy(e);
+  EXPECT_GE(held, 4.9f);             // ms; the global timer ticks in microseconds
+  EXPECT_LT(held, 500.f);            // it ends
+  EXPECT_LT(after, 1.f);             // the launch queued behind it, timed alone
+  EXPECT_EQ(out.to_host()[9], 1.f);  // and it ran: (0, 1, 1) of the identity
+  expect_error([] { cuda::hold_stream(nullptr, 0.0); }, "seconds");
+  expect_error([] { cuda::hold_stream(nullptr, 2.0); }, "seconds");
+  expect_error([] { cuda::hold_stream(nullptr, std::nan("")); }, "seconds");
+}
+
 // ---- CpMixer on the GPU, one rank, vs the fp64 reference ----------------------------
 
 using MixerParam = std::tuple<Variant, DType, Layout>;

@@ -1,14 +1,15 @@
 // Small fp32 kernels on batches of affine maps S_out = M S_in + E (DESIGN §5):
 // what the device exchange composes and applies, the two-level summary's
-// fold and the pre-pass's Horner steps compose, and the finiteness count the
-// CP mixer's input checks use. The maps are tiny (Dk <= 256 per head), so
-// these are plain CUDA-core kernels in fp32 (no TF32: a handful of products
-// whose errors nothing repeats). Full maps go through 32 x 32 output tiles
-// with the operands staged in shared memory (map_product_kernel): one
-// thread per output element took 21 us for 16 maps of 128 x 128 (a merge),
-// the tiles 14; cuBLAS's fp32 batched GEMM about the same (PERF_NOTES,
-// twenty-fifth session). The summary's fold and the pre-pass's Horner steps,
-// chains of such products, run as one launch each (maps_chain_kernel).
+// fold and the pre-pass's Horner steps compose, the finiteness count the
+// CP mixer's input checks use, and the NCCL link probe's stream hold. The
+// maps are tiny (Dk <= 256 per head), so these are plain CUDA-core kernels
+// in fp32 (no TF32: a handful of products whose errors nothing repeats).
+// Full maps go through 32 x 32 output tiles with the operands staged in
+// shared memory (map_product_kernel): one thread per output element took
+// 21 us for 16 maps of 128 x 128 (a merge), the tiles 14; cuBLAS's fp32
+// batched GEMM about the same (PERF_NOTES, twenty-fifth session). The
+// summary's fold and the pre-pass's Horner steps, chains of such products,
+// run as one launch each (maps_chain_kernel).
 
 #include <algorithm>
 #include <cstdint>
@@ -447,6 +448,27 @@ void fill_identity(float* out, int64_t maps, int64_t dk, int64_t dv, cudaStream_
   if (n == 0) return;
   identity_kernel<<<blocks_for(n), kThreads, 0, stream>>>(out, maps, dk, dv);
   SS_LAUNCH_CHECK("identity_kernel");
+}
+
+namespace {
+
+// Spins (sleeping a microsecond between reads) until the global timer has
+// moved `ns` nanoseconds past its first read.
+__global__ void hold_kernel(uint64_t ns) {
+  uint64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
+}  // namespace
+
+void hold_stream(cudaStream_t stream, double seconds) {
+  SS_CHECK_ARG(seconds > 0 && seconds <= 1, "seconds", "is ", seconds, ", must be in (0, 1]");
+  hold_kernel<<<1, 1, 0, stream>>>(static_cast<uint64_t>(seconds * 1e9));
+  SS_LAUNCH_CHECK("hold_kernel");
 }
 
 namespace {

@@ -294,4 +294,12 @@ void count_bad_log_gates(const float* g, int64_t n, int64_t* count, cudaStream_t
 // out[m] = identity (Dk x Dv, ones where i == j) for `maps` states.
 void fill_identity(float* out, int64_t maps, int64_t dk, int64_t dv, cudaStream_t stream);
 
+// Queues a one-thread kernel that keeps `stream` busy for `seconds` (0 <
+// seconds <= 1, by the GPU's global timer). What the host queues behind it
+// meanwhile starts as soon as it ends, so an event recorded right after it
+// and one after that work time the work alone, not the host's time to queue
+// it. The NCCL link probe (measure_link_device) holds its stream so before
+// every timed shift. Throws naming "seconds" outside that range.
+void hold_stream(cudaStream_t stream, double seconds);
+
 }  // namespace statescan::cuda
