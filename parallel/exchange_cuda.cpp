@@ -133,7 +133,7 @@ int64_t scan_allgather(Communicator& comm, const DeviceScanMaps& d, const Order&
 }
 
 int64_t scan_ring(Communicator& comm, const DeviceScanMaps& d, const Order& ord, float* S,
-                  cudaStream_t stream, cudaEvent_t maps_ready) {
+                  cudaStream_t stream) {
   const int prev = ord.rank_at(ord.pos() - 1), next = ord.rank_at(ord.pos() + 1);
   const int64_t state = d.maps() * d.dk * d.dv;
   SS_CUDA_CHECK(cudaMemsetAsync(S, 0, state * sizeof(float), stream));
@@ -162,8 +162,6 @@ int64_t scan_ring(Communicator& comm, const DeviceScanMaps& d, const Order& ord,
                                       cudaMemcpyDeviceToDevice, stream));
     }
     if (next < 0) continue;
-    if (maps_ready != nullptr && c0 == 0)  // M and E are read from here on
-      SS_CUDA_CHECK(cudaStreamWaitEvent(stream, maps_ready, 0));
     cuda::apply_affine_maps(mine, prev >= 0 ? in.get() : nullptr, out.get(), c0, w, stream);
     comm.send(out.get(), block, CommType::f32, next, kTag);
     sent += static_cast<int64_t>(block * sizeof(float));
@@ -224,12 +222,10 @@ int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const Devic
   SS_CHECK_ARG(incoming != nullptr, "incoming", "must be a device array");
   SS_CHECK_ARG(strategy != Exchange::automatic, "exchange", "must be resolved before the scan");
   const Order ord{comm.rank(), comm.size(), order == ScanOrder::reverse};
-  // Only a ring rank with a predecessor has work (its receive) that does not
-  // read its own maps; everything else starts once they are ready.
-  const bool receive_first = is_nccl(comm) && strategy == Exchange::ring && ord.size > 1 &&
-                             ord.rank_at(ord.pos() - 1) >= 0;
-  if (!receive_first && maps_ready != nullptr)
-    SS_CUDA_CHECK(cudaStreamWaitEvent(stream, maps_ready, 0));
+  // Everything waits for the maps, also a ring rank's first receive, which
+  // reads none of them: posted earlier, NCCL's kernel would sit on
+  // multiprocessors the summary's one wave of clusters needs (header).
+  if (maps_ready != nullptr) SS_CUDA_CHECK(cudaStreamWaitEvent(stream, maps_ready, 0));
   if (started != nullptr) SS_CUDA_CHECK(cudaEventRecord(started, stream));
   if (ord.size == 1) {
     SS_CUDA_CHECK(
@@ -249,7 +245,7 @@ int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const Devic
     case Exchange::allgather:
       return scan_allgather(*link, maps, ord, incoming, stream);
     case Exchange::ring:
-      return scan_ring(*link, maps, ord, incoming, stream, receive_first ? maps_ready : nullptr);
+      return scan_ring(*link, maps, ord, incoming, stream);
     case Exchange::tree:
       return scan_tree(*link, maps, ord, incoming, stream);
     case Exchange::automatic:

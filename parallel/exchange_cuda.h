@@ -41,13 +41,15 @@ struct DeviceScanMaps {
 // [rows, heads, Dk, Dv]; zeros for the first rank in scan order) and returns
 // the bytes this rank sent. `strategy` must be resolved.
 //
-// Overlap: when `maps_ready` is given, `stream` waits for that event only
-// where M and E are first read, so the ring can post its receive from the
-// predecessor (and wait for it) while the summary that produces M and E is
-// still running on another stream. `started` (optional) is recorded on
-// `stream` where the exchange's own work begins: at once for a ring rank
-// that receives first, after `maps_ready` otherwise; the time from `started`
-// to `maps_ready` is exchange hidden behind the summary.
+// `maps_ready` (optional): `stream` waits for it before any of the
+// exchange's work, the ring's first receive included, although that reads
+// none of M and E. Posted while the summary that makes them runs, an NCCL
+// receive keeps its kernel resident (640 threads at 96 registers: a whole
+// multiprocessor a block) beside a summary that is one wave of clusters of
+// two sized to the GPCs, with two multiprocessors to spare: on an H100,
+// three taken before it launched made Gated DeltaNet's summary 1.78 ms
+// instead of 1.00 (PERF_NOTES, sixty-sixth session). `started` (optional)
+// is recorded on `stream` where the exchange's own work begins.
 int64_t exclusive_scan_device(Communicator& comm, Exchange strategy, const DeviceScanMaps& maps,
                               ScanOrder order, float* incoming, cudaStream_t stream,
                               cudaEvent_t maps_ready = nullptr, cudaEvent_t started = nullptr);

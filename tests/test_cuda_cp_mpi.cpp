@@ -170,6 +170,9 @@ class CudaCpInvariance : public ::testing::TestWithParam<Case> {
       }
     }
     EXPECT_TRUE(cp.last_forward_stats().on_device);
+    // The forward's exchange waits for the summary and the local pass for it:
+    // nothing hides it (an early ring receive would sit beside the summary).
+    EXPECT_EQ(cp.last_forward_stats().hidden_s, 0.0);
     return {std::move(full), std::move(mine)};
   }
   std::vector<double> local(const std::vector<float>& x, int64_t inner) const {
