@@ -128,9 +128,30 @@ void collective_check(Communicator& comm, const std::function<void()>& check) {
 
   int64_t reported = 0;
   std::memcpy(&reported, bytes, kRankBytes);
-  throw Error(unpack_text(bytes + kRankBytes, kArgumentBytes),
-              unpack_text(bytes + kRankBytes + kArgumentBytes, kMessageBytes),
-              static_cast<int>(reported));
+  Error agreed(unpack_text(bytes + kRankBytes, kArgumentBytes),
+               unpack_text(bytes + kRankBytes + kArgumentBytes, kMessageBytes),
+               static_cast<int>(reported));
+  throw agreed.mark_peers_know();
+}
+
+void tell_peers_on_failure(std::initializer_list<Communicator*> groups,
+                           const std::function<void()>& body) {
+  auto tell = [&](const std::string& what) {
+    for (Communicator* group : groups)
+      if (group != nullptr) group->notify_failure(what);
+  };
+  try {
+    body();
+  } catch (const Error& e) {
+    if (!e.peers_know()) tell(e.what());
+    throw;
+  } catch (const std::exception& e) {
+    tell(detail::concat("unexpected exception: ", e.what()));
+    throw;
+  } catch (...) {
+    tell("unexpected non-standard exception");
+    throw;
+  }
 }
 
 int64_t content_hash(const void* data, std::size_t bytes) {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <utility>
@@ -21,6 +22,15 @@ namespace statescan {
 // Collective; costs one small all-reduce when nothing failed (plus one
 // broadcast of the message when something did).
 void collective_check(Communicator& comm, const std::function<void()>& check);
+
+// Runs `body`; when it throws something its peers do not already know of
+// (any exception but a statescan::Error with peers_know() set), tells each
+// group of `groups` (Communicator::notify_failure; null entries skipped) and
+// rethrows, so that peers waiting for this rank fail at once, naming it and
+// its error, instead of at their timeout. For a layer's calls between
+// collectives: an error collective_check raised is every rank's already.
+void tell_peers_on_failure(std::initializer_list<Communicator*> groups,
+                           const std::function<void()>& body);
 
 // FNV-1a of `bytes` bytes: lets the ranks confirm with one small all-gather
 // that they hold the same array (initial weights, packed-sequence offsets).

@@ -153,9 +153,13 @@ bool is_nccl(const Communicator& comm) {
 }
 
 void check_host_tensors_allowed(const Communicator& comm, const char* argument, const char* owner) {
-  SS_CHECK_ARG(!is_nccl(comm), argument,
-               "host tensors need a host communicator (MPI or a single rank); this ", owner,
-               "'s is NCCL: pass device tensors");
+  if (!is_nccl(comm)) return;
+  // Every rank throws this alike (see the header): no peer needs a notice.
+  Error e(argument,
+          detail::concat("host tensors need a host communicator (MPI or a single rank); this ",
+                         owner, "'s is NCCL: pass device tensors"),
+          __FILE__, __LINE__);
+  throw e.mark_peers_know();
 }
 
 Communicator& host_collectives(Communicator& comm, std::unique_ptr<Communicator>& slot) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <ostream>
+#include <string>
 
 namespace statescan {
 
@@ -76,6 +77,18 @@ class Communicator {
   // Backends that never wait for anyone (SingleRankCommunicator) ignore it.
   virtual void set_timeout(std::chrono::milliseconds timeout) { (void)timeout; }
   virtual std::chrono::milliseconds timeout() const { return std::chrono::milliseconds::zero(); }
+
+  // Fault notices. A rank whose own work fails between two calls of the group
+  // (after the ranks last agreed: an allocation, a kernel, a callback) calls
+  // this before it gives up, so that its peers do not wait for it until their
+  // timeout: each peer's call that waits for this rank, pending or next, then
+  // throws statescan::Error naming this rank and `what` (Error::peers_know()
+  // set) within milliseconds. Not collective; never blocks; never throws.
+  // Afterwards the communicator is unusable on this rank, and on each peer
+  // once it has heard (collectives stand half done). Errors every rank raised
+  // alike (collective_check) need no notice. Default: nobody to tell (a
+  // group of one, or a backend with no channel for it).
+  virtual void notify_failure(const std::string& what) noexcept { (void)what; }
 };
 
 // A group of one: collectives copy; send and recv take only peer -1 (nobody),
@@ -104,7 +117,8 @@ bool is_nccl(const Communicator& comm);
 // Host tensors take host collectives: throws statescan::Error naming
 // `argument` where `comm` is NCCL ("this <owner>'s is NCCL: pass device
 // tensors"). Local; callers reach it on every rank alike (the ranks have
-// agreed on where their tensors live and share the communicator's kind).
+// agreed on where their tensors live and share the communicator's kind), so
+// its error has Error::peers_know() set.
 void check_host_tensors_allowed(const Communicator& comm, const char* argument, const char* owner);
 
 // `comm` for host-buffer collectives (control planes: argument agreement,

@@ -41,6 +41,8 @@ constexpr std::chrono::milliseconds kSpinPeriod{1000};
 constexpr std::chrono::microseconds kPollInterval{100};
 // How long a cancelled receive may take to report its cancellation.
 constexpr std::chrono::milliseconds kCancelGrace{100};
+// The tag of fault notices on their own duplicate of the group.
+constexpr int kNoticeTag = 0;
 
 MPI_Datatype mpi_type(CommType t) {
   switch (t) {
@@ -270,7 +272,12 @@ void MpiCommunicator::init_owned() {
     SS_MPI_CHECK(MPI_Comm_compare(comm_, MPI_COMM_WORLD, &relation));
     if (relation == MPI_IDENT || relation == MPI_CONGRUENT)
       remember_world_local_shape(local_rank_, local_size_);
+    // Every rank is here (the group was just made): a blocking duplicate
+    // cannot wait for an absent one.
+    SS_MPI_CHECK(MPI_Comm_dup(comm_, &notices_));
+    SS_MPI_CHECK(MPI_Comm_set_errhandler(notices_, MPI_ERRORS_RETURN));
   } catch (...) {
+    if (notices_ != MPI_COMM_NULL) MPI_Comm_free(&notices_);
     MPI_Comm_free(&comm_);
     throw;
   }
@@ -288,6 +295,7 @@ MpiCommunicator::~MpiCommunicator() {
     int flag = 0;
     MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
   }
+  if (notices_ != MPI_COMM_NULL) MPI_Comm_free(&notices_);
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
@@ -298,7 +306,7 @@ void MpiCommunicator::set_timeout(std::chrono::milliseconds timeout) {
 
 void MpiCommunicator::check_usable() const {
   SS_CHECK_ARG(failure_.empty(), "mpi", "this communicator is unusable after an earlier ", failure_,
-               "; end the job (MPI cannot recover a timed-out collective)");
+               "; end the job (MPI cannot take back the operations it left posted)");
 }
 
 // Polls every op with MPI_Test until all are done. A request that completes in
@@ -321,6 +329,13 @@ void MpiCommunicator::await(Pending* ops, int n, const char* call, const char* o
       }
     }
     if (remaining == 0) break;
+    const std::string notice = take_notice();
+    if (!notice.empty()) {
+      abandon(ops, n);
+      Error e("mpi", detail::concat(call, " in ", op, " stopped waiting: ", notice), __FILE__,
+              __LINE__);
+      throw e.mark_peers_know();
+    }
     const auto waited = Clock::now() - start;
     if (timeout_.count() > 0 && waited >= timeout_) break;
     if (waited < kSpinPeriod) {
@@ -331,8 +346,19 @@ void MpiCommunicator::await(Pending* ops, int n, const char* call, const char* o
   }
   if (remaining == 0) return;
 
-  // Timed out. Receives can be withdrawn, so their buffers are safe again;
-  // everything else stays posted (MPI forbids cancelling a collective).
+  const int waited_for = abandon(ops, n);
+  const std::string peer_text = waited_for >= 0
+                                    ? detail::concat("peer ", waited_for)
+                                    : detail::concat("a peer of this group of ", size_,
+                                                     " ranks died or did not make the same call");
+  failure_ = detail::concat(call, " in ", op, " that timed out after ", timeout_.count(), " ms");
+  SS_FAIL("mpi", call, " timed out after ", timeout_.count(), " ms in ", op, " (", peer_text, ")");
+}
+
+// Receives can be withdrawn, so their buffers are safe again; everything else
+// stays posted (MPI forbids cancelling a collective).
+int MpiCommunicator::abandon(Pending* ops, int n) {
+  using Clock = std::chrono::steady_clock;
   int waited_for = -1;
   for (int i = 0; i < n; ++i) {
     Pending& p = ops[i];
@@ -349,12 +375,52 @@ void MpiCommunicator::await(Pending* ops, int n, const char* call, const char* o
     }
     stranded_.push_back(p.request);
   }
-  const std::string peer_text = waited_for >= 0
-                                    ? detail::concat("peer ", waited_for)
-                                    : detail::concat("a peer of this group of ", size_,
-                                                     " ranks died or did not make the same call");
-  failure_ = detail::concat(call, " in ", op, " that timed out after ", timeout_.count(), " ms");
-  SS_FAIL("mpi", call, " timed out after ", timeout_.count(), " ms in ", op, " (", peer_text, ")");
+  return waited_for;
+}
+
+std::string MpiCommunicator::take_notice() {
+  if (notices_ == MPI_COMM_NULL || !failure_.empty()) return {};  // constructing, or failed
+  int flag = 0;
+  MPI_Status status{};
+  SS_MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, kNoticeTag, notices_, &flag, &status));
+  if (flag == 0) return {};
+  int bytes = 0;
+  SS_MPI_CHECK(MPI_Get_count(&status, MPI_CHAR, &bytes));
+  std::string text(static_cast<std::size_t>(std::max(bytes, 0)), '\0');
+  // Probed, so it is here: the receive completes at once.
+  SS_MPI_CHECK(MPI_Recv(&text[0], bytes, MPI_CHAR, status.MPI_SOURCE, kNoticeTag, notices_,
+                        MPI_STATUS_IGNORE));
+  failure_ = detail::concat("fault notice from rank ", status.MPI_SOURCE, " of the group");
+  return detail::concat("rank ", status.MPI_SOURCE, " of this group of ", size_,
+                        " failed on its own and told its peers. Its error: ", text);
+}
+
+void MpiCommunicator::notify_failure(const std::string& what) noexcept {
+  try {
+    int finalised = 0;
+    if (notified_ || size_ == 1 || notices_ == MPI_COMM_NULL ||
+        MPI_Finalized(&finalised) != MPI_SUCCESS || finalised != 0)
+      return;
+    notified_ = true;
+    // Cut at a UTF-8 character boundary; the buffer lives as long as this
+    // communicator (the sends may complete after this returns).
+    std::size_t keep = std::min(what.size(), kNoticeBytes);
+    while (keep > 0 && keep < what.size() &&
+           (static_cast<unsigned char>(what[keep]) & 0xC0u) == 0x80u)
+      --keep;
+    stranded_buffers_.emplace_back(what.begin(), what.begin() + static_cast<std::ptrdiff_t>(keep));
+    std::vector<unsigned char>& text = stranded_buffers_.back();
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      MPI_Request request = MPI_REQUEST_NULL;
+      if (MPI_Isend(text.data(), static_cast<int>(text.size()), MPI_CHAR, peer, kNoticeTag,
+                    notices_, &request) == MPI_SUCCESS)
+        stranded_.push_back(request);
+    }
+    if (failure_.empty()) failure_ = "failure on this rank, which its peers were told of";
+  } catch (...) {
+    // Best effort: the caller is already on its way out with its own error.
+  }
 }
 
 void MpiCommunicator::set_max_piece_elements(std::size_t elements) {

@@ -27,6 +27,14 @@
 // the timed-out call may still be written if the peer turns up late, and this
 // communicator refuses every later call. The application should then end the
 // job (MPI_Abort) or at least abandon the communicator.
+//
+// Fault notices: a rank that fails on its own between calls (after the ranks
+// last agreed) can say so with notify_failure; every wait polls for notices
+// beside its operations, so a peer waiting for that rank throws at once
+// ("<call> in <op> stopped waiting: rank r of this group of P failed on its
+// own and told its peers. Its error: ...") instead of after the timeout, and the communicator is
+// unusable after that as after a timeout. CpMixer and LactLayer send one whenever their call fails
+// on this rank alone.
 #pragma once
 
 // Leave out the deprecated MPI-2 C++ bindings: Open MPI's declare a global
@@ -133,6 +141,19 @@ class MpiCommunicator final : public Communicator {
   void set_timeout(std::chrono::milliseconds timeout) override;
   std::chrono::milliseconds timeout() const override { return timeout_; }
 
+  // Fault notices (Communicator::notify_failure) travel on a private
+  // duplicate of the group, so they never meet the caller's messages or the
+  // collectives: a short message (the first kNoticeBytes bytes of `what`) to
+  // every peer, sent without waiting. Every wait of this communicator polls
+  // for them beside its own operations.
+  void notify_failure(const std::string& what) noexcept override;
+  // When a peer's fault notice has arrived: marks this communicator failed
+  // and returns a sentence naming the peer and its error; else "" at once.
+  // For a caller that waits on something else for work its peers feed
+  // (NcclCommunicator polls it while it waits for its stream).
+  std::string take_notice();
+  static constexpr std::size_t kNoticeBytes = 1024;
+
  private:
   // One posted non-blocking operation of a call and how it ended.
   struct Pending {
@@ -164,6 +185,9 @@ class MpiCommunicator final : public Communicator {
   // cancels the receives, keeps the rest in stranded_, marks this
   // communicator failed and throws naming `call`, `op` and the peer.
   void await(Pending* ops, int n, const char* call, const char* op);
+  // Cancels the receives of `ops` that are not done and strands the rest (a
+  // call that gives up); returns the peer of the first one, or -1.
+  int abandon(Pending* ops, int n);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
@@ -171,7 +195,9 @@ class MpiCommunicator final : public Communicator {
   int tag_upper_bound_ = 32767;  // the MPI standard's guaranteed minimum
   std::size_t max_piece_elements_;
   std::chrono::milliseconds timeout_;
-  std::string failure_;                // non-empty after a timeout: what timed out
+  MPI_Comm notices_ = MPI_COMM_NULL;   // a duplicate of comm_ for fault notices alone
+  bool notified_ = false;              // this rank sent its notice
+  std::string failure_;                // non-empty after a timeout or a notice: what failed
   std::vector<MPI_Request> stranded_;  // posted operations a timeout left behind
   // Internal buffers of those operations (send_recv's in-place copy): MPI may
   // still read them, so they live as long as this communicator.

@@ -190,7 +190,10 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(MpiCommunicator& mpi,
     if (comm != nullptr) ncclCommAbort(comm);
     throw;
   }
-  return set_up_everywhere(mpi, comm, device, stream, timeout, "ncclCommInitRankConfig");
+  auto made = set_up_everywhere(mpi, comm, device, stream, timeout, "ncclCommInitRankConfig");
+  made->notices_ = std::make_unique<MpiCommunicator>(mpi.native());  // collective, timed
+  made->notices_->set_timeout(timeout);
+  return made;
 }
 
 // Initialised and set up on every rank, or aborted on every rank: a rank
@@ -311,6 +314,14 @@ void NcclCommunicator::abort(const std::string& reason) {
   for (; group_depth_ > 0; --group_depth_) (void)ncclGroupEnd();
 }
 
+// The notice goes first: aborting may wait for the node's other ranks to
+// abort too, which they do once they hear it.
+void NcclCommunicator::notify_failure(const std::string& what) noexcept {
+  if (!failure_.empty() || comm_ == nullptr) return;
+  if (notices_) notices_->notify_failure(what);
+  abort("this rank's own failure, which its peers were told of");
+}
+
 // Aborting releases this rank's kernels that wait for a peer, so the stream
 // drains and the process can go on to report the error.
 void NcclCommunicator::fail(const std::string& message) {
@@ -341,6 +352,14 @@ void NcclCommunicator::poll(const char* op, cudaStream_t* stream_done) {
       fail(detail::concat(op, " failed: NCCL reports ", ncclGetErrorString(state),
                           last != nullptr && *last != '\0' ? detail::concat(" (", last, ")") : "",
                           " (an error on a peer or on this rank's network)"));
+    }
+    if (notices_) {
+      const std::string notice = notices_->take_notice();
+      if (!notice.empty()) {
+        abort(notice);
+        Error e("nccl", detail::concat(op, " stopped waiting: ", notice), __FILE__, __LINE__);
+        throw e.mark_peers_know();
+      }
     }
     accepted = state == ncclSuccess;
     if (accepted) {
@@ -549,7 +568,14 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
     throw;
   }
   // Agreed over the parent, which is idle again.
-  return set_up_everywhere(control, sub, device_, stream_, timeout_, "ncclCommSplit");
+  auto child = set_up_everywhere(control, sub, device_, stream_, timeout_, "ncclCommSplit");
+  if (notices_) {
+    // The same groups over MPI (collective over the parent's ranks, as the
+    // NCCL split was) carry the child's notices.
+    std::unique_ptr<Communicator> channel = notices_->split(color, key);
+    child->notices_.reset(static_cast<MpiCommunicator*>(channel.release()));
+  }
+  return child;
 }
 
 }  // namespace statescan

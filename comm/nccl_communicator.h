@@ -19,7 +19,9 @@
 // unusable: every later call throws. NCCL expects every active rank to call
 // ncclCommAbort, and the abort may wait for the other ranks of the node to
 // abort too; they do, each when its own wait fails or times out (or by
-// calling abort()). Synchronising the stream yourself
+// calling abort()). A rank that fails on its own between calls can say so
+// with notify_failure: its peers' waits hear it over MPI within milliseconds
+// instead of timing out. Synchronising the stream yourself
 // (cudaStreamSynchronize) bypasses the watchdog and can hang if a peer died:
 // wait through the communicator.
 //
@@ -176,6 +178,12 @@ class NcclCommunicator final : public Communicator {
   void abort(const std::string& reason);
   bool aborted() const { return !failure_.empty(); }
 
+  // Tells the peers over MPI (the communicator carries a private MPI
+  // duplicate of the group it was created over, for fault notices alone),
+  // then aborts: a peer's wait polls for notices beside its stream and
+  // NCCL's error state, aborts and throws naming this rank and `what`.
+  void notify_failure(const std::string& what) noexcept override;
+
  private:
   NcclCommunicator(ncclComm_t comm, int device, cudaStream_t stream,
                    std::chrono::milliseconds timeout);
@@ -211,6 +219,9 @@ class NcclCommunicator final : public Communicator {
   std::chrono::milliseconds timeout_;
   int group_depth_ = 0;      // nesting of group_start() on this communicator
   std::string failure_;      // non-empty once aborted: why
+  // Fault notices' channel: a duplicate of the MPI group this communicator
+  // was created over (create(); split() splits it alike).
+  std::unique_ptr<MpiCommunicator> notices_;
   void* scratch_ = nullptr;  // device memory for in-place send_recv's outgoing copy
   std::size_t scratch_bytes_ = 0;
   cudaStream_t scratch_stream_ = nullptr;  // the stream of the scratch's last use

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "comm/communicator.h"
 #include "comm/nccl_communicator.h"
@@ -35,6 +36,7 @@ class NcclHostStaged final : public Communicator {
   }
   void barrier() override { nccl_.barrier(); }
   std::unique_ptr<Communicator> split(int, int) override { refuse("split"); }
+  void notify_failure(const std::string& what) noexcept override { nccl_.notify_failure(what); }
 
  private:
   [[noreturn]] static void refuse(const char* op);

@@ -31,10 +31,21 @@ class Error : public std::runtime_error {
   // rebuilt from another rank's text has only that text.
   const std::string& message() const { return message_; }
 
+  // Whether every peer of the group already knows of this failure: an error
+  // that collective_check raised alike on every rank, or one that reports a
+  // peer's fault notice (Communicator::notify_failure). A layer that tells its
+  // peers when its call fails on this rank alone skips these.
+  bool peers_know() const { return peers_know_; }
+  Error& mark_peers_know() {
+    peers_know_ = true;
+    return *this;
+  }
+
  private:
   std::string argument_;
   std::string message_;
   int rank_;
+  bool peers_know_ = false;
 };
 
 namespace detail {

@@ -342,6 +342,14 @@ Communicator& CpMixer::agreement_comm() {
 }
 
 void CpMixer::forward(const CpForwardArgs& a) {
+  tell_peers_on_failure({&comm_, control_}, [&] { run_forward(a); });
+}
+
+void CpMixer::backward(const CpBackwardArgs& a) {
+  tell_peers_on_failure({&comm_, control_}, [&] { run_backward(a); });
+}
+
+void CpMixer::run_forward(const CpForwardArgs& a) {
   if (any_on_device(a)) {
     saved_.reset();
     forward_device(a);
@@ -478,7 +486,7 @@ void CpMixer::forward(const CpForwardArgs& a) {
   report_to_observer(fwd_stats_, Phase::fwd);
 }
 
-void CpMixer::backward(const CpBackwardArgs& a) {
+void CpMixer::run_backward(const CpBackwardArgs& a) {
   if (saved_on_device_ || any_on_device(a)) {
     backward_device(a);
     return;

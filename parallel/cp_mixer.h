@@ -93,8 +93,13 @@ class CpMixer {
   // throws the same statescan::Error on all of them, before anything is
   // written). Keeps the inputs' views and the chunk states for backward: the
   // input memory must stay valid and unchanged until backward returns.
+  // A failure on this rank alone after that (a device allocation, a kernel,
+  // the observer) reaches the peers as a fault notice on the mixer's
+  // communicators (Communicator::notify_failure): their calls throw at once,
+  // naming this rank and its error, instead of waiting out the timeout, and
+  // the communicators are unusable afterwards, as after a timeout.
   void forward(const CpForwardArgs& args);
-  // Collective. Needs a preceding forward on this mixer.
+  // Collective. Needs a preceding forward on this mixer. Failures as forward.
   void backward(const CpBackwardArgs& args);
 
   // The GPU path over NCCL agrees on arguments and errors (a few host bytes,
@@ -126,6 +131,9 @@ class CpMixer {
   struct DeviceStateDeleter {
     void operator()(DeviceState* state) const;
   };
+  // forward() and backward() before a failure is told to the peers.
+  void run_forward(const CpForwardArgs& args);
+  void run_backward(const CpBackwardArgs& args);
   void forward_device(const CpForwardArgs& args);
   void backward_device(const CpBackwardArgs& args);
   // The communicator both paths agree on arguments over: control_, else

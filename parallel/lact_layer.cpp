@@ -192,6 +192,14 @@ LactAllReduce<float> LactLayer::all_reduce(LactExchangeStats& stats) {
 }
 
 void LactLayer::forward(const LactForwardArgs& a) {
+  tell_peers_on_failure({&comm_}, [&] { run_forward(a); });
+}
+
+void LactLayer::backward(const LactBackwardArgs& a) {
+  tell_peers_on_failure({&comm_}, [&] { run_backward(a); });
+}
+
+void LactLayer::run_forward(const LactForwardArgs& a) {
   saved_.reset();
   device_.reset();
   if (on_device(a.q)) {
@@ -218,7 +226,7 @@ void LactLayer::forward(const LactForwardArgs& a) {
   saved_ = std::move(saved);
 }
 
-void LactLayer::backward(const LactBackwardArgs& a) {
+void LactLayer::run_backward(const LactBackwardArgs& a) {
   if (device_ != nullptr || on_device(a.d_o)) {
     backward_device(a);
     return;

@@ -90,8 +90,12 @@ class LactLayer {
   // fault on any rank throws the same statescan::Error on all of them before
   // anything is written. Keeps views of the inputs for backward: their memory
   // must stay valid and unchanged until backward returns.
+  // A failure on this rank alone after that (a device allocation, a kernel)
+  // reaches the peers as a fault notice (Communicator::notify_failure): their
+  // calls throw at once, naming this rank and its error, instead of waiting
+  // out the timeout, and the communicator is unusable afterwards.
   void forward(const LactForwardArgs& args);
-  // Collective. Needs a preceding forward on this layer.
+  // Collective. Needs a preceding forward on this layer. Failures as forward.
   void backward(const LactBackwardArgs& args);
 
   const LactConfig& config() const { return config_; }
@@ -107,6 +111,9 @@ class LactLayer {
     void operator()(DeviceState* state) const;
   };
   LactAllReduce<float> all_reduce(LactExchangeStats& stats);
+  // forward() and backward() before a failure is told to the peers.
+  void run_forward(const LactForwardArgs& args);
+  void run_backward(const LactBackwardArgs& args);
   void forward_device(const LactForwardArgs& args);
   void backward_device(const LactBackwardArgs& args);
   // The communicator the host path agrees on arguments over: comm_, or over

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/collective_check.h"
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
 #include "tests/scoped_env.h"
@@ -44,6 +45,7 @@ std::unique_ptr<MpiCommunicator> coordinator() {
 // What one rank saw of a call.
 struct Outcome {
   bool threw = false;
+  bool peers_know = false;
   std::string argument, what;
   milliseconds elapsed{0};
 };
@@ -56,6 +58,7 @@ Outcome timed(F&& call) {
     call();
   } catch (const Error& e) {
     o.threw = true;
+    o.peers_know = e.peers_know();
     o.argument = e.argument();
     o.what = e.what();
   }
@@ -326,6 +329,168 @@ TEST_F(MpiPointToPointFault, RingHandOffSuccessorOfTheVictimTimesOut) {
     EXPECT_EQ(got, prev);
   }
   world_->barrier();
+}
+
+// ---- a victim fails on its own and says so --------------------------------------------
+
+// What the victim's notice says: the text of its own error.
+constexpr char kVictimError[] = "statescan error [rank 7] argument 'q': injected local fault";
+
+// Expects `o` to be a survivor's error on the victim's notice in `op`, long
+// before the (coordination-sized) timeout.
+void expect_notice(const Outcome& o, const std::string& op, int victim, int size) {
+  ASSERT_TRUE(o.threw) << op << " returned after " << o.elapsed.count() << " ms";
+  EXPECT_EQ(o.argument, "mpi") << o.what;
+  EXPECT_TRUE(o.peers_know) << "a notice is every rank's news: nothing to tell again";
+  EXPECT_NE(o.what.find(" in " + op + " stopped waiting: rank " + std::to_string(victim) +
+                        " of this group of " + std::to_string(size) + " failed on its own"),
+            std::string::npos)
+      << o.what;
+  EXPECT_NE(o.what.find(std::string("Its error: ") + kVictimError), std::string::npos) << o.what;
+  EXPECT_LT(o.elapsed, kSlack);
+}
+
+MPI_Comm native_of(const Communicator& comm) {
+  return dynamic_cast<const MpiCommunicator&>(comm).native();
+}
+
+// The operation a survivor left posted, matched by the victim straight on
+// MPI (its communicator refuses calls after its notice), so that nothing is
+// pending when MPI finalises. The same non-blocking calls the survivors'
+// MpiCommunicator posted (blocking ones would not match them).
+void match_late(Op op, MPI_Comm comm, int size) {
+  std::vector<int64_t> send(4, 1), recv(4 * static_cast<std::size_t>(size), 0);
+  MPI_Request request = MPI_REQUEST_NULL;
+  switch (op) {
+    case Op::all_gather:
+      MPI_Iallgather(send.data(), 4, MPI_INT64_T, recv.data(), 4, MPI_INT64_T, comm, &request);
+      break;
+    case Op::all_reduce_sum:
+      MPI_Iallreduce(MPI_IN_PLACE, send.data(), 4, MPI_INT64_T, MPI_SUM, comm, &request);
+      break;
+    case Op::all_reduce_max:
+      MPI_Iallreduce(MPI_IN_PLACE, send.data(), 4, MPI_INT64_T, MPI_MAX, comm, &request);
+      break;
+    case Op::broadcast:
+      MPI_Ibcast(send.data(), 4, MPI_INT64_T, 0, comm, &request);
+      break;
+    case Op::barrier:
+      MPI_Ibarrier(comm, &request);
+      break;
+    case Op::split:  // the survivors stopped in split's gather of (call, color, key)
+      MPI_Iallgather(send.data(), 3, MPI_INT64_T, recv.data(), 3, MPI_INT64_T, comm, &request);
+      break;
+  }
+  MPI_Wait(&request, MPI_STATUS_IGNORE);
+}
+
+class MpiNotice : public ::testing::TestWithParam<Fault> {};
+
+// The victim tells its peers instead of joining the collective: every
+// survivor throws within the slack, naming the victim and its error, though
+// its timeout is 30 s; then the communicator refuses every call, the
+// victim's too.
+TEST_P(MpiNotice, EveryWaitingPeerFailsAtOnceNamingTheVictim) {
+  const Fault fault = GetParam();
+  const auto world = coordinator();
+  const auto doomed = world->split(0, world->rank());
+  doomed->set_timeout(kCoordinationTimeout);
+  const int P = doomed->size();
+  const int victim = fault.victim == Victim::first ? 0 : P - 1;
+  const bool is_victim = doomed->rank() == victim;
+
+  Buffers buffers;
+  if (is_victim) {
+    doomed->notify_failure(kVictimError);
+    doomed->notify_failure("a second notice is not sent");
+  } else {
+    const Outcome o = timed([&] { run(fault.op, *doomed, buffers); });
+    expect_notice(o, op_name(fault.op), victim, P);
+  }
+  const Outcome refused =
+      timed([&] { doomed->all_reduce_max(buffers.send.data(), 1, CommType::i64); });
+  EXPECT_TRUE(refused.threw);
+  EXPECT_NE(refused.what.find("unusable"), std::string::npos) << refused.what;
+  EXPECT_LT(refused.elapsed, kSlack);
+
+  world->barrier();  // every survivor has heard
+  if (is_victim) match_late(fault.op, native_of(*doomed), P);
+  world->barrier();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Collectives, MpiNotice,
+    ::testing::Values(Fault{Op::all_gather, Victim::last}, Fault{Op::all_reduce_sum, Victim::first},
+                      Fault{Op::all_reduce_max, Victim::last}, Fault{Op::broadcast, Victim::first},
+                      Fault{Op::barrier, Victim::last}, Fault{Op::split, Victim::last}),
+    fault_name);
+
+// A receive from the victim hears the notice too, and is withdrawn: its
+// buffer stays as it was. A rank that waits for nobody but the victim's
+// neighbours meets the notice at its next wait.
+TEST(MpiNoticePointToPoint, AReceiverOfTheVictimStopsAtOnce) {
+  const auto world = coordinator();
+  const auto doomed = world->split(0, world->rank());
+  doomed->set_timeout(kCoordinationTimeout);
+  const int P = doomed->size(), victim = P - 1;
+  if (doomed->rank() == victim) {
+    doomed->notify_failure(kVictimError);
+  } else {
+    int64_t value = -1;
+    const Outcome o = timed([&] { doomed->recv(&value, 1, CommType::i64, victim, 5); });
+    expect_notice(o, "recv", victim, P);
+    EXPECT_EQ(value, -1) << "a withdrawn receive must not be written";
+  }
+  world->barrier();
+}
+
+// tell_peers_on_failure: a local error is told (the peers' next collective
+// fails at once naming this rank), an error collective_check agreed is not
+// (every rank threw it; the communicator stays usable for the next call).
+TEST(TellPeersOnFailure, ALocalErrorIsToldAnAgreedOneIsNot) {
+  const auto world = coordinator();
+  const auto group = world->split(0, world->rank());
+  group->set_timeout(kCoordinationTimeout);
+  const int P = group->size(), victim = P - 1;
+
+  // Agreed: a bad argument on the victim alone, seen by every rank.
+  const Outcome agreed = timed([&] {
+    tell_peers_on_failure({group.get(), nullptr}, [&] {
+      collective_check(*group, [&] {
+        if (group->rank() == victim) SS_FAIL("lr", "injected bad argument");
+      });
+    });
+  });
+  ASSERT_TRUE(agreed.threw);
+  EXPECT_EQ(agreed.argument, "lr") << agreed.what;
+  EXPECT_TRUE(agreed.peers_know);
+  int64_t sum = 1;
+  group->all_reduce_sum(&sum, 1, CommType::i64);  // still usable everywhere
+  EXPECT_EQ(sum, P);
+
+  // Local: the victim's body fails between collectives; the others wait in
+  // the next one and hear it.
+  const Outcome local = timed([&] {
+    tell_peers_on_failure({group.get()}, [&] {
+      if (group->rank() == victim) SS_FAIL("q", "injected local fault");
+      group->barrier();
+    });
+  });
+  ASSERT_TRUE(local.threw);
+  if (group->rank() == victim) {
+    EXPECT_EQ(local.argument, "q") << local.what;  // its own error, unchanged
+    EXPECT_FALSE(local.peers_know);
+  } else {
+    EXPECT_EQ(local.argument, "mpi") << local.what;
+    EXPECT_NE(local.what.find("barrier stopped waiting: rank " + std::to_string(victim)),
+              std::string::npos)
+        << local.what;
+    EXPECT_NE(local.what.find("injected local fault"), std::string::npos) << local.what;
+    EXPECT_LT(local.elapsed, kSlack);
+  }
+  world->barrier();
+  if (group->rank() == victim) match_late(Op::barrier, native_of(*group), P);
+  world->barrier();
 }
 
 // ---- a victim skips the construction ---------------------------------------------------

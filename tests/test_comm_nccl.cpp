@@ -470,5 +470,47 @@ TEST_F(NcclTest, EveryOtherRankReportsAPeerThatSkipsACollective) {
   EXPECT_EQ(after.to_host(), (std::vector<float>{1.f, 2.f}));
 }
 
+// The last rank fails on its own and says so (notify_failure) instead of
+// joining the all-reduce: every other rank's wait() must hear the notice over
+// the communicator's MPI channel and throw at once, naming it and its error,
+// though its timeout is 30 s, and abort (its stuck kernel ends). The victim
+// aborted itself, so every rank is aborted. On one rank only the victim's
+// side runs.
+TEST_F(NcclTest, APeerThatFailsAndSaysSoStopsTheOthersAtOnce) {
+  const int P = comm_->size(), me = comm_->rank();
+  comm_->set_timeout(milliseconds(30000));
+  DeviceBuffer<float> data(1024);
+  ASSERT_EQ(cudaMemsetAsync(data.data(), 0, data.bytes(), stream_), cudaSuccess);
+  comm_->barrier();
+  const int victim = P - 1;
+  if (me == victim) {
+    comm_->notify_failure("statescan error [rank 7] argument 'q': injected local fault");
+    EXPECT_TRUE(comm_->aborted());
+    expect_error([&] { comm_->all_reduce_sum(data.data(), 1024, CommType::f32); }, "nccl");
+  } else {
+    const Clock::time_point start = Clock::now();
+    std::string what;
+    bool peers_know = false;
+    try {
+      comm_->all_reduce_sum(data.data(), 1024, CommType::f32);
+      comm_->wait();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "nccl") << e.what();
+      what = e.what();
+      peers_know = e.peers_know();
+    }
+    EXPECT_LT(Clock::now() - start, kSlack);
+    EXPECT_NE(what.find("stopped waiting: rank " + std::to_string(victim) + " of this group of " +
+                        std::to_string(P) + " failed on its own"),
+              std::string::npos)
+        << "got: '" << what << "'";
+    EXPECT_NE(what.find("injected local fault"), std::string::npos) << what;
+    EXPECT_TRUE(peers_know);
+    EXPECT_TRUE(comm_->aborted());
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  }
+  mpi_->barrier();
+}
+
 }  // namespace
 }  // namespace statescan

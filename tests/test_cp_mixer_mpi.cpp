@@ -6,10 +6,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <string>
 
 #include "comm/communicator.h"
@@ -19,6 +21,7 @@
 #include "parallel/observer.h"
 #include "tests/collective_error.h"
 #include "tests/cp_test_util.h"
+#include "tests/fault_notice_util.h"
 
 namespace statescan::test {
 namespace {
@@ -342,6 +345,36 @@ TEST(CpObserver, HearsEveryPhaseOfBothPasses) {
       EXPECT_GT(summary, 0);
       EXPECT_GT(bytes, 0);
     }
+}
+
+// ---- a failure on one rank alone -----------------------------------------------------
+
+// The victim's forward throws after its last collective, so its peers'
+// forwards complete and they wait for it in the backward's first agreement.
+// They must hear its fault notice there and fail at once, naming it and its
+// error, not after their 30-second timeout; the victim keeps its own error.
+TEST(CpFaultNotice, AFailureOnOneRankStopsItsPeersAtOnce) {
+  Communicator& comm = world();
+  if (comm.size() == 1) GTEST_SKIP() << "needs peers to tell";
+  const auto group = static_cast<MpiCommunicator&>(comm).split(0, comm.rank());
+  group->set_timeout(std::chrono::milliseconds(30000));
+  const int P = group->size(), r = group->rank(), victim = P - 1;
+  const CaseProblem cpp =
+      make_problem({Variant::gated_deltanet, Exchange::ring, Layout::batch_rows}, P);
+  FailingObserver failing;
+  CpMixer mixer(*group, cpp.cfg, Exchange::ring, r == victim ? &failing : nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<Error> e;
+  try {
+    (void)run_cp(mixer, cpp.p, cpp.bounds[r], cpp.bounds[r + 1], cpp.d_o, cpp.dht);
+  } catch (const Error& err) {
+    e = err;
+  }
+  expect_told(e, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), r,
+              victim, P, "mpi");
+  comm.barrier();
+  if (r == victim) match_agreement_late(static_cast<MpiCommunicator&>(*group).native());
+  comm.barrier();
 }
 
 // ---- `auto` on a measured link -------------------------------------------------------

@@ -9,10 +9,12 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 
 #include "comm/communicator.h"
@@ -22,6 +24,7 @@
 #include "kernels/cuda/cuda_mixer.h"
 #include "tests/collective_error.h"
 #include "tests/cuda_cp_test_util.h"
+#include "tests/fault_notice_util.h"
 
 namespace statescan::test {
 namespace {
@@ -400,6 +403,65 @@ TEST_P(CudaCpErrors, ADtypeOnOneRankFailsEveryRank) {
   for (float x : o.to_host())
     ASSERT_EQ(x, sentinel) << "rank " << r << " wrote o despite the error";
   mpi().barrier();  // reaching this on every rank is the no-hang check
+}
+
+// ---- a failure on one rank alone: its peers hear it at once --------------------------
+
+// The victim's forward fails after its last collective (its observer
+// throws), so its peers' forwards complete and they wait for it in the
+// backward's first agreement: over MPI (staged exchange), or through the
+// NCCL communicator's staged control plane, whose wait polls the fault
+// notices of its MPI channel. They must throw at once, naming the victim and
+// its error, not after their 30-second timeout. On communicators of their
+// own: a notice leaves them unusable.
+TEST_P(CudaCpErrors, AFailureOnOneRankStopsItsPeersAtOnce) {
+  if (mpi_control) GTEST_SKIP() << "the nccl case covers the NCCL wait";
+  if (mpi().size() < 2) GTEST_SKIP() << "needs peers to tell (every rank skips alike)";
+  const auto group = mpi().split(0, mpi().rank());
+  auto& group_mpi = static_cast<MpiCommunicator&>(*group);
+  group_mpi.set_timeout(std::chrono::milliseconds(30000));
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  NcclCommunicator::Options options;
+  options.timeout = std::chrono::milliseconds(30000);
+  std::unique_ptr<NcclCommunicator> nccl =
+      backend == "nccl" ? NcclCommunicator::create(group_mpi, stream, options) : nullptr;
+  Communicator& comm = nccl ? static_cast<Communicator&>(*nccl) : group_mpi;
+  const int P = comm.size(), r = comm.rank(), victim = P - 1;
+
+  ProblemSpec s;
+  s.variant = Variant::gated_deltanet;
+  s.seq_len = 256;
+  s.heads = 2;
+  s.dk = s.dv = 64;
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, 91);
+  round_problem(p, DType::bf16);
+  std::mt19937_64 rng(92);
+  const auto d_o = round_to_dtype(randn(p.v.size(), rng), DType::bf16);
+  const auto dht = round_f32(randn(static_cast<std::size_t>(2 * 64 * 64), rng));
+  const auto bounds = shard_bounds(s.seq_len, P);
+  MixerConfig cfg;
+  cfg.variant = s.variant;
+  FailingObserver failing;
+  CpMixer mixer(comm, cfg, Exchange::ring, r == victim ? &failing : nullptr);
+
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<Error> e;
+  try {
+    (void)run_cp_device(mixer, p, DType::bf16, bounds[r], bounds[r + 1], d_o, dht, true);
+  } catch (const Error& err) {
+    e = err;
+  }
+  expect_told(e, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), r,
+              victim, P, nccl ? "nccl" : "mpi");
+  mpi().barrier();
+  // Over NCCL the survivors aborted what they waited in; over MPI they left
+  // the agreement posted.
+  if (!nccl && r == victim) match_agreement_late(group_mpi.native());
+  mpi().barrier();
+  nccl.reset();  // aborted on every rank: nothing left to finalise
+  cudaStreamDestroy(stream);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, CudaCpErrors,
