@@ -22,6 +22,19 @@ void throw_nccl_error(ncclResult_t code, ncclComm_t comm, const char* call, cons
 
 namespace {
 
+// Whether this thread may call MPI for the notices' channel: any thread under
+// MPI_THREAD_MULTIPLE, else only MPI's main thread (FUNNELED, the level
+// MpiEnvironment asks for; SERIALIZED alike, since the main thread may be in
+// MPI at the same moment). A trainer may drive the communicator from another
+// thread (an autograd worker): there the timeout alone applies.
+bool mpi_callable_here() noexcept {
+  int finalised = 1, provided = MPI_THREAD_SINGLE, main_thread = 0;
+  if (MPI_Finalized(&finalised) != MPI_SUCCESS || finalised != 0) return false;
+  if (MPI_Query_thread(&provided) != MPI_SUCCESS) return false;
+  if (provided == MPI_THREAD_MULTIPLE) return true;
+  return MPI_Is_thread_main(&main_thread) == MPI_SUCCESS && main_thread != 0;
+}
+
 using Clock = std::chrono::steady_clock;
 
 // Polling as in MpiCommunicator: back to back (yielding) for the first
@@ -318,7 +331,7 @@ void NcclCommunicator::abort(const std::string& reason) {
 // abort too, which they do once they hear it.
 void NcclCommunicator::notify_failure(const std::string& what) noexcept {
   if (!failure_.empty() || comm_ == nullptr) return;
-  if (notices_) notices_->notify_failure(what);
+  if (notices_ && mpi_callable_here()) notices_->notify_failure(what);
   abort("this rank's own failure, which its peers were told of");
 }
 
@@ -342,6 +355,7 @@ void NcclCommunicator::settle(ncclResult_t rc, const char* call, const char* op)
 
 void NcclCommunicator::poll(const char* op, cudaStream_t* stream_done) {
   const Clock::time_point start = Clock::now();
+  const bool notices = notices_ && mpi_callable_here();
   bool accepted = false;
   for (;;) {
     ncclResult_t state = ncclSuccess;
@@ -353,7 +367,7 @@ void NcclCommunicator::poll(const char* op, cudaStream_t* stream_done) {
                           last != nullptr && *last != '\0' ? detail::concat(" (", last, ")") : "",
                           " (an error on a peer or on this rank's network)"));
     }
-    if (notices_) {
+    if (notices) {
       const std::string notice = notices_->take_notice();
       if (!notice.empty()) {
         abort(notice);

@@ -182,6 +182,9 @@ class NcclCommunicator final : public Communicator {
   // duplicate of the group it was created over, for fault notices alone),
   // then aborts: a peer's wait polls for notices beside its stream and
   // NCCL's error state, aborts and throws naming this rank and `what`.
+  // Notices are sent and polled only on a thread that may call MPI (MPI's
+  // main thread; any under MPI_THREAD_MULTIPLE): elsewhere the timeout alone
+  // applies.
   void notify_failure(const std::string& what) noexcept override;
 
  private:
