@@ -22,7 +22,6 @@ constexpr std::size_t kRankBytes = sizeof(int64_t);
 constexpr std::size_t kArgumentBytes = 128;
 constexpr std::size_t kMessageBytes = 2048;
 constexpr std::size_t kPayloadBytes = kRankBytes + kArgumentBytes + kMessageBytes;
-constexpr char kTruncatedMarker[] = " [truncated]";
 
 // Fixed-size fields of a device claim in shared_device()'s all-gather. Linux
 // host names have at most 64 bytes (HOST_NAME_MAX), a GPU UUID in
@@ -31,22 +30,12 @@ constexpr std::size_t kHostBytes = 256;
 constexpr std::size_t kDeviceBytes = 128;
 constexpr std::size_t kClaimBytes = kHostBytes + kDeviceBytes;
 
-// Writes `text` NUL-terminated into `out[0, capacity)`. Longer text is cut at
-// a UTF-8 character boundary (never inside a multi-byte sequence) and marked.
+// Writes `text` NUL-terminated into `out[0, capacity)`, clipped (clip_text)
+// to capacity - 1 bytes.
 void pack_text(const std::string& text, unsigned char* out, std::size_t capacity) {
   std::memset(out, 0, capacity);
-  const std::size_t room = capacity - 1;
-  if (text.size() <= room) {
-    std::memcpy(out, text.data(), text.size());
-    return;
-  }
-  const std::size_t marker = sizeof(kTruncatedMarker) - 1;
-  std::size_t keep = room - marker;
-  // Continuation bytes look like 10xxxxxx; back off to the start of the
-  // character so the cut never splits one.
-  while (keep > 0 && (static_cast<unsigned char>(text[keep]) & 0xC0u) == 0x80u) --keep;
-  std::memcpy(out, text.data(), keep);
-  std::memcpy(out + keep, kTruncatedMarker, marker);
+  const std::string clipped = clip_text(text, capacity - 1);
+  std::memcpy(out, clipped.data(), clipped.size());
 }
 
 std::string unpack_text(const unsigned char* in, std::size_t capacity) {
@@ -87,6 +76,18 @@ Failure run_check(const std::function<void()>& check) {
 }
 
 }  // namespace
+
+std::string clip_text(const std::string& text, std::size_t max_bytes) {
+  if (text.size() <= max_bytes) return text;
+  static constexpr char kMarker[] = " [truncated]";
+  const std::size_t marker = sizeof(kMarker) - 1;
+  const bool marked = max_bytes >= marker;  // else no room for the mark
+  std::size_t keep = marked ? max_bytes - marker : max_bytes;
+  // Continuation bytes look like 10xxxxxx; back off to the start of the
+  // character so the cut never splits one.
+  while (keep > 0 && (static_cast<unsigned char>(text[keep]) & 0xC0u) == 0x80u) --keep;
+  return text.substr(0, keep) + (marked ? kMarker : "");
+}
 
 // Agreement takes one all-reduce when every rank passed, plus one broadcast
 // when any failed; both are issued by every rank whatever its outcome, so the

@@ -32,6 +32,12 @@ void collective_check(Communicator& comm, const std::function<void()>& check);
 void tell_peers_on_failure(std::initializer_list<Communicator*> groups,
                            const std::function<void()>& body);
 
+// `text` when it has at most `max_bytes` bytes, else its start cut at a UTF-8
+// character boundary (never inside a multi-byte sequence) and marked
+// " [truncated]", within `max_bytes` in all: the form in which error texts
+// travel to other ranks (collective_check's report, fault notices).
+std::string clip_text(const std::string& text, std::size_t max_bytes);
+
 // FNV-1a of `bytes` bytes: lets the ranks confirm with one small all-gather
 // that they hold the same array (initial weights, packed-sequence offsets).
 int64_t content_hash(const void* data, std::size_t bytes);

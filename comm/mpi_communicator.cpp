@@ -10,6 +10,7 @@
 #include <thread>
 #include <utility>
 
+#include "comm/collective_check.h"
 #include "core/error.h"
 
 namespace statescan {
@@ -402,13 +403,10 @@ void MpiCommunicator::notify_failure(const std::string& what) noexcept {
         MPI_Finalized(&finalised) != MPI_SUCCESS || finalised != 0)
       return;
     notified_ = true;
-    // Cut at a UTF-8 character boundary; the buffer lives as long as this
-    // communicator (the sends may complete after this returns).
-    std::size_t keep = std::min(what.size(), kNoticeBytes);
-    while (keep > 0 && keep < what.size() &&
-           (static_cast<unsigned char>(what[keep]) & 0xC0u) == 0x80u)
-      --keep;
-    stranded_buffers_.emplace_back(what.begin(), what.begin() + static_cast<std::ptrdiff_t>(keep));
+    // The buffer lives as long as this communicator (the sends may complete
+    // after this returns).
+    const std::string clipped = clip_text(what, kNoticeBytes);
+    stranded_buffers_.emplace_back(clipped.begin(), clipped.end());
     std::vector<unsigned char>& text = stranded_buffers_.back();
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_) continue;

@@ -424,6 +424,28 @@ TEST_F(NcclTest, WaitAbortsAndThrowsWhenTheStreamDoesNotDrainInTime) {
 constexpr milliseconds kTimeout{2000};
 constexpr milliseconds kSlack{3000};
 
+// What a survivor saw of an all-reduce of `data` and its wait for it.
+struct Waited {
+  std::string argument, what;  // empty when nothing threw
+  bool peers_know = false;
+  Clock::duration elapsed{};
+};
+
+Waited all_reduce_and_wait(NcclCommunicator& comm, DeviceBuffer<float>& data) {
+  Waited w;
+  const Clock::time_point start = Clock::now();
+  try {
+    comm.all_reduce_sum(data.data(), data.size(), CommType::f32);
+    comm.wait();
+  } catch (const Error& e) {
+    w.argument = e.argument();
+    w.what = e.what();
+    w.peers_know = e.peers_know();
+  }
+  w.elapsed = Clock::now() - start;
+  return w;
+}
+
 // The last rank fails mid-exchange (throws before the all-reduce); every
 // other rank's wait() must throw the timeout within kTimeout + slack and
 // abort its communicator, which also ends its stuck NCCL kernel. NCCL wants
@@ -445,21 +467,13 @@ TEST_F(NcclTest, EveryOtherRankReportsAPeerThatSkipsACollective) {
     std::this_thread::sleep_for(kTimeout + milliseconds(500));
     comm_->abort("injected fault");
   } else {
-    const Clock::time_point start = Clock::now();
-    std::string what;
-    try {
-      comm_->all_reduce_sum(data.data(), 1024, CommType::f32);
-      comm_->wait();
-    } catch (const Error& e) {
-      EXPECT_EQ(e.argument(), "nccl") << e.what();
-      what = e.what();
-    }
-    const auto elapsed = Clock::now() - start;
-    EXPECT_NE(what.find("timed out after " + std::to_string(kTimeout.count()) + " ms"),
+    const Waited w = all_reduce_and_wait(*comm_, data);
+    EXPECT_EQ(w.argument, "nccl") << w.what;
+    EXPECT_NE(w.what.find("timed out after " + std::to_string(kTimeout.count()) + " ms"),
               std::string::npos)
-        << "got: '" << what << "'";
-    EXPECT_GE(elapsed, kTimeout);
-    EXPECT_LT(elapsed, kTimeout + kSlack);
+        << "got: '" << w.what << "'";
+    EXPECT_GE(w.elapsed, kTimeout);
+    EXPECT_LT(w.elapsed, kTimeout + kSlack);
     EXPECT_TRUE(comm_->aborted());
     // The abort released the stuck kernel: the stream drains.
     EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
@@ -488,24 +502,15 @@ TEST_F(NcclTest, APeerThatFailsAndSaysSoStopsTheOthersAtOnce) {
     EXPECT_TRUE(comm_->aborted());
     expect_error([&] { comm_->all_reduce_sum(data.data(), 1024, CommType::f32); }, "nccl");
   } else {
-    const Clock::time_point start = Clock::now();
-    std::string what;
-    bool peers_know = false;
-    try {
-      comm_->all_reduce_sum(data.data(), 1024, CommType::f32);
-      comm_->wait();
-    } catch (const Error& e) {
-      EXPECT_EQ(e.argument(), "nccl") << e.what();
-      what = e.what();
-      peers_know = e.peers_know();
-    }
-    EXPECT_LT(Clock::now() - start, kSlack);
-    EXPECT_NE(what.find("stopped waiting: rank " + std::to_string(victim) + " of this group of " +
-                        std::to_string(P) + " failed on its own"),
+    const Waited w = all_reduce_and_wait(*comm_, data);
+    EXPECT_EQ(w.argument, "nccl") << w.what;
+    EXPECT_LT(w.elapsed, kSlack);
+    EXPECT_NE(w.what.find("stopped waiting: rank " + std::to_string(victim) + " of this group of " +
+                          std::to_string(P) + " failed on its own"),
               std::string::npos)
-        << "got: '" << what << "'";
-    EXPECT_NE(what.find("injected local fault"), std::string::npos) << what;
-    EXPECT_TRUE(peers_know);
+        << "got: '" << w.what << "'";
+    EXPECT_NE(w.what.find("injected local fault"), std::string::npos) << w.what;
+    EXPECT_TRUE(w.peers_know);
     EXPECT_TRUE(comm_->aborted());
     EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
   }
