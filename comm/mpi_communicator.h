@@ -32,9 +32,9 @@
 // last agreed) can say so with notify_failure; every wait polls for notices
 // beside its operations, so a peer waiting for that rank throws at once
 // ("<call> in <op> stopped waiting: rank r of this group of P failed on its
-// own and told its peers. Its error: ...") instead of after the timeout, and the communicator is
-// unusable after that as after a timeout. CpMixer and LactLayer send one whenever their call fails
-// on this rank alone.
+// own and told its peers. Its error: ...") instead of after the timeout, and
+// the communicator is unusable after that as after a timeout. CpMixer and
+// LactLayer send one whenever their call fails on this rank alone.
 #pragma once
 
 // Leave out the deprecated MPI-2 C++ bindings: Open MPI's declare a global
@@ -143,12 +143,16 @@ class MpiCommunicator final : public Communicator {
 
   // Fault notices (Communicator::notify_failure) travel on a private
   // duplicate of the group, so they never meet the caller's messages or the
-  // collectives: a short message (the first kNoticeBytes bytes of `what`) to
+  // collectives: a short message (`what` clipped to kNoticeBytes, clip_text) to
   // every peer, sent without waiting. Every wait of this communicator polls
   // for them beside its own operations.
   void notify_failure(const std::string& what) noexcept override;
   // When a peer's fault notice has arrived: marks this communicator failed
   // and returns a sentence naming the peer and its error; else "" at once.
+  // A notice does not say which operations its sender joined before it
+  // failed, so a peer polling one the sender had joined (it would complete)
+  // gives that call up too: the failure is reported one call early, never
+  // missed.
   // For a caller that waits on something else for work its peers feed
   // (NcclCommunicator polls it while it waits for its stream).
   std::string take_notice();
