@@ -40,6 +40,13 @@
 // Byte model: the unavoidable HBM traffic: read q, k, v, g, beta, write o;
 // the per-chunk intermediates and states are not counted.
 //
+// --decode: the recurrent decode kernel (cuda::decode_forward) as a server
+// steps it: T tokens (default 1) of each of B sequences from a random fp32
+// state updated in place; time per call, tokens/s, GB/s of the state and
+// tokens moved and its share of HBM's peak, and o and the new state of batch
+// row 0 against the fp64 reference.
+//   statescan-bench --decode [-v gated_deltanet] [-t 1] [-b 64] [-H 16] [-d 128]
+//
 // --backward: forward + backward rows instead (kernels/cuda/chunk_backward.cuh):
 //   statescan-bench --backward [--recompute | --keep-prepared] [-v kda] [-t 32768,1048576]
 //                   [-n 5] [--json F]
@@ -116,6 +123,8 @@ struct Options {
   bool recompute = false;  // --recompute: with --backward, chunk states recomputed
   bool keep_prepared = false;  // --keep-prepared: with --backward, forward tiles kept
   bool save_t = true;  // --no-save-t: with --backward, forward saves no T (MixerParams::saved_t)
+  bool decode = false;         // --decode: the recurrent decode kernel's rows
+  bool lengths_given = false;  // -t given (--decode's default is one token)
 
   // --cp-model (see the comment at the top); negative times mean "not given".
   bool cp_model = false, cp_measure = false;
@@ -151,9 +160,10 @@ enum ModeBits : unsigned {
   kBackward = 2,
   kModel = 4,
   kMeasure = 8,
+  kDecode = 16,
   kTables = kForward | kBackward,
   kCp = kModel | kMeasure,
-  kAllModes = 15
+  kAllModes = 31
 };
 struct FlagModes {
   const char* name;
@@ -161,20 +171,34 @@ struct FlagModes {
   unsigned modes;
 };
 constexpr FlagModes kFlagModes[] = {
-    {"--variants", "-v", kTables},         {"--lengths", "-t", kTables},
-    {"--batch", "-b", kTables | kModel},   {"--heads", "-H", kAllModes},
-    {"--dim", "-d", kAllModes},            {"--chunk", "-c", kAllModes},
-    {"--dtype", nullptr, kAllModes},       {"--warmup", "-w", kTables | kMeasure},
-    {"--iters", "-n", kTables | kMeasure}, {"--json", nullptr, kAllModes},
-    {"--plot", nullptr, kForward},         {"--variant", nullptr, kCp},
-    {"--seq-len", nullptr, kCp},           {"-P", nullptr, kCp},
-    {"--link", nullptr, kCp},              {"--gpus-per-node", nullptr, kCp},
-    {"--overlap", nullptr, kCp},           {"--link-bw-GBps", nullptr, kModel},
-    {"--link-latency-us", nullptr, kModel}, {"--ib-bw-GBps", nullptr, kModel},
-    {"--ib-latency-us", nullptr, kModel},  {"--compose-TFLOPs", nullptr, kModel},
-    {"--fwd-ms", nullptr, kModel},         {"--bwd-ms", nullptr, kModel},
-    {"--summary-fwd-ms", nullptr, kModel}, {"--summary-fwd-first-ms", nullptr, kModel},
-    {"--summary-bwd-ms", nullptr, kModel}, {"--merge-ms", nullptr, kModel},
+    {"--variants", "-v", kTables | kDecode},
+    {"--lengths", "-t", kTables | kDecode},
+    {"--batch", "-b", kTables | kModel | kDecode},
+    {"--heads", "-H", kAllModes},
+    {"--dim", "-d", kAllModes},
+    {"--chunk", "-c", kTables | kCp},
+    {"--dtype", nullptr, kAllModes},
+    {"--warmup", "-w", kTables | kMeasure | kDecode},
+    {"--iters", "-n", kTables | kMeasure | kDecode},
+    {"--json", nullptr, kAllModes},
+    {"--plot", nullptr, kForward},
+    {"--variant", nullptr, kCp},
+    {"--seq-len", nullptr, kCp},
+    {"-P", nullptr, kCp},
+    {"--link", nullptr, kCp},
+    {"--gpus-per-node", nullptr, kCp},
+    {"--overlap", nullptr, kCp},
+    {"--link-bw-GBps", nullptr, kModel},
+    {"--link-latency-us", nullptr, kModel},
+    {"--ib-bw-GBps", nullptr, kModel},
+    {"--ib-latency-us", nullptr, kModel},
+    {"--compose-TFLOPs", nullptr, kModel},
+    {"--fwd-ms", nullptr, kModel},
+    {"--bwd-ms", nullptr, kModel},
+    {"--summary-fwd-ms", nullptr, kModel},
+    {"--summary-fwd-first-ms", nullptr, kModel},
+    {"--summary-bwd-ms", nullptr, kModel},
+    {"--merge-ms", nullptr, kModel},
     {"--bwd-prepare-ms", nullptr, kModel},
 };
 
@@ -192,6 +216,7 @@ Options parse(int argc, char** argv) {
     } else if (arg == "-t" || arg == "--lengths") {
       o.lengths.clear();
       for (auto& v : split(value())) o.lengths.push_back(parse_int(v, arg.c_str(), 1, kMaxTokens));
+      o.lengths_given = true;
     } else if (arg == "-b" || arg == "--batch") {
       o.batch = parse_int(value(), arg.c_str(), 1, kMaxCount);
     } else if (arg == "-H" || arg == "--heads") {
@@ -215,6 +240,8 @@ Options parse(int argc, char** argv) {
                    "'", o.plot, "' must end in .png");
     } else if (arg == "--backward") {
       o.backward = true;
+    } else if (arg == "--decode") {
+      o.decode = true;
     } else if (arg == "--recompute") {
       o.recompute = true;
     } else if (arg == "--keep-prepared") {
@@ -272,6 +299,10 @@ Options parse(int argc, char** argv) {
       SS_FAIL("arguments", "unknown positional argument '", arg, "'");
     }
   }
+  // A serving step: one new token a sequence.
+  if (o.decode && !o.lengths_given) o.lengths = {1};
+  SS_CHECK_ARG(!(o.decode && (o.backward || o.cp_model)), "--decode",
+               "cannot be combined with --backward, --cp-model or --cp-measure");
   for (const int64_t T : o.lengths)
     check_tensor_elements({{"-b", o.batch}, {"-t", T}, {"-H", o.heads}, {"-d", o.dim}}, "-t");
   SS_CHECK_ARG(!o.recompute || o.backward, "--recompute", "applies to --backward only");
@@ -282,10 +313,12 @@ Options parse(int argc, char** argv) {
   const unsigned mode = o.cp_measure ? kMeasure
                         : o.cp_model ? kModel
                         : o.backward ? kBackward
+                        : o.decode   ? kDecode
                                      : kForward;
   const char* mode_name = o.cp_measure ? "--cp-measure"
                           : o.cp_model ? "--cp-model"
                           : o.backward ? "--backward"
+                          : o.decode   ? "--decode"
                                        : "the forward table";
   for (int i = 1; i < argc; ++i)
     for (const FlagModes& f : kFlagModes)
@@ -593,6 +626,123 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
   r.err_decode = err_decode;
   r.err_ref = err_ref;
   return r;
+}
+
+// ---- --decode: the recurrent kernel as a server steps it ----------------------
+
+struct DecodeRow : RowShape {
+  double us, tokens_per_s, gbps, err_ref;
+};
+
+// HBM's peak in GB/s from the device's memory clock and bus width (double
+// data rate), for the decode table's share of it.
+double hbm_peak_gbps(int device) {
+  int clock_khz = 0, bus_bits = 0;
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
+  SS_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
+  return 2.0 * clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;
+}
+
+// One cuda::decode_forward call a timed iteration: T tokens (default 1) of
+// each of B sequences, from a random fp32 state the call updates in place
+// (initial_state == final_state, as a server keeps one state a sequence).
+// Bytes: the state read and written (2 B H Dk Dv 4) plus the tokens' inputs
+// and o; at T = 1 the state is nearly all of them, so GB/s against HBM's peak
+// is the kernel's efficiency. err_ref: o and the new state of batch row 0
+// (every head), from the same start, against the fp64 reference: the larger.
+DecodeRow bench_decode(const Options& opt, Variant variant, int64_t T) {
+  const int64_t B = opt.batch, H = opt.heads, D = opt.dim;
+  const DType t = opt.dtype;
+  StepTensors x(variant, B, T, H, D, t, 0, /*backward=*/false);
+  x.fill(0);
+  const int64_t state_elems = B * H * D * D;
+  DeviceBuffer<float> state(static_cast<std::size_t>(state_elems)),
+      state0(static_cast<std::size_t>(state_elems));
+  fill_random(state0.data(), DType::f32, state_elems, 7, Fill::normal);
+  MixerParams p = x.params(variant, B, T, H, D, t, opt.chunk);
+  p.initial_state = state.data();
+  p.final_state = state.data();
+  cudaStream_t stream;
+  SS_CUDA_CHECK(cudaStreamCreate(&stream));
+  auto restart = [&] {
+    SS_CUDA_CHECK(cudaMemcpyAsync(state.data(), state0.data(), state.size() * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream));
+  };
+  restart();
+  const double ms =
+      median_ms([&] { cuda::decode_forward(p, stream); }, opt.warmup, opt.iters, stream);
+
+  // Correctness: one call from the start state again, batch row 0 of
+  // [B, T, H, *] (its first T H elements) against the reference.
+  restart();
+  cuda::decode_forward(p, stream);
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  SS_CUDA_CHECK(cudaStreamDestroy(stream));
+  auto fetch = [](const void* data, DType type, int64_t n) {
+    const std::vector<float> f = download(data, type, n);
+    return std::vector<double>(f.begin(), f.end());
+  };
+  const int64_t row = T * H;
+  ref::Problem rp;
+  rp.variant = variant;
+  rp.seq_len = T;
+  rp.heads = H;
+  rp.dk = rp.dv = D;
+  rp.scale = p.scale;
+  rp.l2norm_qk = p.l2norm_qk;
+  rp.q = fetch(x.q.data(), t, row * D);
+  rp.k = fetch(x.k.data(), t, row * D);
+  rp.v = fetch(x.v.data(), t, row * D);
+  if (x.g.size()) rp.g = fetch(x.g.data(), DType::f32, vector_gate(variant) ? row * D : row);
+  if (x.beta.size()) rp.beta = fetch(x.beta.data(), t, row);
+  rp.h0 = fetch(state0.data(), DType::f32, H * D * D);
+  const ref::Outputs want = ref::forward(rp);
+  const double err_o = rel_rms_host(download(x.o.data(), t, row * D), want.o);
+  const double err_state = rel_rms_host(download(state.data(), DType::f32, H * D * D), want.ht);
+
+  const std::size_t es = size_of(t);
+  const double token_bytes = 4.0 * D * es +
+                             (has_gate(variant) ? (vector_gate(variant) ? 4.0 * D : 4.0) : 0.0) +
+                             (has_beta(variant) ? es : 0.0);
+  const double bytes = 2.0 * 4.0 * static_cast<double>(state_elems) + token_bytes * B * T * H;
+  DecodeRow r;
+  static_cast<RowShape&>(r) = row_shape(opt, variant, T);
+  r.us = ms * 1e3;
+  r.tokens_per_s = B * T / (ms * 1e-3);
+  r.gbps = bytes / (ms * 1e-3) / 1e9;
+  r.err_ref = std::max(err_o, err_state);
+  return r;
+}
+
+int run_decode_table(const Options& opt, const cudaDeviceProp& prop) {
+  int device = 0;
+  SS_CUDA_CHECK(cudaGetDevice(&device));
+  const double peak = hbm_peak_gbps(device);
+  std::printf(
+      "# statescan-bench: recurrent decode (cuda::decode_forward) on %s (%d SMs, "
+      "HBM peak %.0f GB/s)\n",
+      prop.name, prop.multiProcessorCount, peak);
+  std::printf(
+      "# dtype %s, fp32 state updated in place, warm-up %d, timed %d (median), l2norm_qk "
+      "on delta rules\n",
+      to_string(opt.dtype), opt.warmup, opt.iters);
+  std::printf(
+      "# GB/s: the state read and written plus the tokens' inputs and o; err_ref: o and "
+      "the new state of batch row 0 vs fp64\n#\n");
+  std::printf("# %-15s %8s %3s %4s %4s %10s %12s %9s %6s %11s\n", "variant", "T", "B", "H", "D",
+              "time(us)", "tokens/s", "GB/s", "%peak", "err_ref");
+  run_rows<DecodeRow>(
+      opt, "decode", [&](Variant v, int64_t T) { return bench_decode(opt, v, T); },
+      [&](const DecodeRow& r) {
+        std::printf(" %10.2f %12.4g %9.1f %6.1f %11.2e\n", r.us, r.tokens_per_s, r.gbps,
+                    100.0 * r.gbps / peak, r.err_ref);
+      },
+      [&](std::ostream& out, const DecodeRow& r) {
+        out << ", \"us\": " << r.us << ", \"tokens_per_s\": " << r.tokens_per_s
+            << ", \"gbps\": " << r.gbps << ", \"hbm_peak_gbps\": " << peak
+            << ", \"err_ref\": " << json_number(r.err_ref);
+      });
+  return 0;
 }
 
 struct BwdRow : RowShape {
@@ -954,6 +1104,8 @@ int run(int argc, char** argv) {
         "                       [-c chunk] [--dtype bf16|f16|f32] [-w warmup] [-n iters]\n"
         "                       [--json file] [--plot file.png]\n"
         "                       [--backward [--recompute | --keep-prepared] [--no-save-t]]\n"
+        "       statescan-bench --decode [-v variants] [-t tokens] [-b B] [-H heads] [-d dim]\n"
+        "                       [--dtype bf16|f16|f32] [-w warmup] [-n iters] [--json file]\n"
         "       statescan-bench --cp-model [--variant kda] [--seq-len T] [-P 1024]\n"
         "                       [--link hierarchical|nvlink|ib] [--gpus-per-node 8]\n"
         "                       [--link-bw-GBps X] [--link-latency-us X] [--ib-bw-GBps X]\n"
@@ -989,6 +1141,7 @@ int run(int argc, char** argv) {
   cudaDeviceProp prop{};
   SS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   if (opt.backward) return run_backward_table(opt, prop);
+  if (opt.decode) return run_decode_table(opt, prop);
   std::printf("# statescan-bench: chunkwise forward on %s (%d SMs)\n", prop.name,
               prop.multiProcessorCount);
   std::printf("# dtype %s, chunk %lld, warm-up %d, timed %d (median), l2norm_qk on delta rules\n",

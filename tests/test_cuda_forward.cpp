@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "core/dtype.h"
 #include "core/env_knob.h"
@@ -63,6 +64,17 @@ class GpuProblem {
   }
   void run_decode() {
     cuda::decode_forward(params(), nullptr);
+    check_device_sync();
+  }
+  // The decode as a serving step: final_state holds a copy of the initial
+  // state and is passed as both, so the kernel updates it in place.
+  void run_decode_in_place() {
+    MixerParams m = params();
+    SS_CHECK_ARG(m.initial_state != nullptr, "initial_state", "the in-place decode needs one");
+    SS_CUDA_CHECK(cudaMemcpy(final_state_.data(), m.initial_state,
+                             final_state_.size() * sizeof(float), cudaMemcpyDeviceToDevice));
+    m.initial_state = m.final_state;
+    cuda::decode_forward(m, nullptr);
     check_device_sync();
   }
 
@@ -252,6 +264,25 @@ TEST_P(CudaForward, DecodeMatchesChunkwise) {
   gpu.run_decode();
   EXPECT_LE(rel_rms(gpu.o(), chunk_o), tol()) << "o";
   EXPECT_LE(rel_rms(gpu.final_state(), chunk_state), tol()) << "final state";
+}
+
+// A serving step updates each sequence's state in place (final_state ==
+// initial_state): o and the state bit for bit as into a separate buffer, over
+// packed sequences of 1, 32 and 37 tokens.
+TEST_P(CudaForward, DecodeUpdatesTheStateInPlace) {
+  ProblemSpec s = spec();
+  s.batch = 1;
+  s.seq_len = 70;
+  s.cu_seqlens = {0, 1, 33, 70};
+  s.with_h0 = true;
+  ref::Problem p = random_problem(s, seed(15));
+  GpuProblem gpu(p, dtype(), 64);
+  gpu.run_decode();
+  const std::vector<double> o = gpu.o(), state = gpu.final_state();
+  gpu.run_decode_in_place();
+  EXPECT_TRUE(bitwise_equal(gpu.o(), o)) << "o";
+  EXPECT_TRUE(bitwise_equal(gpu.final_state(), state)) << "final state";
+  EXPECT_LE(rel_rms(gpu.final_state(), ref::forward(p).ht), tol()) << "final state vs reference";
 }
 
 // Whether this process forces the tile kernels on every problem through an

@@ -44,6 +44,9 @@ bool reads_inputs_directly(const MixerParams& p);
 // Token-by-token recurrent forward (serving, and a cross-check of the
 // chunkwise path): state in from initial_state (zeros if null), o for every
 // token, state out to final_state when given. chunk_states is ignored.
+// final_state may be initial_state itself: a serving step updates each
+// sequence's state in place (every thread reads its state columns before the
+// first token and writes them after the last; no other thread touches them).
 void decode_forward(const MixerParams& p, cudaStream_t stream);
 
 // --- backward (issue 4; kernels/cuda/chunk_backward*.cu) ----------------------
