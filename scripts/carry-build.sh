@@ -92,8 +92,26 @@ origin_runpath() {
 rm -rf "$CARRY"
 mkdir -p "$CARRY"
 bins=()  # the packed binaries' paths in the build tree (entries.sh below)
+# The one executable named TARGET in the build tree, outside CMakeFiles and
+# outside build trees nested in it (a folder with a CMakeCache.txt of its
+# own). Why: the first match of a plain find was a stale statescan-bench and
+# statescan-run in an old tree moved inside BUILD (bld-shared.away), packed
+# in their place for two sessions (sixty-eighth session: "--decode: unknown
+# option" on the device, and a run_ring check made with the old launcher).
+# Two candidates left are an error naming both, never a guess.
+find_binary() {
+  local found=()
+  mapfile -t found < <(find "$build_real" -mindepth 1 -type d \( -name CMakeFiles -o \
+    -exec test -e '{}/CMakeCache.txt' \; \) -prune -o -type f -name "$1" -perm -u+x -print)
+  if ((${#found[@]} > 1)); then
+    echo "carry-build: ${#found[@]} executables named $1 in $BUILD: ${found[*]}" >&2
+    return 1
+  fi
+  printf '%s\n' "${found[@]}"
+}
+
 for target in "$@"; do
-  bin=$(find "$build_real" -type f -name "$target" -perm -u+x | head -1)
+  bin=$(find_binary "$target") || exit 1
   bins+=("$bin")
   [[ -n "$bin" ]] || { echo "carry-build: no executable named $target in $BUILD" >&2; exit 1; }
   # The device has no prometheus-cpp (its own builds turn the exporter off):

@@ -53,6 +53,23 @@ if [[ $mode == shared ]]; then
     >"$out/pack.log" 2>&1 || { cat "$out/pack.log"; fail "packing a shared test_core failed"; }
   [[ -s "$pack/libstatescan_core.so.xz" && -s "$pack/test_core.xz" ]] ||
     { ls -la "$pack"; fail "the shared pack lacks test_core or libstatescan_core.so"; }
+  # A build tree nested in BUILD (an old one moved there) is not searched:
+  # its stale test_core was packed in the real one's place before; a second
+  # copy outside any nested tree is refused, both named.
+  mkdir -p "$out/shared/old.away/tests" "$out/shared/copy"
+  touch "$out/shared/old.away/CMakeCache.txt"
+  printf '#!/bin/sh\necho stale\n' >"$out/shared/old.away/tests/test_core"
+  chmod +x "$out/shared/old.away/tests/test_core"
+  SHARED=1 CARRY_DIR=$out/nested BUILD_DIR=$out/shared JOBS=2 bash "$script" test_core \
+    >"$out/nested.log" 2>&1 || { cat "$out/nested.log"; fail "a nested build tree broke packing"; }
+  grep -qx "test_core $(realpath "$out/shared/tests/test_core")" "$out/nested/PATHS" ||
+    { cat "$out/nested/PATHS"; fail "test_core was not taken from the build tree itself"; }
+  cp "$out/shared/tests/test_core" "$out/shared/copy/test_core"
+  SHARED=1 CARRY_DIR=$out/twice BUILD_DIR=$out/shared JOBS=2 bash "$script" test_core \
+    >"$out/twice.log" 2>&1 && { cat "$out/twice.log"; fail "packed one of two test_core copies"; }
+  grep -q "2 executables named test_core in .*copy/test_core" "$out/twice.log" ||
+    { cat "$out/twice.log"; fail "two copies: the refusal does not name them"; }
+  rm -r "$out/shared/old.away" "$out/shared/copy"
   [[ -f "$lib" ]] || fail "no $lib: is the build shared?"
   # Through a symlink to the build (ldd then spells the library's path so).
   ln -s "$out/shared" "$out/shared-link"
