@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(kDecodeColumns)
     // thread with the L2 norm and held its state in local memory without it
     // (3.6 KB), at 21 % of HBM's peak against Gated DeltaNet's 74 % (H100,
     // sixty-eighth session). With it no delta rule with the L2 norm spills;
-    // without the norm, 100-210 bytes at Dk 128 remain (ptxas's scheduling).
+    // at Dk 128 those without it (100-210 bytes) and GLA with it (160) still
+    // do: ptxas's own scheduling, which an empty asm does not reach.
     asm volatile("" ::: "memory");
     float out = 0.f;
 #pragma unroll
