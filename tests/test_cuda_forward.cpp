@@ -379,6 +379,26 @@ TEST_P(CudaForward, RefusesScanClusterItCannotTake) {
   }
 }
 
+// The decode's state in place is the same pointer for initial_state and
+// final_state; a final_state overlapping it from another address is refused,
+// naming it, before anything runs (host arrays here: the check precedes any
+// device access, so this runs without a GPU too).
+TEST(CudaDecodeArgs, RefusesAFinalStateThatPartlyOverlapsTheInitialState) {
+  MixerParams p = sizes_only();  // inputs and o at an address never read here
+  p.scale = 0.125f;
+  const std::size_t state = static_cast<std::size_t>(p.num_segments * p.heads * p.dk * p.dv);
+  std::vector<float> states(2 * state);
+  p.initial_state = states.data();
+  p.final_state = states.data() + 1;
+  expect_error([&] { cuda::decode_forward(p, nullptr); }, "final_state");
+  p.final_state = states.data() + state - 1;
+  expect_error([&] { cuda::decode_forward(p, nullptr); }, "final_state");
+  p.final_state = states.data();
+  p.initial_state = states.data() + state / 2;
+  expect_error([&] { cuda::decode_forward(p, nullptr); }, "final_state");
+  EXPECT_EQ(states, std::vector<float>(2 * state)) << "a refused call wrote the state";
+}
+
 // The sizing functions check the sizes they divide by before validate()
 // runs: chunk 0 was a SIGFPE, a negative length a wrapped size_t.
 TEST(CudaSizes, SizingFunctionsNameBadSizes) {

@@ -47,6 +47,7 @@ bool reads_inputs_directly(const MixerParams& p);
 // final_state may be initial_state itself: a serving step updates each
 // sequence's state in place (every thread reads its state columns before the
 // first token and writes them after the last; no other thread touches them).
+// A final_state that overlaps initial_state from another address is refused.
 void decode_forward(const MixerParams& p, cudaStream_t stream);
 
 // --- backward (issue 4; kernels/cuda/chunk_backward*.cu) ----------------------

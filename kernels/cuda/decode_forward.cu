@@ -157,6 +157,18 @@ void decode_forward(const MixerParams& p, cudaStream_t stream) {
   check_grid_limits(p);
   SS_CHECK_ARG(p.dk == p.dv && (p.dk == 64 || p.dk == 128), "dk",
                "CUDA decode supports Dk == Dv in {64, 128}, got Dk ", p.dk, ", Dv ", p.dv);
+  // In place is the same pointer: each thread then reads its own columns
+  // before it writes them. A final_state that overlaps initial_state from
+  // another address would let threads overwrite columns others still read.
+  if (p.initial_state != nullptr && p.final_state != nullptr && p.initial_state != p.final_state) {
+    const auto in = reinterpret_cast<std::uintptr_t>(p.initial_state);
+    const auto out = reinterpret_cast<std::uintptr_t>(p.final_state);
+    const auto bytes =
+        static_cast<std::uintptr_t>(p.num_segments * p.heads * p.dk * p.dv) * sizeof(float);
+    SS_CHECK_ARG(in + bytes <= out || out + bytes <= in, "final_state",
+                 "overlaps initial_state without being it (to update the state in place, pass "
+                 "the same pointer for both)");
+  }
 
   detail::DecodeArgs a;
   static_cast<detail::MixerTensors&>(a) = detail::tensors_of(p);
