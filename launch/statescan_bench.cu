@@ -389,6 +389,18 @@ std::vector<float> download(const void* data, DType t, int64_t n) {
   return f;
 }
 
+std::vector<double> as_double(const std::vector<float>& x) {
+  return std::vector<double>(x.begin(), x.end());
+}
+
+// Bytes a token's inputs take in HBM: q, k, v and beta (es bytes an element), the fp32
+// gate; o adds D es more. The byte models of every table start here.
+double input_bytes_per_token(Variant variant, int64_t D, std::size_t es) {
+  const double d = static_cast<double>(D);
+  return 3.0 * d * es + (has_gate(variant) ? (vector_gate(variant) ? 4.0 * d : 4.0) : 0.0) +
+         (has_beta(variant) ? es : 0.0);
+}
+
 // What a table row measured: the columns and JSON fields both tables share.
 struct RowShape {
   std::string variant;
@@ -598,25 +610,21 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
   rp.dk = rp.dv = D;
   rp.scale = p.scale;
   rp.l2norm_qk = p.l2norm_qk;
-  auto to_double = [](const std::vector<float>& x) {
-    return std::vector<double>(x.begin(), x.end());
-  };
-  rp.q = to_double(head0_slice(x.q.data(), t, t_ref, H, D));
-  rp.k = to_double(head0_slice(x.k.data(), t, t_ref, H, D));
-  rp.v = to_double(head0_slice(x.v.data(), t, t_ref, H, D));
+  rp.q = as_double(head0_slice(x.q.data(), t, t_ref, H, D));
+  rp.k = as_double(head0_slice(x.k.data(), t, t_ref, H, D));
+  rp.v = as_double(head0_slice(x.v.data(), t, t_ref, H, D));
   if (x.g.size()) {
-    rp.g = to_double(vec ? head0_slice(x.g.data(), DType::f32, t_ref, H, D)
+    rp.g = as_double(vec ? head0_slice(x.g.data(), DType::f32, t_ref, H, D)
                          : head0_slice(x.g.data(), DType::f32, t_ref, H, 1));
   }
-  if (x.beta.size()) rp.beta = to_double(head0_slice(x.beta.data(), t, t_ref, H, 1));
+  if (x.beta.size()) rp.beta = as_double(head0_slice(x.beta.data(), t, t_ref, H, 1));
   const ref::Outputs want = ref::forward(rp);
   const double err_ref = rel_rms_host(head0_slice(x.o.data(), t, t_ref, H, D), want.o);
 
   SS_CUDA_CHECK(cudaStreamDestroy(stream));
 
   const double flops = chunkwise_forward_flops({variant, tokens, 1, D, D, opt.chunk});
-  const double bytes_per_token = 4.0 * D * es + (has_gate(variant) ? (vec ? 4.0 * D : 4.0) : 0.0) +
-                                 (has_beta(variant) ? es : 0.0);
+  const double bytes_per_token = input_bytes_per_token(variant, D, es) + D * es;
   Row r;
   static_cast<RowShape&>(r) = row_shape(opt, variant, T);
   r.ms = ms;
@@ -679,8 +687,7 @@ DecodeRow bench_decode(const Options& opt, Variant variant, int64_t T) {
   SS_CUDA_CHECK(cudaStreamSynchronize(stream));
   SS_CUDA_CHECK(cudaStreamDestroy(stream));
   auto fetch = [](const void* data, DType type, int64_t n) {
-    const std::vector<float> f = download(data, type, n);
-    return std::vector<double>(f.begin(), f.end());
+    return as_double(download(data, type, n));
   };
   const int64_t row = T * H;
   ref::Problem rp;
@@ -701,9 +708,7 @@ DecodeRow bench_decode(const Options& opt, Variant variant, int64_t T) {
   const double err_state = rel_rms_host(download(state.data(), DType::f32, H * D * D), want.ht);
 
   const std::size_t es = size_of(t);
-  const double token_bytes = 4.0 * D * es +
-                             (has_gate(variant) ? (vector_gate(variant) ? 4.0 * D : 4.0) : 0.0) +
-                             (has_beta(variant) ? es : 0.0);
+  const double token_bytes = input_bytes_per_token(variant, D, es) + D * es;
   const double bytes = 2.0 * 4.0 * static_cast<double>(state_elems) + token_bytes * B * T * H;
   DecodeRow r;
   static_cast<RowShape&>(r) = row_shape(opt, variant, T);
@@ -848,7 +853,6 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
   const DType t = opt.dtype;
   const std::size_t es = size_of(t);
   const int64_t tokens = B * T * H;
-  const bool vec = vector_gate(variant);
   MixerParams shape;
   shape.batch = B;
   shape.seq_len = T;
@@ -917,8 +921,7 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
 
   const double C = static_cast<double>(opt.chunk), d = static_cast<double>(D);
   const double flops = chunkwise_step_flops({variant, tokens, 1, D, D, opt.chunk}, true);
-  const double in_bytes = 3.0 * d * es + (has_gate(variant) ? (vec ? 4.0 * d : 4.0) : 0.0) +
-                          (has_beta(variant) ? es : 0.0);
+  const double in_bytes = input_bytes_per_token(variant, D, es);
   const double state_bytes = 4.0 * d * d / C;
   // forward: inputs + o + chunk states; backward: inputs + dO + chunk states + gradients.
   const double bytes_per_token =
