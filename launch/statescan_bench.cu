@@ -42,9 +42,9 @@
 //
 // --decode: the recurrent decode kernel (cuda::decode_forward) as a server
 // steps it: T tokens (default 1) of each of B sequences from a random fp32
-// state updated in place; time per call, tokens/s, GB/s of the state and
-// tokens moved and its share of HBM's peak, and o and the new state of batch
-// row 0 against the fp64 reference.
+// state updated in place; time per call (replayed from a CUDA graph),
+// tokens/s, GB/s of the state and tokens moved and its share of HBM's peak,
+// and o and the new state of batch row 0 against the fp64 reference.
 //   statescan-bench --decode [-v gated_deltanet] [-t 1] [-b 64] [-H 16] [-d 128]
 //
 // --backward: forward + backward rows instead (kernels/cuda/chunk_backward.cuh):
@@ -651,13 +651,16 @@ double hbm_peak_gbps(int device) {
   return 2.0 * clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;
 }
 
-// One cuda::decode_forward call a timed iteration: T tokens (default 1) of
-// each of B sequences, from a random fp32 state the call updates in place
-// (initial_state == final_state, as a server keeps one state a sequence).
-// Bytes: the state read and written (2 B H Dk Dv 4) plus the tokens' inputs
-// and o; at T = 1 the state is nearly all of them, so GB/s against HBM's peak
-// is the kernel's efficiency. err_ref: o and the new state of batch row 0
-// (every head), from the same start, against the fp64 reference: the larger.
+// The time of one cuda::decode_forward call (from CUDA graph replays of
+// kDecodeGraphCalls calls): T tokens (default 1) of each of B sequences, from
+// a random fp32 state the call updates in place (initial_state ==
+// final_state, as a server keeps one state a sequence). Bytes: the state read
+// and written (2 B H Dk Dv 4) plus the tokens' inputs and o; at T = 1 the
+// state is nearly all of them, so GB/s against HBM's peak is the kernel's
+// efficiency. err_ref: o and the new state of batch row 0 (every head), from
+// the same start, against the fp64 reference: the larger.
+constexpr int kDecodeGraphCalls = 10;
+
 DecodeRow bench_decode(const Options& opt, Variant variant, int64_t T) {
   const int64_t B = opt.batch, H = opt.heads, D = opt.dim;
   const DType t = opt.dtype;
@@ -677,8 +680,22 @@ DecodeRow bench_decode(const Options& opt, Variant variant, int64_t T) {
                                   cudaMemcpyDeviceToDevice, stream));
   };
   restart();
-  const double ms =
-      median_ms([&] { cuda::decode_forward(p, stream); }, opt.warmup, opt.iters, stream);
+  // A server replays its decode step from a CUDA graph, and a call of a few
+  // µs is shorter than a launch from the host: time replays of a graph of
+  // kDecodeGraphCalls calls (as fla_bench.py --decode times FLA's), a call
+  // each. One call first, outside the capture, so a bad argument throws there.
+  cuda::decode_forward(p, stream);
+  cudaGraph_t graph = nullptr;
+  SS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kDecodeGraphCalls; ++i) cuda::decode_forward(p, stream);
+  SS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t replay = nullptr;
+  SS_CUDA_CHECK(cudaGraphInstantiate(&replay, graph, 0));
+  const double ms = median_ms([&] { SS_CUDA_CHECK(cudaGraphLaunch(replay, stream)); }, opt.warmup,
+                              opt.iters, stream) /
+                    kDecodeGraphCalls;
+  SS_CUDA_CHECK(cudaGraphExecDestroy(replay));
+  SS_CUDA_CHECK(cudaGraphDestroy(graph));
 
   // Correctness: one call from the start state again, batch row 0 of
   // [B, T, H, *] (its first T H elements) against the reference.
@@ -728,9 +745,9 @@ int run_decode_table(const Options& opt, const cudaDeviceProp& prop) {
       "HBM peak %.0f GB/s)\n",
       prop.name, prop.multiProcessorCount, peak);
   std::printf(
-      "# dtype %s, fp32 state updated in place, warm-up %d, timed %d (median), l2norm_qk "
-      "on delta rules\n",
-      to_string(opt.dtype), opt.warmup, opt.iters);
+      "# dtype %s, fp32 state updated in place, warm-up %d, timed %d (median) replays of a "
+      "CUDA graph of %d calls, time a call; l2norm_qk on delta rules\n",
+      to_string(opt.dtype), opt.warmup, opt.iters, kDecodeGraphCalls);
   std::printf(
       "# GB/s: the state read and written plus the tokens' inputs and o; err_ref: o and "
       "the new state of batch row 0 vs fp64\n#\n");

@@ -10,13 +10,20 @@ committed); run with PYTHONPATH=.fla. Ops that FLA refuses on this
 Triton/GPU (gated-delta and simple-GLA on Triton 3.6 on Hopper) are reported
 with their error instead of a time.
 
+With --decode, FLA's fused recurrent kernels instead, as statescan-bench
+--decode steps its own: one token of each of B sequences (--batches) from an
+fp32 state [B, H, D, D], the L2 norm on the delta rules; µs a call (replayed
+from a CUDA graph of 10 calls, so Python's launch path is not timed) and GB/s
+with statescan-bench's byte model (the state read and written, the token's
+q, k, v, beta, fp32 gate and o).
+
 With --profile, each timed op's forward + backward is also run under
 torch.profiler and the per-kernel CUDA time table printed (FLA's kernels
 next to statescan's `ncu` split: which stage the difference is in).
 
 usage: fla_bench.py [--variants kda,deltanet,gla,linear] [--lengths 32768]
                     [-H 16] [-d 128] [-n 20] [--backward] [--profile]
-                    [--json out.json]
+                    [--decode --batches 1,16,128,512] [--json out.json]
 """
 import argparse
 import json
@@ -63,6 +70,73 @@ def op_for(variant):
         from fla.ops.linear_attn import chunk_linear_attn
         return lambda q, k, v, g, b: chunk_linear_attn(q, k, v, normalize=False)
     raise ValueError(variant)
+
+
+def decode_op_for(variant):
+    """FLA's fused recurrent kernel for `variant`: (q, k, v, g, beta, h0) ->
+    (o, new state); FLA writes the new state to a buffer of its own."""
+    if variant == "kda":
+        from fla.ops.kda import fused_recurrent_kda
+        return lambda q, k, v, g, b, h: fused_recurrent_kda(
+            q, k, v, g, b, initial_state=h, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+    if variant == "gated_deltanet":
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        return lambda q, k, v, g, b, h: fused_recurrent_gated_delta_rule(
+            q, k, v, g, b, initial_state=h, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+    if variant == "deltanet":
+        from fla.ops.delta_rule import fused_recurrent_delta_rule
+        return lambda q, k, v, g, b, h: fused_recurrent_delta_rule(
+            q, k, v, b, initial_state=h, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+    if variant == "gla":
+        from fla.ops.gla import fused_recurrent_gla
+        return lambda q, k, v, g, b, h: fused_recurrent_gla(
+            q, k, v, gk=g, initial_state=h, output_final_state=True)
+    if variant == "retention":
+        from fla.ops.simple_gla import fused_recurrent_simple_gla
+        return lambda q, k, v, g, b, h: fused_recurrent_simple_gla(
+            q, k, v, g, initial_state=h, output_final_state=True)
+    if variant == "linear":
+        from fla.ops.linear_attn import fused_recurrent_linear_attn
+        return lambda q, k, v, g, b, h: fused_recurrent_linear_attn(
+            q, k, v, initial_state=h, output_final_state=True)
+    raise ValueError(variant)
+
+
+def decode_bytes(variant, B, H, D):
+    """statescan-bench --decode's byte model: the fp32 state read and written,
+    the token's bf16 q, k, v (and beta), its fp32 gate, and o."""
+    gate = 4 * D if variant in ("gla", "kda") else (4 if variant in ("retention",
+                                                                      "gated_deltanet") else 0)
+    beta = 2 if variant in ("deltanet", "gated_deltanet", "kda") else 0
+    token = 3 * D * 2 + gate + beta + D * 2
+    return 2.0 * B * H * D * D * 4 + B * H * token
+
+
+def time_graph(fn, args, warmup, iters, reps=10):
+    """Median ms of one call, replayed from a CUDA graph of `reps` calls:
+    a decode step of a few µs is shorter than Python's launch path, which
+    per-call events would time instead (statescan's C++ launch is ~5 µs)."""
+    with torch.no_grad():
+        for _ in range(max(warmup, 1)):  # Triton compiles outside the capture
+            fn(*args)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        events[0].record()
+        for i in range(iters):
+            graph.replay()
+            events[i + 1].record()
+        torch.cuda.synchronize()
+    times = sorted(events[i].elapsed_time(events[i + 1]) / reps for i in range(iters))
+    return times[len(times) // 2]
 
 
 def time_op(fn, args, warmup, iters):
@@ -138,8 +212,16 @@ def main():
                     help="also time forward + backward (ms_fwd_bwd)")
     ap.add_argument("--profile", action="store_true",
                     help="also print each op's per-kernel CUDA times (torch.profiler)")
+    ap.add_argument("--decode", action="store_true",
+                    help="time FLA's fused recurrent kernels: one token of each of B sequences")
+    ap.add_argument("--batches", default="1,16,128,512",
+                    help="with --decode: the batch sizes B")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.decode:
+        if args.backward or args.profile:
+            ap.error("--decode times the forward step only: drop --backward/--profile")
+        return run_decode(args)
     try:
         lengths = [int(t) for t in args.lengths.split(",")]
     except ValueError:
@@ -173,6 +255,43 @@ def main():
                 traceback.print_exc(file=sys.stderr)
             rows.append(row)
             if args.json:  # after every row: a run cut off by a timeout keeps what it timed
+                with open(args.json + ".tmp", "w") as f:
+                    json.dump(rows, f, indent=1)
+                os.replace(args.json + ".tmp", args.json)
+
+
+def run_decode(args):
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        sys.exit(f"fla_bench.py: --batches: comma-separated batch sizes, got {args.batches!r}")
+    if min(batches) < 1 or args.H < 1 or args.d < 1 or args.n < 1 or args.w < 0:
+        sys.exit("fla_bench.py: --batches, -H, -d and -n must be >= 1 and -w >= 0")
+    import triton
+    print(f"# FLA fused recurrent decode (1 token, fp32 state), torch {torch.__version__}, "
+          f"triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    print(f"  {'variant':15s} {'B':>5s} {'us':>10s} {'GB/s':>8s}", flush=True)
+    rows = []
+    for variant in args.variants.split(","):
+        for B in batches:
+            row = {"impl": "fla", "mode": "decode", "variant": variant, "B": B, "H": args.H,
+                   "D": args.d}
+            try:
+                fn = decode_op_for(variant)
+                q, k, v, g, beta = make_inputs(variant, B, args.H, args.d)
+                # [1, B, ...] -> [B, 1, ...]: B sequences of one token
+                q, k, v, g, beta = (x.transpose(0, 1).contiguous() for x in (q, k, v, g, beta))
+                h0 = torch.randn(B, args.H, args.d, args.d, device="cuda", dtype=torch.float32)
+                us = 1e3 * time_graph(fn, (q, k, v, g, beta, h0), args.w, args.n)
+                gbps = decode_bytes(variant, B, args.H, args.d) / (us * 1e3)
+                row.update(us=us, gbps=gbps)
+                print(f"  {variant:15s} {B:5d} {us:10.2f} {gbps:8.0f}", flush=True)
+            except Exception as e:  # FLA refuses some ops on this Triton/GPU
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                print(f"  {variant:15s} {B:5d}   failed: {row['error']}", flush=True)
+                traceback.print_exc(file=sys.stderr)
+            rows.append(row)
+            if args.json:
                 with open(args.json + ".tmp", "w") as f:
                     json.dump(rows, f, indent=1)
                 os.replace(args.json + ".tmp", args.json)

@@ -1,6 +1,7 @@
 // Recurrent (token-by-token) forward for the six variants: the serving path
 // and an independent cross-check of the chunkwise kernels.
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -20,18 +21,38 @@ struct DecodeArgs : MixerTensors {
 };
 
 constexpr int kDecodeColumns = 32;  // state columns per block, one per lane
+constexpr int kDecodeWarps = 4;     // warps per block, each a quarter of the rows
+constexpr int kDecodeThreads = kDecodeColumns * kDecodeWarps;
 
 // recurrent_decode_kernel: DESIGN §3's recurrence, one token at a time.
-//   grid (Dv / 32, H, N segments), one warp per block; lane j owns state
-//   column vb*32 + j, all Dk rows in registers (Dk is a template parameter so
-//   the array is never indexed at run time). q, k and the decay factors of the
-//   current token are staged in 3*Dk floats of static shared memory.
-//   Constraints: Dv a multiple of 32; Dk <= 128.
+//   grid (Dv / 32, H, N segments), 128 threads: lane j of every warp owns
+//   state column vb*32 + j, warp w rows w, w + 4, w + 8, ... (Dk / 4 of
+//   them) in registers (Dk is a template parameter so the array is never
+//   indexed at run time). Sums over a column (the delta rule's prediction,
+//   o) meet in shared memory.
+//   Why the rows over four warps: one lane holding a whole 128-row column
+//   needed 130-200 registers and spilled (up to 212 bytes a thread; KDA's
+//   state once sat wholly in local memory, at 21 % of HBM's peak). Four
+//   lanes a column inside one warp (8 columns a warp) fixed that but read
+//   32-byte pieces of four rows an instruction, and ran linear attention at
+//   84 % of HBM's peak against 87 % for whole 128-byte rows (H100,
+//   sixty-ninth session); here every warp reads whole rows and the shared
+//   q, k reads are broadcasts.
+//   The token's q, k and decay factors are staged in 3*Dk floats of shared
+//   memory for all four warps; the next token's inputs are loaded into
+//   registers while this one runs, so a multi-token call does not wait on
+//   memory latency once a token.
+//   Dk and Dv are independent (Dk in {32, 64, 128, 256}, Dv a multiple of 32):
+//   GLA's and Mamba-2's heads have Dk != Dv.
 template <Decay kDecay, Rule kRule, typename Elem, int Dk, bool kL2Norm>
-__global__ void __launch_bounds__(kDecodeColumns)
+__global__ void __launch_bounds__(kDecodeThreads)
     recurrent_decode_kernel(const __grid_constant__ DecodeArgs a) {
+  static_assert(Dk % kDecodeWarps == 0, "Dk");
+  constexpr int kRows = Dk / kDecodeWarps;
+  constexpr int kStaged = (Dk + kDecodeThreads - 1) / kDecodeThreads;  // q, k elements a thread
   __shared__ float s_q[Dk], s_k[Dk], s_decay[Dk];
-  const int lane = threadIdx.x;
+  __shared__ float s_predicted[kDecodeWarps][kDecodeColumns], s_out[kDecodeWarps][kDecodeColumns];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int64_t h = blockIdx.y, n = blockIdx.z, H = a.heads, Dv = a.dv;
   const int64_t col = blockIdx.x * kDecodeColumns + lane;
   const int64_t begin = a.cu_seqlens ? a.cu_seqlens[n] : n * a.seq_len;
@@ -39,68 +60,102 @@ __global__ void __launch_bounds__(kDecodeColumns)
   const Elem* q = static_cast<const Elem*>(a.q);
   const Elem* k = static_cast<const Elem*>(a.k);
   const Elem* v = static_cast<const Elem*>(a.v);
+  const Elem* beta_in = static_cast<const Elem*>(a.beta);
 
-  float state[Dk];
-  const int64_t state_base = (n * H + h) * Dk * Dv + col;
+  float state[kRows];  // state[i]: row i * 4 + warp of column col
+  const int64_t state_base = (n * H + h) * Dk * Dv + warp * Dv + col;
+  const int64_t row_step = kDecodeWarps * Dv;
 #pragma unroll
-  for (int d = 0; d < Dk; ++d)
-    state[d] = a.initial_state ? a.initial_state[state_base + d * Dv] : 0.f;
+  for (int i = 0; i < kRows; ++i)
+    state[i] = a.initial_state ? a.initial_state[state_base + i * row_step] : 0.f;
+
+  // A token's inputs in registers: this thread's staged q, k (and log gate)
+  // elements, its column's v, and the token's beta and scalar log gate.
+  float in_q[kStaged], in_k[kStaged], in_g[kStaged], in_v = 0.f, in_beta = 0.f, in_alpha = 0.f;
+  auto load_token = [&](int64_t t) {
+    const int64_t row = t * H + h;
+#pragma unroll
+    for (int j = 0; j < kStaged; ++j) {
+      const int d = tid + j * kDecodeThreads;
+      if (d < Dk) {
+        in_q[j] = to_float(q[row * Dk + d]);
+        in_k[j] = to_float(k[row * Dk + d]);
+        if constexpr (kDecay == Decay::vector) in_g[j] = a.g[row * Dk + d];
+      }
+    }
+    in_v = to_float(v[row * Dv + col]);
+    if constexpr (kRule == Rule::delta) in_beta = to_float(beta_in[row]);
+    if constexpr (kDecay == Decay::scalar) in_alpha = a.g[row];
+  };
+  if (begin < end) load_token(begin);
 
   for (int64_t t = begin; t < end; ++t) {
     const int64_t row = t * H + h;
-    float qq = 0.f, kk = 0.f;
-    for (int d = lane; d < Dk; d += 32) {
-      const float qd = to_float(q[row * Dk + d]), kd = to_float(k[row * Dk + d]);
-      s_q[d] = qd;
-      s_k[d] = kd;
-      qq += qd * qd;
-      kk += kd * kd;
-      if constexpr (kDecay == Decay::vector) s_decay[d] = expf(a.g[row * Dk + d]);
+#pragma unroll
+    for (int j = 0; j < kStaged; ++j) {
+      const int d = tid + j * kDecodeThreads;
+      if (d < Dk) {
+        s_q[d] = in_q[j];
+        s_k[d] = in_k[j];
+        if constexpr (kDecay == Decay::vector) s_decay[d] = expf(in_g[j]);
+      }
     }
+    const float v_col = in_v, beta = in_beta;
+    const float alpha = kDecay == Decay::scalar ? expf(in_alpha) : 1.f;
+    if (t + 1 < end) load_token(t + 1);
+    __syncthreads();  // (1) the token staged
     float q_scale = a.scale, k_scale = 1.f;
-    if constexpr (kL2Norm) {
+    if constexpr (kL2Norm) {  // every warp sums the staged token itself
+      float qq = 0.f, kk = 0.f;
+      for (int d = lane; d < Dk; d += 32) {
+        qq += s_q[d] * s_q[d];
+        kk += s_k[d] * s_k[d];
+      }
       q_scale *= 1.f / sqrtf(warp_sum(qq) + 1e-6f);
       k_scale = 1.f / sqrtf(warp_sum(kk) + 1e-6f);
     }
-    const float alpha = kDecay == Decay::scalar ? expf(a.g[row]) : 1.f;
-    const float v_col = to_float(v[row * Dv + col]);
-    __syncwarp();
 
     // The decay and the delta rule's prediction in one pass over the state.
     float predicted = 0.f;
 #pragma unroll
-    for (int d = 0; d < Dk; ++d) {
-      if constexpr (kDecay == Decay::vector) state[d] *= s_decay[d];
-      if constexpr (kDecay == Decay::scalar) state[d] *= alpha;
-      if constexpr (kRule == Rule::delta) predicted += state[d] * s_k[d];
+    for (int i = 0; i < kRows; ++i) {
+      const int d = i * kDecodeWarps + warp;
+      if constexpr (kDecay == Decay::vector) state[i] *= s_decay[d];
+      if constexpr (kDecay == Decay::scalar) state[i] *= alpha;
+      if constexpr (kRule == Rule::delta) predicted += state[i] * s_k[d];
     }
     float update = v_col;
     if constexpr (kRule == Rule::delta) {
-      const float beta = to_float(static_cast<const Elem*>(a.beta)[row]);
-      update = beta * (v_col - predicted * k_scale);
+      s_predicted[warp][lane] = predicted;
+      __syncthreads();  // (2) every warp's share of the prediction
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) total += s_predicted[w][lane];
+      update = beta * (v_col - total * k_scale);
     }
-    // A compiler barrier: the pass below reads s_k and s_q from shared memory
-    // again. Left free, the compiler kept the shared values of the passes
-    // before (with a vector gate 2 Dk of them) in registers beside the
-    // Dk-float state and spilled: KDA at Dk 128 wrote 1.2 KB of spills a
-    // thread with the L2 norm and held its state in local memory without it
-    // (3.6 KB), at 21 % of HBM's peak against Gated DeltaNet's 74 % (H100,
-    // sixty-eighth session). With it no delta rule with the L2 norm spills;
-    // at Dk 128 those without it (100-210 bytes) and GLA with it (160) still
-    // do: ptxas's own scheduling, which an empty asm does not reach.
-    asm volatile("" ::: "memory");
     float out = 0.f;
 #pragma unroll
-    for (int d = 0; d < Dk; ++d) {
-      state[d] += s_k[d] * k_scale * update;
-      out += state[d] * s_q[d];
+    for (int i = 0; i < kRows; ++i) {
+      const int d = i * kDecodeWarps + warp;
+      state[i] += s_k[d] * k_scale * update;
+      out += state[i] * s_q[d];
     }
-    static_cast<Elem*>(a.o)[row * Dv + col] = from_float<Elem>(out * q_scale);
-    __syncwarp();  // s_q/s_k are overwritten by the next token
+    s_out[warp][lane] = out;
+    // (3) every warp's share of o, and every read of this token's s_q, s_k,
+    // s_decay and s_predicted done: the next token may stage over them
+    // (warp 0 reads s_out below; the next write of it follows two more
+    // barriers that warp 0 must reach first).
+    __syncthreads();
+    if (warp == 0) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) total += s_out[w][lane];
+      static_cast<Elem*>(a.o)[row * Dv + col] = from_float<Elem>(total * q_scale);
+    }
   }
   if (a.final_state) {
 #pragma unroll
-    for (int d = 0; d < Dk; ++d) a.final_state[state_base + d * Dv] = state[d];
+    for (int i = 0; i < kRows; ++i) a.final_state[state_base + i * row_step] = state[i];
   }
 }
 
@@ -112,15 +167,29 @@ void launch_decode(const DecodeArgs& a, DType dtype, int64_t dk, bool l2norm, in
   auto with_type = [&](auto elem_tag) {
     using Elem = decltype(elem_tag);
     auto go = [&](auto kernel) {
-      kernel<<<grid, kDecodeColumns, 0, stream>>>(a);
+      kernel<<<grid, kDecodeThreads, 0, stream>>>(a);
       SS_LAUNCH_CHECK("recurrent_decode_kernel");
     };
-    if (dk == 64) {
-      l2norm ? go(recurrent_decode_kernel<kDecay, kRule, Elem, 64, true>)
-             : go(recurrent_decode_kernel<kDecay, kRule, Elem, 64, false>);
-    } else {
-      l2norm ? go(recurrent_decode_kernel<kDecay, kRule, Elem, 128, true>)
-             : go(recurrent_decode_kernel<kDecay, kRule, Elem, 128, false>);
+    // Dk as a template parameter: each thread's Dk / 4 state rows stay in
+    // registers only when the array is never indexed at run time.
+    auto with_dk = [&](auto dk_tag) {
+      constexpr int kDk = decltype(dk_tag)::value;
+      l2norm ? go(recurrent_decode_kernel<kDecay, kRule, Elem, kDk, true>)
+             : go(recurrent_decode_kernel<kDecay, kRule, Elem, kDk, false>);
+    };
+    switch (dk) {
+      case 32:
+        with_dk(std::integral_constant<int, 32>{});
+        break;
+      case 64:
+        with_dk(std::integral_constant<int, 64>{});
+        break;
+      case 128:
+        with_dk(std::integral_constant<int, 128>{});
+        break;
+      default:
+        with_dk(std::integral_constant<int, 256>{});
+        break;
     }
   };
   switch (dtype) {
@@ -155,8 +224,12 @@ void decode_forward(const MixerParams& p, cudaStream_t stream) {
   }
   validate(host_view);
   check_grid_limits(p);
-  SS_CHECK_ARG(p.dk == p.dv && (p.dk == 64 || p.dk == 128), "dk",
-               "CUDA decode supports Dk == Dv in {64, 128}, got Dk ", p.dk, ", Dv ", p.dv);
+  // Unlike the chunkwise kernels (Dk == Dv in {64, 128}), the decode takes
+  // GLA's and Mamba-2's head shapes, Dk != Dv.
+  SS_CHECK_ARG(p.dk == 32 || p.dk == 64 || p.dk == 128 || p.dk == 256, "dk",
+               "CUDA decode supports Dk in {32, 64, 128, 256}, got ", p.dk);
+  SS_CHECK_ARG(p.dv % detail::kDecodeColumns == 0, "dv", "CUDA decode needs Dv a multiple of ",
+               detail::kDecodeColumns, ", got ", p.dv);
   // In place is the same pointer: each thread then reads its own columns
   // before it writes them. A final_state that overlaps initial_state from
   // another address would let threads overwrite columns others still read.
