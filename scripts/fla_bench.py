@@ -200,6 +200,33 @@ def profile_fwd_bwd(fn, inputs, steps=5):
                                     max_name_column_width=60), flush=True)
 
 
+def counts(ap, flag, text, what):
+    """A comma-separated list of counts >= 1, or the parser's error naming flag."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        ap.error(f"{flag}: comma-separated {what}, got {text!r}")
+    if min(values) < 1:
+        ap.error(f"{flag}: {what} must be >= 1, got {text!r}")
+    return values
+
+
+def record_failure(row, label, error):
+    """A row FLA refused: its error in the row and the table, the trace on stderr."""
+    row["error"] = f"{type(error).__name__}: {error}"[:300]
+    print(f"{label}   failed: {row['error']}", flush=True)
+    traceback.print_exc(file=sys.stderr)
+
+
+def save_rows(path, rows):
+    """The rows so far, after every row: a run cut off by a timeout keeps what
+    it timed (written aside, then moved, so the file is never half-written)."""
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(rows, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="kda,deltanet,gla,linear")
@@ -218,16 +245,13 @@ def main():
                     help="with --decode: the batch sizes B")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.H < 1 or args.d < 1 or args.n < 1 or args.w < 0:
+        ap.error("-H, -d and -n must be >= 1 and -w >= 0")
     if args.decode:
         if args.backward or args.profile:
             ap.error("--decode times the forward step only: drop --backward/--profile")
-        return run_decode(args)
-    try:
-        lengths = [int(t) for t in args.lengths.split(",")]
-    except ValueError:
-        ap.error(f"--lengths: comma-separated token counts, got {args.lengths!r}")
-    if min(lengths) < 1 or args.H < 1 or args.d < 1 or args.n < 1 or args.w < 0:
-        ap.error("--lengths, -H, -d and -n must be >= 1 and -w >= 0")
+        return run_decode(args, counts(ap, "--batches", args.batches, "batch sizes"))
+    lengths = counts(ap, "--lengths", args.lengths, "token counts")
     import triton
     what = "forward + backward" if args.backward else "forward"
     print(f"# FLA {what}, torch {torch.__version__}, triton {triton.__version__}, "
@@ -250,23 +274,12 @@ def main():
                 if args.profile:
                     profile_fwd_bwd(fn, make_inputs(variant, T, args.H, args.d))
             except Exception as e:  # FLA refuses some ops on this Triton/GPU
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-                print(f"  {variant:15s} {T:8d}   failed: {row['error']}", flush=True)
-                traceback.print_exc(file=sys.stderr)
+                record_failure(row, f"  {variant:15s} {T:8d}", e)
             rows.append(row)
-            if args.json:  # after every row: a run cut off by a timeout keeps what it timed
-                with open(args.json + ".tmp", "w") as f:
-                    json.dump(rows, f, indent=1)
-                os.replace(args.json + ".tmp", args.json)
+            save_rows(args.json, rows)
 
 
-def run_decode(args):
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        sys.exit(f"fla_bench.py: --batches: comma-separated batch sizes, got {args.batches!r}")
-    if min(batches) < 1 or args.H < 1 or args.d < 1 or args.n < 1 or args.w < 0:
-        sys.exit("fla_bench.py: --batches, -H, -d and -n must be >= 1 and -w >= 0")
+def run_decode(args, batches):
     import triton
     print(f"# FLA fused recurrent decode (1 token, fp32 state), torch {torch.__version__}, "
           f"triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
@@ -287,14 +300,9 @@ def run_decode(args):
                 row.update(us=us, gbps=gbps)
                 print(f"  {variant:15s} {B:5d} {us:10.2f} {gbps:8.0f}", flush=True)
             except Exception as e:  # FLA refuses some ops on this Triton/GPU
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-                print(f"  {variant:15s} {B:5d}   failed: {row['error']}", flush=True)
-                traceback.print_exc(file=sys.stderr)
+                record_failure(row, f"  {variant:15s} {B:5d}", e)
             rows.append(row)
-            if args.json:
-                with open(args.json + ".tmp", "w") as f:
-                    json.dump(rows, f, indent=1)
-                os.replace(args.json + ".tmp", args.json)
+            save_rows(args.json, rows)
 
 
 if __name__ == "__main__":

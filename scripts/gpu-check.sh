@@ -16,6 +16,11 @@
 #                    into OUTDIR/fla_autotune.tgz (small: the *.autotune.json
 #                    files), to unpack into .fla/triton-cache where the next
 #                    machine starts fresh (the GPU lending tool carries .fla)
+#   DECODE=0         skip the recurrent decode rows (`statescan-bench --decode`,
+#                    one token of each of B sequences for B in DECODE_BATCHES,
+#                    default "16 512", into bench_decode.log) and, with FLA,
+#                    FLA's fused recurrent kernels on the same rows (both timed
+#                    from CUDA graph replays; fla_decode.json, compared last)
 #   BWD=0            skip the backward: test_cuda_backward, `statescan-bench
 #                    --backward` (BWD_ARGS, default "-t 32768") and its 1M-token
 #                    KDA row with peak memory (BWD_1M=0 skips that row), once
@@ -132,6 +137,15 @@ grep -E "^\[  FAILED  \]" "$OUT/tests.log" | head -40
 # shellcheck disable=SC2086
 timeout "$(left 300)" "$BUILD/launch/statescan-bench" --json "$OUT/bench.json" ${BENCH_ARGS:-} \
   >"$OUT/bench.log" 2>&1 || status=1
+
+# The recurrent decode as a server steps it, one JSON a batch size (a table
+# holds one B).
+if [[ "${DECODE:-1}" != 0 ]]; then
+  for b in ${DECODE_BATCHES:-16 512}; do
+    timeout "$(left 120)" "$BUILD/launch/statescan-bench" --decode -b "$b" \
+      --json "$OUT/bench_decode_b$b.json" >>"$OUT/bench_decode.log" 2>&1 || status=1
+  done
+fi
 
 # Linear attention's scans other than the default (groups of 16 chunks): the
 # suites' linear cases in groups of 2 and with the sequential scan, and the
@@ -265,6 +279,13 @@ if [[ "${FLA:-1}" != 0 && -d "$ROOT/.fla/fla" ]] && python3 -c "import torch, tr
     timeout "$(left "${FLA_TIMEOUT:-900}")" python3 "$ROOT/scripts/fla_bench.py" --json "$OUT/fla.json" \
     $([[ "${BWD:-1}" != 0 ]] && echo --backward) ${FLA_ARGS:-} \
     >"$OUT/fla.log" 2>&1 || echo "gpu-check: FLA comparison failed or ran past FLA_TIMEOUT, see $OUT/fla.log"
+  if [[ "${DECODE:-1}" != 0 ]]; then
+    PYTHONPATH="$ROOT/.fla${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+      timeout "$(left 300)" python3 "$ROOT/scripts/fla_bench.py" --decode \
+      --variants linear,retention,gla,deltanet,gated_deltanet,kda \
+      --batches "$(echo ${DECODE_BATCHES:-16 512} | tr ' ' ,)" --json "$OUT/fla_decode.json" \
+      >"$OUT/fla_decode.log" 2>&1 || echo "gpu-check: FLA's decode failed, see $OUT/fla_decode.log"
+  fi
   # Packed under another name and moved into place only when it holds a
   # config: a failed or untuned run must not replace a good pack.
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
@@ -278,7 +299,7 @@ fi
 
 echo
 cat "$OUT/bench.log"
-for f in bench_linear_scan.log bench_opt_in.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log ncu_phases.txt; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
+for f in bench_decode.log bench_linear_scan.log bench_opt_in.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log ncu_phases.txt; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
 # statescan vs FLA, row by row where both timed the same problem (variant,
 # T, H, D; FLA runs B=1 in bf16, so other statescan rows are left out).
 compare() {  # compare OURS_JSON FIELD TITLE
@@ -304,5 +325,30 @@ PY
 if [[ -f "$OUT/fla.json" && -f "$OUT/bench.json" ]]; then
   compare "$OUT/bench.json" ms forward
   [[ -f "$OUT/bench_bwd.json" ]] && compare "$OUT/bench_bwd.json" ms_fwd_bwd "forward + backward"
+fi
+# The decode rows side by side: (variant, B, H, D), µs a call.
+if [[ -f "$OUT/fla_decode.json" ]]; then
+  python3 - "$OUT" <<'PY' | tee -a "$OUT/summary.txt" || status=1
+import glob, json, sys
+out = sys.argv[1]
+ours = {}
+for path in glob.glob(f"{out}/bench_decode_b*.json"):
+    for r in json.load(open(path)):
+        if r.get("dtype") == "bf16" and r.get("T") == 1:
+            ours[(r["variant"], r["B"], r["H"], r["D"])] = r
+print("#\n# statescan vs FLA (recurrent decode, one token a sequence, CUDA graph replays; "
+      "same GPU, same run; bf16)")
+print(f"# {'variant':15s} {'B':>5s} {'H':>3s} {'D':>4s} {'statescan(us)':>14s} {'FLA(us)':>10s} "
+      f"{'FLA/statescan':>14s}")
+for f in json.load(open(f"{out}/fla_decode.json")):
+    o = ours.get((f["variant"], f["B"], f["H"], f["D"]))
+    mine = f"{o['us']:.2f}" if o else "-"
+    head = f"  {f['variant']:15s} {f['B']:5d} {f['H']:3d} {f['D']:4d} {mine:>14s}"
+    if "us" in f:
+        ratio = f"{f['us'] / o['us']:.2f}" if o else "-"
+        print(f"{head} {f['us']:10.2f} {ratio:>14s}")
+    else:
+        print(f"{head} {'refused':>10s}   ({f.get('error', 'not timed')[:60]})")
+PY
 fi
 exit $status
