@@ -462,6 +462,56 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, CudaForwardManyHeads, ::testing::ValuesIn(
                            return variant_name(info.param);
                          });
 
+// A server captures its decode step into a CUDA graph: batch rows replay to
+// the same o and state bit for bit as an eager call; packed sequences (their
+// offsets checked on the host) are refused inside a capture, naming
+// cu_seqlens, with nothing written.
+TEST(CudaDecodeGraph, BatchRowsCaptureAndPackedSequencesAreRefused) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  ProblemSpec s;
+  s.variant = Variant::gated_deltanet;
+  s.batch = 3;
+  s.seq_len = 5;
+  s.heads = 2;
+  s.dk = s.dv = 64;
+  s.with_h0 = true;
+  s.l2norm_qk = true;
+  ref::Problem p = random_problem(s, 77);
+  GpuProblem gpu(p, DType::bf16, 64);
+  gpu.run_decode();
+  const std::vector<double> o = gpu.o(), state = gpu.final_state();
+
+  cudaStream_t stream = nullptr;
+  SS_CUDA_CHECK(cudaStreamCreate(&stream));
+  const MixerParams rows = gpu.params();  // outputs poisoned again
+  cudaGraph_t graph = nullptr;
+  SS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cuda::decode_forward(rows, stream);
+  SS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t replay = nullptr;
+  SS_CUDA_CHECK(cudaGraphInstantiate(&replay, graph, 0));
+  SS_CUDA_CHECK(cudaGraphLaunch(replay, stream));
+  SS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  SS_CUDA_CHECK(cudaGraphExecDestroy(replay));
+  SS_CUDA_CHECK(cudaGraphDestroy(graph));
+  EXPECT_TRUE(bitwise_equal(gpu.o(), o)) << "o";
+  EXPECT_TRUE(bitwise_equal(gpu.final_state(), state)) << "final state";
+
+  s.batch = 1;
+  s.seq_len = 9;
+  s.cu_seqlens = {0, 4, 9};
+  ref::Problem packed = random_problem(s, 78);
+  GpuProblem gpu_packed(packed, DType::bf16, 64);
+  const MixerParams segments = gpu_packed.params();
+  SS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  expect_error([&] { cuda::decode_forward(segments, stream); }, "cu_seqlens");
+  graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess) << "the refusal voided the capture";
+  if (graph != nullptr) SS_CUDA_CHECK(cudaGraphDestroy(graph));
+  SS_CUDA_CHECK(cudaStreamDestroy(stream));
+  for (double x : gpu_packed.o()) EXPECT_TRUE(std::isnan(x)) << "o written despite the error";
+}
+
 // The decode takes head shapes the chunkwise kernels do not: Dk and Dv apart
 // (GLA's Dk = Dv / 2, Mamba-2's 128-row state over 64-wide heads), Dk from 32
 // to 256. Every variant, bf16, packed sequences of 1, 40 and 37 tokens from

@@ -48,6 +48,9 @@ bool reads_inputs_directly(const MixerParams& p);
 // sequence's state in place (every thread reads its state columns before the
 // first token and writes them after the last; no other thread touches them).
 // A final_state that overlaps initial_state from another address is refused.
+// Batch rows (cu_seqlens null) can be captured into a CUDA graph; packed
+// sequences cannot (their offsets are checked on the host) and are refused
+// inside a capture, naming cu_seqlens.
 void decode_forward(const MixerParams& p, cudaStream_t stream);
 
 // --- backward (issue 4; kernels/cuda/chunk_backward*.cu) ----------------------

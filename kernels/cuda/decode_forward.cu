@@ -215,6 +215,13 @@ void decode_forward(const MixerParams& p, cudaStream_t stream) {
   std::vector<int64_t> host_offsets;
   if (p.cu_seqlens != nullptr) {
     SS_CHECK_ARG(p.num_segments >= 1, "cu_seqlens", "must hold at least 2 offsets");
+    // The host waits for that copy, which a stream being captured into a CUDA
+    // graph cannot do (the copy would fail inside the capture and void it).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    SS_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    SS_CHECK_ARG(capture == cudaStreamCaptureStatusNone, "cu_seqlens",
+                 "packed sequences are checked on the host and cannot be captured into a CUDA "
+                 "graph; capture batch rows (cu_seqlens null) instead");
     host_offsets.resize(static_cast<size_t>(p.num_segments + 1));
     SS_CUDA_CHECK(cudaMemcpyAsync(host_offsets.data(), p.cu_seqlens,
                                   host_offsets.size() * sizeof(int64_t), cudaMemcpyDeviceToHost,
