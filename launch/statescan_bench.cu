@@ -45,7 +45,8 @@
 // state updated in place; time per call (replayed from a CUDA graph),
 // tokens/s, GB/s of the state and tokens moved and its share of HBM's peak,
 // and o and the new state of batch row 0 against the fp64 reference.
-//   statescan-bench --decode [-v gated_deltanet] [-t 1] [-b 64] [-H 16] [-d 128]
+//   statescan-bench --decode [-v gated_deltanet] [-t 1] [-b 64] [-H 16] [-d 128] [--dv 256]
+// (-d is Dk, --dv Dv when they differ: GLA's Dk = Dv / 2, Mamba-2's 128 x 64.)
 //
 // --backward: forward + backward rows instead (kernels/cuda/chunk_backward.cuh):
 //   statescan-bench --backward [--recompute | --keep-prepared] [-v kda] [-t 32768,1048576]
@@ -124,6 +125,7 @@ struct Options {
   bool keep_prepared = false;  // --keep-prepared: with --backward, forward tiles kept
   bool save_t = true;  // --no-save-t: with --backward, forward saves no T (MixerParams::saved_t)
   bool decode = false;         // --decode: the recurrent decode kernel's rows
+  int64_t dv = 0;              // --dv (--decode): Dv apart from -d, then Dk; 0: Dv = -d
   bool lengths_given = false;  // -t given (--decode's default is one token)
 
   // --cp-model (see the comment at the top); negative times mean "not given".
@@ -176,6 +178,7 @@ constexpr FlagModes kFlagModes[] = {
     {"--batch", "-b", kTables | kModel | kDecode},
     {"--heads", "-H", kAllModes},
     {"--dim", "-d", kAllModes},
+    {"--dv", nullptr, kDecode},
     {"--chunk", "-c", kTables | kCp},
     {"--dtype", nullptr, kAllModes},
     {"--warmup", "-w", kTables | kMeasure | kDecode},
@@ -223,6 +226,8 @@ Options parse(int argc, char** argv) {
       o.heads = parse_int(value(), arg.c_str(), 1, kMaxCount);
     } else if (arg == "-d" || arg == "--dim") {
       o.dim = parse_int(value(), arg.c_str(), 1, 256);
+    } else if (arg == "--dv") {
+      o.dv = parse_int(value(), arg.c_str(), 1, 4096);
     } else if (arg == "-c" || arg == "--chunk") {
       o.chunk = parse_int(value(), arg.c_str(), 1, 256);
     } else if (arg == "--dtype") {
@@ -303,8 +308,11 @@ Options parse(int argc, char** argv) {
   if (o.decode && !o.lengths_given) o.lengths = {1};
   SS_CHECK_ARG(!(o.decode && (o.backward || o.cp_model)), "--decode",
                "cannot be combined with --backward, --cp-model or --cp-measure");
-  for (const int64_t T : o.lengths)
+  for (const int64_t T : o.lengths) {
     check_tensor_elements({{"-b", o.batch}, {"-t", T}, {"-H", o.heads}, {"-d", o.dim}}, "-t");
+    if (o.dv > 0)
+      check_tensor_elements({{"-b", o.batch}, {"-t", T}, {"-H", o.heads}, {"--dv", o.dv}}, "-t");
+  }
   SS_CHECK_ARG(!o.recompute || o.backward, "--recompute", "applies to --backward only");
   SS_CHECK_ARG(!o.keep_prepared || o.backward, "--keep-prepared", "applies to --backward only");
   SS_CHECK_ARG(o.save_t || o.backward, "--no-save-t", "applies to --backward only");
@@ -393,11 +401,13 @@ std::vector<double> as_double(const std::vector<float>& x) {
   return std::vector<double>(x.begin(), x.end());
 }
 
-// Bytes a token's inputs take in HBM: q, k, v and beta (es bytes an element), the fp32
-// gate; o adds D es more. The byte models of every table start here.
-double input_bytes_per_token(Variant variant, int64_t D, std::size_t es) {
-  const double d = static_cast<double>(D);
-  return 3.0 * d * es + (has_gate(variant) ? (vector_gate(variant) ? 4.0 * d : 4.0) : 0.0) +
+// Bytes a token's inputs take in HBM: q, k (Dk wide), v (Dv) and beta (es bytes an
+// element), the fp32 gate (Dk wide); o adds Dv es more. The byte models of every table
+// start here.
+double input_bytes_per_token(Variant variant, int64_t Dk, int64_t Dv, std::size_t es) {
+  const double dk = static_cast<double>(Dk), dv = static_cast<double>(Dv);
+  return (2.0 * dk + dv) * es +
+         (has_gate(variant) ? (vector_gate(variant) ? 4.0 * dk : 4.0) : 0.0) +
          (has_beta(variant) ? es : 0.0);
 }
 
@@ -500,35 +510,38 @@ struct StepTensors {
   DeviceBuffer<float> g, dg, chunk_states, dh0;
 
   // backward = false: the forward's tensors only (no d_o or gradients).
+  // D is Dk; Dv (v, o) is D unless given.
   StepTensors(Variant variant, int64_t B, int64_t T, int64_t H, int64_t D, DType t,
-              int64_t num_chunks, bool backward = true)
+              int64_t num_chunks, bool backward = true, int64_t Dv = 0)
       : q(B * T * H * D * size_of(t)),
         k(q.size()),
-        v(q.size()),
-        o(q.size()),
-        d_o(backward ? q.size() : 0),
-        dq(d_o.size()),
-        dk(d_o.size()),
+        v(B * T * H * (Dv > 0 ? Dv : D) * size_of(t)),
+        o(v.size()),
+        d_o(backward ? v.size() : 0),
+        dq(backward ? q.size() : 0),
+        dk(dq.size()),
         dv(d_o.size()),
         beta(has_beta(variant) ? B * T * H * size_of(t) : 0),
         dbeta(backward ? beta.size() : 0),
         g(has_gate(variant) ? B * T * H * (vector_gate(variant) ? D : 1) : 0),
         dg(backward ? g.size() : 0),
-        chunk_states(static_cast<std::size_t>(num_chunks * H * D * D)),
-        dh0(backward ? static_cast<std::size_t>(B * H * D * D) : 0),
+        chunk_states(static_cast<std::size_t>(num_chunks * H * D * (Dv > 0 ? Dv : D))),
+        dh0(backward ? static_cast<std::size_t>(B * H * D * (Dv > 0 ? Dv : D)) : 0),
         dtype_(t),
+        dv_(Dv > 0 ? Dv : D),
         elems_(B * T * H * D),
+        v_elems_(B * T * H * dv_),
         token_heads_(B * T * H) {}
 
   // Random inputs (and d_o): seeds seed + 1 .. seed + 6 for q, k, v, g, beta, d_o.
   void fill(uint64_t seed) {
     fill_random(q.data(), dtype_, elems_, seed + 1, Fill::normal);
     fill_random(k.data(), dtype_, elems_, seed + 2, Fill::normal);
-    fill_random(v.data(), dtype_, elems_, seed + 3, Fill::normal);
+    fill_random(v.data(), dtype_, v_elems_, seed + 3, Fill::normal);
     if (g.size())
       fill_random(g.data(), DType::f32, static_cast<int64_t>(g.size()), seed + 4, Fill::log_gate);
     if (beta.size()) fill_random(beta.data(), dtype_, token_heads_, seed + 5, Fill::sigmoid);
-    if (d_o.size()) fill_random(d_o.data(), dtype_, elems_, seed + 6, Fill::normal);
+    if (d_o.size()) fill_random(d_o.data(), dtype_, v_elems_, seed + 6, Fill::normal);
   }
 
   // Forward and backward parameters over these tensors.
@@ -540,7 +553,8 @@ struct StepTensors {
     p.batch = B;
     p.seq_len = T;
     p.heads = H;
-    p.dk = p.dv = D;
+    p.dk = D;
+    p.dv = dv_;
     p.chunk = chunk;
     p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
     p.l2norm_qk = has_beta(variant);  // delta rules need unit-norm keys
@@ -566,7 +580,7 @@ struct StepTensors {
 
  private:
   DType dtype_;
-  int64_t elems_, token_heads_;
+  int64_t dv_, elems_, v_elems_, token_heads_;
 };
 
 Row bench_one(const Options& opt, Variant variant, int64_t T) {
@@ -624,7 +638,7 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
   SS_CUDA_CHECK(cudaStreamDestroy(stream));
 
   const double flops = chunkwise_forward_flops({variant, tokens, 1, D, D, opt.chunk});
-  const double bytes_per_token = input_bytes_per_token(variant, D, es) + D * es;
+  const double bytes_per_token = input_bytes_per_token(variant, D, D, es) + D * es;
   Row r;
   static_cast<RowShape&>(r) = row_shape(opt, variant, T);
   r.ms = ms;
@@ -639,6 +653,7 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
 // ---- --decode: the recurrent kernel as a server steps it ----------------------
 
 struct DecodeRow : RowShape {
+  int64_t dv = 0;  // Dv (RowShape's dim is Dk)
   double us, tokens_per_s, gbps, err_ref;
 };
 
@@ -662,11 +677,11 @@ double hbm_peak_gbps(int device) {
 constexpr int kDecodeGraphCalls = 10;
 
 DecodeRow bench_decode(const Options& opt, Variant variant, int64_t T) {
-  const int64_t B = opt.batch, H = opt.heads, D = opt.dim;
+  const int64_t B = opt.batch, H = opt.heads, D = opt.dim, Dv = opt.dv > 0 ? opt.dv : D;
   const DType t = opt.dtype;
-  StepTensors x(variant, B, T, H, D, t, 0, /*backward=*/false);
+  StepTensors x(variant, B, T, H, D, t, 0, /*backward=*/false, Dv);
   x.fill(0);
-  const int64_t state_elems = B * H * D * D;
+  const int64_t state_elems = B * H * D * Dv;
   DeviceBuffer<float> state(static_cast<std::size_t>(state_elems)),
       state0(static_cast<std::size_t>(state_elems));
   fill_random(state0.data(), DType::f32, state_elems, 7, Fill::normal);
@@ -711,24 +726,26 @@ DecodeRow bench_decode(const Options& opt, Variant variant, int64_t T) {
   rp.variant = variant;
   rp.seq_len = T;
   rp.heads = H;
-  rp.dk = rp.dv = D;
+  rp.dk = D;
+  rp.dv = Dv;
   rp.scale = p.scale;
   rp.l2norm_qk = p.l2norm_qk;
   rp.q = fetch(x.q.data(), t, row * D);
   rp.k = fetch(x.k.data(), t, row * D);
-  rp.v = fetch(x.v.data(), t, row * D);
+  rp.v = fetch(x.v.data(), t, row * Dv);
   if (x.g.size()) rp.g = fetch(x.g.data(), DType::f32, vector_gate(variant) ? row * D : row);
   if (x.beta.size()) rp.beta = fetch(x.beta.data(), t, row);
-  rp.h0 = fetch(state0.data(), DType::f32, H * D * D);
+  rp.h0 = fetch(state0.data(), DType::f32, H * D * Dv);
   const ref::Outputs want = ref::forward(rp);
-  const double err_o = rel_rms_host(download(x.o.data(), t, row * D), want.o);
-  const double err_state = rel_rms_host(download(state.data(), DType::f32, H * D * D), want.ht);
+  const double err_o = rel_rms_host(download(x.o.data(), t, row * Dv), want.o);
+  const double err_state = rel_rms_host(download(state.data(), DType::f32, H * D * Dv), want.ht);
 
   const std::size_t es = size_of(t);
-  const double token_bytes = input_bytes_per_token(variant, D, es) + D * es;
+  const double token_bytes = input_bytes_per_token(variant, D, Dv, es) + Dv * es;
   const double bytes = 2.0 * 4.0 * static_cast<double>(state_elems) + token_bytes * B * T * H;
   DecodeRow r;
   static_cast<RowShape&>(r) = row_shape(opt, variant, T);
+  r.dv = Dv;
   r.us = ms * 1e3;
   r.tokens_per_s = B * T / (ms * 1e-3);
   r.gbps = bytes / (ms * 1e-3) / 1e9;
@@ -751,18 +768,18 @@ int run_decode_table(const Options& opt, const cudaDeviceProp& prop) {
   std::printf(
       "# GB/s: the state read and written plus the tokens' inputs and o; err_ref: o and "
       "the new state of batch row 0 vs fp64\n#\n");
-  std::printf("# %-15s %8s %3s %4s %4s %10s %12s %9s %6s %11s\n", "variant", "T", "B", "H", "D",
-              "time(us)", "tokens/s", "GB/s", "%peak", "err_ref");
+  std::printf("# %-15s %8s %3s %4s %4s %4s %10s %12s %9s %6s %11s\n", "variant", "T", "B", "H", "D",
+              "Dv", "time(us)", "tokens/s", "GB/s", "%peak", "err_ref");
   run_rows<DecodeRow>(
       opt, "decode", [&](Variant v, int64_t T) { return bench_decode(opt, v, T); },
       [&](const DecodeRow& r) {
-        std::printf(" %10.2f %12.4g %9.1f %6.1f %11.2e\n", r.us, r.tokens_per_s, r.gbps,
-                    100.0 * r.gbps / peak, r.err_ref);
+        std::printf(" %4lld %10.2f %12.4g %9.1f %6.1f %11.2e\n", static_cast<long long>(r.dv), r.us,
+                    r.tokens_per_s, r.gbps, 100.0 * r.gbps / peak, r.err_ref);
       },
       [&](std::ostream& out, const DecodeRow& r) {
-        out << ", \"us\": " << r.us << ", \"tokens_per_s\": " << r.tokens_per_s
-            << ", \"gbps\": " << r.gbps << ", \"hbm_peak_gbps\": " << peak
-            << ", \"err_ref\": " << json_number(r.err_ref);
+        out << ", \"Dv\": " << r.dv << ", \"us\": " << r.us
+            << ", \"tokens_per_s\": " << r.tokens_per_s << ", \"gbps\": " << r.gbps
+            << ", \"hbm_peak_gbps\": " << peak << ", \"err_ref\": " << json_number(r.err_ref);
       });
   return 0;
 }
@@ -938,7 +955,7 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
 
   const double C = static_cast<double>(opt.chunk), d = static_cast<double>(D);
   const double flops = chunkwise_step_flops({variant, tokens, 1, D, D, opt.chunk}, true);
-  const double in_bytes = input_bytes_per_token(variant, D, es);
+  const double in_bytes = input_bytes_per_token(variant, D, D, es);
   const double state_bytes = 4.0 * d * d / C;
   // forward: inputs + o + chunk states; backward: inputs + dO + chunk states + gradients.
   const double bytes_per_token =
@@ -1124,7 +1141,8 @@ int run(int argc, char** argv) {
         "                       [-c chunk] [--dtype bf16|f16|f32] [-w warmup] [-n iters]\n"
         "                       [--json file] [--plot file.png]\n"
         "                       [--backward [--recompute | --keep-prepared] [--no-save-t]]\n"
-        "       statescan-bench --decode [-v variants] [-t tokens] [-b B] [-H heads] [-d dim]\n"
+        "       statescan-bench --decode [-v variants] [-t tokens] [-b B] [-H heads] [-d dim] "
+        "[--dv Dv]\n"
         "                       [--dtype bf16|f16|f32] [-w warmup] [-n iters] [--json file]\n"
         "       statescan-bench --cp-model [--variant kda] [--seq-len T] [-P 1024]\n"
         "                       [--link hierarchical|nvlink|ib] [--gpus-per-node 8]\n"

@@ -187,9 +187,11 @@ void launch_decode(const DecodeArgs& a, DType dtype, int64_t dk, bool l2norm, in
       case 128:
         with_dk(std::integral_constant<int, 128>{});
         break;
-      default:
+      case 256:
         with_dk(std::integral_constant<int, 256>{});
         break;
+      default:  // decode_forward refuses the others first
+        SS_CHECK_ARG(false, "dk", "no CUDA decode kernel for Dk ", dk);
     }
   };
   switch (dtype) {
