@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "comm/communicator.h"
 #include "core/error.h"
 #include "parallel/observer.h"
 
@@ -46,14 +47,35 @@ inline void expect_told(const std::optional<Error>& e, double seconds, int rank,
   EXPECT_LT(seconds, 10.0) << "the peers waited instead of hearing the notice";
 }
 
-// The survivors stopped in a backward's first agreement (collective_check:
-// an all-reduce, max of one i64) and left it posted on `comm`: the victim,
-// whose communicator refuses calls after its notice, matches it on MPI
-// directly, so that nothing is pending when MPI finalises.
-inline void match_agreement_late(MPI_Comm comm) {
+// The survivors' observer: records that this rank's forward got to its end
+// (Phase::fwd is reported after the forward's last collective).
+class ForwardEndObserver final : public CpObserver {
+ public:
+  void on_phase(Phase phase, double, int64_t) override {
+    if (phase == Phase::fwd) reached = true;
+  }
+  bool reached = false;
+};
+
+// The clean-up after the notice, on every rank of the group (`world` holds
+// the group's ranks; `group` is the group's MPI communicator). A survivor
+// whose forward ended (`forward_ended`) went on to the backward's first
+// agreement (collective_check: an all-reduce, max of one i64), posted it and
+// stopped there at the notice, leaving it posted. A survivor can also hear
+// the notice before its forward ends: the victim's part of the forward's last
+// all-reduce can complete before a slower peer's, which then polls, finds the
+// notice and stops without posting the agreement (test_cp_mixer_mpi hung at
+// np 4 on 2 cores, sixty-ninth session, when the victim alone matched it).
+// So every rank that did not post the agreement matches it on MPI directly
+// (its communicator refuses calls after the notice) when any rank did, and
+// nothing is pending when MPI finalises.
+inline void match_agreement_late(Communicator& world, MPI_Comm group, bool forward_ended) {
+  int64_t any_posted = forward_ended ? 1 : 0;
+  world.all_reduce_max(&any_posted, 1, CommType::i64);
+  if (forward_ended || any_posted == 0) return;
   int64_t lowest = 0;
   MPI_Request request = MPI_REQUEST_NULL;
-  MPI_Iallreduce(MPI_IN_PLACE, &lowest, 1, MPI_INT64_T, MPI_MAX, comm, &request);
+  MPI_Iallreduce(MPI_IN_PLACE, &lowest, 1, MPI_INT64_T, MPI_MAX, group, &request);
   MPI_Wait(&request, MPI_STATUS_IGNORE);
 }
 

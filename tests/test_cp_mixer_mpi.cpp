@@ -350,9 +350,10 @@ TEST(CpObserver, HearsEveryPhaseOfBothPasses) {
 // ---- a failure on one rank alone -----------------------------------------------------
 
 // The victim's forward throws after its last collective, so its peers'
-// forwards complete and they wait for it in the backward's first agreement.
-// They must hear its fault notice there and fail at once, naming it and its
-// error, not after their 30-second timeout; the victim keeps its own error.
+// forwards complete (or stop in their last collective: see
+// match_agreement_late) and they wait for it in the backward's first
+// agreement. They must hear its fault notice and fail at once, naming it and
+// its error, not after their 30-second timeout; the victim keeps its own error.
 TEST(CpFaultNotice, AFailureOnOneRankStopsItsPeersAtOnce) {
   Communicator& comm = world();
   if (comm.size() == 1) GTEST_SKIP() << "needs peers to tell";
@@ -362,7 +363,9 @@ TEST(CpFaultNotice, AFailureOnOneRankStopsItsPeersAtOnce) {
   const CaseProblem cpp =
       make_problem({Variant::gated_deltanet, Exchange::ring, Layout::batch_rows}, P);
   FailingObserver failing;
-  CpMixer mixer(*group, cpp.cfg, Exchange::ring, r == victim ? &failing : nullptr);
+  ForwardEndObserver ended;
+  CpMixer mixer(*group, cpp.cfg, Exchange::ring,
+                r == victim ? static_cast<CpObserver*>(&failing) : &ended);
   const auto start = std::chrono::steady_clock::now();
   std::optional<Error> e;
   try {
@@ -373,7 +376,7 @@ TEST(CpFaultNotice, AFailureOnOneRankStopsItsPeersAtOnce) {
   expect_told(e, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), r,
               victim, P, "mpi");
   comm.barrier();
-  if (r == victim) match_agreement_late(static_cast<MpiCommunicator&>(*group).native());
+  match_agreement_late(comm, static_cast<MpiCommunicator&>(*group).native(), ended.reached);
   comm.barrier();
 }
 

@@ -408,8 +408,9 @@ TEST_P(CudaCpErrors, ADtypeOnOneRankFailsEveryRank) {
 // ---- a failure on one rank alone: its peers hear it at once --------------------------
 
 // The victim's forward fails after its last collective (its observer
-// throws), so its peers' forwards complete and they wait for it in the
-// backward's first agreement: over MPI (staged exchange), or through the
+// throws), so its peers' forwards complete (or stop in their last collective:
+// see match_agreement_late) and they wait for it in the backward's first
+// agreement: over MPI (staged exchange), or through the
 // NCCL communicator's staged control plane, whose wait polls the fault
 // notices of its MPI channel. They must throw at once, naming the victim and
 // its error, not after their 30-second timeout. On communicators of their
@@ -444,7 +445,9 @@ TEST_P(CudaCpErrors, AFailureOnOneRankStopsItsPeersAtOnce) {
   MixerConfig cfg;
   cfg.variant = s.variant;
   FailingObserver failing;
-  CpMixer mixer(comm, cfg, Exchange::ring, r == victim ? &failing : nullptr);
+  ForwardEndObserver ended;
+  CpMixer mixer(comm, cfg, Exchange::ring,
+                r == victim ? static_cast<CpObserver*>(&failing) : &ended);
 
   const auto start = std::chrono::steady_clock::now();
   std::optional<Error> e;
@@ -456,9 +459,9 @@ TEST_P(CudaCpErrors, AFailureOnOneRankStopsItsPeersAtOnce) {
   expect_told(e, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), r,
               victim, P, nccl ? "nccl" : "mpi");
   mpi().barrier();
-  // Over NCCL the survivors aborted what they waited in; over MPI they left
-  // the agreement posted.
-  if (!nccl && r == victim) match_agreement_late(group_mpi.native());
+  // Over NCCL the survivors aborted what they waited in; over MPI those whose
+  // forward ended left the agreement posted.
+  if (!nccl) match_agreement_late(mpi(), group_mpi.native(), ended.reached);
   mpi().barrier();
   nccl.reset();  // aborted on every rank: nothing left to finalise
   cudaStreamDestroy(stream);
