@@ -509,13 +509,13 @@ struct StepTensors {
   DeviceBuffer<unsigned char> q, k, v, o, d_o, dq, dk, dv, beta, dbeta;
   DeviceBuffer<float> g, dg, chunk_states, dh0;
 
+  // D is Dk (q, k, a vector gate), Dv the width of v and o.
   // backward = false: the forward's tensors only (no d_o or gradients).
-  // D is Dk; Dv (v, o) is D unless given.
-  StepTensors(Variant variant, int64_t B, int64_t T, int64_t H, int64_t D, DType t,
-              int64_t num_chunks, bool backward = true, int64_t Dv = 0)
+  StepTensors(Variant variant, int64_t B, int64_t T, int64_t H, int64_t D, int64_t Dv, DType t,
+              int64_t num_chunks, bool backward = true)
       : q(B * T * H * D * size_of(t)),
         k(q.size()),
-        v(B * T * H * (Dv > 0 ? Dv : D) * size_of(t)),
+        v(B * T * H * Dv * size_of(t)),
         o(v.size()),
         d_o(backward ? v.size() : 0),
         dq(backward ? q.size() : 0),
@@ -525,12 +525,12 @@ struct StepTensors {
         dbeta(backward ? beta.size() : 0),
         g(has_gate(variant) ? B * T * H * (vector_gate(variant) ? D : 1) : 0),
         dg(backward ? g.size() : 0),
-        chunk_states(static_cast<std::size_t>(num_chunks * H * D * (Dv > 0 ? Dv : D))),
-        dh0(backward ? static_cast<std::size_t>(B * H * D * (Dv > 0 ? Dv : D)) : 0),
+        chunk_states(static_cast<std::size_t>(num_chunks * H * D * Dv)),
+        dh0(backward ? static_cast<std::size_t>(B * H * D * Dv) : 0),
         dtype_(t),
-        dv_(Dv > 0 ? Dv : D),
+        dv_(Dv),
         elems_(B * T * H * D),
-        v_elems_(B * T * H * dv_),
+        v_elems_(B * T * H * Dv),
         token_heads_(B * T * H) {}
 
   // Random inputs (and d_o): seeds seed + 1 .. seed + 6 for q, k, v, g, beta, d_o.
@@ -589,7 +589,7 @@ Row bench_one(const Options& opt, Variant variant, int64_t T) {
   const std::size_t es = size_of(t);
   const int64_t tokens = B * T * H;
   const bool vec = vector_gate(variant);
-  StepTensors x(variant, B, T, H, D, t, 0, /*backward=*/false);
+  StepTensors x(variant, B, T, H, D, D, t, 0, /*backward=*/false);
   x.fill(0);
   DeviceBuffer<unsigned char> o_decode(tokens * D * es);
   DeviceBuffer<float> final_state(B * H * D * D), final_decode(B * H * D * D);
@@ -679,7 +679,7 @@ constexpr int kDecodeGraphCalls = 10;
 DecodeRow bench_decode(const Options& opt, Variant variant, int64_t T) {
   const int64_t B = opt.batch, H = opt.heads, D = opt.dim, Dv = opt.dv > 0 ? opt.dv : D;
   const DType t = opt.dtype;
-  StepTensors x(variant, B, T, H, D, t, 0, /*backward=*/false, Dv);
+  StepTensors x(variant, B, T, H, D, Dv, t, 0, /*backward=*/false);
   x.fill(0);
   const int64_t state_elems = B * H * D * Dv;
   DeviceBuffer<float> state(static_cast<std::size_t>(state_elems)),
@@ -810,7 +810,7 @@ double gradient_error(Variant variant, int64_t D, DType t, int64_t chunk, bool r
   shape.chunk = chunk;
   shape.batch = 1;
   shape.num_segments = 1;
-  StepTensors x(variant, 1, T, H, D, t, recompute ? 0 : count_chunks(shape));
+  StepTensors x(variant, 1, T, H, D, D, t, recompute ? 0 : count_chunks(shape));
   x.fill(seed);
   MixerBwdParams p = x.params(variant, 1, T, H, D, t, chunk);
   DeviceBuffer<unsigned char> saved_t(
@@ -901,7 +901,7 @@ BwdRow bench_backward_one(const Options& opt, Variant variant, int64_t T) {
   std::size_t pool_high = 0;  // --keep-prepared: the step's workspace (core/device_pool.h)
   {
     // --recompute: forward keeps no chunk states; backward re-derives them.
-    StepTensors x(variant, B, T, H, D, t, opt.recompute ? 0 : num_chunks);
+    StepTensors x(variant, B, T, H, D, D, t, opt.recompute ? 0 : num_chunks);
     MixerBwdParams p = x.params(variant, B, T, H, D, t, opt.chunk);
     // T saved by the forward for the backward's prepare re-run (unless
     // --no-save-t), for the variants that have one (the table's header says which).

@@ -300,55 +300,38 @@ fi
 echo
 cat "$OUT/bench.log"
 for f in bench_decode.log bench_linear_scan.log bench_opt_in.log bench_bwd.log bench_bwd_keep.log bench_bwd_1m.log bench_bwd_1m_recompute.log ncu_phases.txt; do [[ -f "$OUT/$f" ]] && { echo; cat "$OUT/$f"; }; done
-# statescan vs FLA, row by row where both timed the same problem (variant,
-# T, H, D; FLA runs B=1 in bf16, so other statescan rows are left out).
-compare() {  # compare OURS_JSON FIELD TITLE
-  python3 - "$1" "$OUT/fla.json" "$2" "$3" <<'PY' | tee -a "$OUT/summary.txt" || status=1
-import json, sys
-ours_path, fla_path, field, title = sys.argv[1:5]
-ours = {(r["variant"], r["T"], r["H"], r["D"]): r for r in json.load(open(ours_path))
-        if r.get("dtype") == "bf16" and r.get("B") == 1}
-print(f"#\n# statescan vs FLA ({title}, same GPU, same run; B=1, bf16)")
-print(f"# {'variant':15s} {'T':>8s} {'H':>3s} {'D':>4s} {'statescan(ms)':>14s} {'FLA(ms)':>10s} "
-      f"{'FLA/statescan':>14s}")
+# statescan vs FLA, row by row where both timed the same problem: the
+# chunkwise tables by (variant, T, H, D) at B=1 (FLA runs B=1 in bf16, so
+# other statescan rows are left out), the decode's by (variant, B, H, D) at
+# T=1. KEY is the column that varies (T or B); OURS is one JSON or a glob.
+compare() {  # compare OURS FLA_JSON FIELD KEY TITLE
+  python3 - "$1" "$2" "$3" "$4" "$5" <<'PY' | tee -a "$OUT/summary.txt" || status=1
+import glob, json, sys
+ours_glob, fla_path, field, key, title = sys.argv[1:6]
+fixed = "B" if key == "T" else "T"
+ours = {(r["variant"], r[key], r["H"], r["D"]): r for path in sorted(glob.glob(ours_glob))
+        for r in json.load(open(path)) if r.get("dtype") == "bf16" and r.get(fixed) == 1}
+unit, digits, width = ("us", 2, 5) if field == "us" else ("ms", 3, 8)
+print(f"#\n# statescan vs FLA ({title}, same GPU, same run; {fixed}=1, bf16)")
+print(f"# {'variant':15s} {key:>{width}s} {'H':>3s} {'D':>4s} {'statescan(' + unit + ')':>14s} "
+      f"{'FLA(' + unit + ')':>10s} {'FLA/statescan':>14s}")
 for f in json.load(open(fla_path)):
-    o = ours.get((f["variant"], f["T"], f["H"], f["D"]))
-    mine = f"{o[field]:.3f}" if o else "-"
-    head = f"  {f['variant']:15s} {f['T']:8d} {f['H']:3d} {f['D']:4d} {mine:>14s}"
+    o = ours.get((f["variant"], f[key], f["H"], f["D"]))
+    mine = f"{o[field]:.{digits}f}" if o else "-"
+    head = f"  {f['variant']:15s} {f[key]:{width}d} {f['H']:3d} {f['D']:4d} {mine:>14s}"
     if field in f:
         ratio = f"{f[field] / o[field]:.2f}" if o else "-"
-        print(f"{head} {f[field]:10.3f} {ratio:>14s}")
+        print(f"{head} {f[field]:10.{digits}f} {ratio:>14s}")
     else:
         print(f"{head} {'refused':>10s}   ({f.get('error', 'not timed')[:60]})")
 PY
 }
 if [[ -f "$OUT/fla.json" && -f "$OUT/bench.json" ]]; then
-  compare "$OUT/bench.json" ms forward
-  [[ -f "$OUT/bench_bwd.json" ]] && compare "$OUT/bench_bwd.json" ms_fwd_bwd "forward + backward"
+  compare "$OUT/bench.json" "$OUT/fla.json" ms T forward
+  [[ -f "$OUT/bench_bwd.json" ]] &&
+    compare "$OUT/bench_bwd.json" "$OUT/fla.json" ms_fwd_bwd T "forward + backward"
 fi
-# The decode rows side by side: (variant, B, H, D), µs a call.
-if [[ -f "$OUT/fla_decode.json" ]]; then
-  python3 - "$OUT" <<'PY' | tee -a "$OUT/summary.txt" || status=1
-import glob, json, sys
-out = sys.argv[1]
-ours = {}
-for path in glob.glob(f"{out}/bench_decode_b*.json"):
-    for r in json.load(open(path)):
-        if r.get("dtype") == "bf16" and r.get("T") == 1:
-            ours[(r["variant"], r["B"], r["H"], r["D"])] = r
-print("#\n# statescan vs FLA (recurrent decode, one token a sequence, CUDA graph replays; "
-      "same GPU, same run; bf16)")
-print(f"# {'variant':15s} {'B':>5s} {'H':>3s} {'D':>4s} {'statescan(us)':>14s} {'FLA(us)':>10s} "
-      f"{'FLA/statescan':>14s}")
-for f in json.load(open(f"{out}/fla_decode.json")):
-    o = ours.get((f["variant"], f["B"], f["H"], f["D"]))
-    mine = f"{o['us']:.2f}" if o else "-"
-    head = f"  {f['variant']:15s} {f['B']:5d} {f['H']:3d} {f['D']:4d} {mine:>14s}"
-    if "us" in f:
-        ratio = f"{f['us'] / o['us']:.2f}" if o else "-"
-        print(f"{head} {f['us']:10.2f} {ratio:>14s}")
-    else:
-        print(f"{head} {'refused':>10s}   ({f.get('error', 'not timed')[:60]})")
-PY
-fi
+[[ -f "$OUT/fla_decode.json" ]] &&
+  compare "$OUT/bench_decode_b*.json" "$OUT/fla_decode.json" us B \
+    "recurrent decode, CUDA graph replays"
 exit $status

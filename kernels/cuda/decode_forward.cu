@@ -88,6 +88,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if constexpr (kDecay == Decay::scalar) in_alpha = a.g[row];
   };
   if (begin < end) load_token(begin);
+  // The sum of every warp's share of this lane's column.
+  auto column_total = [lane](const float(&shares)[kDecodeWarps][kDecodeColumns]) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) total += shares[w][lane];
+    return total;
+  };
 
   for (int64_t t = begin; t < end; ++t) {
     const int64_t row = t * H + h;
@@ -128,10 +135,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if constexpr (kRule == Rule::delta) {
       s_predicted[warp][lane] = predicted;
       __syncthreads();  // (2) every warp's share of the prediction
-      float total = 0.f;
-#pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) total += s_predicted[w][lane];
-      update = beta * (v_col - total * k_scale);
+      update = beta * (v_col - column_total(s_predicted) * k_scale);
     }
     float out = 0.f;
 #pragma unroll
@@ -146,12 +150,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
     // (warp 0 reads s_out below; the next write of it follows two more
     // barriers that warp 0 must reach first).
     __syncthreads();
-    if (warp == 0) {
-      float total = 0.f;
-#pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) total += s_out[w][lane];
-      static_cast<Elem*>(a.o)[row * Dv + col] = from_float<Elem>(total * q_scale);
-    }
+    if (warp == 0)
+      static_cast<Elem*>(a.o)[row * Dv + col] = from_float<Elem>(column_total(s_out) * q_scale);
   }
   if (a.final_state) {
 #pragma unroll
